@@ -1,0 +1,158 @@
+"""The orjson codec: envelopes and log records to bytes and back, with upcasting of old schema versions.
+
+Decoding never raises on bad input: it returns a `DecodeError` with a reason code and a readable reason,
+which the engine turns into a rejection and the daemon into a dead-letter record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from events.envelope import (
+    ALL_EVENTS,
+    ENVELOPE,
+    MAX_PAYLOAD_BYTES,
+    RECORD,
+    SCHEMA_VERSIONS,
+    EnvelopeBase,
+    RawRecord,
+    Record,
+)
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _device_fault_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    # v1 was NVIDIA-only: {"device", "xid"}; v2 names the vendor and keeps the code as a string so
+    # that Ascend's hexadecimal fault codes fit the same field.
+    out = {k: v for k, v in data.items() if k != "xid"}
+    out["vendor"] = "nvidia"
+    out["code"] = str(data.get("xid", ""))
+    return out
+
+
+UPCASTERS: dict[tuple[str, int], Upcaster] = {("device.fault", 1): _device_fault_v1_to_v2}
+"""(type, from_version) -> function turning that version's `data` into the next version's."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeError:
+    code: str
+    reason: str
+    event_id: str | None = None
+    job: str | None = None
+    node: str | None = None
+
+
+def dumps(model: BaseModel) -> bytes:
+    return orjson.dumps(model.model_dump(mode="json", by_alias=True, exclude_defaults=False))
+
+
+def encode_envelope(envelope: EnvelopeBase) -> bytes:
+    return orjson.dumps(envelope.model_dump(mode="json", by_alias=True))
+
+
+def encode_record(record: Record | RawRecord) -> bytes:
+    """One JSONL line (without newline) in the export format: seq, ts, subject, headers, envelope."""
+    head = {"seq": record.seq, "ts": record.ts, "subject": record.subject, "headers": record.headers}
+    if isinstance(record, Record):
+        head["envelope"] = record.envelope.model_dump(mode="json", by_alias=True)
+    else:
+        # Undecodable input is kept as received, so a replay rejects it exactly as the daemon did.
+        head["raw"] = record.data.decode("utf-8", errors="surrogateescape")
+    return orjson.dumps(head)
+
+
+def decode_record_line(line: bytes) -> Record | RawRecord:
+    """Parse an export line. A line whose envelope is invalid comes back as a RawRecord for the engine
+    to reject; a line whose framing (seq, ts, subject) is broken raises ValueError: the file is corrupt."""
+    try:
+        record = RECORD.validate_json(line)
+        if record.envelope.schema_ == SCHEMA_VERSIONS[record.envelope.type]:
+            return record
+    except ValidationError:
+        pass
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not a JSON log line: {exc}") from exc
+    if not isinstance(obj, dict) or not {"seq", "ts", "subject"} <= obj.keys():
+        raise ValueError("log line lacks seq, ts or subject")
+    if "raw" in obj:
+        payload = str(obj["raw"]).encode("utf-8", errors="surrogateescape")
+    else:
+        payload = orjson.dumps(obj.get("envelope"))
+    return RawRecord(seq=obj["seq"], ts=obj["ts"], subject=obj["subject"],
+                     headers=obj.get("headers") or {}, data=payload)
+
+
+def upcast(obj: dict[str, Any]) -> dict[str, Any]:
+    """Bring an envelope dict up to the current schema version of its type."""
+    type_ = obj.get("type")
+    version = obj.get("schema")
+    if not isinstance(type_, str) or not isinstance(version, int) or type_ not in SCHEMA_VERSIONS:
+        return obj  # no version given means the current one; a bad one is left for validation to report
+    current = SCHEMA_VERSIONS[type_]
+    if version >= current:
+        return obj
+    data = obj.get("data")
+    if not isinstance(data, dict):
+        return obj
+    while version < current:
+        step = UPCASTERS.get((type_, version))
+        if step is None:
+            break  # validation will report the version mismatch
+        data = step(data)
+        version += 1
+    return {**obj, "data": data, "schema": version}
+
+
+def decode_envelope(payload: bytes) -> EnvelopeBase | DecodeError:
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        return DecodeError("oversized", f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        return DecodeError("malformed_json", f"payload is not JSON: {exc}")
+    if not isinstance(obj, dict):
+        return DecodeError("malformed_json", f"payload is a JSON {type(obj).__name__}, not an object")
+    return validate_envelope(upcast(obj))
+
+
+def validate_envelope(obj: dict[str, Any]) -> EnvelopeBase | DecodeError:
+    ident = obj.get("id") if isinstance(obj.get("id"), str) else None
+    job = obj.get("job") if isinstance(obj.get("job"), str) else None
+    node = obj.get("node") if isinstance(obj.get("node"), str) else None
+    type_ = obj.get("type")
+    if not isinstance(type_, str) or type_ not in ALL_EVENTS:
+        return DecodeError("unknown_type", f"unknown event type {type_!r}", ident, job, node)
+    if "schema" not in obj:
+        obj = {**obj, "schema": SCHEMA_VERSIONS[type_]}  # an unversioned producer speaks the current one
+    try:
+        envelope: EnvelopeBase = ENVELOPE.validate_python(obj)
+    except ValidationError as exc:
+        return _explain(exc, ident, job, node)
+    if envelope.schema_ != SCHEMA_VERSIONS[type_]:
+        return DecodeError("schema_violation",
+                           f"{type_} schema {envelope.schema_} is not supported (current is "
+                           f"{SCHEMA_VERSIONS[type_]})", ident, job, node)
+    return envelope
+
+
+def _explain(exc: ValidationError, ident: str | None, job: str | None, node: str | None) -> DecodeError:
+    errors = exc.errors(include_url=False)
+    for err in errors:
+        if err["type"] == "subject_token":
+            where = ".".join(str(p) for p in err["loc"][1:])
+            return DecodeError("bad_subject_token", f"{where}: {err['msg']}", ident, job, node)
+    parts = []
+    for err in errors[:3]:
+        where = ".".join(str(p) for p in err["loc"][1:]) or "envelope"
+        parts.append(f"{where}: {err['msg']}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return DecodeError("schema_violation", "; ".join(parts) + more, ident, job, node)

@@ -1,0 +1,71 @@
+"""Subject naming and the validation of the ids that become subject tokens.
+
+A job or node id is one NATS subject token: it may not contain `.` (a token separator), `*` or `>`
+(wildcards) or whitespace, or a consumer filter on that id would match the wrong messages.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import AfterValidator
+from pydantic_core import PydanticCustomError
+
+PREFIX = "recovery"
+MAX_TOKEN_LENGTH = 128
+_BAD_TOKEN = re.compile(r"[.*>\s]")
+
+
+def check_token(value: str) -> str:
+    """Return `value` if it can be a subject token, else raise a `subject_token` validation error."""
+    if not value:
+        raise PydanticCustomError("subject_token", "id is empty and cannot be a subject token")
+    if len(value) > MAX_TOKEN_LENGTH:
+        raise PydanticCustomError(
+            "subject_token", "id is longer than {limit} characters", {"limit": MAX_TOKEN_LENGTH}
+        )
+    bad = _BAD_TOKEN.search(value)
+    if bad is not None:
+        raise PydanticCustomError(
+            "subject_token",
+            "id {value} cannot be a subject token: it contains {char}",
+            {"value": repr(value), "char": repr(bad.group())},
+        )
+    return value
+
+
+Token = Annotated[str, AfterValidator(check_token)]
+"""A job or node id: validated so that it is exactly one subject token."""
+
+
+def job_event(job: str, type_: str) -> str:
+    return f"{PREFIX}.ev.job.{job}.{type_}"
+
+
+def node_event(node: str, type_: str) -> str:
+    return f"{PREFIX}.ev.node.{node}.{type_}"
+
+
+def decision(job: str) -> str:
+    return f"{PREFIX}.dec.{job}"
+
+
+def dead_letter(reason_code: str) -> str:
+    return f"{PREFIX}.dlq.{reason_code}"
+
+
+def command(target: str, kind: str) -> str:
+    """Commands go to the executor that carries them out: a node's agent or the job's scheduler adapter."""
+    return f"{PREFIX}.cmd.{target}.{kind}"
+
+
+EVENTS = f"{PREFIX}.ev.>"
+DECISIONS = f"{PREFIX}.dec.>"
+DEAD_LETTERS = f"{PREFIX}.dlq.>"
+COMMANDS = f"{PREFIX}.cmd.>"
+
+
+def is_output(subject: str) -> bool:
+    """Decisions and dead letters are the engine's own output, kept in the log for audit."""
+    return subject.startswith(f"{PREFIX}.dec.") or subject.startswith(f"{PREFIX}.dlq.")

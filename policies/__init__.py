@@ -1,0 +1,1 @@
+"""Policy contract and built-in policies (loaded through the `recovery.policies` entry points)."""

@@ -1,0 +1,1 @@
+"""recovery: the fault-recovery control plane for large distributed training jobs."""

@@ -1,0 +1,205 @@
+"""Event logs: the one door between the engine's world and storage.
+
+Every log keeps records in a strict sequence, stamps each with its own time (logical time for the
+engine), and drops a message whose id it has already stored within its duplicate window, as JetStream
+does with `Nats-Msg-Id`. The memory and JSONL file logs here and the JetStream log in
+`recovery.jetstream` pass one contract suite (tests/log_contract.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from events import RawRecord, Record, decode_record_line, encode_record
+from events.codec import decode_envelope, encode_envelope
+from events.envelope import EnvelopeBase
+
+MSG_ID = "Nats-Msg-Id"
+Clock = Callable[[], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    seq: int
+    duplicate: bool
+
+
+@runtime_checkable
+class EventLog(Protocol):
+    """An append-only, totally ordered log of records."""
+
+    async def append(
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+    ) -> Appended:
+        """Store one message. An envelope is encoded and its id sent as the message id; raw bytes are
+        stored as given (that is how bad input reaches the log). A repeated message id within the
+        duplicate window stores nothing and returns the first one's sequence with duplicate=True."""
+        ...
+
+    def read(self, start_seq: int = 1) -> AsyncIterator[Record | RawRecord]:
+        """Every record from `start_seq` on, in sequence order, then stop."""
+        ...
+
+    async def last_seq(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+def to_record(seq: int, ts: int, subject: str, headers: dict[str, str], data: bytes) -> Record | RawRecord:
+    """Decode a stored message for the engine: a Record, or a RawRecord that the engine will reject."""
+    envelope = decode_envelope(data)
+    if isinstance(envelope, EnvelopeBase):
+        return Record.model_construct(seq=seq, ts=ts, subject=subject, headers=headers, envelope=envelope)
+    return RawRecord(seq=seq, ts=ts, subject=subject, headers=headers, data=data)
+
+
+class _Dedupe:
+    """Ids seen within the duplicate window, measured in messages (a log has no wall clock to age them)."""
+
+    def __init__(self, window: int) -> None:
+        self._window = window
+        self._seen: OrderedDict[str, int] = OrderedDict()
+
+    def check(self, msg_id: str | None) -> int | None:
+        return None if msg_id is None else self._seen.get(msg_id)
+
+    def add(self, msg_id: str | None, seq: int) -> None:
+        if msg_id is None:
+            return
+        self._seen[msg_id] = seq
+        if len(self._seen) > self._window:
+            self._seen.popitem(last=False)
+
+
+def _prepare(payload: EnvelopeBase | bytes, headers: dict[str, str] | None) -> tuple[bytes, dict[str, str]]:
+    hdrs = dict(headers or {})
+    if isinstance(payload, EnvelopeBase):
+        hdrs.setdefault(MSG_ID, payload.id)
+        return encode_envelope(payload), hdrs
+    return payload, hdrs
+
+
+class MemoryLog:
+    """A log in a list: for tests, the simulator and what-if replays."""
+
+    def __init__(self, clock: Clock = time.time_ns, dedupe_window: int = 100_000) -> None:
+        self._clock = clock
+        self._last_ts = 0
+        self._records: list[Record | RawRecord] = []
+        self._dedupe = _Dedupe(dedupe_window)
+
+    def _stamp(self) -> int:
+        # Log time never goes backwards, whatever the clock does: order is the sequence, and time follows it.
+        self._last_ts = max(self._last_ts, self._clock())
+        return self._last_ts
+
+    def append_sync(
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+    ) -> Appended:
+        data, hdrs = _prepare(payload, headers)
+        first = self._dedupe.check(hdrs.get(MSG_ID))
+        if first is not None:
+            return Appended(first, True)
+        seq = len(self._records) + 1
+        self._records.append(to_record(seq, self._stamp(), subject, hdrs, data))
+        self._dedupe.add(hdrs.get(MSG_ID), seq)
+        return Appended(seq, False)
+
+    async def append(
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+    ) -> Appended:
+        return self.append_sync(subject, payload, headers)
+
+    def records(self, start_seq: int = 1) -> Iterator[Record | RawRecord]:
+        return iter(self._records[max(start_seq, 1) - 1 :])
+
+    async def read(self, start_seq: int = 1) -> AsyncIterator[Record | RawRecord]:
+        for record in self.records(start_seq):
+            yield record
+
+    async def last_seq(self) -> int:
+        return len(self._records)
+
+    async def close(self) -> None:
+        return None
+
+
+class FileLog:
+    """A JSONL file in the export format, one record per line; appends are flushed line by line."""
+
+    def __init__(self, path: str | os.PathLike[str], clock: Clock = time.time_ns, dedupe_window: int = 100_000):
+        self.path = Path(path)
+        self._clock = clock
+        self._dedupe = _Dedupe(dedupe_window)
+        self._last_seq = 0
+        self._last_ts = 0
+        if self.path.exists():
+            for record in iter_file(self.path):
+                self._last_seq = record.seq
+                self._last_ts = record.ts
+                self._dedupe.add(record.headers.get(MSG_ID), record.seq)
+        self._fh = self.path.open("ab")
+
+    def append_sync(
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+    ) -> Appended:
+        data, hdrs = _prepare(payload, headers)
+        first = self._dedupe.check(hdrs.get(MSG_ID))
+        if first is not None:
+            return Appended(first, True)
+        self._last_seq += 1
+        self._last_ts = max(self._last_ts, self._clock())
+        record = to_record(self._last_seq, self._last_ts, subject, hdrs, data)
+        self._fh.write(encode_record(record) + b"\n")
+        self._fh.flush()
+        self._dedupe.add(hdrs.get(MSG_ID), self._last_seq)
+        return Appended(self._last_seq, False)
+
+    async def append(
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+    ) -> Appended:
+        return self.append_sync(subject, payload, headers)
+
+    def records(self, start_seq: int = 1) -> Iterator[Record | RawRecord]:
+        self._fh.flush()
+        for record in iter_file(self.path):
+            if record.seq >= start_seq:
+                yield record
+
+    async def read(self, start_seq: int = 1) -> AsyncIterator[Record | RawRecord]:
+        for record in self.records(start_seq):
+            yield record
+
+    async def last_seq(self) -> int:
+        return self._last_seq
+
+    async def close(self) -> None:
+        self._fh.close()
+
+
+def iter_file(path: str | os.PathLike[str]) -> Iterator[Record | RawRecord]:
+    """Read a JSONL export. A broken line raises ValueError naming the line: the file itself is corrupt."""
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield decode_record_line(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: {exc}") from exc
+
+
+def write_file(path: str | os.PathLike[str], records: Iterator[Record | RawRecord] | list[Record | RawRecord]) -> int:
+    """Write records as a JSONL export; returns how many."""
+    count = 0
+    with open(path, "wb") as fh:
+        for record in records:
+            fh.write(encode_record(record) + b"\n")
+            count += 1
+    return count
