@@ -13,6 +13,7 @@ from events.values import Frozen
 class TimerRequest(Frozen):
     id: str
     due: int = Field(description="nanoseconds of log time")
+    every: int | None = Field(None, description="periodic: fire again this many nanoseconds after each due")
 
 
 class Decision(Frozen):

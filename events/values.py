@@ -38,6 +38,7 @@ class Granularity(StrEnum):
     MIGRATE = "migrate"  # move the faulty node's ranks to a spare node (pod level)
     RESTART_JOB = "restart_job"  # stop and restart every rank (job level)
     SCALE_IN = "scale_in"  # drop data-parallel replicas and continue smaller (elastic)
+    SCALE_OUT = "scale_out"  # add data-parallel replicas when nodes return (elastic; never a ladder rung)
     DUMP = "dump"  # save what can be saved and stop: the job waits for an operator
     FAIL = "fail"  # give up
 

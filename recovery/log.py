@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 from events import RawRecord, Record, decode_record_line, encode_record
 from events.codec import decode_envelope, encode_envelope
 from events.envelope import EnvelopeBase
+from events.subjects import PREFIX
 
 MSG_ID = "Nats-Msg-Id"
 Clock = Callable[[], int]
@@ -28,6 +29,8 @@ Clock = Callable[[], int]
 class Appended:
     seq: int
     duplicate: bool
+    record: Record | RawRecord | None = None
+    """the stored record, where the log has it at hand (memory and file logs)"""
 
 
 @runtime_checkable
@@ -107,9 +110,10 @@ class MemoryLog:
         if first is not None:
             return Appended(first, True)
         seq = len(self._records) + 1
-        self._records.append(to_record(seq, self._stamp(), subject, hdrs, data))
+        record = to_record(seq, self._stamp(), subject, hdrs, data)
+        self._records.append(record)
         self._dedupe.add(hdrs.get(MSG_ID), seq)
-        return Appended(seq, False)
+        return Appended(seq, False, record)
 
     async def append(
         self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
@@ -125,6 +129,12 @@ class MemoryLog:
 
     async def last_seq(self) -> int:
         return len(self._records)
+
+    async def export(
+        self, path: str | os.PathLike[str], start_seq: int = 1, job: str | None = None,
+        since_ns: int | None = None,
+    ) -> int:
+        return await export_log(self, path, start_seq, job, since_ns)
 
     async def close(self) -> None:
         return None
@@ -159,7 +169,7 @@ class FileLog:
         self._fh.write(encode_record(record) + b"\n")
         self._fh.flush()
         self._dedupe.add(hdrs.get(MSG_ID), self._last_seq)
-        return Appended(self._last_seq, False)
+        return Appended(self._last_seq, False, record)
 
     async def append(
         self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
@@ -168,7 +178,10 @@ class FileLog:
 
     def records(self, start_seq: int = 1) -> Iterator[Record | RawRecord]:
         self._fh.flush()
+        end = self._last_seq  # what the log holds now: appends made while reading are not read
         for record in iter_file(self.path):
+            if record.seq > end:
+                break
             if record.seq >= start_seq:
                 yield record
 
@@ -178,6 +191,12 @@ class FileLog:
 
     async def last_seq(self) -> int:
         return self._last_seq
+
+    async def export(
+        self, path: str | os.PathLike[str], start_seq: int = 1, job: str | None = None,
+        since_ns: int | None = None,
+    ) -> int:
+        return await export_log(self, path, start_seq, job, since_ns)
 
     async def close(self) -> None:
         self._fh.close()
@@ -202,4 +221,48 @@ def write_file(path: str | os.PathLike[str], records: Iterator[Record | RawRecor
         for record in records:
             fh.write(encode_record(record) + b"\n")
             count += 1
+    return count
+
+
+def record_jobs(record: Record | RawRecord) -> set[str]:
+    """The jobs a record belongs to: its envelope's job, and the job named by a decision subject
+    (`recovery.dec.<job>`) or a job-event subject (`recovery.ev.job.<job>.<kind>`), so that a bad input
+    on a job's subject, which has no decoded envelope, still belongs to that job."""
+    jobs: set[str] = set()
+    if isinstance(record, Record) and record.envelope.job:
+        jobs.add(record.envelope.job)
+    tokens = record.subject.split(".")
+    if len(tokens) >= 3 and tokens[0] == PREFIX and tokens[1] == "dec":
+        jobs.add(tokens[2])
+    elif len(tokens) >= 4 and tokens[0] == PREFIX and tokens[1] == "ev" and tokens[2] == "job":
+        jobs.add(tokens[3])
+    return jobs
+
+
+def record_matches(record: Record | RawRecord, job: str | None = None, since_ns: int | None = None) -> bool:
+    """The export filters: `job` is one of the record's jobs, and the log time is at or after `since_ns`."""
+    if since_ns is not None and record.ts < since_ns:
+        return False
+    return job is None or job in record_jobs(record)
+
+
+async def export_log(
+    log: EventLog, path: str | os.PathLike[str], start_seq: int = 1, job: str | None = None,
+    since_ns: int | None = None,
+) -> int:
+    """Write the records of `log` from `start_seq` that match the filters as a JSONL export; returns how
+    many. The file appears complete or not at all (written beside it, then renamed)."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    count = 0
+    try:
+        with tmp.open("wb") as fh:
+            async for record in log.read(start_seq):
+                if record_matches(record, job, since_ns):
+                    fh.write(encode_record(record) + b"\n")
+                    count += 1
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return count

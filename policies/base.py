@@ -1,0 +1,209 @@
+"""The policy contract: three Protocols and the small value types they exchange with the engine.
+
+Policies are pure and deterministic: they see only what the engine hands them (values derived from
+the log) and return values; no clock, no I/O, no randomness. Each has a `name` and a `version`, and
+every decision records `name@version` so a replay can tell a changed policy from a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
+
+NS = 1_000_000_000
+Scope = Literal["rank", "device", "node", "link", "job"]
+
+
+class Params(BaseModel):
+    """Base of every policy's parameters: unknown keys are an error, so a typo is never ignored."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --- detection ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """One input event as the detection policy sees it, with the facts the engine derived for it."""
+
+    type: str
+    data: Any
+    ts: int
+    node: str | None
+    ranks: tuple[int, ...]
+    """the job's ranks this signal concerns (for a node event: the ranks placed on that node/device)"""
+    device_fault_times: tuple[int, ...] = ()
+    """log times of this device's faults within the cluster's history, this one included, oldest first"""
+    node_fault_times: tuple[int, ...] = ()
+    step_time_ns: int | None = None
+    world: int = 0
+    """the job's number of ranks"""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What a signal means for the job.
+
+    kind: `ignore`; `suspect` (confirm after `confirm_after_ns` unless a `clear` with the same `key`
+    comes first); `clear`; or `fault` (confirmed, act now).
+    """
+
+    kind: Literal["ignore", "suspect", "clear", "fault"]
+    reason: str
+    fault_class: FaultClass | None = None
+    scope: Scope = "rank"
+    ranks: tuple[int, ...] = ()
+    node: str | None = None
+    device: int | None = None
+    lost: bool = True
+    """the ranks' processes are gone (or must be killed): they cannot take part in saving"""
+    needs_move: bool = False
+    """the hardware under the ranks is unusable: they must leave their node"""
+    isolate: Literal["device", "node"] | None = None
+    key: str | None = None
+    confirm_after_ns: int = 0
+    code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankActivity:
+    rank: int
+    last_seen: int
+    """log time of the rank's last heartbeat, step or start"""
+    last_progress: int
+    """log time at which the rank's step last advanced"""
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogView:
+    """What the periodic watchdog check sees: the job's ranks' activity at log time `now`."""
+
+    now: int
+    step_time_ns: int | None
+    ranks: tuple[RankActivity, ...]
+
+
+@runtime_checkable
+class DetectionPolicy(Protocol):
+    """Detection escalation: signal -> ignore, suspect, clear or fault."""
+
+    name: ClassVar[str]
+    version: ClassVar[str]
+
+    def classify(self, signal: Signal) -> Verdict: ...
+
+    def check(self, view: WatchdogView) -> list[Verdict]:
+        """Called on every watchdog tick while the job runs: hangs from silence or from no progress."""
+        ...
+
+
+# --- rescheduling -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AttemptSummary:
+    granularity: Granularity
+    outcome: Literal["failed", "timed_out", "superseded"]
+    rung: int
+
+
+@dataclass(frozen=True, slots=True)
+class RescheduleContext:
+    fault_class: FaultClass
+    scope: Scope
+    needs_move: bool
+    any_lost: bool
+    """some rank's process is gone: a step retry cannot help"""
+    previous: tuple[AttemptSummary, ...]
+    """attempts of the open incident so far, oldest first"""
+    used: Mapping[str, int]
+    """attempts made over the job's life, by '<fault class>/<granularity>' and by granularity"""
+    restarts_used: int
+    max_restarts: int | None
+    nodes_to_replace: int
+    """unusable nodes the job must leave: what a job-level restart has to replace"""
+    nodes_to_migrate: int
+    """nodes a pod-level migration would vacate: the unusable ones, or else those of the faulty ranks"""
+    spares_available: int
+    dp: int
+    scale_in_dp: int | None
+    """the data-parallel size the job could shrink to without the lost nodes; None if not elastic or below min"""
+    forced: Granularity | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """The rescheduling decision: a granularity, or wait for nodes, with a deadline and a reason."""
+
+    granularity: Granularity | None
+    reason: str
+    deadline_ns: int = 300 * NS
+    rung: int = 0
+    wait: bool = False
+    budget: str | None = None
+
+
+@runtime_checkable
+class ReschedulingPolicy(Protocol):
+    name: ClassVar[str]
+    version: ClassVar[str]
+
+    def decide(self, ctx: RescheduleContext) -> Action: ...
+
+
+# --- checkpoint source --------------------------------------------------------------------------------
+Catalog = Mapping[int, Mapping[Tier, Mapping[int, tuple[str, ...]]]]
+"""step -> tier -> shard -> holders (sorted), steps newest first"""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointContext:
+    layout: Layout
+    catalog: Catalog
+    placement: tuple[str, ...]
+    """node of every rank, by rank"""
+    unreachable: frozenset[str]
+    """nodes whose memory and disks cannot be read (lost, not ready, isolated)"""
+    alive: tuple[bool, ...]
+    """by rank: the process still holds its training state"""
+    steps: tuple[int, ...]
+    """by rank: last completed step"""
+    dying_allowed: bool
+    """the attempt may ask healthy replicas to save a dying checkpoint first"""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRequest:
+    step: int
+    ranks: tuple[int, ...]
+    """one rank per shard: a healthy replica that writes it"""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPlan:
+    resume: ResumePlan
+    save: SaveRequest | None = None
+    reason: str = ""
+
+
+@runtime_checkable
+class CheckpointPolicy(Protocol):
+    name: ClassVar[str]
+    version: ClassVar[str]
+
+    def plan(self, ctx: CheckpointContext) -> CheckpointPlan: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySet:
+    detection: DetectionPolicy
+    rescheduling: ReschedulingPolicy
+    checkpoint: CheckpointPolicy
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+def label(policy: DetectionPolicy | ReschedulingPolicy | CheckpointPolicy) -> str:
+    return f"{policy.name}@{policy.version}"

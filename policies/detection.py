@@ -1,0 +1,175 @@
+"""Built-in detection policy: fault-code tables, debouncing, frequency escalation and a watchdog.
+
+Hangs are found from the job's own rhythm rather than the collective timeout (NCCL's 10 minutes,
+HCCL's 30): a rank silent for `hang_silence_factor` step times (at least `hang_min_silence_s`), or a
+job whose step has not advanced for `stall_factor` step times, is a fault within seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from events import kinds
+from events.values import FaultClass
+from policies.base import NS, Params, RankActivity, Signal, Verdict, WatchdogView
+from policies.codes import Action, CodeMeaning, ascend_fault, exit_status, nvidia_xid
+
+
+class DefaultDetectionParams(Params):
+    frequency_window_s: float = Field(24 * 3600.0, gt=0)
+    frequency_threshold: int = Field(3, ge=1, description="faults of one device in the window -> isolate it")
+    node_frequency_threshold: int = Field(6, ge=1, description="device faults on one node -> isolate node")
+    link_debounce_s: float = Field(10.0, ge=0, description="a link down this long is a fault; up earlier: flap")
+    not_ready_grace_s: float = Field(20.0, ge=0)
+    nic_error_threshold: int = Field(100, ge=1)
+    hang_min_silence_s: float = Field(10.0, gt=0)
+    hang_silence_factor: float = Field(5.0, gt=0)
+    stall_min_s: float = Field(60.0, gt=0)
+    stall_factor: float = Field(10.0, gt=0)
+
+
+def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
+    return sum(1 for t in times if now - t <= window)
+
+
+class DefaultDetection:
+    family: ClassVar[str] = "detection"
+    name: ClassVar[str] = "default"
+    version: ClassVar[str] = "1"
+
+    def __init__(self, params: dict[str, Any] | None = None) -> None:
+        self.params = p = DefaultDetectionParams.model_validate(params or {})
+        self._window = int(p.frequency_window_s * NS)
+        self._debounce = int(p.link_debounce_s * NS)
+        self._grace = int(p.not_ready_grace_s * NS)
+
+    # -- events ---------------------------------------------------------------------------------------
+    def classify(self, signal: Signal) -> Verdict:
+        data = signal.data
+        if isinstance(data, kinds.DeviceFault):
+            return self._device(signal, data)
+        if isinstance(data, kinds.ProcessExited):
+            meaning = exit_status(data.exit_code, data.signal)
+            code = f"exit={data.exit_code},sig={data.signal}"
+            if meaning.fault_class is FaultClass.PREEMPTION:
+                # SIGTERM from outside is the platform stopping the job (ModelArts graceful exit): every
+                # rank goes, each saving its dying checkpoint on the way out.
+                return Verdict("fault", f"rank {data.rank}: {meaning.description}", FaultClass.PREEMPTION,
+                               "job", tuple(range(signal.world)), code=code)
+            verdict = self._from_meaning(meaning, signal, "rank", code=code)
+            return Verdict(verdict.kind, f"rank {data.rank}: {verdict.reason}", verdict.fault_class,
+                           verdict.scope, verdict.ranks, lost=verdict.lost, code=code)
+        if isinstance(data, kinds.HangReport):
+            return Verdict("fault", f"rank {data.rank} reports no progress for "
+                                    f"{data.seconds_without_progress:.0f}s", FaultClass.HANG, "rank",
+                           signal.ranks)
+        if isinstance(data, kinds.CollectiveTimeout):
+            return self._collective(signal, data)
+        if isinstance(data, kinds.LinkDown):
+            return Verdict("suspect", f"link {data.link} down on {signal.node}", FaultClass.NETWORK, "link",
+                           signal.ranks, signal.node, lost=False, key=f"link:{signal.node}:{data.link}",
+                           confirm_after_ns=self._debounce)
+        if isinstance(data, kinds.LinkUp):
+            return Verdict("clear", f"link {data.link} up on {signal.node}", key=f"link:{signal.node}:{data.link}")
+        if isinstance(data, kinds.NicErrors):
+            if data.errors < self.params.nic_error_threshold:
+                return Verdict("ignore", f"{data.errors} NIC errors, below {self.params.nic_error_threshold}")
+            return Verdict("suspect", f"{data.errors} NIC errors on {data.link}", FaultClass.NETWORK, "link",
+                           signal.ranks, signal.node, lost=False, key=f"link:{signal.node}:{data.link}",
+                           confirm_after_ns=self._debounce)
+        if isinstance(data, kinds.NodeNotReady):
+            return Verdict("suspect", f"node {signal.node} not ready: {data.reason}".rstrip(": "),
+                           FaultClass.NODE, "node", signal.ranks, signal.node, needs_move=True,
+                           key=f"node:{signal.node}", confirm_after_ns=self._grace)
+        if isinstance(data, kinds.NodeReady):
+            return Verdict("clear", f"node {signal.node} ready", key=f"node:{signal.node}")
+        if isinstance(data, kinds.NodeDrained):
+            # The node is being taken away but its processes still run: they can save before leaving.
+            return Verdict("fault", f"node {signal.node} drained: {data.reason}".rstrip(": "),
+                           FaultClass.PREEMPTION, "node", signal.ranks, signal.node, lost=False,
+                           needs_move=True)
+        return Verdict("ignore", f"{signal.type} needs no action")
+
+    def _device(self, signal: Signal, data: kinds.DeviceFault) -> Verdict:
+        if data.vendor == "nvidia":
+            meaning, code = nvidia_xid(data.code), f"XID {data.code}"
+        elif data.vendor == "ascend":
+            meaning, code = ascend_fault(data.code), f"Ascend {data.code}"
+        elif data.ecc_dbe:
+            meaning = CodeMeaning(FaultClass.DEVICE, Action.RESET_DEVICE, "uncorrectable ECC error")
+            code = "ECC DBE"
+        else:
+            meaning = CodeMeaning(FaultClass.DEVICE, Action.RESTART_PROCESS, data.message or "device error")
+            code = data.code
+        if meaning.action is Action.IGNORE:
+            return Verdict("ignore", f"{code}: {meaning.description}", code=code)
+        p = self.params
+        on_device = _in_window(signal.device_fault_times, signal.ts, self._window)
+        on_node = _in_window(signal.node_fault_times, signal.ts, self._window)
+        where = f"{signal.node} device {data.device}"
+        if on_node >= p.node_frequency_threshold:
+            return Verdict("fault", f"{code} on {where}: {on_node} device faults on the node within "
+                                    f"{p.frequency_window_s:.0f}s: isolate node", FaultClass.DEVICE, "node",
+                           signal.ranks, signal.node, data.device, needs_move=True, isolate="node", code=code)
+        if on_device >= p.frequency_threshold:
+            return Verdict("fault", f"{code} on {where}: {on_device} faults within "
+                                    f"{p.frequency_window_s:.0f}s: isolate device", FaultClass.DEVICE, "device",
+                           signal.ranks, signal.node, data.device, needs_move=True, isolate="device", code=code)
+        if meaning.action is Action.WATCH or meaning.action is Action.DRAIN:
+            return Verdict("ignore", f"{code} on {where}: {meaning.description} ({on_device} of "
+                                     f"{p.frequency_threshold} in window)", code=code)
+        if not signal.ranks:
+            return Verdict("ignore", f"{code} on {where}: no rank of this job on it", code=code)
+        verdict = self._from_meaning(meaning, signal, "device", code=code)
+        return Verdict(verdict.kind, f"{code} on {where}: {meaning.description}", verdict.fault_class,
+                       verdict.scope, verdict.ranks, signal.node, data.device, verdict.lost, verdict.needs_move,
+                       verdict.isolate, code=code)
+
+    def _from_meaning(self, meaning: CodeMeaning, signal: Signal, scope: Any, code: str) -> Verdict:
+        if meaning.action is Action.IGNORE or meaning.fault_class is None:
+            return Verdict("ignore", meaning.description, code=code)
+        fc = meaning.fault_class
+        action = meaning.action
+        if action is Action.RETRY:
+            return Verdict("fault", meaning.description, fc, scope, signal.ranks, signal.node, lost=False, code=code)
+        needs_move = action in (Action.RESET_DEVICE, Action.ISOLATE_DEVICE, Action.ISOLATE_NODE)
+        isolate = {Action.ISOLATE_DEVICE: "device", Action.ISOLATE_NODE: "node"}.get(action)
+        return Verdict("fault", meaning.description, fc, "node" if isolate == "node" else scope, signal.ranks,
+                       signal.node, lost=True, needs_move=needs_move, isolate=isolate, code=code)  # type: ignore[arg-type]
+
+    def _collective(self, signal: Signal, data: kinds.CollectiveTimeout) -> Verdict:
+        reporters = set(data.reporters)
+        waited_for = tuple(r for r in sorted(set(data.members)) if r not in reporters)
+        if waited_for:
+            # The members that did not time out are the ones the others were waiting for.
+            return Verdict("fault", f"{data.operation} on {data.group} timed out; ranks {list(waited_for)} "
+                                    f"never joined", FaultClass.HANG, "rank", waited_for)
+        return Verdict("fault", f"{data.operation} on {data.group} timed out on every member: network",
+                       FaultClass.NETWORK, "job", tuple(sorted(set(data.members))), lost=False)
+
+    # -- watchdog -------------------------------------------------------------------------------------
+    def check(self, view: WatchdogView) -> list[Verdict]:
+        p = self.params
+        step_time = view.step_time_ns or 0
+        silence = max(int(p.hang_min_silence_s * NS), int(p.hang_silence_factor * step_time))
+        stall = max(int(p.stall_min_s * NS), int(p.stall_factor * step_time))
+        silent = tuple(a.rank for a in view.ranks if view.now - a.last_seen > silence)
+        if silent:
+            return [Verdict("fault", f"ranks {list(silent)} silent for more than {silence / NS:.1f}s",
+                            FaultClass.HANG, "rank", silent)]
+        newest = max((a.last_progress for a in view.ranks), default=view.now)
+        if view.now - newest > stall:
+            return [Verdict("fault", f"no rank advanced for {(view.now - newest) / NS:.1f}s",
+                            FaultClass.HANG, "job", tuple(a.rank for a in view.ranks))]
+        top = max((a.step for a in view.ranks), default=0)
+        behind: tuple[int, ...] = tuple(a.rank for a in view.ranks if _stuck(a, top, view.now, stall))
+        if behind:
+            return [Verdict("fault", f"ranks {list(behind)} stuck behind step {top} for more than "
+                                     f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
+        return []
+
+
+def _stuck(activity: RankActivity, top: int, now: int, stall: int) -> bool:
+    return activity.step < top and now - activity.last_progress > stall

@@ -1,0 +1,100 @@
+"""Built-in rescheduling policy: a user-defined escalation ladder per fault class.
+
+Each rung names a granularity, a budget (attempts of that rung for that fault class over the job's
+life) and a deadline (from the attempt's start until the job makes progress past its resume point).
+An attempt that fails or misses its deadline moves the incident one rung up. A rung that cannot help
+(a step retry when a process is gone, an in-place restart on a dead node) is skipped; a rung that
+needs nodes the cluster does not have scales the job in if it is elastic, or waits for nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from events.values import FaultClass, Granularity
+from policies.base import NS, Action, Params, RescheduleContext
+
+G = Granularity
+
+
+class Rung(Params):
+    granularity: Granularity
+    budget: int | None = Field(None, ge=0, description="attempts over the job's life; None: unlimited")
+    deadline_s: float = Field(300.0, gt=0)
+
+
+def _ladder(*rungs: tuple[Granularity, int | None, float]) -> list[Rung]:
+    return [Rung(granularity=g, budget=b, deadline_s=d) for g, b, d in rungs]
+
+
+DEFAULT_LADDERS: dict[FaultClass, list[Rung]] = {
+    FaultClass.NETWORK: _ladder((G.RETRY, 3, 60), (G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300),
+                                (G.RESTART_JOB, 3, 900)),
+    FaultClass.PROCESS: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300), (G.RESTART_JOB, 3, 900)),
+    FaultClass.HANG: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300), (G.RESTART_JOB, 3, 900)),
+    FaultClass.DEVICE: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300), (G.RESTART_JOB, 3, 900)),
+    FaultClass.NODE: _ladder((G.MIGRATE, None, 300), (G.RESTART_JOB, 3, 900)),
+    FaultClass.PREEMPTION: _ladder((G.MIGRATE, None, 300), (G.RESTART_JOB, None, 900)),
+}
+
+
+class LadderParams(Params):
+    ladders: dict[FaultClass, list[Rung]] = Field(default_factory=lambda: dict(DEFAULT_LADDERS))
+    elastic: bool = True
+    """when a rung needs nodes that are not there, scale in by data-parallel replicas if the job allows"""
+    wait: bool = True
+    """otherwise wait for nodes (the job goes to `waiting`) instead of escalating"""
+
+
+class LadderRescheduling:
+    family: ClassVar[str] = "rescheduling"
+    name: ClassVar[str] = "ladder"
+    version: ClassVar[str] = "1"
+
+    def __init__(self, params: dict[str, Any] | None = None) -> None:
+        self.params = LadderParams.model_validate(params or {})
+        # Classes the user left out keep their defaults, so a partial ladder is never a silent gap.
+        self.ladders = {**DEFAULT_LADDERS, **self.params.ladders}
+
+    def decide(self, ctx: RescheduleContext) -> Action:
+        if ctx.forced is not None:
+            return Action(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=900 * NS)
+        if ctx.max_restarts is not None and ctx.restarts_used >= ctx.max_restarts:
+            return Action(G.FAIL, f"restart budget max_restarts exhausted: {ctx.restarts_used} of "
+                                  f"{ctx.max_restarts} used", budget="max_restarts")
+        ladder = self.ladders[ctx.fault_class]
+        start = ctx.previous[-1].rung + 1 if ctx.previous else 0
+        exhausted: list[str] = []
+        for index in range(start, len(ladder)):
+            rung = ladder[index]
+            g = rung.granularity
+            deadline = int(rung.deadline_s * NS)
+            key = f"{ctx.fault_class.value}/{g.value}"
+            if g is G.FAIL:
+                return Action(G.FAIL, f"ladder for {ctx.fault_class.value} ends in fail", rung=index)
+            if g is G.RETRY and (ctx.any_lost or ctx.needs_move):
+                continue
+            if g is G.IN_PLACE and ctx.needs_move:
+                continue
+            if rung.budget is not None and ctx.used.get(key, 0) >= rung.budget:
+                exhausted.append(f"{key} {ctx.used.get(key, 0)} of {rung.budget} used")
+                continue
+            need = ctx.nodes_to_migrate if g is G.MIGRATE else ctx.nodes_to_replace
+            if g in (G.MIGRATE, G.RESTART_JOB) and need > ctx.spares_available:
+                short = f"{need} node(s) to replace, {ctx.spares_available} spare(s)"
+                if not ctx.needs_move:
+                    continue  # the nodes still work: a bigger restart in place beats waiting for a spare
+                if self.params.elastic and ctx.scale_in_dp is not None:
+                    return Action(G.SCALE_IN, f"{short}: scale in to dp={ctx.scale_in_dp}", deadline, index)
+                if self.params.wait:
+                    return Action(None, f"{short}: wait for nodes", deadline, index, wait=True)
+                continue
+            if g is G.SCALE_IN and ctx.scale_in_dp is None:
+                continue
+            return Action(g, f"{ctx.fault_class.value} fault, rung {index}: {g.value}", deadline, index,
+                          budget=key if rung.budget is not None else None)
+        if exhausted:
+            return Action(G.FAIL, "restart budget exhausted: " + "; ".join(exhausted), budget=exhausted[0])
+        return Action(G.FAIL, f"no rung of the {ctx.fault_class.value} ladder can recover this fault")

@@ -1,0 +1,92 @@
+"""The cluster view: nodes, devices, health, fault history, placement and the spare pool.
+
+Event-sourced like everything else, and iterated only in orders that come from the log (insertion
+order of dicts) or from sorting, so a replay walks it the same way every time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+HISTORY = 64
+"""fault times kept per device and per node: enough for any frequency window a policy uses"""
+
+
+class NodeState:
+    __slots__ = (
+        "bad_devices",
+        "device_faults",
+        "devices",
+        "drained",
+        "faults",
+        "isolated",
+        "job",
+        "name",
+        "ready",
+        "spare",
+    )
+
+    def __init__(self, name: str, devices: int = 8, spare: bool = False) -> None:
+        self.name = name
+        self.devices = devices
+        self.spare = spare
+        self.ready = True
+        self.drained = False
+        self.isolated = False
+        self.job: str | None = None
+        self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
+        self.faults: deque[int] = deque(maxlen=HISTORY)
+        self.device_faults: dict[int, deque[int]] = {}
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not self.drained and not self.isolated and not self.bad_devices
+
+    def snapshot(self) -> dict[str, object]:
+        return {"name": self.name, "devices": self.devices, "spare": self.spare, "ready": self.ready,
+                "drained": self.drained, "isolated": self.isolated, "job": self.job,
+                "bad_devices": sorted(self.bad_devices)}
+
+
+class ClusterView:
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeState] = {}
+
+    def node(self, name: str) -> NodeState:
+        """The node, registered on first sight: a job placed on it by the scheduler is proof it exists."""
+        state = self.nodes.get(name)
+        if state is None:
+            state = self.nodes[name] = NodeState(name)
+        return state
+
+    def usable(self, name: str) -> bool:
+        state = self.nodes.get(name)
+        return state is not None and state.usable
+
+    def reachable(self, name: str) -> bool:
+        """Can a checkpoint held in this node's memory or disk still be read?"""
+        state = self.nodes.get(name)
+        return state is None or (state.ready and not state.isolated)
+
+    def free_spares(self) -> list[str]:
+        """Spare nodes that can take ranks now, in the order they joined."""
+        return [n.name for n in self.nodes.values() if n.spare and n.job is None and n.usable]
+
+    def record_device_fault(self, name: str, device: int, ts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        node = self.node(name)
+        history = node.device_faults.get(device)
+        if history is None:
+            history = node.device_faults[device] = deque(maxlen=HISTORY)
+        history.append(ts)
+        node.faults.append(ts)
+        return tuple(history), tuple(node.faults)
+
+    def assign(self, name: str, job: str) -> None:
+        node = self.node(name)
+        node.job = job
+        node.spare = False
+
+    def release(self, name: str, job: str) -> None:
+        node = self.nodes.get(name)
+        if node is not None and node.job == job:
+            node.job = None

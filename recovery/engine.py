@@ -1,0 +1,974 @@
+"""The engine: a pure function of the log.
+
+`Engine.apply(record)` reads only the record and the engine's state and returns effects: decisions
+(each with its commands and timers) and rejections. It never reads a clock (log time is the record's
+`ts`), never does I/O, and iterates only in log order or sorted order, so a replay of the same log
+gives the same decisions byte for byte under any PYTHONHASHSEED.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from events import kinds
+from events.codec import DecodeError, decode_envelope
+from events.commands import (
+    FailJob,
+    IsolateDevice,
+    IsolateNode,
+    MigrateRanks,
+    RestartJob,
+    RestartRanks,
+    RetryStep,
+    SaveCheckpoint,
+    ScaleJob,
+    StopRanks,
+)
+from events.envelope import EnvelopeBase, RawRecord, Record
+from events.kinds import JOB_EVENTS, NODE_EVENTS
+from events.outputs import Decision, Rejection, TimerRequest
+from events.subjects import is_output, job_event, node_event
+from events.values import FaultClass, Granularity, Layout, ResumePlan
+from policies.base import (
+    NS,
+    CheckpointContext,
+    RankActivity,
+    RescheduleContext,
+    Signal,
+    Verdict,
+    WatchdogView,
+    label,
+)
+from policies.registry import PolicyError, load_set
+from recovery.cluster import ClusterView
+from recovery.job import CLOSED_INCIDENTS, Attempt, Incident, Job
+from recovery.machine import FINAL, TRANSITIONS, fire
+
+Effect = Decision | Rejection
+G = Granularity
+_PROGRESS = ("process.heartbeat", "progress.step")
+NODE_DEDUPE_WINDOW = 65_536
+_RESTARTS = (G.IN_PLACE, G.MIGRATE, G.RESTART_JOB, G.SCALE_IN, G.SCALE_OUT)
+
+
+class _Reject(Exception):
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class _Out:
+    """Effects of one record, with the counters that make command ids and decision indexes."""
+
+    seq: int
+    ts: int
+    effects: list[Effect] = field(default_factory=list)
+    commands: dict[str, int] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)
+
+    def command_id(self, job: str) -> str:
+        index = self.commands.get(job, 0)
+        self.commands[job] = index + 1
+        return f"{job}:{self.seq}:{index}"
+
+    def index(self, job: str) -> int:
+        index = self.decisions.get(job, 0)
+        self.decisions[job] = index + 1
+        return index
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.cluster = ClusterView()
+        self.jobs: dict[str, Job] = {}
+        self.timers: dict[str, tuple[str, int, int | None]] = {}  # id -> (job, due, every), in request order
+        self.last_seq = 0
+        self._node_seen: OrderedDict[str, None] = OrderedDict()
+
+    # -- entry point ----------------------------------------------------------------------------------
+    def apply(self, record: Record | RawRecord) -> list[Effect]:
+        """Apply one log record; return its effects. Bad input becomes a Rejection and changes nothing."""
+        self.last_seq = record.seq
+        if is_output(record.subject):
+            return []  # our own decisions and dead letters, kept in the log for audit
+        if isinstance(record, RawRecord):
+            decoded = decode_envelope(record.data)
+            if isinstance(decoded, DecodeError):
+                return [self._rejection(record, decoded.code, decoded.reason, decoded.event_id,
+                                        decoded.job, decoded.node)]
+            envelope: EnvelopeBase = decoded
+        else:
+            envelope = record.envelope
+        out = _Out(record.seq, record.ts)
+        try:
+            self._dispatch(out, record.subject, envelope)
+        except _Reject as exc:
+            return [self._rejection(record, exc.code, exc.reason, envelope.id, envelope.job, envelope.node)]
+        except Exception as exc:  # a bug must not stop the daemon; it is kept, with its cause, in the log
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            return [self._rejection(record, "internal_error",
+                                    f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})",
+                                    envelope.id, envelope.job, envelope.node)]
+        return out.effects
+
+    @staticmethod
+    def _rejection(record: Record | RawRecord, code: str, reason: str, event_id: str | None,
+                   job: str | None, node: str | None) -> Rejection:
+        return Rejection(seq=record.seq, subject=record.subject, code=code, reason=reason, event_id=event_id,
+                         job=job, node=node)
+
+    def _dispatch(self, out: _Out, subject: str, env: EnvelopeBase) -> None:
+        type_ = env.type
+        if type_ in JOB_EVENTS:
+            if env.job is None:
+                raise _Reject("schema_violation", f"{type_} is a job event but the envelope names no job")
+            if subject != job_event(env.job, type_):
+                raise _Reject("subject_mismatch", f"{type_} for job {env.job} arrived on {subject!r}, "
+                                                  f"expected {job_event(env.job, type_)!r}")
+            job = self.jobs.get(env.job)
+            if type_ == "job.submitted":
+                if job is not None:
+                    raise _Reject("duplicate", f"job {env.job} was already submitted")
+                self._submit(out, env.job, env.data)
+                return
+            if job is None:
+                raise _Reject("unknown_job", f"{type_} for job {env.job}, which was never submitted")
+            if env.id in job.seen:
+                raise _Reject("duplicate", f"event id {env.id!r} already applied to job {env.job}")
+            if type_ in _PROGRESS:
+                self._progress(out, job, env.data)
+            else:
+                self._job_event(out, job, type_, env.data)
+            job.remember(env.id)
+        elif type_ in NODE_EVENTS:
+            if env.node is None:
+                raise _Reject("schema_violation", f"{type_} is a node event but the envelope names no node")
+            if subject != node_event(env.node, type_):
+                raise _Reject("subject_mismatch", f"{type_} for node {env.node} arrived on {subject!r}, "
+                                                  f"expected {node_event(env.node, type_)!r}")
+            if env.id in self._node_seen:
+                raise _Reject("duplicate", f"event id {env.id!r} already applied")
+            self._node_event(out, env.node, type_, env.data)
+            self._node_seen[env.id] = None
+            if len(self._node_seen) > NODE_DEDUPE_WINDOW:
+                self._node_seen.popitem(last=False)
+        else:
+            raise _Reject("unknown_type", f"{type_} is not an input event")
+
+    # -- decisions ------------------------------------------------------------------------------------
+    def _decide(self, out: _Out, job: Job, kind: str, reason: str, *, trigger: str | None = None,
+                policy: str | None = None, commands: list[Any] | None = None,
+                timers: list[TimerRequest] | None = None, cancelled: list[str] | None = None,
+                detail: dict[str, Any] | None = None) -> None:
+        previous = job.state
+        if trigger is not None and previous != _DEST.get(trigger):
+            fire(job, trigger)
+        incident = job.incident.id if job.incident is not None else None
+        out.effects.append(Decision(
+            job=job.id, cause_seq=out.seq, index=out.index(job.id), kind=kind, previous=previous,
+            state=job.state, incident=incident, policy=policy, reason=reason, commands=commands or [],
+            timers=timers or [], cancelled_timers=cancelled or [], detail=detail or {},
+        ))
+
+    def _timer(self, out: _Out, job: Job, purpose: str, after_ns: int, every: int | None = None) -> TimerRequest:
+        timer_id = f"{job.id}/{purpose}/{out.seq}"
+        due = out.ts + after_ns
+        self.timers[timer_id] = (job.id, due, every)
+        return TimerRequest(id=timer_id, due=due, every=every)
+
+    def _cancel(self, *timer_ids: str | None) -> list[str]:
+        gone = []
+        for timer_id in timer_ids:
+            if timer_id is not None and self.timers.pop(timer_id, None) is not None:
+                gone.append(timer_id)
+        return gone
+
+    def _job_timers(self, job: Job) -> list[str]:
+        return [t for t, (owner, _, _) in self.timers.items() if owner == job.id]
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def _submit(self, out: _Out, job_id: str, data: kinds.JobSubmitted) -> None:
+        spec = data.spec
+        try:
+            policies = load_set(spec.policies)
+        except PolicyError as exc:
+            raise _Reject("invalid_policy", str(exc)) from exc
+        for name in spec.nodes:
+            node = self.cluster.nodes.get(name)
+            if node is not None and node.job is not None:
+                raise _Reject("placement_conflict", f"node {name} already runs job {node.job}")
+            if node is not None and node.isolated:
+                raise _Reject("placement_conflict", f"node {name} is isolated")
+        job = Job(job_id, spec, policies)
+        self.jobs[job_id] = job
+        for name in spec.nodes:
+            self.cluster.assign(name, job_id)
+        self._decide(out, job, "job.accepted", f"{spec.layout.world} ranks on {len(spec.nodes)} nodes",
+                     detail={"policies": dict(policies.labels)})
+
+    def _job_event(self, out: _Out, job: Job, type_: str, data: Any) -> None:
+        if job.state in FINAL and type_ != "checkpoint.saved":
+            raise _Reject("invalid_state", f"job {job.id} is {job.state}; {type_} has no effect")
+        if type_ == "job.started":
+            if job.state != "submitted":
+                raise _Reject("invalid_state", f"job {job.id} is already {job.state}")
+            for rank in range(job.world):
+                job.alive[rank] = 1
+                job.last_seen[rank] = job.last_progress[rank] = out.ts
+            self._decide(out, job, "job.started", "processes started", trigger="start",
+                         timers=self._arm_watchdog(out, job))
+        elif type_ == "process.started":
+            self._check_rank(job, data.rank, data.attempt)
+            if data.attempt == job.generation:
+                job.alive[data.rank] = 1
+                job.last_seen[data.rank] = out.ts
+        elif type_ == "checkpoint.saved":
+            bad = [s for s in data.shards if s >= job.layout.shards]
+            if bad:
+                raise _Reject("schema_violation", f"shards {bad} do not exist: the layout has "
+                                                  f"{job.layout.shards}")
+            job.add_checkpoint(data.step, data.tier, data.shards, data.holder)
+        elif type_ == "checkpoint.failed":
+            pass  # a save that did not land leaves the catalog as it was; the log keeps the failure
+        elif type_ == "command.ack":
+            self._ack(out, job, data)
+        elif type_ == "timer.fired":
+            self._timer_fired(out, job, data)
+        elif type_ == "job.completed":
+            self._finish(out, job, "complete", "job.completed", "training finished")
+        elif type_ == "job.cancelled":
+            self._finish(out, job, "cancel", "job.cancelled", data.reason or "cancelled by the scheduler")
+        elif type_.startswith("operator."):
+            self._operator(out, job, type_, data)
+        else:  # process.exited, process.hang, network.collective_timeout
+            if hasattr(data, "rank"):
+                stale = self._check_rank(job, data.rank, data.attempt)
+                if stale:
+                    return
+            if isinstance(data, kinds.CollectiveTimeout):
+                outside = [r for r in (*data.members, *data.reporters) if r >= job.world]
+                if outside:
+                    raise _Reject("unknown_rank", f"ranks {sorted(set(outside))} are not in job {job.id}")
+            if isinstance(data, kinds.ProcessExited):
+                job.alive[data.rank] = 0
+            ranks = (data.rank,) if hasattr(data, "rank") else ()
+            self._signal(out, job, Signal(type_, data, out.ts, None, ranks, step_time_ns=job.step_time,
+                                          world=job.world))
+
+    def _check_rank(self, job: Job, rank: int, attempt: int) -> bool:
+        """Validate a rank event; True if it belongs to an earlier generation (stale, to be ignored)."""
+        if rank >= job.world:
+            raise _Reject("unknown_rank", f"rank {rank} is not in job {job.id} (world {job.world})")
+        if attempt > job.generation:
+            raise _Reject("unknown_attempt", f"attempt {attempt} is ahead of job {job.id}'s generation "
+                                             f"{job.generation}")
+        return attempt < job.generation
+
+    def _finish(self, out: _Out, job: Job, trigger: str, kind: str, reason: str) -> None:
+        cancelled = self._cancel(*self._job_timers(job))
+        job.suspects.clear()
+        job.watchdog = None
+        if job.incident is not None:
+            self._close_incident(job, out.ts, kind)
+        for name in job.nodes:
+            self.cluster.release(name, job.id)
+        self._decide(out, job, kind, reason, trigger=trigger, cancelled=cancelled)
+
+    # -- progress: the hot path -----------------------------------------------------------------------
+    def _progress(self, out: _Out, job: Job, data: kinds.Heartbeat | kinds.StepReported) -> None:
+        rank = data.rank
+        if (rank >= len(job.steps) or data.attempt != job.generation) and self._check_rank(job, rank, data.attempt):
+            return  # an earlier generation's process, still reporting on its way out
+        ts = out.ts
+        step = data.step
+        if step is not None:
+            last = job.steps[rank]
+            if step < last:
+                raise _Reject("step_backwards", f"rank {rank} reported step {step} after step {last}")
+            if step > last:
+                job.steps[rank] = step
+                job.last_progress[rank] = ts
+                if step > job.step:
+                    if job.step_ts is not None:
+                        per_step = (ts - job.step_ts) // (step - job.step)
+                        job.step_time = per_step if job.step_time is None else (7 * job.step_time + per_step) // 8
+                    job.step = step
+                    job.step_ts = ts
+        job.last_seen[rank] = ts
+        if job.state == "restoring" and step is not None:
+            self._check_restored(out, job, rank, step)
+
+    # -- signals and verdicts -------------------------------------------------------------------------
+    def _node_event(self, out: _Out, name: str, type_: str, data: Any) -> None:
+        node = self.cluster.node(name)
+        device_times: tuple[int, ...] = ()
+        node_times: tuple[int, ...] = ()
+        if isinstance(data, kinds.DeviceFault):
+            device_times, node_times = self.cluster.record_device_fault(name, data.device, out.ts)
+        elif isinstance(data, kinds.DeviceRecovered):
+            node.bad_devices.discard(data.device)
+        elif isinstance(data, kinds.NodeNotReady):
+            node.ready = False
+        elif isinstance(data, kinds.NodeReady):
+            node.ready = True
+        elif isinstance(data, kinds.NodeDrained):
+            node.drained = True
+        elif isinstance(data, kinds.NodeJoined):
+            node.spare = data.spare and node.job is None
+            node.devices = data.devices
+            node.ready, node.drained, node.isolated = True, False, False
+            node.bad_devices.clear()
+        job = self.jobs.get(node.job) if node.job is not None else None
+        if job is not None and job.state not in FINAL and name in job.nodes:
+            on_node = job.ranks_on(name)
+            if isinstance(data, kinds.DeviceFault | kinds.DeviceRecovered):
+                ranks: tuple[int, ...] = (on_node[data.device],) if data.device < job.rpn else ()
+            else:
+                ranks = tuple(on_node)
+            self._signal(out, job, Signal(type_, data, out.ts, name, ranks, device_times, node_times,
+                                          job.step_time, job.world))
+        if isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered) and node.usable:
+            self._capacity_returned(out)
+
+    def _signal(self, out: _Out, job: Job, signal: Signal) -> None:
+        if job.state in ("submitted", "paused"):
+            return
+        verdict = job.policies.detection.classify(signal)
+        self._verdict(out, job, verdict, type_=signal.type)
+
+    def _verdict(self, out: _Out, job: Job, verdict: Verdict, type_: str) -> None:
+        policy = job.policies.labels["detection"]
+        if verdict.kind == "ignore":
+            if type_ not in ("network.link_up", "node.ready", "device.recovered"):
+                self._decide(out, job, "signal.ignored", verdict.reason, policy=policy,
+                             detail={"signal": type_, "code": verdict.code})
+        elif verdict.kind == "clear":
+            entry = job.suspects.pop(verdict.key or "", None)
+            if entry is None:
+                return
+            cancelled = self._cancel(entry[1])
+            trigger = "clear" if job.state == "suspect" and not job.suspects else None
+            self._decide(out, job, "fault.cleared", verdict.reason, trigger=trigger, policy=policy,
+                         cancelled=cancelled, detail={"key": verdict.key})
+        elif verdict.kind == "suspect":
+            key = verdict.key or f"{type_}:{out.seq}"
+            if key in job.suspects:
+                return  # already counting down: a repeated signal does not restart the debounce
+            timer = self._timer(out, job, f"confirm/{key}", verdict.confirm_after_ns)
+            job.suspects[key] = (verdict, timer.id)
+            trigger = "suspect" if job.state == "running" else None
+            self._decide(out, job, "fault.suspected", verdict.reason, trigger=trigger, policy=policy,
+                         timers=[timer], detail={"key": key, "ranks": list(verdict.ranks)})
+        else:
+            self._fault(out, job, verdict, policy)
+
+    def _fault(self, out: _Out, job: Job, verdict: Verdict, policy: str) -> None:
+        commands: list[Any] = []
+        if verdict.isolate is not None and verdict.node is not None:
+            node = self.cluster.node(verdict.node)
+            if verdict.isolate == "node":
+                node.isolated = True
+                commands.append(IsolateNode(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                            deadline_s=60, node=verdict.node, reason=verdict.reason))
+            else:
+                commands.append(IsolateDevice(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                              deadline_s=60, node=verdict.node, device=verdict.device or 0,
+                                              reason=verdict.reason))
+        if verdict.needs_move and verdict.node is not None and verdict.device is not None:
+            self.cluster.node(verdict.node).bad_devices.add(verdict.device)
+        if verdict.lost:
+            for rank in verdict.ranks:
+                job.alive[rank] = 0
+        fault = {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
+                 "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
+                 "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
+        incident = job.incident
+        if incident is not None:
+            incident.faults.append(fault)
+            attempt = incident.attempt
+            if job.state == "waiting" or attempt is None:
+                self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
+                self._plan(out, job)
+                return
+            if self._covered(job, attempt, verdict):
+                self._decide(out, job, "fault.absorbed", verdict.reason, policy=policy, commands=commands,
+                             detail={"attempt": attempt.number})
+                return
+            self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
+            self._end_attempt(out, job, attempt, "superseded", f"new fault outside attempt "
+                                                                f"{attempt.number}: {verdict.reason}")
+            return
+        cancelled = self._cancel(job.watchdog, *(timer for _, timer in job.suspects.values()))
+        job.watchdog = None
+        job.suspects.clear()
+        job.incident = Incident(id=f"{job.id}#{len(job.closed) + 1}", opened_seq=out.seq, opened=out.ts,
+                                fault_step=job.step, fault_class=verdict.fault_class, cause="fault",
+                                faults=[fault])
+        job.incident.enter("detected", out.ts)
+        self._decide(out, job, "fault.confirmed", verdict.reason, policy=policy, commands=commands,
+                     cancelled=cancelled, detail={"fault": fault, "step": job.step})
+        self._plan(out, job)
+
+    def _covered(self, job: Job, attempt: Attempt, verdict: Verdict) -> bool:
+        """Is this fault already handled by the attempt under way (its ranks restart or stop anyway)?"""
+        if attempt.granularity is G.RETRY:
+            return not verdict.lost and not verdict.needs_move
+        if attempt.granularity is G.IN_PLACE and verdict.needs_move:
+            return False
+        if attempt.granularity is G.MIGRATE and verdict.needs_move and verdict.node not in attempt.vacate:
+            return False
+        covered = set(attempt.ranks) | set(attempt.stopping)
+        return all(rank in covered for rank in verdict.ranks)
+
+    # -- planning -------------------------------------------------------------------------------------
+    def _vacate(self, job: Job) -> list[str]:
+        return [name for name in job.nodes if not self.cluster.usable(name)]
+
+    def _fault_nodes(self, job: Job) -> list[str]:
+        """Nodes of the faulty or dead ranks: what a migration moves when no node is unusable."""
+        assert job.incident is not None
+        ranks = {r for f in job.incident.faults for r in f["ranks"] if r < job.world}
+        ranks.update(r for r in range(job.world) if not job.alive[r])
+        return [n for i, n in enumerate(job.nodes) if any(r // job.rpn == i for r in ranks)]
+
+    def _scale_in_dp(self, job: Job, vacate: list[str]) -> int | None:
+        elastic = job.spec.elastic
+        if elastic is None:
+            return None
+        keep = len(job.nodes) - len(vacate)
+        dp = _fit_dp(job.layout, job.rpn, keep, elastic.max_dp)
+        return dp if dp is not None and elastic.min_dp <= dp < job.layout.dp else None
+
+    def _plan(self, out: _Out, job: Job, forced: Granularity | None = None) -> None:
+        incident = job.incident
+        assert incident is not None
+        vacate = self._vacate(job)
+        spares = self.cluster.free_spares()
+        fault_class = incident.fault_class or FaultClass.PROCESS
+        migrate = vacate or self._fault_nodes(job)
+        ctx = RescheduleContext(
+            fault_class=fault_class, scope="job", needs_move=bool(vacate),
+            any_lost=not all(job.alive), previous=incident.history(), used=dict(job.used),
+            restarts_used=job.restarts_used, max_restarts=job.spec.max_restarts,
+            nodes_to_replace=len(vacate), nodes_to_migrate=len(migrate), spares_available=len(spares),
+            dp=job.layout.dp,
+            scale_in_dp=self._scale_in_dp(job, vacate), forced=forced,
+        )
+        action = job.policies.rescheduling.decide(ctx)
+        policy = job.policies.labels["rescheduling"]
+        if action.wait:
+            incident.enter("waiting", out.ts)
+            self._decide(out, job, "attempt.waiting", action.reason, trigger="wait", policy=policy,
+                         detail={"vacate": vacate, "spares": len(spares)})
+            return
+        g = action.granularity or G.FAIL
+        if g is G.FAIL:
+            self._fail_job(out, job, action.reason, policy)
+            return
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=action.rung,
+                          purpose="dump" if g is G.DUMP else "recover", reason=action.reason, started=out.ts)
+        keys = (f"{fault_class.value}/{g.value}", g.value)
+        attempt.budget_keys = keys
+        for key in keys:
+            job.used[key] = job.used.get(key, 0) + 1
+        if g in _RESTARTS:
+            job.restarts_used += 1
+        self._start(out, job, attempt, action.deadline_ns, policy, vacate)
+
+    def _start(self, out: _Out, job: Job, attempt: Attempt, deadline_ns: int, policy: str | None,
+               vacate: list[str]) -> None:
+        incident = job.incident
+        assert incident is not None
+        incident.attempts.append(attempt)
+        g = attempt.granularity
+        dead = tuple(r for r in range(job.world) if not job.alive[r])
+        if g is G.RETRY:
+            attempt.ranks = ()
+        elif g is G.IN_PLACE:
+            fault_ranks = {r for f in incident.faults for r in f["ranks"]}
+            attempt.ranks = tuple(sorted(set(dead) | fault_ranks))
+            attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
+        elif g is G.MIGRATE:
+            vacate = vacate or self._fault_nodes(job)
+            attempt.vacate = tuple(vacate)
+            attempt.ranks = tuple(r for n in vacate for r in job.ranks_on(n))
+            attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
+        else:  # job level: restart, scale, dump
+            attempt.ranks = tuple(range(job.world))
+            attempt.stopping = tuple(r for r in range(job.world) if job.alive[r])
+            attempt.vacate = tuple(vacate)
+        timer = self._timer(out, job, f"attempt/{incident.id}/{attempt.number}", deadline_ns)
+        attempt.deadline_timer = timer.id
+        self._decide(out, job, "attempt.started", attempt.reason, policy=policy, timers=[timer],
+                     detail={"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,
+                             "ranks": list(attempt.ranks), "vacate": list(attempt.vacate)})
+        if g is G.RETRY:
+            self._reschedule(out, job, attempt)
+        else:
+            self._checkpoint(out, job, attempt)
+
+    def _checkpoint(self, out: _Out, job: Job, attempt: Attempt) -> None:
+        """Choose the resume point; first ask live replicas for a dying checkpoint if the policy says so."""
+        incident = job.incident
+        assert incident is not None
+        saving_ranks = set(attempt.ranks) if attempt.granularity is G.IN_PLACE else set()
+        alive = tuple(bool(job.alive[r]) and r not in saving_ranks for r in range(job.world))
+        ctx = CheckpointContext(
+            layout=job.layout, catalog=job.frozen_catalog(), placement=tuple(job.nodes[r // job.rpn]
+                                                                              for r in range(job.world)),
+            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)),
+            alive=alive, steps=tuple(job.steps), dying_allowed=not incident.dying_tried,
+        )
+        plan = job.policies.checkpoint.plan(ctx)
+        policy = job.policies.labels["checkpoint"]
+        if plan.save is not None:
+            incident.dying_tried = True
+            attempt.save = plan.save
+            attempt.phase = "saving"
+            incident.enter("saving", out.ts)
+            command = SaveCheckpoint(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                     deadline_s=60, ranks=list(plan.save.ranks), step=plan.save.step)
+            timer = self._ack_timer(out, job, command.id, command.deadline_s)
+            attempt.pending = {command.id: (command.kind, timer.id)}
+            self._decide(out, job, "checkpoint.dying", plan.reason, trigger="save", policy=policy,
+                         commands=[command], timers=[timer],
+                         detail={"step": plan.save.step, "savers": list(plan.save.ranks)})
+            return
+        attempt.plan = plan.resume
+        self._decide(out, job, "checkpoint.plan", plan.reason, policy=policy,
+                     detail={"checkpoint_step": plan.resume.checkpoint_step,
+                             "next_step": plan.resume.next_step,
+                             "tiers": _tier_counts(plan.resume)})
+        self._stop(out, job, attempt)
+
+    def _ack_timer(self, out: _Out, job: Job, command_id: str, deadline_s: float) -> TimerRequest:
+        return self._timer(out, job, f"ack/{command_id}", int(deadline_s * NS))
+
+    def _stop(self, out: _Out, job: Job, attempt: Attempt) -> None:
+        incident = job.incident
+        assert incident is not None
+        stopping = [r for r in attempt.stopping if job.alive[r]]
+        if not stopping:
+            self._reschedule(out, job, attempt)
+            return
+        attempt.phase = "stopping"
+        incident.enter("stopping", out.ts)
+        # Hung or faulty processes are killed; healthy ones get SIGTERM and a grace period to exit cleanly.
+        faulty = {r for f in incident.faults for r in f["ranks"]}
+        mode = "kill" if attempt.granularity is G.IN_PLACE or all(r in faulty for r in stopping) else "graceful"
+        command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
+                            ranks=stopping, mode=mode, grace_s=30.0)
+        timer = self._ack_timer(out, job, command.id, command.deadline_s)
+        attempt.pending = {command.id: (command.kind, timer.id)}
+        self._decide(out, job, "ranks.stopping", f"stop {len(stopping)} rank(s) ({mode})", trigger="stop",
+                     commands=[command], timers=[timer])
+
+    def _reschedule(self, out: _Out, job: Job, attempt: Attempt) -> None:
+        incident = job.incident
+        assert incident is not None
+        g = attempt.granularity
+        attempt.phase = "rescheduling"
+        incident.enter("rescheduling", out.ts)
+        if g is G.DUMP:
+            step = attempt.plan.checkpoint_step if attempt.plan else None
+            self._fail_job(out, job, f"dumped: checkpoint at step {step}; the job stops for an operator", None)
+            return
+        if attempt.purpose == "pause":
+            self._cancel(attempt.deadline_timer)
+            attempt.outcome = "paused"
+            incident.enter("paused", out.ts)
+            self._decide(out, job, "job.paused", attempt.reason, trigger="pause",
+                         cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
+            return
+        cid = out.command_id(job.id)
+        commands: list[Any] = []
+        if g is G.RETRY:
+            commands.append(RetryStep(id=cid, job=job.id, attempt=job.generation, deadline_s=60,
+                                      step=incident.fault_step + 1))
+        else:
+            plan = attempt.plan
+            assert plan is not None
+            job.generation += 1
+            gen = job.generation
+            if g is G.IN_PLACE:
+                commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
+                                             ranks=list(attempt.ranks), plan=plan))
+            elif g is G.MIGRATE:
+                spares = self.cluster.free_spares()
+                if len(spares) < len(attempt.vacate):
+                    job.generation -= 1
+                    self._end_attempt(out, job, attempt, "superseded", "the spare nodes it needed are gone")
+                    return
+                for index, name in enumerate(attempt.vacate):
+                    target = spares[index]
+                    ranks = list(job.ranks_on(name))
+                    self.cluster.release(name, job.id)
+                    self.cluster.assign(target, job.id)
+                    job.nodes[job.nodes.index(name)] = target
+                    commands.append(MigrateRanks(id=cid if index == 0 else out.command_id(job.id), job=job.id,
+                                                 attempt=gen, deadline_s=300, ranks=ranks, from_node=name,
+                                                 to_node=target, plan=plan))
+            else:
+                placement = self._placement(job, attempt)
+                if placement is None:
+                    job.generation -= 1
+                    self._end_attempt(out, job, attempt, "superseded", "not enough usable nodes left")
+                    return
+                nodes, dp = placement
+                for name in job.nodes:
+                    if name not in nodes:
+                        self.cluster.release(name, job.id)
+                for name in nodes:
+                    self.cluster.assign(name, job.id)
+                if dp != job.layout.dp:
+                    job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
+                    plan = _resize_plan(plan, job)
+                    attempt.plan = plan
+                    attempt.ranks = tuple(range(job.world))
+                    commands.append(ScaleJob(id=cid, job=job.id, attempt=gen, deadline_s=600, dp=dp,
+                                             nodes=nodes, plan=plan))
+                else:
+                    job.nodes = nodes
+                    commands.append(RestartJob(id=cid, job=job.id, attempt=gen, deadline_s=600, nodes=nodes,
+                                               plan=plan))
+            # Every rank rolls back to the resume point, restarted or not.
+            start = plan.checkpoint_step or 0
+            for rank in range(job.world):
+                job.steps[rank] = start
+            job.step = start
+            job.step_ts = None
+        timers = [self._ack_timer(out, job, c.id, c.deadline_s) for c in commands]
+        attempt.pending = {c.id: (c.kind, t.id) for c, t in zip(commands, timers, strict=True)}
+        self._decide(out, job, "ranks.rescheduling", f"{g.value}: {len(commands)} command(s)",
+                     trigger="reschedule", commands=commands, timers=timers,
+                     detail={"attempt": attempt.number, "generation": job.generation,
+                             "nodes": list(job.nodes)})
+
+    def _placement(self, job: Job, attempt: Attempt) -> tuple[list[str], int] | None:
+        """Nodes and data-parallel size after a job-level restart or scale."""
+        usable = [n for n in job.nodes if self.cluster.usable(n)]
+        spares = self.cluster.free_spares()
+        per_replica = job.layout.tp * job.layout.pp
+        if attempt.granularity is G.SCALE_IN:
+            dp = attempt.dp or self._scale_in_dp(job, list(attempt.vacate)) or job.layout.dp
+            return usable[: dp * per_replica // job.rpn], dp
+        if attempt.granularity is G.SCALE_OUT:
+            dp = attempt.dp or job.layout.dp
+            need = dp * per_replica // job.rpn
+            if len(usable) + len(spares) < need:
+                return None
+            return usable[:need] + spares[: max(0, need - len(usable))], dp
+        need = len(job.nodes)
+        if len(usable) + len(spares) < need:
+            return None
+        return usable + spares[: need - len(usable)], job.layout.dp
+
+    # -- acks, timers, restore ------------------------------------------------------------------------
+    def _ack(self, out: _Out, job: Job, data: kinds.CommandAck) -> None:
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        if attempt is None or data.command_id not in attempt.pending:
+            return  # an ack for a finished or superseded attempt, or for isolate commands: kept in the log
+        if data.status == "accepted":
+            return
+        kind, ack_timer = attempt.pending.pop(data.command_id)
+        cancelled = self._cancel(ack_timer)
+        if data.status == "failed":
+            if kind == "save_checkpoint":
+                self._decide(out, job, "checkpoint.dying_failed", data.reason or "dying checkpoint failed",
+                             cancelled=cancelled)
+                attempt.pending.clear()
+                self._checkpoint(out, job, attempt)
+                return
+            self._end_attempt(out, job, attempt, "failed", f"{kind} failed: {data.reason}".rstrip(": "),
+                              cancelled)
+            return
+        if attempt.pending:
+            if cancelled:
+                self._decide(out, job, "command.done", f"{kind} done", cancelled=cancelled)
+            return
+        if attempt.phase == "saving":
+            self._decide(out, job, "checkpoint.dying_done", f"dying checkpoint at step "
+                                                            f"{attempt.save.step if attempt.save else '?'} saved",
+                         cancelled=cancelled)
+            self._checkpoint(out, job, attempt)
+        elif attempt.phase == "stopping":
+            for rank in attempt.stopping:
+                job.alive[rank] = 0
+            self._decide(out, job, "ranks.stopped", f"{len(attempt.stopping)} rank(s) stopped",
+                         cancelled=cancelled)
+            self._reschedule(out, job, attempt)
+        elif attempt.phase == "rescheduling":
+            attempt.phase = "restoring"
+            assert incident is not None
+            incident.enter("restoring", out.ts)
+            for rank in attempt.ranks:
+                job.alive[rank] = 1
+            for rank in range(job.world):
+                job.last_seen[rank] = job.last_progress[rank] = out.ts
+            self._decide(out, job, "ranks.restoring", "executors done: waiting for progress past step "
+                                                      f"{self._resume_step(job, attempt)}",
+                         trigger="restore", cancelled=cancelled)
+
+    def _resume_step(self, job: Job, attempt: Attempt) -> int:
+        if attempt.granularity is G.RETRY:
+            assert job.incident is not None
+            return job.incident.fault_step
+        return attempt.plan.checkpoint_step or 0 if attempt.plan else 0
+
+    def _check_restored(self, out: _Out, job: Job, rank: int, step: int) -> None:
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        if attempt is None or attempt.phase != "restoring":
+            return
+        if attempt.granularity is not G.RETRY and rank not in attempt.ranks:
+            return
+        resume = self._resume_step(job, attempt)
+        if step <= resume:
+            return
+        assert incident is not None
+        attempt.outcome = "recovered"
+        cancelled = self._cancel(attempt.deadline_timer)
+        lost = max(0, incident.fault_step - resume) if incident.cause == "fault" else 0
+        incident.lost_steps = lost
+        self._close_incident(job, out.ts, "recovered")
+        self._decide(out, job, "incident.closed", f"progress to step {step} past resume point {resume}",
+                     trigger="recovered", cancelled=cancelled, timers=self._arm_watchdog(out, job),
+                     detail={"incident": incident.id, "lost_steps": lost, "attempts": len(incident.attempts),
+                             "granularity": attempt.granularity.value,
+                             "mttr_ns": out.ts - incident.opened})
+
+    def _close_incident(self, job: Job, ts: int, outcome: str) -> None:
+        incident = job.incident
+        assert incident is not None
+        incident.enter("done", ts)
+        incident.phases[-1][2] = ts
+        incident.closed = ts
+        incident.outcome = outcome
+        job.closed.append(incident.summary())
+        del job.closed[:-CLOSED_INCIDENTS]
+        job.incident = None
+
+    def _end_attempt(self, out: _Out, job: Job, attempt: Attempt, outcome: str, reason: str,
+                     cancelled: list[str] | None = None) -> None:
+        attempt.outcome = outcome
+        gone = list(cancelled or [])
+        gone += self._cancel(attempt.deadline_timer, *(timer for _, timer in attempt.pending.values()))
+        attempt.pending.clear()
+        if outcome == "superseded":
+            # A fault that widened the incident is not the attempt's failure: give back its budget.
+            for key in attempt.budget_keys:
+                job.used[key] -= 1
+            if attempt.granularity in _RESTARTS:
+                job.restarts_used -= 1
+        self._decide(out, job, f"attempt.{outcome}", reason, cancelled=gone,
+                     detail={"attempt": attempt.number, "granularity": attempt.granularity.value})
+        self._plan(out, job)
+
+    def _timer_fired(self, out: _Out, job: Job, data: kinds.TimerFired) -> None:
+        entry = self.timers.get(data.timer_id)
+        if entry is None or entry[0] != job.id:
+            return  # stale or cancelled: harmless, and kept in the log
+        owner, due, every = entry
+        if every is not None:
+            if data.due != due:
+                return  # a repeated firing of a period already handled
+            self.timers[data.timer_id] = (owner, due + every, every)
+        else:
+            del self.timers[data.timer_id]
+        if data.timer_id == job.watchdog:
+            self._watchdog(out, job)
+            return
+        for key, (verdict, timer_id) in list(job.suspects.items()):
+            if timer_id == data.timer_id:
+                del job.suspects[key]
+                confirmed = Verdict("fault", f"confirmed: {verdict.reason}", verdict.fault_class, verdict.scope,
+                                    verdict.ranks, verdict.node, verdict.device, verdict.lost, verdict.needs_move,
+                                    verdict.isolate, verdict.key, 0, verdict.code)
+                self._fault(out, job, confirmed, job.policies.labels["detection"])
+                return
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        if attempt is None:
+            return
+        if data.timer_id == attempt.deadline_timer:
+            attempt.deadline_timer = None
+            self._end_attempt(out, job, attempt, "timed_out", f"attempt {attempt.number} "
+                                                              f"({attempt.granularity.value}) missed its deadline")
+            return
+        for cid, (kind, timer_id) in list(attempt.pending.items()):
+            if data.timer_id == timer_id:
+                if kind == "save_checkpoint":
+                    attempt.pending.clear()
+                    self._decide(out, job, "checkpoint.dying_failed", "no ack for the dying checkpoint in time")
+                    self._checkpoint(out, job, attempt)
+                else:
+                    self._end_attempt(out, job, attempt, "timed_out", f"no ack for {kind} {cid} in time")
+                return
+
+    def _arm_watchdog(self, out: _Out, job: Job) -> list[TimerRequest]:
+        # One periodic timer per running job: its firings are log events, its re-arming needs no decision.
+        interval = int(job.spec.watchdog_interval_s * NS)
+        timer = self._timer(out, job, "watchdog", interval, every=interval)
+        job.watchdog = timer.id
+        return [timer]
+
+    def _watchdog(self, out: _Out, job: Job) -> None:
+        if job.state not in ("running", "suspect"):
+            return
+        view = WatchdogView(out.ts, job.step_time, tuple(
+            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)))
+        verdicts = job.policies.detection.check(view)
+        for verdict in verdicts:
+            if job.state not in ("running", "suspect") or job.incident is not None:
+                break
+            self._verdict(out, job, verdict, type_="watchdog")
+
+    def _capacity_returned(self, out: _Out) -> None:
+        """Nodes came back: waiting jobs try again, elastic jobs below their size grow."""
+        for job in list(self.jobs.values()):
+            if job.state == "waiting" and job.incident is not None:
+                self._plan(out, job)
+            elif (job.state == "running" and job.incident is None and job.spec.elastic is not None
+                  and job.layout.dp < job.target_dp):
+                self._scale(out, job, job.target_dp, "nodes returned: scale out", cause="scale")
+
+    # -- operators ------------------------------------------------------------------------------------
+    def _operator(self, out: _Out, job: Job, type_: str, data: Any) -> None:
+        if type_ == "operator.cancel":
+            stopping = [r for r in range(job.world) if job.alive[r]]
+            command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
+                                ranks=stopping, mode="kill", grace_s=0)
+            cancelled = self._cancel(*self._job_timers(job))
+            job.suspects.clear()
+            job.watchdog = None
+            if job.incident is not None:
+                self._close_incident(job, out.ts, "cancelled")
+            for name in job.nodes:
+                self.cluster.release(name, job.id)
+            self._decide(out, job, "job.cancelled", data.reason or "cancelled by an operator", trigger="cancel",
+                         commands=[command] if stopping else [], cancelled=cancelled)
+        elif type_ == "operator.pause":
+            if job.state in ("paused", "submitted"):
+                raise _Reject("invalid_state", f"job {job.id} is {job.state}: nothing to pause")
+            self._supersede(out, job, "operator pause")
+            incident = self._open(out, job, "operator")
+            attempt = Attempt(number=len(incident.attempts) + 1, granularity=G.RESTART_JOB, rung=0,
+                              purpose="pause", reason=data.reason or "paused by an operator", started=out.ts)
+            self._start(out, job, attempt, 900 * NS, None, [])
+        elif type_ == "operator.resume":
+            if job.state != "paused" or job.incident is None:
+                raise _Reject("invalid_state", f"job {job.id} is {job.state}, not paused")
+            attempt = Attempt(number=len(job.incident.attempts) + 1, granularity=G.RESTART_JOB, rung=0,
+                              purpose="resume", reason="resumed by an operator", started=out.ts)
+            self._start(out, job, attempt, 900 * NS, None, self._vacate(job))
+        elif type_ == "operator.scale":
+            elastic = job.spec.elastic
+            if elastic is None or not elastic.min_dp <= data.dp <= elastic.max_dp:
+                limits = "not elastic" if elastic is None else f"elastic [{elastic.min_dp}, {elastic.max_dp}]"
+                raise _Reject("invalid_request", f"job {job.id} cannot scale to dp={data.dp}: {limits}")
+            if job.state != "running":
+                raise _Reject("invalid_state", f"job {job.id} is {job.state}; scale when it is running")
+            job.target_dp = data.dp
+            if data.dp == job.layout.dp:
+                return
+            self._scale(out, job, data.dp, f"operator scale to dp={data.dp}", cause="operator")
+        elif type_ == "operator.force":
+            if job.state in ("submitted", "paused"):
+                raise _Reject("invalid_state", f"job {job.id} is {job.state}; nothing to recover")
+            self._supersede(out, job, f"operator forced {data.granularity.value}")
+            self._open(out, job, "operator")
+            self._plan(out, job, forced=data.granularity)
+
+    def _supersede(self, out: _Out, job: Job, reason: str) -> None:
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        if attempt is not None:
+            attempt.outcome = "superseded"
+            cancelled = self._cancel(attempt.deadline_timer, *(timer for _, timer in attempt.pending.values()))
+            attempt.pending.clear()
+            self._decide(out, job, "attempt.superseded", reason, cancelled=cancelled,
+                         detail={"attempt": attempt.number})
+
+    def _open(self, out: _Out, job: Job, cause: str) -> Incident:
+        if job.incident is None:
+            cancelled = self._cancel(job.watchdog, *(timer for _, timer in job.suspects.values()))
+            job.watchdog = None
+            job.suspects.clear()
+            job.incident = Incident(id=f"{job.id}#{len(job.closed) + 1}", opened_seq=out.seq, opened=out.ts,
+                                    fault_step=job.step, fault_class=None, cause=cause)
+            if cancelled:
+                self._decide(out, job, "watchdog.disarmed", f"{cause} incident", cancelled=cancelled)
+        return job.incident
+
+    def _scale(self, out: _Out, job: Job, dp: int, reason: str, cause: str) -> None:
+        per_replica = job.layout.tp * job.layout.pp
+        need = dp * per_replica
+        if need % job.rpn:
+            raise _Reject("invalid_request", f"dp={dp} needs {need} ranks, not a whole number of "
+                                             f"{job.rpn}-rank nodes")
+        have = len([n for n in job.nodes if self.cluster.usable(n)]) + len(self.cluster.free_spares())
+        dp = min(dp, _fit_dp(job.layout, job.rpn, have, dp) or job.layout.dp)
+        if dp == job.layout.dp:
+            return
+        incident = self._open(out, job, cause)
+        g = G.SCALE_OUT if dp > job.layout.dp else G.SCALE_IN
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=0, purpose="scale",
+                          reason=reason, started=out.ts, dp=dp)
+        self._start(out, job, attempt, 900 * NS, None, [])
+
+    def _fail_job(self, out: _Out, job: Job, reason: str, policy: str | None) -> None:
+        command = FailJob(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
+                          reason=reason)
+        cancelled = self._cancel(*self._job_timers(job))
+        if job.incident is not None:
+            self._close_incident(job, out.ts, "failed")
+        job.suspects.clear()
+        job.watchdog = None
+        for name in job.nodes:
+            self.cluster.release(name, job.id)
+        self._decide(out, job, "job.failed", reason, trigger="fail", policy=policy, commands=[command],
+                     cancelled=cancelled)
+
+    # -- views ----------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        return {"last_seq": self.last_seq,
+                "jobs": {job_id: self.jobs[job_id].snapshot() for job_id in sorted(self.jobs)},
+                "timers": [{"id": t, "job": j, "due": d, "every": e} for t, (j, d, e) in self.timers.items()],
+                "nodes": [self.cluster.nodes[n].snapshot() for n in sorted(self.cluster.nodes)]}
+
+
+_DEST = {t["trigger"]: t["dest"] for t in TRANSITIONS}
+
+
+def _fit_dp(layout: Layout, rpn: int, nodes: int, cap: int) -> int | None:
+    """The largest dp <= cap whose ranks fill whole nodes among `nodes`."""
+    per_replica = layout.tp * layout.pp
+    dp = min(cap, nodes * rpn // per_replica)
+    while dp >= 1 and (dp * per_replica) % rpn:
+        dp -= 1
+    return dp if dp >= 1 else None
+
+
+def _resize_plan(plan: ResumePlan, job: Job) -> ResumePlan:
+    """After a resize every rank's shard is the same function of its rank; sources follow the new world."""
+    if plan.checkpoint_step is None or not plan.sources:
+        return plan
+    by_shard = {src.rank % job.layout.shards: src for src in plan.sources}
+    sources = [by_shard[r % job.layout.shards].model_copy(update={"rank": r}) for r in range(job.world)]
+    return ResumePlan(checkpoint_step=plan.checkpoint_step, next_step=plan.next_step, sources=sources)
+
+
+def _tier_counts(plan: ResumePlan) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for source in plan.sources:
+        counts[source.tier.value] = counts.get(source.tier.value, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+__all__ = ["Effect", "Engine", "label"]

@@ -1,0 +1,371 @@
+"""The JetStream event log: the audit log of `recovery` in one NATS JetStream stream.
+
+This module and the daemon's I/O shell are the only places that import `nats`; the engine, `events/` and
+`policies/` never do.
+
+- The stream keeps every record (retention LIMITS, no age or size limit set here), on file storage,
+  with `deny_delete`/`deny_purge`, and a duplicate window that covers a daemon restart: an envelope's
+  id goes out as `Nats-Msg-Id`, so a republished event is dropped by the server.
+- Order is the stream sequence; logical time is the JetStream message timestamp, taken as integer
+  nanoseconds from the delivery metadata (never through a float or a datetime).
+- `read` pulls from an ephemeral, memory-backed, no-ack pull consumer in pipelined batches, checks the
+  consumer sequence for gaps and, if delivery stalls or a gap shows (a NATS outage, a lost consumer),
+  recreates the consumer at the next sequence it needs: every record comes once, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+)
+from nats.nuid import NUID
+
+from events.envelope import EnvelopeBase, RawRecord, Record
+from events.subjects import DEAD_LETTERS, DECISIONS, EVENTS
+from recovery.log import MSG_ID, Appended, _prepare, export_log, to_record
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STREAM = "RECOVERY"
+DEFAULT_SUBJECTS = [EVENTS, DECISIONS, DEAD_LETTERS]
+API_PREFIX = "$JS.API"
+
+# Errors after which a publish or a pull may simply be tried again (the connection reconnects forever).
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    asyncio.TimeoutError,  # nats.errors.TimeoutError derives from it
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.ServerError,
+)
+
+
+_NUID = NUID()
+
+
+class _ReaderLost(Exception):
+    """The pull consumer stopped delivering in order (gap, stall, deletion): recreate it."""
+
+
+def _parse_ack_reply(reply: str) -> tuple[int, int, int, int]:
+    """(stream seq, consumer seq, timestamp ns, pending) from a JetStream delivery's reply subject:
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>` (v1) or
+    `$JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]`
+    (v2). The timestamp is the server's integer nanoseconds, kept exact."""
+    tokens = reply.split(".")
+    if len(tokens) == 9 and tokens[0] == "$JS" and tokens[1] == "ACK":
+        return int(tokens[5]), int(tokens[6]), int(tokens[7]), int(tokens[8])
+    if len(tokens) >= 11 and tokens[0] == "$JS" and tokens[1] == "ACK":
+        return int(tokens[7]), int(tokens[8]), int(tokens[9]), int(tokens[10])
+    raise ValueError(f"not a JetStream delivery reply subject: {reply!r}")
+
+
+class _Reader:
+    """One ephemeral pull consumer over [start, end] with pipelined pull requests on one inbox."""
+
+    def __init__(self, owner: JetStreamLog, start: int, end: int) -> None:
+        self._owner = owner
+        self._start = start
+        self._end = end
+        self._batch = owner.read_batch
+        self._inbox = owner.nc.new_inbox()
+        self._name = _NUID.next().decode()
+        self._next_subject = f"{API_PREFIX}.CONSUMER.MSG.NEXT.{owner.stream}.{self._name}"
+        self._sub: Subscription | None = None
+        self._created = False
+        self._buffer: deque[Msg] = deque()
+        self._arrived = asyncio.Event()
+        self._outstanding = 0  # messages asked for and not yet delivered
+        self._highest = start - 1  # highest stream sequence delivered
+        self._cseq = 0  # last consumer sequence delivered
+        self.exhausted = False  # nothing left in [start, end]
+
+    async def open(self) -> None:
+        nc = self._owner.nc
+        self._sub = await nc.subscribe(self._inbox, cb=self._on_msg)
+        config = ConsumerConfig(
+            name=self._name,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self._start,
+            ack_policy=AckPolicy.NONE,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=max(self._owner.stall_timeout, 5.0),
+        )
+        info = await self._owner.js.add_consumer(self._owner.stream, config=config)
+        self._created = True
+        if info.num_pending == 0:
+            self.exhausted = True
+            return
+        await self._pull()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._buffer.append(msg)
+        self._arrived.set()
+
+    async def _pull(self) -> None:
+        # Keep between one and two batches asked for, never more than the range still needs (the range
+        # is contiguous unless the stream lost messages; a short count only means one more pull).
+        needed = self._end - self._highest - self._outstanding
+        while self._outstanding < self._batch and needed > 0:
+            count = min(self._batch, needed)
+            request = {"batch": count, "expires": int(self._owner.pull_expires * 1e9)}
+            await self._owner.nc.publish(self._next_subject, orjson.dumps(request), reply=self._inbox)
+            self._outstanding += count
+            needed -= count
+
+    async def next_batch(self) -> list[Record | RawRecord]:
+        """The records delivered since the last call (at least one unless the range is exhausted)."""
+        out: list[Record | RawRecord] = []
+        while not out and not self.exhausted:
+            if not self._buffer:
+                self._arrived.clear()
+                try:
+                    async with asyncio.timeout(self._owner.stall_timeout):
+                        await self._arrived.wait()
+                except TimeoutError as exc:
+                    raise _ReaderLost(f"no delivery for {self._owner.stall_timeout}s") from exc
+            while self._buffer and not self.exhausted:
+                self._take(self._buffer.popleft(), out)
+            if not self.exhausted:
+                await self._pull()
+        return out
+
+    def _take(self, msg: Msg, out: list[Record | RawRecord]) -> None:
+        reply = msg.reply
+        if not reply:
+            # A status message ends a pull request: 404/408 (no messages, expired) or 409 (limits,
+            # leadership change, consumer deleted). Ask again, or start over if the consumer is gone.
+            status = (msg.headers or {}).get("Status", "")
+            description = (msg.headers or {}).get("Description", "")
+            if status == "409" and "Consumer Deleted" in description:
+                raise _ReaderLost("consumer deleted")
+            if status in ("404", "408", "409"):
+                self._outstanding = 0
+            return
+        sseq, cseq, ts, pending = _parse_ack_reply(reply)
+        if cseq <= self._cseq:
+            return  # already seen
+        if cseq != self._cseq + 1:
+            raise _ReaderLost(f"gap in consumer sequence: {self._cseq} then {cseq}")
+        self._cseq = cseq
+        self._outstanding = max(self._outstanding - 1, 0)
+        if sseq > self._end:
+            self.exhausted = True
+            return
+        self._highest = sseq
+        out.append(to_record(sseq, ts, msg.subject, msg.headers or {}, msg.data))
+        if sseq >= self._end or pending == 0:
+            self.exhausted = True
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        if self._created and self._owner.nc.is_connected:
+            # Best effort: the inactive threshold removes it anyway if this does not get through.
+            with contextlib.suppress(Exception):
+                await self._owner.js.delete_consumer(self._owner.stream, self._name)
+        self._created = False
+
+
+class JetStreamLog:
+    """An `EventLog` over one JetStream stream. Create it with `await JetStreamLog.connect(url)`."""
+
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        stream: str,
+        *,
+        read_batch: int = 2048,
+        stall_timeout: float = 30.0,
+        pull_expires: float = 5.0,
+        publish_retry: float = 30.0,
+        owns_connection: bool = True,
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self.stream = stream
+        self.read_batch = read_batch
+        self.stall_timeout = stall_timeout
+        self.pull_expires = pull_expires
+        self.publish_retry = publish_retry
+        self._owns_connection = owns_connection
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        stream: str = DEFAULT_STREAM,
+        subjects: list[str] | None = None,
+        duplicate_window_s: float = 600,
+        replicas: int = 1,
+        **options: Any,
+    ) -> JetStreamLog:
+        """Connect (reconnecting forever) and create or update the stream; `options` go to the
+        constructor (read_batch, stall_timeout, pull_expires, publish_retry)."""
+        nc = await nats.connect(
+            url,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            name=f"recovery-log-{os.getpid()}",
+        )
+        try:
+            js = nc.jetstream()
+            await ensure_stream(js, stream_config(stream, subjects, duplicate_window_s, replicas))
+        except BaseException:
+            await nc.close()
+            raise
+        return cls(nc, js, stream, **options)
+
+    open = connect
+
+    async def append(
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+    ) -> Appended:
+        """Publish and wait for the stream's acknowledgement. A message with an id is retried on a timeout
+        or an outage until `publish_retry` seconds have passed (the server drops the repeat, so a retry
+        whose first try was stored returns duplicate=True with that sequence); one without is tried once."""
+        data, hdrs = _prepare(payload, headers)
+        idempotent = MSG_ID in hdrs
+        deadline = time.monotonic() + self.publish_retry
+        delay = 0.05
+        while True:
+            try:
+                ack = await self.js.publish(subject, data, headers=dict(hdrs) or None)
+                break
+            except _TRANSIENT:
+                if not idempotent or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("publish to %s failed, retrying", subject, exc_info=True)
+                await asyncio.sleep(delay)  # retry backoff during an outage
+                delay = min(delay * 2, 1.0)
+        if ack.stream != self.stream:
+            # Streams in one account cannot share subjects, so this is a misconfiguration, not a race.
+            raise RuntimeError(f"{subject} was stored in stream {ack.stream!r} (seq {ack.seq}), not {self.stream!r}")
+        return Appended(ack.seq, bool(ack.duplicate))
+
+    async def stream_info(self) -> StreamInfo:
+        """The stream's configuration and state, asked again through an outage for up to `stall_timeout`."""
+        deadline = time.monotonic() + self.stall_timeout
+        delay = 0.05
+        while True:
+            try:
+                return await self.js.stream_info(self.stream)
+            except _TRANSIENT:
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)  # retry backoff during an outage
+                delay = min(delay * 2, 1.0)
+
+    async def last_seq(self) -> int:
+        info = await self.stream_info()
+        return int(info.state.last_seq)
+
+    async def read(self, start_seq: int = 1) -> AsyncIterator[Record | RawRecord]:
+        """Every record from `start_seq` to the stream's last sequence when iteration starts, in order."""
+        state = (await self.stream_info()).state
+        end = int(state.last_seq)
+        next_seq = max(start_seq, int(state.first_seq), 1)
+        reader: _Reader | None = None
+        progress = time.monotonic()
+        delay = 0.05
+        try:
+            while next_seq <= end:
+                try:
+                    if reader is None:
+                        reader = _Reader(self, next_seq, end)
+                        await reader.open()
+                    batch = await reader.next_batch()
+                except (_ReaderLost, *_TRANSIENT) as exc:
+                    if reader is not None:
+                        await reader.close()
+                        reader = None
+                    if time.monotonic() - progress > self.stall_timeout:
+                        raise TimeoutError(
+                            f"reading {self.stream} stalled at sequence {next_seq} for {self.stall_timeout}s"
+                        ) from exc
+                    log.warning("reading %s at %d: %s; resuming", self.stream, next_seq, exc)
+                    await asyncio.sleep(delay)  # retry backoff during an outage
+                    delay = min(delay * 2, 1.0)
+                    continue
+                if batch:
+                    progress = time.monotonic()
+                    delay = 0.05
+                for record in batch:
+                    if record.seq < next_seq:
+                        continue
+                    yield record
+                    next_seq = record.seq + 1
+                if reader.exhausted:
+                    break
+        finally:
+            if reader is not None:
+                await reader.close()
+
+    async def export(
+        self, path: str | os.PathLike[str], start_seq: int = 1, job: str | None = None,
+        since_ns: int | None = None,
+    ) -> int:
+        """Write the JSONL export of the records from `start_seq` (of `job`, at or after `since_ns`)."""
+        return await export_log(self, path, start_seq, job, since_ns)
+
+    async def close(self) -> None:
+        if self._owns_connection and not self.nc.is_closed:
+            await self.nc.close()
+
+
+def stream_config(
+    name: str = DEFAULT_STREAM,
+    subjects: list[str] | None = None,
+    duplicate_window_s: float = 600,
+    replicas: int = 1,
+) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        subjects=list(subjects) if subjects is not None else list(DEFAULT_SUBJECTS),
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        duplicate_window=duplicate_window_s,
+        num_replicas=replicas,
+        deny_delete=True,
+        deny_purge=True,
+    )
+
+
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    """Create the stream, or bring an existing one to `config` (a no-op when it already matches)."""
+    try:
+        return await js.add_stream(config)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != 10058:  # stream name already in use with a different configuration
+            raise
+    return await js.update_stream(config)

@@ -1,0 +1,178 @@
+"""The per-job aggregate: spec, placement, per-rank liveness and progress, checkpoints, incidents."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier
+from policies.base import AttemptSummary, PolicySet, SaveRequest, Verdict
+
+DEDUPE_WINDOW = 256
+"""event ids remembered per job: JetStream's duplicate window is the first line, this the second"""
+CATALOG_STEPS = 16
+"""checkpoint steps kept in the catalog: older ones are never the newest complete"""
+CLOSED_INCIDENTS = 32
+
+
+@dataclass(slots=True)
+class Attempt:
+    number: int
+    granularity: Granularity
+    rung: int
+    purpose: str  # recover | scale | pause | resume | dump
+    reason: str
+    started: int
+    deadline_timer: str | None = None
+    phase: str = "planning"
+    pending: dict[str, tuple[str, str]] = field(default_factory=dict)  # command id -> (kind, ack timer id)
+    ranks: tuple[int, ...] = ()  # ranks whose processes restart (all of them for job-level)
+    stopping: tuple[int, ...] = ()
+    vacate: tuple[str, ...] = ()
+    save: SaveRequest | None = None
+    plan: ResumePlan | None = None
+    nodes: tuple[str, ...] = ()  # placement after the attempt (job-level and scale)
+    dp: int | None = None
+    outcome: str | None = None
+    budget_keys: tuple[str, ...] = ()
+
+    def summary(self) -> dict[str, Any]:
+        return {"number": self.number, "granularity": self.granularity.value, "rung": self.rung,
+                "purpose": self.purpose, "started": self.started, "phase": self.phase,
+                "ranks": list(self.ranks), "vacate": list(self.vacate), "outcome": self.outcome,
+                "resume_step": None if self.plan is None else self.plan.checkpoint_step}
+
+
+@dataclass(slots=True)
+class Incident:
+    id: str
+    opened_seq: int
+    opened: int
+    fault_step: int
+    fault_class: FaultClass | None
+    cause: str  # fault | scale | operator
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
+    phases: list[list[Any]] = field(default_factory=list)  # [name, start, end or None]
+    dying_tried: bool = False
+    closed: int | None = None
+    outcome: str | None = None
+    lost_steps: int | None = None
+
+    @property
+    def attempt(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts and self.attempts[-1].outcome is None else None
+
+    def history(self) -> tuple[AttemptSummary, ...]:
+        return tuple(AttemptSummary(a.granularity, a.outcome, a.rung)  # type: ignore[arg-type]
+                     for a in self.attempts if a.outcome in ("failed", "timed_out", "superseded"))
+
+    def enter(self, phase: str, ts: int) -> None:
+        if self.phases and self.phases[-1][2] is None:
+            if self.phases[-1][0] == phase:
+                return
+            self.phases[-1][2] = ts
+        self.phases.append([phase, ts, None])
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "opened": self.opened, "closed": self.closed, "cause": self.cause,
+                "fault_class": None if self.fault_class is None else self.fault_class.value,
+                "fault_step": self.fault_step, "outcome": self.outcome, "lost_steps": self.lost_steps,
+                "faults": self.faults, "attempts": [a.summary() for a in self.attempts],
+                "phases": [list(p) for p in self.phases]}
+
+
+class Job:
+    """One training job. `state` is driven only through recovery.machine.fire."""
+
+    __slots__ = ("alive", "catalog", "closed", "generation", "id", "incident", "last_progress", "last_seen",
+                 "layout", "nodes", "policies", "restarts_used", "rpn", "seen", "spec", "state", "step",
+                 "step_time", "step_ts", "steps", "suspects", "target_dp", "used", "watchdog")
+
+    def __init__(self, job_id: str, spec: JobSpec, policies: PolicySet) -> None:
+        self.id = job_id
+        self.spec = spec
+        self.policies = policies
+        self.state = "submitted"
+        self.layout: Layout = spec.layout
+        self.rpn = spec.ranks_per_node
+        self.nodes: list[str] = list(spec.nodes)
+        self.target_dp = spec.layout.dp
+        self.generation = 0
+        self.step = 0  # newest completed step any rank reported
+        self.step_ts: int | None = None
+        self.step_time: int | None = None  # ns per step, smoothed
+        world = spec.layout.world
+        self.alive = bytearray(world)
+        self.steps = [0] * world
+        self.last_seen = [0] * world
+        self.last_progress = [0] * world
+        self.catalog: dict[int, dict[Tier, dict[int, set[str]]]] = {}
+        self.incident: Incident | None = None
+        self.closed: list[dict[str, Any]] = []
+        self.suspects: dict[str, tuple[Verdict, str]] = {}  # key -> (verdict, timer id), in log order
+        self.watchdog: str | None = None
+        self.used: dict[str, int] = {}
+        self.restarts_used = 0
+        self.seen: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def world(self) -> int:
+        return len(self.steps)
+
+    def node_of(self, rank: int) -> str:
+        return self.nodes[rank // self.rpn]
+
+    def ranks_on(self, node: str) -> range:
+        index = self.nodes.index(node)
+        return range(index * self.rpn, (index + 1) * self.rpn)
+
+    def resize(self, layout: Layout, nodes: list[str], ts: int) -> None:
+        self.layout = layout
+        self.nodes = nodes
+        world = layout.world
+        self.alive = bytearray(world)
+        self.steps = [0] * world
+        self.last_seen = [ts] * world
+        self.last_progress = [ts] * world
+
+    def remember(self, event_id: str) -> bool:
+        """False if this id was seen recently (a duplicate)."""
+        seen = self.seen
+        if event_id in seen:
+            return False
+        seen[event_id] = None
+        if len(seen) > DEDUPE_WINDOW:
+            seen.popitem(last=False)
+        return True
+
+    def add_checkpoint(self, step: int, tier: Tier, shards: list[int], holder: str) -> None:
+        by_tier = self.catalog.get(step)
+        if by_tier is None:
+            by_tier = self.catalog[step] = {}
+            if len(self.catalog) > CATALOG_STEPS:
+                del self.catalog[min(self.catalog)]
+        by_shard = by_tier.setdefault(tier, {})
+        for shard in shards:
+            by_shard.setdefault(shard, set()).add(holder)
+
+    def frozen_catalog(self) -> dict[int, dict[Tier, dict[int, tuple[str, ...]]]]:
+        return {step: {tier: {shard: tuple(sorted(h)) for shard, h in sorted(shards.items())}
+                       for tier, shards in sorted(by_tier.items())}
+                for step, by_tier in sorted(self.catalog.items(), reverse=True)}
+
+    def snapshot(self) -> dict[str, Any]:
+        """The job's state as plain data, for replay output, `recovery-ctl` and tests."""
+        return {
+            "job": self.id, "state": self.state, "generation": self.generation, "step": self.step,
+            "layout": self.layout.model_dump(), "nodes": list(self.nodes),
+            "alive": sum(self.alive), "world": self.world, "step_time_ns": self.step_time,
+            "restarts_used": self.restarts_used, "used": dict(sorted(self.used.items())),
+            "checkpoints": {str(step): {tier.value: sorted(shards) for tier, shards in by_tier.items()}
+                            for step, by_tier in self.frozen_catalog().items()},
+            "incident": None if self.incident is None else self.incident.summary(),
+            "incidents": list(self.closed),
+            "suspects": list(self.suspects),
+            "policies": dict(self.policies.labels),
+        }

@@ -1,0 +1,183 @@
+"""A time-skipping harness: the engine, a log and a timer service on a virtual clock.
+
+Policy authors and our own tests script a cluster with it: submit a job, send heartbeats, inject a
+fault, acknowledge commands, and `advance` time, which fires every timer that falls due on the way
+exactly as the daemon's timer service would, at its due time. Hour-long timeouts take microseconds.
+The log it writes is a real replay log (inputs and recorded decisions), so `recovery-replay verify`
+and `timeline` work on it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from typing import Any
+
+from events import subjects
+from events.commands import CommandBase, SaveCheckpoint
+from events.envelope import EnvelopeBase, make_envelope
+from events.kinds import JOB_EVENTS
+from events.outputs import Decision, Rejection
+from events.values import STORAGE_HOLDER, JobSpec, Layout, Tier
+from policies.base import NS
+from recovery.engine import Effect, Engine
+from recovery.log import FileLog, MemoryLog
+from recovery.recorder import Recorder
+
+EPOCH = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z: a fixed start, so scenario logs are byte-stable
+
+
+class Scenario:
+    def __init__(self, log: MemoryLog | FileLog | None = None, start_ns: int = EPOCH) -> None:
+        self.now = start_ns
+        self.log = log if log is not None else MemoryLog(clock=self._clock)
+        if isinstance(self.log, MemoryLog | FileLog):
+            self.log._clock = self._clock
+        self.engine = Engine()
+        self.recorder = Recorder(self.log, self.engine)
+        self.decisions: list[Decision] = []
+        self.rejections: list[Rejection] = []
+        self.commands: dict[str, CommandBase] = {}
+        self._counter = 0
+        self._due: list[tuple[int, int, str, str]] = []  # (due, order, timer id, job)
+        self._armed: dict[str, tuple[int, int | None]] = {}
+
+    def _clock(self) -> int:
+        return self.now
+
+    def _id(self, prefix: str) -> str:
+        self._counter += 1
+        return f"{prefix}-{self._counter}"
+
+    # -- sending ----------------------------------------------------------------------------------------
+    def send(self, subject: str, payload: EnvelopeBase | bytes) -> list[Effect]:
+        effects = self.recorder.feed(subject, payload)
+        for effect in effects:
+            if isinstance(effect, Decision):
+                self.decisions.append(effect)
+                for command in effect.commands:
+                    self.commands[command.id] = command
+                for timer in effect.timers:
+                    self._armed[timer.id] = (timer.due, timer.every)
+                    heapq.heappush(self._due, (timer.due, len(self._due) + self._counter, timer.id, effect.job))
+                    self._counter += 1
+                for timer_id in effect.cancelled_timers:
+                    self._armed.pop(timer_id, None)
+            else:
+                self.rejections.append(effect)
+        return effects
+
+    def job_event(self, job: str, type_: str, event_id: str | None = None, **data: Any) -> list[Effect]:
+        envelope = make_envelope(type_, data, id=event_id or self._id(type_), job=job, source="scenario")
+        return self.send(subjects.job_event(job, type_), envelope)
+
+    def node_event(self, node: str, type_: str, event_id: str | None = None, **data: Any) -> list[Effect]:
+        envelope = make_envelope(type_, data, id=event_id or self._id(type_), node=node, source="scenario")
+        return self.send(subjects.node_event(node, type_), envelope)
+
+    def event(self, type_: str, target: str, **data: Any) -> list[Effect]:
+        if type_ in JOB_EVENTS:
+            return self.job_event(target, type_, **data)
+        return self.node_event(target, type_, **data)
+
+    # -- conveniences -----------------------------------------------------------------------------------
+    def submit(self, job: str, nodes: list[str], ranks_per_node: int, dp: int, tp: int = 1, pp: int = 1,
+               start: bool = True, **spec: Any) -> list[Effect]:
+        job_spec = JobSpec(nodes=nodes, ranks_per_node=ranks_per_node, layout=Layout(dp=dp, tp=tp, pp=pp), **spec)
+        effects = self.job_event(job, "job.submitted", spec=job_spec.model_dump())
+        if start:
+            effects += self.job_event(job, "job.started")
+        return effects
+
+    def spare(self, node: str, devices: int = 8) -> list[Effect]:
+        return self.node_event(node, "node.joined", spare=True, devices=devices)
+
+    def steps(self, job: str, step: int, ranks: Iterable[int] | None = None, attempt: int | None = None) -> None:
+        """Every listed rank (default: all) reports `step` completed."""
+        state = self.engine.jobs[job]
+        gen = state.generation if attempt is None else attempt
+        for rank in range(state.world) if ranks is None else ranks:
+            self.job_event(job, "progress.step", rank=rank, step=step, attempt=gen)
+
+    def train(self, job: str, steps: int, step_time_s: float = 1.0, ranks: Iterable[int] | None = None) -> None:
+        """Advance `steps` steps of `step_time_s` each, all (or the listed) ranks reporting every step."""
+        state = self.engine.jobs[job]
+        chosen = list(range(state.world) if ranks is None else ranks)
+        for _ in range(steps):
+            self.advance(step_time_s)
+            self.steps(job, state.step + 1, chosen)
+
+    def checkpoint(self, job: str, step: int, tier: Tier | str, holder: str, shards: Iterable[int] | None = None
+                   ) -> list[Effect]:
+        state = self.engine.jobs[job]
+        shard_list = list(range(state.layout.shards) if shards is None else shards)
+        return self.job_event(job, "checkpoint.saved", step=step, tier=Tier(tier), shards=shard_list, holder=holder)
+
+    def outstanding(self, kind: str | None = None) -> list[CommandBase]:
+        """Commands whose attempt is still waiting on them, oldest first."""
+        pending: list[CommandBase] = []
+        for job in self.engine.jobs.values():
+            attempt = job.incident.attempt if job.incident is not None else None
+            if attempt is not None:
+                pending += [self.commands[c] for c in attempt.pending if c in self.commands]
+        return [c for c in pending if kind is None or getattr(c, "kind", None) == kind]
+
+    def ack(self, command: CommandBase | str, status: str = "done", reason: str = "") -> list[Effect]:
+        cmd = self.commands[command] if isinstance(command, str) else command
+        return self.job_event(cmd.job, "command.ack", command_id=cmd.id, status=status, reason=reason)
+
+    def complete(self, command: CommandBase) -> list[Effect]:
+        """Play a well-behaved executor: a dying checkpoint is saved (to storage) before its ack."""
+        effects: list[Effect] = []
+        if isinstance(command, SaveCheckpoint):
+            effects += self.checkpoint(command.job, command.step, Tier.DYING, STORAGE_HOLDER)
+        return effects + self.ack(command)
+
+    def ack_all(self, rounds: int = 10) -> list[Effect]:
+        """Complete outstanding commands until none is left (executors that always succeed)."""
+        effects: list[Effect] = []
+        for _ in range(rounds):
+            pending = self.outstanding()
+            if not pending:
+                break
+            for command in pending:
+                effects += self.complete(command)
+        return effects
+
+    # -- time -------------------------------------------------------------------------------------------
+    def advance(self, seconds: float) -> list[Effect]:
+        """Move virtual time forward, firing every timer that falls due on the way, at its due time."""
+        end = self.now + int(seconds * NS)
+        return self.run_until(end)
+
+    def run_until(self, end: int) -> list[Effect]:
+        effects: list[Effect] = []
+        while self._due and self._due[0][0] <= end:
+            due, _, timer_id, job = heapq.heappop(self._due)
+            armed = self._armed.get(timer_id)
+            if armed is None or armed[0] != due:
+                continue  # cancelled, or a period already fired
+            self.now = max(self.now, due)
+            every = armed[1]
+            if every is None:
+                del self._armed[timer_id]
+            else:
+                self._armed[timer_id] = (due + every, every)
+                heapq.heappush(self._due, (due + every, self._counter, timer_id, job))
+                self._counter += 1
+            effects += self.job_event(job, "timer.fired", timer_id=timer_id, due=due)
+        self.now = max(self.now, end)
+        return effects
+
+    # -- reading ----------------------------------------------------------------------------------------
+    def state(self, job: str) -> str:
+        return self.engine.jobs[job].state
+
+    def kinds(self, job: str | None = None) -> list[str]:
+        return [d.kind for d in self.decisions if job is None or d.job == job]
+
+    def find(self, kind: str, job: str | None = None) -> list[Decision]:
+        return [d for d in self.decisions if d.kind == kind and (job is None or d.job == job)]
+
+    def commands_of(self, kind: str) -> list[Any]:
+        return [c for d in self.decisions for c in d.commands if c.kind == kind]

