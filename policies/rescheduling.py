@@ -65,7 +65,11 @@ class LadderRescheduling:
             return Action(G.FAIL, f"restart budget max_restarts exhausted: {ctx.restarts_used} of "
                                   f"{ctx.max_restarts} used", budget="max_restarts")
         ladder = self.ladders[ctx.fault_class]
-        start = ctx.previous[-1].rung + 1 if ctx.previous else 0
+        start = 0
+        if ctx.previous:
+            last = ctx.previous[-1]
+            # A superseded attempt did not fail: the widened incident starts again at the same rung.
+            start = last.rung if last.outcome == "superseded" else last.rung + 1
         exhausted: list[str] = []
         for index in range(start, len(ladder)):
             rung = ladder[index]

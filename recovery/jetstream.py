@@ -1,7 +1,6 @@
 """The JetStream event log: the audit log of `recovery` in one NATS JetStream stream.
 
-This module and the daemon's I/O shell are the only places that import `nats`; the engine, `events/` and
-`policies/` never do.
+Only the event-log adapters (this module) import `nats`; the engine, `events/` and `policies/` never do.
 
 - The stream keeps every record (retention LIMITS, no age or size limit set here), on file storage,
   with `deny_delete`/`deny_purge`, and a duplicate window that covers a daemon restart: an envelope's
@@ -47,7 +46,7 @@ from events.envelope import EnvelopeBase, RawRecord, Record
 from events.subjects import DEAD_LETTERS, DECISIONS, EVENTS
 from recovery.log import MSG_ID, Appended, _prepare, export_log, to_record
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 DEFAULT_STREAM = "RECOVERY"
 DEFAULT_SUBJECTS = [EVENTS, DECISIONS, DEAD_LETTERS]
@@ -104,6 +103,7 @@ class _Reader:
         self._outstanding = 0  # messages asked for and not yet delivered
         self._highest = start - 1  # highest stream sequence delivered
         self._cseq = 0  # last consumer sequence delivered
+        self._connection = owner.connection_generation  # a reconnect may have lost the consumer
         self.exhausted = False  # nothing left in [start, end]
 
     async def open(self) -> None:
@@ -129,6 +129,9 @@ class _Reader:
         self._buffer.append(msg)
         self._arrived.set()
 
+    def wake(self) -> None:
+        self._arrived.set()
+
     async def _pull(self) -> None:
         # Keep between one and two batches asked for, never more than the range still needs (the range
         # is contiguous unless the stream lost messages; a short count only means one more pull).
@@ -143,14 +146,18 @@ class _Reader:
     async def next_batch(self) -> list[Record | RawRecord]:
         """The records delivered since the last call (at least one unless the range is exhausted)."""
         out: list[Record | RawRecord] = []
+        # A healthy server answers every pull within its expiry, with messages or a timeout status.
+        idle = 2 * self._owner.pull_expires + 1
         while not out and not self.exhausted:
             if not self._buffer:
                 self._arrived.clear()
+                if self._owner.connection_generation != self._connection:
+                    raise _ReaderLost("reconnected")
                 try:
-                    async with asyncio.timeout(self._owner.stall_timeout):
+                    async with asyncio.timeout(idle):
                         await self._arrived.wait()
                 except TimeoutError as exc:
-                    raise _ReaderLost(f"no delivery for {self._owner.stall_timeout}s") from exc
+                    raise _ReaderLost(f"no delivery for {idle}s") from exc
             while self._buffer and not self.exhausted:
                 self._take(self._buffer.popleft(), out)
             if not self.exhausted:
@@ -219,6 +226,16 @@ class JetStreamLog:
         self.pull_expires = pull_expires
         self.publish_retry = publish_retry
         self._owns_connection = owns_connection
+        self.connection_generation = 0  # counts reconnects
+        self._readers: set[_Reader] = set()
+
+    async def _reconnected(self) -> None:
+        """nats-py's reconnected callback (set by `connect`): readers re-create their consumers, which a
+        restarted server no longer has, instead of waiting for their pulls to time out."""
+        self.connection_generation += 1
+        logger.info("reconnected to %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+        for reader in self._readers:
+            reader.wake()
 
     @classmethod
     async def connect(
@@ -228,23 +245,34 @@ class JetStreamLog:
         subjects: list[str] | None = None,
         duplicate_window_s: float = 600,
         replicas: int = 1,
+        request_timeout: float = 5.0,
         **options: Any,
     ) -> JetStreamLog:
-        """Connect (reconnecting forever) and create or update the stream; `options` go to the
-        constructor (read_batch, stall_timeout, pull_expires, publish_retry)."""
+        """Connect (reconnecting forever) and create or update the stream. `request_timeout` bounds one
+        JetStream API request or publish acknowledgement (a publish lost in a disconnect is retried after
+        it); `options` go to the constructor (read_batch, stall_timeout, pull_expires, publish_retry)."""
+        created: list[JetStreamLog] = []
+
+        async def reconnected() -> None:
+            for instance in created:
+                await instance._reconnected()
+
         nc = await nats.connect(
             url,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
+            reconnected_cb=reconnected,
             name=f"recovery-log-{os.getpid()}",
         )
         try:
-            js = nc.jetstream()
+            js = nc.jetstream(timeout=request_timeout)
             await ensure_stream(js, stream_config(stream, subjects, duplicate_window_s, replicas))
         except BaseException:
             await nc.close()
             raise
-        return cls(nc, js, stream, **options)
+        instance = cls(nc, js, stream, **options)
+        created.append(instance)
+        return instance
 
     open = connect
 
@@ -265,7 +293,7 @@ class JetStreamLog:
             except _TRANSIENT:
                 if not idempotent or time.monotonic() + delay > deadline:
                     raise
-                log.warning("publish to %s failed, retrying", subject, exc_info=True)
+                logger.warning("publish to %s failed, retrying", subject, exc_info=True)
                 await asyncio.sleep(delay)  # retry backoff during an outage
                 delay = min(delay * 2, 1.0)
         if ack.stream != self.stream:
@@ -303,17 +331,19 @@ class JetStreamLog:
                 try:
                     if reader is None:
                         reader = _Reader(self, next_seq, end)
+                        self._readers.add(reader)
                         await reader.open()
                     batch = await reader.next_batch()
                 except (_ReaderLost, *_TRANSIENT) as exc:
                     if reader is not None:
+                        self._readers.discard(reader)
                         await reader.close()
                         reader = None
                     if time.monotonic() - progress > self.stall_timeout:
                         raise TimeoutError(
                             f"reading {self.stream} stalled at sequence {next_seq} for {self.stall_timeout}s"
                         ) from exc
-                    log.warning("reading %s at %d: %s; resuming", self.stream, next_seq, exc)
+                    logger.warning("reading %s at %d: %s; resuming", self.stream, next_seq, exc)
                     await asyncio.sleep(delay)  # retry backoff during an outage
                     delay = min(delay * 2, 1.0)
                     continue
@@ -329,6 +359,7 @@ class JetStreamLog:
                     break
         finally:
             if reader is not None:
+                self._readers.discard(reader)
                 await reader.close()
 
     async def export(

@@ -107,6 +107,16 @@ class Scenario:
             self.advance(step_time_s)
             self.steps(job, state.step + 1, chosen)
 
+    def idle(self, job: str, seconds: float, ranks: Iterable[int] | None = None) -> None:
+        """Let `seconds` pass while the job's live ranks (or the listed ones) heartbeat once a second
+        without progress: time passes for a fault's debounce without the watchdog seeing silence."""
+        state = self.engine.jobs[job]
+        for _ in range(round(seconds)):
+            self.advance(1)
+            chosen = [r for r in range(state.world) if state.alive[r]] if ranks is None else list(ranks)
+            for rank in chosen:
+                self.job_event(job, "process.heartbeat", rank=rank, attempt=state.generation)
+
     def checkpoint(self, job: str, step: int, tier: Tier | str, holder: str, shards: Iterable[int] | None = None
                    ) -> list[Effect]:
         state = self.engine.jobs[job]

@@ -15,7 +15,7 @@ import pytest
 
 from events import RawRecord, Record, make_envelope
 from events.envelope import EnvelopeBase
-from events.subjects import decision, dead_letter, job_event, node_event
+from events.subjects import dead_letter, decision, job_event, node_event
 from recovery.log import MSG_ID, EventLog, iter_file
 
 LogFactory = Callable[[], Awaitable[Any]]

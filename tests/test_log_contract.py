@@ -9,13 +9,13 @@ from pathlib import Path
 
 import orjson
 import pytest
-from log_contract import HEARTBEAT, EventLogContract, LogFactory, heartbeat, read_all
 from nats.js.api import RetentionPolicy, StorageType
 
 from events.subjects import DEAD_LETTERS, DECISIONS, EVENTS
 from recovery.jetstream import JetStreamLog
 from recovery.log import FileLog, MemoryLog
 from recovery.testing import NatsServer
+from tests.log_contract import HEARTBEAT, EventLogContract, LogFactory, heartbeat, read_all
 
 
 class TestMemoryLog(EventLogContract):
@@ -133,16 +133,38 @@ async def test_reads_across_many_pull_batches(nats_server: NatsServer) -> None:
         await log.close()
 
 
-async def test_survives_a_server_restart(nats_server: NatsServer, js_log: JetStreamLog) -> None:
-    for i in range(1, 4):
-        await js_log.append(HEARTBEAT, heartbeat(i))
-    before = await read_all(js_log)
-    nats_server.stop()
-    nats_server.start()
-    # The client reconnects by itself; append retries until it has, and the duplicate window survived.
-    dup = await js_log.append(HEARTBEAT, heartbeat(3))
-    assert (dup.seq, dup.duplicate) == (3, True)
-    assert (await js_log.append(HEARTBEAT, heartbeat(4))).seq == 4
-    after = await read_all(js_log)
-    assert after[:3] == before
-    assert [r.seq for r in after] == [1, 2, 3, 4]
+async def test_survives_a_server_restart(nats_server: NatsServer) -> None:
+    # A short request timeout: a publish sent into the dead connection is retried sooner.
+    log = await JetStreamLog.connect(nats_server.url, request_timeout=1.0)
+    try:
+        for i in range(1, 4):
+            await log.append(HEARTBEAT, heartbeat(i))
+        before = await read_all(log)
+        nats_server.stop()
+        nats_server.start()
+        # The client reconnects by itself; append retries until it has, and the duplicate window survived.
+        dup = await log.append(HEARTBEAT, heartbeat(3))
+        assert (dup.seq, dup.duplicate) == (3, True)
+        assert (await log.append(HEARTBEAT, heartbeat(4))).seq == 4
+        after = await read_all(log)
+        assert after[:3] == before
+        assert [r.seq for r in after] == [1, 2, 3, 4]
+    finally:
+        await log.close()
+
+
+async def test_read_resumes_through_a_server_restart(nats_server: NatsServer) -> None:
+    log = await JetStreamLog.connect(nats_server.url, request_timeout=1.0, read_batch=16)
+    try:
+        for i in range(1, 101):
+            await log.append(HEARTBEAT, heartbeat(i))
+        seen = []
+        async for record in log.read():
+            seen.append(record.seq)
+            if record.seq == 10:
+                # The reader's consumer lives in server memory and dies with it: reading goes on anyway.
+                nats_server.stop()
+                nats_server.start()
+        assert seen == list(range(1, 101))
+    finally:
+        await log.close()

@@ -1,0 +1,323 @@
+"""The golden scenarios: one per behaviour of the seed systems, scripted on the time-skipping harness.
+
+`python -m tests.golden.scenarios` rewrites the committed logs (tests/golden/*.jsonl). CI replays
+each committed log, checks that the replay reproduces every recorded decision, that the scenario
+still produces the same bytes, and asserts on the decisions that make the behaviour.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from recovery.log import write_file
+from recovery.scenario import Scenario
+
+HERE = Path(__file__).parent
+SCENARIOS: dict[str, Callable[[], Scenario]] = {}
+
+
+def scenario(func: Callable[[], Scenario]) -> Callable[[], Scenario]:
+    SCENARIOS[func.__name__] = func
+    return func
+
+
+NO_DYING = {"checkpoint": {"name": "newest-complete", "params": {"dying": False}}}
+
+
+def heartbeats(s: Scenario, job: str, ranks: list[int], step: int | None = None) -> None:
+    for rank in ranks:
+        if step is None:
+            s.job_event(job, "process.heartbeat", rank=rank, attempt=s.engine.jobs[job].generation)
+        else:
+            s.job_event(job, "process.heartbeat", rank=rank, step=step, attempt=s.engine.jobs[job].generation)
+
+
+@scenario
+def graceful_exit() -> Scenario:
+    """ModelArts graceful exit: the platform SIGTERMs the job; each process saves its shard as a dying
+    checkpoint before it exits; the job restarts and resumes from that dying checkpoint, losing nothing."""
+    s = Scenario()
+    s.submit("gpt", ["n0", "n1"], ranks_per_node=4, dp=2, tp=4)
+    s.train("gpt", 10)
+    s.checkpoint("gpt", 10, "storage", "storage")
+    s.train("gpt", 10)
+    s.advance(0.5)
+    for rank in range(4):  # replica 0 writes the four shards in its SIGTERM handler
+        s.checkpoint("gpt", 20, "dying", "storage", shards=[rank])
+    for rank in range(8):
+        s.job_event("gpt", "process.exited", rank=rank, exit_code=None, signal=15)
+    s.advance(5)
+    s.ack_all()
+    s.advance(30)
+    s.train("gpt", 2)
+    return s
+
+
+@scenario
+def watchdog_heartbeat() -> Scenario:
+    """MindCluster-style watchdog: rank 5 hangs; the others block in the collective but their agents
+    still heartbeat. The silence is caught in seconds, not after HCCL's 30-minute timeout."""
+    s = Scenario()
+    s.submit("llm", ["n0", "n1"], ranks_per_node=4, dp=8)
+    s.train("llm", 20)
+    s.checkpoint("llm", 20, "storage", "storage")
+    for _ in range(40):  # rank 5 is silent from here; the rest heartbeat without progress
+        s.advance(1)
+        heartbeats(s, "llm", [r for r in range(8) if r != 5])
+        if s.engine.jobs["llm"].incident is not None:
+            break
+    s.ack_all()
+    s.advance(10)
+    s.train("llm", 2)
+    return s
+
+
+@scenario
+def watchdog_collective() -> Scenario:
+    """A collective timeout that names its group: seven ranks report, so the eighth is the one they all
+    wait for, and only it is restarted."""
+    s = Scenario()
+    s.submit("llm", ["n0", "n1"], ranks_per_node=4, dp=8)
+    s.train("llm", 20)
+    s.checkpoint("llm", 20, "storage", "storage")
+    s.advance(3)
+    s.job_event("llm", "network.collective_timeout", group="dp-all", members=list(range(8)),
+                reporters=[0, 1, 2, 4, 5, 6, 7], operation="allreduce", timeout_s=3)
+    s.ack_all()
+    s.advance(10)
+    s.train("llm", 2)
+    return s
+
+
+@scenario
+def pod_level_reschedule() -> Scenario:
+    """A GPU falls off the bus (XID 79): the node's ranks move to a spare; no other node restarts."""
+    s = Scenario()
+    s.spare("spare0")
+    s.submit("llm", ["n0", "n1", "n2", "n3"], ranks_per_node=2, dp=4, tp=2)
+    s.train("llm", 10)
+    s.checkpoint("llm", 10, "storage", "storage")
+    s.train("llm", 5)
+    s.node_event("n2", "device.fault", device=1, vendor="nvidia", code="79")
+    s.ack_all()
+    s.advance(20)
+    s.train("llm", 2)
+    return s
+
+
+@scenario
+def recover_in_place_fallback() -> Scenario:
+    """Process-level recovery: only the crashed process restarts; when that fails the ranks move to a
+    spare (pod level); when that misses its deadline the whole job restarts (job level)."""
+    s = Scenario()
+    s.spare("spare0")
+    s.submit("llm", ["n0", "n1"], ranks_per_node=4, dp=8, policies=NO_DYING)
+    s.train("llm", 10)
+    s.checkpoint("llm", 10, "storage", "storage")
+    s.train("llm", 3)
+    s.job_event("llm", "process.exited", rank=3, exit_code=139)
+    restart = s.outstanding("restart_ranks")[0]
+    s.ack(restart, "failed", "CUDA context creation failed")
+    s.ack_all(rounds=1)  # the migration's stop goes through; the migration itself is never acknowledged
+    s.advance(301)
+    s.ack_all()
+    s.advance(30)
+    s.train("llm", 2)
+    return s
+
+
+def _ttp(job: str, victim: int) -> Scenario:
+    s = Scenario()
+    nodes = [f"{job}-n{i}" for i in range(4)]
+    s.submit(job, nodes, ranks_per_node=1, dp=4)
+    s.train(job, 10)
+    s.checkpoint(job, 10, "storage", "storage")
+    s.train(job, 7)
+    s.job_event(job, "process.exited", rank=victim, exit_code=None, signal=9)
+    s.ack_all()
+    s.idle(job, 5)
+    s.train(job, 2)
+    return s
+
+
+@scenario
+def power_off_checkpoint() -> Scenario:
+    """MindIO TTP: 4-way data parallel, rank 2 is killed, a healthy replica saves a dying checkpoint at the
+    current step and the job resumes at the next step: nothing is lost."""
+    return _ttp("ttp", 2)
+
+
+@scenario
+def power_off_rank0() -> Scenario:
+    """Rank 0 killed is no different: the controller is not on rank 0, and rank 1 saves instead."""
+    return _ttp("rank0", 0)
+
+
+@scenario
+def power_off_no_replica() -> Scenario:
+    """Both replicas of one shard are gone: no dying checkpoint is possible, so the job resumes from
+    the newest complete saved checkpoint."""
+    s = Scenario()
+    s.submit("noreplica", ["nr-n0", "nr-n1"], ranks_per_node=2, dp=2, tp=2)
+    s.train("noreplica", 10)
+    s.checkpoint("noreplica", 10, "storage", "storage")
+    s.train("noreplica", 7)
+    s.job_event("noreplica", "process.exited", rank=1, exit_code=None, signal=9)
+    s.job_event("noreplica", "process.exited", rank=3, exit_code=None, signal=9)
+    s.ack_all()
+    s.idle("noreplica", 5)
+    s.train("noreplica", 2)
+    return s
+
+
+
+@scenario
+def memory_checkpoint() -> Scenario:
+    """MindIO ACP: the in-memory checkpoint is preferred over storage while every shard has a live holder."""
+    s = Scenario()
+    s.submit("mem", ["m0", "m1"], ranks_per_node=2, dp=2, tp=2, policies=NO_DYING)
+    s.train("mem", 10)
+    s.checkpoint("mem", 10, "storage", "storage")
+    s.train("mem", 10)
+    s.checkpoint("mem", 20, "memory", "m0")  # each node keeps both shards in host memory
+    s.checkpoint("mem", 20, "memory", "m1")
+    s.train("mem", 3)
+    s.job_event("mem", "process.exited", rank=1, exit_code=1)
+    s.ack_all()
+    s.idle("mem", 5)
+    s.train("mem", 2)
+    return s
+
+
+@scenario
+def memory_checkpoint_lost() -> Scenario:
+    """When a shard's only in-memory copy dies with its node, the job resumes from storage."""
+    s = Scenario()
+    s.spare("spare0")
+    s.submit("lost", ["l0", "l1"], ranks_per_node=2, dp=2, tp=2, policies=NO_DYING)
+    s.train("lost", 10)
+    s.checkpoint("lost", 10, "storage", "storage")
+    s.train("lost", 10)
+    s.checkpoint("lost", 20, "memory", "l0", shards=[0])  # each shard's memory copy on one node only
+    s.checkpoint("lost", 20, "memory", "l1", shards=[1])
+    s.train("lost", 3)
+    s.node_event("l1", "node.not_ready", reason="kubelet stopped posting status")
+    s.idle("lost", 25, ranks=[0, 1])
+    s.ack_all()
+    s.idle("lost", 5)
+    s.train("lost", 2)
+    return s
+
+
+@scenario
+def elastic_scale() -> Scenario:
+    """Paddle-style elastic training: a node is lost with no spare, the job scales in by data-parallel
+    replicas (min allows it); a node joins and it scales back out; then an operator asks for dp=2."""
+    s = Scenario()
+    s.submit("ela", ["e0", "e1", "e2", "e3"], ranks_per_node=2, dp=4, tp=2, elastic={"min_dp": 2, "max_dp": 4})
+    s.train("ela", 10)
+    s.checkpoint("ela", 10, "storage", "storage")
+    s.train("ela", 4)
+    s.node_event("e3", "node.not_ready", reason="NIC down")
+    s.idle("ela", 25, ranks=range(6))
+    s.ack_all()
+    s.advance(10)
+    s.train("ela", 3)
+    s.spare("e4")
+    s.ack_all()
+    s.advance(10)
+    s.train("ela", 3)
+    s.job_event("ela", "operator.scale", dp=2)
+    s.ack_all()
+    s.advance(10)
+    s.train("ela", 2)
+    return s
+
+
+@scenario
+def elastic_wait() -> Scenario:
+    """A node lost with no spare and an elastic minimum that forbids shrinking: the job waits, then
+    migrates to the node that joins."""
+    s = Scenario()
+    s.submit("big", ["b0", "b1"], ranks_per_node=4, dp=2, tp=4, elastic={"min_dp": 2, "max_dp": 2})
+    s.train("big", 10)
+    s.checkpoint("big", 10, "storage", "storage")
+    s.train("big", 2)
+    s.node_event("b1", "node.not_ready", reason="power supply")
+    s.idle("big", 25, ranks=range(4))
+    s.advance(120)
+    s.spare("b2")
+    s.ack_all()
+    s.advance(30)
+    s.train("big", 2)
+    return s
+
+
+@scenario
+def step_retry() -> Scenario:
+    """A transient network fault (every member of a collective timed out together) is handled by a
+    step retry: no process restarts."""
+    s = Scenario()
+    s.submit("net", ["t0", "t1"], ranks_per_node=4, dp=8)
+    s.train("net", 10)
+    s.checkpoint("net", 10, "storage", "storage")
+    s.train("net", 2)
+    s.advance(2)
+    s.job_event("net", "network.collective_timeout", group="dp-all", members=list(range(8)),
+                reporters=list(range(8)), operation="allreduce", timeout_s=2)
+    s.ack_all()
+    s.train("net", 2)
+    return s
+
+
+@scenario
+def frequency_isolation() -> Scenario:
+    """The same GPU reports a row-remap failure three times within the window: it is isolated and its
+    ranks leave the node."""
+    s = Scenario()
+    s.spare("spare0")
+    s.submit("freq", ["f0", "f1"], ranks_per_node=4, dp=8)
+    s.train("freq", 10)
+    s.checkpoint("freq", 10, "storage", "storage")
+    for _ in range(3):
+        s.train("freq", 5)
+        s.node_event("f1", "device.fault", device=2, vendor="nvidia", code="63")
+    s.ack_all()
+    s.advance(20)
+    s.train("freq", 2)
+    return s
+
+
+@scenario
+def restart_budget() -> Scenario:
+    """A rank that keeps crashing: the job's restart budget runs out and the job fails, naming it."""
+    s = Scenario()
+    s.submit("flaky", ["k0"], ranks_per_node=4, dp=4, max_restarts=2, policies=NO_DYING)
+    s.train("flaky", 5)
+    s.checkpoint("flaky", 5, "storage", "storage")
+    for _ in range(3):
+        s.train("flaky", 2)
+        s.job_event("flaky", "process.exited", rank=1, exit_code=1, attempt=s.engine.jobs["flaky"].generation)
+        s.ack_all()
+        s.advance(10)
+        s.train("flaky", 1)
+    return s
+
+
+def path(name: str) -> Path:
+    return HERE / f"{name}.jsonl"
+
+
+def write_all() -> None:
+    for name, build in SCENARIOS.items():
+        s = build()
+        count = write_file(path(name), s.log.records())
+        print(f"{path(name).relative_to(Path.cwd())}: {count} records, {len(s.decisions)} decisions, "
+              f"{len(s.rejections)} rejections")
+
+
+if __name__ == "__main__":
+    write_all()
+    sys.exit(0)

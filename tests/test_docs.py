@@ -1,0 +1,25 @@
+"""The README's drawing and the exported wire schema are generated: keep them current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from events.schema import SCHEMA_PATH, render
+from recovery.machine import mermaid
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_draws_the_current_state_machine() -> None:
+    assert f"```mermaid\n{mermaid()}\n```" in (ROOT / "README.md").read_text()
+
+
+def test_exported_wire_schema_is_current() -> None:
+    assert SCHEMA_PATH.read_bytes() == render(), "run `python -m events.schema` and commit the result"
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = next(line for line in ci.splitlines() if line.startswith("python3 -m venv"))
+    assert command in readme

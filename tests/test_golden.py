@@ -1,0 +1,182 @@
+"""Golden logs: one per behaviour of the seed systems, committed, replay-verified and asserted on."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from events.commands import MigrateRanks, RestartJob, RestartRanks, SaveCheckpoint, ScaleJob, StopRanks
+from events.outputs import Decision
+from events.values import Tier
+from recovery.log import iter_file
+from recovery.recorder import Replay, replay
+from recovery.replay import first_divergence
+from tests.golden.scenarios import SCENARIOS, path
+
+
+def load(name: str) -> Replay:
+    return replay(iter_file(path(name)))
+
+
+def kinds(result: Replay, kind: str) -> list[Decision]:
+    return [d for d in result.decisions if d.kind == kind]
+
+
+def commands(result: Replay, kind: str) -> list:
+    return [c for d in result.decisions for c in d.commands if c.kind == kind]
+
+
+def closed(result: Replay) -> Decision:
+    [decision] = kinds(result, "incident.closed")
+    return decision
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_golden_log_replays_to_its_recorded_decisions(name: str) -> None:
+    result = load(name)
+    assert result.recorded_decisions, "a golden log must carry its recorded decisions"
+    assert first_divergence(result) is None
+    assert not result.rejections
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_scenario_still_writes_the_committed_log(name: str) -> None:
+    """A change in engine or policy behaviour shows up here first: regenerate with
+    `python -m tests.golden.scenarios` only when the change is intended, and say so in the commit."""
+    scenario = SCENARIOS[name]()
+    from events.codec import encode_record
+
+    buffer = io.BytesIO()
+    for record in scenario.log.records():
+        buffer.write(encode_record(record) + b"\n")
+    assert buffer.getvalue() == path(name).read_bytes()
+
+
+def test_graceful_exit_resumes_from_the_sigterm_dying_checkpoint() -> None:
+    result = load("graceful_exit")
+    [restart] = commands(result, "restart_job")
+    assert isinstance(restart, RestartJob)
+    assert restart.plan.checkpoint_step == 20 and restart.plan.next_step == 21
+    assert {s.tier for s in restart.plan.sources} == {Tier.DYING}
+    assert closed(result).detail["lost_steps"] == 0
+
+
+def test_watchdog_catches_a_silent_rank_in_seconds() -> None:
+    result = load("watchdog_heartbeat")
+    [fault] = kinds(result, "fault.confirmed")
+    assert fault.detail["fault"]["ranks"] == [5]
+    records = list(iter_file(path("watchdog_heartbeat")))
+    last_step_of_5 = max(r.ts for r in records if getattr(r, "envelope", None) is not None
+                         and r.envelope.type == "progress.step" and r.envelope.data.rank == 5)
+    detected = fault.detail["fault"]["ts"] - last_step_of_5
+    assert detected <= 15 * 10**9, "silence must be caught within seconds, not HCCL's 30 minutes"
+    [restart] = commands(result, "restart_ranks")
+    assert restart.ranks == [5]
+
+
+def test_collective_timeout_blames_the_rank_everyone_waits_for() -> None:
+    result = load("watchdog_collective")
+    [restart] = commands(result, "restart_ranks")
+    assert isinstance(restart, RestartRanks)
+    assert restart.ranks == [3]
+    assert not commands(result, "restart_job")
+
+
+def test_pod_level_moves_only_the_faulty_nodes_ranks() -> None:
+    result = load("pod_level_reschedule")
+    [migrate] = commands(result, "migrate_ranks")
+    assert isinstance(migrate, MigrateRanks)
+    assert (migrate.from_node, migrate.to_node, migrate.ranks) == ("n2", "spare0", [4, 5])
+    [stop] = commands(result, "stop_ranks")
+    assert isinstance(stop, StopRanks)
+    assert set(stop.ranks) <= {4, 5}
+    assert not commands(result, "restart_job") and not commands(result, "restart_ranks")
+    assert migrate.plan.checkpoint_step == 15  # the dying checkpoint of the live replicas
+
+
+def test_recover_in_place_falls_back_to_pod_then_job_level() -> None:
+    result = load("recover_in_place_fallback")
+    started = [d.detail["granularity"] for d in kinds(result, "attempt.started")]
+    assert started == ["in_place", "migrate", "restart_job"]
+    assert [d.kind for d in result.decisions if d.kind in ("attempt.failed", "attempt.timed_out")] == [
+        "attempt.failed", "attempt.timed_out"]
+    assert commands(result, "restart_ranks")[0].ranks == [3]
+
+
+@pytest.mark.parametrize(("name", "saver"), [("power_off_checkpoint", 0), ("power_off_rank0", 1)])
+def test_power_off_checkpoint_from_a_healthy_replica_resumes_at_next_step(name: str, saver: int) -> None:
+    result = load(name)
+    [save] = commands(result, "save_checkpoint")
+    assert isinstance(save, SaveCheckpoint)
+    assert save.ranks == [saver] and save.step == 17
+    [restart] = commands(result, "restart_ranks")
+    assert restart.plan.checkpoint_step == 17 and restart.plan.next_step == 18
+    assert closed(result).detail["lost_steps"] == 0
+
+
+def test_power_off_without_a_replica_of_some_shard_uses_newest_complete() -> None:
+    result = load("power_off_no_replica")
+    [restart] = commands(result, "restart_ranks")
+    assert restart.ranks == [1, 3]
+    assert restart.plan.checkpoint_step == 10
+    assert {s.tier for s in restart.plan.sources} == {Tier.STORAGE}
+
+
+def test_memory_checkpoint_preferred_over_storage() -> None:
+    result = load("memory_checkpoint")
+    [restart] = commands(result, "restart_ranks")
+    assert restart.plan.checkpoint_step == 20
+    assert {s.tier for s in restart.plan.sources} == {Tier.MEMORY}
+    # Each rank reads from its own node's copy.
+    assert all(s.holder == ("m0" if s.rank < 2 else "m1") for s in restart.plan.sources)
+
+
+def test_memory_copy_lost_with_its_node_falls_back_to_storage() -> None:
+    result = load("memory_checkpoint_lost")
+    [migrate] = commands(result, "migrate_ranks")
+    assert migrate.plan.checkpoint_step == 10
+    assert {s.tier for s in migrate.plan.sources} == {Tier.STORAGE}
+
+
+def test_elastic_scales_in_then_out_then_by_operator() -> None:
+    result = load("elastic_scale")
+    scales = commands(result, "scale_job")
+    assert all(isinstance(c, ScaleJob) for c in scales)
+    assert [c.dp for c in scales] == [3, 4, 2]
+    assert "e3" not in scales[0].nodes and "e4" in scales[1].nodes
+    assert len(scales[2].nodes) == 2
+
+
+def test_elastic_job_at_its_minimum_waits_then_migrates() -> None:
+    result = load("elastic_wait")
+    assert kinds(result, "attempt.waiting")
+    [migrate] = commands(result, "migrate_ranks")
+    assert (migrate.from_node, migrate.to_node) == ("b1", "b2")
+    assert not commands(result, "scale_job")
+
+
+def test_transient_network_fault_retries_the_step_without_restarts() -> None:
+    result = load("step_retry")
+    [retry] = commands(result, "retry_step")
+    assert retry.step == 13
+    for kind in ("restart_ranks", "restart_job", "migrate_ranks", "stop_ranks", "scale_job"):
+        assert not commands(result, kind)
+    assert closed(result).detail["lost_steps"] == 0
+
+
+def test_third_fault_of_a_device_in_the_window_isolates_it() -> None:
+    result = load("frequency_isolation")
+    assert len(kinds(result, "signal.ignored")) == 2
+    [isolate] = commands(result, "isolate_device")
+    assert (isolate.node, isolate.device) == ("f1", 2)
+    [migrate] = commands(result, "migrate_ranks")
+    assert migrate.from_node == "f1"
+
+
+def test_exhausted_restart_budget_fails_the_job_naming_it() -> None:
+    result = load("restart_budget")
+    [failed] = kinds(result, "job.failed")
+    assert "max_restarts" in failed.reason
+    assert result.engine.jobs["flaky"].state == "failed"
+    assert len(commands(result, "restart_ranks")) == 2

@@ -1,0 +1,97 @@
+"""The policy contract and the built-ins, loaded through entry points like any plugin."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.values import FaultClass, Granularity, Layout, PolicyRef, PolicySelection, Tier
+from policies import registry
+from policies.base import NS, AttemptSummary, CheckpointContext, RescheduleContext
+from policies.checkpoint import NewestCompleteCheckpoint
+from policies.rescheduling import LadderRescheduling
+
+
+def test_builtins_come_from_the_entry_point_group() -> None:
+    found = registry.available()
+    assert {"default", "ladder", "newest-complete"} <= set(found)
+    labels = registry.load_set(PolicySelection()).labels
+    assert labels == {"detection": "default@1", "rescheduling": "ladder@1", "checkpoint": "newest-complete@1"}
+
+
+def test_unknown_policy_and_bad_parameters_are_clear_errors() -> None:
+    with pytest.raises(registry.PolicyError, match="no detection policy named 'nope'"):
+        registry.load(PolicyRef(name="nope"), "detection")
+    with pytest.raises(registry.PolicyError, match="invalid parameters"):
+        registry.load(PolicyRef(name="ladder", params={"ladderz": {}}), "rescheduling")
+    with pytest.raises(registry.PolicyError, match="not detection"):
+        registry.load(PolicyRef(name="ladder"), "detection")
+
+
+def ctx(**kw: object) -> RescheduleContext:
+    base: dict[str, object] = dict(fault_class=FaultClass.PROCESS, scope="rank", needs_move=False, any_lost=True,
+                                   previous=(), used={}, restarts_used=0, max_restarts=None, nodes_to_replace=0,
+                                   nodes_to_migrate=1, spares_available=1, dp=4, scale_in_dp=None)
+    base.update(kw)
+    return RescheduleContext(**base)  # type: ignore[arg-type]
+
+
+def test_ladder_escalates_one_rung_per_failed_attempt() -> None:
+    ladder = LadderRescheduling({"ladders": {"process": [
+        {"granularity": "in_place", "budget": 3, "deadline_s": 60},
+        {"granularity": "restart_job", "budget": 1, "deadline_s": 600}]}})
+    first = ladder.decide(ctx())
+    assert (first.granularity, first.deadline_ns) == (Granularity.IN_PLACE, 60 * NS)
+    second = ladder.decide(ctx(previous=(AttemptSummary(Granularity.IN_PLACE, "failed", 0),)))
+    assert second.granularity is Granularity.RESTART_JOB
+    third = ladder.decide(ctx(previous=(AttemptSummary(Granularity.IN_PLACE, "failed", 0),
+                                        AttemptSummary(Granularity.RESTART_JOB, "timed_out", 1))))
+    assert third.granularity is Granularity.FAIL
+
+
+def test_ladder_budget_per_rung_is_named_when_exhausted() -> None:
+    ladder = LadderRescheduling({"ladders": {"process": [{"granularity": "in_place", "budget": 2}]}})
+    action = ladder.decide(ctx(used={"process/in_place": 2}))
+    assert action.granularity is Granularity.FAIL and "process/in_place 2 of 2" in action.reason
+
+
+def test_ladder_scales_in_or_waits_when_nodes_are_short() -> None:
+    ladder = LadderRescheduling()
+    short = dict(fault_class=FaultClass.NODE, needs_move=True, nodes_to_replace=1, nodes_to_migrate=1,
+                 spares_available=0)
+    assert ladder.decide(ctx(**short, scale_in_dp=3)).granularity is Granularity.SCALE_IN
+    assert ladder.decide(ctx(**short)).wait
+
+
+def test_retry_only_when_every_process_lives() -> None:
+    ladder = LadderRescheduling()
+    assert ladder.decide(ctx(fault_class=FaultClass.NETWORK, any_lost=False)).granularity is Granularity.RETRY
+    assert ladder.decide(ctx(fault_class=FaultClass.NETWORK, any_lost=True)).granularity is Granularity.IN_PLACE
+
+
+def cctx(alive: tuple[bool, ...], catalog: dict, unreachable: frozenset[str] = frozenset()) -> CheckpointContext:
+    layout = Layout(dp=2, tp=2)
+    return CheckpointContext(layout=layout, catalog=catalog, placement=("a", "a", "b", "b"), unreachable=unreachable,
+                             alive=alive, steps=(9, 9, 9, 9), dying_allowed=True)
+
+
+def test_dying_checkpoint_when_every_shard_has_a_live_replica() -> None:
+    plan = NewestCompleteCheckpoint().plan(cctx((True, False, True, True), {5: {Tier.STORAGE: {0: ("storage",),
+                                                                                             1: ("storage",)}}}))
+    assert plan.save is not None and plan.save.step == 9 and plan.save.ranks == (0, 3)
+
+
+def test_no_dying_checkpoint_without_a_replica_of_every_shard() -> None:
+    plan = NewestCompleteCheckpoint().plan(cctx((True, False, True, False), {5: {Tier.STORAGE: {0: ("storage",),
+                                                                                              1: ("storage",)}}}))
+    assert plan.save is None and plan.resume.checkpoint_step == 5
+
+
+def test_cheapest_reachable_tier_and_older_step_when_newest_is_incomplete() -> None:
+    catalog = {8: {Tier.MEMORY: {0: ("b",)}},  # shard 1 missing at step 8
+               6: {Tier.MEMORY: {0: ("a",), 1: ("b",)}, Tier.STORAGE: {0: ("storage",), 1: ("storage",)}}}
+    policy = NewestCompleteCheckpoint({"dying": False})
+    plan = policy.plan(cctx((True,) * 4, catalog))
+    assert plan.resume.checkpoint_step == 6 and {s.tier for s in plan.resume.sources} == {Tier.MEMORY}
+    lost_b = policy.plan(cctx((True,) * 4, catalog, unreachable=frozenset({"b"})))
+    tiers = [s.tier for s in lost_b.resume.sources]
+    assert tiers == [Tier.MEMORY, Tier.STORAGE, Tier.MEMORY, Tier.STORAGE]

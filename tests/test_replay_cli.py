@@ -1,0 +1,70 @@
+"""recovery-replay: run, verify (with a divergence) and timeline, in text and JSON."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+from recovery.replay import main
+from tests.golden.scenarios import path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "recovery.replay", *args], capture_output=True, text=True,
+                          check=False)
+
+
+def test_verify_passes_on_a_recorded_log(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["verify", str(path("pod_level_reschedule"))]) == 0
+    assert capsys.readouterr().out.startswith("ok: 12 decisions")
+
+
+def test_verify_exits_1_at_the_first_divergence_and_names_the_policy(tmp_path: Path) -> None:
+    lines = path("step_retry").read_bytes().splitlines()
+    tampered = []
+    changed = False
+    for line in lines:
+        obj = orjson.loads(line)
+        env = obj.get("envelope") or {}
+        if not changed and env.get("type") == "decision" and env["data"]["kind"] == "attempt.started":
+            env["data"]["policy"] = "ladder@0"
+            env["data"]["reason"] = "an older policy"
+            changed = True
+        tampered.append(orjson.dumps(obj))
+    log = tmp_path / "tampered.jsonl"
+    log.write_bytes(b"\n".join(tampered) + b"\n")
+    result = run_cli("verify", str(log))
+    assert result.returncode == 1
+    assert "DIVERGENCE" in result.stdout and "changed policy: recorded ladder@0, replayed ladder@1" in result.stdout
+    as_json = run_cli("verify", str(log), "--json")
+    assert as_json.returncode == 1
+    assert orjson.loads(as_json.stdout)["divergence"]["recorded"]["policy"] == "ladder@0"
+
+
+def test_run_json_gives_final_states_and_incidents() -> None:
+    result = run_cli("run", str(path("elastic_scale")), "--json")
+    assert result.returncode == 0
+    out = orjson.loads(result.stdout)
+    job = out["jobs"]["ela"]
+    assert job["state"] == "running" and job["layout"]["dp"] == 2
+    assert [i["cause"] for i in job["incidents"]] == ["fault", "scale", "operator"]
+
+
+def test_timeline_shows_events_states_and_decisions() -> None:
+    result = run_cli("timeline", str(path("pod_level_reschedule")), "--job", "llm", "--json")
+    rows = orjson.loads(result.stdout)
+    whats = [r["what"] for r in rows]
+    assert "device.fault" in whats and "decision ranks.rescheduling" in whats
+    assert not any(w == "progress.step" for w in whats)
+    text = run_cli("timeline", str(path("pod_level_reschedule")), "--job", "llm")
+    assert text.returncode == 0 and "ranks.rescheduling" in text.stdout and "[migrate_ranks]" in text.stdout
+
+
+def test_unreadable_log_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    result = run_cli("run", str(bad))
+    assert result.returncode == 2 and "bad.jsonl:1" in result.stderr
