@@ -6,6 +6,7 @@ which the engine turns into a rejection and the daemon into a dead-letter record
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,8 +64,12 @@ def encode_record(record: Record | RawRecord) -> bytes:
     if isinstance(record, Record):
         head["envelope"] = record.envelope.model_dump(mode="json", by_alias=True)
     else:
-        # Undecodable input is kept as received, so a replay rejects it exactly as the daemon did.
-        head["raw"] = record.data.decode("utf-8", errors="surrogateescape")
+        # Undecodable input is kept as received, so a replay rejects it exactly as the daemon did:
+        # as text when it is UTF-8, else in base64 (JSON cannot carry arbitrary bytes).
+        try:
+            head["raw"] = record.data.decode("utf-8")
+        except UnicodeDecodeError:
+            head["raw_b64"] = base64.b64encode(record.data).decode("ascii")
     return orjson.dumps(head)
 
 
@@ -84,7 +89,12 @@ def decode_record_line(line: bytes) -> Record | RawRecord:
     if not isinstance(obj, dict) or not {"seq", "ts", "subject"} <= obj.keys():
         raise ValueError("log line lacks seq, ts or subject")
     if "raw" in obj:
-        payload = str(obj["raw"]).encode("utf-8", errors="surrogateescape")
+        payload = str(obj["raw"]).encode("utf-8")
+    elif "raw_b64" in obj:
+        try:
+            payload = base64.b64decode(str(obj["raw_b64"]), validate=True)
+        except ValueError as exc:
+            raise ValueError(f"raw_b64 is not base64: {exc}") from exc
     else:
         payload = orjson.dumps(obj.get("envelope"))
     return RawRecord(seq=obj["seq"], ts=obj["ts"], subject=obj["subject"],

@@ -154,11 +154,6 @@ class EventLogContract:
         assert [r.data for r in records if isinstance(r, RawRecord)] == payloads
         assert all(MSG_ID not in r.headers for r in records)  # no envelope, no id: not deduplicated
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="events.codec.encode_record cannot write raw bytes that are not UTF-8 (orjson rejects the "
-        "surrogate escapes), so FileLog.append and every export raise on binary input",
-    )
     async def test_non_utf8_raw_bytes_round_trip_and_export(self, log: Any, tmp_path: Path) -> None:
         payload = b"\xff\xfe\x00binary\x80"
         await log.append(HEARTBEAT, payload)
