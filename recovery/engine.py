@@ -13,6 +13,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from orjson import dumps as orjson_dumps
+from orjson import loads as orjson_loads
+
 from events import kinds
 from events.codec import DecodeError, decode_envelope
 from events.commands import (
@@ -481,7 +484,7 @@ class Engine:
         self._start(out, job, attempt, action.deadline_ns, policy, vacate)
 
     def _start(self, out: _Out, job: Job, attempt: Attempt, deadline_ns: int, policy: str | None,
-               vacate: list[str]) -> None:
+               vacate: list[str], trigger: str | None = None) -> None:
         incident = job.incident
         assert incident is not None
         incident.attempts.append(attempt)
@@ -490,7 +493,8 @@ class Engine:
         if g is G.RETRY:
             attempt.ranks = ()
         elif g is G.IN_PLACE:
-            fault_ranks = {r for f in incident.faults for r in f["ranks"]}
+            # Faults from before a scale-in may name ranks the smaller job no longer has (as in _fault_nodes).
+            fault_ranks = {r for f in incident.faults for r in f["ranks"] if r < job.world}
             attempt.ranks = tuple(sorted(set(dead) | fault_ranks))
             attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
         elif g is G.MIGRATE:
@@ -504,7 +508,7 @@ class Engine:
             attempt.vacate = tuple(vacate)
         timer = self._timer(out, job, f"attempt/{incident.id}/{attempt.number}", deadline_ns)
         attempt.deadline_timer = timer.id
-        self._decide(out, job, "attempt.started", attempt.reason, policy=policy, timers=[timer],
+        self._decide(out, job, "attempt.started", attempt.reason, trigger=trigger, policy=policy, timers=[timer],
                      detail={"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,
                              "ranks": list(attempt.ranks), "vacate": list(attempt.vacate)})
         if g is G.RETRY:
@@ -656,7 +660,12 @@ class Engine:
         per_replica = job.layout.tp * job.layout.pp
         if attempt.granularity is G.SCALE_IN:
             dp = attempt.dp or self._scale_in_dp(job, list(attempt.vacate)) or job.layout.dp
-            return usable[: dp * per_replica // job.rpn], dp
+            need = dp * per_replica // job.rpn
+            # Nodes may have gone since the attempt was planned (or a forced scale-in had no smaller dp):
+            # never place the job on fewer nodes than its ranks need.
+            if len(usable) + len(spares) < need:
+                return None
+            return usable[:need] + spares[: max(0, need - len(usable))], dp
         if attempt.granularity is G.SCALE_OUT:
             dp = attempt.dp or job.layout.dp
             need = dp * per_replica // job.rpn
@@ -787,8 +796,24 @@ class Engine:
         for key, (verdict, timer_id) in list(job.suspects.items()):
             if timer_id == data.timer_id:
                 del job.suspects[key]
+                gone = verdict.node is not None and verdict.node not in job.nodes
+                if gone or job.state == "paused":
+                    # The job left that node (migrated or scaled in) while the suspicion counted down, so its
+                    # ranks there are gone or renumbered; or an operator paused the job, which takes no
+                    # signals (as in _signal). Either way there is nothing left to confirm.
+                    why = f"job no longer on {verdict.node}" if gone else "job is paused"
+                    trigger = "clear" if job.state == "suspect" and not job.suspects else None
+                    self._decide(out, job, "fault.cleared", f"{verdict.reason}: {why}", trigger=trigger,
+                                 policy=job.policies.labels["detection"], detail={"key": key})
+                    return
+                ranks = verdict.ranks
+                if verdict.node is not None:
+                    # A resize since the suspicion may have renumbered the node's ranks: keep each rank's slot
+                    # on the node (rank % ranks_per_node), not its old number.
+                    on_node = job.ranks_on(verdict.node)
+                    ranks = tuple(on_node[r % job.rpn] for r in verdict.ranks)
                 confirmed = Verdict("fault", f"confirmed: {verdict.reason}", verdict.fault_class, verdict.scope,
-                                    verdict.ranks, verdict.node, verdict.device, verdict.lost, verdict.needs_move,
+                                    ranks, verdict.node, verdict.device, verdict.lost, verdict.needs_move,
                                     verdict.isolate, verdict.key, 0, verdict.code)
                 self._fault(out, job, confirmed, job.policies.labels["detection"])
                 return
@@ -866,7 +891,9 @@ class Engine:
                 raise _Reject("invalid_state", f"job {job.id} is {job.state}, not paused")
             attempt = Attempt(number=len(job.incident.attempts) + 1, granularity=G.RESTART_JOB, rung=0,
                               purpose="resume", reason="resumed by an operator", started=out.ts)
-            self._start(out, job, attempt, 900 * NS, None, self._vacate(job))
+            # Leave `paused` as the attempt starts: the machine allows only `reschedule` out of it, and the
+            # resume may first need to save, stop stray processes or wait for nodes (legal from rescheduling).
+            self._start(out, job, attempt, 900 * NS, None, self._vacate(job), trigger="reschedule")
         elif type_ == "operator.scale":
             elastic = job.spec.elastic
             if elastic is None or not elastic.min_dp <= data.dp <= elastic.max_dp:
@@ -972,3 +999,48 @@ def _tier_counts(plan: ResumePlan) -> dict[str, int]:
 
 
 __all__ = ["Effect", "Engine", "label"]
+
+
+SNAPSHOT_FORMAT = 1
+
+
+def dump_snapshot(engine: Engine) -> bytes:
+    """The engine's whole state, for the daemon's snapshot bucket: restoring it and applying the rest
+    of the log gives exactly the decisions a full replay gives. The header names the format and the
+    policies in use so that a daemon started with other code replays from the start instead."""
+    import pickle  # the snapshot bucket is written only by the daemon itself: not untrusted input
+
+    header = {"format": SNAPSHOT_FORMAT, "last_seq": engine.last_seq, "code": _code_version()}
+    return orjson_dumps(header) + b"\n" + pickle.dumps(engine, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_snapshot(blob: bytes) -> Engine | None:
+    """The engine in a snapshot, or None if it was written by other code or another format."""
+    import pickle
+
+    head, _, body = blob.partition(b"\n")
+    try:
+        header = orjson_loads(head)
+    except ValueError:
+        return None
+    if header.get("format") != SNAPSHOT_FORMAT or header.get("code") != _code_version():
+        return None
+    engine = pickle.loads(body)
+    return engine if isinstance(engine, Engine) else None
+
+
+def snapshot_seq(blob: bytes) -> int | None:
+    head, _, _ = blob.partition(b"\n")
+    try:
+        return int(orjson_loads(head)["last_seq"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _code_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("recovery")
+    except PackageNotFoundError:
+        return "unknown"
