@@ -326,6 +326,9 @@ class Engine:
             node.devices = data.devices
             node.ready, node.drained, node.isolated = True, False, False
             node.bad_devices.clear()
+            # A node that (re)joins has been booted: whatever it held in host memory is gone.
+            for other in self.jobs.values():
+                other.forget_memory(name)
         job = self.jobs.get(node.job) if node.job is not None else None
         if job is not None and job.state not in FINAL and name in job.nodes:
             on_node = job.ranks_on(name)
@@ -406,9 +409,9 @@ class Engine:
             self._end_attempt(out, job, attempt, "superseded", f"new fault outside attempt "
                                                                 f"{attempt.number}: {verdict.reason}")
             return
-        cancelled = self._cancel(job.watchdog, *(timer for _, timer in job.suspects.values()))
+        # Pending suspicions stay: the other nodes behind a failed switch confirm later and join this incident.
+        cancelled = self._cancel(job.watchdog)
         job.watchdog = None
-        job.suspects.clear()
         job.incident = Incident(id=f"{job.id}#{len(job.closed) + 1}", opened_seq=out.seq, opened=out.ts,
                                 fault_step=job.step, fault_class=verdict.fault_class, cause="fault",
                                 faults=[fault])
@@ -901,10 +904,11 @@ class Engine:
                 raise _Reject("invalid_request", f"job {job.id} cannot scale to dp={data.dp}: {limits}")
             if job.state != "running":
                 raise _Reject("invalid_state", f"job {job.id} is {job.state}; scale when it is running")
+            if data.dp != job.layout.dp:
+                self._scale(out, job, data.dp, f"operator scale to dp={data.dp}", cause="operator")
+            # Only once _scale accepted it: a rejected dp (not whole nodes) kept as the target made every later
+            # node.joined/ready fail in _capacity_returned with this job's error.
             job.target_dp = data.dp
-            if data.dp == job.layout.dp:
-                return
-            self._scale(out, job, data.dp, f"operator scale to dp={data.dp}", cause="operator")
         elif type_ == "operator.force":
             if job.state in ("submitted", "paused"):
                 raise _Reject("invalid_state", f"job {job.id} is {job.state}; nothing to recover")
@@ -924,9 +928,8 @@ class Engine:
 
     def _open(self, out: _Out, job: Job, cause: str) -> Incident:
         if job.incident is None:
-            cancelled = self._cancel(job.watchdog, *(timer for _, timer in job.suspects.values()))
+            cancelled = self._cancel(job.watchdog)
             job.watchdog = None
-            job.suspects.clear()
             job.incident = Incident(id=f"{job.id}#{len(job.closed) + 1}", opened_seq=out.seq, opened=out.ts,
                                     fault_step=job.step, fault_class=None, cause=cause)
             if cancelled:

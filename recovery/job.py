@@ -157,8 +157,15 @@ class Job:
         for shard in shards:
             by_shard.setdefault(shard, set()).add(holder)
 
+    def forget_memory(self, node: str) -> None:
+        for by_tier in self.catalog.values():
+            shards = by_tier.get(Tier.MEMORY)
+            if shards is not None:
+                for holders in shards.values():
+                    holders.discard(node)
+
     def frozen_catalog(self) -> dict[int, dict[Tier, dict[int, tuple[str, ...]]]]:
-        return {step: {tier: {shard: tuple(sorted(h)) for shard, h in sorted(shards.items())}
+        return {step: {tier: {shard: tuple(sorted(h)) for shard, h in sorted(shards.items()) if h}
                        for tier, shards in sorted(by_tier.items())}
                 for step, by_tier in sorted(self.catalog.items(), reverse=True)}
 
