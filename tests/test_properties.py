@@ -12,6 +12,7 @@ The same plan builder runs on hypothesis draws (for the in-process properties) a
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -26,10 +27,11 @@ from hypothesis import strategies as st
 
 from events.codec import encode_envelope
 from events.commands import CommandBase, MigrateRanks, RestartJob, RestartRanks, SaveCheckpoint, ScaleJob, StopRanks
-from events.envelope import Record
+from events.envelope import EnvelopeBase, Record
 from events.outputs import Decision, Rejection
 from events.values import STORAGE_HOLDER, Elastic, Granularity, ResumePlan, Tier
 from policies.codes import NVIDIA_XID
+from recovery.engine import Effect, Engine
 from recovery.log import write_file
 from recovery.machine import FINAL, STATES
 from recovery.recorder import replay
@@ -42,12 +44,13 @@ XIDS: list[str] = [str(x) for x in sorted(NVIDIA_XID)] + ["9999"]  # plus one un
 TIERS: list[Tier] = list(Tier)
 EXIT_CODES: list[int | None] = [0, 1, 2, 126, 127, 134, 137, 139, 143, -9, -15, None]
 SIGNALS: list[int | None] = [None, None, 2, 6, 9, 11, 15]
-ADVANCE_S: list[float] = [0.5, 3.0, 11.0, 25.0, 61.0, 130.0, 310.0, 700.0, 1000.0]
+ADVANCE_S: list[float] = [0.5, 3.0, 3.0, 11.0, 11.0, 25.0, 61.0, 130.0, 310.0, 1000.0]  # past watchdog, debounce,
+# ack and attempt deadlines, with the long jumps rarer so that some incidents get to recover
 GRANULARITIES: list[Granularity] = list(Granularity)
 OP_WEIGHTS: dict[str, int] = {
-    "train": 6, "checkpoint": 5, "xid": 2, "exit": 2, "started": 1, "hang": 1, "collective": 1, "link_down": 1, "link_up": 1,
-    "node": 2, "duplicate": 2, "ack": 6, "ack_stale": 1, "recover": 3, "advance": 4, "operator": 2,
-    "lifecycle": 1,
+    "train": 6, "checkpoint": 5, "xid": 2, "exit": 2, "started": 1, "hang": 1, "collective": 1, "link_down": 1,
+    "link_up": 1, "node": 2, "duplicate": 2, "ack": 6, "ack_stale": 1, "recover": 3, "advance": 4, "operator": 2,
+    "lifecycle": 1, "resubmit": 1,
 }
 OP_KINDS: list[str] = [kind for kind, weight in OP_WEIGHTS.items() for _ in range(weight)]
 
@@ -108,7 +111,9 @@ class Plan:
 def build_job(pick: Picker, index: int) -> JobPlan:
     dp, tp, pp = pick.int(1, 4), pick.int(1, 2), pick.int(1, 2)
     world = dp * tp * pp
-    rpn = choose(pick, [d for d in range(1, world + 1) if world % d == 0])  # whole nodes only
+    # Whole nodes only; half the time a divisor of one replica's ranks, so that any dp fits whole nodes.
+    fits = tp * pp if pick.int(0, 1) else world
+    rpn = choose(pick, [d for d in range(1, fits + 1) if fits % d == 0])
     elastic = (pick.int(1, dp), pick.int(dp, 4)) if pick.int(0, 1) else None
     max_restarts = choose(pick, [None, None, None, None, 1, 4])
     return JobPlan(f"job{index}", dp, tp, pp, rpn, elastic, max_restarts)
@@ -147,6 +152,8 @@ def build_op(pick: Picker) -> Op:
     if kind == "operator":
         what = ["pause", "resume", "resume", "scale", "scale", "force", "force", "cancel"]
         return (kind, n(0, 9), choose(pick, what), n(1, 4), n(0, len(GRANULARITIES) - 1))
+    if kind == "resubmit":
+        return (kind, n(0, 9))
     # lifecycle: the scheduler ends the job, rarely; mostly a started event that comes too late
     return (kind, n(0, 9), choose(pick, ["completed", "cancelled", "started", "started", "started"]))
 
@@ -159,12 +166,38 @@ def build_plan(pick: Picker, max_ops: int) -> Plan:
 
 
 @st.composite
-def plans(draw: st.DrawFn, max_ops: int = 40) -> Plan:
+def plans(draw: st.DrawFn, max_ops: int = 80) -> Plan:
     return build_plan(DrawPicker(draw), max_ops)
 
 
 # -- playing a plan ----------------------------------------------------------------------------------------
+def engine_state(engine: Engine) -> bytes:
+    """The engine's whole state (everything a snapshot restores), without `last_seq`: that is the read cursor,
+    which every record advances, rejected or not."""
+    cursor = engine.last_seq
+    engine.last_seq = 0
+    try:
+        return pickle.dumps(engine, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        engine.last_seq = cursor
+
+
+class CheckedScenario(Scenario):
+    """A Scenario that checks every input it sends: a rejected one is the only effect and changes nothing."""
+
+    def send(self, subject: str, payload: EnvelopeBase | bytes) -> list[Effect]:
+        before = engine_state(self.engine)
+        effects = super().send(subject, payload)
+        rejected = [e for e in effects if isinstance(e, Rejection)]
+        if rejected:
+            assert rejected[0].code != "internal_error", f"internal error: {rejected[0]}"
+            assert effects == rejected[:1], f"a rejection came with other effects: {effects}"
+            assert engine_state(self.engine) == before, f"a rejected input changed the engine: {rejected[0]}"
+        return effects
+
+
 LIFECYCLE_KINDS = (StopRanks, RestartRanks, MigrateRanks, RestartJob, ScaleJob)
+RECOVERY_STATES = frozenset({"saving", "stopping", "rescheduling", "restoring", "waiting", "paused"})
 
 
 @dataclass
@@ -172,13 +205,14 @@ class Driver:
     """Plays a plan through a Scenario and checks the invariants after every input."""
 
     plan: Plan
-    scenario: Scenario = field(default_factory=Scenario)
+    scenario: Scenario = field(default_factory=CheckedScenario)
     saved: dict[str, dict[int, set[int]]] = field(default_factory=dict)
     """job -> step -> shards reported saved (any tier, any holder), from accepted checkpoint.saved events"""
     holders: dict[tuple[str, int, Tier, int], set[str]] = field(default_factory=dict)
     """(job, step, tier, shard) -> holders, from the same events"""
     finals: dict[str, str] = field(default_factory=dict)
     checked: int = 0
+    last_state: dict[str, str] = field(default_factory=dict)
 
     # -- setup ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -186,16 +220,19 @@ class Driver:
         for i in range(self.plan.spares):
             s.spare(f"spare{i}")
         for job in self.plan.jobs:
-            extra: dict[str, Any] = {"max_restarts": job.max_restarts}
-            if job.elastic is not None:
-                extra["elastic"] = Elastic(min_dp=job.elastic[0], max_dp=job.elastic[1]).model_dump()
-            s.submit(job.name, job.nodes, job.ranks_per_node, job.dp, job.tp, job.pp, **extra)
-            self.saved[job.name] = {}
+            self._submit(job, job.name)
         self.check()
+
+    def _submit(self, job: JobPlan, name: str) -> None:
+        extra: dict[str, Any] = {"max_restarts": job.max_restarts}
+        if job.elastic is not None:
+            extra["elastic"] = Elastic(min_dp=job.elastic[0], max_dp=job.elastic[1]).model_dump()
+        self.scenario.submit(name, job.nodes, job.ranks_per_node, job.dp, job.tp, job.pp, **extra)
 
     @property
     def job_names(self) -> list[str]:
-        return [j.name for j in self.plan.jobs]
+        """Jobs the engine accepted, in submission order (a resent submission may be accepted late)."""
+        return list(self.scenario.engine.jobs)
 
     @property
     def node_names(self) -> list[str]:
@@ -209,7 +246,17 @@ class Driver:
         self.check()
 
     def _job(self, index: int) -> str:
-        return self.job_names[index % len(self.job_names)]
+        """Mostly a job that is still active (ops on ended jobs are only rejected); one time in four, any."""
+        names = self.job_names
+        live = [n for n in names if self.scenario.engine.jobs[n].state not in FINAL]
+        pool = live if live and index % 4 != 3 else names
+        return pool[index % len(pool)]
+
+    def _op_resubmit(self, j: int) -> None:
+        """Submit a new job on the first placement of an earlier one (the scheduler reuses its nodes): accepted
+        if those nodes are free again, else rejected as a placement conflict."""
+        base = self.plan.jobs[j % len(self.plan.jobs)]
+        self._submit(base, f"{base.name}r{len(self.scenario.engine.jobs)}")
 
     def _op_train(self, j: int, steps: int, silent: int) -> None:
         name = self._job(j)
@@ -234,7 +281,7 @@ class Driver:
     def _save(self, name: str, step: int, tier: Tier, holder: str, shards: list[int]) -> None:
         effects = self.scenario.checkpoint(name, step, tier, holder, shards)
         if not any(isinstance(e, Rejection) for e in effects):
-            self.saved[name].setdefault(step, set()).update(shards)
+            self.saved.setdefault(name, {}).setdefault(step, set()).update(shards)
             for shard in shards:
                 self.holders.setdefault((name, step, tier, shard), set()).add(holder)
         self.check()
@@ -305,17 +352,19 @@ class Driver:
 
     def _op_ack(self, index: int, status: str, dying: int) -> None:
         pending = self.scenario.outstanding()
-        if not pending:
-            return
-        command = pending[index % len(pending)]  # any order: acks arrive reordered
-        if isinstance(command, SaveCheckpoint) and status == "done":
+        if pending:
+            self._ack(pending[index % len(pending)], status, dying)  # any order: acks arrive reordered
+
+    def _ack(self, command: CommandBase, status: str, dying: int) -> None:
+        """Ack one command. Before a dying checkpoint's `done`, its shards land (dying 1: in storage; 2: on the
+        first saver's node; 0: in storage but one shard short; 3: nothing landed at all)."""
+        if isinstance(command, SaveCheckpoint) and status == "done" and dying != 3:
             state = self.scenario.engine.jobs[command.job]
             shards = sorted({state.layout.shard_of(r) for r in command.ranks})
             if dying == 0 and len(shards) > 1:
-                shards = shards[1:]  # the executor says done, but one shard never landed
-            if dying != 3:  # 3: nothing was saved at all
-                holder = STORAGE_HOLDER if dying < 2 else state.node_of(command.ranks[0])
-                self._save(command.job, command.step, Tier.DYING, holder, shards)
+                shards = shards[1:]
+            holder = STORAGE_HOLDER if dying < 2 else state.node_of(command.ranks[0])
+            self._save(command.job, command.step, Tier.DYING, holder, shards)
         self.scenario.ack(command, status=status, reason="" if status != "failed" else "executor failed")
 
     def _op_ack_stale(self, index: int, status: str) -> None:
@@ -335,8 +384,8 @@ class Driver:
             if not pending:
                 break
             for command in pending:
-                if command.id in {c.id for c in self.scenario.outstanding()}:
-                    self._op_ack(0 if not pending else self.scenario.outstanding().index(command), "done", 2)
+                if command.id in {c.id for c in self.scenario.outstanding()}:  # an earlier ack may end it
+                    self._ack(command, "done", 1)
         for name in self.job_names:
             if self.scenario.engine.jobs[name].state not in FINAL:
                 self.scenario.train(name, steps)
@@ -378,10 +427,26 @@ class Driver:
             if job.state in FINAL:
                 owned = [t for t, (owner, _, _) in s.engine.timers.items() if owner == name]
                 assert not owned, f"{name} is {job.state} but still owns timers {owned}"
+            else:
+                # The placement stays whole: every rank has a node, no node twice, each node knows its job.
+                assert len(job.nodes) * job.rpn == job.world, f"{name}: {job.nodes} cannot hold {job.world} ranks"
+                assert len(set(job.nodes)) == len(job.nodes), f"{name}: a node twice in {job.nodes}"
+                foreign = [n for n in job.nodes if getattr(s.engine.cluster.nodes.get(n), "job", None) != name]
+                assert not foreign, f"{name}: placed on {foreign}, which the cluster gives to another job"
+            if job.state in RECOVERY_STATES:
+                assert job.incident is not None, f"{name} is {job.state} without an open incident"
         assert_no_conflicting_commands(s)
         for decision in s.decisions[self.checked:]:
+            # The decisions of a job form one chain of states: no state change goes unrecorded.
+            last = self.last_state.get(decision.job)
+            assert last is None or decision.previous == last, (
+                f"{decision.job}: {decision.kind} starts from {decision.previous}, but the last decision left "
+                f"it {last}")
+            self.last_state[decision.job] = decision.state
             self.check_plans(decision)
         self.checked = len(s.decisions)
+        for name, job in s.engine.jobs.items():
+            assert job.state == self.last_state[name], f"{name} is {job.state}, its last decision says otherwise"
 
     def check_plans(self, decision: Decision) -> None:
         """A resume point is a step whose every shard was reported saved, and each rank's source holds its
@@ -402,7 +467,7 @@ class Driver:
                         f"{decision.kind}: rank {source.rank} resumes from {source.tier}@{source.holder} "
                         f"at step {plan.checkpoint_step}, which never held its shard")
         shards = self.scenario.engine.jobs[decision.job].layout.shards
-        complete = {step for step, got in self.saved[decision.job].items() if set(range(shards)) <= got}
+        complete = {step for step, got in self.saved.get(decision.job, {}).items() if set(range(shards)) <= got}
         newest = max(complete, default=None)
         for step in steps:
             if step is None:
@@ -453,11 +518,12 @@ def dumped(items: Sequence[Decision | Rejection]) -> list[dict[str, Any]]:
 
 
 # -- properties ----------------------------------------------------------------------------------------
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(plans())
 def test_random_interleavings_keep_the_invariants_and_replay_identically(plan: Plan) -> None:
-    """No internal error, one known state per job, final is final, no conflicting commands, resume points
-    fully saved; and a replay of the log re-derives exactly the recorded decisions and rejections."""
+    """No internal error, a rejection changes nothing, one known state per job and every change of it recorded,
+    final is final, the placement stays whole, no conflicting commands, resume points fully saved; and a
+    replay of the log re-derives exactly the recorded decisions, rejections and state."""
     driver = run_plan(plan)
     scenario = driver.scenario
     replayed = replay(scenario.log.records())
@@ -505,3 +571,117 @@ def test_replay_is_byte_identical_under_different_hash_seeds(tmp_path: Path) -> 
         assert zero == other, f"{path.name}: replay differs between PYTHONHASHSEED=0 and 12345"
         assert orjson.loads(zero)["decisions"] == decisions, f"{path.name}: replay differs from the recording"
         assert decisions, f"{path.name}: the scenario made no decision at all"
+
+
+# -- regressions the properties found (each was an internal_error before its fix in recovery/engine.py) ----------
+def no_internal_errors(scenario: Scenario) -> None:
+    assert not [r for r in scenario.rejections if r.code == "internal_error"], scenario.rejections
+
+
+def test_resume_without_enough_nodes_waits_instead_of_failing_the_transition() -> None:
+    """paused -> wait was an IllegalTransition: a resume that finds a node gone must leave `paused` first."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
+    s.train("job", 3)
+    s.job_event("job", "operator.pause")
+    s.ack_all()
+    assert s.state("job") == "paused"
+    s.node_event("n1", "node.not_ready", reason="rebooting")
+    s.job_event("job", "operator.resume")
+    no_internal_errors(s)
+    assert s.state("job") == "waiting"
+    assert s.find("attempt.started", "job")[-1].previous == "paused"
+
+
+def test_resume_stops_processes_that_came_back_while_paused() -> None:
+    """paused -> stop was an IllegalTransition: a process that started while the job was paused is stopped."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
+    s.train("job", 3)
+    s.job_event("job", "operator.pause")
+    s.ack_all()
+    s.job_event("job", "process.started", rank=0, pid=4242, attempt=s.engine.jobs["job"].generation)
+    s.job_event("job", "operator.resume")
+    no_internal_errors(s)
+    assert s.state("job") == "stopping"
+    assert [c.ranks for c in s.outstanding() if isinstance(c, StopRanks)] == [[0]]
+
+
+def test_suspicion_that_comes_due_while_paused_is_dropped() -> None:
+    """A link went down during an incident, then an operator paused the job: the confirmation used to open a
+    recovery from `paused` (an IllegalTransition); a paused job takes no signals."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
+    s.train("job", 3)
+    s.job_event("job", "process.exited", rank=0, exit_code=1)
+    s.node_event("n1", "network.link_down", link="mlx5_0")
+    s.job_event("job", "operator.pause")
+    s.ack_all()
+    assert s.state("job") == "paused"
+    s.advance(11)  # past the 10 s link debounce
+    no_internal_errors(s)
+    assert s.state("job") == "paused"
+    assert s.find("fault.cleared", "job")[-1].reason.endswith("job is paused")
+
+
+def test_forced_scale_in_never_places_the_job_on_too_few_nodes() -> None:
+    """A forced scale-in that could not shrink (dp already at min_dp) sent restart_job with no nodes, and the
+    next planning indexed past the placement."""
+    s = Scenario()
+    s.submit("job", ["n0"], ranks_per_node=1, dp=1, elastic={"min_dp": 1, "max_dp": 1})
+    s.train("job", 3)
+    s.node_event("n0", "node.not_ready", reason="gone")
+    s.advance(21)  # past the not-ready grace: node fault, no spare: wait
+    assert s.state("job") == "waiting"
+    s.job_event("job", "operator.force", granularity="scale_in")
+    s.job_event("job", "operator.force", granularity="scale_in")
+    no_internal_errors(s)
+    for command in s.commands_of("restart_job") + s.commands_of("scale_job"):
+        assert command.nodes, command
+    assert s.state("job") == "waiting"
+
+
+def suspicion_across_scale_in(link_node: str) -> Scenario:
+    """dp=3 elastic job on n0..n2 with no spare; n0 is drained, so it scales in to n1, n2, while a link on
+    `link_node` is down and its debounce still counts."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1", "n2"], ranks_per_node=1, dp=3, elastic={"min_dp": 1, "max_dp": 3})
+    s.train("job", 3)
+    s.node_event("n0", "node.drained", reason="maintenance")
+    s.node_event(link_node, "network.link_down", link="mlx5_0")
+    s.ack_all()
+    assert s.engine.jobs["job"].nodes == ["n1", "n2"]
+    s.train("job", 12)  # recovers at the first step, and trains on past the 10 s link debounce
+    no_internal_errors(s)
+    assert s.find("incident.closed", "job")
+    return s
+
+
+def test_suspicion_confirmed_after_scale_in_names_the_renumbered_rank() -> None:
+    """n2's rank was 2 when its link went down and is 1 after the scale-in: the confirmation used rank 2 and
+    indexed past the smaller job."""
+    s = suspicion_across_scale_in("n2")
+    fault = s.find("fault.confirmed", "job")[-1]
+    assert fault.detail["fault"]["ranks"] == [1]
+    assert fault.detail["fault"]["node"] == "n2"
+
+
+def test_suspicion_about_a_node_the_job_left_is_dropped() -> None:
+    s = suspicion_across_scale_in("n0")
+    assert s.find("fault.cleared", "job")[-1].reason.endswith("job no longer on n0")
+    assert s.state("job") == "running"
+
+
+def test_in_place_restart_after_scale_in_ignores_ranks_the_job_no_longer_has() -> None:
+    """Rank 1 failed, then a drain scaled the job in to one rank within the same incident; an in-place restart
+    after that took rank 1 from the incident's faults and indexed past the smaller job."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2, elastic={"min_dp": 1, "max_dp": 2})
+    s.train("job", 3)
+    s.job_event("job", "process.exited", rank=1, exit_code=1)
+    s.node_event("n0", "node.drained", reason="maintenance")
+    s.ack_all()
+    assert s.engine.jobs["job"].world == 1
+    s.job_event("job", "operator.force", granularity="in_place")
+    no_internal_errors(s)
+    assert s.find("attempt.started", "job")[-1].detail["ranks"] == [0]
