@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
 
 from events.envelope import (
     ALL_EVENTS,
@@ -24,6 +25,7 @@ from events.envelope import (
     RawRecord,
     Record,
 )
+from events.subjects import TOKEN_PATTERN, check_token
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -154,12 +156,24 @@ def validate_envelope(obj: dict[str, Any]) -> EnvelopeBase | DecodeError:
     return envelope
 
 
+def _token_error(err: Any) -> str | None:
+    """The `subject_token` message for an id that failed the Token pattern, else None."""
+    if err["type"] != "string_pattern_mismatch" or err.get("ctx", {}).get("pattern") != TOKEN_PATTERN:
+        return None
+    try:
+        check_token(err["input"])
+    except PydanticCustomError as exc:
+        return exc.message()
+    return None
+
+
 def _explain(exc: ValidationError, ident: str | None, job: str | None, node: str | None) -> DecodeError:
     errors = exc.errors(include_url=False)
     for err in errors:
-        if err["type"] == "subject_token":
+        message = _token_error(err)
+        if message is not None:
             where = ".".join(str(p) for p in err["loc"][1:])
-            return DecodeError("bad_subject_token", f"{where}: {err['msg']}", ident, job, node)
+            return DecodeError("bad_subject_token", f"{where}: {message}", ident, job, node)
     parts = []
     for err in errors[:3]:
         where = ".".join(str(p) for p in err["loc"][1:]) or "envelope"

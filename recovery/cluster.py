@@ -35,7 +35,7 @@ class NodeState:
         self.isolated = False
         self.job: str | None = None
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
-        self.faults: deque[int] = deque(maxlen=HISTORY)
+        self.faults: deque[int] | None = None  # made at the node's first fault: most nodes never have one
         self.device_faults: dict[int, deque[int]] = {}
 
     @property
@@ -78,6 +78,8 @@ class ClusterView:
         if history is None:
             history = node.device_faults[device] = deque(maxlen=HISTORY)
         history.append(ts)
+        if node.faults is None:
+            node.faults = deque(maxlen=HISTORY)
         node.faults.append(ts)
         return tuple(history), tuple(node.faults)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import traceback
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from orjson import dumps as orjson_dumps
@@ -47,7 +46,7 @@ from policies.base import (
 )
 from policies.registry import PolicyError, load_set
 from recovery.cluster import ClusterView
-from recovery.job import CLOSED_INCIDENTS, Attempt, Incident, Job
+from recovery.job import CLOSED_INCIDENTS, DEDUPE_WINDOW, Attempt, Incident, Job
 from recovery.machine import FINAL, TRANSITIONS, fire
 
 Effect = Decision | Rejection
@@ -64,22 +63,29 @@ class _Reject(Exception):
         self.reason = reason
 
 
-@dataclass(slots=True)
 class _Out:
-    """Effects of one record, with the counters that make command ids and decision indexes."""
+    """Effects of one record, with the counters that make command ids and decision indexes (made on first
+    use: most records, the heartbeats and steps, decide nothing)."""
 
-    seq: int
-    ts: int
-    effects: list[Effect] = field(default_factory=list)
-    commands: dict[str, int] = field(default_factory=dict)
-    decisions: dict[str, int] = field(default_factory=dict)
+    __slots__ = ("commands", "decisions", "effects", "seq", "ts")
+
+    def __init__(self, seq: int, ts: int) -> None:
+        self.seq = seq
+        self.ts = ts
+        self.effects: list[Effect] = []
+        self.commands: dict[str, int] | None = None
+        self.decisions: dict[str, int] | None = None
 
     def command_id(self, job: str) -> str:
+        if self.commands is None:
+            self.commands = {}
         index = self.commands.get(job, 0)
         self.commands[job] = index + 1
         return f"{job}:{self.seq}:{index}"
 
     def index(self, job: str) -> int:
+        if self.decisions is None:
+            self.decisions = {}
         index = self.decisions.get(job, 0)
         self.decisions[job] = index + 1
         return index
@@ -92,6 +98,8 @@ class Engine:
         self.timers: dict[str, tuple[str, int, int | None]] = {}  # id -> (job, due, every), in request order
         self.last_seq = 0
         self._node_seen: OrderedDict[str, None] = OrderedDict()
+        self._order: dict[str, int] = {}  # job id -> submission index: the order of self.jobs
+        self._hungry: dict[str, None] = {}  # every job that _hungry() holds for, and maybe some it no longer does
 
     # -- entry point ----------------------------------------------------------------------------------
     def apply(self, record: Record | RawRecord) -> list[Effect]:
@@ -141,13 +149,16 @@ class Engine:
                 return
             if job is None:
                 raise _Reject("unknown_job", f"{type_} for job {env.job}, which was never submitted")
-            if env.id in job.seen:
+            seen = job.seen
+            if env.id in seen:
                 raise _Reject("duplicate", f"event id {env.id!r} already applied to job {env.job}")
             if type_ in _PROGRESS:
                 self._progress(out, job, env.data)
             else:
                 self._job_event(out, job, type_, env.data)
-            job.remember(env.id)
+            seen[env.id] = None  # Job.remember, without its membership test: done just above
+            if len(seen) > DEDUPE_WINDOW:
+                del seen[next(iter(seen))]
         elif type_ in NODE_EVENTS:
             if env.node is None:
                 raise _Reject("schema_violation", f"{type_} is a node event but the envelope names no node")
@@ -177,6 +188,8 @@ class Engine:
             state=job.state, incident=incident, policy=policy, reason=reason, commands=commands or [],
             timers=timers or [], cancelled_timers=cancelled or [], detail=detail or {},
         ))
+        if _hungry(job):  # every change of state goes through here
+            self._hungry[job.id] = None
 
     def _timer(self, out: _Out, job: Job, purpose: str, after_ns: int, every: int | None = None) -> TimerRequest:
         timer_id = f"{job.id}/{purpose}/{out.seq}"
@@ -209,6 +222,7 @@ class Engine:
                 raise _Reject("placement_conflict", f"node {name} is isolated")
         job = Job(job_id, spec, policies)
         self.jobs[job_id] = job
+        self._order[job_id] = len(self._order)
         for name in spec.nodes:
             self.cluster.assign(name, job_id)
         self._decide(out, job, "job.accepted", f"{spec.layout.world} ranks on {len(spec.nodes)} nodes",
@@ -859,12 +873,17 @@ class Engine:
 
     def _capacity_returned(self, out: _Out) -> None:
         """Nodes came back: waiting jobs try again, elastic jobs below their size grow."""
-        for job in list(self.jobs.values()):
+        # Only the jobs in the index can act on it. Visiting them in submission order, re-checking each, gives
+        # the decisions of a scan of every job: acting for one job never makes another one hungry.
+        for job_id in sorted(self._hungry, key=self._order.__getitem__):
+            job = self.jobs[job_id]
             if job.state == "waiting" and job.incident is not None:
                 self._plan(out, job)
             elif (job.state == "running" and job.incident is None and job.spec.elastic is not None
                   and job.layout.dp < job.target_dp):
                 self._scale(out, job, job.target_dp, "nodes returned: scale out", cause="scale")
+            if not _hungry(job):
+                self._hungry.pop(job_id, None)
 
     # -- operators ------------------------------------------------------------------------------------
     def _operator(self, out: _Out, job: Job, type_: str, data: Any) -> None:
@@ -909,6 +928,8 @@ class Engine:
             # Only once _scale accepted it: a rejected dp (not whole nodes) kept as the target made every later
             # node.joined/ready fail in _capacity_returned with this job's error.
             job.target_dp = data.dp
+            if _hungry(job):
+                self._hungry[job.id] = None
         elif type_ == "operator.force":
             if job.state in ("submitted", "paused"):
                 raise _Reject("invalid_state", f"job {job.id} is {job.state}; nothing to recover")
@@ -976,6 +997,13 @@ class Engine:
 _DEST = {t["trigger"]: t["dest"] for t in TRANSITIONS}
 
 
+def _hungry(job: Job) -> bool:
+    """Can nodes coming back help this job: is it waiting for nodes, or elastic and below its target size?"""
+    return ((job.state == "waiting" and job.incident is not None)
+            or (job.state == "running" and job.incident is None and job.spec.elastic is not None
+                and job.layout.dp < job.target_dp))
+
+
 def _fit_dp(layout: Layout, rpn: int, nodes: int, cap: int) -> int | None:
     """The largest dp <= cap whose ranks fill whole nodes among `nodes`."""
     per_replica = layout.tp * layout.pp
@@ -1004,7 +1032,7 @@ def _tier_counts(plan: ResumePlan) -> dict[str, int]:
 __all__ = ["Effect", "Engine", "label"]
 
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2  # 2: Engine._order and Engine._hungry
 
 
 def dump_snapshot(engine: Engine) -> bytes:

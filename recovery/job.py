@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +114,7 @@ class Job:
         self.watchdog: str | None = None
         self.used: dict[str, int] = {}
         self.restarts_used = 0
-        self.seen: OrderedDict[str, None] = OrderedDict()
+        self.seen: dict[str, None] = {}  # in insertion order: the oldest id is next(iter(seen))
 
     @property
     def world(self) -> int:
@@ -144,7 +143,7 @@ class Job:
             return False
         seen[event_id] = None
         if len(seen) > DEDUPE_WINDOW:
-            seen.popitem(last=False)
+            del seen[next(iter(seen))]
         return True
 
     def add_checkpoint(self, step: int, tier: Tier, shards: list[int], holder: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from recovery.engine import Engine, dump_snapshot, load_snapshot, snapshot_seq
+from recovery.engine import SNAPSHOT_FORMAT, Engine, dump_snapshot, load_snapshot, snapshot_seq
 from recovery.log import iter_file
 from recovery.recorder import replay
 from tests.golden.scenarios import path
@@ -28,6 +28,6 @@ def test_restored_snapshot_continues_like_a_full_replay(name: str) -> None:
 def test_snapshot_from_other_code_is_refused() -> None:
     blob = dump_snapshot(Engine())
     head, _, body = blob.partition(b"\n")
-    assert load_snapshot(head.replace(b'"format":1', b'"format":0') + b"\n" + body) is None
+    assert load_snapshot(head.replace(f'"format":{SNAPSHOT_FORMAT}'.encode(), b'"format":0') + b"\n" + body) is None
     assert load_snapshot(b"garbage\n") is None
 

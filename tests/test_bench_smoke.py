@@ -1,0 +1,37 @@
+"""Smoke test of tools/bench.py: each bench runs at --quick sizes and prints JSON lines (no timing checks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
+KEYS = {"bench", "metric", "value", "unit"}
+REQUIRED = {
+    "engine": {"events_per_s", "baseline_ops_per_s", "ratio_to_baseline", "bytes_per_rank"},
+    "replay": {"events_per_s", "baseline_ops_per_s", "ratio_to_baseline"},
+}
+
+
+@pytest.mark.parametrize("bench", sorted(REQUIRED))
+def test_bench_quick_prints_json_metrics(bench: str) -> None:
+    done = subprocess.run([sys.executable, str(BENCH), bench, "--quick"], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "warning: " not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines, done.stderr
+    metrics: set[str] = set()
+    for line in lines:
+        row = orjson.loads(line)
+        assert isinstance(row, dict) and set(row) == KEYS, line
+        assert row["bench"] == bench, line
+        assert isinstance(row["metric"], str) and isinstance(row["unit"], str), line
+        value = row["value"]
+        assert isinstance(value, int | float) and not isinstance(value, bool) and value > 0, line
+        metrics.add(row["metric"])
+    assert REQUIRED[bench] <= metrics, metrics
