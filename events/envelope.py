@@ -7,7 +7,7 @@ from it in one pass.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, create_model
 
@@ -41,17 +41,20 @@ class EnvelopeBase(BaseModel):
 
 def _envelope_model(type_: str, payload: type[Frozen]) -> type[EnvelopeBase]:
     name = "".join(part.title() for part in type_.replace("_", ".").split(".")) + "Envelope"
-    model: type[EnvelopeBase] = create_model(  # type: ignore[call-overload]
+    model: type[EnvelopeBase] = create_model(
         name,
         __base__=EnvelopeBase,
-        type=(Literal[type_], ...),
+        type=(Literal[type_], ...),  # type: ignore[arg-type]  # a Literal built from a runtime value
         data=(payload, ...),
     )
     return model
 
 
 ENVELOPES: dict[str, type[EnvelopeBase]] = {t: _envelope_model(t, m) for t, m in ALL_EVENTS.items()}
-AnyEnvelope = Annotated[Union[tuple(ENVELOPES.values())], Field(discriminator="type")]  # type: ignore[valid-type]  # noqa: UP007
+if TYPE_CHECKING:
+    AnyEnvelope = EnvelopeBase  # what every member of the union is, for the type checker
+else:
+    AnyEnvelope = Annotated[Union[tuple(ENVELOPES.values())], Field(discriminator="type")]  # noqa: UP007
 
 
 class Record(BaseModel):

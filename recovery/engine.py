@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal
 
 from orjson import dumps as orjson_dumps
 from orjson import loads as orjson_loads
@@ -581,7 +581,8 @@ class Engine:
         incident.enter("stopping", out.ts)
         # Hung or faulty processes are killed; healthy ones get SIGTERM and a grace period to exit cleanly.
         faulty = {r for f in incident.faults for r in f["ranks"]}
-        mode = "kill" if attempt.granularity is G.IN_PLACE or all(r in faulty for r in stopping) else "graceful"
+        kill = attempt.granularity is G.IN_PLACE or all(r in faulty for r in stopping)
+        mode: Literal["graceful", "kill"] = "kill" if kill else "graceful"
         command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
                             ranks=stopping, mode=mode, grace_s=30.0)
         timer = self._ack_timer(out, job, command.id, command.deadline_s)

@@ -53,7 +53,7 @@ DEFAULT_SUBJECTS = [EVENTS, DECISIONS, DEAD_LETTERS]
 API_PREFIX = "$JS.API"
 
 # Errors after which a publish or a pull may simply be tried again (the connection reconnects forever).
-_TRANSIENT: tuple[type[BaseException], ...] = (
+_TRANSIENT: tuple[type[Exception], ...] = (
     asyncio.TimeoutError,  # nats.errors.TimeoutError derives from it
     nats.errors.NoRespondersError,
     nats.errors.ConnectionReconnectingError,
@@ -334,7 +334,7 @@ class JetStreamLog:
                         self._readers.add(reader)
                         await reader.open()
                     batch = await reader.next_batch()
-                except (_ReaderLost, *_TRANSIENT) as exc:
+                except (_ReaderLost, *_TRANSIENT) as exc:  # type: ignore[misc]  # mypy cannot see a starred tuple
                     if reader is not None:
                         self._readers.discard(reader)
                         await reader.close()
