@@ -90,6 +90,7 @@ class CollectiveTimeout(Frozen):
     reporters: list[Rank] = Field(min_length=1)
     operation: str = "allreduce"
     timeout_s: float = Field(0, ge=0)
+    attempt: int = Field(0, ge=0, description="the reporters' restart generation")
 
 
 # --- node (node-scoped) -----------------------------------------------------------------------------

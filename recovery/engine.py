@@ -268,6 +268,11 @@ class Engine:
                 if stale:
                     return
             if isinstance(data, kinds.CollectiveTimeout):
+                if data.attempt > job.generation:
+                    raise _Reject("unknown_attempt", f"attempt {data.attempt} is ahead of job {job.id}'s "
+                                                     f"generation {job.generation}")
+                if data.attempt < job.generation:
+                    return  # a timeout of processes an earlier attempt already replaced
                 outside = [r for r in (*data.members, *data.reporters) if r >= job.world]
                 if outside:
                     raise _Reject("unknown_rank", f"ranks {sorted(set(outside))} are not in job {job.id}")
@@ -415,6 +420,13 @@ class Engine:
                 self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
                 self._plan(out, job)
                 return
+            if attempt.phase in ("rescheduling", "restoring") and (
+                    attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
+                # The restarted (or retried) processes themselves failed: this attempt did not work.
+                self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
+                why = f"attempt {attempt.number} ({attempt.granularity.value}) failed: {verdict.reason}"
+                self._end_attempt(out, job, attempt, "failed", why)
+                return
             if self._covered(job, attempt, verdict):
                 self._decide(out, job, "fault.absorbed", verdict.reason, policy=policy, commands=commands,
                              detail={"attempt": attempt.number})
@@ -517,7 +529,10 @@ class Engine:
         elif g is G.MIGRATE:
             vacate = vacate or self._fault_nodes(job)
             attempt.vacate = tuple(vacate)
-            attempt.ranks = tuple(r for n in vacate for r in job.ranks_on(n))
+            moved = {r for n in vacate for r in job.ranks_on(n)}
+            # Dead or faulty ranks on the nodes that stay restart where they are, in the same attempt.
+            faulty = {r for f in incident.faults for r in f["ranks"] if r < job.world}
+            attempt.ranks = tuple(sorted(moved | set(dead) | faulty))
             attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
         else:  # job level: restart, scale, dump
             attempt.ranks = tuple(range(job.world))
@@ -635,6 +650,11 @@ class Engine:
                     commands.append(MigrateRanks(id=cid if index == 0 else out.command_id(job.id), job=job.id,
                                                  attempt=gen, deadline_s=300, ranks=ranks, from_node=name,
                                                  to_node=target, plan=plan))
+                moved = {r for c in commands for r in c.ranks}  # type: ignore[attr-defined]
+                staying = [r for r in attempt.ranks if r not in moved]
+                if staying:
+                    commands.append(RestartRanks(id=out.command_id(job.id), job=job.id, attempt=gen,
+                                                 deadline_s=120, ranks=staying, plan=plan))
             else:
                 placement = self._placement(job, attempt)
                 if placement is None:

@@ -1,6 +1,6 @@
 """Engine gaps the simulator found, each as a failing example (strict xfail: the test fails loudly once the engine
 is fixed, so the marker must go). They need changes in recovery/engine.py, recovery/job.py or events/, which the
-simulator's issue does not touch; tools/sim/README.md ("Engine gaps") describes each change."""
+simulator's issue does not touch; tools/sim/README.md ("Findings") describes each change."""
 
 from __future__ import annotations
 
@@ -56,3 +56,32 @@ def test_a_node_that_rejoins_no_longer_holds_memory_checkpoints() -> None:
     s.job_event("llm", "process.exited", rank=3, exit_code=139)
     plans = [d for d in s.decisions if d.kind == "checkpoint.plan"]
     assert plans and plans[-1].detail["checkpoint_step"] == 5, plans[-1].detail
+
+
+def test_a_crash_after_a_job_level_restart_starts_a_new_attempt() -> None:
+    s = Scenario()
+    s.submit("llm", ["n0", "n1"], ranks_per_node=2, dp=4,
+             policies={"checkpoint": {"name": "newest-complete", "params": {"dying": False}}})
+    s.train("llm", 5)
+    s.checkpoint("llm", 5, "storage", "storage")
+    s.job_event("llm", "operator.force", granularity="restart_job")
+    s.ack_all()
+    job = s.engine.jobs["llm"]
+    assert job.state == "restoring"
+    s.advance(30)  # the restarted ranks are loading their checkpoint when one of them crashes
+    s.job_event("llm", "process.exited", rank=1, exit_code=139, attempt=job.generation)
+    assert s.kinds("llm")[-1] != "fault.absorbed", "the crash waits for the attempt's deadline"
+
+
+def test_a_pod_level_move_also_restarts_dead_ranks_elsewhere() -> None:
+    s = Scenario()
+    s.spare("spare0")
+    s.submit("llm", ["n0", "n1", "n2"], ranks_per_node=2, dp=6,
+             policies={"checkpoint": {"name": "newest-complete", "params": {"dying": False}}})
+    s.train("llm", 5)
+    s.checkpoint("llm", 5, "storage", "storage")
+    s.node_event("n2", "node.not_ready", reason="host down")  # suspected: confirmed after its grace period
+    s.job_event("llm", "process.exited", rank=1, exit_code=139)  # meanwhile a rank on n0 crashes
+    started = s.find("attempt.started", "llm")
+    assert started and started[-1].detail["granularity"] == "migrate"
+    assert 1 in started[-1].detail["ranks"], f"the attempt restarts ranks {started[-1].detail['ranks']} only"
