@@ -3,15 +3,21 @@
     recovery-replay run LOG              final state of each job, incidents and decision counts
     recovery-replay verify LOG           re-derive every decision and diff against the recorded ones
     recovery-replay timeline LOG --job J events, states and decisions of one job, in order
+    recovery-replay export --nats URL [--job J] [--since T] [-o FILE]
+                                         the JetStream log as JSONL (the format LOG is in)
 
-Each takes `--json` for machine-readable output. Exit status: 0 fine, 1 divergence, 2 bad usage or
-unreadable log.
+Each of run, verify and timeline reads a JSONL export (LOG) or, with `--nats URL`, the live JetStream
+stream (`--stream`, default RECOVERY). Each takes `--json` for machine-readable output. Exit status: 0
+fine, 1 divergence, 2 bad usage or unreadable log.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import re
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,7 +27,7 @@ import orjson
 
 from events.envelope import RawRecord, Record
 from events.outputs import Decision
-from recovery.log import iter_file
+from recovery.log import iter_file, record_matches
 from recovery.recorder import Replay, replay
 
 NS = 1_000_000_000
@@ -67,8 +73,96 @@ def first_divergence(result: Replay) -> Divergence | None:
     return None
 
 
-def _records(path: str) -> Iterator[Record | RawRecord]:
-    return iter_file(path)
+def _records(source: str | argparse.Namespace) -> Iterator[Record | RawRecord]:
+    """The records of a JSONL file, or of the JetStream stream when the arguments carry `--nats`."""
+    if isinstance(source, str):
+        return iter_file(source)
+    if getattr(source, "nats", None):
+        if source.log:
+            raise ValueError("give either a LOG file or --nats, not both")
+        return iter(asyncio.run(_read_nats(source.nats, source.stream)))
+    if not source.log:
+        raise ValueError("give a LOG file or --nats URL")
+    return iter_file(source.log)
+
+
+async def _connect_log(url: str, stream: str) -> Any:
+    """A read-only view of the stream: it is neither created nor reconfigured (that is the daemon's job)."""
+    import nats
+    import nats.errors
+    import nats.js.errors
+
+    from recovery.jetstream import JetStreamLog
+
+    try:
+        nc = await nats.connect(url, connect_timeout=3, max_reconnect_attempts=3, name="recovery-replay")
+    except (OSError, nats.errors.Error, TimeoutError) as exc:
+        raise OSError(f"cannot connect to {url}: {exc!r}") from None
+    js = nc.jetstream(timeout=10)
+    try:
+        await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        await nc.close()
+        raise OSError(f"no stream {stream!r} on {url}") from None
+    return JetStreamLog(nc, js, stream, owns_connection=True)
+
+
+async def _read_nats(url: str, stream: str) -> list[Record | RawRecord]:
+    log = await _connect_log(url, stream)
+    try:
+        return [record async for record in log.read()]
+    finally:
+        await log.close()
+
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def parse_since(text: str, now_ns: int | None = None) -> int:
+    """`--since`: nanoseconds since the epoch, an ISO 8601 time (UTC unless it says), or an age such as
+    `90s`, `15m`, `2h`, `1d` before now."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    match = _RELATIVE.match(text)
+    if match:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86_400}[match.group(2)]
+        now = time.time_ns() if now_ns is None else now_ns
+        return now - int(float(match.group(1)) * unit * NS)
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--since {text!r}: give nanoseconds, an ISO 8601 time or an age like 15m") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp()) * NS + when.microsecond * 1000
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    since = parse_since(args.since) if args.since else None
+    count = asyncio.run(_export(args.nats, args.stream, args.output, args.job, since, args.start_seq))
+    if args.output != "-":
+        print(f"{count} records written to {args.output}", file=sys.stderr)
+    return 0
+
+
+async def _export(url: str, stream: str, output: str, job: str | None, since: int | None, start_seq: int) -> int:
+    from events.codec import encode_record
+
+    log = await _connect_log(url, stream)
+    try:
+        if output != "-":
+            return int(await log.export(output, start_seq, job, since))
+        count = 0
+        out = sys.stdout.buffer
+        async for record in log.read(start_seq):
+            if record_matches(record, job, since):
+                out.write(encode_record(record) + b"\n")
+                count += 1
+        out.flush()
+        return count
+    finally:
+        await log.close()
 
 
 def _clock(ts: int, origin: int) -> str:
@@ -88,7 +182,7 @@ def _summary(envelope: Any) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    result = replay(_records(args.log))
+    result = replay(_records(args))
     snapshot = result.engine.snapshot()
     if args.json:
         out = {"inputs": result.inputs, "jobs": snapshot["jobs"],
@@ -112,7 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    result = replay(_records(args.log))
+    result = replay(_records(args))
     divergence = first_divergence(result)
     rejections_match = [_dump(r) for r in result.rejections] == [_dump(r) for r in result.recorded_rejections]
     ok = divergence is None and (rejections_match or not result.recorded_rejections)
@@ -179,7 +273,7 @@ def timeline_rows(records: Sequence[Record | RawRecord] | Iterator[Record | RawR
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    rows = timeline_rows(_records(args.log), args.job, include_progress=args.all)
+    rows = timeline_rows(_records(args), args.job, include_progress=args.all)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
         return 0
@@ -217,12 +311,22 @@ def build_parser() -> argparse.ArgumentParser:
                                  ("verify", cmd_verify, "re-derive decisions and diff with the recorded ones"),
                                  ("timeline", cmd_timeline, "events, states and decisions of one job")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("log", help="JSONL export of the log")
+        p.add_argument("log", nargs="?", help="JSONL export of the log (or --nats)")
+        p.add_argument("--nats", metavar="URL", help="read the live JetStream log instead of a file")
+        p.add_argument("--stream", default="RECOVERY", help="the log's stream with --nats (default RECOVERY)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
         if name == "timeline":
             p.add_argument("--job", required=True)
             p.add_argument("--all", action="store_true", help="include heartbeats, steps and watchdog ticks")
+    p = sub.add_parser("export", help="write the JetStream log as JSONL")
+    p.add_argument("--nats", metavar="URL", required=True, help="NATS server of the log")
+    p.add_argument("--stream", default="RECOVERY", help="the log's stream (default RECOVERY)")
+    p.add_argument("--job", help="only the records of this job (its events, decisions and dead letters)")
+    p.add_argument("--since", help="only records at or after this log time: ns, ISO 8601, or an age (15m, 2h)")
+    p.add_argument("--start-seq", type=int, default=1, help="first stream sequence to read")
+    p.add_argument("-o", "--output", default="-", help="JSONL file to write (default: standard output)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

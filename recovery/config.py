@@ -1,0 +1,185 @@
+"""The daemon's configuration: defaults < TOML file < environment (`RECOVERY_<KEY>`) < command-line flags.
+
+    recovery-daemon --config recovery.toml --http-port 9500
+    RECOVERY_NATS_URL=nats://nats-0:4222 recovery-daemon
+
+Every key is a top-level key of the TOML file, an environment variable `RECOVERY_<KEY>` (upper case) and a
+flag `--<key-with-dashes>`. An unknown key or a bad value stops the daemon at start with an error that names
+the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+ENV_PREFIX = "RECOVERY_"
+_TOML: ContextVar[Path | None] = ContextVar("recovery_config_toml", default=None)
+
+
+class ConfigError(Exception):
+    """A configuration that cannot run: the message names the key, the value's origin and the problem."""
+
+
+class DaemonConfig(BaseSettings):
+    """Every setting of `recovery-daemon`. Descriptions double as `--help` text."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # -- NATS ------------------------------------------------------------------------------------------
+    nats_url: str = Field("", description="NATS server URL(s), comma-separated; empty: start an embedded "
+                                          "nats-server with JetStream in data_dir")
+    data_dir: Path = Field(Path("recovery-data"), description="embedded nats-server store and the daemon's "
+                                                               "local files (nats.url for recovery-ctl)")
+    embedded_port: int = Field(4222, ge=0, le=65535, description="client port of the embedded nats-server "
+                                                                  "(0: any free port)")
+    replicas: int = Field(1, ge=1, le=5, description="replicas of the streams and the snapshot bucket")
+    # -- streams ---------------------------------------------------------------------------------------
+    stream: str = Field("RECOVERY", description="the audit log stream: inputs, decisions, dead letters")
+    command_stream: str = Field("RECOVERY_CMD", description="the command stream over recovery.cmd.>")
+    command_max_age_s: float = Field(86_400.0, gt=0, description="retention of the command stream")
+    duplicate_window_s: float = Field(3_600.0, gt=0, description="JetStream duplicate window of both streams: "
+                                                                  "longer than any daemon restart")
+    # -- processing ------------------------------------------------------------------------------------
+    consumer: str = Field("recovery-daemon", description="durable consumer name of the input events")
+    batch_size: int = Field(1000, ge=1, le=100_000, description="records pulled and applied per batch")
+    ack_wait_s: float = Field(60.0, gt=0, description="redelivery delay of an unacknowledged input")
+    snapshot_bucket: str = Field("RECOVERY_SNAPSHOTS", description="KV bucket of engine snapshots")
+    partition: str = Field("default", description="snapshot key: the partition of jobs this daemon owns")
+    snapshot_every_records: int = Field(50_000, ge=1, description="snapshot after this many input records")
+    snapshot_every_s: float = Field(60.0, gt=0, description="snapshot at least this often while records arrive")
+    snapshot_chunk_bytes: int = Field(512 * 1024, ge=1024, le=8 * 1024 * 1024,
+                                      description="snapshot value size per KV entry (below max_payload)")
+    snapshot_fork: bool = Field(True, description="pickle snapshots in a forked child (copy-on-write) so that "
+                                                  "deciding never waits for one; off: pickle in the event loop")
+    timers_enabled: bool = Field(True, description="fire the engine's timers as timer.fired events "
+                                                   "(off: something else publishes them, as in replay tests)")
+    ctl_enabled: bool = Field(True, description="answer recovery-ctl requests on recovery.ctl.>")
+    # -- service ---------------------------------------------------------------------------------------
+    http_host: str = Field("127.0.0.1", description="address of /healthz, /readyz and /metrics")
+    http_port: int = Field(9464, ge=-1, le=65535, description="port of /healthz, /readyz and /metrics "
+                                                               "(0: any free port, -1: no HTTP server)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    log_format: Literal["json", "text"] = Field("json", description="structured JSON lines or plain text")
+    log_file: Path | None = Field(None, description="write logs here instead of stderr")
+    shutdown_timeout_s: float = Field(5.0, gt=0, description="SIGTERM/SIGINT: finish, snapshot and drain "
+                                                             "within this")
+    duration_s: float | None = Field(None, gt=0, description="stop by itself after this many seconds")
+    # -- demo ------------------------------------------------------------------------------------------
+    demo: bool = Field(False, description="run a simulated cluster against the daemon and show it live")
+    demo_driver: str = Field("auto", description="'auto' (tools.sim when importable, else the built-in "
+                                                 "cluster), 'builtin', or module:attribute of a driver factory")
+    demo_seed: int = Field(1, description="seed of the demo cluster's faults")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml = _TOML.get()
+        if toml is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml))
+        return tuple(sources)
+
+    @field_validator("stream", "command_stream", "snapshot_bucket", "consumer")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value or any(c in value for c in " .*>\t\n/\\"):
+            raise ValueError(f"{value!r} is not a valid JetStream name (no spaces, '.', '*', '>', slashes)")
+        return value
+
+    @field_validator("partition")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        if not value or not all(c.isalnum() or c in "-_" for c in value):
+            raise ValueError(f"{value!r} is not a valid key (letters, digits, '-', '_')")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> DaemonConfig:
+        if self.stream == self.command_stream:
+            raise ValueError("stream and command_stream must differ")
+        if self.duplicate_window_s > self.command_max_age_s:
+            raise ValueError(f"duplicate_window_s ({self.duplicate_window_s}) exceeds command_max_age_s "
+                             f"({self.command_max_age_s}): JetStream requires the window within the max age")
+        return self
+
+
+FIELDS = DaemonConfig.model_fields
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per key, `--config FILE`, and `--print-config`. Flags keep strings: pydantic parses them."""
+    parser.add_argument("--config", metavar="FILE", default=os.environ.get(ENV_PREFIX + "CONFIG"),
+                        help="TOML configuration file (also RECOVERY_CONFIG)")
+    parser.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    for name, info in FIELDS.items():
+        if info.annotation is bool:
+            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=info.description)
+        else:
+            parser.add_argument(_flag(name), dest=name, default=None, metavar=name.upper(), help=info.description)
+    parser.add_argument("--duration", dest="duration_s", default=None, metavar="SECONDS",
+                        help="alias of --duration-s")
+
+
+def load(args: argparse.Namespace | None = None, **overrides: Any) -> DaemonConfig:
+    """The effective configuration; raises ConfigError naming the bad key and where its value came from."""
+    flags: dict[str, Any] = {}
+    toml_path: Path | None = None
+    if args is not None:
+        toml_path = Path(args.config) if getattr(args, "config", None) else None
+        flags = {k: v for k, v in vars(args).items() if k in FIELDS and v is not None}
+    flags.update({k: v for k, v in overrides.items() if v is not None})
+    if toml_path is not None:
+        if not toml_path.is_file():
+            raise ConfigError(f"configuration file {toml_path} does not exist")
+        try:
+            with toml_path.open("rb") as fh:
+                tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"configuration file {toml_path} is not valid TOML: {exc}") from exc
+    token = _TOML.set(toml_path)
+    try:
+        return DaemonConfig(**flags)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, flags, toml_path)) from None
+    finally:
+        _TOML.reset(token)
+
+
+def _explain(exc: ValidationError, flags: dict[str, Any], toml_path: Path | None) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        key = ".".join(str(p) for p in err["loc"]) or "(configuration)"
+        if key in flags:
+            origin = f"flag {_flag(key)}"
+        elif key in FIELDS and (ENV_PREFIX + key.upper()) in os.environ:
+            origin = f"environment variable {ENV_PREFIX}{key.upper()}"
+        elif toml_path is not None:
+            origin = f"{toml_path}"
+        else:
+            origin = "default"
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted(FIELDS))
+            lines.append(f"unknown key {key!r} (in {origin}); known keys: {known}")
+        else:
+            value = f" (got {err['input']!r})" if err["loc"] and not isinstance(err["input"], dict) else ""
+            lines.append(f"{key}: {err['msg']}{value} (from {origin})")
+    return "invalid configuration: " + "; ".join(lines)

@@ -1,0 +1,218 @@
+"""The daemon's side of `recovery-ctl`: a NATS request/reply service on `recovery.ctl.<verb>`.
+
+Requests and replies are JSON objects; a reply has `ok` and either the answer or `error`. Verbs that change
+something (submit, inject, scale, pause, resume, cancel, force) publish an input event into the log, like
+any other source, with the request's id as its dedupe id (a retried request is the same event), wait until
+the engine has applied it and answer with the decisions or the rejection it caused. Queries (status, jobs,
+job, incidents) read the engine's state between two records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import ValidationError
+
+from events import subjects
+from events.codec import encode_envelope
+from events.envelope import ENVELOPES, make_envelope
+from events.kinds import JOB_EVENTS, NODE_EVENTS
+from events.outputs import Decision
+from events.values import JobSpec
+
+if TYPE_CHECKING:
+    from recovery.daemon import Daemon
+
+logger = logging.getLogger("recovery.control")
+SUBJECT = f"{subjects.PREFIX}.ctl"
+SOURCE = "recovery-ctl"
+QUEUE = "recovery-daemon"
+VERBS = ("status", "jobs", "job", "incidents", "submit", "inject", "scale", "pause", "resume", "cancel", "force")
+
+
+class CtlError(Exception):
+    """A request the daemon refuses: the message goes back to the caller."""
+
+
+def job_row(snapshot: dict[str, Any]) -> dict[str, Any]:
+    incident = snapshot["incident"]
+    attempt = incident["attempts"][-1] if incident and incident["attempts"] else None
+    return {"job": snapshot["job"], "state": snapshot["state"], "step": snapshot["step"],
+            "generation": snapshot["generation"], "alive": snapshot["alive"], "world": snapshot["world"],
+            "nodes": len(snapshot["nodes"]), "dp": snapshot["layout"]["dp"],
+            "incident": incident["id"] if incident else None,
+            "attempt": None if attempt is None else f"{attempt['granularity']} ({attempt['phase']})",
+            "incidents_closed": len(snapshot["incidents"]), "restarts_used": snapshot["restarts_used"]}
+
+
+def incident_row(job: str, inc: dict[str, Any]) -> dict[str, Any]:
+    phase = inc["phases"][-1][0] if inc["phases"] else None
+    return {"job": job, "incident": inc["id"], "cause": inc["cause"], "fault_class": inc["fault_class"],
+            "opened": inc["opened"], "closed": inc["closed"], "outcome": inc["outcome"], "phase": phase,
+            "faults": len(inc["faults"]), "lost_steps": inc["lost_steps"],
+            "attempts": [f"{a['granularity']}:{a['outcome'] or a['phase']}" for a in inc["attempts"]]}
+
+
+def effect_summary(effects: list[Any]) -> dict[str, Any]:
+    decisions, rejections = [], []
+    for effect in effects:
+        if isinstance(effect, Decision):
+            decisions.append({"job": effect.job, "kind": effect.kind, "state": effect.state, "reason": effect.reason,
+                              "commands": [c.kind for c in effect.commands]})
+        else:
+            rejections.append({"code": effect.code, "reason": effect.reason})
+    return {"decisions": decisions, "rejections": rejections}
+
+
+class ControlService:
+    def __init__(self, daemon: Daemon, apply_timeout: float = 5.0) -> None:
+        self.daemon = daemon
+        self.apply_timeout = apply_timeout
+        self._sub: Subscription | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._handlers: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            "status": self._status, "jobs": self._jobs, "job": self._job, "incidents": self._incidents,
+            "submit": self._submit, "inject": self._inject, "scale": self._operator, "pause": self._operator,
+            "resume": self._operator, "cancel": self._operator, "force": self._operator,
+        }
+
+    async def start(self, nc: Client) -> None:
+        self._sub = await nc.subscribe(f"{SUBJECT}.*", queue=QUEUE, cb=self._on_request)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _on_request(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._answer(msg))  # a request waiting on the engine blocks no other
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg: Msg) -> None:
+        verb = msg.subject.rsplit(".", 1)[-1]
+        try:
+            body = orjson.loads(msg.data) if msg.data else {}
+            if not isinstance(body, dict):
+                raise CtlError("the request must be a JSON object")
+            handler = self._handlers.get(verb)
+            if handler is None:
+                raise CtlError(f"unknown verb {verb!r}; known: {', '.join(VERBS)}")
+            body["_verb"] = verb
+            reply = {"ok": True, **(await handler(body))}
+        except CtlError as exc:
+            reply = {"ok": False, "error": str(exc)}
+        except orjson.JSONDecodeError as exc:
+            reply = {"ok": False, "error": f"the request is not JSON: {exc}"}
+        except Exception as exc:
+            logger.exception("ctl request failed", extra={"fields": {"verb": verb}})
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(orjson.dumps(reply, default=str))
+
+    # -- queries ------------------------------------------------------------------------------------------
+    async def _status(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"status": await self.daemon.status()}
+
+    async def _jobs(self, body: dict[str, Any]) -> dict[str, Any]:
+        engine = self.daemon.engine
+        return {"jobs": [job_row(engine.jobs[j].snapshot()) for j in sorted(engine.jobs)]}
+
+    async def _job(self, body: dict[str, Any]) -> dict[str, Any]:
+        job = self._job_id(body)
+        return {"job": self.daemon.engine.jobs[job].snapshot()}
+
+    async def _incidents(self, body: dict[str, Any]) -> dict[str, Any]:
+        engine = self.daemon.engine
+        rows = []
+        for job_id in sorted(engine.jobs):
+            job = engine.jobs[job_id]
+            if body.get("all"):
+                rows += [incident_row(job_id, inc) for inc in job.closed]
+            if job.incident is not None:
+                rows.append(incident_row(job_id, job.incident.summary()))
+        return {"incidents": rows}
+
+    def _job_id(self, body: dict[str, Any], known: bool = True) -> str:
+        job = body.get("job")
+        if not isinstance(job, str) or not job:
+            raise CtlError("'job' is required")
+        if known and job not in self.daemon.engine.jobs:
+            raise CtlError(f"no job {job!r}")
+        return job
+
+    # -- changes ------------------------------------------------------------------------------------------
+    async def _submit(self, body: dict[str, Any]) -> dict[str, Any]:
+        job = self._job_id(body, known=False)
+        try:
+            spec = JobSpec.model_validate(body.get("spec"))
+        except ValidationError as exc:
+            raise CtlError(f"invalid job spec: {_errors(exc)}") from None
+        return await self._publish("job.submitted", {"spec": spec.model_dump(mode="json")}, body, job=job)
+
+    async def _inject(self, body: dict[str, Any]) -> dict[str, Any]:
+        type_ = body.get("type")
+        if type_ in JOB_EVENTS:
+            return await self._publish(type_, body.get("data") or {}, body, job=self._job_id(body, known=False))
+        if type_ in NODE_EVENTS:
+            node = body.get("node")
+            if not isinstance(node, str) or not node:
+                raise CtlError(f"{type_} is a node event: 'node' is required")
+            return await self._publish(type_, body.get("data") or {}, body, node=node)
+        raise CtlError(f"unknown event type {type_!r}; known: {', '.join(sorted(ENVELOPES))}")
+
+    async def _operator(self, body: dict[str, Any]) -> dict[str, Any]:
+        verb = body["_verb"]
+        job = self._job_id(body)
+        data: dict[str, Any] = {}
+        if verb == "scale":
+            data["dp"] = body.get("dp")
+        if verb == "force":
+            data["granularity"] = body.get("granularity")
+        if verb in ("pause", "cancel", "force") and body.get("reason"):
+            data["reason"] = str(body["reason"])
+        return await self._publish(f"operator.{verb}", data, body, job=job)
+
+    async def _publish(self, type_: str, data: dict[str, Any], body: dict[str, Any], *, job: str | None = None,
+                       node: str | None = None) -> dict[str, Any]:
+        from recovery.daemon import Outgoing
+
+        ident = body.get("id") or f"ctl-{secrets.token_hex(8)}"
+        try:
+            envelope = make_envelope(type_, data, id=str(ident), job=job, node=node, source=SOURCE)
+        except ValidationError as exc:
+            raise CtlError(f"invalid {type_}: {_errors(exc)}") from None
+        subject = subjects.job_event(job, type_) if job is not None else subjects.node_event(node or "", type_)
+        publisher = self.daemon.publisher
+        assert publisher is not None
+        try:
+            acks = await publisher.publish([Outgoing(subject, encode_envelope(envelope), envelope.id, "input")],
+                                           deadline=time.monotonic() + self.apply_timeout)
+        except TimeoutError:
+            raise CtlError("the log did not acknowledge the event in time (NATS outage?)") from None
+        seq = acks[0].seq
+        out: dict[str, Any] = {"seq": seq, "id": envelope.id, "subject": subject, "duplicate": bool(acks[0].duplicate)}
+        try:
+            await self.daemon.wait_applied(seq, self.apply_timeout)
+        except TimeoutError:
+            return {**out, "applied": False}
+        effects = self.daemon.recent.get(seq)
+        return {**out, "applied": True, **effect_summary(effects or [])}
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}"
+                     for e in exc.errors(include_url=False)[:5])

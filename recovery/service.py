@@ -1,0 +1,132 @@
+"""The daemon's service face: Prometheus metrics and a tiny HTTP server for `/healthz`, `/readyz`, `/metrics`.
+
+The HTTP server is `asyncio.start_server` with a few lines of HTTP/1.0: three read-only endpoints need no
+framework, and it runs on the daemon's own event loop (a scrape sees a consistent state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """Every metric of one daemon, in its own registry (several daemons can live in one test process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.events = Counter("recovery_events", "input records applied, by event type", ["type"], registry=r)
+        self.rejections = Counter("recovery_rejections", "inputs rejected to the dead-letter subject, by reason",
+                                  ["reason"], registry=r)
+        self.decisions = Counter("recovery_decisions", "decisions recorded, by kind", ["kind"], registry=r)
+        self.commands = Counter("recovery_commands", "commands published, by kind", ["kind"], registry=r)
+        self.timers_fired = Counter("recovery_timers_fired", "timer.fired events published by the timer service",
+                                    registry=r)
+        self.snapshots = Counter("recovery_snapshots", "snapshots written to the KV bucket", registry=r)
+        self.reconnects = Counter("recovery_nats_reconnects", "reconnections to NATS", registry=r)
+        self.consumer_resets = Counter("recovery_consumer_resets",
+                                       "input consumer re-created at the next sequence (gap, outage)", registry=r)
+        self.open_incidents = Gauge("recovery_open_incidents", "jobs with an open incident", registry=r)
+        self.jobs = Gauge("recovery_jobs", "jobs by state", ["state"], registry=r)
+        self.consumer_lag = Gauge("recovery_consumer_lag", "input records in the stream not yet delivered",
+                                  registry=r)
+        self.last_seq = Gauge("recovery_last_applied_seq", "stream sequence of the last applied input", registry=r)
+        self.timers_armed = Gauge("recovery_timers_armed", "outstanding engine timers", registry=r)
+        self.snapshot_seq = Gauge("recovery_snapshot_seq", "stream sequence covered by the newest snapshot",
+                                  registry=r)
+        self.snapshot_age = Gauge("recovery_snapshot_age_seconds", "seconds since the newest snapshot was written",
+                                  registry=r)
+        self.snapshot_bytes = Gauge("recovery_snapshot_bytes", "size of the newest snapshot", registry=r)
+        self.restored_seq = Gauge("recovery_restored_snapshot_seq",
+                                  "sequence of the snapshot restored at start (0: none)", registry=r)
+        self.replayed = Gauge("recovery_startup_replayed_records",
+                              "input records applied at start to catch up from the restored snapshot", registry=r)
+        self.ready = Gauge("recovery_ready", "1 when caught up and connected", registry=r)
+        self.latency = Histogram("recovery_decision_latency_seconds",
+                                 "log time of an input to its effects acknowledged by JetStream",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("recovery_batch_records", "input records per processed batch",
+                                    buckets=(1, 10, 100, 500, 1000, 2000, 5000, 10000), registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+Readiness = Callable[[], tuple[bool, dict[str, object]]]
+
+
+class HttpServer:
+    """`/healthz` (the loop answers), `/readyz` (200 once caught up and connected, else 503 with why) and
+    `/metrics` (Prometheus text format). `before_scrape` refreshes gauges computed on demand."""
+
+    def __init__(self, host: str, port: int, metrics: Metrics, ready: Readiness,
+                 before_scrape: Callable[[], None] | None = None,
+                 status: Callable[[], Awaitable[dict[str, object]]] | None = None) -> None:
+        self.host = host
+        self.port = port
+        self._metrics = metrics
+        self._ready = ready
+        self._before_scrape = before_scrape
+        self._status = status
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1):
+                    await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(5):
+                request = await reader.readline()
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass  # headers: nothing here needs them
+            parts = request.decode("latin-1").split()
+            method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("", "")
+            status, ctype, body = await self._route(method, path)
+            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n").encode()
+            writer.write(head + (b"" if method == "HEAD" else body))
+            await writer.drain()
+        except (TimeoutError, ConnectionError, UnicodeDecodeError):
+            pass
+        except Exception:  # a scrape must never take the daemon down
+            logger.exception("http handler failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
+        if path == "/healthz":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/readyz":
+            ok, why = self._ready()
+            body = orjson.dumps({"ready": ok, **why}) + b"\n"
+            return ("200 OK" if ok else "503 Service Unavailable"), "application/json", body
+        if path == "/metrics":
+            if self._before_scrape is not None:
+                self._before_scrape()
+            return "200 OK", CONTENT_TYPE_LATEST, self._metrics.render()
+        if path == "/status" and self._status is not None:
+            return "200 OK", "application/json", orjson.dumps(await self._status(), default=str) + b"\n"
+        return "404 Not Found", "text/plain", b"not found\n"

@@ -1,0 +1,331 @@
+"""The daemon in-process against a real nats-server: configuration, dead letters, recovery-ctl, metrics, timers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from events import subjects
+from events.codec import encode_envelope
+from events.envelope import Record, make_envelope
+from events.values import JobSpec
+from recovery import config as config_mod
+from recovery.config import ConfigError, DaemonConfig
+from recovery.ctl import request
+from recovery.daemon import Daemon, TimerService, build_parser
+from recovery.engine import Engine
+from recovery.log import MSG_ID
+from recovery.testing import NatsServer
+from tests.daemon_support import ROOT, async_wait_for, check_log, connect, read_stream
+
+NS = 1_000_000_000
+
+
+# -- configuration -------------------------------------------------------------------------------------------
+def _load(argv: list[str]) -> DaemonConfig:
+    return config_mod.load(build_parser().parse_args(argv))
+
+
+def test_config_flags_win_over_environment_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    toml = tmp_path / "d.toml"
+    toml.write_text('batch_size = 10\nhttp_port = 9000\nstream = "FROMFILE"\ntimers_enabled = false\n')
+    monkeypatch.setenv("RECOVERY_HTTP_PORT", "9100")
+    monkeypatch.setenv("RECOVERY_BATCH_SIZE", "20")
+    cfg = _load(["--config", str(toml), "--batch-size", "30"])
+    assert (cfg.batch_size, cfg.http_port, cfg.stream, cfg.timers_enabled) == (30, 9100, "FROMFILE", False)
+    assert _load(["--config", str(toml), "--timers-enabled"]).timers_enabled is True
+    assert _load(["--duration", "5"]).duration_s == 5.0
+
+
+@pytest.mark.parametrize(("argv", "env", "toml", "expected"), [
+    (["--http-port", "abc"], {}, "", "http_port: Input should be a valid integer"),
+    ([], {"RECOVERY_BATCH_SIZE": "0"}, "", "batch_size: Input should be greater than or equal to 1"),
+    ([], {}, "snapshot_evry = 3\n", "unknown key 'snapshot_evry'"),
+    ([], {}, 'stream = "A.B"\n', "stream: Value error, 'A.B' is not a valid JetStream name"),
+    ([], {}, "duplicate_window_s = 100\ncommand_max_age_s = 10\n", "exceeds command_max_age_s"),
+    ([], {}, "log_level = 'LOUD'\n", "log_level: Input should be 'DEBUG', 'INFO', 'WARNING' or 'ERROR'"),
+])
+def test_bad_configuration_names_the_key_and_its_origin(argv: list[str], env: dict[str, str], toml: str,
+                                                       expected: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if toml:
+        path = tmp_path / "d.toml"
+        path.write_text(toml)
+        argv = [*argv, "--config", str(path)]
+    with pytest.raises(ConfigError) as info:
+        _load(argv)
+    assert expected in str(info.value)
+    origin = "flag --http-port" if argv[:1] == ["--http-port"] else (
+        "environment variable RECOVERY_BATCH_SIZE" if env else str(tmp_path / "d.toml"))
+    assert origin in str(info.value)
+
+
+def test_daemon_cli_exits_2_on_bad_configuration() -> None:
+    result = subprocess.run([sys.executable, "-m", "recovery.daemon", "--snapshot-every-records", "-1"],
+                            capture_output=True, text=True, cwd=ROOT, check=False)
+    assert result.returncode == 2
+    assert "snapshot_every_records: Input should be greater than or equal to 1" in result.stderr
+
+
+# -- the timer service ---------------------------------------------------------------------------------------
+def test_timer_service_fires_what_the_engine_still_holds() -> None:
+    engine = Engine()
+    fired: list[tuple[str, str, int]] = []
+
+    async def fire(items: list[tuple[str, str, int]]) -> None:
+        fired.extend(items)
+
+    timers = TimerService(lambda: engine, fire)
+    engine.timers = {"a/watchdog/3": ("a", 10, 5), "a/confirm/x/4": ("a", 20, None), "b/ack/b:1:0/9": ("b", 15, None)}
+    assert timers.arm_all(engine) == 3
+    assert timers.due(9) == []
+    assert timers.due(15) == [("a/watchdog/3", "a", 10), ("b/ack/b:1:0/9", "b", 15)]
+    engine.timers["a/watchdog/3"] = ("a", 15, 5)  # the engine applied the firing: the period moved on
+    timers.arm("a/watchdog/3", 15)
+    del engine.timers["a/confirm/x/4"]  # cancelled by a decision
+    timers.cancel("a/confirm/x/4")
+    assert timers.due(100) == [("a/watchdog/3", "a", 15)]
+    timers.arm("gone", 1)  # armed but not in the engine's table: never fired
+    assert timers.due(200) == [] and fired == []
+
+
+# -- the daemon in-process -----------------------------------------------------------------------------------
+@pytest.fixture
+async def daemon(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Daemon]:
+    cfg = config_mod.load(nats_url=nats_server.url, http_port=0, data_dir=tmp_path / "data", timers_enabled=False,
+                          snapshot_every_s=0.2)
+    d = Daemon(cfg)
+    await d.start()
+    await async_wait_for(lambda: d.readiness()[0], 10, "the daemon to be ready")
+    try:
+        yield d
+    finally:
+        await d.stop()
+
+
+def spec(nodes: list[str], **extra: Any) -> dict[str, Any]:
+    return JobSpec.model_validate({"nodes": nodes, "ranks_per_node": 2, "layout": {"dp": len(nodes) * 2}, **extra}
+                                  ).model_dump(mode="json")
+
+
+async def ctl(url: str, verb: str, **body: Any) -> dict[str, Any]:
+    return await request(url, verb, body)
+
+
+async def test_bad_input_goes_to_the_dead_letter_subject_and_other_jobs_keep_going(daemon: Daemon,
+                                                                                   nats_server: NatsServer) -> None:
+    url = nats_server.url
+    submitted = await ctl(url, "submit", job="good", spec=spec(["g0", "g1"]), id="submit-good")
+    assert submitted["ok"] and submitted["applied"] and submitted["decisions"][0]["kind"] == "job.accepted"
+    assert (await ctl(url, "inject", type="job.started", job="good"))["decisions"][0]["state"] == "running"
+    nc, js = await connect(url)
+    bad: list[tuple[str, bytes, str]] = [
+        (subjects.job_event("good", "process.heartbeat"), b"{not json", "malformed_json"),
+        (subjects.job_event("good", "process.teleported"), orjson.dumps({"id": "t1", "type": "process.teleported",
+                                                                         "job": "good", "data": {}}), "unknown_type"),
+        (subjects.job_event("ghost", "process.exited"), encode_envelope(make_envelope(
+            "process.exited", {"rank": 0, "exit_code": 1}, id="ghost-1", job="ghost")), "unknown_job"),
+        (subjects.job_event("good", "process.exited"), orjson.dumps({"id": "w1", "type": "process.exited",
+                                                                     "job": "bad job", "data": {"rank": 0}}),
+         "bad_subject_token"),
+        (subjects.job_event("other", "process.exited"), encode_envelope(make_envelope(
+            "process.exited", {"rank": 0, "exit_code": 1}, id="mismatch-1", job="good")), "subject_mismatch"),
+        (subjects.job_event("good", "process.heartbeat"), b'{"id":"big","pad":"' + b"x" * 300_000 + b'"}',
+         "oversized"),
+        (subjects.job_event("good", "process.heartbeat"), encode_envelope(make_envelope(
+            "process.heartbeat", {"rank": 99}, id="rank-99", job="good")), "unknown_rank"),
+    ]
+    try:
+        for n, (subject, payload, _) in enumerate(bad):
+            await js.publish(subject, payload, headers={MSG_ID: f"bad-{n}"})
+        crash = make_envelope("process.exited", {"rank": 1, "exit_code": 139}, id="crash-1", job="good")
+        ack = await js.publish(subjects.job_event("good", "process.exited"), encode_envelope(crash),
+                               headers={MSG_ID: crash.id})
+    finally:
+        await nc.close()
+    await daemon.wait_applied(ack.seq, 10)
+    assert daemon.readiness()[0]
+    records = await read_stream(url)
+    dead = [r for r in records if r.subject.startswith("recovery.dlq.")]
+    codes = [r.envelope.data.code for r in dead if isinstance(r, Record)]
+    assert codes == [code for _, _, code in bad]
+    assert [r.subject for r in dead] == [f"recovery.dlq.{code}" for _, _, code in bad]
+    assert all(isinstance(r, Record) and r.envelope.data.reason for r in dead)
+    kinds = [r.envelope.data.kind for r in records if isinstance(r, Record) and r.envelope.type == "decision"
+             and r.envelope.data.cause_seq == ack.seq]
+    assert kinds[:2] == ["fault.confirmed", "attempt.started"]  # the good job was served after the bad input
+    check_log(records)
+    metrics = daemon.metrics.render().decode()
+    assert 'recovery_rejections_total{reason="malformed_json"} 1.0' in metrics
+    assert 'recovery_rejections_total{reason="oversized"} 1.0' in metrics
+
+
+async def test_ctl_verbs_and_the_cli(daemon: Daemon, nats_server: NatsServer, tmp_path: Path) -> None:
+    url = nats_server.url
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({"job": "train", "spec": spec(["t0", "t1"], elastic={"min_dp": 2, "max_dp": 4})}))
+    cli = [sys.executable, "-m", "recovery.ctl", "--nats", url]
+    result = await asyncio.to_thread(subprocess.run, [*cli, "submit", str(job_file)], capture_output=True,
+                                     text=True, cwd=ROOT, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "job.accepted" in result.stdout
+    assert (await ctl(url, "inject", type="job.started", job="train"))["ok"]
+    jobs = await asyncio.to_thread(subprocess.run, [*cli, "--json", "jobs"], capture_output=True, text=True,
+                                   cwd=ROOT, check=False)
+    rows = orjson.loads(jobs.stdout)["jobs"]
+    assert [(r["job"], r["state"], r["alive"], r["world"]) for r in rows] == [("train", "running", 4, 4)]
+    table = await asyncio.to_thread(subprocess.run, [*cli, "jobs"], capture_output=True, text=True, cwd=ROOT,
+                                    check=False, env={**os.environ, "COLUMNS": "160"})
+    assert "train" in table.stdout and "running" in table.stdout
+    paused = await ctl(url, "pause", job="train", reason="maintenance")
+    assert (paused["ok"] and "job.paused" in [d["kind"] for d in paused["decisions"]]) or paused["decisions"]
+    incidents = await ctl(url, "incidents")
+    assert [i["cause"] for i in incidents["incidents"]] == ["operator"]
+    refused = await ctl(url, "scale", job="train", dp=9)
+    assert refused["ok"] and refused["rejections"][0]["code"] in ("invalid_request", "invalid_state")
+    unknown = await ctl(url, "resume", job="nope")
+    assert unknown == {"ok": False, "error": "no job 'nope'"}
+    bad_spec = await ctl(url, "submit", job="x", spec={"nodes": ["a"], "ranks_per_node": 2, "layout": {"dp": 1}})
+    assert not bad_spec["ok"] and "invalid job spec" in bad_spec["error"]
+    status = await ctl(url, "status")
+    assert status["status"]["ready"] is True and status["status"]["jobs"] == 1
+    refused_cli = await asyncio.to_thread(subprocess.run, [*cli, "cancel", "nope"], capture_output=True, text=True,
+                                          cwd=ROOT, check=False)
+    assert refused_cli.returncode == 1 and "no job 'nope'" in refused_cli.stderr
+
+
+async def test_http_endpoints_and_metrics(daemon: Daemon, nats_server: NatsServer) -> None:
+    url = nats_server.url
+    await ctl(url, "submit", job="m", spec=spec(["m0"]))
+    await ctl(url, "inject", type="job.started", job="m")
+    out = await ctl(url, "inject", type="process.exited", job="m", data={"rank": 0, "exit_code": 1})
+    assert out["decisions"][0]["kind"] == "fault.confirmed"
+    await async_wait_for(lambda: daemon.snapshot_seq >= out["seq"], 10, "a snapshot")
+
+    def get(path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.http_port}{path}", timeout=2) as response:
+            return response.status, response.read().decode()
+
+    assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
+    code, body = await asyncio.to_thread(get, "/readyz")
+    assert code == 200 and json.loads(body)["ready"] is True
+    _, metrics = await asyncio.to_thread(get, "/metrics")
+    command = next(c for d in out["decisions"] for c in d["commands"])
+    state = out["decisions"][-1]["state"]
+    for needle in ('recovery_events_total{type="process.exited"} 1.0',
+                   'recovery_decisions_total{kind="fault.confirmed"} 1.0', "recovery_open_incidents 1.0",
+                   "recovery_consumer_lag 0.0", "recovery_decision_latency_seconds_bucket",
+                   "recovery_snapshot_age_seconds", f'recovery_commands_total{{kind="{command}"}} 1.0',
+                   f'recovery_jobs{{state="{state}"}} 1.0', "recovery_ready 1.0"):
+        assert needle in metrics, needle
+    daemon.request_stop()
+    code, body = await asyncio.to_thread(_status_of, daemon.http_port, "/readyz")
+    assert code == 503 and json.loads(body)["stopping"] is True
+
+
+def _status_of(port: int | None, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def test_timer_service_fires_on_the_wall_clock(nats_server: NatsServer, tmp_path: Path) -> None:
+    """A job whose ranks fall silent is caught by the watchdog: its periodic timer fires as `timer.fired` events
+    with deterministic ids, and the engine confirms the hang from them; nothing else drives time."""
+    cfg = config_mod.load(nats_url=nats_server.url, http_port=-1, data_dir=tmp_path / "d", timers_enabled=True)
+    d = Daemon(cfg)
+    await d.start()
+    try:
+        quick = {"detection": {"name": "default", "params": {"hang_min_silence_s": 0.3}}}
+        await ctl(nats_server.url, "submit", job="w", spec=spec(["w0"], watchdog_interval_s=0.1, policies=quick))
+        await ctl(nats_server.url, "inject", type="job.started", job="w")
+        await async_wait_for(lambda: d.engine.jobs["w"].incident is not None, 10, "the watchdog to catch the hang")
+        await d.quiesce()
+    finally:
+        await d.stop()
+    records = await read_stream(nats_server.url)
+    fired = [r for r in records if isinstance(r, Record) and r.envelope.type == "timer.fired"]
+    assert len(fired) >= 3
+    for r in fired:
+        assert r.envelope.id == f"timer:{r.envelope.data.timer_id}:{r.envelope.data.due}"
+        assert r.ts >= r.envelope.data.due  # fired when due by the wall clock, never early
+    result = check_log(records)
+    assert "fault.confirmed" in [x.kind for x in result.recorded_decisions]
+
+
+async def test_replay_cli_reads_the_live_log(daemon: Daemon, nats_server: NatsServer, tmp_path: Path) -> None:
+    url = nats_server.url
+    for job, nodes in (("a", ["a0"]), ("b", ["b0"])):
+        await ctl(url, "submit", job=job, spec=spec(nodes))
+        await ctl(url, "inject", type="job.started", job=job)
+    await ctl(url, "inject", type="process.exited", job="a", data={"rank": 1, "exit_code": 1})
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "recovery.replay", *args], capture_output=True, text=True,
+                              cwd=ROOT, check=False)
+
+    out = tmp_path / "a.jsonl"
+    exported = await asyncio.to_thread(cli, "export", "--nats", url, "--job", "a", "-o", str(out))
+    assert exported.returncode == 0, exported.stderr
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert lines and all("a" in (line["envelope"]["job"], line["subject"].split(".")[2]) for line in lines)
+    everything = await asyncio.to_thread(cli, "export", "--nats", url, "--since", "1h")
+    assert len(everything.stdout.splitlines()) == len(await read_stream(url))
+    future = await asyncio.to_thread(cli, "export", "--nats", url, "--since", "2999-01-01T00:00:00Z")
+    assert future.returncode == 0 and future.stdout == ""
+    verified = await asyncio.to_thread(cli, "verify", "--nats", url)
+    assert verified.returncode == 0 and verified.stdout.startswith("ok:"), verified.stdout + verified.stderr
+    timeline = await asyncio.to_thread(cli, "timeline", "--nats", url, "--job", "a", "--json")
+    assert "decision fault.confirmed" in [row["what"] for row in orjson.loads(timeline.stdout)]
+    both = await asyncio.to_thread(cli, "verify", str(out), "--nats", url)
+    assert both.returncode == 2 and "either a LOG file or --nats" in both.stderr
+    missing = await asyncio.to_thread(cli, "export", "--nats", url, "--stream", "NOPE")
+    assert missing.returncode == 2 and "no stream 'NOPE'" in missing.stderr
+
+
+def test_since_accepts_nanoseconds_iso_times_and_ages() -> None:
+    from recovery.replay import parse_since
+
+    assert parse_since("1767225600000000000") == 1_767_225_600 * NS
+    assert parse_since("2026-01-01T00:00:00Z") == 1_767_225_600 * NS
+    assert parse_since("2026-01-01T01:00:00+01:00") == 1_767_225_600 * NS
+    assert parse_since("15m", now_ns=1_767_225_600 * NS) == (1_767_225_600 - 900) * NS
+    with pytest.raises(ValueError, match="--since 'yesterday'"):
+        parse_since("yesterday")
+
+
+async def test_snapshot_store_alternates_slots_and_checks_its_chunks(nats_server: NatsServer) -> None:
+    from recovery.daemon import SnapshotStore
+
+    nc, js = await connect(nats_server.url)
+    try:
+        store = SnapshotStore(js, "SNAPS", "p1", 1024, 1)
+        await store.ensure()
+        await store.ensure()  # idempotent
+        assert await store.load() is None
+        blobs = [os.urandom(5000 + 1000 * n) for n in range(4)]  # incompressible: several chunks each
+        for n, blob in enumerate(blobs):
+            manifest = await store.save(blob, seq=10 * (n + 1), ts=n)
+            assert manifest["slot"] == "ab"[n % 2] and manifest["chunks"] > 1
+            loaded = await store.load()
+            assert loaded is not None and loaded[0] == blob and loaded[1]["seq"] == 10 * (n + 1)
+        keys = await store.kv.keys()
+        assert len(keys) <= 1 + 2 * max(-(-len(b) // 1024) + 1 for b in blobs)  # bounded: two slots
+        await store.kv.put(f"p1.{manifest['slot']}.0", b"torn write")
+        assert await store.load() is None  # a checksum mismatch is no snapshot, not a wrong one
+    finally:
+        await nc.close()
