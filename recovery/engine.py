@@ -8,8 +8,10 @@ gives the same decisions byte for byte under any PYTHONHASHSEED.
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Literal
 
 from orjson import dumps as orjson_dumps
@@ -1089,10 +1091,25 @@ def snapshot_seq(blob: bytes) -> int | None:
         return None
 
 
+@functools.cache
 def _code_version() -> str:
+    """The package version and a digest of the sources a snapshot's meaning depends on: an editable
+    install changes classes without a version bump, and an old snapshot must not load into new code."""
+    import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
+    import events
+    import policies
+
     try:
-        return version("recovery")
+        release = version("recovery")
     except PackageNotFoundError:
-        return "unknown"
+        release = "unknown"
+    digest = hashlib.sha256()
+    for package in (events, policies):
+        for source in sorted(Path(package.__file__).parent.glob("*.py")):  # type: ignore[arg-type]
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    for module in ("engine", "job", "cluster", "machine"):
+        source = Path(__file__).with_name(f"{module}.py")
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return f"{release}+{digest.hexdigest()[:16]}"
