@@ -48,6 +48,7 @@ from events.values import (
     PolicySelection,
     RankSource,
     ResumePlan,
+    ShardSource,
     Tier,
 )
 
@@ -56,6 +57,6 @@ __all__ = [
     "Decision", "DecodeError", "Elastic", "EnvelopeBase", "FailJob", "FaultClass", "Granularity",
     "IsolateDevice", "IsolateNode", "JobSpec", "Layout", "MigrateRanks", "PolicyRef", "PolicySelection",
     "RankSource", "RawRecord", "Record", "Rejection", "RestartJob", "RestartRanks", "ResumePlan",
-    "RetryStep", "SaveCheckpoint", "ScaleJob", "StopRanks", "Tier", "TimerRequest", "decode_envelope",
+    "RetryStep", "SaveCheckpoint", "ScaleJob", "ShardSource", "StopRanks", "Tier", "TimerRequest", "decode_envelope",
     "decode_record_line", "encode_envelope", "encode_record", "kinds", "make_envelope", "upcast",
 ]

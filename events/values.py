@@ -131,9 +131,28 @@ class RankSource(Frozen):
     holder: str
 
 
+class ShardSource(Frozen):
+    """Where one shard of the model state is read from: a tier and the holders that have it."""
+
+    shard: int
+    tier: Tier
+    holders: list[str] = Field(min_length=1, description="reachable holders, sorted")
+
+
 class ResumePlan(Frozen):
-    """Where a restarted job resumes: the checkpoint step and, for every rank, where its state comes from."""
+    """Where a restarted job resumes: the checkpoint step and, for every shard, where its state comes from.
+
+    Kept per shard, not per rank, so that a plan for 16,384 ranks stays a few kilobytes: every data-parallel
+    replica of a shard reads the same source, from the holder on its own node when there is one."""
 
     checkpoint_step: int | None = Field(description="None: no usable checkpoint, start from the beginning")
     next_step: int
-    sources: list[RankSource] = Field(default_factory=list)
+    shards: list[ShardSource] = Field(default_factory=list)
+
+    def source_of(self, rank: int, node: str) -> RankSource | None:
+        """The source of `rank`, placed on `node` (rank r holds shard r mod the number of shards)."""
+        if not self.shards:
+            return None
+        shard = self.shards[rank % len(self.shards)]
+        holder = node if node in shard.holders else shard.holders[0]
+        return RankSource(rank=rank, tier=shard.tier, holder=holder)

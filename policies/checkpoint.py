@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from events.values import TIER_COST, RankSource, ResumePlan, Tier
+from events.values import TIER_COST, ResumePlan, ShardSource, Tier
 from policies.base import CheckpointContext, CheckpointPlan, Params, SaveRequest
 
 
@@ -77,11 +77,7 @@ def newest_complete(ctx: CheckpointContext, tiers: tuple[Tier, ...]) -> ResumePl
                     if reachable:
                         choice[shard] = (tier, reachable)
         if all(c is not None for c in choice):
-            sources = []
-            for rank in range(len(ctx.placement)):
-                tier, holders = choice[rank % shards]  # type: ignore[misc]
-                own = ctx.placement[rank]
-                # A holder on the rank's own node saves a network copy; otherwise the first by name.
-                sources.append(RankSource(rank=rank, tier=tier, holder=own if own in holders else holders[0]))
-            return ResumePlan(checkpoint_step=step, next_step=step + 1, sources=sources)
-    return ResumePlan(checkpoint_step=None, next_step=0, sources=[])
+            sources = [ShardSource(shard=shard, tier=c[0], holders=list(c[1]))  # type: ignore[index]
+                       for shard, c in enumerate(choice)]
+            return ResumePlan(checkpoint_step=step, next_step=step + 1, shards=sources)
+    return ResumePlan(checkpoint_step=None, next_step=0, shards=[])

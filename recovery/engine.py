@@ -671,8 +671,6 @@ class Engine:
                     self.cluster.assign(name, job.id)
                 if dp != job.layout.dp:
                     job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
-                    plan = _resize_plan(plan, job)
-                    attempt.plan = plan
                     attempt.ranks = tuple(range(job.world))
                     commands.append(ScaleJob(id=cid, job=job.id, attempt=gen, deadline_s=600, dp=dp,
                                              nodes=nodes, plan=plan))
@@ -1036,18 +1034,10 @@ def _fit_dp(layout: Layout, rpn: int, nodes: int, cap: int) -> int | None:
     return dp if dp >= 1 else None
 
 
-def _resize_plan(plan: ResumePlan, job: Job) -> ResumePlan:
-    """After a resize every rank's shard is the same function of its rank; sources follow the new world."""
-    if plan.checkpoint_step is None or not plan.sources:
-        return plan
-    by_shard = {src.rank % job.layout.shards: src for src in plan.sources}
-    sources = [by_shard[r % job.layout.shards].model_copy(update={"rank": r}) for r in range(job.world)]
-    return ResumePlan(checkpoint_step=plan.checkpoint_step, next_step=plan.next_step, sources=sources)
-
-
 def _tier_counts(plan: ResumePlan) -> dict[str, int]:
+    """Shards per tier the plan reads from."""
     counts: dict[str, int] = {}
-    for source in plan.sources:
+    for source in plan.shards:
         counts[source.tier.value] = counts.get(source.tier.value, 0) + 1
     return dict(sorted(counts.items()))
 

@@ -58,7 +58,7 @@ def test_graceful_exit_resumes_from_the_sigterm_dying_checkpoint() -> None:
     [restart] = commands(result, "restart_job")
     assert isinstance(restart, RestartJob)
     assert restart.plan.checkpoint_step == 20 and restart.plan.next_step == 21
-    assert {s.tier for s in restart.plan.sources} == {Tier.DYING}
+    assert {s.tier for s in restart.plan.shards} == {Tier.DYING}
     assert closed(result).detail["lost_steps"] == 0
 
 
@@ -120,23 +120,25 @@ def test_power_off_without_a_replica_of_some_shard_uses_newest_complete() -> Non
     [restart] = commands(result, "restart_ranks")
     assert restart.ranks == [1, 3]
     assert restart.plan.checkpoint_step == 10
-    assert {s.tier for s in restart.plan.sources} == {Tier.STORAGE}
+    assert {s.tier for s in restart.plan.shards} == {Tier.STORAGE}
 
 
 def test_memory_checkpoint_preferred_over_storage() -> None:
     result = load("memory_checkpoint")
     [restart] = commands(result, "restart_ranks")
     assert restart.plan.checkpoint_step == 20
-    assert {s.tier for s in restart.plan.sources} == {Tier.MEMORY}
+    assert {s.tier for s in restart.plan.shards} == {Tier.MEMORY}
     # Each rank reads from its own node's copy.
-    assert all(s.holder == ("m0" if s.rank < 2 else "m1") for s in restart.plan.sources)
+    for rank, node in enumerate(["m0", "m0", "m1", "m1"]):
+        source = restart.plan.source_of(rank, node)
+        assert source is not None and source.holder == node
 
 
 def test_memory_copy_lost_with_its_node_falls_back_to_storage() -> None:
     result = load("memory_checkpoint_lost")
     [migrate] = commands(result, "migrate_ranks")
     assert migrate.plan.checkpoint_step == 10
-    assert {s.tier for s in migrate.plan.sources} == {Tier.STORAGE}
+    assert {s.tier for s in migrate.plan.shards} == {Tier.STORAGE}
 
 
 def test_elastic_scales_in_then_out_then_by_operator() -> None:

@@ -91,7 +91,9 @@ def test_cheapest_reachable_tier_and_older_step_when_newest_is_incomplete() -> N
                6: {Tier.MEMORY: {0: ("a",), 1: ("b",)}, Tier.STORAGE: {0: ("storage",), 1: ("storage",)}}}
     policy = NewestCompleteCheckpoint({"dying": False})
     plan = policy.plan(cctx((True,) * 4, catalog))
-    assert plan.resume.checkpoint_step == 6 and {s.tier for s in plan.resume.sources} == {Tier.MEMORY}
+    assert plan.resume.checkpoint_step == 6 and {s.tier for s in plan.resume.shards} == {Tier.MEMORY}
     lost_b = policy.plan(cctx((True,) * 4, catalog, unreachable=frozenset({"b"})))
-    tiers = [s.tier for s in lost_b.resume.sources]
-    assert tiers == [Tier.MEMORY, Tier.STORAGE, Tier.MEMORY, Tier.STORAGE]
+    assert [(s.shard, s.tier) for s in lost_b.resume.shards] == [(0, Tier.MEMORY), (1, Tier.STORAGE)]
+    sources = [lost_b.resume.source_of(rank, node) for rank, node in enumerate(("a", "a", "b", "b"))]
+    assert [(s.tier, s.holder) for s in sources if s] == [(Tier.MEMORY, "a"), (Tier.STORAGE, "storage"),
+                                                         (Tier.MEMORY, "a"), (Tier.STORAGE, "storage")]

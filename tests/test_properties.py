@@ -461,11 +461,13 @@ class Driver:
             steps.append(plan.checkpoint_step)
             if plan.checkpoint_step is not None:
                 layout = self.scenario.engine.jobs[decision.job].layout
-                for source in plan.sources:
-                    key = (decision.job, plan.checkpoint_step, source.tier, layout.shard_of(source.rank))
-                    assert source.holder in self.holders.get(key, set()), (
-                        f"{decision.kind}: rank {source.rank} resumes from {source.tier}@{source.holder} "
-                        f"at step {plan.checkpoint_step}, which never held its shard")
+                assert [s.shard for s in plan.shards] == list(range(layout.shards))
+                for source in plan.shards:
+                    key = (decision.job, plan.checkpoint_step, source.tier, source.shard)
+                    for holder in source.holders:
+                        assert holder in self.holders.get(key, set()), (
+                            f"{decision.kind}: shard {source.shard} resumes from {source.tier}@{holder} "
+                            f"at step {plan.checkpoint_step}, which never held it")
         shards = self.scenario.engine.jobs[decision.job].layout.shards
         complete = {step for step, got in self.saved.get(decision.job, {}).items() if set(range(shards)) <= got}
         newest = max(complete, default=None)

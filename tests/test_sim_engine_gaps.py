@@ -12,8 +12,6 @@ from recovery.replay import first_divergence
 from recovery.scenario import Scenario
 
 
-@pytest.mark.xfail(strict=True, reason="ResumePlan.sources has one entry per rank: a 16,384-rank restart decision is "
-                                       "~0.8 MB, over MAX_PAYLOAD_BYTES, so the log stores it undecodable")
 def test_a_restart_decision_at_16k_ranks_fits_in_a_log_message() -> None:
     s = Scenario()
     s.spare("spare0")
@@ -85,3 +83,19 @@ def test_a_pod_level_move_also_restarts_dead_ranks_elsewhere() -> None:
     started = s.find("attempt.started", "llm")
     assert started and started[-1].detail["granularity"] == "migrate"
     assert 1 in started[-1].detail["ranks"], f"the attempt restarts ranks {started[-1].detail['ranks']} only"
+
+
+@pytest.mark.xfail(strict=True, reason="suspicions confirmed at the same instant (the nodes behind one switch) each "
+                                       "supersede the attempt the previous one started")
+def test_a_switch_outage_starts_one_attempt() -> None:
+    s = Scenario()
+    s.spare("spare0")
+    nodes = [f"n{i}" for i in range(8)]
+    s.submit("llm", nodes, ranks_per_node=2, dp=8, tp=2)
+    s.train("llm", 5)
+    s.checkpoint("llm", 5, "storage", "storage")
+    for node in nodes[:4]:  # the four nodes behind one leaf switch lose their links at once
+        s.node_event(node, "network.link_down", link="ib0", switch="leaf0")
+    s.idle("llm", 12, ranks=range(8, 16))
+    superseded = s.find("attempt.superseded", "llm")
+    assert not superseded, f"{len(superseded)} attempts superseded: {[d.reason for d in superseded]}"
