@@ -394,7 +394,8 @@ class Engine:
         else:
             self._fault(out, job, verdict, policy)
 
-    def _fault(self, out: _Out, job: Job, verdict: Verdict, policy: str) -> None:
+    def _fault(self, out: _Out, job: Job, verdict: Verdict, policy: str, plan: bool = True) -> None:
+        """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch)."""
         commands: list[Any] = []
         if verdict.isolate is not None and verdict.node is not None:
             node = self.cluster.node(verdict.node)
@@ -420,14 +421,15 @@ class Engine:
             attempt = incident.attempt
             if job.state == "waiting" or attempt is None:
                 self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
-                self._plan(out, job)
+                if plan:
+                    self._plan(out, job)
                 return
             if attempt.phase in ("rescheduling", "restoring") and (
                     attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
                 # The restarted (or retried) processes themselves failed: this attempt did not work.
                 self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
                 why = f"attempt {attempt.number} ({attempt.granularity.value}) failed: {verdict.reason}"
-                self._end_attempt(out, job, attempt, "failed", why)
+                self._end_attempt(out, job, attempt, "failed", why, plan=plan)
                 return
             if self._covered(job, attempt, verdict):
                 self._decide(out, job, "fault.absorbed", verdict.reason, policy=policy, commands=commands,
@@ -435,7 +437,7 @@ class Engine:
                 return
             self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
             self._end_attempt(out, job, attempt, "superseded", f"new fault outside attempt "
-                                                                f"{attempt.number}: {verdict.reason}")
+                                                                f"{attempt.number}: {verdict.reason}", plan=plan)
             return
         # Pending suspicions stay: the other nodes behind a failed switch confirm later and join this incident.
         cancelled = self._cancel(job.watchdog)
@@ -446,7 +448,8 @@ class Engine:
         job.incident.enter("detected", out.ts)
         self._decide(out, job, "fault.confirmed", verdict.reason, policy=policy, commands=commands,
                      cancelled=cancelled, detail={"fault": fault, "step": job.step})
-        self._plan(out, job)
+        if plan:
+            self._plan(out, job)
 
     def _covered(self, job: Job, attempt: Attempt, verdict: Verdict) -> bool:
         """Is this fault already handled by the attempt under way (its ranks restart or stop anyway)?"""
@@ -802,7 +805,7 @@ class Engine:
         job.incident = None
 
     def _end_attempt(self, out: _Out, job: Job, attempt: Attempt, outcome: str, reason: str,
-                     cancelled: list[str] | None = None) -> None:
+                     cancelled: list[str] | None = None, plan: bool = True) -> None:
         attempt.outcome = outcome
         gone = list(cancelled or [])
         gone += self._cancel(attempt.deadline_timer, *(timer for _, timer in attempt.pending.values()))
@@ -815,7 +818,8 @@ class Engine:
                 job.restarts_used -= 1
         self._decide(out, job, f"attempt.{outcome}", reason, cancelled=gone,
                      detail={"attempt": attempt.number, "granularity": attempt.granularity.value})
-        self._plan(out, job)
+        if plan:
+            self._plan(out, job)
 
     def _timer_fired(self, out: _Out, job: Job, data: kinds.TimerFired) -> None:
         entry = self.timers.get(data.timer_id)
@@ -831,30 +835,21 @@ class Engine:
         if data.timer_id == job.watchdog:
             self._watchdog(out, job)
             return
-        for key, (verdict, timer_id) in list(job.suspects.items()):
-            if timer_id == data.timer_id:
-                del job.suspects[key]
-                gone = verdict.node is not None and verdict.node not in job.nodes
-                if gone or job.state == "paused":
-                    # The job left that node (migrated or scaled in) while the suspicion counted down, so its
-                    # ranks there are gone or renumbered; or an operator paused the job, which takes no
-                    # signals (as in _signal). Either way there is nothing left to confirm.
-                    why = f"job no longer on {verdict.node}" if gone else "job is paused"
-                    trigger = "clear" if job.state == "suspect" and not job.suspects else None
-                    self._decide(out, job, "fault.cleared", f"{verdict.reason}: {why}", trigger=trigger,
-                                 policy=job.policies.labels["detection"], detail={"key": key})
-                    return
-                ranks = verdict.ranks
-                if verdict.node is not None:
-                    # A resize since the suspicion may have renumbered the node's ranks: keep each rank's slot
-                    # on the node (rank % ranks_per_node), not its old number.
-                    on_node = job.ranks_on(verdict.node)
-                    ranks = tuple(on_node[r % job.rpn] for r in verdict.ranks)
-                confirmed = Verdict("fault", f"confirmed: {verdict.reason}", verdict.fault_class, verdict.scope,
-                                    ranks, verdict.node, verdict.device, verdict.lost, verdict.needs_move,
-                                    verdict.isolate, verdict.key, 0, verdict.code)
-                self._fault(out, job, confirmed, job.policies.labels["detection"])
-                return
+        fired = next((key for key, (_, timer_id) in job.suspects.items() if timer_id == data.timer_id), None)
+        if fired is not None:
+            # Suspicions due by now confirm together (the nodes behind one failed switch), so that they make
+            # one fault set and one attempt rather than a chain of attempts each superseding the last.
+            keys = [fired] + [key for key, (_, timer_id) in job.suspects.items()
+                              if key != fired and self.timers.get(timer_id, ("", data.due + 1))[1] <= data.due]
+            cancelled = self._cancel(*(job.suspects[key][1] for key in keys[1:]))
+            confirmed = [v for v in (self._confirm(out, job, key) for key in keys) if v is not None]
+            if cancelled:
+                self._decide(out, job, "faults.confirmed_together", f"{len(keys)} suspicions due at once",
+                             cancelled=cancelled, detail={"keys": keys})
+            policy = job.policies.labels["detection"]
+            for index, verdict in enumerate(confirmed):
+                self._fault(out, job, verdict, policy, plan=index == len(confirmed) - 1)
+            return
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
         if attempt is None:
@@ -873,6 +868,29 @@ class Engine:
                 else:
                     self._end_attempt(out, job, attempt, "timed_out", f"no ack for {kind} {cid} in time")
                 return
+
+    def _confirm(self, out: _Out, job: Job, key: str) -> Verdict | None:
+        """Turn the suspicion `key` into a confirmed fault, or drop it (with a decision) if it no longer applies."""
+        verdict, _ = job.suspects.pop(key)
+        gone = verdict.node is not None and verdict.node not in job.nodes
+        if gone or job.state == "paused":
+            # The job left that node (migrated or scaled in) while the suspicion counted down, so its ranks there
+            # are gone or renumbered; or an operator paused the job, which takes no signals (as in _signal).
+            # Either way there is nothing left to confirm.
+            why = f"job no longer on {verdict.node}" if gone else "job is paused"
+            trigger = "clear" if job.state == "suspect" and not job.suspects else None
+            self._decide(out, job, "fault.cleared", f"{verdict.reason}: {why}", trigger=trigger,
+                         policy=job.policies.labels["detection"], detail={"key": key})
+            return None
+        ranks = verdict.ranks
+        if verdict.node is not None:
+            # A resize since the suspicion may have renumbered the node's ranks: keep each rank's slot on the
+            # node (rank % ranks_per_node), not its old number.
+            on_node = job.ranks_on(verdict.node)
+            ranks = tuple(on_node[r % job.rpn] for r in verdict.ranks)
+        return Verdict("fault", f"confirmed: {verdict.reason}", verdict.fault_class, verdict.scope, ranks,
+                       verdict.node, verdict.device, verdict.lost, verdict.needs_move, verdict.isolate, verdict.key,
+                       0, verdict.code)
 
     def _arm_watchdog(self, out: _Out, job: Job) -> list[TimerRequest]:
         # One periodic timer per running job: its firings are log events, its re-arming needs no decision.

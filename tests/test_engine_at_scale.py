@@ -1,10 +1,7 @@
-"""Engine gaps the simulator found, each as a failing example (strict xfail: the test fails loudly once the engine
-is fixed, so the marker must go). They need changes in recovery/engine.py, recovery/job.py or events/, which the
-simulator's issue does not touch; tools/sim/README.md ("Findings") describes each change."""
+"""Engine behaviours that a simulated cluster at scale exposed: large plans, switch outages, rebooted nodes,
+crashes of restarted processes, and dead ranks outside a migration."""
 
 from __future__ import annotations
-
-import pytest
 
 from events.envelope import MAX_PAYLOAD_BYTES, RawRecord
 from recovery.recorder import replay
@@ -85,8 +82,6 @@ def test_a_pod_level_move_also_restarts_dead_ranks_elsewhere() -> None:
     assert 1 in started[-1].detail["ranks"], f"the attempt restarts ranks {started[-1].detail['ranks']} only"
 
 
-@pytest.mark.xfail(strict=True, reason="suspicions confirmed at the same instant (the nodes behind one switch) each "
-                                       "supersede the attempt the previous one started")
 def test_a_switch_outage_starts_one_attempt() -> None:
     s = Scenario()
     s.spare("spare0")
