@@ -242,8 +242,7 @@ class Engine:
             self._decide(out, job, "job.started", "processes started", trigger="start",
                          timers=self._arm_watchdog(out, job))
         elif type_ == "process.started":
-            self._check_rank(job, data.rank, data.attempt)
-            if data.attempt == job.generation:
+            if not self._check_rank(job, data.rank, data.attempt, progress=False):
                 job.alive[data.rank] = 1
                 job.last_seen[data.rank] = out.ts
         elif type_ == "checkpoint.saved":
@@ -266,32 +265,36 @@ class Engine:
             self._operator(out, job, type_, data)
         else:  # process.exited, process.hang, network.collective_timeout
             if hasattr(data, "rank"):
-                stale = self._check_rank(job, data.rank, data.attempt)
+                stale = self._check_rank(job, data.rank, data.attempt, progress=False)
                 if stale:
                     return
             if isinstance(data, kinds.CollectiveTimeout):
                 if data.attempt > job.generation:
                     raise _Reject("unknown_attempt", f"attempt {data.attempt} is ahead of job {job.id}'s "
                                                      f"generation {job.generation}")
-                if data.attempt < job.generation:
-                    return  # a timeout of processes an earlier attempt already replaced
                 outside = [r for r in (*data.members, *data.reporters) if r >= job.world]
                 if outside:
                     raise _Reject("unknown_rank", f"ranks {sorted(set(outside))} are not in job {job.id}")
+                if any(data.attempt < job.rank_gen[r] for r in data.members):
+                    return  # a timeout of a group whose processes an earlier attempt already replaced
             if isinstance(data, kinds.ProcessExited):
                 job.alive[data.rank] = 0
             ranks = (data.rank,) if hasattr(data, "rank") else ()
             self._signal(out, job, Signal(type_, data, out.ts, None, ranks, step_time_ns=job.step_time,
                                           world=job.world))
 
-    def _check_rank(self, job: Job, rank: int, attempt: int) -> bool:
-        """Validate a rank event; True if it belongs to an earlier generation (stale, to be ignored)."""
+    def _check_rank(self, job: Job, rank: int, attempt: int, progress: bool = True) -> bool:
+        """Validate a rank event; True if it is stale, to be ignored.
+
+        Progress from before the newest restart is stale for every rank: each rank rolls back to the resume
+        point. A process event is stale only if the rank's process has been replaced since: a rank that was
+        rolled back but not restarted is the same process, and its exit is a fault."""
         if rank >= job.world:
             raise _Reject("unknown_rank", f"rank {rank} is not in job {job.id} (world {job.world})")
         if attempt > job.generation:
             raise _Reject("unknown_attempt", f"attempt {attempt} is ahead of job {job.id}'s generation "
                                              f"{job.generation}")
-        return attempt < job.generation
+        return attempt < (job.generation if progress else job.rank_gen[rank])
 
     def _finish(self, out: _Out, job: Job, trigger: str, kind: str, reason: str) -> None:
         cancelled = self._cancel(*self._job_timers(job))
@@ -459,7 +462,9 @@ class Engine:
             return False
         if attempt.granularity is G.MIGRATE and verdict.needs_move and verdict.node not in attempt.vacate:
             return False
-        covered = set(attempt.ranks) | set(attempt.stopping)
+        if attempt.covered is None:  # built once: a burst of exits during a 16k-rank restart asks per exit
+            attempt.covered = frozenset(attempt.ranks) | frozenset(attempt.stopping)
+        covered = attempt.covered
         return all(rank in covered for rank in verdict.ranks)
 
     # -- planning -------------------------------------------------------------------------------------
@@ -675,12 +680,15 @@ class Engine:
                 if dp != job.layout.dp:
                     job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
                     attempt.ranks = tuple(range(job.world))
+                    attempt.covered = None
                     commands.append(ScaleJob(id=cid, job=job.id, attempt=gen, deadline_s=600, dp=dp,
                                              nodes=nodes, plan=plan))
                 else:
                     job.nodes = nodes
                     commands.append(RestartJob(id=cid, job=job.id, attempt=gen, deadline_s=600, nodes=nodes,
                                                plan=plan))
+            for rank in attempt.ranks:
+                job.rank_gen[rank] = job.generation  # these ranks get new processes
             # Every rank rolls back to the resume point, restarted or not.
             start = plan.checkpoint_step or 0
             for rank in range(job.world):

@@ -35,6 +35,7 @@ class Attempt:
     dp: int | None = None
     outcome: str | None = None
     budget_keys: tuple[str, ...] = ()
+    covered: frozenset[int] | None = None  # ranks + stopping, built on first use
 
     def summary(self) -> dict[str, Any]:
         return {"number": self.number, "granularity": self.granularity.value, "rung": self.rung,
@@ -86,7 +87,7 @@ class Job:
     """One training job. `state` is driven only through recovery.machine.fire."""
 
     __slots__ = ("alive", "catalog", "closed", "generation", "id", "incident", "last_progress", "last_seen",
-                 "layout", "nodes", "policies", "restarts_used", "rpn", "seen", "spec", "state", "step",
+                 "layout", "nodes", "policies", "rank_gen", "restarts_used", "rpn", "seen", "spec", "state", "step",
                  "step_time", "step_ts", "steps", "suspects", "target_dp", "used", "watchdog")
 
     def __init__(self, job_id: str, spec: JobSpec, policies: PolicySet) -> None:
@@ -105,6 +106,7 @@ class Job:
         world = spec.layout.world
         self.alive = bytearray(world)
         self.steps = [0] * world
+        self.rank_gen = [0] * world  # the generation whose restart started each rank's current process
         self.last_seen = [0] * world
         self.last_progress = [0] * world
         self.catalog: dict[int, dict[Tier, dict[int, set[str]]]] = {}
@@ -133,6 +135,7 @@ class Job:
         world = layout.world
         self.alive = bytearray(world)
         self.steps = [0] * world
+        self.rank_gen = [self.generation] * world
         self.last_seen = [ts] * world
         self.last_progress = [ts] * world
 
