@@ -120,7 +120,7 @@ class RescheduleContext:
     previous: tuple[AttemptSummary, ...]
     """attempts of the open incident so far, oldest first"""
     used: Mapping[str, int]
-    """attempts made over the job's life, by '<fault class>/<granularity>' and by granularity"""
+    """attempts made in the open incident, by '<fault class>/<granularity>' and by granularity"""
     restarts_used: int
     max_restarts: int | None
     nodes_to_replace: int

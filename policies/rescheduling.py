@@ -1,7 +1,8 @@
 """Built-in rescheduling policy: a user-defined escalation ladder per fault class.
 
-Each rung names a granularity, a budget (attempts of that rung for that fault class over the job's
-life) and a deadline (from the attempt's start until the job makes progress past its resume point).
+Each rung names a granularity, a budget (attempts of that rung for that fault class within one incident;
+the job spec's `max_restarts` bounds restarts over the job's life) and a deadline (from the attempt's
+start until the job makes progress past its resume point).
 An attempt that fails or misses its deadline moves the incident one rung up. A rung that cannot help
 (a step retry when a process is gone, an in-place restart on a dead node) is skipped; a rung that
 needs nodes the cluster does not have scales the job in if it is elastic, or waits for nodes.
@@ -21,7 +22,7 @@ G = Granularity
 
 class Rung(Params):
     granularity: Granularity
-    budget: int | None = Field(None, ge=0, description="attempts over the job's life; None: unlimited")
+    budget: int | None = Field(None, ge=0, description="attempts within one incident; None: unlimited")
     deadline_s: float = Field(300.0, gt=0)
 
 

@@ -495,7 +495,7 @@ class Engine:
         migrate = vacate or self._fault_nodes(job)
         ctx = RescheduleContext(
             fault_class=fault_class, scope="job", needs_move=bool(vacate),
-            any_lost=not all(job.alive), previous=incident.history(), used=dict(job.used),
+            any_lost=not all(job.alive), previous=incident.history(), used=_incident_usage(incident),
             restarts_used=job.restarts_used, max_restarts=job.spec.max_restarts,
             nodes_to_replace=len(vacate), nodes_to_migrate=len(migrate), spares_available=len(spares),
             dp=job.layout.dp,
@@ -1058,6 +1058,18 @@ def _fit_dp(layout: Layout, rpn: int, nodes: int, cap: int) -> int | None:
     while dp >= 1 and (dp * per_replica) % rpn:
         dp -= 1
     return dp if dp >= 1 else None
+
+
+def _incident_usage(incident: Incident) -> dict[str, int]:
+    """Attempts of this incident by '<class>/<granularity>' and by granularity: the ladder's rung budgets are
+    per incident (how often a rung is tried before the next), and the spec's max_restarts covers the job's
+    life; a life-long rung budget ran out within two weeks at 16,384 GPUs and failed healthy jobs."""
+    used: dict[str, int] = {}
+    for attempt in incident.attempts:
+        if attempt.outcome != "superseded":
+            for key in attempt.budget_keys:
+                used[key] = used.get(key, 0) + 1
+    return used
 
 
 def _tier_counts(plan: ResumePlan) -> dict[str, int]:

@@ -1,0 +1,82 @@
+"""A policy shipped as its own distribution (examples/policy-plugin) is found through the `recovery.policies`
+entry points once installed, and a job that selects it by name gets it: its decisions name it `name@version`.
+
+The session fixture pip-installs the example into the current environment (editable, without dependencies or
+build isolation, so it works offline) and uninstalls it afterwards. The job runs in a fresh interpreter, which
+sees the new distribution the way a daemon started after the install would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "policy-plugin"
+DISTRIBUTION = "recovery-example-plugin"
+
+
+def _pip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+@pytest.fixture(scope="session")
+def installed_plugin() -> Iterator[str]:
+    already = _pip("show", DISTRIBUTION).returncode == 0
+    result = _pip("install", "--quiet", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN))
+    if result.returncode != 0:
+        pytest.fail(f"pip could not install {PLUGIN}:\n{result.stdout}\n{result.stderr}")
+    try:
+        yield DISTRIBUTION
+    finally:
+        if not already:
+            _pip("uninstall", "--yes", "--quiet", DISTRIBUTION)
+
+
+SCRIPT = textwrap.dedent("""
+    import json
+    from policies import registry
+    from recovery.scenario import Scenario
+
+    s = Scenario()
+    s.spare("spare0")
+    s.submit("llm", ["n0", "n1"], ranks_per_node=4, dp=8,
+             policies={"rescheduling": {"name": "example-in-place-first", "params": {"deadline_s": 90}}})
+    s.train("llm", 5)
+    s.checkpoint("llm", 5, "storage", "storage")
+    s.job_event("llm", "process.exited", rank=3, exit_code=139)
+    s.ack_all()
+    s.advance(1)
+    s.train("llm", 2)
+    print(json.dumps({
+        "available": sorted(registry.available()),
+        "labels": s.engine.jobs["llm"].policies.labels,
+        "decisions": [[d.kind, d.policy, d.detail.get("granularity")] for d in s.decisions],
+        "state": s.state("llm"),
+    }))
+""")
+
+
+def test_an_installed_plugin_policy_drives_a_job(installed_plugin: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "example-in-place-first" in out["available"]
+    assert out["labels"]["rescheduling"] == "example-in-place-first@1"
+    started = [d for d in out["decisions"] if d[0] == "attempt.started"]
+    assert started == [["attempt.started", "example-in-place-first@1", "in_place"]]
+    assert ["incident.closed", None, "in_place"] in out["decisions"]
+    assert out["state"] == "running"
+
+
+def test_the_plugin_is_a_separate_distribution() -> None:
+    pyproject = (PLUGIN / "pyproject.toml").read_text()
+    assert 'name = "recovery-example-plugin"' in pyproject
+    assert '[project.entry-points."recovery.policies"]' in pyproject
+    assert 'example-in-place-first = "recovery_example_plugin:InPlaceFirst"' in pyproject

@@ -1,0 +1,416 @@
+"""The cluster simulator (tools/sim): determinism, accounting, the baselines' behaviour, replayable logs, the fault
+mix, the Titan importer and the demo cluster. Small clusters and short horizons: each run takes well under a
+second."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+import pytest
+
+from events.envelope import EnvelopeBase
+from events.outputs import Decision
+from events.values import Tier
+from recovery.engine import Engine
+from recovery.log import FileLog, MemoryLog, iter_file
+from recovery.recorder import Recorder
+from recovery.replay import main as replay_main
+from recovery.scenario import EPOCH
+from tools.sim import PROFILES, Cluster, Costs, Fault, FaultMix, Result, SimConfig, Simulator, Training, simulate
+from tools.sim.__main__ import main as sim_main
+from tools.sim.config import NS
+from tools.sim.demo import DemoCluster, demo_cluster
+from tools.sim.faults import PACKAGED_MIX, default_mix_path, draw_faults, read_trace, write_trace
+from tools.sim.sim import event
+from tools.sim.titan import import_titan, titan_index
+
+DATA = Path(__file__).parent / "data"
+SMALL = Cluster(gpus=64, gpus_per_node=8, tp=8, pp=2, nodes_per_switch=4, spare_nodes=2)
+"""8 nodes of 8 GPUs, dp=4 replicas of 16 shards, 2 leaf switches, 2 spares"""
+TRAINING = Training(step_time_s=6.0, memory_every_steps=5, storage_every_s=600.0, params=8e9)
+RELIABLE = replace(Costs(), fail_probability=0.0, timeout_probability=0.0)
+
+
+def config(profile: str = "default", days: float = 0.25, **kw: object) -> SimConfig:
+    base: dict[str, object] = {"cluster": SMALL, "training": TRAINING, "costs": RELIABLE, "days": days,
+                               "profile": PROFILES[profile]}
+    base.update(kw)
+    return SimConfig(**base)  # type: ignore[arg-type]
+
+
+def fault(signal: str, at_s: float, position: int = 1, device: int = 2, **kw: object) -> Fault:
+    scope = {"device": "device", "process": "rank", "hang": "job", "node": "node", "network": "switch"}[signal]
+    base: dict[str, object] = {"index": 0, "at_ns": int(at_s * NS), "component": signal, "signal": signal,
+                               "scope": scope, "position": position, "device": device, "repair_ns": 3600 * NS}
+    base.update(kw)
+    return Fault(**base)  # type: ignore[arg-type]
+
+
+def run(cfg: SimConfig, faults: list[Fault]) -> tuple[Simulator, Result, list[Decision]]:
+    sim = Simulator(cfg, faults=faults)
+    result = sim.run()
+    decisions = [r.envelope.data for r in sim.log.records()
+                 if hasattr(r, "envelope") and r.envelope.type == "decision"]
+    return sim, result, decisions
+
+
+def commands(decisions: list[Decision]) -> list[str]:
+    return [c.kind for d in decisions for c in d.commands]
+
+
+def granularities(decisions: list[Decision]) -> list[str]:
+    return [d.detail["granularity"] for d in decisions if d.kind == "attempt.started"]
+
+
+# -- determinism and replay -------------------------------------------------------------------------------
+def test_same_seed_same_log_bytes(tmp_path: Path) -> None:
+    cfg = config(days=1.0, seed=7, rate_per_gpu_hour=3e-3, costs=Costs())  # ~4 faults, flaky executors
+    paths = []
+    for name in ("a", "b"):
+        sim = Simulator(cfg)
+        sim.run()
+        path = tmp_path / f"{name}.jsonl"
+        sim.write_log(path)
+        paths.append(path)
+    assert len(Simulator(cfg).faults) >= 2
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    other = Simulator(replace(cfg, seed=8))
+    other.run()
+    other.write_log(tmp_path / "c.jsonl")
+    assert (tmp_path / "c.jsonl").read_bytes() != paths[0].read_bytes()
+
+
+def test_verify_and_timeline_work_on_a_simulated_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.jsonl"
+    result = simulate(config(days=1.0, seed=3, rate_per_gpu_hour=3e-3), log_path=path)
+    assert result.faults, "the run should have faults to replay"
+    assert replay_main(["verify", str(path)]) == 0
+    assert "ok:" in capsys.readouterr().out
+    assert replay_main(["timeline", str(path), "--job", "llm"]) == 0
+    out = capsys.readouterr().out
+    assert "fault.confirmed" in out and "incident.closed" in out
+    # the log is in simulated time: records are stamped from the fixed epoch on, never backwards
+    stamps = [r.ts for r in iter_file(path)]
+    assert stamps[0] == EPOCH and stamps == sorted(stamps)
+
+
+def test_the_log_does_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
+    script = ("import sys; from tools.sim import *; from tools.sim.sim import Simulator; "
+              "s = Simulator(SimConfig(cluster=Cluster(gpus=64, tp=8, pp=2, nodes_per_switch=4, spare_nodes=2), "
+              "training=Training(params=8e9, storage_every_s=600), days=1.0, seed=5, rate_per_gpu_hour=3e-3)); "
+              "s.run(); s.write_log(sys.argv[1])")
+    root = Path(__file__).resolve().parents[1]
+    logs = []
+    for hash_seed in ("1", "2"):
+        path = tmp_path / f"{hash_seed}.jsonl"
+        env = {"PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(root), "PATH": ""}
+        done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, cwd=root, capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        logs.append(path.read_bytes())
+    assert logs[0] == logs[1]
+
+
+def test_a_run_can_log_to_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "file.jsonl"
+    sim = Simulator(config(days=0.5, seed=3, rate_per_gpu_hour=3e-3), log=FileLog(path))
+    result = sim.run()
+    assert result.records == sum(1 for _ in iter_file(path)) > 100
+    assert replay_main(["verify", str(path)]) == 0
+
+
+def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "cli.jsonl"
+    assert sim_main(["run", "--gpus", "64", "--tp", "8", "--pp", "2", "--spares", "2", "--days", "0.2", "--seed", "4",
+                     "--profile", "torchelastic-like", "--json", "--log", str(log)]) == 0
+    out = orjson.loads(capsys.readouterr().out)
+    assert out["profile"] == "torchelastic-like" and out["gpus"] == 64 and log.is_file()
+    assert sim_main(["run", "--gpus", "64", "--tp", "8", "--pp", "2", "--days", "0.1"]) == 0
+    assert "ETTR" in capsys.readouterr().out
+    trace = tmp_path / "titan.csv"
+    assert sim_main(["titan", str(DATA / "gc_sample.csv"), "--gpus", "1024", "--out", str(trace)]) == 0
+    assert len(read_trace(trace)) == 5
+    assert sim_main(["run", "--gpus", "64", "--tp", "8", "--pp", "2", "--mix", str(tmp_path / "missing.csv")]) == 2
+
+
+def test_baselines_are_entry_point_plugins() -> None:
+    from policies import registry
+
+    for name in ("torchelastic-like", "mindcluster-like"):
+        labels = registry.load_set(PROFILES[name].selection).labels
+        assert labels == {family: f"{name}-{family}@1" for family in ("detection", "rescheduling", "checkpoint")}
+
+
+# -- accounting -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_productive_plus_lost_is_wall_time(profile: str) -> None:
+    result = simulate(config(profile, days=2.0, seed=11, rate_per_gpu_hour=2e-3, costs=Costs()))
+    assert len(result.faults) >= 3
+    result.check()
+    assert result.productive_s + sum(result.lost_s.values()) == pytest.approx(result.wall_s, abs=1e-6)
+    assert result.wall_s == 2.0 * 86_400
+    assert 0 < result.ettr < 1
+    assert result.gpu_hours(result.wall_s) == pytest.approx(64 * 48)
+    as_json = result.as_dict()
+    assert set(as_json["lost_gpu_hours"]) == set(result.lost_s)
+    assert as_json["ettr"] == pytest.approx(result.ettr, abs=1e-6)
+
+
+def test_a_run_without_faults_loses_only_checkpoint_stalls() -> None:
+    _sim, r, _ = run(config(days=0.5), [])
+    lost = {k: v for k, v in r.lost_s.items() if v}
+    assert set(lost) == {"checkpoint"}
+    # a 0.2 s memory snapshot every 5 steps of 6 s, and 1.8 s per persistent save every 600 s of training
+    steps = r.steps
+    assert steps == pytest.approx(0.5 * 86_400 / 6.04, rel=0.01)
+    assert lost["checkpoint"] == pytest.approx(steps * 0.04 + 1.8 * (0.5 * 86_400 // 601.8), rel=0.02)
+
+
+def test_lost_time_is_booked_by_cause() -> None:
+    # a GPU off the bus at 1 h: detection is immediate, then a dying checkpoint, a stop, a migration, a load
+    sim, r, decisions = run(config(), [fault("device", 3600, code="79")])
+    costs = sim.cfg.costs
+    assert r.lost_s["detection"] == 0
+    assert r.lost_s["saving"] == pytest.approx(costs.ack_latency_s + costs.save_s(16, sim.world.shard_bytes))
+    assert r.lost_s["stopping"] == pytest.approx(costs.ack_latency_s + costs.stop_graceful_s)
+    assert r.lost_s["rescheduling"] == pytest.approx(costs.ack_latency_s + costs.migrate_s)
+    assert r.lost_s["loading"] > 0
+    assert r.lost_s["recompute"] < TRAINING.step_time_s  # only the step under way at the fault
+    assert commands(decisions)[:3] == ["save_checkpoint", "stop_ranks", "migrate_ranks"]
+    (outcome,) = r.faults
+    assert outcome.ttr_s == pytest.approx(sum(r.lost_s[k] for k in ("saving", "stopping", "rescheduling",
+                                                                     "loading")) + 6.04, abs=0.5)
+
+
+# -- what each profile promises ---------------------------------------------------------------------------
+def test_torchelastic_like_restarts_everything_from_storage() -> None:
+    faults = [fault("process", 3000, exit_signal=11), fault("device", 6000, code="48", index=1)]
+    _sim, r, decisions = run(config("torchelastic-like"), faults)
+    assert set(granularities(decisions)) == {"restart_job"}
+    assert "save_checkpoint" not in commands(decisions)  # no dying checkpoint
+    plans = [c.plan for d in decisions for c in d.commands if c.kind == "restart_job"]
+    assert plans and all({s.tier for s in p.shards} == {Tier.STORAGE} for p in plans)
+    assert all(d.policy in (None, "torchelastic-like-detection@1", "torchelastic-like-rescheduling@1",
+                            "torchelastic-like-checkpoint@1") for d in decisions)
+    assert r.lost_s["recompute"] > 60  # work since the last persistent checkpoint is redone
+    # the XID 48 node is replaced from the spare pool by the job-level restart
+    restart = [c for d in decisions for c in d.commands if c.kind == "restart_job"][-1]
+    assert "n00001" not in restart.nodes
+
+
+def test_torchelastic_like_sees_a_hang_only_at_the_collective_timeout() -> None:
+    sim, r, decisions = run(config("torchelastic-like"), [fault("hang", 3000)])
+    confirmed = [d for d in decisions if d.kind == "fault.confirmed"]
+    assert len(confirmed) == 1 and "NCCL watchdog" in confirmed[0].reason
+    (outcome,) = r.faults
+    assert outcome.ttr_s is not None and outcome.ttr_s > sim.cfg.agents.collective_timeout_s
+    assert r.lost_s["detection"] == pytest.approx(600.0)
+    ignored = [d for d in decisions if d.kind == "signal.ignored"]
+    assert any("process.hang" in d.reason for d in ignored)
+
+
+def test_default_finds_a_hang_from_the_agents_watchdog_and_restarts_one_rank() -> None:
+    sim, r, decisions = run(config(), [fault("hang", 3000)])
+    (outcome,) = r.faults
+    assert r.lost_s["detection"] == pytest.approx(sim.cfg.agents.hang_detect_s)
+    assert granularities(decisions) == ["in_place"]
+    restart = [c for d in decisions for c in d.commands if c.kind == "restart_ranks"]
+    assert [c.ranks for c in restart] == [[1 * 8 + 2]]
+    assert outcome.ttr_s is not None and outcome.ttr_s < 120
+
+
+def test_mindcluster_like_uses_the_fixed_strategy_order() -> None:
+    # a crashed process: a step retry cannot help, so recover-in-place, with a dying checkpoint first
+    _, r, decisions = run(config("mindcluster-like"), [fault("process", 3100, exit_signal=11)])
+    assert granularities(decisions) == ["in_place"]
+    assert commands(decisions) == ["save_checkpoint", "restart_ranks"]  # the crashed rank needs no stopping
+    assert any(d.policy == "mindcluster-like-rescheduling@1" for d in decisions)
+    (closed,) = [d for d in decisions if d.kind == "incident.closed"]
+    assert closed.detail["lost_steps"] == 0  # resumed from the dying checkpoint at the step of the fault
+    # a leaf switch that reboots: retry first; the links are still down, so recover-in-place, and so on
+    _sim, r, decisions = run(config("mindcluster-like"), [fault("network", 3000, outage_ns=100 * NS)])
+    assert granularities(decisions)[:2] == ["retry", "in_place"]
+    assert r.faults[0].ttr_s is not None
+
+
+def test_default_recovers_a_node_loss_on_a_spare_and_the_node_returns_to_the_pool() -> None:
+    sim, r, decisions = run(config(days=0.5), [fault("node", 3000, position=3, repair_ns=2 * 3600 * NS)])
+    assert granularities(decisions) == ["migrate"]
+    migrate = [c for d in decisions for c in d.commands if c.kind == "migrate_ranks"]
+    assert [(c.from_node, c.to_node) for c in migrate] == [("n00003", "n00008")]
+    joined = [r for r in sim.log.records() if r.envelope.type == "node.joined" and r.envelope.node == "n00003"]
+    assert len(joined) == 2  # at the start as a job node, and after its repair as a spare
+    assert r.lost_s["detection"] == pytest.approx(40 + 20)
+
+
+def test_executor_failures_escalate() -> None:
+    flaky = replace(RELIABLE, fail_probability=1.0)
+    sim, _r, decisions = run(config(costs=flaky), [fault("process", 3000, exit_signal=11)])
+    assert [d.kind for d in decisions if d.kind.startswith("attempt.")][:2] == ["attempt.started", "attempt.failed"]
+    assert sim.engine.jobs["llm"].state == "failed"
+
+
+# -- faults -----------------------------------------------------------------------------------------------
+def test_the_default_mix_is_the_llama3_table_and_its_rate() -> None:
+    mix = FaultMix.load()
+    assert mix.total == 419
+    assert mix.rate_per_gpu_hour == pytest.approx(419 / (16_384 * 54 * 24))
+    assert default_mix_path().name == PACKAGED_MIX.name
+    assert FaultMix.load(PACKAGED_MIX).rows == mix.rows  # the packaged copy is the shared one
+
+
+def test_another_mix_gives_its_own_rows_and_rate(tmp_path: Path) -> None:
+    path = tmp_path / "mix.csv"
+    path.write_text("component,category,count,signal,scope\n"
+                    "NIC,Host,3,network,node\nBad code,Software,1,process,rank\n")
+    mix = FaultMix.load(path, gpus=1000, days=10)
+    assert mix.rate_per_gpu_hour == pytest.approx(4 / (1000 * 10 * 24))
+    faults = draw_faults(mix, gpus=1000, positions=125, devices=8, horizon_ns=100 * 86_400 * NS, seed=2)
+    assert {f.component for f in faults} == {"NIC", "Bad code"}
+    result = simulate(config(days=1.0, mix_path=str(path), rate_per_gpu_hour=2e-3))
+    assert {f.component for f in result.faults} <= {"NIC", "Bad code"} and result.faults
+    bad = tmp_path / "bad.csv"
+    bad.write_text("component,category,count,signal,scope\nX,Y,1,cosmic,rank\n")
+    with pytest.raises(ValueError, match="signal must be one of"):
+        FaultMix.load(bad)
+
+
+def test_faults_scale_with_the_cluster_and_repeat_for_a_seed() -> None:
+    mix = FaultMix.load()
+    horizon = 54 * 86_400 * NS
+    big = draw_faults(mix, gpus=16_384, positions=2048, devices=8, horizon_ns=horizon, seed=1)
+    again = draw_faults(mix, gpus=16_384, positions=2048, devices=8, horizon_ns=horizon, seed=1)
+    small = draw_faults(mix, gpus=1024, positions=128, devices=8, horizon_ns=horizon, seed=1)
+    assert big == again
+    assert 350 < len(big) < 490 and 10 < len(small) < 50
+    signals = {f.signal for f in big}
+    assert signals == {"device", "process", "network", "node", "hang"}
+    assert all(f.code is not None for f in big if f.signal == "device")
+
+
+def test_a_fault_arrives_as_the_events_a_cluster_emits() -> None:
+    cases = {
+        "device": (fault("device", 600, code="48"), ["device.fault", "process.exited", "device.fault"]),
+        "process": (fault("process", 600, exit_code=134), ["process.exited"]),
+        "hang": (fault("hang", 600), ["process.hang"]),
+        "node": (fault("node", 600), ["node.not_ready"]),
+        "network": (fault("network", 600, outage_ns=30 * NS), ["network.link_down"] * 4 + ["network.link_up"] * 4),
+    }
+    for signal, (f, expected) in cases.items():
+        sim, _r, _ = run(config(days=0.02), [f])
+        kinds = [r.envelope.type for r in sim.log.records() if r.ts >= EPOCH + 600 * NS and r.envelope.type in
+                 ("device.fault", "process.exited", "process.hang", "node.not_ready", "network.link_down",
+                  "network.link_up")]
+        assert kinds[: len(expected)] == expected, signal
+
+
+def test_trace_files_round_trip(tmp_path: Path) -> None:
+    faults = [fault("device", 10, code="79"), fault("node", 20, index=1, position=5)]
+    path = tmp_path / "trace.csv"
+    assert write_trace(path, faults) == 2
+    back = read_trace(path)
+    assert [(f.at_ns, f.signal, f.position, f.device, f.code) for f in back] == \
+        [(f.at_ns, f.signal, f.position, f.device, f.code) for f in faults]
+
+
+# -- the Titan importer -----------------------------------------------------------------------------------
+def test_titan_locations_map_to_gpu_positions() -> None:
+    assert titan_index("c0-0c0s0n0") == 0
+    assert titan_index("c0-0c0s0n3") == 3
+    assert titan_index("c1-0c0s0n0") == 96  # the next cabinet in the row
+    assert titan_index("c24-7c2s7n3") == 19_199
+    with pytest.raises(ValueError, match="not a Titan location"):
+        titan_index("node17")
+    with pytest.raises(ValueError, match="outside"):
+        titan_index("c25-0c0s0n0")
+
+
+def test_titan_failures_become_device_faults(tmp_path: Path) -> None:
+    faults = import_titan(DATA / "gc_sample.csv", gpus=1024, gpus_per_node=8, days=60)
+    got = [(round(f.at_ns / NS / 3600, 2), f.position, f.device, f.code) for f in faults]
+    assert got == [(60.0, 0, 0, "48"), (104.0, 12, 0, "79"), (177.25, 1, 0, "48"), (462.5, 0, 1, "79"),
+                   (1080.0, 0, 0, "79")]
+    # positions beyond the simulated GPUs are dropped, or folded onto the cluster
+    assert len(import_titan(DATA / "gc_sample.csv", gpus=1024, fold=True)) == 7
+    # the trace drives a simulated job: every failure strikes it as the XID it maps to
+    path = tmp_path / "titan.csv"
+    write_trace(path, faults)
+    cluster = Cluster(gpus=1024, spare_nodes=4)
+    result = simulate(SimConfig(cluster=cluster, costs=RELIABLE, days=50, trace_path=str(path)))
+    assert [f.component for f in result.faults] == ["Titan DBE", "Titan OTB", "Titan DBE", "Titan OTB", "Titan OTB"]
+    assert all(f.ttr_s is not None for f in result.faults)
+
+
+# -- the demo cluster -------------------------------------------------------------------------------------
+class Daemon:
+    """The daemon's loop in miniature, for driving the demo: a log on the demo's clock, the engine, a timer
+    service that fires due timers before the next event, and the demo as executor."""
+
+    def __init__(self, demo: DemoCluster) -> None:
+        self.demo = demo
+        self.now = EPOCH
+        self.log = MemoryLog(clock=lambda: self.now)
+        self.recorder = Recorder(self.log, Engine())
+        self.timers: dict[str, tuple[int, str]] = {}
+        self.fired = 0
+
+    def feed(self, subject: str, envelope: EnvelopeBase) -> None:
+        for effect in self.recorder.feed(subject, envelope):
+            if isinstance(effect, Decision):
+                for timer in effect.timers:
+                    if timer.every is None:
+                        self.timers[timer.id] = (timer.due, effect.job)
+                for timer_id in effect.cancelled_timers:
+                    self.timers.pop(timer_id, None)
+                for command in effect.commands:
+                    self.demo.execute(command)
+
+    def advance(self, delay_s: float) -> None:
+        self.now += int(delay_s * NS)
+        while due := sorted((d, t, j) for t, (d, j) in self.timers.items() if d <= self.now):
+            d, timer_id, job = due[0]
+            del self.timers[timer_id]
+            self.fired += 1
+            self.feed(*event("timer.fired", {"timer_id": timer_id, "due": d}, id=f"timer-{self.fired}", job=job))
+
+
+def test_demo_cluster_yields_events_in_time_order_and_executes_commands() -> None:
+    demo = DemoCluster(seconds=200)
+    daemon = Daemon(demo)
+    delays: list[float] = []
+    for delay, subject, envelope in demo.events():
+        delays.append(delay)
+        daemon.advance(delay)
+        daemon.feed(subject, envelope)
+    assert all(d >= 0 for d in delays) and sum(delays) <= 200
+    decisions = [r.envelope.data for r in daemon.log.records() if r.envelope.type == "decision"]
+    closed = [d for d in decisions if d.kind == "incident.closed"]
+    # the GPU off the bus (moved to the spare), the crash (in place), the hang (in place), the host (moved)
+    assert [d.detail["granularity"] for d in closed] == ["migrate", "in_place", "in_place", "migrate"]
+    assert daemon.recorder.engine.jobs["demo"].state == "running"
+    acks = [r.envelope.data.status for r in daemon.log.records() if r.envelope.type == "command.ack"]
+    assert acks.count("accepted") == acks.count("done") > 0
+
+
+def test_demo_cluster_function_returns_the_generator_and_the_executor() -> None:
+    events, execute = demo_cluster(seconds=10)
+    first = next(events)
+    assert first[0] == 0 and first[2].type == "node.joined"
+    assert callable(execute)
+
+
+def test_policies_bench_prints_json_metrics() -> None:
+    bench = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
+    done = subprocess.run([sys.executable, str(bench), "policies", "--quick", "--workers", "1", "--profiles",
+                           "default", "torchelastic-like"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [orjson.loads(line) for line in done.stdout.splitlines()]
+    assert all(set(row) == {"bench", "metric", "value", "unit"} and row["bench"] == "policies" for row in rows)
+    metrics = {row["metric"]: row["value"] for row in rows}
+    assert 0.9 < metrics["default.1024gpu.ettr"] <= 1 and 0.9 < metrics["torchelastic-like.1024gpu.ettr"] <= 1
+    assert metrics["default.1024gpu.lost_gpu_hours"] > 0 and "sim.1024gpu.7d.seconds" in metrics
+    assert "default.1024gpu.lost_vs_torchelastic-like" in metrics

@@ -1,0 +1,98 @@
+"""`python -m tools.sim`: run one simulation, or import a Titan failure trace.
+
+    python -m tools.sim run --gpus 1024 --days 54 --profile torchelastic-like --seed 3 --log run.jsonl
+    python -m tools.sim run --gpus 16384 --json > result.json
+    python -m tools.sim titan gc_full.csv --gpus 16384 --start "2015-01-01 00:00:00" --days 54 --out trace.csv
+    python -m tools.sim run --trace trace.csv --gpus 16384 --days 54
+
+`recovery-replay verify run.jsonl` and `recovery-replay timeline run.jsonl --job llm` read the log of a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+import orjson
+
+from tools.sim.config import PROFILES, Cluster, Costs, SimConfig, Training
+from tools.sim.faults import write_trace
+from tools.sim.sim import simulate
+from tools.sim.titan import import_titan, summarize
+
+
+def _config(args: argparse.Namespace) -> SimConfig:
+    cluster = Cluster(gpus=args.gpus, tp=args.tp, pp=args.pp, spare_nodes=args.spares)
+    costs = replace(Costs(), fail_probability=args.fail_p, timeout_probability=args.timeout_p)
+    training = replace(Training(), storage_every_s=args.storage_every_s, memory_every_steps=args.memory_every)
+    return SimConfig(cluster=cluster, training=training, costs=costs, profile=PROFILES[args.profile],
+                     days=args.days, seed=args.seed, mix_path=args.mix, trace_path=args.trace,
+                     rate_per_gpu_hour=args.rate)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    result = simulate(_config(args), log_path=args.log)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+                                + b"\n")
+    else:
+        result.render()
+    return 0
+
+
+def cmd_titan(args: argparse.Namespace) -> int:
+    faults = import_titan(args.csv, gpus=args.gpus, gpus_per_node=args.gpus_per_node, start=args.start,
+                          days=args.days, fold=args.fold)
+    count = write_trace(args.out, faults)
+    print(f"{count} faults written to {args.out}: {summarize(faults)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tools.sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="simulate one job and print where its time went")
+    run.add_argument("--gpus", type=int, default=16_384)
+    run.add_argument("--tp", type=int, default=8)
+    run.add_argument("--pp", type=int, default=16)
+    run.add_argument("--spares", type=int, default=None, help="spare nodes (default: 1/64 of the job's, at least 4)")
+    run.add_argument("--days", type=float, default=54.0)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    run.add_argument("--mix", help="fault mix CSV (default: the Llama 3 405B mix)")
+    run.add_argument("--rate", type=float, help="faults per GPU-hour (default: the mix's own)")
+    run.add_argument("--trace", help="fault trace CSV instead of the mix (see `titan`)")
+    run.add_argument("--storage-every-s", type=float, default=Training().storage_every_s)
+    run.add_argument("--memory-every", type=int, default=Training().memory_every_steps)
+    run.add_argument("--fail-p", type=float, default=Costs().fail_probability, help="executor failure probability")
+    run.add_argument("--timeout-p", type=float, default=Costs().timeout_probability,
+                     help="probability that an executor never answers")
+    run.add_argument("--log", help="write the run's log here (JSONL replay format)")
+    run.add_argument("--json", action="store_true", help="the result as JSON")
+    run.set_defaults(func=cmd_run)
+    titan = sub.add_parser("titan", help="convert Titan's gc_full.csv into a fault trace")
+    titan.add_argument("csv")
+    titan.add_argument("--out", required=True)
+    titan.add_argument("--gpus", type=int, default=16_384)
+    titan.add_argument("--gpus-per-node", type=int, default=8)
+    titan.add_argument("--start", help="time 0, '%%Y-%%m-%%d %%H:%%M:%%S' (default: the earliest insert)")
+    titan.add_argument("--days", type=float)
+    titan.add_argument("--fold", action="store_true", help="map every Titan GPU onto the cluster (modulo)")
+    titan.set_defaults(func=cmd_titan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (OSError, ValueError) as exc:
+        print(f"python -m tools.sim: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Configuration of a simulated run: the cluster, the training job, the cost model, the agents' detection delays,
+and the policy profile under test.
+
+Every default names its source in README.md (tools/sim), in the cost-model table. Values we could not find a
+public figure for are marked as assumptions there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from events.values import PolicyRef, PolicySelection, Tier
+
+NS = 1_000_000_000
+DAY_S = 86_400.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes with devices behind leaf switches, a job placement and a spare pool."""
+
+    gpus: int = 16_384
+    """the job's GPUs (one rank per GPU)"""
+    gpus_per_node: int = 8
+    nodes_per_switch: int = 32
+    tp: int = 8
+    pp: int = 16
+    """Llama 3 405B at 16,384 GPUs: TP 8, PP 16, DP 128 (Llama 3 paper, Table 4)"""
+    spare_nodes: int | None = None
+    """None: 1/64 of the job's nodes, at least 4 (one leaf switch's worth at 16,384 GPUs)"""
+
+    def __post_init__(self) -> None:
+        per_replica = self.tp * self.pp
+        if self.gpus % self.gpus_per_node or self.gpus % per_replica:
+            raise ValueError(f"{self.gpus} GPUs is not a whole number of {self.gpus_per_node}-GPU nodes and of "
+                             f"tp*pp={per_replica} replicas")
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def shards(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def spares(self) -> int:
+        if self.spare_nodes is not None:
+            return self.spare_nodes
+        return max(4, math.ceil(self.nodes / 64))
+
+
+@dataclass(frozen=True)
+class Training:
+    """The job's rhythm and its checkpoint cadence per tier."""
+
+    step_time_s: float = 6.0
+    """Llama 3 405B: 6 x 405e9 params x 16M tokens per step / (16,384 GPUs x 400 TFLOP/s) = 5.9 s"""
+    memory_every_steps: int | None = 25
+    """in-memory snapshot (MindIO ACP, Gemini) every k steps; None: no memory tier"""
+    storage_every_s: float | None = 1800.0
+    """persistent checkpoint every m seconds of training; None: none"""
+    params: float = 405e9
+    bytes_per_param: float = 14.0
+    """checkpointed state: bf16 weights (2) + fp32 master weights, Adam m and v (12) (ZeRO paper's 16 bytes less
+    the gradients, which are not saved)"""
+
+    def shard_bytes(self, cluster: Cluster) -> float:
+        """State held by one rank: the model state split over tp x pp (every data-parallel replica holds it)."""
+        return self.params * self.bytes_per_param / cluster.shards
+
+
+@dataclass(frozen=True)
+class Costs:
+    """How long executors and checkpoint tiers take. README.md (tools/sim) has the source of every value."""
+
+    ack_latency_s: float = 0.05
+    stop_kill_s: float = 2.0
+    stop_graceful_s: float = 10.0
+    retry_step_s: float = 10.0
+    restart_in_place_s: float = 30.0
+    migrate_s: float = 70.0
+    restart_job_small_s: float = 70.0
+    restart_job_large_s: float = 300.0
+    large_job_nodes: int = 1000
+    isolate_s: float = 1.0
+    fail_job_s: float = 1.0
+    # checkpoint tiers: per-rank bandwidth (a rank's share of its node's link), aggregate bandwidth, latency
+    memory_rank_Bps: float = 50e9
+    local_rank_Bps: float = 3e9
+    storage_rank_Bps: float = 3.1e9
+    storage_read_Bps: float = 2e12
+    storage_write_Bps: float = 2e12
+    memory_latency_s: float = 2.0
+    local_latency_s: float = 2.0
+    storage_latency_s: float = 5.0
+    memory_save_stall_s: float = 0.2
+    storage_save_stall_s: float = 1.8
+    # executors that misbehave
+    fail_probability: float = 0.01
+    timeout_probability: float = 0.005
+
+    def restart_job_s(self, nodes: int) -> float:
+        """A job-level restart recreates every pod: MindCluster's low end for a small job, JobSet KEP-467's
+        "several minutes" at 1,000 nodes and above, linear in between."""
+        share = min(1.0, nodes / self.large_job_nodes)
+        return self.restart_job_small_s + (self.restart_job_large_s - self.restart_job_small_s) * share
+
+    def load_s(self, tier: Tier, ranks: int, shard_bytes: float) -> float:
+        """Time for `ranks` ranks to load their shard from `tier` at once: bounded by each rank's link and,
+        for shared storage, by the storage system's aggregate read bandwidth."""
+        if ranks <= 0:
+            return 0.0
+        if tier is Tier.MEMORY:
+            return self.memory_latency_s + shard_bytes / self.memory_rank_Bps
+        if tier is Tier.LOCAL:
+            return self.local_latency_s + shard_bytes / self.local_rank_Bps
+        return self.storage_latency_s + max(shard_bytes / self.storage_rank_Bps,
+                                            ranks * shard_bytes / self.storage_read_Bps)
+
+    def save_s(self, ranks: int, shard_bytes: float) -> float:
+        """Time for `ranks` ranks to write their shard to shared storage (a dying checkpoint)."""
+        return self.storage_latency_s + max(shard_bytes / self.storage_rank_Bps,
+                                            ranks * shard_bytes / self.storage_write_Bps)
+
+
+@dataclass(frozen=True)
+class Agents:
+    """Detection delays of the sources that report faults (node agents, probes, the platform)."""
+
+    hang_detect_s: float = 10.0
+    """the node agent's local watchdog (ByteRobust detects in 10-30 s; TorchFT heartbeats time out at 5 s)"""
+    collective_timeout_s: float = 600.0
+    """PyTorch's NCCL default timeout (10 minutes)"""
+    node_not_ready_s: float = 40.0
+    """Kubernetes node-monitor-grace-period: a node that stops reporting is NotReady after 40 s"""
+    link_health_check_s: float = 60.0
+    """a link that stays down this long makes the platform's health check mark the node not ready"""
+    exit_report_s: float = 0.5
+    """a device fault kills the process using the device this long after the XID"""
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Outage and repair times of broken hardware (assumptions; see README.md). Repairs only decide when nodes
+    return to the spare pool."""
+
+    switch_outage_s: tuple[float, float] = (60.0, 300.0)
+    """a leaf switch reboot or a cable flap: links down for a time uniform in this range"""
+    device_repair_mean_s: float = 2 * 3600.0
+    node_repair_mean_s: float = 24 * 3600.0
+    nic_repair_mean_s: float = 12 * 3600.0
+    node_return_s: float = 60.0
+    """a healthy node the job left is back in the spare pool after the scheduler cleaned it up"""
+
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A policy selection under test and the checkpoint tiers its job writes."""
+
+    name: str
+    selection: PolicySelection
+    memory_tier: bool = True
+
+    def spec_policies(self) -> dict[str, Any]:
+        return self.selection.model_dump()
+
+
+JOB_LEVEL_TRIES = 3
+"""job-level restarts per incident before giving up: Volcano's default `maxRetry` for a job"""
+
+
+def tuned_ladders(tries: int = JOB_LEVEL_TRIES) -> dict[str, Any]:
+    """The built-in ladders configured for a long run: no lifetime budgets (escalation per incident unchanged),
+    and the last rung, a job-level restart, tried `tries` times per incident instead of once."""
+    from policies.rescheduling import DEFAULT_LADDERS
+
+    ladders: dict[str, Any] = {}
+    for fault_class, ladder in DEFAULT_LADDERS.items():
+        rungs = [{**rung.model_dump(mode="json"), "budget": None} for rung in ladder]
+        if rungs and rungs[-1]["granularity"] == "restart_job":
+            rungs += [dict(rungs[-1]) for _ in range(tries - 1)]
+        ladders[fault_class.value] = rungs
+    return {"ladders": ladders}
+
+
+PROFILES: dict[str, Profile] = {
+    "default": Profile("default", PolicySelection()),
+    "default-tuned": Profile("default-tuned", PolicySelection(
+        rescheduling=PolicyRef(name="ladder", params=tuned_ladders()))),
+    "torchelastic-like": Profile("torchelastic-like", PolicySelection(
+        detection=PolicyRef(name="torchelastic-like-detection"),
+        rescheduling=PolicyRef(name="torchelastic-like-rescheduling"),
+        checkpoint=PolicyRef(name="torchelastic-like-checkpoint")), memory_tier=False),
+    "mindcluster-like": Profile("mindcluster-like", PolicySelection(
+        detection=PolicyRef(name="mindcluster-like-detection"),
+        rescheduling=PolicyRef(name="mindcluster-like-rescheduling"),
+        checkpoint=PolicyRef(name="mindcluster-like-checkpoint"))),
+}
+"""Profiles by name. `default` is the built-in selection as shipped; `default-tuned` the same policies with the
+ladders configured for a long run (`tuned_ladders`: a 54-day job at 16,384 GPUs uses up the shipped lifetime
+budget of 3 job-level restarts in days, and one failed job-level restart ends the shipped ladders). A
+torchelastic-like job has no in-memory checkpoints: it resumes from storage."""
+
+
+def profile(name_or_profile: str | Profile) -> Profile:
+    if isinstance(name_or_profile, Profile):
+        return name_or_profile
+    try:
+        return PROFILES[name_or_profile]
+    except KeyError:
+        raise ValueError(f"unknown profile {name_or_profile!r} (known: {', '.join(PROFILES)})") from None
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run."""
+
+    cluster: Cluster = field(default_factory=Cluster)
+    training: Training = field(default_factory=Training)
+    costs: Costs = field(default_factory=Costs)
+    agents: Agents = field(default_factory=Agents)
+    durations: Durations = field(default_factory=Durations)
+    profile: Profile = field(default_factory=lambda: PROFILES["default"])
+    days: float = 54.0
+    seed: int = 0
+    mix_path: str | None = None
+    """fault mix CSV; None: the Llama 3 mix"""
+    rate_per_gpu_hour: float | None = None
+    """None: the mix's own rate (419 / (16,384 x 54 x 24) for Llama 3)"""
+    trace_path: str | None = None
+    """a fault trace (tools.sim.faults.read_trace) instead of the mix"""
+    job: str = "llm"
+    report_every_s: float | None = None
+    """None: training is closed form and the job reports only what changes (the simulator); a period: every live
+    rank reports its step (or, stopped, a heartbeat) that often, as a real job's SDK does (the demo)"""
+    watchdog_interval_s: float | None = None
+    """the job spec's heartbeat watchdog; None: longer than the run (the simulator has no per-rank heartbeats)"""
+
+    @property
+    def horizon_ns(self) -> int:
+        return int(self.days * DAY_S * NS)

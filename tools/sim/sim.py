@@ -1,0 +1,225 @@
+"""The simulator: the world, the real engine and a timer service on one virtual clock.
+
+Exactly what `recovery.scenario.Scenario` does, at cluster scale: every event the world emits is appended to a
+`MemoryLog` (or `FileLog`) whose clock is the simulator's, applied by `recovery.engine.Engine` through a
+`recovery.recorder.Recorder`, and every decision is recorded after it. Timers the decisions ask for are fired
+as `timer.fired` job events at their due time (periodic ones again every `every`), and the commands go to the
+world's executors. The log is a replay log: `recovery-replay verify` and `timeline` work on it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from events import subjects
+from events.envelope import EnvelopeBase, make_envelope
+from events.outputs import Decision
+from recovery.engine import Engine
+from recovery.log import FileLog, MemoryLog, write_file
+from recovery.recorder import Recorder
+from recovery.scenario import EPOCH
+from tools.sim.accounting import CAUSES, STATE_LABEL, FaultOutcome, Ledger, Result
+from tools.sim.config import NS, SimConfig
+from tools.sim.faults import Fault, FaultMix, draw_faults, read_trace
+from tools.sim.world import World
+
+OUTCOMES = {"attempt.failed": "failed", "attempt.timed_out": "timed_out", "attempt.superseded": "superseded"}
+
+
+def faults_for(config: SimConfig) -> list[Fault]:
+    """The run's faults: the trace if one is given, else drawn from the mix for the run's seed."""
+    if config.trace_path is not None:
+        horizon = config.horizon_ns
+        return [f for f in read_trace(config.trace_path) if f.at_ns < horizon]
+    mix = FaultMix.load(config.mix_path)
+    cl = config.cluster
+    return draw_faults(mix, gpus=cl.gpus, positions=cl.nodes, devices=cl.gpus_per_node,
+                       horizon_ns=config.horizon_ns, seed=config.seed, rate_per_gpu_hour=config.rate_per_gpu_hour,
+                       durations=config.durations)
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, log: MemoryLog | FileLog | None = None,
+                 faults: list[Fault] | None = None) -> None:
+        self.cfg = config
+        self._now = EPOCH
+        self.log = log if log is not None else MemoryLog(clock=self._clock)
+        self.log._clock = self._clock
+        self.engine = Engine()
+        self.recorder = Recorder(self.log, self.engine)
+        self.ledger = Ledger(EPOCH)
+        self.world = World(config, self, self._deliver, start_ns=EPOCH)
+        self.faults = faults if faults is not None else faults_for(config)
+        self._heap: list[tuple[int, int, Callable[[], None]]] = []
+        self._seq = 0
+        self._armed: dict[str, tuple[int, int | None]] = {}
+        self.events = 0
+        self.engine_seconds = 0.0
+        """wall-clock time spent in Recorder.feed: the log appends, Engine.apply and recording decisions"""
+        self.decisions = 0
+        self.rejections: dict[str, int] = {}
+        self.restarts: dict[str, dict[str, int]] = {}
+        self.outcomes: list[FaultOutcome] = []
+        self._open: list[FaultOutcome] = []
+        self.end = EPOCH + config.horizon_ns
+
+    # -- the clock and the scheduler ------------------------------------------------------------------
+    def _clock(self) -> int:
+        return self._now
+
+    @property
+    def now(self) -> int:
+        return self._now
+
+    def at(self, when: int, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (max(when, self._now), self._seq, action))
+
+    # -- the engine in the loop -----------------------------------------------------------------------
+    def _deliver(self, subject: str, envelope: EnvelopeBase) -> None:
+        started = time.perf_counter()
+        effects = self.recorder.feed(subject, envelope)
+        self.engine_seconds += time.perf_counter() - started
+        self.events += 1
+        commands = []
+        for effect in effects:
+            if not isinstance(effect, Decision):
+                self.rejections[effect.code] = self.rejections.get(effect.code, 0) + 1
+                continue
+            self.decisions += 1
+            self._observe(effect)
+            for timer in effect.timers:
+                self._armed[timer.id] = (timer.due, timer.every)
+                self.at(timer.due, self._firer(timer.id, timer.due, effect.job))
+            for timer_id in effect.cancelled_timers:
+                self._armed.pop(timer_id, None)
+            commands.extend(effect.commands)
+        for command in commands:
+            self.world.execute(command)
+        self._relabel()
+
+    def _firer(self, timer_id: str, due: int, job: str) -> Callable[[], None]:
+        def fire() -> None:
+            armed = self._armed.get(timer_id)
+            if armed is None or armed[0] != due:
+                return  # cancelled, or a period already fired
+            every = armed[1]
+            if every is None:
+                del self._armed[timer_id]
+            else:
+                self._armed[timer_id] = (due + every, every)
+                self.at(due + every, self._firer(timer_id, due + every, job))
+            self.world.job_event("timer.fired", {"timer_id": timer_id, "due": due}, source="timers")
+        return fire
+
+    def _observe(self, decision: Decision) -> None:
+        kind = decision.kind
+        if kind == "attempt.started":
+            g = str(decision.detail.get("granularity"))
+            counts = self.restarts.setdefault(g, {})
+            counts["started"] = counts.get("started", 0) + 1
+        elif kind in OUTCOMES:
+            g = str(decision.detail.get("granularity", "?"))
+            counts = self.restarts.setdefault(g, {})
+            counts[OUTCOMES[kind]] = counts.get(OUTCOMES[kind], 0) + 1
+        elif kind == "incident.closed":
+            g = str(decision.detail.get("granularity"))
+            counts = self.restarts.setdefault(g, {})
+            counts["recovered"] = counts.get("recovered", 0) + 1
+            for outcome in self._open:
+                outcome.recovered_s = (self._now - EPOCH) / NS
+            self._open = []
+
+    def _relabel(self) -> None:
+        label = self.world.busy_label
+        if label is None:
+            job = self.engine.jobs.get(self.cfg.job)
+            label = STATE_LABEL.get(job.state if job is not None else "submitted", "detection")
+        self.ledger.label(self._now, label)
+
+    def _inject(self, fault: Fault) -> None:
+        if self.world.inject(fault):
+            outcome = FaultOutcome(fault.index, fault.component, fault.signal, (self._now - EPOCH) / NS)
+            self.outcomes.append(outcome)
+            self._open.append(outcome)
+
+    # -- running --------------------------------------------------------------------------------------
+    def run(self) -> Result:
+        started = time.perf_counter()
+        self.world.start()
+        self._relabel()
+        for fault in self.faults:
+            self.at(EPOCH + fault.at_ns, partial(self._inject, fault))
+        while self._heap and self._heap[0][0] <= self.end:
+            when, _, action = heapq.heappop(self._heap)
+            self._now = when
+            action()
+            self._relabel()
+            if self.world.failed:
+                break
+        self._now = self.end
+        self.world.finish(self.end)
+        self._relabel()
+        self.ledger.close(self.end)
+        return self._result(time.perf_counter() - started)
+
+    def _result(self, seconds: float) -> Result:
+        totals = dict(self.ledger.totals)
+        c = self.world.counters
+        train = totals.pop("train", 0)
+        if train != c.productive + c.recompute + c.checkpoint:
+            raise AssertionError(f"training time {train} ns is not productive {c.productive} + recompute "
+                                 f"{c.recompute} + checkpoint {c.checkpoint}")
+        totals["recompute"] = totals.get("recompute", 0) + c.recompute
+        totals["checkpoint"] = totals.get("checkpoint", 0) + c.checkpoint
+        lost = {cause: totals.pop(cause, 0) / NS for cause in CAUSES}
+        if totals:
+            raise AssertionError(f"time booked under unknown labels: {totals}")
+        job = self.engine.jobs.get(self.cfg.job)
+        result = Result(
+            profile=self.cfg.profile.name,
+            policies=dict(job.policies.labels) if job is not None else {},
+            seed=self.cfg.seed, gpus=self.cfg.cluster.gpus, days=self.cfg.days,
+            wall_s=(self.end - EPOCH) / NS, productive_s=c.productive / NS,
+            lost_s=lost,
+            faults=self.outcomes, restarts=dict(sorted(self.restarts.items())), events=self.events,
+            decisions=self.decisions, rejections=dict(sorted(self.rejections.items())),
+            records=self._records(), job_state=job.state if job is not None else "?",
+            steps=self.world.high_water, sim_seconds=seconds, engine_seconds=self.engine_seconds,
+            stats=dict(sorted(self.world.stats.items())),
+        )
+        result.check()
+        return result
+
+    def _records(self) -> int:
+        if isinstance(self.log, MemoryLog):
+            return sum(1 for _ in self.log.records())
+        return self.log._last_seq
+
+    def write_log(self, path: str | Path) -> int:
+        """Write the run's log (a MemoryLog) as a replay JSONL export."""
+        if not isinstance(self.log, MemoryLog):
+            raise TypeError("the run logs to a file already")
+        return write_file(path, list(self.log.records()))
+
+
+def simulate(config: SimConfig, log_path: str | Path | None = None) -> Result:
+    """Run one simulation; with `log_path`, also write its log in the replay format."""
+    sim = Simulator(config)
+    result = sim.run()
+    if log_path is not None:
+        sim.write_log(log_path)
+    return result
+
+
+def event(type_: str, data: dict[str, object], *, id: str, job: str | None = None,
+          node: str | None = None) -> tuple[str, EnvelopeBase]:
+    """A subject and envelope for one input event (job-scoped if `job`, else node-scoped)."""
+    if job is not None:
+        return subjects.job_event(job, type_), make_envelope(type_, data, id=id, job=job)
+    assert node is not None
+    return subjects.node_event(node, type_), make_envelope(type_, data, id=id, node=node)
