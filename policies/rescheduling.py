@@ -72,7 +72,11 @@ class LadderRescheduling:
             # A superseded attempt did not fail: the widened incident starts again at the same rung.
             start = last.rung if last.outcome == "superseded" else last.rung + 1
         exhausted: list[str] = []
-        for index in range(start, len(ladder)):
+        order = list(range(start, len(ladder)))
+        if ctx.previous and ctx.previous[-1].outcome != "superseded" and start == len(ladder):
+            # The top rung failed: try it again while its budget lasts rather than give up at once.
+            order.append(len(ladder) - 1)
+        for index in order:
             rung = ladder[index]
             g = rung.granularity
             deadline = int(rung.deadline_s * NS)

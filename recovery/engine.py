@@ -445,7 +445,7 @@ class Engine:
         # Pending suspicions stay: the other nodes behind a failed switch confirm later and join this incident.
         cancelled = self._cancel(job.watchdog)
         job.watchdog = None
-        job.incident = Incident(id=f"{job.id}#{len(job.closed) + 1}", opened_seq=out.seq, opened=out.ts,
+        job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                 fault_step=job.step, fault_class=verdict.fault_class, cause="fault",
                                 faults=[fault])
         job.incident.enter("detected", out.ts)
@@ -998,7 +998,7 @@ class Engine:
         if job.incident is None:
             cancelled = self._cancel(job.watchdog)
             job.watchdog = None
-            job.incident = Incident(id=f"{job.id}#{len(job.closed) + 1}", opened_seq=out.seq, opened=out.ts,
+            job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                     fault_step=job.step, fault_class=None, cause=cause)
             if cancelled:
                 self._decide(out, job, "watchdog.disarmed", f"{cause} incident", cancelled=cancelled)

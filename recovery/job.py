@@ -86,9 +86,34 @@ class Incident:
 class Job:
     """One training job. `state` is driven only through recovery.machine.fire."""
 
-    __slots__ = ("alive", "catalog", "closed", "generation", "id", "incident", "last_progress", "last_seen",
-                 "layout", "nodes", "policies", "rank_gen", "restarts_used", "rpn", "seen", "spec", "state", "step",
-                 "step_time", "step_ts", "steps", "suspects", "target_dp", "used", "watchdog")
+    __slots__ = (
+        "alive",
+        "catalog",
+        "closed",
+        "generation",
+        "id",
+        "incident",
+        "incidents_opened",
+        "last_progress",
+        "last_seen",
+        "layout",
+        "nodes",
+        "policies",
+        "rank_gen",
+        "restarts_used",
+        "rpn",
+        "seen",
+        "spec",
+        "state",
+        "step",
+        "step_time",
+        "step_ts",
+        "steps",
+        "suspects",
+        "target_dp",
+        "used",
+        "watchdog",
+    )
 
     def __init__(self, job_id: str, spec: JobSpec, policies: PolicySet) -> None:
         self.id = job_id
@@ -111,12 +136,18 @@ class Job:
         self.last_progress = [0] * world
         self.catalog: dict[int, dict[Tier, dict[int, set[str]]]] = {}
         self.incident: Incident | None = None
+        self.incidents_opened = 0
         self.closed: list[dict[str, Any]] = []
         self.suspects: dict[str, tuple[Verdict, str]] = {}  # key -> (verdict, timer id), in log order
         self.watchdog: str | None = None
         self.used: dict[str, int] = {}
         self.restarts_used = 0
         self.seen: dict[str, None] = {}  # in insertion order: the oldest id is next(iter(seen))
+
+    def next_incident_id(self) -> str:
+        # Counted, not derived from the closed list: that list keeps only the newest incidents.
+        self.incidents_opened += 1
+        return f"{self.id}#{self.incidents_opened}"
 
     @property
     def world(self) -> int:

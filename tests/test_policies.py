@@ -43,9 +43,19 @@ def test_ladder_escalates_one_rung_per_failed_attempt() -> None:
     assert (first.granularity, first.deadline_ns) == (Granularity.IN_PLACE, 60 * NS)
     second = ladder.decide(ctx(previous=(AttemptSummary(Granularity.IN_PLACE, "failed", 0),)))
     assert second.granularity is Granularity.RESTART_JOB
-    third = ladder.decide(ctx(previous=(AttemptSummary(Granularity.IN_PLACE, "failed", 0),
-                                        AttemptSummary(Granularity.RESTART_JOB, "timed_out", 1))))
-    assert third.granularity is Granularity.FAIL
+    both = (AttemptSummary(Granularity.IN_PLACE, "failed", 0), AttemptSummary(Granularity.RESTART_JOB, "timed_out", 1))
+    spent = {"process/in_place": 1, "process/restart_job": 1}
+    third = ladder.decide(ctx(previous=both, used=spent))
+    assert third.granularity is Granularity.FAIL and "process/restart_job 1 of 1" in third.reason
+
+
+def test_top_rung_is_tried_again_while_its_budget_lasts() -> None:
+    ladder = LadderRescheduling({"ladders": {"process": [{"granularity": "restart_job", "budget": 2}]}})
+    failed = (AttemptSummary(Granularity.RESTART_JOB, "failed", 0),)
+    again = ladder.decide(ctx(previous=failed, used={"process/restart_job": 1}))
+    assert again.granularity is Granularity.RESTART_JOB
+    done = ladder.decide(ctx(previous=failed * 2, used={"process/restart_job": 2}))
+    assert done.granularity is Granularity.FAIL
 
 
 def test_ladder_budget_per_rung_is_named_when_exhausted() -> None:
