@@ -224,3 +224,15 @@ def command_count(result: Replay) -> list[str]:
 def state_view(snapshot: dict[str, Any]) -> dict[str, Any]:
     """An engine snapshot without `last_seq` (the daemon's counts only inputs, a replay every record)."""
     return {k: v for k, v in snapshot.items() if k != "last_seq"}
+
+
+async def drain(daemon: Any, url: str) -> None:
+    """Wait until the daemon has applied the log's last input, and that last input stays put: an ack or report
+    still in flight from a stopped cluster can land after one read, and must be applied before the checks."""
+    target = -1
+    while True:
+        latest = last_input_seq(await read_stream(url))
+        if latest == target:
+            return
+        target = latest
+        await async_wait_for(lambda t=target: daemon.status()["published_seq"] >= t, 30, "the daemon to drain")

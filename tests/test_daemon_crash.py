@@ -29,7 +29,7 @@ from tests.daemon_support import (
     check_log,
     command_count,
     connect,
-    last_input_seq,
+    drain,
     read_stream,
     state_view,
 )
@@ -76,9 +76,7 @@ async def test_sigkill_during_incidents_loses_and_doubles_nothing(seed: int, nat
         # drain what is left with the timer service off, so that nothing new arrives while the checks read
         daemon.start(RECOVERY_TIMERS_ENABLED="false")
         await asyncio.to_thread(daemon.wait_ready)
-        records = await read_stream(nats_server.url)
-        target = last_input_seq(records)
-        await async_wait_for(lambda: daemon.status()["published_seq"] >= target, 30, "the daemon to drain")
+        await drain(daemon, nats_server.url)
         code, seconds = daemon.terminate()
         assert code == 0 and seconds < 5, daemon.log_tail()
         store = SnapshotStore(js, "RECOVERY_SNAPSHOTS", "default", 512 * 1024, 1)

@@ -28,6 +28,7 @@ from tests.daemon_support import (
     async_wait_for,
     check_log,
     connect,
+    drain,
     last_input_seq,
     read_stream,
     wait_for,
@@ -123,8 +124,7 @@ async def test_nats_restart_under_a_running_daemon_loses_nothing(nats_server: Na
         assert code == 0 and seconds < 5
         daemon.start(RECOVERY_TIMERS_ENABLED="false")  # drain quietly for the checks
         await asyncio.to_thread(daemon.wait_ready)
-        target = last_input_seq(await read_stream(nats_server.url))
-        await async_wait_for(lambda: daemon.status()["published_seq"] >= target, 30, "the drain")
+        await drain(daemon, nats_server.url)
         assert daemon.terminate()[0] == 0
     finally:
         await bus.close()
