@@ -132,6 +132,8 @@ class RescheduleContext:
     scale_in_dp: int | None
     """the data-parallel size the job could shrink to without the lost nodes; None if not elastic or below min"""
     forced: Granularity | None = None
+    widened: bool = False
+    """a fault outside the attempt under way superseded it, and no settle window has passed since"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,8 @@ class Action:
     rung: int = 0
     wait: bool = False
     budget: str | None = None
+    settle_ns: int = 0
+    """start nothing yet: collect further faults of the incident for this long, then decide again"""
 
 
 @runtime_checkable

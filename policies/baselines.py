@@ -158,7 +158,7 @@ class MindClusterLikeRescheduling(LadderRescheduling):
     process is gone, an in-place restart when the node must be left, elastic training for a fixed-size job)."""
 
     name: ClassVar[str] = "mindcluster-like-rescheduling"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"  # 2: the ladder's settle window (ClusterD also gathers a job's faults first)
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         own = MindClusterReschedulingParams.model_validate(params or {})

@@ -47,12 +47,16 @@ class LadderParams(Params):
     """when a rung needs nodes that are not there, scale in by data-parallel replicas if the job allows"""
     wait: bool = True
     """otherwise wait for nodes (the job goes to `waiting`) instead of escalating"""
+    settle_s: float = Field(2.0, ge=0)
+    """after an attempt is superseded by a fault outside it, collect further faults this long before the next
+    attempt: a job-wide crash reports its thousands of exits one by one, and each would otherwise supersede the
+    last attempt (0: no window)"""
 
 
 class LadderRescheduling:
     family: ClassVar[str] = "rescheduling"
     name: ClassVar[str] = "ladder"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"  # 2: a settle window after a superseded attempt
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = LadderParams.model_validate(params or {})
@@ -65,6 +69,10 @@ class LadderRescheduling:
         if ctx.max_restarts is not None and ctx.restarts_used >= ctx.max_restarts:
             return Action(G.FAIL, f"restart budget max_restarts exhausted: {ctx.restarts_used} of "
                                   f"{ctx.max_restarts} used", budget="max_restarts")
+        if ctx.widened and self.params.settle_s > 0:
+            return Action(None, f"a fault outside the last attempt widened the incident: collect faults for "
+                                f"{self.params.settle_s:g} s before the next attempt",
+                          settle_ns=int(self.params.settle_s * NS))
         ladder = self.ladders[ctx.fault_class]
         start = 0
         if ctx.previous:

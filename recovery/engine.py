@@ -424,7 +424,7 @@ class Engine:
             attempt = incident.attempt
             if job.state == "waiting" or attempt is None:
                 self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
-                if plan:
+                if plan and incident.settle_timer is None:  # a settle window decides when it closes
                     self._plan(out, job)
                 return
             if attempt.phase in ("rescheduling", "restoring") and (
@@ -439,6 +439,7 @@ class Engine:
                              detail={"attempt": attempt.number})
                 return
             self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
+            incident.widened = True
             self._end_attempt(out, job, attempt, "superseded", f"new fault outside attempt "
                                                                 f"{attempt.number}: {verdict.reason}", plan=plan)
             return
@@ -476,7 +477,8 @@ class Engine:
         assert job.incident is not None
         ranks = {r for f in job.incident.faults for r in f["ranks"] if r < job.world}
         ranks.update(r for r in range(job.world) if not job.alive[r])
-        return [n for i, n in enumerate(job.nodes) if any(r // job.rpn == i for r in ranks)]
+        indices = {r // job.rpn for r in ranks}
+        return [n for i, n in enumerate(job.nodes) if i in indices]
 
     def _scale_in_dp(self, job: Job, vacate: list[str]) -> int | None:
         elastic = job.spec.elastic
@@ -500,9 +502,17 @@ class Engine:
             nodes_to_replace=len(vacate), nodes_to_migrate=len(migrate), spares_available=len(spares),
             dp=job.layout.dp,
             scale_in_dp=self._scale_in_dp(job, vacate), forced=forced,
+            widened=incident.widened,
         )
         action = job.policies.rescheduling.decide(ctx)
         policy = job.policies.labels["rescheduling"]
+        if action.settle_ns > 0 and action.granularity is None and not action.wait:
+            timer = self._timer(out, job, f"settle/{incident.id}/{len(incident.attempts)}", action.settle_ns)
+            incident.settle_timer = timer.id
+            incident.enter("settling", out.ts)
+            self._decide(out, job, "attempt.settling", action.reason, trigger="settle", policy=policy,
+                         timers=[timer], detail={"faults": len(incident.faults)})
+            return
         if action.wait:
             incident.enter("waiting", out.ts)
             self._decide(out, job, "attempt.waiting", action.reason, trigger="wait", policy=policy,
@@ -526,6 +536,10 @@ class Engine:
                vacate: list[str], trigger: str | None = None) -> None:
         incident = job.incident
         assert incident is not None
+        # An operator's order can start an attempt while a settle window is open: the window has no more to say.
+        settle = self._cancel(incident.settle_timer)
+        incident.settle_timer = None
+        incident.widened = False
         incident.attempts.append(attempt)
         g = attempt.granularity
         dead = tuple(r for r in range(job.world) if not job.alive[r])
@@ -551,7 +565,7 @@ class Engine:
         timer = self._timer(out, job, f"attempt/{incident.id}/{attempt.number}", deadline_ns)
         attempt.deadline_timer = timer.id
         self._decide(out, job, "attempt.started", attempt.reason, trigger=trigger, policy=policy, timers=[timer],
-                     detail={"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,
+                     cancelled=settle, detail={"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,
                              "ranks": list(attempt.ranks), "vacate": list(attempt.vacate)})
         if g is G.RETRY:
             self._reschedule(out, job, attempt)
@@ -859,6 +873,11 @@ class Engine:
                 self._fault(out, job, verdict, policy, plan=index == len(confirmed) - 1)
             return
         incident = job.incident
+        if incident is not None and data.timer_id == incident.settle_timer:
+            incident.settle_timer = None
+            incident.widened = False
+            self._plan(out, job)
+            return
         attempt = incident.attempt if incident is not None else None
         if attempt is None:
             return

@@ -20,6 +20,7 @@ STATES = [
     "rescheduling",  # restart, migrate, scale or retry commands are out
     "restoring",  # processes are back and loading: waiting for progress past the resume point
     "waiting",  # not enough healthy nodes: waiting for nodes to join
+    "settling",  # a fault widened the incident mid-attempt: collecting further faults before the next attempt
     "paused",  # stopped by an operator, resumable
     "completed",
     "failed",
@@ -27,7 +28,7 @@ STATES = [
 ]
 FINAL = frozenset({"completed", "failed", "cancelled"})
 _ACTIVE = [s for s in STATES if s not in FINAL]
-_RECOVERING = ["running", "suspect", "saving", "stopping", "rescheduling", "restoring", "waiting"]
+_RECOVERING = ["running", "suspect", "saving", "stopping", "rescheduling", "restoring", "waiting", "settling"]
 
 TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "start", "source": "submitted", "dest": "running"},
@@ -38,6 +39,7 @@ TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "reschedule", "source": [*_RECOVERING, "paused"], "dest": "rescheduling"},
     {"trigger": "restore", "source": "rescheduling", "dest": "restoring"},
     {"trigger": "wait", "source": _RECOVERING, "dest": "waiting"},
+    {"trigger": "settle", "source": _RECOVERING, "dest": "settling"},
     {"trigger": "recovered", "source": ["restoring", "waiting"], "dest": "running"},
     {"trigger": "pause", "source": _RECOVERING, "dest": "paused"},
     {"trigger": "complete", "source": _ACTIVE, "dest": "completed"},

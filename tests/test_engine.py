@@ -21,7 +21,9 @@ def restarted_rank_1() -> Scenario:
 def test_exit_of_a_rank_that_was_only_rolled_back_is_a_fault() -> None:
     s = restarted_rank_1()
     s.job_event("j", "process.exited", rank=5, exit_code=139, attempt=0)  # same process, generation 0
-    assert "attempt.superseded" in s.kinds("j")
+    assert s.kinds("j")[-2:] == ["attempt.superseded", "attempt.settling"]
+    assert s.engine.jobs["j"].state == "settling" and not s.outstanding("restart_ranks")
+    s.advance(2)  # the ladder's settle window: the next attempt covers both exits
     [restart] = s.outstanding("restart_ranks")
     assert restart.ranks == [1, 5]
 
@@ -41,3 +43,43 @@ def test_progress_from_before_the_rollback_is_ignored() -> None:
     assert job.steps[5] == 5 and job.state == "restoring"
     s.job_event("j", "progress.step", rank=1, step=6, attempt=1)
     assert job.state == "running"
+
+
+def crash_every_rank(nodes: int = 8, rpn: int = 8) -> Scenario:
+    """A dependency every rank uses goes away: the agents report the exits one by one."""
+    s = Scenario()
+    s.submit("j", [f"n{i}" for i in range(nodes)], ranks_per_node=rpn, dp=nodes * rpn, policies=NO_DYING)
+    s.train("j", 6)
+    s.checkpoint("j", 5, "storage", "storage")
+    for rank in range(nodes * rpn):
+        s.job_event("j", "process.exited", rank=rank, exit_code=1)
+    return s
+
+
+def test_a_burst_of_exits_makes_one_attempt_after_the_settle_window() -> None:
+    s = crash_every_rank()
+    # The first exit starts an attempt at once; the second supersedes it and opens the settle window, in which
+    # the other 62 only join the incident instead of superseding one attempt after another.
+    assert s.kinds("j").count("attempt.started") == 1
+    assert s.kinds("j").count("attempt.superseded") == 1
+    assert s.state("j") == "settling"
+    s.advance(2)
+    started = s.find("attempt.started", "j")
+    assert len(started) == 2 and started[-1].detail["ranks"] == list(range(64))
+    [restart] = s.outstanding("restart_ranks")
+    assert restart.ranks == list(range(64)) and restart.plan.checkpoint_step == 5
+    s.ack_all()
+    s.train("j", 2)
+    [closed] = s.find("incident.closed", "j")
+    assert closed.detail["attempts"] == 2
+
+
+def test_an_operator_order_closes_the_settle_window() -> None:
+    s = crash_every_rank(nodes=2, rpn=2)
+    assert s.state("j") == "settling"
+    s.job_event("j", "operator.force", granularity="restart_job")
+    started = s.find("attempt.started", "j")[-1]
+    assert started.detail["granularity"] == "restart_job"
+    assert any("/settle/" in timer for timer in started.cancelled_timers)
+    s.advance(2)  # the cancelled window does not fire a second attempt
+    assert s.kinds("j").count("attempt.started") == 2

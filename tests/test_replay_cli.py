@@ -38,7 +38,7 @@ def test_verify_exits_1_at_the_first_divergence_and_names_the_policy(tmp_path: P
     log.write_bytes(b"\n".join(tampered) + b"\n")
     result = run_cli("verify", str(log))
     assert result.returncode == 1
-    assert "DIVERGENCE" in result.stdout and "changed policy: recorded ladder@0, replayed ladder@1" in result.stdout
+    assert "DIVERGENCE" in result.stdout and "changed policy: recorded ladder@0, replayed ladder@2" in result.stdout
     as_json = run_cli("verify", str(log), "--json")
     assert as_json.returncode == 1
     assert orjson.loads(as_json.stdout)["divergence"]["recorded"]["policy"] == "ladder@0"

@@ -167,6 +167,8 @@ def power_off_no_replica() -> Scenario:
     s.job_event("noreplica", "process.exited", rank=1, exit_code=None, signal=9)
     s.job_event("noreplica", "process.exited", rank=3, exit_code=None, signal=9)
     s.ack_all()
+    s.idle("noreplica", 3)  # the second exit widened the incident: the next attempt starts after the settle window
+    s.ack_all()
     s.idle("noreplica", 5)
     s.train("noreplica", 2)
     return s

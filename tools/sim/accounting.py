@@ -33,7 +33,7 @@ CAUSES: dict[str, str] = {
 STATE_LABEL = {
     "submitted": "detection", "running": "detection", "suspect": "detection", "saving": "saving",
     "stopping": "stopping", "rescheduling": "rescheduling", "restoring": "blocked", "waiting": "waiting",
-    "paused": "waiting", "completed": "failed", "failed": "failed", "cancelled": "failed",
+    "settling": "detection", "paused": "waiting", "completed": "failed", "failed": "failed", "cancelled": "failed",
 }
 """The label of a stopped job's time, from the engine's state (the world labels training and loading)."""
 
