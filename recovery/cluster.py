@@ -21,6 +21,7 @@ class NodeState:
         "faults",
         "isolated",
         "job",
+        "links_down",
         "name",
         "ready",
         "spare",
@@ -35,17 +36,20 @@ class NodeState:
         self.isolated = False
         self.job: str | None = None
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
+        self.links_down: set[str] | None = None  # made at the node's first link down: most nodes never have one
         self.faults: deque[int] | None = None  # made at the node's first fault: most nodes never have one
         self.device_faults: dict[int, deque[int]] = {}
 
     @property
     def usable(self) -> bool:
-        return self.ready and not self.drained and not self.isolated and not self.bad_devices
+        # A node whose fabric link is down can hold no rank of a collective job: restarting ranks there fails.
+        return (self.ready and not self.drained and not self.isolated and not self.bad_devices
+                and not self.links_down)
 
     def snapshot(self) -> dict[str, object]:
         return {"name": self.name, "devices": self.devices, "spare": self.spare, "ready": self.ready,
                 "drained": self.drained, "isolated": self.isolated, "job": self.job,
-                "bad_devices": sorted(self.bad_devices)}
+                "bad_devices": sorted(self.bad_devices), "links_down": sorted(self.links_down or ())}
 
 
 class ClusterView:

@@ -345,11 +345,19 @@ class Engine:
             node.ready = True
         elif isinstance(data, kinds.NodeDrained):
             node.drained = True
+        elif isinstance(data, kinds.LinkDown):
+            if node.links_down is None:
+                node.links_down = set()
+            node.links_down.add(data.link)
+        elif isinstance(data, kinds.LinkUp):
+            if node.links_down:
+                node.links_down.discard(data.link)
         elif isinstance(data, kinds.NodeJoined):
             node.spare = data.spare and node.job is None
             node.devices = data.devices
             node.ready, node.drained, node.isolated = True, False, False
             node.bad_devices.clear()
+            node.links_down = None
             # A node that (re)joins has been booted: whatever it held in host memory is gone.
             for other in self.jobs.values():
                 other.forget_memory(name)
@@ -362,7 +370,7 @@ class Engine:
                 ranks = tuple(on_node)
             self._signal(out, job, Signal(type_, data, out.ts, name, ranks, device_times, node_times,
                                           job.step_time, job.world))
-        if isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered) and node.usable:
+        if isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered | kinds.LinkUp) and node.usable:
             self._capacity_returned(out)
 
     def _signal(self, out: _Out, job: Job, signal: Signal) -> None:

@@ -83,3 +83,36 @@ def test_an_operator_order_closes_the_settle_window() -> None:
     assert any("/settle/" in timer for timer in started.cancelled_timers)
     s.advance(2)  # the cancelled window does not fire a second attempt
     assert s.kinds("j").count("attempt.started") == 2
+
+
+def test_a_node_whose_link_is_down_is_left_or_waited_for_not_restarted_on() -> None:
+    s = Scenario()
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4, policies=NO_DYING)
+    s.train("j", 6)
+    s.checkpoint("j", 5, "storage", "storage")
+    s.node_event("b", "network.link_down", link="mlx5_0", switch="leaf1")
+    assert not s.engine.cluster.usable("b")
+    s.advance(10)  # the link debounce: a fault now, and no spare to move to
+    assert s.find("fault.confirmed", "j")
+    assert s.state("j") == "waiting" and not s.outstanding()
+    assert "retry" not in [d.detail.get("granularity") for d in s.find("attempt.started", "j")]
+    s.node_event("b", "network.link_up", link="mlx5_0")  # the switch is back: the job recovers where it is
+    [started] = s.find("attempt.started", "j")
+    assert started.detail["granularity"] == "retry"
+    s.ack_all()
+    s.train("j", 2)
+    assert s.state("j") == "running" and s.find("incident.closed", "j")
+
+
+def test_a_node_whose_link_is_down_is_not_a_spare_to_move_to() -> None:
+    s = Scenario()
+    s.spare("s1")
+    s.spare("s2")
+    s.node_event("s1", "network.link_down", link="mlx5_0")
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4, policies=NO_DYING)
+    s.train("j", 3)
+    s.node_event("b", "node.not_ready", reason="kernel panic")
+    s.advance(30)
+    s.ack_all()
+    [migrate] = s.commands_of("migrate_ranks")
+    assert (migrate.from_node, migrate.to_node) == ("b", "s2")
