@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from events.subjects import Token
 from events.values import Frozen, Granularity, JobSpec, Tier
@@ -138,6 +138,13 @@ class CheckpointSaved(Frozen):
     tier: Tier
     shards: list[int] = Field(min_length=1, description="shard indices (pipeline x tensor coordinate)")
     holder: Token
+
+    @field_validator("tier")
+    @classmethod
+    def _saved_tier(cls, tier: Tier) -> Tier:
+        if tier is Tier.PEER:
+            raise ValueError("'peer' names live replicas in a resume plan, not a tier a checkpoint is saved in")
+        return tier
 
 
 class CheckpointFailed(Frozen):

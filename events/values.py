@@ -20,6 +20,7 @@ class Tier(StrEnum):
     """Where a checkpoint shard lives. Declaration order is the cost order: cheapest to load first."""
 
     MEMORY = "memory"  # in host memory of a holder node (MindIO ACP, a healthy replica's state)
+    PEER = "peer"  # a live data-parallel replica's state, sent over the fabric (TorchFT's live recovery)
     LOCAL = "local"  # on the holder node's local disk
     DYING = "dying"  # written at the fault from a healthy replica (MindIO TTP, ModelArts on SIGTERM)
     STORAGE = "storage"  # persistent shared storage

@@ -177,6 +177,10 @@ class CheckpointContext:
     """by rank: last completed step"""
     dying_allowed: bool
     """the attempt may ask healthy replicas to save a dying checkpoint first"""
+    peer_allowed: bool = False
+    """the restarted ranks may take their state straight from live replicas (no attempt of the incident did)"""
+    restarting: frozenset[int] = frozenset()
+    """ranks whose processes the attempt restarts or moves: their state is not there to send"""
 
 
 @dataclass(frozen=True, slots=True)

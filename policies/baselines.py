@@ -174,6 +174,11 @@ class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):
     name: ClassVar[str] = "mindcluster-like-checkpoint"
     version: ClassVar[str] = "1"
 
+    def __init__(self, params: dict[str, Any] | None = None) -> None:
+        # MindIO TTP saves the healthy replica's state and the restarted processes load it: no transfer from
+        # the live replicas themselves.
+        super().__init__({**(params or {}), "peer": False})
+
 
 __all__ = [
     "MindClusterLikeCheckpoint", "MindClusterLikeDetection", "MindClusterLikeRescheduling",

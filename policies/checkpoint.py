@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from events.values import TIER_COST, ResumePlan, ShardSource, Tier
 from policies.base import CheckpointContext, CheckpointPlan, Params, SaveRequest
 
 
 class NewestCompleteParams(Params):
     dying: bool = True
-    """ask healthy data-parallel replicas for a dying checkpoint when every shard still has one"""
+    """use the state of healthy data-parallel replicas when every shard still has one: a dying checkpoint, or
+    (with `peer`) a transfer straight from them"""
+    peer: bool = True
+    """rather than save a dying checkpoint and load it back, the restarted ranks receive their shard from a live
+    replica over the fabric (TorchFT's live recovery, Gemini's peer memory): no save, a load at fabric speed"""
+    peer_holders: int = Field(2, ge=1, le=8)
+    """live replicas named per shard: the executor takes the one on its own node, else the first that answers"""
     tiers: tuple[Tier, ...] = tuple(Tier)
     """tiers this job may resume from"""
 
@@ -18,23 +26,30 @@ class NewestCompleteParams(Params):
 class NewestCompleteCheckpoint:
     """Resume from the newest complete checkpoint, each rank from the cheapest tier that holds its shard.
 
-    Before that, if the attempt allows it and every shard still has a live replica whose step is newer
-    than the newest complete checkpoint, ask those replicas to save a dying checkpoint (MindIO TTP's
-    power-off checkpoint, ModelArts' save on SIGTERM): the job then loses no step at all.
+    Before that, if every shard still has a live replica outside the restart whose step is newer than the
+    newest complete checkpoint, the restarted ranks take their shard straight from such replicas (`peer`); if
+    the incident tried that already, ask those replicas to save a dying checkpoint (MindIO TTP's power-off
+    checkpoint, ModelArts' save on SIGTERM). Either way the job loses no step at all.
     """
 
     family: ClassVar[str] = "checkpoint"
     name: ClassVar[str] = "newest-complete"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"  # 2: state from live peers before a dying checkpoint
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = NewestCompleteParams.model_validate(params or {})
 
     def plan(self, ctx: CheckpointContext) -> CheckpointPlan:
         resume = newest_complete(ctx, self.params.tiers)
+        newest = resume.checkpoint_step if resume.checkpoint_step is not None else -1
+        if self.params.dying and self.params.peer and ctx.peer_allowed and Tier.PEER in self.params.tiers:
+            peers = live_peers(ctx, self.params.peer_holders)
+            if peers is not None and peers.checkpoint_step is not None and peers.checkpoint_step > newest:
+                return CheckpointPlan(peers, None, f"every shard has a live replica at step {peers.checkpoint_step}"
+                                                   f" outside the restart: take it from them (newest complete: "
+                                                   f"{newest})")
         if self.params.dying and ctx.dying_allowed:
             save = dying_savers(ctx)
-            newest = resume.checkpoint_step if resume.checkpoint_step is not None else -1
             if save is not None and save.step > newest:
                 return CheckpointPlan(resume, save, f"every shard has a live replica at step {save.step}: "
                                                     f"save a dying checkpoint (newest complete: {newest})")
@@ -61,6 +76,35 @@ def dying_savers(ctx: CheckpointContext) -> SaveRequest | None:
                 savers.append(rank)
                 break
     return SaveRequest(step, tuple(savers))
+
+
+def live_peers(ctx: CheckpointContext, per_shard: int) -> ResumePlan | None:
+    """The newest step every shard's live replicas outside the restart share, and up to `per_shard` of them
+    (on distinct nodes, lowest rank first) per shard; None when some shard has no such replica."""
+    shards = ctx.layout.shards
+
+    def usable(rank: int) -> bool:
+        return ctx.alive[rank] and rank not in ctx.restarting and ctx.placement[rank] not in ctx.unreachable
+
+    best: list[int] = [-1] * shards
+    for rank, step in enumerate(ctx.steps):
+        if usable(rank):
+            shard = rank % shards
+            best[shard] = max(best[shard], step)
+    step = min(best)
+    if step < 0:
+        return None
+    sources: list[ShardSource] = []
+    for shard in range(shards):
+        holders: list[str] = []
+        for rank in range(shard, len(ctx.alive), shards):
+            node = ctx.placement[rank]
+            if usable(rank) and ctx.steps[rank] >= step and node not in holders:
+                holders.append(node)
+                if len(holders) == per_shard:
+                    break
+        sources.append(ShardSource(shard=shard, tier=Tier.PEER, holders=sorted(holders)))
+    return ResumePlan(checkpoint_step=step, next_step=step + 1, shards=sources)
 
 
 def newest_complete(ctx: CheckpointContext, tiers: tuple[Tier, ...]) -> ResumePlan:

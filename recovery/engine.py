@@ -35,7 +35,7 @@ from events.envelope import EnvelopeBase, RawRecord, Record
 from events.kinds import JOB_EVENTS, NODE_EVENTS
 from events.outputs import Decision, Rejection, TimerRequest
 from events.subjects import is_output, job_event, node_event
-from events.values import FaultClass, Granularity, Layout, ResumePlan
+from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
 from policies.base import (
     NS,
     CheckpointContext,
@@ -591,9 +591,12 @@ class Engine:
                                                                               for r in range(job.world)),
             unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)),
             alive=alive, steps=tuple(job.steps), dying_allowed=not incident.dying_tried,
+            peer_allowed=not incident.peer_tried, restarting=frozenset(attempt.ranks),
         )
         plan = job.policies.checkpoint.plan(ctx)
         policy = job.policies.labels["checkpoint"]
+        if plan.save is None and any(source.tier is Tier.PEER for source in plan.resume.shards):
+            incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
         if plan.save is not None:
             incident.dying_tried = True
             attempt.save = plan.save
@@ -626,9 +629,11 @@ class Engine:
             return
         attempt.phase = "stopping"
         incident.enter("stopping", out.ts)
-        # Hung or faulty processes are killed; healthy ones get SIGTERM and a grace period to exit cleanly.
+        # Hung or faulty processes are killed, and so are healthy ones on a node being vacated: the plan takes their
+        # state from elsewhere, so a grace period buys nothing. The rest of a job stopped whole gets SIGTERM and a
+        # grace period to exit cleanly.
         faulty = {r for f in incident.faults for r in f["ranks"]}
-        kill = attempt.granularity is G.IN_PLACE or all(r in faulty for r in stopping)
+        kill = attempt.granularity in (G.IN_PLACE, G.MIGRATE) or all(r in faulty for r in stopping)
         mode: Literal["graceful", "kill"] = "kill" if kill else "graceful"
         command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
                             ranks=stopping, mode=mode, grace_s=30.0)

@@ -56,6 +56,7 @@ class Incident:
     attempts: list[Attempt] = field(default_factory=list)
     phases: list[list[Any]] = field(default_factory=list)  # [name, start, end or None]
     dying_tried: bool = False
+    peer_tried: bool = False
     widened: bool = False  # a fault outside the attempt under way superseded it; no attempt since
     settle_timer: str | None = None  # armed while faults of a widening incident are collected
     closed: int | None = None

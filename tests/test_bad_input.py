@@ -133,6 +133,13 @@ def test_schema_violation_is_rejected(scenario: Scenario, data: dict[str, Any], 
     assert (rejection.event_id, rejection.job) == ("sv-1", JOB)
 
 
+def test_a_checkpoint_saved_in_the_peer_tier_is_a_schema_violation(scenario: Scenario) -> None:
+    payload = raw(id="sv-peer", type="checkpoint.saved", job=JOB,
+                  data={"step": 3, "tier": "peer", "shards": [0], "holder": "a0"})
+    expect_rejected(scenario, subjects.job_event(JOB, "checkpoint.saved"), payload, "schema_violation",
+                    "'peer' names live replicas in a resume plan, not a tier a checkpoint is saved in")
+
+
 def test_unsupported_schema_version_is_a_schema_violation(scenario: Scenario) -> None:
     payload = raw(id="sv-2", type="progress.step", job=JOB, schema=7, data={"rank": 0, "step": 9})
     expect_rejected(scenario, subjects.job_event(JOB, "progress.step"), payload, "schema_violation",

@@ -115,9 +115,22 @@ def test_power_off_checkpoint_from_a_healthy_replica_resumes_at_next_step(name: 
     assert closed(result).detail["lost_steps"] == 0
 
 
+def test_peer_recovery_takes_the_state_from_live_replicas_without_saving() -> None:
+    result = load("peer_recovery")
+    assert not commands(result, "save_checkpoint")
+    [restart] = commands(result, "restart_ranks")
+    assert restart.ranks == [2]
+    assert restart.plan.checkpoint_step == 17 and restart.plan.next_step == 18
+    [shard] = restart.plan.shards
+    assert shard.tier is Tier.PEER and "peer-n2" not in shard.holders and len(shard.holders) == 2
+    assert closed(result).detail["lost_steps"] == 0
+
+
 def test_power_off_without_a_replica_of_some_shard_uses_newest_complete() -> None:
     result = load("power_off_no_replica")
-    [restart] = commands(result, "restart_ranks")
+    # rank 1 first restarts with its state from rank 3, which dies too: the widened incident restarts both
+    first, restart = commands(result, "restart_ranks")
+    assert first.ranks == [1] and {s.tier for s in first.plan.shards} == {Tier.PEER}
     assert restart.ranks == [1, 3]
     assert restart.plan.checkpoint_step == 10
     assert {s.tier for s in restart.plan.shards} == {Tier.STORAGE}

@@ -41,7 +41,7 @@ T = TypeVar("T")
 Op = tuple[Any, ...]
 
 XIDS: list[str] = [str(x) for x in sorted(NVIDIA_XID)] + ["9999"]  # plus one unknown XID
-TIERS: list[Tier] = list(Tier)
+TIERS: list[Tier] = [tier for tier in Tier if tier is not Tier.PEER]  # peer is no saved tier (a bad input)
 EXIT_CODES: list[int | None] = [0, 1, 2, 126, 127, 134, 137, 139, 143, -9, -15, None]
 SIGNALS: list[int | None] = [None, None, 2, 6, 9, 11, 15]
 ADVANCE_S: list[float] = [0.5, 3.0, 3.0, 11.0, 11.0, 25.0, 61.0, 130.0, 310.0, 1000.0]  # past watchdog, debounce,
@@ -450,18 +450,33 @@ class Driver:
 
     def check_plans(self, decision: Decision) -> None:
         """A resume point is a step whose every shard was reported saved, and each rank's source holds its
-        shard in the tier it names."""
+        shard in the tier it names; or, for state taken from live replicas, a step no older than the newest
+        complete checkpoint, sent from nodes of the job that the restart does not touch."""
         steps: list[int | None] = []
-        if decision.kind == "checkpoint.plan":
+        peer_steps: list[int] = []
+        if decision.kind == "checkpoint.plan" and decision.detail["tiers"].get(Tier.PEER.value) is None:
             steps.append(decision.detail["checkpoint_step"])
+        job = self.scenario.engine.jobs[decision.job]
         for command in decision.commands:
             plan: ResumePlan | None = getattr(command, "plan", None)
             if plan is None:
                 continue
+            if plan.checkpoint_step is not None:
+                assert [s.shard for s in plan.shards] == list(range(job.layout.shards))
+            peers = [source for source in plan.shards if source.tier is Tier.PEER]
+            if peers:
+                assert plan.checkpoint_step is not None and len(peers) == len(plan.shards), plan
+                peer_steps.append(plan.checkpoint_step)
+                restarted = set(getattr(command, "ranks", range(job.world)))
+                for source in peers:
+                    for holder in source.holders:
+                        assert holder != getattr(command, "from_node", None), f"{source}: its node is vacated"
+                        senders = [r for r in job.ranks_on(holder) if r % job.layout.shards == source.shard
+                                   and r not in restarted]
+                        assert senders, f"{source}: no rank of shard {source.shard} on {holder} outside the restart"
+                continue
             steps.append(plan.checkpoint_step)
             if plan.checkpoint_step is not None:
-                layout = self.scenario.engine.jobs[decision.job].layout
-                assert [s.shard for s in plan.shards] == list(range(layout.shards))
                 for source in plan.shards:
                     key = (decision.job, plan.checkpoint_step, source.tier, source.shard)
                     for holder in source.holders:
@@ -476,6 +491,8 @@ class Driver:
                 continue
             assert step in complete, (f"{decision.kind} resumes {decision.job} from step {step}, but only "
                                       f"{sorted(complete)} were saved complete (newest {newest})")
+        for step in peer_steps:
+            assert newest is None or step >= newest, f"live replicas' step {step} is older than the newest {newest}"
 
 
 def command_ranks(command: CommandBase, world: int) -> frozenset[int]:

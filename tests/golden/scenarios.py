@@ -24,6 +24,7 @@ def scenario(func: Callable[[], Scenario]) -> Callable[[], Scenario]:
 
 
 NO_DYING = {"checkpoint": {"name": "newest-complete", "params": {"dying": False}}}
+NO_PEER = {"checkpoint": {"name": "newest-complete", "params": {"peer": False}}}
 
 
 def heartbeats(s: Scenario, job: str, ranks: list[int], step: int | None = None) -> None:
@@ -128,10 +129,10 @@ def recover_in_place_fallback() -> Scenario:
     return s
 
 
-def _ttp(job: str, victim: int) -> Scenario:
+def _ttp(job: str, victim: int, peer: bool = False) -> Scenario:
     s = Scenario()
     nodes = [f"{job}-n{i}" for i in range(4)]
-    s.submit(job, nodes, ranks_per_node=1, dp=4)
+    s.submit(job, nodes, ranks_per_node=1, dp=4, **({} if peer else {"policies": NO_PEER}))
     s.train(job, 10)
     s.checkpoint(job, 10, "storage", "storage")
     s.train(job, 7)
@@ -147,6 +148,13 @@ def power_off_checkpoint() -> Scenario:
     """MindIO TTP: 4-way data parallel, rank 2 is killed, a healthy replica saves a dying checkpoint at the
     current step and the job resumes at the next step: nothing is lost."""
     return _ttp("ttp", 2)
+
+
+@scenario
+def peer_recovery() -> Scenario:
+    """TorchFT-style live recovery, the default: rank 2 is killed and its replacement takes the state of step 17
+    straight from a live replica; nothing is saved, nothing is lost."""
+    return _ttp("peer", 2, peer=True)
 
 
 @scenario

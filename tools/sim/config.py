@@ -97,7 +97,9 @@ class Costs:
     storage_rank_Bps: float = 3.1e9
     storage_read_Bps: float = 2e12
     storage_write_Bps: float = 2e12
+    peer_rank_Bps: float = 25e9
     memory_latency_s: float = 2.0
+    peer_latency_s: float = 2.0
     local_latency_s: float = 2.0
     storage_latency_s: float = 5.0
     memory_save_stall_s: float = 0.2
@@ -119,6 +121,8 @@ class Costs:
             return 0.0
         if tier is Tier.MEMORY:
             return self.memory_latency_s + shard_bytes / self.memory_rank_Bps
+        if tier is Tier.PEER:  # each restarted rank reads from its own replica: no shared bottleneck
+            return self.peer_latency_s + shard_bytes / self.peer_rank_Bps
         if tier is Tier.LOCAL:
             return self.local_latency_s + shard_bytes / self.local_rank_Bps
         return self.storage_latency_s + max(shard_bytes / self.storage_rank_Bps,

@@ -619,11 +619,13 @@ class World:
             return f"ranks {missing[:8]}{more} are not running and cannot roll back"
         return ""
 
-    def _plan_missing(self, plan: ResumePlan) -> str:
+    def _plan_missing(self, plan: ResumePlan, restarting: set[int]) -> str:
         """An in-memory snapshot the plan relies on that no host holds any more. Hosts keep their latest snapshot
         only and lose it when they power-cycle; a rank whose named holder lost it reads the same shard of the same
         step from another replica's host if one has it (as Gemini recovers from a peer's memory)."""
         step = plan.checkpoint_step
+        if step is not None and any(s.tier is Tier.PEER for s in plan.shards):
+            return self._peers_missing(plan, step, restarting)
         memory = [s for s in plan.shards if s.tier is Tier.MEMORY]
         if step is None or not memory:
             return ""
@@ -634,6 +636,27 @@ class World:
                 return f"no host holds shard {source.shard} of step {step} in memory any more"
             if not any(self.mem_step.get(h) == step and not self.hw[h].down for h in source.holders):
                 self._count("memory_read_from_peer")
+        return ""
+
+    def _restarting(self, command: Any) -> set[int]:
+        """The command's ranks and those other restarts of its attempt brought back already."""
+        earlier = self.restarted if command.attempt == self.generation else set()
+        return set(self._command_ranks(command)) | earlier
+
+    def _peers_missing(self, plan: ResumePlan, step: int, restarting: set[int]) -> str:
+        """A live replica to send each shard: its process running and not restarted itself, on a healthy node, at
+        the plan's step (the job halted there: a peer cannot send a step it is not at)."""
+        if step != self.halted_step:
+            return f"the live replicas are at step {self.halted_step}, not {step}"
+        gone = self.dead | self.hung | restarting
+        for source in plan.shards:
+            if source.tier is not Tier.PEER:
+                continue
+            if not any(r not in gone and self.hw[self.node_of(r)].healthy
+                       for r in range(source.shard, self.world_size, self.shards)
+                       if self.node_of(r) in source.holders):
+                return f"no live replica of shard {source.shard} on {source.holders} to send it"
+        self._count("state_from_peers")
         return ""
 
     def _restarted(self, command: Any, ranks: list[int]) -> None:
@@ -677,7 +700,7 @@ class World:
     def _do_restart_ranks(self, command: Any) -> str:
         nodes = sorted({self.node_of(r) for r in command.ranks})
         why = (self._unhealthy(nodes) or self._others_blocked(set(command.ranks), command.attempt)
-               or self._plan_missing(command.plan))
+               or self._plan_missing(command.plan, self._restarting(command)))
         if why:
             return why
         self._restarted(command, list(command.ranks))
@@ -687,7 +710,7 @@ class World:
         if command.from_node not in self.placement:
             return f"{command.from_node} is not in the job"
         why = (self._unhealthy([command.to_node]) or self._others_blocked(set(command.ranks), command.attempt)
-               or self._plan_missing(command.plan))
+               or self._plan_missing(command.plan, self._restarting(command)))
         if why:
             return why
         self._place([command.to_node if n == command.from_node else n for n in self.placement])
@@ -695,7 +718,7 @@ class World:
         return ""
 
     def _do_restart_job(self, command: Any) -> str:
-        why = self._unhealthy(list(command.nodes)) or self._plan_missing(command.plan)
+        why = self._unhealthy(list(command.nodes)) or self._plan_missing(command.plan, self._restarting(command))
         if why:
             return why
         self._place(list(command.nodes))
@@ -717,7 +740,7 @@ class World:
                 self.later(int(self.cfg.durations.node_return_s * NS), partial(self._repaired, name))
 
     def _do_scale_job(self, command: Any) -> str:
-        why = self._unhealthy(list(command.nodes)) or self._plan_missing(command.plan)
+        why = self._unhealthy(list(command.nodes)) or self._plan_missing(command.plan, self._restarting(command))
         if why:
             return why
         self._place(list(command.nodes))
