@@ -161,14 +161,19 @@ def test_productive_plus_lost_is_wall_time(profile: str) -> None:
     assert as_json["ettr"] == pytest.approx(result.ettr, abs=1e-6)
 
 
-def test_a_run_without_faults_loses_only_checkpoint_stalls() -> None:
-    _sim, r, _ = run(config(days=0.5), [])
+@pytest.mark.parametrize(("profile", "memory_stall_s"), [("default", 0.0), ("default-memory", 0.2)])
+def test_a_run_without_faults_loses_only_checkpoint_stalls(profile: str, memory_stall_s: float) -> None:
+    _sim, r, _ = run(config(profile, days=0.5), [])
     lost = {k: v for k, v in r.lost_s.items() if v}
     assert set(lost) == {"checkpoint"}
-    # a 0.2 s memory snapshot every 5 steps of 6 s, and 1.8 s per persistent save every 600 s of training
+    # a 0.2 s memory snapshot every 5 steps of 6 s (if the job writes them), and 1.8 s per persistent save every
+    # 600 s of training
+    per_step = memory_stall_s / TRAINING.memory_every_steps
+    step_s = TRAINING.step_time_s + per_step
     steps = r.steps
-    assert steps == pytest.approx(0.5 * 86_400 / 6.04, rel=0.01)
-    assert lost["checkpoint"] == pytest.approx(steps * 0.04 + 1.8 * (0.5 * 86_400 // 601.8), rel=0.02)
+    assert steps == pytest.approx(0.5 * 86_400 / step_s, rel=0.01)
+    assert lost["checkpoint"] == pytest.approx(steps * per_step + 1.8 * (0.5 * 86_400 // (600 + step_s)),
+                                               rel=0.02)
 
 
 @pytest.mark.parametrize("profile", ["default", "mindcluster-like"])

@@ -656,7 +656,7 @@ def _resolve(args: argparse.Namespace) -> None:
 
 
 # -- policies: ETTR and lost GPU-hours of our policies and the baselines (the simulator, tools/sim) -----------
-POLICY_PROFILES = ("default", "default-tuned", "torchelastic-like", "mindcluster-like")
+POLICY_PROFILES = ("default", "default-memory", "torchelastic-like", "mindcluster-like")
 
 
 def _policies_args(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from tools.sim.config import PROFILES, Cluster, SimConfig
 from tools.sim.sim import simulate
 
 BASELINE = "torchelastic-like"
-OURS = ("default", "default-tuned")
+OURS = ("default", "default-memory")
 
 
 @dataclass(frozen=True)

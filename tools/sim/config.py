@@ -177,28 +177,9 @@ class Profile:
         return self.selection.model_dump()
 
 
-JOB_LEVEL_TRIES = 3
-"""job-level restarts per incident before giving up: Volcano's default `maxRetry` for a job"""
-
-
-def tuned_ladders(tries: int = JOB_LEVEL_TRIES) -> dict[str, Any]:
-    """The built-in ladders configured for a long run: no lifetime budgets (escalation per incident unchanged),
-    and the last rung, a job-level restart, tried `tries` times per incident instead of once."""
-    from policies.rescheduling import DEFAULT_LADDERS
-
-    ladders: dict[str, Any] = {}
-    for fault_class, ladder in DEFAULT_LADDERS.items():
-        rungs = [{**rung.model_dump(mode="json"), "budget": None} for rung in ladder]
-        if rungs and rungs[-1]["granularity"] == "restart_job":
-            rungs += [dict(rungs[-1]) for _ in range(tries - 1)]
-        ladders[fault_class.value] = rungs
-    return {"ladders": ladders}
-
-
 PROFILES: dict[str, Profile] = {
-    "default": Profile("default", PolicySelection()),
-    "default-tuned": Profile("default-tuned", PolicySelection(
-        rescheduling=PolicyRef(name="ladder", params=tuned_ladders()))),
+    "default": Profile("default", PolicySelection(), memory_tier=False),
+    "default-memory": Profile("default-memory", PolicySelection()),
     "torchelastic-like": Profile("torchelastic-like", PolicySelection(
         detection=PolicyRef(name="torchelastic-like-detection"),
         rescheduling=PolicyRef(name="torchelastic-like-rescheduling"),
@@ -208,10 +189,11 @@ PROFILES: dict[str, Profile] = {
         rescheduling=PolicyRef(name="mindcluster-like-rescheduling"),
         checkpoint=PolicyRef(name="mindcluster-like-checkpoint"))),
 }
-"""Profiles by name. `default` is the built-in selection as shipped; `default-tuned` the same policies with the
-ladders configured for a long run (`tuned_ladders`: a 54-day job at 16,384 GPUs uses up the shipped lifetime
-budget of 3 job-level restarts in days, and one failed job-level restart ends the shipped ladders). A
-torchelastic-like job has no in-memory checkpoints: it resumes from storage."""
+"""Profiles by name. `default` is the built-in selection as shipped, on a job that writes persistent checkpoints
+only: restarted ranks take their state from live replicas (or a dying checkpoint), so in-memory snapshots would
+pay off only for job-level restarts, and on the Llama 3 mix their stalls cost more than they save (see
+tools/sim/README.md, "Findings"). `default-memory` is the same with in-memory snapshots (MindIO ACP, Gemini), as
+`mindcluster-like` has. A torchelastic-like job has no in-memory checkpoints: it resumes from storage."""
 
 
 def profile(name_or_profile: str | Profile) -> Profile:
