@@ -435,9 +435,10 @@ class Engine:
                 if plan and incident.settle_timer is None:  # a settle window decides when it closes
                     self._plan(out, job)
                 return
-            if attempt.phase in ("rescheduling", "restoring") and (
+            if attempt.phase in ("rescheduling", "restoring") and verdict.fault_class in _PROCESS_FAULTS and (
                     attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
-                # The restarted (or retried) processes themselves failed: this attempt did not work.
+                # The restarted (or retried) processes themselves crashed or hung: this attempt did not work. New
+                # hardware under them (a device, a node, a link) is a new fault instead: it widens the incident.
                 self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
                 why = f"attempt {attempt.number} ({attempt.granularity.value}) failed: {verdict.reason}"
                 self._end_attempt(out, job, attempt, "failed", why, plan=plan)
@@ -467,10 +468,9 @@ class Engine:
         """Is this fault already handled by the attempt under way (its ranks restart or stop anyway)?"""
         if attempt.granularity is G.RETRY:
             return not verdict.lost and not verdict.needs_move
-        if attempt.granularity is G.IN_PLACE and verdict.needs_move:
-            return False
-        if attempt.granularity is G.MIGRATE and verdict.needs_move and verdict.node not in attempt.vacate:
-            return False
+        if verdict.node is not None and verdict.node not in attempt.vacate and (
+                verdict.needs_move or not self.cluster.usable(verdict.node)):
+            return False  # the attempt restarts ranks on a node that can take none now: leave it, or wait for it
         if attempt.covered is None:  # built once: a burst of exits during a 16k-rank restart asks per exit
             attempt.covered = frozenset(attempt.ranks) | frozenset(attempt.stopping)
         covered = attempt.covered
@@ -1074,6 +1074,7 @@ class Engine:
 
 
 _DEST = {t["trigger"]: t["dest"] for t in TRANSITIONS}
+_PROCESS_FAULTS = (FaultClass.PROCESS, FaultClass.HANG, None)
 
 
 def _hungry(job: Job) -> bool:

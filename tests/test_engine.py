@@ -116,3 +116,38 @@ def test_a_node_whose_link_is_down_is_not_a_spare_to_move_to() -> None:
     s.ack_all()
     [migrate] = s.commands_of("migrate_ranks")
     assert (migrate.from_node, migrate.to_node) == ("b", "s2")
+
+
+def test_new_hardware_under_a_job_level_restart_widens_the_incident_instead_of_failing_it() -> None:
+    job_level = {"rescheduling": {"name": "ladder", "params": {"ladders": {"process": [
+        {"granularity": "restart_job", "budget": 1, "deadline_s": 900}]}}}, **NO_DYING}
+    s = Scenario()
+    s.spare("s1")
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4, policies=job_level)
+    s.train("j", 6)
+    s.checkpoint("j", 5, "storage", "storage")
+    s.job_event("j", "process.exited", rank=0, exit_code=1)
+    while not s.outstanding("restart_job"):  # the stop is done; the job-level restart is under way
+        [command] = s.outstanding()
+        s.complete(command)
+    # a GPU falls off the bus on b while the job restarts: not this restart's failure (its one try is left)
+    s.node_event("b", "device.fault", device=1, vendor="nvidia", code="79", severity="critical")
+    assert "attempt.failed" not in s.kinds("j") and "job.failed" not in s.kinds("j")
+    assert s.kinds("j")[-2:] == ["attempt.superseded", "attempt.settling"]
+    s.advance(2)
+    s.ack_all()
+    restarts = s.commands_of("restart_job")
+    assert len(restarts) == 2 and "b" not in restarts[-1].nodes and "s1" in restarts[-1].nodes
+    s.train("j", 2)
+    assert s.state("j") == "running"
+
+
+def test_a_crash_of_the_restarted_processes_still_fails_the_attempt() -> None:
+    s = Scenario()
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4, policies=NO_DYING)
+    s.train("j", 6)
+    s.checkpoint("j", 5, "storage", "storage")
+    s.job_event("j", "process.exited", rank=1, exit_code=139)
+    s.ack_all()
+    s.job_event("j", "process.exited", rank=1, exit_code=139, attempt=1)  # the restarted process crashes again
+    assert "attempt.failed" in s.kinds("j")
