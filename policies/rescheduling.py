@@ -24,20 +24,24 @@ class Rung(Params):
     granularity: Granularity
     budget: int | None = Field(None, ge=0, description="attempts within one incident; None: unlimited")
     deadline_s: float = Field(300.0, gt=0)
+    tries: int = Field(1, ge=1, description="failed attempts in a row at this rung before the next rung")
 
 
-def _ladder(*rungs: tuple[Granularity, int | None, float]) -> list[Rung]:
-    return [Rung(granularity=g, budget=b, deadline_s=d) for g, b, d in rungs]
+def _ladder(*rungs: tuple[Granularity, int | None, float] | tuple[Granularity, int | None, float, int]
+            ) -> list[Rung]:
+    return [Rung(granularity=r[0], budget=r[1], deadline_s=r[2], tries=r[3] if len(r) > 3 else 1) for r in rungs]
 
 
+# A pod-level move gets a second try: one executor error there must not cost a job-level restart, which takes
+# minutes at scale and reloads the whole job.
 DEFAULT_LADDERS: dict[FaultClass, list[Rung]] = {
-    FaultClass.NETWORK: _ladder((G.RETRY, 3, 60), (G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300),
+    FaultClass.NETWORK: _ladder((G.RETRY, 3, 60), (G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300, 2),
                                 (G.RESTART_JOB, 3, 900)),
-    FaultClass.PROCESS: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300), (G.RESTART_JOB, 3, 900)),
-    FaultClass.HANG: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300), (G.RESTART_JOB, 3, 900)),
-    FaultClass.DEVICE: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300), (G.RESTART_JOB, 3, 900)),
-    FaultClass.NODE: _ladder((G.MIGRATE, None, 300), (G.RESTART_JOB, 3, 900)),
-    FaultClass.PREEMPTION: _ladder((G.MIGRATE, None, 300), (G.RESTART_JOB, None, 900)),
+    FaultClass.PROCESS: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300, 2), (G.RESTART_JOB, 3, 900)),
+    FaultClass.HANG: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300, 2), (G.RESTART_JOB, 3, 900)),
+    FaultClass.DEVICE: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300, 2), (G.RESTART_JOB, 3, 900)),
+    FaultClass.NODE: _ladder((G.MIGRATE, None, 300, 2), (G.RESTART_JOB, 3, 900)),
+    FaultClass.PREEMPTION: _ladder((G.MIGRATE, None, 300, 2), (G.RESTART_JOB, None, 900)),
 }
 
 
@@ -56,7 +60,7 @@ class LadderParams(Params):
 class LadderRescheduling:
     family: ClassVar[str] = "rescheduling"
     name: ClassVar[str] = "ladder"
-    version: ClassVar[str] = "2"  # 2: a settle window after a superseded attempt
+    version: ClassVar[str] = "3"  # 2: a settle window after a superseded attempt; 3: tries per rung
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = LadderParams.model_validate(params or {})
@@ -77,8 +81,10 @@ class LadderRescheduling:
         start = 0
         if ctx.previous:
             last = ctx.previous[-1]
-            # A superseded attempt did not fail: the widened incident starts again at the same rung.
-            start = last.rung if last.outcome == "superseded" else last.rung + 1
+            # A superseded attempt did not fail: the widened incident starts again at the same rung. A failed one
+            # moves up once its rung has had its tries in a row.
+            start = last.rung if last.outcome == "superseded" or _failed_in_a_row(ctx) < ladder[
+                min(last.rung, len(ladder) - 1)].tries else last.rung + 1
         exhausted: list[str] = []
         order = list(range(start, len(ladder)))
         if ctx.previous and ctx.previous[-1].outcome != "superseded" and start == len(ladder):
@@ -115,3 +121,15 @@ class LadderRescheduling:
         if exhausted:
             return Action(G.FAIL, "restart budget exhausted: " + "; ".join(exhausted), budget=exhausted[0])
         return Action(G.FAIL, f"no rung of the {ctx.fault_class.value} ladder can recover this fault")
+
+
+def _failed_in_a_row(ctx: RescheduleContext) -> int:
+    """Failed or timed-out attempts at the last attempt's rung, counted back to the first other rung or superseded
+    attempt."""
+    rung = ctx.previous[-1].rung
+    count = 0
+    for summary in reversed(ctx.previous):
+        if summary.rung != rung or summary.outcome == "superseded":
+            break
+        count += 1
+    return count

@@ -15,7 +15,7 @@ def test_builtins_come_from_the_entry_point_group() -> None:
     found = registry.available()
     assert {"default", "ladder", "newest-complete"} <= set(found)
     labels = registry.load_set(PolicySelection()).labels
-    assert labels == {"detection": "default@1", "rescheduling": "ladder@2", "checkpoint": "newest-complete@2"}
+    assert labels == {"detection": "default@1", "rescheduling": "ladder@3", "checkpoint": "newest-complete@2"}
 
 
 def test_unknown_policy_and_bad_parameters_are_clear_errors() -> None:
@@ -33,6 +33,19 @@ def ctx(**kw: object) -> RescheduleContext:
                                    nodes_to_migrate=1, spares_available=1, dp=4, scale_in_dp=None)
     base.update(kw)
     return RescheduleContext(**base)  # type: ignore[arg-type]
+
+
+def test_a_rung_with_two_tries_is_tried_again_before_the_next_one() -> None:
+    ladder = LadderRescheduling()  # the shipped device ladder: in_place, migrate (2 tries), restart_job
+    G = Granularity
+    moved = AttemptSummary(G.MIGRATE, "failed", 1)
+    device = {"fault_class": FaultClass.DEVICE, "needs_move": True, "nodes_to_replace": 1}
+    assert ladder.decide(ctx(**device)).granularity is G.MIGRATE
+    assert ladder.decide(ctx(previous=(moved,), **device)).granularity is G.MIGRATE
+    assert ladder.decide(ctx(previous=(moved, moved), **device)).granularity is G.RESTART_JOB
+    # a superseded attempt in between starts the count again
+    widened = (moved, AttemptSummary(G.MIGRATE, "superseded", 1), moved)
+    assert ladder.decide(ctx(previous=widened, **device)).granularity is G.MIGRATE
 
 
 def test_ladder_escalates_one_rung_per_failed_attempt() -> None:

@@ -18,8 +18,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_verify_passes_on_a_recorded_log(capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main(["verify", str(path("pod_level_reschedule"))]) == 0
-    assert capsys.readouterr().out.startswith("ok: 12 decisions")
+    log = path("pod_level_reschedule")
+    recorded = sum(1 for line in log.read_bytes().splitlines()
+                   if (orjson.loads(line).get("envelope") or {}).get("type") == "decision")
+    assert recorded > 5
+    assert main(["verify", str(log)]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {recorded} decisions")
 
 
 def test_verify_exits_1_at_the_first_divergence_and_names_the_policy(tmp_path: Path) -> None:
@@ -38,7 +42,7 @@ def test_verify_exits_1_at_the_first_divergence_and_names_the_policy(tmp_path: P
     log.write_bytes(b"\n".join(tampered) + b"\n")
     result = run_cli("verify", str(log))
     assert result.returncode == 1
-    assert "DIVERGENCE" in result.stdout and "changed policy: recorded ladder@0, replayed ladder@2" in result.stdout
+    assert "DIVERGENCE" in result.stdout and "changed policy: recorded ladder@0, replayed ladder@3" in result.stdout
     as_json = run_cli("verify", str(log), "--json")
     assert as_json.returncode == 1
     assert orjson.loads(as_json.stdout)["divergence"]["recorded"]["policy"] == "ladder@0"
