@@ -55,6 +55,10 @@ Effect = Decision | Rejection
 G = Granularity
 _PROGRESS = ("process.heartbeat", "progress.step")
 NODE_DEDUPE_WINDOW = 65_536
+FINISHED_JOBS_KEPT = 256
+"""completed, failed and cancelled jobs kept for `recovery-ctl` and late events; older ones are forgotten (the log
+keeps everything), so that a daemon running for months does not grow with every job it ever saw. A constant, not
+a setting: a replay must forget exactly what the daemon forgot."""
 _RESTARTS = (G.IN_PLACE, G.MIGRATE, G.RESTART_JOB, G.SCALE_IN, G.SCALE_OUT)
 
 
@@ -102,6 +106,8 @@ class Engine:
         self._node_seen: OrderedDict[str, None] = OrderedDict()
         self._order: dict[str, int] = {}  # job id -> submission index: the order of self.jobs
         self._hungry: dict[str, None] = {}  # every job that _hungry() holds for, and maybe some it no longer does
+        self._finished: dict[str, None] = {}  # jobs in a final state, in the order they got there
+        self._submissions = 0  # jobs ever accepted: the next one's place in _order (forgotten jobs leave gaps)
 
     # -- entry point ----------------------------------------------------------------------------------
     def apply(self, record: Record | RawRecord) -> list[Effect]:
@@ -127,7 +133,19 @@ class Engine:
             return [self._rejection(record, "internal_error",
                                     f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})",
                                     envelope.id, envelope.job, envelope.node)]
+        if len(self._finished) > FINISHED_JOBS_KEPT:
+            self._forget_finished()  # after the record, never while its handlers walk the jobs
         return out.effects
+
+    def _forget_finished(self) -> None:
+        while len(self._finished) > FINISHED_JOBS_KEPT:
+            job_id = next(iter(self._finished))
+            del self._finished[job_id]
+            job = self.jobs.pop(job_id)
+            self._order.pop(job_id, None)
+            self._hungry.pop(job_id, None)
+            for timer_id in self._job_timers(job):  # none are left by a final state; this keeps it so
+                del self.timers[timer_id]
 
     @staticmethod
     def _rejection(record: Record | RawRecord, code: str, reason: str, event_id: str | None,
@@ -192,6 +210,8 @@ class Engine:
         ))
         if _hungry(job):  # every change of state goes through here
             self._hungry[job.id] = None
+        if job.state in FINAL and previous not in FINAL:
+            self._finished[job.id] = None
 
     def _timer(self, out: _Out, job: Job, purpose: str, after_ns: int, every: int | None = None) -> TimerRequest:
         timer_id = f"{job.id}/{purpose}/{out.seq}"
@@ -224,7 +244,8 @@ class Engine:
                 raise _Reject("placement_conflict", f"node {name} is isolated")
         job = Job(job_id, spec, policies)
         self.jobs[job_id] = job
-        self._order[job_id] = len(self._order)
+        self._order[job_id] = self._submissions
+        self._submissions += 1
         for name in spec.nodes:
             self.cluster.assign(name, job_id)
         self._decide(out, job, "job.accepted", f"{spec.layout.world} ranks on {len(spec.nodes)} nodes",
@@ -1116,7 +1137,7 @@ def _tier_counts(plan: ResumePlan) -> dict[str, int]:
 __all__ = ["Effect", "Engine", "label"]
 
 
-SNAPSHOT_FORMAT = 2  # 2: Engine._order and Engine._hungry
+SNAPSHOT_FORMAT = 3  # 2: Engine._order and Engine._hungry; 3: Engine._finished and _submissions
 
 
 def dump_snapshot(engine: Engine) -> bytes:

@@ -151,3 +151,23 @@ def test_a_crash_of_the_restarted_processes_still_fails_the_attempt() -> None:
     s.ack_all()
     s.job_event("j", "process.exited", rank=1, exit_code=139, attempt=1)  # the restarted process crashes again
     assert "attempt.failed" in s.kinds("j")
+
+
+def test_finished_jobs_beyond_the_kept_number_are_forgotten_oldest_first() -> None:
+    from recovery.engine import FINISHED_JOBS_KEPT
+
+    s = Scenario()
+    total = FINISHED_JOBS_KEPT + 3
+    for i in range(total):
+        s.submit(f"j{i}", [f"n{i}"], ranks_per_node=1, dp=1)
+        s.job_event(f"j{i}", "job.completed")
+    s.submit("live", ["m0"], ranks_per_node=1, dp=1)
+    jobs = s.engine.jobs
+    assert [f"j{i}" for i in range(3)] == [j for j in (f"j{i}" for i in range(total)) if j not in jobs]
+    assert len(jobs) == FINISHED_JOBS_KEPT + 1 and jobs["live"].state == "running"
+    # a late event for a forgotten job is an unknown job; its id may be submitted afresh
+    s.job_event("j0", "command.ack", command_id="j0:1:0", status="done")
+    assert s.rejections[-1].code == "unknown_job"
+    s.submit("j0", ["n0"], ranks_per_node=1, dp=1)
+    assert jobs["j0"].state == "running"
+    assert s.engine._order["j0"] > s.engine._order["live"]  # submission order survives the gaps
