@@ -49,10 +49,11 @@ class Verdict:
     """What a signal means for the job.
 
     kind: `ignore`; `suspect` (confirm after `confirm_after_ns` unless a `clear` with the same `key`
-    comes first); `clear`; or `fault` (confirmed, act now).
+    comes first); `clear`; `fault` (confirmed, act now); or `drain` (sub-health: the hardware still works,
+    move the ranks off `node` at the job's next complete checkpoint).
     """
 
-    kind: Literal["ignore", "suspect", "clear", "fault"]
+    kind: Literal["ignore", "suspect", "clear", "fault", "drain"]
     reason: str
     fault_class: FaultClass | None = None
     scope: Scope = "rank"

@@ -136,7 +136,7 @@ class MindClusterLikeDetection(DefaultDetection):
     watchdog, with the same code tables and debouncing as our default detection."""
 
     name: ClassVar[str] = "mindcluster-like-detection"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"  # 2: sub-health (PreSeparateNPU, SubHealthFault) drains at the next checkpoint
 
 
 STRATEGY_ORDER: tuple[tuple[Granularity, float], ...] = (

@@ -37,7 +37,7 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 class DefaultDetection:
     family: ClassVar[str] = "detection"
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"  # 2: sub-health drains at the next checkpoint
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = p = DefaultDetectionParams.model_validate(params or {})
@@ -117,6 +117,10 @@ class DefaultDetection:
             return Verdict("fault", f"{code} on {where}: {on_device} faults within "
                                     f"{p.frequency_window_s:.0f}s: isolate device", FaultClass.DEVICE, "device",
                            signal.ranks, signal.node, data.device, needs_move=True, isolate="device", code=code)
+        if meaning.action is Action.DRAIN and signal.ranks:
+            return Verdict("drain", f"{code} on {where}: {meaning.description}: leave it at the next checkpoint",
+                           meaning.fault_class, "node", signal.ranks, signal.node, data.device, lost=False,
+                           code=code)
         if meaning.action is Action.WATCH or meaning.action is Action.DRAIN:
             return Verdict("ignore", f"{code} on {where}: {meaning.description} ({on_device} of "
                                      f"{p.frequency_threshold} in window)", code=code)

@@ -272,6 +272,8 @@ class Engine:
                 raise _Reject("schema_violation", f"shards {bad} do not exist: the layout has "
                                                   f"{job.layout.shards}")
             job.add_checkpoint(data.step, data.tier, data.shards, data.holder)
+            if job.drains and job.state == "running" and job.incident is None and job.complete_at(data.step):
+                self._drain(out, job, data.step)
         elif type_ == "checkpoint.failed":
             pass  # a save that did not land leaves the catalog as it was; the log keeps the failure
         elif type_ == "command.ack":
@@ -423,8 +425,39 @@ class Engine:
             trigger = "suspect" if job.state == "running" else None
             self._decide(out, job, "fault.suspected", verdict.reason, trigger=trigger, policy=policy,
                          timers=[timer], detail={"key": key, "ranks": list(verdict.ranks)})
+        elif verdict.kind == "drain":
+            node = verdict.node
+            if node is None or node not in job.nodes or node in job.drains:
+                return
+            job.drains[node] = verdict.reason
+            self._decide(out, job, "node.drain_planned", verdict.reason, policy=policy,
+                         detail={"node": node, "device": verdict.device, "code": verdict.code})
         else:
             self._fault(out, job, verdict, policy)
+
+    def _drain(self, out: _Out, job: Job, step: int) -> None:
+        """Move the ranks off sub-healthy nodes now that `step` is a complete checkpoint: a planned pod-level move
+        that loses nothing, instead of a fault later."""
+        for gone in [n for n in job.drains if n not in job.nodes]:
+            del job.drains[gone]  # the job left it meanwhile
+        nodes = list(job.drains)
+        if not nodes:
+            return
+        spares = self.cluster.free_spares()
+        if len(spares) < len(nodes):
+            self._decide(out, job, "node.drain_deferred", f"{len(nodes)} node(s) to drain, {len(spares)} spare(s): "
+                                                          f"try again at the next checkpoint",
+                         detail={"nodes": nodes, "step": step})
+            return
+        for name in nodes:
+            self.cluster.node(name).drained = True  # no new work lands there until it rejoins
+        reasons = "; ".join(job.drains[n] for n in nodes)
+        job.drains.clear()
+        incident = self._open(out, job, "drain")
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=G.MIGRATE, rung=0, purpose="drain",
+                          reason=f"checkpoint at step {step} complete: drain {', '.join(nodes)} ({reasons})",
+                          started=out.ts)
+        self._start(out, job, attempt, 900 * NS, None, nodes)
 
     def _fault(self, out: _Out, job: Job, verdict: Verdict, policy: str, plan: bool = True) -> None:
         """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch)."""

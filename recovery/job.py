@@ -93,6 +93,7 @@ class Job:
         "alive",
         "catalog",
         "closed",
+        "drains",
         "generation",
         "id",
         "incident",
@@ -141,6 +142,7 @@ class Job:
         self.incident: Incident | None = None
         self.incidents_opened = 0
         self.closed: list[dict[str, Any]] = []
+        self.drains: dict[str, str] = {}  # node -> why: sub-health to leave at the next complete checkpoint
         self.suspects: dict[str, tuple[Verdict, str]] = {}  # key -> (verdict, timer id), in log order
         self.watchdog: str | None = None
         self.used: dict[str, int] = {}
@@ -217,5 +219,14 @@ class Job:
             "incident": None if self.incident is None else self.incident.summary(),
             "incidents": list(self.closed),
             "suspects": list(self.suspects),
+            "drains": dict(self.drains),
             "policies": dict(self.policies.labels),
         }
+
+    def complete_at(self, step: int) -> bool:
+        """Does some tier hold every shard of `step`?"""
+        shards = self.layout.shards
+        held: set[int] = set()
+        for by_shard in self.catalog.get(step, {}).values():
+            held.update(shard for shard, holders in by_shard.items() if holders)
+        return len(held) >= shards and all(shard in held for shard in range(shards))

@@ -171,3 +171,44 @@ def test_finished_jobs_beyond_the_kept_number_are_forgotten_oldest_first() -> No
     s.submit("j0", ["n0"], ranks_per_node=1, dp=1)
     assert jobs["j0"].state == "running"
     assert s.engine._order["j0"] > s.engine._order["live"]  # submission order survives the gaps
+
+
+def sub_healthy_node_b(spare: bool) -> Scenario:
+    s = Scenario()
+    if spare:
+        s.spare("s1")
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=2, tp=2)
+    s.train("j", 6)
+    s.checkpoint("j", 5, "storage", "storage")
+    s.node_event("b", "device.fault", device=1, vendor="ascend", code="SubHealthFault", severity="warning")
+    return s
+
+
+def test_a_sub_healthy_node_is_drained_at_the_next_complete_checkpoint() -> None:
+    s = sub_healthy_node_b(spare=True)
+    assert s.kinds("j")[-1] == "node.drain_planned" and s.state("j") == "running" and not s.outstanding()
+    s.train("j", 4)
+    s.checkpoint("j", 10, "memory", "a", shards=[0])  # not complete yet: shard 1 is missing
+    assert not s.outstanding()
+    s.checkpoint("j", 10, "memory", "a", shards=[1])
+    [started] = s.find("attempt.started", "j")
+    assert started.detail["granularity"] == "migrate" and started.detail["vacate"] == ["b"]
+    assert s.engine.jobs["j"].incident.cause == "drain" and not s.find("fault.confirmed", "j")
+    s.ack_all()
+    [migrate] = s.commands_of("migrate_ranks")
+    assert (migrate.from_node, migrate.to_node) == ("b", "s1")
+    assert not s.engine.cluster.usable("b")  # nothing new lands on it until it rejoins
+    s.train("j", 2)
+    assert s.state("j") == "running" and s.engine.jobs["j"].nodes == ["a", "s1"]
+    assert s.find("incident.closed", "j")
+
+
+def test_a_drain_without_a_spare_waits_for_a_later_checkpoint() -> None:
+    s = sub_healthy_node_b(spare=False)
+    s.train("j", 4)
+    s.checkpoint("j", 10, "storage", "storage")
+    assert s.kinds("j")[-1] == "node.drain_deferred" and not s.outstanding() and s.state("j") == "running"
+    s.spare("s1")
+    s.train("j", 4)
+    s.checkpoint("j", 14, "storage", "storage")
+    assert s.find("attempt.started", "j")[-1].detail["vacate"] == ["b"]
