@@ -918,7 +918,12 @@ class Engine:
         if every is not None:
             if data.due != due:
                 return  # a repeated firing of a period already handled
-            self.timers[data.timer_id] = (owner, due + every, every)
+            following = due + every
+            if following <= out.ts:
+                # Periods went by with nobody to fire them (the daemon was down): the next one is the first
+                # after this firing, not a burst of every period missed.
+                following += ((out.ts - following) // every + 1) * every
+            self.timers[data.timer_id] = (owner, following, every)
         else:
             del self.timers[data.timer_id]
         if data.timer_id == job.watchdog:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from policies.base import NS
 from recovery.scenario import Scenario
 
 NO_DYING = {"checkpoint": {"name": "newest-complete", "params": {"dying": False}}}
@@ -212,3 +213,18 @@ def test_a_drain_without_a_spare_waits_for_a_later_checkpoint() -> None:
     s.train("j", 4)
     s.checkpoint("j", 14, "storage", "storage")
     assert s.find("attempt.started", "j")[-1].detail["vacate"] == ["b"]
+
+
+def test_a_periodic_timer_fired_late_skips_the_periods_nobody_fired() -> None:
+    s = Scenario()
+    s.submit("j", ["a"], ranks_per_node=1, dp=1, watchdog_interval_s=10)
+    (timer_id, (_, due, every)), = [(t, e) for t, e in s.engine.timers.items() if "/watchdog/" in t]
+    assert every == 10 * NS
+    s.now = due + 3600 * NS + 5 * NS  # the daemon was down for an hour; the timer service fires once, late
+    s.steps("j", 600)  # what the agents reported meanwhile comes first in the stream
+    s.job_event("j", "timer.fired", timer_id=timer_id, due=due)
+    assert s.state("j") == "running"
+    _, following, _ = s.engine.timers[timer_id]
+    assert following == due + 361 * every  # the first period after the firing, not the 360 missed ones
+    s.job_event("j", "timer.fired", timer_id=timer_id, due=due + every)  # a missed period fired anyway: stale
+    assert s.engine.timers[timer_id][1] == following
