@@ -53,6 +53,12 @@ class DaemonConfig(BaseSettings):
     ack_wait_s: float = Field(60.0, gt=0, description="redelivery delay of an unacknowledged input")
     snapshot_bucket: str = Field("RECOVERY_SNAPSHOTS", description="KV bucket of engine snapshots")
     partition: str = Field("default", description="snapshot key: the partition of jobs this daemon owns")
+    lease_bucket: str = Field("RECOVERY_LEASES", description="KV bucket of the partitions' leases")
+    lease_ttl_s: float = Field(10.0, ge=0, description="a standby takes the partition over this long after the "
+                                                       "active daemon stops renewing its lease (0: no lease; "
+                                                       "then never run two daemons on one partition)")
+    instance: str = Field("", description="this daemon's name in the lease (default: host name and data_dir); "
+                                          "the same name takes its own lease back at once after a crash")
     snapshot_every_records: int = Field(50_000, ge=1, description="snapshot after this many input records")
     snapshot_every_s: float = Field(60.0, gt=0, description="snapshot at least this often while records arrive")
     snapshot_chunk_bytes: int = Field(512 * 1024, ge=1024, le=8 * 1024 * 1024,
@@ -93,7 +99,7 @@ class DaemonConfig(BaseSettings):
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml))
         return tuple(sources)
 
-    @field_validator("stream", "command_stream", "snapshot_bucket", "consumer")
+    @field_validator("stream", "command_stream", "snapshot_bucket", "consumer", "lease_bucket")
     @classmethod
     def _name(cls, value: str) -> str:
         if not value or any(c in value for c in " .*>\t\n/\\"):

@@ -78,6 +78,7 @@ from recovery import logs
 from recovery.config import ConfigError, DaemonConfig
 from recovery.engine import Effect, Engine, dump_snapshot, load_snapshot
 from recovery.jetstream import ensure_stream, stream_config
+from recovery.lease import Lease, LeaseLost, default_instance
 from recovery.log import MSG_ID, to_record
 from recovery.recorder import effect_envelope
 from recovery.service import HttpServer, Metrics
@@ -490,6 +491,8 @@ class Daemon:
         self.reader: InputReader | None = None
         self.snapshots: SnapshotStore | None = None
         self.timers = TimerService(lambda: self.engine, self._fire_timers)
+        self.lease: Lease | None = None
+        self.role = "starting"  # standby (waiting for the lease), active, or deposed (lost it)
         self.http: HttpServer | None = None
         self.http_port: int | None = None
         self.control: Any = None
@@ -534,6 +537,19 @@ class Daemon:
         await self._connect()
         assert self.nc is not None and self.js is not None
         await self._ensure_streams()
+        if cfg.lease_ttl_s > 0:
+            self.lease = Lease(self.js, cfg.lease_bucket, cfg.partition,
+                               cfg.instance or default_instance(cfg.data_dir), cfg.lease_ttl_s, cfg.replicas)
+            await self._retry(self.lease.ensure, "lease bucket")
+            self.role = "standby"
+            if not await self._retry(lambda: self.lease.acquire(self._stop), "lease"):  # type: ignore[union-attr]
+                return  # stopped while standing by
+            logger.info("lease acquired: active", extra=_fields(partition=cfg.partition,
+                                                                 instance=self.lease.instance))
+            lease_task = asyncio.create_task(self._keep_lease(), name="recovery-lease")
+            lease_task.add_done_callback(self._loop_ended)
+            self._tasks.append(lease_task)
+        self.role = "active"
         await self._restore()
         self.reader = InputReader(self.nc, self.js, cfg.stream, cfg.consumer, cfg.batch_size, cfg.ack_wait_s,
                                   cfg.replicas)
@@ -551,6 +567,30 @@ class Daemon:
             timers = asyncio.create_task(self.timers.run(self._stop), name="recovery-timers")
             timers.add_done_callback(self._loop_ended)
             self._tasks.append(timers)
+
+    async def _keep_lease(self) -> None:
+        """Renew the lease every third of its TTL; a lost lease stops the daemon (its supervisor starts it
+        again, as a standby)."""
+        assert self.lease is not None
+        period = self.lease.ttl_s / 3
+        while not self._stop.is_set():
+            try:
+                async with asyncio.timeout(period):
+                    await self._stop.wait()
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self.lease.renew()
+            except LeaseLost as exc:
+                self.role = "deposed"
+                logger.error("lease lost: stopping", extra=_fields(reason=str(exc)))
+                self.failed = True
+                self._stop.set()
+                return
+            except _TRANSIENT as exc:
+                _reraise_cancel(exc)
+                logger.warning("lease not renewed: retrying", extra=_fields(error=repr(exc)))
 
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None and not self._stop.is_set():
@@ -720,6 +760,11 @@ class Daemon:
             logger.exception("final snapshot failed")
         if self.reader is not None:
             await self.reader.close()
+        if self.lease is not None and self.role == "active":
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(max(deadline - time.monotonic() - 0.5, 0.1)):
+                    await self.lease.release()  # the standby takes over now, not a TTL later
+                    logger.info("lease released")
         if self.nc is not None and not self.nc.is_closed:
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic() - 0.5, 0.1)):
@@ -738,6 +783,9 @@ class Daemon:
         assert self.reader is not None
         delay = 0.05
         while not self._stop.is_set():
+            if self.lease is not None and not self.lease.fresh():
+                await asyncio.sleep(0.05)  # not renewed lately (NATS away?): read nothing another daemon may read
+                continue
             try:
                 if not self._reader_ok:
                     if not self.connected:
@@ -900,6 +948,8 @@ class Daemon:
         engine = self.engine
         if self.snapshots is None or self.clean_seq != engine.last_seq or engine.last_seq <= self.snapshot_seq:
             return
+        if self.role != "active":
+            return  # a standby has nothing to save; a deposed daemon leaves the snapshots to the active one
         t0 = time.monotonic()
         seq, ts = engine.last_seq, self.last_ts
         self.records_since_snapshot = 0
@@ -942,8 +992,8 @@ class Daemon:
     # -- views --------------------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, object]]:
         caught_up = bool(self.reader is not None and self.reader.caught_up and self._caught_up_logged)
-        ok = self.connected and self._reader_ok and caught_up and not self._stop.is_set()
-        return ok, {"connected": self.connected, "consumer": self._reader_ok, "caught_up": caught_up,
+        ok = self.connected and self._reader_ok and caught_up and not self._stop.is_set() and self.role == "active"
+        return ok, {"role": self.role, "connected": self.connected, "consumer": self._reader_ok, "caught_up": caught_up,
                     "stopping": self._stop.is_set(), "last_seq": self.engine.last_seq,
                     "lag": self.reader.lag if self.reader else None}
 

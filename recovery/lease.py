@@ -1,0 +1,142 @@
+"""Which daemon processes a partition: a lease in a JetStream KV bucket whose entries expire.
+
+Two daemons must never consume one partition's inputs at once: each would apply a different subset of the log
+and decide from a state the other never saw. The active daemon holds the key `<partition>` in the lease bucket,
+whose entries live `ttl` seconds after their last write, and renews it every `ttl / 3` with a compare-and-set
+on the revision it wrote last. A standby tries to create the key every `ttl / 4` and wins once the active one
+has stopped renewing (crashed, partitioned) or released it (a graceful stop deletes the key).
+
+Fencing without clocks: the holder reads input only while its last successful renewal is younger than
+`ttl / 2`, and a renewal that finds another revision (someone else took the key) ends it. Any revision change is
+fatal, even when the key looks free again: another daemon may have applied inputs meanwhile, which this one's
+engine never saw, so it must start again from the snapshot rather than carry on. Duplicate effects of the
+handover are dropped by their deterministic message ids.
+
+The same `instance` (by default host name and data directory) takes its own lease back at once: a daemon that
+was SIGKILLed and restarted does not wait out the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+import orjson
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+logger = logging.getLogger("recovery.lease")
+
+
+class LeaseLost(RuntimeError):
+    """Another daemon holds the partition now: this one must stop and start over as a standby."""
+
+
+def default_instance(data_dir: Path) -> str:
+    return f"{socket.gethostname()}:{data_dir.resolve()}"
+
+
+class Lease:
+    def __init__(self, js: JetStreamContext, bucket: str, partition: str, instance: str, ttl_s: float,
+                 replicas: int = 1, clock: Any = time.monotonic) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.key = partition
+        self.instance = instance
+        self.ttl_s = ttl_s
+        self.replicas = replicas
+        self._clock = clock
+        self._kv: KeyValue | None = None
+        self.revision: int | None = None
+        self.renewed: float | None = None
+        self.holder: dict[str, Any] | None = None  # the holder seen last while waiting
+
+    async def ensure(self) -> None:
+        try:
+            self._kv = await self.js.key_value(self.bucket)
+        except nats.js.errors.BucketNotFoundError:
+            self._kv = await self.js.create_key_value(KeyValueConfig(
+                bucket=self.bucket, history=1, ttl=self.ttl_s, storage=StorageType.FILE, replicas=self.replicas,
+                description="recovery-daemon partition leases"))
+        info = await self._kv.status()
+        ttl = info.ttl or 0.0
+        if abs(ttl - self.ttl_s) > 1e-3:
+            raise ValueError(f"lease bucket {self.bucket} keeps entries {ttl:g}s, but lease_ttl_s is {self.ttl_s:g}: "
+                             f"every daemon of a partition must use the same TTL (delete the bucket to change it)")
+
+    @property
+    def kv(self) -> KeyValue:
+        assert self._kv is not None, "ensure() first"
+        return self._kv
+
+    def _value(self) -> bytes:
+        return orjson.dumps({"instance": self.instance, "pid": os.getpid(), "since": time.time_ns()})
+
+    async def try_acquire(self) -> bool:
+        """Take the lease if it is free or ours from an earlier life; False while another daemon holds it."""
+        try:
+            self.revision = await self.kv.create(self.key, self._value())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            try:
+                entry = await self.kv.get(self.key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                return False  # it expired between the two calls: the next try creates it
+            holder = orjson.loads(entry.value or b"{}")
+            self.holder = holder if isinstance(holder, dict) else {}
+            if self.holder.get("instance") != self.instance:
+                return False
+            try:
+                self.revision = await self.kv.update(self.key, self._value(), last=entry.revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False
+        self.renewed = self._clock()
+        self.holder = None
+        return True
+
+    async def acquire(self, stop: asyncio.Event) -> bool:
+        """Wait until the lease is ours (True) or `stop` is set (False)."""
+        announced = False
+        while not stop.is_set():
+            if await self.try_acquire():
+                return True
+            if not announced:
+                logger.info("standby: another daemon holds the partition",
+                            extra={"fields": {"partition": self.key, "holder": self.holder}})
+                announced = True
+            try:
+                async with asyncio.timeout(self.ttl_s / 4):
+                    await stop.wait()  # the retry period; a stop ends the wait at once
+            except TimeoutError:
+                pass
+        return False
+
+    async def renew(self) -> None:
+        """Write the lease again on the revision we wrote last; LeaseLost if another daemon wrote since."""
+        try:
+            self.revision = await self.kv.update(self.key, self._value(), last=self.revision)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError) as exc:
+            raise LeaseLost(f"the lease of partition {self.key} changed hands: {exc}") from exc
+        self.renewed = self._clock()
+
+    def fresh(self) -> bool:
+        """May the holder read input now: renewed within half the TTL?"""
+        return self.renewed is not None and self._clock() - self.renewed < self.ttl_s / 2
+
+    async def release(self) -> None:
+        """Give the lease up (a graceful stop), so that a standby takes over without waiting out the TTL."""
+        if self.revision is None:
+            return
+        # Someone else holds it already, or NATS is gone: then it expires by itself.
+        with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError,
+                                 nats.errors.Error):
+            await self.kv.delete(self.key, last=self.revision)
+        self.revision = None

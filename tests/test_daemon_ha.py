@@ -1,0 +1,144 @@
+"""Two daemons on one partition: one active, one standing by on the lease; the standby takes over when the active
+one is killed or stops, and a daemon whose lease changed hands stops. Real nats-server, real processes.
+
+The checks at the end are the crash test's: every event the cluster published is in the log once, every decision
+and dead letter is recorded once and as an offline replay derives it, and no command id was stored twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+
+from events import subjects
+from recovery.demo import BuiltinCluster, Bus, DemoSettings
+from recovery.log import MSG_ID
+from recovery.testing import NatsServer
+from tests.daemon_support import (
+    DaemonProcess,
+    async_wait_for,
+    check_log,
+    command_count,
+    connect,
+    drain,
+    read_stream,
+)
+
+FAST = DemoSettings(seed=4, jobs=2, step_s=0.05, fault_every_s=0.5, ack_delay_s=(0.01, 0.05), restart_s=(0.02, 0.1))
+TTL_S = 2.0
+
+
+def pair(tmp_path: Path, url: str) -> tuple[DaemonProcess, DaemonProcess]:
+    settings = {"lease_ttl_s": TTL_S, "snapshot_every_records": 50, "snapshot_every_s": 0.5, "ack_wait_s": 5.0}
+    return (DaemonProcess(tmp_path / "a", url, instance="daemon-a", **settings),
+            DaemonProcess(tmp_path / "b", url, instance="daemon-b", **settings))
+
+
+def role(daemon: DaemonProcess) -> str:
+    try:
+        return str(daemon.status().get("role"))
+    except (OSError, AssertionError):
+        return "unreachable"
+
+
+async def check_the_log(url: str, sent: list[str]) -> None:
+    records = await read_stream(url)
+    result = check_log(records)
+    inputs = [r for r in records if not subjects.is_output(r.subject)]
+    stored = [r.headers.get(MSG_ID) for r in inputs]
+    assert len(stored) == len(set(stored))
+    assert set(sent) <= set(stored), "an event the cluster published is missing from the log"
+    commands = await read_stream(url, "RECOVERY_CMD")
+    command_ids = [r.headers.get(MSG_ID, "") for r in commands]
+    assert len(command_ids) == len(set(command_ids)), "a command id was stored twice"
+    assert sorted(command_ids) == sorted(command_count(result))
+    assert [d.kind for d in result.recorded_decisions].count("incident.closed") >= 2
+
+
+async def test_the_standby_takes_over_when_the_active_daemon_is_killed(nats_server: NatsServer,
+                                                                       tmp_path: Path) -> None:
+    active, standby = pair(tmp_path, nats_server.url)
+    nc, js = await connect(nats_server.url)
+    bus = Bus(nc, js)
+    cluster = BuiltinCluster(bus, FAST, prefix="ha")
+    try:
+        active.start()
+        await asyncio.to_thread(active.wait_ready)
+        standby.start()
+        await async_wait_for(lambda: role(standby) == "standby", 30, "the second daemon to stand by")
+        assert not standby.ready() and role(active) == "active"
+        await bus.start(cluster)
+        await async_wait_for(lambda: cluster.recovered >= 2, 60, "recoveries under the first daemon")
+        # The standby stays one while the active daemon renews, over several lease periods.
+        before = cluster.recovered
+        await async_wait_for(lambda: cluster.recovered >= before + 2, 60, "more recoveries")
+        assert role(standby) == "standby"
+        active.kill()
+        await asyncio.to_thread(standby.wait_ready, 30.0)
+        assert role(standby) == "active"
+        after = cluster.recovered
+        await async_wait_for(lambda: cluster.recovered >= after + 2, 60, "recoveries under the second daemon")
+        cluster.calm()
+        await async_wait_for(lambda: all(job.progressing or job.failed for job in cluster.jobs.values()), 30,
+                             "the last incidents to close")
+        cluster.stop()
+        await bus.flush()
+        code, _ = standby.terminate()
+        assert code == 0, standby.log_tail()
+        standby.start(RECOVERY_TIMERS_ENABLED="false")  # drain what is left with nothing new arriving
+        await asyncio.to_thread(standby.wait_ready)
+        await drain(standby, nats_server.url)
+        code, _ = standby.terminate()
+        assert code == 0, standby.log_tail()
+    finally:
+        await bus.close()
+        active.close()
+        standby.close()
+        await nc.close()
+    await check_the_log(nats_server.url, bus.sent)
+    messages = [line.get("msg") for line in standby.logs()]
+    assert "standby: another daemon holds the partition" in messages
+    assert messages.count("lease acquired: active") == 2  # after the kill, and again at its own restart
+
+
+async def test_a_graceful_stop_hands_the_partition_over_at_once(nats_server: NatsServer, tmp_path: Path) -> None:
+    active, standby = pair(tmp_path, nats_server.url)
+    try:
+        active.start()
+        await asyncio.to_thread(active.wait_ready)
+        standby.start()
+        await async_wait_for(lambda: role(standby) == "standby", 30, "the second daemon to stand by")
+        code, _ = active.terminate()
+        assert code == 0, active.log_tail()
+        assert "lease released" in [line.get("msg") for line in active.logs()]
+        await asyncio.to_thread(standby.wait_ready, 30.0)
+        # and the first one, started again, now stands by in its turn
+        active.start()
+        await async_wait_for(lambda: role(active) == "standby", 30, "the first daemon to stand by")
+    finally:
+        active.close()
+        standby.close()
+
+
+async def test_a_daemon_whose_lease_changed_hands_stops(nats_server: NatsServer, tmp_path: Path) -> None:
+    active, _ = pair(tmp_path, nats_server.url)
+    nc, js = await connect(nats_server.url)
+    try:
+        active.start()
+        await asyncio.to_thread(active.wait_ready)
+        kv = await js.key_value("RECOVERY_LEASES")
+        entry = await kv.get("default")
+        assert orjson.loads(entry.value or b"{}")["instance"] == "daemon-a"
+        # another daemon's write (after a partition, say): the next renewal finds a revision it did not write
+        await kv.put("default", orjson.dumps({"instance": "daemon-x", "pid": 0, "since": 0}))
+        await async_wait_for(lambda: not active.running(), 30, "the deposed daemon to stop")
+        assert active.proc is not None and active.proc.returncode != 0
+        lost = [line for line in active.logs() if line.get("msg") == "lease lost: stopping"]
+        assert lost and "changed hands" in lost[0]["reason"], active.log_tail()
+        assert "lease released" not in [line.get("msg") for line in active.logs()]
+        assert orjson.loads((await kv.get("default")).value or b"{}")["instance"] == "daemon-x"  # not released
+    finally:
+        active.close()
+        await nc.close()
