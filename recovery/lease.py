@@ -3,11 +3,12 @@
 Two daemons must never consume one partition's inputs at once: each would apply a different subset of the log
 and decide from a state the other never saw. The active daemon holds the key `<partition>` in the lease bucket,
 whose entries live `ttl` seconds after their last write, and renews it every `ttl / 3` with a compare-and-set
-on the revision it wrote last. A standby tries to create the key every `ttl / 4` and wins once the active one
-has stopped renewing (crashed, partitioned) or released it (a graceful stop deletes the key).
+on the revision it wrote last. A standby tries to create the key every `min(ttl / 4, 0.5 s)` and wins once
+the active one has stopped renewing (crashed, partitioned) or released it (a graceful stop deletes the key).
 
-Fencing without clocks: the holder reads input only while its last successful renewal is younger than
-`ttl / 2`, and a renewal that finds another revision (someone else took the key) ends it. Any revision change is
+Fencing without synchronised clocks: the holder reads input only while its last successful renewal is younger
+than `ttl / 2` on its own monotonic clock, while a standby can take the key only `ttl` after that write; and a
+renewal that finds another revision (someone else took the key) ends the holder. Any revision change is
 fatal, even when the key looks free again: another daemon may have applied inputs meanwhile, which this one's
 engine never saw, so it must start again from the snapshot rather than carry on. Duplicate effects of the
 handover are dropped by their deterministic message ids.
@@ -113,8 +114,8 @@ class Lease:
                             extra={"fields": {"partition": self.key, "holder": self.holder}})
                 announced = True
             try:
-                async with asyncio.timeout(self.ttl_s / 4):
-                    await stop.wait()  # the retry period; a stop ends the wait at once
+                async with asyncio.timeout(min(self.ttl_s / 4, 0.5)):
+                    await stop.wait()  # the retry period (a released lease is taken within it); a stop ends it
             except TimeoutError:
                 pass
         return False

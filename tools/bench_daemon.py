@@ -16,6 +16,8 @@ Figures (JSON lines on stdout, `{"bench": "daemon", "metric", "value", "unit"}`)
 - `restart_to_ready_s`: a SIGTERMed daemon started again over the stream holding `--events` events, from the
   process start (imports included) to `/readyz` answering 200; `restart_after_kill_to_ready_s` the same after
   SIGKILL (it replays the tail after its last periodic snapshot).
+- `failover_after_kill_s`, `failover_after_sigterm_s`: a standby daemon on the same partition, from the active
+  one's SIGKILL (the lease expires) or SIGTERM (it hands over) to the standby's `/readyz` answering 200.
 - `rss_idle_mb`, `rss_mb` with `--rss-jobs` running jobs (8 ranks each), `rss_per_job_kb`.
 
 The machine is shared: every figure is one run (the restart one the median of three), and the ratio to the
@@ -328,7 +330,7 @@ async def rss_setup(url: str, daemon: Daemon, jobs: int) -> None:
     await asyncio.to_thread(wait_seq, daemon, last)
 
 
-PARTS = ("raw", "throughput", "latency", "rss")
+PARTS = ("raw", "throughput", "latency", "failover", "rss")
 
 
 def run(args: argparse.Namespace, emit: Emit) -> None:
@@ -366,6 +368,8 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
                     emit("daemon", "fault_to_command_p50_ms", _sig(p50), "ms")
                     emit("daemon", "fault_to_command_p99_ms", _sig(p99), "ms")
                     emit("daemon", "background_heartbeats_per_s", _sig(achieved), "events/s")
+            if "failover" in parts:
+                _failover(work, server.url, emit)
         finally:
             server.stop()
         if "rss" in parts:
@@ -407,6 +411,39 @@ def _throughput_and_restart(work: Path, url: str, args: argparse.Namespace, even
     note(f"after SIGKILL: ready in {killed:.3f} s, replayed {replayed} records after the last snapshot")
     emit("daemon", "restart_after_kill_to_ready_s", _sig(killed), "s")
     emit("daemon", "restart_after_kill_replayed", float(replayed or 0), "records")
+
+
+def _failover(work: Path, url: str, emit: Emit, ttl_s: float = 10.0) -> None:
+    """Two daemons on one partition: time from SIGKILL of the active one, and from its SIGTERM, until the standby
+    answers /readyz (the lease's TTL, then restore and replay)."""
+    first = Daemon(work / "ha-a", url, instance="bench-a", lease_ttl_s=ttl_s)
+    second = Daemon(work / "ha-b", url, instance="bench-b", lease_ttl_s=ttl_s)
+    first.start()
+    first.wait_ready()
+    second.start()
+    deadline = time.monotonic() + 60
+    while second.status().get("role") != "standby":
+        if time.monotonic() > deadline:
+            raise TimeoutError("the second daemon never stood by")
+        time.sleep(0.01)  # polling interval of a deadline-bounded wait
+    started = time.monotonic()
+    first.stop(kill=True)
+    second.wait_ready()
+    killed = time.monotonic() - started
+    first.start()
+    while first.status().get("role") != "standby":
+        if time.monotonic() > deadline + 60:
+            raise TimeoutError("the first daemon never stood by")
+        time.sleep(0.01)  # polling interval of a deadline-bounded wait
+    started = time.monotonic()
+    second.stop()
+    first.wait_ready()
+    handed = time.monotonic() - started
+    first.stop()
+    note(f"failover with a {ttl_s:g} s lease: standby ready {killed:.2f} s after SIGKILL of the active daemon, "
+         f"{handed:.2f} s after its SIGTERM")
+    emit("daemon", "failover_after_kill_s", _sig(killed), f"s (lease_ttl_s {ttl_s:g})")
+    emit("daemon", "failover_after_sigterm_s", _sig(handed), "s")
 
 
 def _rss(work: Path, jobs: int, emit: Emit) -> None:
