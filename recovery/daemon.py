@@ -412,6 +412,38 @@ class SnapshotStore:
 
 
 # -- timers -------------------------------------------------------------------------------------------------
+class ServerClock:
+    """The NATS server's clock, as seen from here: the local clock plus an offset estimated from the log's own
+    timestamps. A timer's due time is server time (the log time of the decision that asked for it); firing it on
+    a local clock that runs 5 s fast would confirm a link debounce 5 s early. Each live delivery gives
+    `server_ts - local_now` = skew - transit; the largest in a recent window has the least transit in it. Only
+    deliveries read once caught up count: a replayed backlog's timestamps are old, not skewed."""
+
+    LIMIT_NS = 60 * 1_000_000_000
+    """offsets are clamped to this: a larger skew is a misconfigured host, and a backlog delivered after an
+    outage must not hold every timer back by its age"""
+
+    def __init__(self, window: int = 512, local: Callable[[], int] = time.time_ns) -> None:
+        self._samples: deque[int] = deque(maxlen=window)
+        self._local = local
+        self._best: int | None = None
+        self.offset_ns = 0
+
+    def observe(self, server_ts: int) -> None:
+        samples = self._samples
+        dropped = samples[0] if len(samples) == samples.maxlen else None
+        sample = server_ts - self._local()
+        samples.append(sample)
+        if self._best is None or sample >= self._best:
+            self._best = sample
+        elif dropped == self._best:
+            self._best = max(samples)  # the largest sample left the window: look again
+        self.offset_ns = max(-self.LIMIT_NS, min(self.LIMIT_NS, self._best))
+
+    def __call__(self) -> int:
+        return self._local() + self.offset_ns
+
+
 class TimerService:
     """Fires the engine's timers on the wall clock. Armed from the decisions' timer requests, from the engine's
     outstanding timers at start, and again after each firing of a periodic timer; the engine's own table is the
@@ -490,7 +522,8 @@ class Daemon:
         self.publisher: Publisher | None = None
         self.reader: InputReader | None = None
         self.snapshots: SnapshotStore | None = None
-        self.timers = TimerService(lambda: self.engine, self._fire_timers)
+        self.server_clock = ServerClock()
+        self.timers = TimerService(lambda: self.engine, self._fire_timers, self.server_clock)
         self.lease: Lease | None = None
         self.role = "starting"  # standby (waiting for the lease), active, or deposed (lost it)
         self.http: HttpServer | None = None
@@ -831,8 +864,11 @@ class Daemon:
         timed: list[int] = []
         applied = 0
         last: Delivery | None = None
+        live = self.reader is not None and self.reader.caught_up
         for d in batch:
             last = d
+            if live:
+                self.server_clock.observe(d.ts)
             if d.seq <= engine.last_seq:
                 continue
             record = to_record(d.seq, d.ts, d.subject, d.headers or {}, d.data)
@@ -1024,6 +1060,7 @@ class Daemon:
                     time.monotonic() - self.snapshot_written, 3),
                 "uptime_s": round(time.monotonic() - self.started_at, 3), "http_port": self.http_port,
                 "timer_service": self.timers.describe(),
+                "server_clock_offset_s": round(self.server_clock.offset_ns / 1e9, 6),
                 "publish_retries": self.publisher.retries if self.publisher else 0,
                 "duplicates_dropped": self.publisher.duplicates if self.publisher else 0}
 

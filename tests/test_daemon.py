@@ -22,7 +22,7 @@ from events.values import JobSpec
 from recovery import config as config_mod
 from recovery.config import ConfigError, DaemonConfig
 from recovery.ctl import request
-from recovery.daemon import Daemon, TimerService, build_parser
+from recovery.daemon import Daemon, ServerClock, TimerService, build_parser
 from recovery.engine import Engine
 from recovery.log import MSG_ID
 from recovery.testing import NatsServer
@@ -99,6 +99,28 @@ def test_timer_service_fires_what_the_engine_still_holds() -> None:
     assert timers.due(100) == [("a/watchdog/3", "a", 15)]
     timers.arm("gone", 1)  # armed but not in the engine's table: never fired
     assert timers.due(200) == [] and fired == []
+
+
+def test_the_server_clock_follows_the_least_delayed_sample_and_ignores_old_backlog() -> None:
+    local = [1_000 * NS]
+    clock = ServerClock(window=4, local=lambda: local[0])
+    assert clock() == 1_000 * NS  # no sample yet: the local clock
+    # this host runs 5 s fast; transits of 3, 1 and 2 ms
+    for transit_ms in (3, 1, 2):
+        clock.observe(local[0] - 5 * NS - transit_ms * 1_000_000)
+    assert clock.offset_ns == -5 * NS - 1_000_000
+    assert clock() == 995 * NS - 1_000_000
+    # the best sample leaves the window: the offset follows what is left
+    for _ in range(3):
+        clock.observe(local[0] - 5 * NS - 4_000_000)
+    assert clock.offset_ns == -5 * NS - 2_000_000
+    for _ in range(4):
+        clock.observe(local[0] - 5 * NS - 4_000_000)
+    assert clock.offset_ns == -5 * NS - 4_000_000
+    # a backlog an hour old, read after an outage, holds the timers back a minute at most
+    for _ in range(4):
+        clock.observe(local[0] - 3_600 * NS)
+    assert clock.offset_ns == -ServerClock.LIMIT_NS
 
 
 # -- the daemon in-process -----------------------------------------------------------------------------------
@@ -221,6 +243,11 @@ async def test_http_endpoints_and_metrics(daemon: Daemon, nats_server: NatsServe
     assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
     code, body = await asyncio.to_thread(get, "/readyz")
     assert code == 200 and json.loads(body)["ready"] is True
+    _, body = await asyncio.to_thread(get, "/status")
+    status = json.loads(body)
+    assert status["role"] == "active"
+    # one host, one clock: the estimate is the transit of a message, below zero and far below a second
+    assert -1.0 < status["server_clock_offset_s"] < 0.0
     _, metrics = await asyncio.to_thread(get, "/metrics")
     command = next(c for d in out["decisions"] for c in d["commands"])
     state = out["decisions"][-1]["state"]
