@@ -87,6 +87,9 @@ class WatchdogView:
     now: int
     step_time_ns: int | None
     ranks: tuple[RankActivity, ...]
+    nodes: tuple[str, ...] = ()
+    """the job's placement: rank r runs on nodes[r // ranks_per_node] (empty: unknown)"""
+    ranks_per_node: int = 1
 
 
 @runtime_checkable

@@ -37,7 +37,7 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 class DefaultDetection:
     family: ClassVar[str] = "detection"
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "2"  # 2: sub-health drains at the next checkpoint
+    version: ClassVar[str] = "3"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = p = DefaultDetectionParams.model_validate(params or {})
@@ -161,6 +161,14 @@ class DefaultDetection:
         stall = max(int(p.stall_min_s * NS), int(p.stall_factor * step_time))
         silent = tuple(a.rank for a in view.ranks if view.now - a.last_seen > silence)
         if silent:
+            gone = _silent_nodes(view, set(silent))
+            if gone and all(r // view.ranks_per_node in gone for r in silent):
+                # Every rank of a node fell silent at once: the host or its agent is gone, not one process. Move
+                # the ranks now rather than restart them in place on a host that may not answer.
+                names = [view.nodes[i] for i in sorted(gone)]
+                return [Verdict("fault", f"all ranks on {', '.join(names)} silent for more than "
+                                         f"{silence / NS:.1f}s: the host or its agent is gone", FaultClass.NODE,
+                                "node", silent, names[0] if len(names) == 1 else None)]
             return [Verdict("fault", f"ranks {list(silent)} silent for more than {silence / NS:.1f}s",
                             FaultClass.HANG, "rank", silent)]
         newest = max((a.last_progress for a in view.ranks), default=view.now)
@@ -173,6 +181,14 @@ class DefaultDetection:
             return [Verdict("fault", f"ranks {list(behind)} stuck behind step {top} for more than "
                                      f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
         return []
+
+
+def _silent_nodes(view: WatchdogView, silent: set[int]) -> set[int]:
+    """Indices of the nodes all of whose ranks are silent (none when the placement is unknown)."""
+    rpn = view.ranks_per_node
+    if rpn < 2 or not view.nodes or rpn * len(view.nodes) != len(view.ranks):
+        return set()  # with one rank per node a silent host and a silent process look the same
+    return {i for i in range(len(view.nodes)) if all(r in silent for r in range(i * rpn, (i + 1) * rpn))}
 
 
 def _stuck(activity: RankActivity, top: int, now: int, stall: int) -> bool:

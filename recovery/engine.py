@@ -1002,7 +1002,8 @@ class Engine:
         if job.state not in ("running", "suspect"):
             return
         view = WatchdogView(out.ts, job.step_time, tuple(
-            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)))
+            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
+            tuple(job.nodes), job.rpn)
         verdicts = job.policies.detection.check(view)
         for verdict in verdicts:
             if job.state not in ("running", "suspect") or job.incident is not None:

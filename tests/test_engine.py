@@ -228,3 +228,30 @@ def test_a_periodic_timer_fired_late_skips_the_periods_nobody_fired() -> None:
     assert following == due + 361 * every  # the first period after the firing, not the 360 missed ones
     s.job_event("j", "timer.fired", timer_id=timer_id, due=due + every)  # a missed period fired anyway: stale
     assert s.engine.timers[timer_id][1] == following
+
+
+def test_a_node_whose_every_rank_falls_silent_is_moved_at_once() -> None:
+    s = Scenario()
+    s.spare("s1")
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4, watchdog_interval_s=2, policies=NO_DYING)
+    s.train("j", 6)
+    s.checkpoint("j", 5, "storage", "storage")
+    s.idle("j", 15, ranks=[0, 1])  # b's host died: its agent and both its ranks went quiet together
+    [fault] = s.find("fault.confirmed", "j")
+    assert fault.detail["fault"]["class"] == "node" and fault.detail["fault"]["ranks"] == [2, 3]
+    [started] = s.find("attempt.started", "j")
+    assert started.detail["granularity"] == "migrate" and started.detail["vacate"] == ["b"]
+    assert not s.commands_of("stop_ranks")  # nothing to stop on a host that does not answer
+    s.ack_all()
+    [migrate] = s.commands_of("migrate_ranks")
+    assert (migrate.from_node, migrate.to_node) == ("b", "s1")
+
+
+def test_one_silent_rank_on_a_node_is_still_a_hang() -> None:
+    s = Scenario()
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4, watchdog_interval_s=2, policies=NO_DYING)
+    s.train("j", 6)
+    s.idle("j", 15, ranks=[0, 1, 2])
+    [fault] = s.find("fault.confirmed", "j")
+    assert fault.detail["fault"]["class"] == "hang" and fault.detail["fault"]["ranks"] == [3]
+    assert s.find("attempt.started", "j")[0].detail["granularity"] == "in_place"
