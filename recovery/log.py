@@ -140,6 +140,33 @@ class MemoryLog:
         return None
 
 
+class CountingLog(MemoryLog):
+    """Numbers, stamps and deduplicates records like `MemoryLog` but keeps none: for a simulation whose log
+    nobody reads (54 days of a 16,384-GPU job are a million records)."""
+
+    def __init__(self, clock: Clock = time.time_ns, dedupe_window: int = 100_000) -> None:
+        super().__init__(clock, dedupe_window)
+        self._count = 0
+
+    def append_sync(
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+    ) -> Appended:
+        data, hdrs = _prepare(payload, headers)
+        first = self._dedupe.check(hdrs.get(MSG_ID))
+        if first is not None:
+            return Appended(first, True)
+        self._count += 1
+        record = to_record(self._count, self._stamp(), subject, hdrs, data)
+        self._dedupe.add(hdrs.get(MSG_ID), self._count)
+        return Appended(self._count, False, record)
+
+    def records(self, start_seq: int = 1) -> Iterator[Record | RawRecord]:
+        raise TypeError("a CountingLog keeps no records")
+
+    async def last_seq(self) -> int:
+        return self._count
+
+
 class FileLog:
     """A JSONL file in the export format, one record per line; appends are flushed line by line."""
 
@@ -198,8 +225,11 @@ class FileLog:
     ) -> int:
         return await export_log(self, path, start_seq, job, since_ns)
 
-    async def close(self) -> None:
+    def close_sync(self) -> None:
         self._fh.close()
+
+    async def close(self) -> None:
+        self.close_sync()
 
 
 def iter_file(path: str | os.PathLike[str]) -> Iterator[Record | RawRecord]:

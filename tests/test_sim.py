@@ -96,6 +96,16 @@ def test_verify_and_timeline_work_on_a_simulated_run(tmp_path: Path, capsys: pyt
     # the log is in simulated time: records are stamped from the fixed epoch on, never backwards
     stamps = [r.ts for r in iter_file(path)]
     assert stamps[0] == EPOCH and stamps == sorted(stamps)
+    # streamed as it goes, the same bytes a run kept in memory writes at its end; without a log, the same result
+    sim = Simulator(config(days=1.0, seed=3, rate_per_gpu_hour=3e-3))
+    kept = sim.run()
+    sim.write_log(tmp_path / "kept.jsonl")
+    assert (tmp_path / "kept.jsonl").read_bytes() == path.read_bytes()
+    unlogged = simulate(config(days=1.0, seed=3, rate_per_gpu_hour=3e-3))
+    timing = ("sim_seconds", "engine_seconds")
+    assert {k: v for k, v in unlogged.as_dict().items() if k not in timing} == {
+        k: v for k, v in kept.as_dict().items() if k not in timing}
+    assert unlogged.records == kept.records == len(stamps)
 
 
 def test_the_log_does_not_depend_on_the_hash_seed(tmp_path: Path) -> None:

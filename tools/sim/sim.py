@@ -19,7 +19,7 @@ from events import subjects
 from events.envelope import EnvelopeBase, make_envelope
 from events.outputs import Decision
 from recovery.engine import Engine
-from recovery.log import FileLog, MemoryLog, write_file
+from recovery.log import CountingLog, FileLog, MemoryLog, write_file
 from recovery.recorder import Recorder
 from recovery.scenario import EPOCH
 from tools.sim.accounting import CAUSES, STATE_LABEL, FaultOutcome, Ledger, Result
@@ -196,6 +196,8 @@ class Simulator:
         return result
 
     def _records(self) -> int:
+        if isinstance(self.log, CountingLog):
+            return self.log._count
         if isinstance(self.log, MemoryLog):
             return sum(1 for _ in self.log.records())
         return self.log._last_seq
@@ -208,12 +210,16 @@ class Simulator:
 
 
 def simulate(config: SimConfig, log_path: str | Path | None = None) -> Result:
-    """Run one simulation; with `log_path`, also write its log in the replay format."""
-    sim = Simulator(config)
-    result = sim.run()
-    if log_path is not None:
-        sim.write_log(log_path)
-    return result
+    """Run one simulation; with `log_path`, also write its log in the replay format (as it goes). Without one,
+    the run keeps no log in memory."""
+    if log_path is None:
+        return Simulator(config, log=CountingLog()).run()
+    Path(log_path).unlink(missing_ok=True)
+    log = FileLog(log_path)
+    try:
+        return Simulator(config, log=log).run()
+    finally:
+        log.close_sync()
 
 
 def event(type_: str, data: dict[str, object], *, id: str, job: str | None = None,
