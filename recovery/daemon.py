@@ -1044,6 +1044,8 @@ class Daemon:
             m.jobs.labels(state).set(n)
         m.open_incidents.set(incidents)
         m.timers_armed.set(len(self.engine.timers))
+        m.active.set(1 if self.role == "active" else 0)
+        m.clock_offset.set(self.server_clock.offset_ns / 1e9)
         if self.snapshot_written is not None:
             m.snapshot_age.set(time.monotonic() - self.snapshot_written)
         m.ready.set(1 if self.readiness()[0] else 0)

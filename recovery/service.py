@@ -51,6 +51,11 @@ class Metrics:
         self.replayed = Gauge("recovery_startup_replayed_records",
                               "input records applied at start to catch up from the restored snapshot", registry=r)
         self.ready = Gauge("recovery_ready", "1 when caught up and connected", registry=r)
+        self.active = Gauge("recovery_active", "1 while this daemon holds its partition's lease (or runs without "
+                                               "one), 0 while it stands by", registry=r)
+        self.clock_offset = Gauge("recovery_server_clock_offset_seconds",
+                                  "the NATS server's clock minus this host's, as the timer service estimates it",
+                                  registry=r)
         self.latency = Histogram("recovery_decision_latency_seconds",
                                  "log time of an input to its effects acknowledged by JetStream",
                                  buckets=LATENCY_BUCKETS, registry=r)

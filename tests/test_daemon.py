@@ -255,7 +255,8 @@ async def test_http_endpoints_and_metrics(daemon: Daemon, nats_server: NatsServe
                    'recovery_decisions_total{kind="fault.confirmed"} 1.0', "recovery_open_incidents 1.0",
                    "recovery_consumer_lag 0.0", "recovery_decision_latency_seconds_bucket",
                    "recovery_snapshot_age_seconds", f'recovery_commands_total{{kind="{command}"}} 1.0',
-                   f'recovery_jobs{{state="{state}"}} 1.0', "recovery_ready 1.0"):
+                   f'recovery_jobs{{state="{state}"}} 1.0', "recovery_ready 1.0", "recovery_active 1.0",
+                   "recovery_server_clock_offset_seconds -"):
         assert needle in metrics, needle
     daemon.request_stop()
     code, body = await asyncio.to_thread(_status_of, daemon.http_port, "/readyz")

@@ -69,6 +69,7 @@ async def test_the_standby_takes_over_when_the_active_daemon_is_killed(nats_serv
         standby.start()
         await async_wait_for(lambda: role(standby) == "standby", 30, "the second daemon to stand by")
         assert not standby.ready() and role(active) == "active"
+        assert standby.metrics()["recovery_active"] == 0.0 and active.metrics()["recovery_active"] == 1.0
         await bus.start(cluster)
         await async_wait_for(lambda: cluster.recovered >= 2, 60, "recoveries under the first daemon")
         # The standby stays one while the active daemon renews, over several lease periods.
