@@ -70,6 +70,9 @@ class NatsServer:
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.monitor_port = monitor_port if monitor_port is not None else free_port(host)
+        # Ports we picked ourselves may be taken by someone else before the server binds them; until the server
+        # first ran, another pair is as good. After that its clients know the port: a restart keeps it.
+        self._may_move = port is None and monitor_port is None
         self.binary = binary or find_nats_server()
         self.extra_args = list(extra_args or [])
         self.log_file = Path(log_file) if log_file is not None else self.store_dir / "nats-server.log"
@@ -103,6 +106,23 @@ class NatsServer:
         ready by the deadline or exits first. Starting a running server is a no-op."""
         if self.running:
             return
+        for _ in range(3 if self._may_move else 1):
+            logged = self.log_file.stat().st_size if self.log_file.exists() else 0
+            try:
+                self._start(timeout)
+            except RuntimeError:
+                with self.log_file.open("rb") as log:
+                    log.seek(logged)
+                    taken = b"address already in use" in log.read()  # this attempt's own lines only
+                if not (self._may_move and taken):
+                    raise
+                self.port, self.monitor_port = free_port(self.host), free_port(self.host)
+                continue
+            self._may_move = False
+            return
+        raise RuntimeError(f"nats-server found no free port:\n{self.log_tail()}")
+
+    def _start(self, timeout: float) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._close_log()
         self._log = self.log_file.open("ab")

@@ -189,3 +189,20 @@ def test_demo_runs_a_cluster_live_and_stops_by_itself(tmp_path: Path) -> None:
     assert "verify: ok" in done.stdout, done.stdout
     assert "incident(s) opened" in done.stdout
     assert (tmp_path / "demo" / "demo.jsonl").is_file()
+
+
+def test_a_test_server_whose_picked_port_was_taken_meanwhile_picks_another(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path / "nats")
+    with socket.socket() as squatter:  # someone binds the picked port before the server does
+        squatter.bind((server.host, server.port))
+        squatter.listen()
+        taken = server.port
+        server.start()
+        try:
+            assert server.running and server.port != taken
+            restarted_on = server.port
+            server.stop()
+            server.start()  # once clients know the port, a restart keeps it
+            assert server.port == restarted_on
+        finally:
+            server.stop()
