@@ -634,20 +634,40 @@ class Engine:
         else:
             self._checkpoint(out, job, attempt)
 
+    def _checkpoint_ctx(self, job: Job, attempt: Attempt, dying_allowed: bool, peer_allowed: bool
+                        ) -> CheckpointContext:
+        saving_ranks = set(attempt.ranks) if attempt.granularity is G.IN_PLACE else set()
+        alive = tuple(bool(job.alive[r]) and r not in saving_ranks for r in range(job.world))
+        return CheckpointContext(
+            layout=job.layout, catalog=job.frozen_catalog(), placement=tuple(job.nodes[r // job.rpn]
+                                                                              for r in range(job.world)),
+            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)),
+            alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
+            restarting=frozenset(attempt.ranks),
+        )
+
+    def _refresh_peer_plan(self, out: _Out, job: Job, attempt: Attempt) -> None:
+        """A plan that takes state from live replicas names the step they were at when it was made; they may have
+        trained on (or saved a newer checkpoint) while the processes were stopped. Ask again just before the
+        restart, so that the command names the state the replicas hold now."""
+        plan = attempt.plan
+        if plan is None or not any(source.tier is Tier.PEER for source in plan.shards):
+            return
+        fresh = job.policies.checkpoint.plan(self._checkpoint_ctx(job, attempt, False, True)).resume
+        if fresh != plan:
+            attempt.plan = fresh
+            self._decide(out, job, "checkpoint.plan", f"again before the restart: {plan.checkpoint_step} is no "
+                                                      f"longer where the live replicas are",
+                         policy=job.policies.labels["checkpoint"],
+                         detail={"checkpoint_step": fresh.checkpoint_step, "next_step": fresh.next_step,
+                                 "tiers": _tier_counts(fresh)})
+
     def _checkpoint(self, out: _Out, job: Job, attempt: Attempt) -> None:
         """Choose the resume point; first ask live replicas for a dying checkpoint if the policy says so."""
         incident = job.incident
         assert incident is not None
-        saving_ranks = set(attempt.ranks) if attempt.granularity is G.IN_PLACE else set()
-        alive = tuple(bool(job.alive[r]) and r not in saving_ranks for r in range(job.world))
-        ctx = CheckpointContext(
-            layout=job.layout, catalog=job.frozen_catalog(), placement=tuple(job.nodes[r // job.rpn]
-                                                                              for r in range(job.world)),
-            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)),
-            alive=alive, steps=tuple(job.steps), dying_allowed=not incident.dying_tried,
-            peer_allowed=not incident.peer_tried, restarting=frozenset(attempt.ranks),
-        )
-        plan = job.policies.checkpoint.plan(ctx)
+        plan = job.policies.checkpoint.plan(self._checkpoint_ctx(job, attempt, not incident.dying_tried,
+                                                                 not incident.peer_tried))
         policy = job.policies.labels["checkpoint"]
         if plan.save is None and any(source.tier is Tier.PEER for source in plan.resume.shards):
             incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
@@ -713,6 +733,7 @@ class Engine:
             self._decide(out, job, "job.paused", attempt.reason, trigger="pause",
                          cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
             return
+        self._refresh_peer_plan(out, job, attempt)
         cid = out.command_id(job.id)
         commands: list[Any] = []
         if g is G.RETRY:

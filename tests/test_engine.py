@@ -255,3 +255,23 @@ def test_one_silent_rank_on_a_node_is_still_a_hang() -> None:
     [fault] = s.find("fault.confirmed", "j")
     assert fault.detail["fault"]["class"] == "hang" and fault.detail["fault"]["ranks"] == [3]
     assert s.find("attempt.started", "j")[0].detail["granularity"] == "in_place"
+
+
+def test_a_plan_from_live_replicas_is_made_again_when_they_moved_on_before_the_restart() -> None:
+    s = Scenario()
+    s.spare("s1")
+    s.submit("j", ["a", "b"], ranks_per_node=1, dp=2)
+    s.train("j", 5)
+    s.node_event("b", "network.link_down", link="mlx5_0")
+    s.idle("j", 10)  # the link debounce: b's rank moves to the spare, its state from rank 0 at step 5
+    [plan] = s.find("checkpoint.plan", "j")
+    assert plan.detail["checkpoint_step"] == 5 and plan.detail["tiers"] == {"peer": 1}
+    [stop] = s.outstanding("stop_ranks")
+    # while rank 1 is being stopped, rank 0 finishes step 6 and a checkpoint of it lands
+    s.steps("j", 6, ranks=[0])
+    s.checkpoint("j", 6, "storage", "storage")
+    s.complete(stop)
+    again = s.find("checkpoint.plan", "j")[-1]
+    assert again.reason.startswith("again before the restart") and again.detail["checkpoint_step"] == 6
+    [migrate] = s.outstanding("migrate_ranks")
+    assert (migrate.to_node, migrate.plan.checkpoint_step) == ("s1", 6)
