@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -58,34 +59,10 @@ class NewestCompleteCheckpoint:
         return CheckpointPlan(resume, None, reason)
 
 
-def dying_savers(ctx: CheckpointContext) -> SaveRequest | None:
-    """One live replica per shard, all at one common step (the newest such step), or None."""
+def _replicas_at(ctx: CheckpointContext, usable: Callable[[int], bool]) -> tuple[int, list[list[int]]] | None:
+    """The newest step every shard has a usable replica at or past, and per shard those replicas (lowest rank
+    first); None when some shard has no usable replica."""
     shards = ctx.layout.shards
-    best: list[int] = [-1] * shards
-    for rank, (alive, step) in enumerate(zip(ctx.alive, ctx.steps, strict=True)):
-        if alive and ctx.placement[rank] not in ctx.unreachable:
-            shard = rank % shards
-            best[shard] = max(best[shard], step)
-    step = min(best)
-    if step < 0:
-        return None
-    savers: list[int] = []
-    for shard in range(shards):
-        for rank in range(shard, len(ctx.alive), shards):  # the replicas of this shard, lowest rank first
-            if ctx.alive[rank] and ctx.placement[rank] not in ctx.unreachable and ctx.steps[rank] >= step:
-                savers.append(rank)
-                break
-    return SaveRequest(step, tuple(savers))
-
-
-def live_peers(ctx: CheckpointContext, per_shard: int) -> ResumePlan | None:
-    """The newest step every shard's live replicas outside the restart share, and up to `per_shard` of them
-    (on distinct nodes, lowest rank first) per shard; None when some shard has no such replica."""
-    shards = ctx.layout.shards
-
-    def usable(rank: int) -> bool:
-        return ctx.alive[rank] and rank not in ctx.restarting and ctx.placement[rank] not in ctx.unreachable
-
     best: list[int] = [-1] * shards
     for rank, step in enumerate(ctx.steps):
         if usable(rank):
@@ -94,16 +71,30 @@ def live_peers(ctx: CheckpointContext, per_shard: int) -> ResumePlan | None:
     step = min(best)
     if step < 0:
         return None
-    sources: list[ShardSource] = []
-    for shard in range(shards):
-        holders: list[str] = []
-        for rank in range(shard, len(ctx.alive), shards):
-            node = ctx.placement[rank]
-            if usable(rank) and ctx.steps[rank] >= step and node not in holders:
-                holders.append(node)
-                if len(holders) == per_shard:
-                    break
-        sources.append(ShardSource(shard=shard, tier=Tier.PEER, holders=sorted(holders)))
+    return step, [[rank for rank in range(shard, len(ctx.alive), shards) if usable(rank) and ctx.steps[rank] >= step]
+                  for shard in range(shards)]
+
+
+def dying_savers(ctx: CheckpointContext) -> SaveRequest | None:
+    """One live replica per shard, all at one common step (the newest such step), or None."""
+    found = _replicas_at(ctx, lambda r: bool(ctx.alive[r]) and ctx.placement[r] not in ctx.unreachable)
+    if found is None:
+        return None
+    step, replicas = found
+    return SaveRequest(step, tuple(ranks[0] for ranks in replicas))
+
+
+def live_peers(ctx: CheckpointContext, per_shard: int) -> ResumePlan | None:
+    """The newest step every shard's live replicas outside the restart share, and up to `per_shard` of them
+    (on distinct nodes, lowest rank first) per shard; None when some shard has no such replica."""
+    found = _replicas_at(ctx, lambda r: bool(ctx.alive[r]) and r not in ctx.restarting
+                         and ctx.placement[r] not in ctx.unreachable)
+    if found is None:
+        return None
+    step, replicas = found
+    sources = [ShardSource(shard=shard, tier=Tier.PEER,
+                           holders=sorted(list(dict.fromkeys(ctx.placement[r] for r in ranks))[:per_shard]))
+               for shard, ranks in enumerate(replicas)]
     return ResumePlan(checkpoint_step=step, next_step=step + 1, shards=sources)
 
 

@@ -94,6 +94,7 @@ class MemoryLog:
     def __init__(self, clock: Clock = time.time_ns, dedupe_window: int = 100_000) -> None:
         self._clock = clock
         self._last_ts = 0
+        self._count = 0
         self._records: list[Record | RawRecord] = []
         self._dedupe = _Dedupe(dedupe_window)
 
@@ -109,11 +110,14 @@ class MemoryLog:
         first = self._dedupe.check(hdrs.get(MSG_ID))
         if first is not None:
             return Appended(first, True)
-        seq = len(self._records) + 1
-        record = to_record(seq, self._stamp(), subject, hdrs, data)
+        self._count += 1
+        record = to_record(self._count, self._stamp(), subject, hdrs, data)
+        self._keep(record)
+        self._dedupe.add(hdrs.get(MSG_ID), self._count)
+        return Appended(self._count, False, record)
+
+    def _keep(self, record: Record | RawRecord) -> None:
         self._records.append(record)
-        self._dedupe.add(hdrs.get(MSG_ID), seq)
-        return Appended(seq, False, record)
 
     async def append(
         self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
@@ -128,7 +132,7 @@ class MemoryLog:
             yield record
 
     async def last_seq(self) -> int:
-        return len(self._records)
+        return self._count
 
     async def export(
         self, path: str | os.PathLike[str], start_seq: int = 1, job: str | None = None,
@@ -144,27 +148,11 @@ class CountingLog(MemoryLog):
     """Numbers, stamps and deduplicates records like `MemoryLog` but keeps none: for a simulation whose log
     nobody reads (54 days of a 16,384-GPU job are a million records)."""
 
-    def __init__(self, clock: Clock = time.time_ns, dedupe_window: int = 100_000) -> None:
-        super().__init__(clock, dedupe_window)
-        self._count = 0
-
-    def append_sync(
-        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
-    ) -> Appended:
-        data, hdrs = _prepare(payload, headers)
-        first = self._dedupe.check(hdrs.get(MSG_ID))
-        if first is not None:
-            return Appended(first, True)
-        self._count += 1
-        record = to_record(self._count, self._stamp(), subject, hdrs, data)
-        self._dedupe.add(hdrs.get(MSG_ID), self._count)
-        return Appended(self._count, False, record)
+    def _keep(self, record: Record | RawRecord) -> None:
+        pass
 
     def records(self, start_seq: int = 1) -> Iterator[Record | RawRecord]:
         raise TypeError("a CountingLog keeps no records")
-
-    async def last_seq(self) -> int:
-        return self._count
 
 
 class FileLog:
