@@ -40,6 +40,16 @@ class NodeState:
         self.faults: deque[int] | None = None  # made at the node's first fault: most nodes never have one
         self.device_faults: dict[int, deque[int]] = {}
 
+    def copy(self) -> NodeState:
+        twin = NodeState.__new__(NodeState)
+        for name in NodeState.__slots__:
+            setattr(twin, name, getattr(self, name))
+        twin.bad_devices = set(self.bad_devices)
+        twin.links_down = None if self.links_down is None else set(self.links_down)
+        twin.faults = None if self.faults is None else deque(self.faults, maxlen=HISTORY)
+        twin.device_faults = {d: deque(times, maxlen=HISTORY) for d, times in self.device_faults.items()}
+        return twin
+
     @property
     def usable(self) -> bool:
         # A node whose fabric link is down can hold no rank of a collective job: restarting ranks there fails.
@@ -55,13 +65,27 @@ class NodeState:
 class ClusterView:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeState] = {}
+        self.journal: dict[str, NodeState | None] | None = None
+        """while the engine applies a record: each node as it was before the record first touched it (None: the
+        record registered it), so that a record that fails half way changes nothing"""
 
     def node(self, name: str) -> NodeState:
-        """The node, registered on first sight: a job placed on it by the scheduler is proof it exists."""
+        """The node, to read or change; registered on first sight: a job placed on it by the scheduler is proof
+        it exists. Every change to a node goes through here, so the journal sees it."""
         state = self.nodes.get(name)
+        journal = self.journal
+        if journal is not None and name not in journal:
+            journal[name] = None if state is None else state.copy()
         if state is None:
             state = self.nodes[name] = NodeState(name)
         return state
+
+    def rollback(self, journal: dict[str, NodeState | None]) -> None:
+        for name, before in journal.items():
+            if before is None:
+                self.nodes.pop(name, None)  # registered last, so its removal restores the order
+            else:
+                self.nodes[name] = before  # an existing key keeps its place: free_spares() order is kept
 
     def usable(self, name: str) -> bool:
         state = self.nodes.get(name)
@@ -95,4 +119,4 @@ class ClusterView:
     def release(self, name: str, job: str) -> None:
         node = self.nodes.get(name)
         if node is not None and node.job == job:
-            node.job = None
+            self.node(name).job = None

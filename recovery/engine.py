@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from orjson import dumps as orjson_dumps
 from orjson import loads as orjson_loads
@@ -52,6 +53,7 @@ from recovery.job import CLOSED_INCIDENTS, DEDUPE_WINDOW, Attempt, Incident, Job
 from recovery.machine import FINAL, TRANSITIONS, fire
 
 Effect = Decision | Rejection
+_T = TypeVar("_T")
 G = Granularity
 _PROGRESS = ("process.heartbeat", "progress.step")
 NODE_DEDUPE_WINDOW = 65_536
@@ -59,6 +61,9 @@ FINISHED_JOBS_KEPT = 256
 """completed, failed and cancelled jobs kept for `recovery-ctl` and late events; older ones are forgotten (the log
 keeps everything), so that a daemon running for months does not grow with every job it ever saw. A constant, not
 a setting: a replay must forget exactly what the daemon forgot."""
+MAX_PLANS_PER_RECORD = 16
+"""a record that would ask the rescheduling policy more often than this (each answer superseded at once) makes the
+job wait instead: a policy and a cluster that keep refusing each other must not loop"""
 _RESTARTS = (G.IN_PLACE, G.MIGRATE, G.RESTART_JOB, G.SCALE_IN, G.SCALE_OUT)
 
 
@@ -73,11 +78,12 @@ class _Out:
     """Effects of one record, with the counters that make command ids and decision indexes (made on first
     use: most records, the heartbeats and steps, decide nothing)."""
 
-    __slots__ = ("commands", "decisions", "effects", "seq", "ts")
+    __slots__ = ("commands", "decisions", "effects", "plans", "seq", "ts")
 
     def __init__(self, seq: int, ts: int) -> None:
         self.seq = seq
         self.ts = ts
+        self.plans = 0  # rescheduling decisions asked for within this record: bounded by MAX_PLANS_PER_RECORD
         self.effects: list[Effect] = []
         self.commands: dict[str, int] | None = None
         self.decisions: dict[str, int] | None = None
@@ -108,11 +114,23 @@ class Engine:
         self._hungry: dict[str, None] = {}  # every job that _hungry() holds for, and maybe some it no longer does
         self._finished: dict[str, None] = {}  # jobs in a final state, in the order they got there
         self._submissions = 0  # jobs ever accepted: the next one's place in _order (forgotten jobs leave gaps)
+        self._undo: _Undo | None = None  # the journal of the record being applied, if it changes anything
+        self._last: tuple[_Undo | None, Record | RawRecord, EnvelopeBase] | None = None  # for revoke()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The journal and the last record are about the record just applied, not the engine's state: a
+        # snapshot leaves them out (and the envelope models made at import time do not pickle).
+        return {**self.__dict__, "_undo": None, "_last": None}
 
     # -- entry point ----------------------------------------------------------------------------------
     def apply(self, record: Record | RawRecord) -> list[Effect]:
-        """Apply one log record; return its effects. Bad input becomes a Rejection and changes nothing."""
+        """Apply one log record; return its effects. Bad input becomes a Rejection and changes nothing.
+
+        So does a record whose handling fails half way (a bug, a policy that raises, a value that cannot be
+        encoded): everything the record changed is undone from the journal and the record is dead-lettered, so
+        that one poisoned record never stops the daemon nor leaves a job half changed."""
         self.last_seq = record.seq
+        self._undo = self._last = None
         if is_output(record.subject):
             return []  # our own decisions and dead letters, kept in the log for audit
         if isinstance(record, RawRecord):
@@ -126,16 +144,93 @@ class Engine:
         out = _Out(record.seq, record.ts)
         try:
             self._dispatch(out, record.subject, envelope)
+            _check_encodable(out.effects)
         except _Reject as exc:
+            self._rollback()
             return [self._rejection(record, exc.code, exc.reason, envelope.id, envelope.job, envelope.node)]
         except Exception as exc:  # a bug must not stop the daemon; it is kept, with its cause, in the log
+            self._rollback()
             where = traceback.extract_tb(exc.__traceback__)[-1]
             return [self._rejection(record, "internal_error",
                                     f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})",
                                     envelope.id, envelope.job, envelope.node)]
+        finally:
+            self.cluster.journal = None
+        self._last = (self._undo, record, envelope)
+        self._undo = None
         if len(self._finished) > FINISHED_JOBS_KEPT:
             self._forget_finished()  # after the record, never while its handlers walk the jobs
         return out.effects
+
+    def revoke(self, reason: str) -> Rejection:
+        """Undo the record applied last, whose effects could not be written (the caller's encoding failed): it
+        becomes a rejection, as if the engine had refused it. Only valid right after `apply`."""
+        if self._last is None:
+            raise RuntimeError("revoke() follows an apply() that returned effects")
+        undo, record, envelope = self._last
+        self._undo, self._last = undo, None
+        self._rollback()
+        return self._rejection(record, "unencodable", reason, envelope.id, envelope.job, envelope.node)
+
+    # -- the journal: what a record changed, to undo it -----------------------------------------------
+    def _guard(self, job: Job | None) -> _Undo:
+        """Open the journal for this record (most heartbeats and steps never do) and note `job` in it."""
+        undo = self._undo
+        if undo is None:
+            undo = self._undo = _Undo(self)
+            self.cluster.journal = undo.nodes
+        if job is not None and job.id not in undo.jobs:
+            undo.jobs[job.id] = (job, job.memento())
+        return undo
+
+    def _touch(self, job: Job) -> None:
+        undo = self._undo
+        if undo is not None and job.id not in undo.jobs:
+            undo.jobs[job.id] = (job, job.memento())
+
+    def _note_timer(self, timer_id: str, removing: bool = False) -> None:
+        undo = self._undo
+        if undo is None:
+            return
+        if timer_id not in undo.timers:
+            undo.timers[timer_id] = self.timers.get(timer_id)
+        if removing and undo.timer_order is None:
+            undo.timer_order = list(self.timers)  # a removed timer comes back at its place, not at the end
+
+    def _note_indexes(self) -> None:
+        undo = self._undo
+        if undo is not None and undo.hungry is None:
+            undo.hungry, undo.finished = dict(self._hungry), dict(self._finished)
+
+    def _rollback(self) -> None:
+        undo = self._undo
+        self._undo = None
+        if undo is None:
+            return
+        for job, memento in undo.jobs.values():
+            job.restore(memento)
+        if undo.created is not None:
+            self.jobs.pop(undo.created, None)
+            self._order.pop(undo.created, None)
+            self._submissions = undo.submissions
+        self.cluster.rollback(undo.nodes)
+        for timer_id, before in undo.timers.items():
+            if before is None:
+                self.timers.pop(timer_id, None)
+            else:
+                self.timers[timer_id] = before
+        if undo.timer_order is not None:
+            self.timers = {timer_id: self.timers[timer_id] for timer_id in undo.timer_order}
+        if undo.hungry is not None and undo.finished is not None:
+            self._hungry, self._finished = undo.hungry, undo.finished
+        if undo.seen is not None:
+            seen, event_id, evicted = undo.seen
+            seen.pop(event_id, None)
+            if evicted is not None:  # put the evicted id back in front, where the window's oldest is
+                rest = list(seen)
+                seen.clear()
+                seen[evicted] = None
+                seen.update(dict.fromkeys(rest))
 
     def _forget_finished(self) -> None:
         while len(self._finished) > FINISHED_JOBS_KEPT:
@@ -173,12 +268,13 @@ class Engine:
             if env.id in seen:
                 raise _Reject("duplicate", f"event id {env.id!r} already applied to job {env.job}")
             if type_ in _PROGRESS:
+                if job.state == "restoring":
+                    self._guard(job)  # progress past the resume point closes the incident
                 self._progress(out, job, env.data)
             else:
+                self._guard(job)
                 self._job_event(out, job, type_, env.data)
-            seen[env.id] = None  # Job.remember, without its membership test: done just above
-            if len(seen) > DEDUPE_WINDOW:
-                del seen[next(iter(seen))]
+            self._remember(seen, env.id, DEDUPE_WINDOW)
         elif type_ in NODE_EVENTS:
             if env.node is None:
                 raise _Reject("schema_violation", f"{type_} is a node event but the envelope names no node")
@@ -187,12 +283,21 @@ class Engine:
                                                   f"expected {node_event(env.node, type_)!r}")
             if env.id in self._node_seen:
                 raise _Reject("duplicate", f"event id {env.id!r} already applied")
+            self._guard(None)
             self._node_event(out, env.node, type_, env.data)
-            self._node_seen[env.id] = None
-            if len(self._node_seen) > NODE_DEDUPE_WINDOW:
-                self._node_seen.popitem(last=False)
+            self._remember(self._node_seen, env.id, NODE_DEDUPE_WINDOW)
         else:
             raise _Reject("unknown_type", f"{type_} is not an input event")
+
+    def _remember(self, seen: dict[str, None], event_id: str, window: int) -> None:
+        """Note an applied event id for deduplication, once its record has succeeded."""
+        seen[event_id] = None
+        evicted = None
+        if len(seen) > window:
+            evicted = next(iter(seen))
+            del seen[evicted]
+        if self._undo is not None:
+            self._undo.seen = (seen, event_id, evicted)
 
     # -- decisions ------------------------------------------------------------------------------------
     def _decide(self, out: _Out, job: Job, kind: str, reason: str, *, trigger: str | None = None,
@@ -209,19 +314,26 @@ class Engine:
             timers=timers or [], cancelled_timers=cancelled or [], detail=detail or {},
         ))
         if _hungry(job):  # every change of state goes through here
+            self._note_indexes()
             self._hungry[job.id] = None
         if job.state in FINAL and previous not in FINAL:
+            self._note_indexes()
             self._finished[job.id] = None
 
     def _timer(self, out: _Out, job: Job, purpose: str, after_ns: int, every: int | None = None) -> TimerRequest:
         timer_id = f"{job.id}/{purpose}/{out.seq}"
+        if after_ns < 0 or (every is not None and every <= 0):
+            raise _Reject("invalid_timer", f"timer {timer_id} would fire after {after_ns} ns every {every} ns")
         due = out.ts + after_ns
+        self._note_timer(timer_id)
         self.timers[timer_id] = (job.id, due, every)
         return TimerRequest(id=timer_id, due=due, every=every)
 
     def _cancel(self, *timer_ids: str | None) -> list[str]:
         gone = []
         for timer_id in timer_ids:
+            if timer_id is not None and timer_id in self.timers:
+                self._note_timer(timer_id, removing=True)
             if timer_id is not None and self.timers.pop(timer_id, None) is not None:
                 gone.append(timer_id)
         return gone
@@ -243,6 +355,8 @@ class Engine:
             if node is not None and node.isolated:
                 raise _Reject("placement_conflict", f"node {name} is isolated")
         job = Job(job_id, spec, policies)
+        undo = self._guard(None)
+        undo.created, undo.submissions = job_id, self._submissions
         self.jobs[job_id] = job
         self._order[job_id] = self._submissions
         self._submissions += 1
@@ -383,8 +497,12 @@ class Engine:
             node.links_down = None
             # A node that (re)joins has been booted: whatever it held in host memory is gone.
             for other in self.jobs.values():
-                other.forget_memory(name)
+                if other.holds_memory_on(name):
+                    self._touch(other)
+                    other.forget_memory(name)
         job = self.jobs.get(node.job) if node.job is not None else None
+        if job is not None:
+            self._touch(job)
         if job is not None and job.state not in FINAL and name in job.nodes:
             on_node = job.ranks_on(name)
             if isinstance(data, kinds.DeviceFault | kinds.DeviceRecovered):
@@ -399,7 +517,7 @@ class Engine:
     def _signal(self, out: _Out, job: Job, signal: Signal) -> None:
         if job.state in ("submitted", "paused"):
             return
-        verdict = job.policies.detection.classify(signal)
+        verdict = _ask(job, "detection", job.policies.detection.classify, signal)
         self._verdict(out, job, verdict, type_=signal.type)
 
     def _verdict(self, out: _Out, job: Job, verdict: Verdict, type_: str) -> None:
@@ -566,8 +684,22 @@ class Engine:
             scale_in_dp=self._scale_in_dp(job, vacate), forced=forced,
             widened=incident.widened,
         )
-        action = job.policies.rescheduling.decide(ctx)
+        action = _ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
         policy = job.policies.labels["rescheduling"]
+        out.plans += 1
+        short = None if action.wait or action.granularity is None else self._unplaceable(
+            job, action.granularity, vacate, migrate, len(spares), forced)
+        if short is None and out.plans > MAX_PLANS_PER_RECORD:
+            short = f"asked {out.plans} times within one record"
+        if short is not None:
+            # The policy chose what the cluster cannot carry out now. Asking again at once would get the same answer
+            # (a policy is a pure function of the same context): wait until nodes come back, and say why.
+            incident.enter("waiting", out.ts)
+            chose = action.granularity.value if action.granularity is not None else "nothing"
+            self._decide(out, job, "attempt.waiting", f"{policy} chose {chose}, which cannot be placed: {short}; "
+                                                      f"wait for nodes", trigger="wait", policy=policy,
+                         detail={"vacate": vacate, "spares": len(spares), "refused": action.reason})
+            return
         if action.settle_ns > 0 and action.granularity is None and not action.wait:
             timer = self._timer(out, job, f"settle/{incident.id}/{len(incident.attempts)}", action.settle_ns)
             incident.settle_timer = timer.id
@@ -593,6 +725,27 @@ class Engine:
         if g in _RESTARTS:
             job.restarts_used += 1
         self._start(out, job, attempt, action.deadline_ns, policy, vacate)
+
+    def _unplaceable(self, job: Job, g: Granularity, vacate: list[str], migrate: list[str], spares: int,
+                     forced: Granularity | None) -> str | None:
+        """Why an attempt of granularity `g` cannot be carried out on the cluster as it is, or None if it can.
+        The engine checks every policy's answer: a third-party ladder that picks a restart the cluster cannot
+        place must not make the engine supersede, refund and ask again without end."""
+        if g is G.MIGRATE and len(migrate) > spares:
+            return f"{len(migrate)} node(s) to move, {spares} spare(s)"
+        if g in (G.RESTART_JOB, G.DUMP) and len(vacate) > spares:
+            return f"{len(vacate)} node(s) to replace, {spares} spare(s)"
+        if g is G.IN_PLACE and vacate and forced is None:
+            return f"node(s) {', '.join(vacate)} cannot run processes now"
+        if g is G.SCALE_IN:
+            elastic = job.spec.elastic
+            if elastic is None:
+                return "the job is not elastic"
+            if self._scale_in_dp(job, vacate) is None:
+                return f"no data-parallel size within [{elastic.min_dp}, {elastic.max_dp}] fits the usable nodes"
+        if g is G.SCALE_OUT:
+            return "scale-out is started by the engine when nodes return, not a recovery"
+        return None
 
     def _start(self, out: _Out, job: Job, attempt: Attempt, deadline_ns: int, policy: str | None,
                vacate: list[str], trigger: str | None = None) -> None:
@@ -653,7 +806,8 @@ class Engine:
         plan = attempt.plan
         if plan is None or not any(source.tier is Tier.PEER for source in plan.shards):
             return
-        fresh = job.policies.checkpoint.plan(self._checkpoint_ctx(job, attempt, False, True)).resume
+        fresh = _ask(job, "checkpoint", job.policies.checkpoint.plan,
+                     self._checkpoint_ctx(job, attempt, False, True)).resume
         if fresh != plan:
             attempt.plan = fresh
             self._decide(out, job, "checkpoint.plan", f"again before the restart: {plan.checkpoint_step} is no "
@@ -666,8 +820,8 @@ class Engine:
         """Choose the resume point; first ask live replicas for a dying checkpoint if the policy says so."""
         incident = job.incident
         assert incident is not None
-        plan = job.policies.checkpoint.plan(self._checkpoint_ctx(job, attempt, not incident.dying_tried,
-                                                                 not incident.peer_tried))
+        ctx = self._checkpoint_ctx(job, attempt, not incident.dying_tried, not incident.peer_tried)
+        plan = _ask(job, "checkpoint", job.policies.checkpoint.plan, ctx)
         policy = job.policies.labels["checkpoint"]
         if plan.save is None and any(source.tier is Tier.PEER for source in plan.resume.shards):
             incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
@@ -944,8 +1098,10 @@ class Engine:
                 # Periods went by with nobody to fire them (the daemon was down): the next one is the first
                 # after this firing, not a burst of every period missed.
                 following += ((out.ts - following) // every + 1) * every
+            self._note_timer(data.timer_id)
             self.timers[data.timer_id] = (owner, following, every)
         else:
+            self._note_timer(data.timer_id, removing=True)
             del self.timers[data.timer_id]
         if data.timer_id == job.watchdog:
             self._watchdog(out, job)
@@ -1025,7 +1181,7 @@ class Engine:
         view = WatchdogView(out.ts, job.step_time, tuple(
             RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
             tuple(job.nodes), job.rpn)
-        verdicts = job.policies.detection.check(view)
+        verdicts = _ask(job, "detection", job.policies.detection.check, view)
         for verdict in verdicts:
             if job.state not in ("running", "suspect") or job.incident is not None:
                 break
@@ -1037,12 +1193,14 @@ class Engine:
         # the decisions of a scan of every job: acting for one job never makes another one hungry.
         for job_id in sorted(self._hungry, key=self._order.__getitem__):
             job = self.jobs[job_id]
+            self._touch(job)
             if job.state == "waiting" and job.incident is not None:
                 self._plan(out, job)
             elif (job.state == "running" and job.incident is None and job.spec.elastic is not None
                   and job.layout.dp < job.target_dp):
                 self._scale(out, job, job.target_dp, "nodes returned: scale out", cause="scale")
             if not _hungry(job):
+                self._note_indexes()
                 self._hungry.pop(job_id, None)
 
     # -- operators ------------------------------------------------------------------------------------
@@ -1089,6 +1247,7 @@ class Engine:
             # node.joined/ready fail in _capacity_returned with this job's error.
             job.target_dp = data.dp
             if _hungry(job):
+                self._note_indexes()
                 self._hungry[job.id] = None
         elif type_ == "operator.force":
             if job.state in ("submitted", "paused"):
@@ -1152,6 +1311,50 @@ class Engine:
                 "jobs": {job_id: self.jobs[job_id].snapshot() for job_id in sorted(self.jobs)},
                 "timers": [{"id": t, "job": j, "due": d, "every": e} for t, (j, d, e) in self.timers.items()],
                 "nodes": [self.cluster.nodes[n].snapshot() for n in sorted(self.cluster.nodes)]}
+
+
+class _Undo:
+    """What the record being applied changed, as it was before: enough to undo it exactly."""
+
+    __slots__ = ("created", "finished", "hungry", "jobs", "nodes", "seen", "submissions", "timer_order", "timers")
+
+    def __init__(self, engine: Engine) -> None:
+        self.jobs: dict[str, tuple[Job, tuple[Any, ...]]] = {}
+        self.nodes: dict[str, Any] = {}
+        self.timers: dict[str, tuple[str, int, int | None] | None] = {}
+        self.timer_order: list[str] | None = None
+        self.hungry: dict[str, None] | None = None
+        self.finished: dict[str, None] | None = None
+        self.created: str | None = None
+        self.submissions = engine._submissions
+        self.seen: tuple[dict[str, None], str, str | None] | None = None
+
+
+MAX_WIRE_INT = 2**63 - 1
+"""the largest integer every consumer of the log can read (a signed 64-bit one); timers are nanoseconds"""
+
+
+def _check_encodable(effects: list[Effect]) -> None:
+    """Numbers the engine computed (due times) must fit the wire; everything else it copies from validated
+    input. A decision that cannot be written would stop every consumer of the log on the same record."""
+    for effect in effects:
+        if isinstance(effect, Decision):
+            for timer in effect.timers:
+                if not 0 <= timer.due <= MAX_WIRE_INT or (timer.every is not None
+                                                         and not 0 < timer.every <= MAX_WIRE_INT):
+                    raise _Reject("unencodable", f"timer {timer.id} due at {timer.due} ns every {timer.every} "
+                                                 f"ns does not fit a 64-bit integer")
+
+
+def _ask(job: Job, family: str, call: Callable[[Any], _T], argument: Any) -> _T:
+    """Call a policy. Policies are third-party code: an exception fails this record (rolled back, dead-lettered
+    as `policy_error` naming the policy), never the engine."""
+    try:
+        return call(argument)
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise _Reject("policy_error", f"{family} policy {job.policies.labels.get(family, '?')} raised "
+                                      f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})") from exc
 
 
 _DEST = {t["trigger"]: t["dest"] for t in TRANSITIONS}

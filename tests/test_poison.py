@@ -1,0 +1,213 @@
+"""One record must never wedge the engine: a policy that raises, a value that cannot be encoded, a policy whose
+answer the cluster cannot carry out. Each is undone (no state half changed), dead-lettered with its reason, and
+the job and every other job go on."""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from events.outputs import Rejection
+from events.values import JobSpec, Layout
+from policies.base import PolicySet
+from recovery.engine import Engine
+from recovery.scenario import Scenario
+from tests.test_properties import CheckedScenario, Driver, JobPlan, Plan, engine_state, plans
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class Flaky:
+    """Wraps a job's three policies; the `fail_at`-th call to any of them raises. Calls made by a record that is
+    then rolled back count too, so a plan meets a failure at every depth of the engine's call tree. The count is
+    left out of pickles: the tests compare pickled engines, and the count is the test's, not the engine's."""
+
+    def __init__(self, policies: PolicySet, fail_at: int) -> None:
+        self.inner = policies
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"inner": self.inner, "fail_at": self.fail_at}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, calls=0)
+
+    def call(self, family: str, method: str, argument: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise Boom(f"call {self.calls}")
+        return getattr(getattr(self.inner, family), method)(argument)
+
+    def policy_set(self) -> PolicySet:
+        return PolicySet(FlakyFamily(self, "detection"), FlakyFamily(self, "rescheduling"),  # type: ignore[arg-type]
+                         FlakyFamily(self, "checkpoint"), self.inner.labels)
+
+
+class FlakyFamily:
+    def __init__(self, flaky: Flaky, family: str) -> None:
+        self.flaky = flaky
+        self.family = family
+
+    def classify(self, signal: Any) -> Any:
+        return self.flaky.call(self.family, "classify", signal)
+
+    def check(self, view: Any) -> Any:
+        return self.flaky.call(self.family, "check", view)
+
+    def decide(self, ctx: Any) -> Any:
+        return self.flaky.call(self.family, "decide", ctx)
+
+    def plan(self, ctx: Any) -> Any:
+        return self.flaky.call(self.family, "plan", ctx)
+
+
+def with_policies(s: Scenario, job: str, policies: PolicySet) -> None:
+    s.engine.jobs[job].policies = policies  # what a plugin would have loaded at submission
+
+
+def test_a_policy_that_raises_half_way_changes_nothing_and_names_the_policy() -> None:
+    s = Scenario()
+    s.submit("a", ["a0", "a1"], ranks_per_node=2, dp=4)
+    s.submit("b", ["b0"], ranks_per_node=2, dp=2)
+    s.train("a", 3)
+    s.train("b", 3)
+    real = s.engine.jobs["a"].policies
+    flaky = Flaky(real, fail_at=2)  # classify passes, then the ladder raises: the exit was already recorded
+    with_policies(s, "a", flaky.policy_set())
+    before = engine_state(s.engine)
+    effects = s.job_event("a", "process.exited", rank=1, exit_code=1)
+    assert len(effects) == 1 and isinstance(effects[0], Rejection)
+    assert effects[0].code == "policy_error"
+    assert "rescheduling policy ladder@" in effects[0].reason and "Boom" in effects[0].reason
+    assert engine_state(s.engine) == before, "a policy's exception left the job half changed"
+    assert s.engine.jobs["a"].alive[1] == 1
+    # The job is whole and the other job never noticed; once the policy answers, the same fault recovers.
+    with_policies(s, "a", real)
+    s.train("b", 1)
+    s.job_event("a", "process.exited", rank=1, exit_code=1)
+    s.ack_all()
+    s.train("a", 2)
+    assert s.find("incident.closed", "a") and s.state("a") == "running"
+
+
+class FlakyDriver(Driver):
+    fail_at: int = 0
+
+    def _submit(self, job: JobPlan, name: str) -> None:
+        super()._submit(job, name)
+        state = self.scenario.engine.jobs.get(name)
+        if state is not None and self.fail_at:
+            state.policies = Flaky(state.policies, self.fail_at).policy_set()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(plans(max_ops=60), st.integers(min_value=1, max_value=40))
+def test_a_policy_failing_anywhere_leaves_no_state_half_changed(plan: Plan, fail_at: int) -> None:
+    """Whichever policy call raises, in whatever state: the record is rejected as a policy error and the engine is
+    exactly as before it (CheckedScenario compares the whole pickled engine around every rejection)."""
+    driver = FlakyDriver(plan, CheckedScenario())
+    driver.fail_at = fail_at
+    driver.start()
+    for op in plan.ops:
+        driver.play(op)
+    codes = {r.code for r in driver.scenario.rejections}
+    assert "internal_error" not in codes
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    """A job spec built without validation: what an older, laxer producer or a bug could put in the log."""
+    base = JobSpec(nodes=["x0"], ranks_per_node=2, layout=Layout(dp=2))
+    return {**base.model_dump(), **overrides}
+
+
+def submit_unchecked(s: Scenario, job: str, **overrides: Any) -> list[Any]:
+    raw = JobSpec.model_construct(**spec(**overrides))
+    s.job_event(job, "job.submitted", spec=JobSpec(nodes=["x0"], ranks_per_node=2, layout=Layout(dp=2)).model_dump())
+    s.engine.jobs[job].spec = raw  # the engine only ever reads the spec it was given
+    return s.job_event(job, "job.started")
+
+
+def test_a_timer_past_64_bits_is_refused_and_changes_nothing() -> None:
+    s = Scenario()
+    s.submit("ok", ["o0"], ranks_per_node=2, dp=2)
+    before = engine_state(s.engine)
+    effects = submit_unchecked(s, "poison", watchdog_interval_s=1e11)
+    assert [type(e) for e in effects] == [Rejection] and effects[0].code == "unencodable"  # type: ignore[union-attr]
+    assert "64-bit" in effects[0].reason  # type: ignore[union-attr]
+    assert s.state("poison") == "submitted", "the refused start changed the job"
+    del s.engine.jobs["poison"]  # compare the rest: the accepted submission is the only change
+    assert pickle.loads(engine_state(s.engine)).snapshot()["jobs"] == pickle.loads(before).snapshot()["jobs"]
+
+
+def test_a_zero_period_timer_is_refused() -> None:
+    s = Scenario()
+    effects = submit_unchecked(s, "poison", watchdog_interval_s=1e-12)
+    assert effects[0].code == "invalid_timer"  # type: ignore[union-attr]
+    assert s.state("poison") == "submitted"
+
+
+def test_revoke_undoes_a_record_whose_effects_could_not_be_written() -> None:
+    s = Scenario()
+    s.submit("a", ["a0", "a1"], ranks_per_node=2, dp=4)
+    s.train("a", 3)
+    before = engine_state(s.engine)
+    engine: Engine = s.engine
+    from events.envelope import Record, make_envelope
+    from events.subjects import job_event
+
+    envelope = make_envelope("process.exited", {"rank": 2, "exit_code": 1}, id="exit-2", job="a")
+    record = Record(seq=engine.last_seq + 1, ts=s.now, subject=job_event("a", "process.exited"), envelope=envelope)
+    effects = engine.apply(record)
+    assert effects and s.engine.jobs["a"].incident is not None
+    rejection = engine.revoke("encoding failed: test")
+    assert rejection.code == "unencodable" and rejection.event_id == "exit-2"
+    assert engine_state(engine) == before
+    # The id is forgotten with the rest: the same event, sent again, is applied, not taken for a duplicate.
+    assert engine.apply(record.model_copy(update={"seq": record.seq + 1}))[0].kind == "fault.confirmed"  # type: ignore[union-attr]
+
+
+def example_plugin() -> type:
+    path = ROOT / "examples" / "policy-plugin" / "recovery_example_plugin" / "__init__.py"
+    spec_ = importlib.util.spec_from_file_location("recovery_example_plugin", path)
+    assert spec_ is not None and spec_.loader is not None
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module.InPlaceFirst  # type: ignore[no-any-return]
+
+
+def test_a_policy_asking_for_a_restart_the_cluster_cannot_place_makes_the_job_wait() -> None:
+    """The example plugin restarts the job after a failed first attempt, whatever the spares: with a node to
+    replace and no spare, that cannot be placed. The engine waits (and says why) instead of superseding, refunding
+    and asking again until the stack runs out; a spare that joins lets the job recover."""
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4)
+    s.train("j", 5)
+    s.checkpoint("j", 5, "storage", "storage")
+    job = s.engine.jobs["j"]
+    job.policies = PolicySet(job.policies.detection, example_plugin()(), job.policies.checkpoint,
+                             {**job.policies.labels, "rescheduling": "example-in-place-first@1"})
+    s.job_event("j", "process.exited", rank=1, exit_code=1)
+    for command in s.outstanding():
+        s.ack(command, status="failed" if command.kind == "restart_ranks" else "done", reason="no GPU")
+    s.ack_all()
+    assert s.find("attempt.failed", "j")
+    s.node_event("n1", "node.not_ready", reason="kernel panic")
+    s.idle("j", 25, ranks=[0, 1])
+    assert not [r for r in s.rejections if r.code == "internal_error"], s.rejections
+    assert s.state("j") == "waiting"
+    waiting = s.find("attempt.waiting", "j")[-1]
+    assert "cannot be placed" in waiting.reason and "0 spare" in waiting.reason
+    s.spare("spare0")
+    s.ack_all()
+    s.train("j", 2)
+    assert s.state("j") == "running" and "spare0" in job.nodes
