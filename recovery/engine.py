@@ -156,7 +156,11 @@ class Engine:
                                     envelope.id, envelope.job, envelope.node)]
         finally:
             self.cluster.journal = None
-        self._last = (self._undo, record, envelope)
+        undo = self._undo
+        if undo is not None:
+            for job, _ in undo.jobs.values():
+                job.catalog_log = None  # the record succeeded: later changes are not its to undo
+        self._last = (undo, record, envelope)
         self._undo = None
         if len(self._finished) > FINISHED_JOBS_KEPT:
             self._forget_finished()  # after the record, never while its handlers walk the jobs
