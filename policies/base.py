@@ -185,6 +185,9 @@ class CheckpointContext:
     """the restarted ranks may take their state straight from live replicas (no attempt of the incident did)"""
     restarting: frozenset[int] = frozenset()
     """ranks whose processes the attempt restarts or moves: their state is not there to send"""
+    exiting: frozenset[int] = frozenset()
+    """ranks the platform stopped with SIGTERM in this incident: their handlers may be writing a dying checkpoint
+    at their last step on the way out (ModelArts' graceful exit), which lands shortly after the exit is reported"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +202,10 @@ class CheckpointPlan:
     resume: ResumePlan
     save: SaveRequest | None = None
     reason: str = ""
+    await_step: int | None = None
+    """a dying checkpoint at this step is on its way (from `exiting` ranks): hold the restart until every shard of
+    it is saved, or `await_ns` has passed, then plan again; `resume` is the plan should it never come"""
+    await_ns: int = 0
 
 
 @runtime_checkable

@@ -22,6 +22,9 @@ class NewestCompleteParams(Params):
     """live replicas named per shard: the executor takes the one on its own node, else the first that answers"""
     tiers: tuple[Tier, ...] = tuple(Tier)
     """tiers this job may resume from"""
+    dying_wait_s: float = Field(30.0, ge=0, le=3600, strict=True)
+    """after ranks were stopped by SIGTERM, hold the restart this long for the dying checkpoint their handlers write
+    on the way out (0: never wait); torchrun and ModelArts give a process 30 s between SIGTERM and SIGKILL"""
 
 
 class NewestCompleteCheckpoint:
@@ -35,7 +38,7 @@ class NewestCompleteCheckpoint:
 
     family: ClassVar[str] = "checkpoint"
     name: ClassVar[str] = "newest-complete"
-    version: ClassVar[str] = "2"  # 2: state from live peers before a dying checkpoint
+    version: ClassVar[str] = "3"  # 2: state from live peers before a dying checkpoint; 3: await a graceful exit's
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = NewestCompleteParams.model_validate(params or {})
@@ -56,6 +59,13 @@ class NewestCompleteCheckpoint:
                                                     f"save a dying checkpoint (newest complete: {newest})")
         reason = ("no complete checkpoint: start from step 0" if resume.checkpoint_step is None
                   else f"newest complete checkpoint is step {resume.checkpoint_step}")
+        if self.params.dying and self.params.dying_wait_s > 0 and Tier.DYING in self.params.tiers:
+            coming = exiting_step(ctx)
+            if coming is not None and coming > newest:
+                return CheckpointPlan(resume, None, f"ranks stopped by SIGTERM at step {coming} are writing a dying "
+                                                    f"checkpoint: wait up to {self.params.dying_wait_s:g} s for it "
+                                                    f"({reason})",
+                                      await_step=coming, await_ns=int(self.params.dying_wait_s * 1_000_000_000))
         return CheckpointPlan(resume, None, reason)
 
 
@@ -82,6 +92,15 @@ def dying_savers(ctx: CheckpointContext) -> SaveRequest | None:
         return None
     step, replicas = found
     return SaveRequest(step, tuple(ranks[0] for ranks in replicas))
+
+
+def exiting_step(ctx: CheckpointContext) -> int | None:
+    """The newest step every shard has a replica at among the ranks stopped by SIGTERM: what their dying checkpoint
+    will hold once each shard's writer has saved it (None when some shard has no such rank)."""
+    if not ctx.exiting:
+        return None
+    found = _replicas_at(ctx, lambda r: r in ctx.exiting and ctx.placement[r] not in ctx.unreachable)
+    return None if found is None else found[0]
 
 
 def live_peers(ctx: CheckpointContext, per_shard: int) -> ResumePlan | None:

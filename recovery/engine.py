@@ -390,6 +390,15 @@ class Engine:
                 raise _Reject("schema_violation", f"shards {bad} do not exist: the layout has "
                                                   f"{job.layout.shards}")
             job.add_checkpoint(data.step, data.tier, data.shards, data.holder)
+            attempt = job.incident.attempt if job.incident is not None else None
+            if (attempt is not None and attempt.awaiting is not None and attempt.phase == "saving"
+                    and data.step >= attempt.awaiting and job.complete_at(data.step)):
+                attempt.awaiting = None
+                cancelled = self._cancel(*(timer for _, timer in attempt.pending.values()))
+                attempt.pending.clear()
+                self._decide(out, job, "checkpoint.dying_done", f"dying checkpoint at step {data.step} complete",
+                             cancelled=cancelled)
+                self._checkpoint(out, job, attempt)
             if job.drains and job.state == "running" and job.incident is None and job.complete_at(data.step):
                 self._drain(out, job, data.step)
         elif type_ == "checkpoint.failed":
@@ -420,6 +429,8 @@ class Engine:
                     return  # a timeout of a group whose processes an earlier attempt already replaced
             if isinstance(data, kinds.ProcessExited):
                 job.alive[data.rank] = 0
+                if job.incident is not None and data.rank in job.incident.exiting:
+                    return  # the platform stopped the job: each rank's exit was expected, and is no news
             ranks = (data.rank,) if hasattr(data, "rank") else ()
             self._signal(out, job, Signal(type_, data, out.ts, None, ranks, step_time_ns=job.step_time,
                                           world=job.world))
@@ -605,6 +616,7 @@ class Engine:
         incident = job.incident
         if incident is not None:
             incident.faults.append(fault)
+            self._note_exiting(incident, verdict)
             attempt = incident.attempt
             if job.state == "waiting" or attempt is None:
                 self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
@@ -635,10 +647,19 @@ class Engine:
                                 fault_step=job.step, fault_class=verdict.fault_class, cause="fault",
                                 faults=[fault])
         job.incident.enter("detected", out.ts)
+        self._note_exiting(job.incident, verdict)
         self._decide(out, job, "fault.confirmed", verdict.reason, policy=policy, commands=commands,
                      cancelled=cancelled, detail={"fault": fault, "step": job.step})
         if plan:
             self._plan(out, job)
+
+    @staticmethod
+    def _note_exiting(incident: Incident, verdict: Verdict) -> None:
+        """Processes the platform stopped (a preemption whose processes are gone) write a dying checkpoint on their
+        way out: the checkpoint policy may hold the restart for it."""
+        if verdict.fault_class is FaultClass.PREEMPTION and verdict.lost and not incident.exiting.issuperset(
+                verdict.ranks):
+            incident.exiting = incident.exiting | frozenset(verdict.ranks)
 
     def _covered(self, job: Job, attempt: Attempt, verdict: Verdict) -> bool:
         """Is this fault already handled by the attempt under way (its ranks restart or stop anyway)?"""
@@ -793,6 +814,8 @@ class Engine:
 
     def _checkpoint_ctx(self, job: Job, attempt: Attempt, dying_allowed: bool, peer_allowed: bool
                         ) -> CheckpointContext:
+        incident = job.incident
+        assert incident is not None
         saving_ranks = set(attempt.ranks) if attempt.granularity is G.IN_PLACE else set()
         alive = tuple(bool(job.alive[r]) and r not in saving_ranks for r in range(job.world))
         return CheckpointContext(
@@ -801,21 +824,24 @@ class Engine:
             unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)),
             alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
             restarting=frozenset(attempt.ranks),
+            exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),
         )
 
-    def _refresh_peer_plan(self, out: _Out, job: Job, attempt: Attempt) -> None:
-        """A plan that takes state from live replicas names the step they were at when it was made; they may have
-        trained on (or saved a newer checkpoint) while the processes were stopped. Ask again just before the
-        restart, so that the command names the state the replicas hold now."""
+    def _refresh_plan(self, out: _Out, job: Job, attempt: Attempt) -> None:
+        """The plan a restart carries is made from what is known when the command is sent: while processes were
+        stopped, live replicas may have trained on, a newer checkpoint (a dying one written by SIGTERM handlers)
+        may have landed, or a holder may have gone. Ask again; a different answer replaces the plan."""
         plan = attempt.plan
-        if plan is None or not any(source.tier is Tier.PEER for source in plan.shards):
+        if plan is None:
             return
+        peer = any(source.tier is Tier.PEER for source in plan.shards)
         fresh = _ask(job, "checkpoint", job.policies.checkpoint.plan,
-                     self._checkpoint_ctx(job, attempt, False, True)).resume
+                     self._checkpoint_ctx(job, attempt, False, peer)).resume
         if fresh != plan:
             attempt.plan = fresh
-            self._decide(out, job, "checkpoint.plan", f"again before the restart: {plan.checkpoint_step} is no "
-                                                      f"longer where the live replicas are",
+            why = (f"{plan.checkpoint_step} is no longer where the live replicas are" if peer else
+                   f"step {plan.checkpoint_step} is no longer the newest complete, reachable checkpoint")
+            self._decide(out, job, "checkpoint.plan", f"again before the restart: {why}",
                          policy=job.policies.labels["checkpoint"],
                          detail={"checkpoint_step": fresh.checkpoint_step, "next_step": fresh.next_step,
                                  "tiers": _tier_counts(fresh)})
@@ -841,6 +867,18 @@ class Engine:
             self._decide(out, job, "checkpoint.dying", plan.reason, trigger="save", policy=policy,
                          commands=[command], timers=[timer],
                          detail={"step": plan.save.step, "savers": list(plan.save.ranks)})
+            return
+        if plan.await_step is not None and plan.await_ns > 0 and not incident.awaited:
+            incident.awaited = True  # once per incident: the next plan takes what has landed by then
+            attempt.plan = plan.resume
+            attempt.awaiting = plan.await_step
+            attempt.phase = "saving"
+            incident.enter("saving", out.ts)
+            timer = self._timer(out, job, f"await/{incident.id}/{attempt.number}", plan.await_ns)
+            attempt.pending = {f"await:{plan.await_step}": ("await_dying", timer.id)}
+            self._decide(out, job, "checkpoint.awaiting", plan.reason, trigger="save", policy=policy, timers=[timer],
+                         detail={"step": plan.await_step, "wait_s": plan.await_ns / NS,
+                                 "exiting": len(incident.exiting)})
             return
         attempt.plan = plan.resume
         self._decide(out, job, "checkpoint.plan", plan.reason, policy=policy,
@@ -891,7 +929,7 @@ class Engine:
             self._decide(out, job, "job.paused", attempt.reason, trigger="pause",
                          cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
             return
-        self._refresh_peer_plan(out, job, attempt)
+        self._refresh_plan(out, job, attempt)
         cid = out.command_id(job.id)
         commands: list[Any] = []
         if g is G.RETRY:
@@ -990,7 +1028,7 @@ class Engine:
     def _ack(self, out: _Out, job: Job, data: kinds.CommandAck) -> None:
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
-        if attempt is None or data.command_id not in attempt.pending:
+        if attempt is None or data.command_id not in attempt.pending or attempt.awaiting is not None:
             return  # an ack for a finished or superseded attempt, or for isolate commands: kept in the log
         if data.status == "accepted":
             return
@@ -1141,9 +1179,12 @@ class Engine:
             return
         for cid, (kind, timer_id) in list(attempt.pending.items()):
             if data.timer_id == timer_id:
-                if kind == "save_checkpoint":
+                if kind in ("save_checkpoint", "await_dying"):
                     attempt.pending.clear()
-                    self._decide(out, job, "checkpoint.dying_failed", "no ack for the dying checkpoint in time")
+                    why = ("no ack for the dying checkpoint in time" if kind == "save_checkpoint" else
+                           f"the dying checkpoint at step {attempt.awaiting} was not complete in time")
+                    attempt.awaiting = None
+                    self._decide(out, job, "checkpoint.dying_failed", why)
                     self._checkpoint(out, job, attempt)
                 else:
                     self._end_attempt(out, job, attempt, "timed_out", f"no ack for {kind} {cid} in time")

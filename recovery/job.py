@@ -36,6 +36,7 @@ class Attempt:
     outcome: str | None = None
     budget_keys: tuple[str, ...] = ()
     covered: frozenset[int] | None = None  # ranks + stopping, built on first use
+    awaiting: int | None = None  # the step of a dying checkpoint the restart is held for
 
     def copy(self) -> Attempt:
         twin = replace(self)
@@ -64,6 +65,8 @@ class Incident:
     peer_tried: bool = False
     widened: bool = False  # a fault outside the attempt under way superseded it; no attempt since
     settle_timer: str | None = None  # armed while faults of a widening incident are collected
+    exiting: frozenset[int] = frozenset()  # ranks stopped by SIGTERM: saving a dying checkpoint on the way out
+    awaited: bool = False  # an attempt held its restart for their dying checkpoint already
     closed: int | None = None
     outcome: str | None = None
     lost_steps: int | None = None

@@ -62,6 +62,34 @@ def test_graceful_exit_resumes_from_the_sigterm_dying_checkpoint() -> None:
     assert closed(result).detail["lost_steps"] == 0
 
 
+def test_sigterm_storm_waits_for_the_dying_checkpoint_and_loses_no_step() -> None:
+    """Exits first, dying checkpoint after: the restart is held for it and carries it, not step 0."""
+    result = load("sigterm_storm")
+    [awaiting] = kinds(result, "checkpoint.awaiting")
+    assert awaiting.detail["step"] == 12 and awaiting.timers
+    assert [d.kind for d in result.decisions].index("checkpoint.dying_done") < [
+        d.kind for d in result.decisions].index("ranks.rescheduling")
+    [restart] = commands(result, "restart_job")
+    assert restart.plan.checkpoint_step == 12 and {s.tier for s in restart.plan.shards} == {Tier.DYING}
+    assert closed(result).detail["lost_steps"] == 0
+    assert not kinds(result, "fault.absorbed"), "the other ranks' expected exits are no news"
+
+
+def test_sigterm_without_a_dying_checkpoint_waits_only_as_long_as_the_policy_says() -> None:
+    result = load("sigterm_no_handler")
+    [awaiting] = kinds(result, "checkpoint.awaiting")
+    [failed] = kinds(result, "checkpoint.dying_failed")
+    assert awaiting.detail["wait_s"] == 5.0
+    assert awaiting.timers[0].due - _ts(result, awaiting.cause_seq) == 5 * 10**9
+    [restart] = commands(result, "restart_job")
+    assert restart.plan.checkpoint_step == 4
+    assert failed.cause_seq > awaiting.cause_seq
+
+
+def _ts(result: Replay, seq: int) -> int:
+    return next(r.ts for r in iter_file(path("sigterm_no_handler")) if r.seq == seq)
+
+
 def test_watchdog_catches_a_silent_rank_in_seconds() -> None:
     result = load("watchdog_heartbeat")
     [fault] = kinds(result, "fault.confirmed")

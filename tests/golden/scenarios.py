@@ -316,6 +316,42 @@ def restart_budget() -> Scenario:
     return s
 
 
+@scenario
+def sigterm_storm() -> Scenario:
+    """A preemption: the platform SIGTERMs every rank and each reports its exit first; their handlers' dying
+    checkpoint lands half a second later. The restart waits for it (bounded by the checkpoint policy's
+    `dying_wait_s`) and resumes at the step the job had reached, from no checkpoint at all before it."""
+    s = Scenario()
+    s.submit("pre", ["p0", "p1"], ranks_per_node=4, dp=4, tp=2)
+    s.train("pre", 12)
+    for rank in range(8):
+        s.job_event("pre", "process.exited", rank=rank, exit_code=None, signal=15)
+    s.advance(0.5)
+    for shard in range(2):  # replica 0 writes the two shards in its SIGTERM handler
+        s.checkpoint("pre", 12, "dying", "storage", shards=[shard])
+    s.ack_all()
+    s.advance(20)
+    s.train("pre", 2)
+    return s
+
+
+@scenario
+def sigterm_no_handler() -> Scenario:
+    """SIGTERM with nobody writing a dying checkpoint: the restart waits `dying_wait_s` (here 5 s), no longer, then
+    resumes from the newest complete checkpoint."""
+    s = Scenario()
+    s.submit("bare", ["b0"], ranks_per_node=2, dp=2,
+             policies={"checkpoint": {"name": "newest-complete", "params": {"dying_wait_s": 5.0}}})
+    s.train("bare", 6)
+    s.checkpoint("bare", 4, "storage", "storage")
+    s.job_event("bare", "process.exited", rank=1, exit_code=None, signal=15)
+    s.advance(6)
+    s.ack_all()
+    s.advance(20)
+    s.train("bare", 2)
+    return s
+
+
 def path(name: str) -> Path:
     return HERE / f"{name}.jsonl"
 

@@ -1,0 +1,75 @@
+"""A graceful exit must lose nothing: the restart carries the plan made when its command is sent, and waits, bounded,
+for a dying checkpoint that SIGTERM handlers are writing."""
+
+from __future__ import annotations
+
+from events.commands import RestartJob
+from events.values import Tier
+from recovery.scenario import Scenario
+
+NO_LIVE_STATE = {"checkpoint": {"name": "newest-complete", "params": {"dying": False, "peer": False}}}
+
+
+def test_a_checkpoint_that_lands_while_processes_stop_is_the_one_the_restart_carries() -> None:
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, policies=NO_LIVE_STATE)
+    s.train("j", 10)
+    s.checkpoint("j", 8, "storage", "storage")
+    s.job_event("j", "operator.force", granularity="restart_job", reason="driver update")
+    [plan] = s.find("checkpoint.plan", "j")
+    assert plan.detail["checkpoint_step"] == 8
+    [stop] = s.outstanding("stop_ranks")
+    s.checkpoint("j", 10, "local", "n0")  # the step-10 save finished while the processes were being stopped
+    s.ack(stop)
+    [restart] = s.commands_of("restart_job")
+    assert isinstance(restart, RestartJob)
+    assert restart.plan.checkpoint_step == 10 and {src.tier for src in restart.plan.shards} == {Tier.LOCAL}
+    again = s.find("checkpoint.plan", "j")[-1]
+    assert "again before the restart" in again.reason and again.detail["checkpoint_step"] == 10
+
+
+def test_a_holder_lost_while_processes_stop_is_not_in_the_restart_plan() -> None:
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, policies=NO_LIVE_STATE)
+    s.spare("s0")
+    s.train("j", 10)
+    s.checkpoint("j", 6, "storage", "storage")
+    s.checkpoint("j", 9, "memory", "n1")
+    s.job_event("j", "operator.force", granularity="restart_job", reason="maintenance")
+    assert s.find("checkpoint.plan", "j")[0].detail["checkpoint_step"] == 9
+    s.node_event("n1", "node.joined", spare=False)  # rebooted: its host memory is gone
+    for command in s.outstanding("stop_ranks"):
+        s.ack(command)
+    [restart] = s.commands_of("restart_job")
+    assert restart.plan.checkpoint_step == 6
+
+
+def test_one_rank_sigterm_on_a_tensor_parallel_job_waits_for_the_whole_dying_checkpoint() -> None:
+    """Detection reads one SIGTERM as the platform stopping the job: every rank is writing. Half the shards landing
+    is not enough; the restart goes when the last shard lands."""
+    s = Scenario()
+    s.submit("tp", ["t0", "t1"], ranks_per_node=4, dp=2, tp=4)
+    s.train("tp", 7)
+    s.checkpoint("tp", 5, "storage", "storage")
+    s.job_event("tp", "process.exited", rank=6, exit_code=143)
+    assert s.find("checkpoint.awaiting", "tp")
+    s.checkpoint("tp", 7, "dying", "storage", shards=[0, 1])
+    assert not s.commands_of("restart_job"), "restarted before the dying checkpoint was complete"
+    s.checkpoint("tp", 7, "dying", "storage", shards=[2, 3])
+    s.ack_all()
+    [restart] = s.commands_of("restart_job")
+    assert restart.plan.checkpoint_step == 7
+    s.advance(10)
+    s.train("tp", 1)
+    [closed] = s.find("incident.closed", "tp")
+    assert closed.detail["lost_steps"] == 0
+
+
+def test_no_wait_when_the_policy_says_zero() -> None:
+    s = Scenario()
+    s.submit("z", ["z0"], ranks_per_node=2, dp=2,
+             policies={"checkpoint": {"name": "newest-complete", "params": {"dying_wait_s": 0.0}}})
+    s.train("z", 4)
+    s.job_event("z", "process.exited", rank=0, signal=15)
+    assert not s.find("checkpoint.awaiting", "z")
+    assert s.commands_of("restart_job")[0].plan.checkpoint_step is None
