@@ -364,10 +364,11 @@ class JetStreamLog:
 
     async def export(
         self, path: str | os.PathLike[str], start_seq: int = 1, job: str | None = None,
-        since_ns: int | None = None,
+        since_ns: int | None = None, *, replayable: bool = False,
     ) -> int:
-        """Write the JSONL export of the records from `start_seq` (of `job`, at or after `since_ns`)."""
-        return await export_log(self, path, start_seq, job, since_ns)
+        """Write the JSONL export of the records from `start_seq` (of `job`, at or after `since_ns`; with
+        `replayable`, every input and only `job`'s outputs: see `recovery.log.replay_matches`)."""
+        return await export_log(self, path, start_seq, job, since_ns, replayable=replayable)
 
     async def close(self) -> None:
         if self._owns_connection and not self.nc.is_closed:
