@@ -61,6 +61,9 @@ FINISHED_JOBS_KEPT = 256
 """completed, failed and cancelled jobs kept for `recovery-ctl` and late events; older ones are forgotten (the log
 keeps everything), so that a daemon running for months does not grow with every job it ever saw. A constant, not
 a setting: a replay must forget exactly what the daemon forgot."""
+STEP_LEAD = 1000
+"""how far one rank's step may run ahead of every other rank's before it is taken as a corrupted counter: ranks of
+a job train in lockstep, a few steps apart at most (asynchronous schemes such as local SGD, a few hundred)"""
 MAX_PLANS_PER_RECORD = 16
 """a record that would ask the rescheduling policy more often than this (each answer superseded at once) makes the
 job wait instead: a policy and a cluster that keep refusing each other must not loop"""
@@ -389,6 +392,9 @@ class Engine:
             if bad:
                 raise _Reject("schema_violation", f"shards {bad} do not exist: the layout has "
                                                   f"{job.layout.shards}")
+            implausible = self._implausible_checkpoint(job, data.step, out.ts)
+            if implausible is not None:
+                raise _Reject("implausible", implausible)
             job.add_checkpoint(data.step, data.tier, data.shards, data.holder)
             attempt = job.incident.attempt if job.incident is not None else None
             if (attempt is not None and attempt.awaiting is not None and attempt.phase == "saving"
@@ -461,18 +467,25 @@ class Engine:
     # -- progress: the hot path -----------------------------------------------------------------------
     def _progress(self, out: _Out, job: Job, data: kinds.Heartbeat | kinds.StepReported) -> None:
         rank = data.rank
-        if (rank >= len(job.steps) or data.attempt != job.generation) and self._check_rank(job, rank, data.attempt):
-            return  # an earlier generation's process, still reporting on its way out
+        current = data.attempt == job.generation
+        if (rank >= len(job.steps) or not current) and self._check_rank(job, rank, data.attempt, progress=False):
+            return  # from a process that a restart has replaced since, still reporting on its way out
+        # Not current but not stale: a process no recovery restarted, reporting the generation it last joined (its
+        # agent has not told it the new one yet). It is alive, and its steps are its own: they count for this rank
+        # (a watchdog must not call it silent or stuck) but not for the job's step, and a step below its last is
+        # the roll-back to the resume point, not a step backwards.
         ts = out.ts
         step = data.step
         if step is not None:
             last = job.steps[rank]
             if step < last:
-                raise _Reject("step_backwards", f"rank {rank} reported step {step} after step {last}")
-            if step > last:
+                if current and not self._implausible_lead(job, rank, last):
+                    raise _Reject("step_backwards", f"rank {rank} reported step {step} after step {last}")
+                self._correct_step(out, job, rank, step, last, current)
+            elif step > last:
                 job.steps[rank] = step
                 job.last_progress[rank] = ts
-                if step > job.step:
+                if step > job.step and current:
                     if job.step_ts is not None:
                         per_step = (ts - job.step_ts) // (step - job.step)
                         job.step_time = per_step if job.step_time is None else (7 * job.step_time + per_step) // 8
@@ -481,6 +494,47 @@ class Engine:
         job.last_seen[rank] = ts
         if job.state == "restoring" and step is not None:
             self._check_restored(out, job, rank, step)
+
+    @staticmethod
+    def _implausible_lead(job: Job, rank: int, step: int) -> bool:
+        """Was `step` of `rank` implausible: more than STEP_LEAD ahead of every other rank? Ranks of one job train
+        in lockstep (a collective per step), so one rank that far ahead reported a corrupted counter."""
+        others = max((s for r, s in enumerate(job.steps) if r != rank), default=None)
+        return others is not None and step > others + STEP_LEAD
+
+    @staticmethod
+    def _implausible_checkpoint(job: Job, step: int, ts: int) -> str | None:
+        """Why a checkpoint at `step` cannot be true, or None. No rank saves a step it has not trained: beyond the
+        newest reported step, a checkpoint may be ahead by STEP_LEAD plus what the job could have trained since that
+        report at four times its measured pace (reports may be sparse). Before a pace is known (a job may start from
+        an older run's checkpoint at any step) every step is plausible. An implausible step kept would become the
+        resume point, and the job would wait for progress past a step it never reaches."""
+        if job.step_time is None:
+            return None
+        top = max(job.steps)
+        since = job.step_ts if job.step_ts is not None else max(job.last_progress)
+        allowance = STEP_LEAD + max(0, ts - since) * 4 // max(job.step_time, 1)
+        if step <= top + allowance:
+            return None
+        return (f"checkpoint at step {step} is beyond what the job can have trained: newest reported step {top}, "
+                f"at most {allowance} more by now ({STEP_LEAD} + four times its pace of "
+                f"{job.step_time / NS:.3g} s per step)")
+
+    def _correct_step(self, out: _Out, job: Job, rank: int, step: int, last: int, current: bool) -> None:
+        """Take a lower step for `rank`: a survivor's roll-back to the resume point, or the correction of a counter
+        that had jumped implausibly far ahead (which would otherwise make every true report a step backwards)."""
+        self._guard(job)
+        job.steps[rank] = step
+        job.last_progress[rank] = out.ts
+        if current and last >= job.step:
+            job.step = max(job.steps)
+            job.step_ts = out.ts
+        if current:
+            self._decide(out, job, "progress.corrected",
+                         f"rank {rank} reported step {step} after step {last}, which was more than {STEP_LEAD} steps "
+                         f"ahead of every other rank: taken as a corrupted counter", detail={"rank": rank,
+                                                                                             "step": step,
+                                                                                             "implausible": last})
 
     # -- signals and verdicts -------------------------------------------------------------------------
     def _node_event(self, out: _Out, name: str, type_: str, data: Any) -> None:
@@ -617,6 +671,7 @@ class Engine:
         if incident is not None:
             incident.faults.append(fault)
             self._note_exiting(incident, verdict)
+            self._note_dead_hosts(job, incident, verdict)
             attempt = incident.attempt
             if job.state == "waiting" or attempt is None:
                 self._decide(out, job, "fault.added", verdict.reason, policy=policy, commands=commands)
@@ -648,10 +703,21 @@ class Engine:
                                 faults=[fault])
         job.incident.enter("detected", out.ts)
         self._note_exiting(job.incident, verdict)
+        self._note_dead_hosts(job, job.incident, verdict)
         self._decide(out, job, "fault.confirmed", verdict.reason, policy=policy, commands=commands,
                      cancelled=cancelled, detail={"fault": fault, "step": job.step})
         if plan:
             self._plan(out, job)
+
+    @staticmethod
+    def _note_dead_hosts(job: Job, incident: Incident, verdict: Verdict) -> None:
+        """A node fault declares its hosts gone (their ranks fell silent together, or a host stayed not ready): what
+        they held in memory or on local disk is no source for this incident's restarts, whatever the cluster view
+        says of their readiness (a silent host has not said it is not ready)."""
+        if verdict.fault_class is FaultClass.NODE and verdict.lost:
+            hosts = {job.nodes[r // job.rpn] for r in verdict.ranks if r < job.world}
+            if not incident.dead_hosts.issuperset(hosts):
+                incident.dead_hosts = incident.dead_hosts | hosts
 
     @staticmethod
     def _note_exiting(incident: Incident, verdict: Verdict) -> None:
@@ -821,7 +887,7 @@ class Engine:
         return CheckpointContext(
             layout=job.layout, catalog=job.frozen_catalog(), placement=tuple(job.nodes[r // job.rpn]
                                                                               for r in range(job.world)),
-            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)),
+            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)) | incident.dead_hosts,
             alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
             restarting=frozenset(attempt.ranks),
             exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),

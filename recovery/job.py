@@ -67,6 +67,7 @@ class Incident:
     settle_timer: str | None = None  # armed while faults of a widening incident are collected
     exiting: frozenset[int] = frozenset()  # ranks stopped by SIGTERM: saving a dying checkpoint on the way out
     awaited: bool = False  # an attempt held its restart for their dying checkpoint already
+    dead_hosts: frozenset[str] = frozenset()  # hosts a node fault declared gone: no source of state
     closed: int | None = None
     outcome: str | None = None
     lost_steps: int | None = None

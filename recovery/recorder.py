@@ -10,7 +10,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
+
 from events import subjects
+from events.codec import encode_envelope
 from events.envelope import EnvelopeBase, RawRecord, Record, make_envelope
 from events.outputs import Decision, Rejection
 from recovery.engine import Effect, Engine
@@ -34,6 +37,26 @@ def effect_envelope(effect: Effect) -> tuple[str, EnvelopeBase]:
                                                             source="recovery-engine")
 
 
+Encoded = tuple[Effect, str, EnvelopeBase, bytes]
+"""an effect, the subject and envelope it is written under, and the envelope's bytes"""
+
+
+def apply_encoded(engine: Engine, record: Record | RawRecord) -> list[Encoded]:
+    """Apply a record and encode its effects as they will be written. If one cannot be encoded, the record is
+    revoked (the engine undoes it) and its only effect is that rejection: the daemon, the recorder and every replay
+    go through here, so a record the daemon could not write is one every replay rejects too."""
+    effects = engine.apply(record)
+    try:
+        return [_encoded(effect) for effect in effects]
+    except (orjson.JSONEncodeError, TypeError, ValueError) as exc:
+        return [_encoded(engine.revoke(f"its effects cannot be encoded: {exc}"))]
+
+
+def _encoded(effect: Effect) -> Encoded:
+    subject, envelope = effect_envelope(effect)
+    return effect, subject, envelope, encode_envelope(envelope)
+
+
 @dataclass
 class Recorder:
     log: SyncLog
@@ -45,11 +68,10 @@ class Recorder:
         if appended.duplicate or appended.record is None:
             return []  # the log dropped a repeated message id, as JetStream does
         record = appended.record
-        effects = self.engine.apply(record)
-        for effect in effects:
-            subject_out, envelope = effect_envelope(effect)
+        encoded = apply_encoded(self.engine, record)
+        for _, subject_out, envelope, _ in encoded:
             self.log.append_sync(subject_out, envelope)
-        return effects
+        return [effect for effect, _, _, _ in encoded]
 
 
 @dataclass
@@ -71,15 +93,15 @@ def replay(records: Iterable[Record | RawRecord], engine: Engine | None = None) 
     recorded_rej: list[Rejection] = []
     inputs = 0
     for record in records:
-        if isinstance(record, Record) and record.envelope.type == "decision":
-            recorded.append(record.envelope.data)
-            continue
-        if isinstance(record, Record) and record.envelope.type == "rejection":
-            recorded_rej.append(record.envelope.data)
-            continue
         if subjects.is_output(record.subject):
+            # The subject says what a record is, never the envelope's type: a `decision` sent on an event subject is
+            # hostile input (the engine dead-letters it), not one of ours.
+            if isinstance(record, Record) and record.envelope.type == "decision":
+                recorded.append(record.envelope.data)
+            elif isinstance(record, Record) and record.envelope.type == "rejection":
+                recorded_rej.append(record.envelope.data)
             continue
         inputs += 1
-        for effect in engine.apply(record):
+        for effect, _, _, _ in apply_encoded(engine, record):
             (decisions if isinstance(effect, Decision) else rejections).append(effect)  # type: ignore[arg-type]
     return Replay(engine, decisions, rejections, recorded, recorded_rej, inputs)

@@ -46,7 +46,7 @@ from events.subjects import PREFIX, is_output
 from policies import registry
 from recovery.engine import Engine
 from recovery.log import ExportHeader, export_filter, iter_numbered, read_header, rejection_jobs
-from recovery.recorder import Replay
+from recovery.recorder import Replay, apply_encoded
 
 NS = 1_000_000_000
 DECISION_SUBJECTS = f"{PREFIX}.dec."
@@ -136,24 +136,13 @@ def replay_log(located: Iterable[Located], engine: Engine | None = None, job: st
             continue
         result.inputs += 1
         try:
-            effects = engine.apply(record)
+            effects = [effect for effect, _, _, _ in apply_encoded(engine, record)]
         except Exception as exc:  # a bug in the engine must not end a postmortem: the record is reported
             _failed(result, record, f"its handling raised {type(exc).__name__}: {exc}")
             continue
-        try:
-            for effect in effects:
-                orjson.dumps(effect.model_dump(mode="json"))  # the daemon's encoder: what it cannot write it never did
-        except (orjson.JSONEncodeError, TypeError, ValueError) as exc:
-            reason = f"its effects cannot be encoded: {exc}"
-            try:
-                # The engine undoes the record and dead-letters it, as the daemon must when it cannot write them.
-                revoked = engine.revoke(reason)
-            except RuntimeError:  # nothing to undo: a record rejected before it changed anything
-                _failed(result, record, reason)
-            else:
-                result.failed.append(revoked)
-                result.rejections.append(revoked)
-            continue
+        for effect in effects:
+            if isinstance(effect, Rejection) and effect.code == "unencodable":
+                result.failed.append(effect)
         for effect in effects:
             if isinstance(effect, Decision):
                 result.decisions.append(effect)

@@ -309,8 +309,12 @@ async def test_replay_cli_reads_the_live_log(daemon: Daemon, nats_server: NatsSe
     out = tmp_path / "a.jsonl"
     exported = await asyncio.to_thread(cli, "export", "--nats", url, "--job", "a", "-o", str(out))
     assert exported.returncode == 0, exported.stderr
-    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
-    assert lines and all("a" in (line["envelope"]["job"], line["subject"].split(".")[2]) for line in lines)
+    header, *lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert header["export"]["job"] == "a" and header["export"]["inputs"] == "all"
+    # Every input (b's too: a's decisions depend on the whole cluster); of the decisions, a's and every acceptance.
+    assert {line["envelope"]["job"] for line in lines if line["subject"].startswith("recovery.ev.")} == {"a", "b"}
+    assert all(line["envelope"]["data"]["job"] == "a" or line["envelope"]["data"]["kind"] == "job.accepted"
+               for line in lines if line["subject"].startswith("recovery.dec."))
     everything = await asyncio.to_thread(cli, "export", "--nats", url, "--since", "1h")
     assert len(everything.stdout.splitlines()) == len(await read_stream(url))
     future = await asyncio.to_thread(cli, "export", "--nats", url, "--since", "2999-01-01T00:00:00Z")

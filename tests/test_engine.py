@@ -36,12 +36,17 @@ def test_exit_of_a_replaced_process_is_stale() -> None:
     assert len(s.decisions) == before and not s.rejections
 
 
-def test_progress_from_before_the_rollback_is_ignored() -> None:
+def test_progress_of_an_untouched_rank_in_its_own_generation_neither_closes_nor_moves_the_job() -> None:
+    """Rank 5 was rolled back, not restarted: a report in its own generation (in flight from before the rollback,
+    or sent after it by a process its agent has not told the new generation) is the rank's own progress, never the
+    job's: it does not close the incident nor move the job's step, and its roll-back is no step backwards."""
     s = restarted_rank_1()
     s.ack_all()
-    s.job_event("j", "progress.step", rank=5, step=9, attempt=0)  # in flight from before the rollback
+    s.job_event("j", "progress.step", rank=5, step=9, attempt=0)
     job = s.engine.jobs["j"]
-    assert job.steps[5] == 5 and job.state == "restoring"
+    assert job.step == 5 and job.state == "restoring"
+    s.job_event("j", "progress.step", rank=5, step=6, attempt=0)  # rolled back to the resume point, trains on
+    assert not s.rejections and job.steps[5] == 6
     s.job_event("j", "progress.step", rank=1, step=6, attempt=1)
     assert job.state == "running"
 
