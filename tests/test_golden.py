@@ -86,6 +86,14 @@ def test_sigterm_without_a_dying_checkpoint_waits_only_as_long_as_the_policy_say
     assert failed.cause_seq > awaiting.cause_seq
 
 
+def test_survivors_of_a_pod_level_move_in_their_own_generation_cause_no_second_incident() -> None:
+    result = load("partial_restart_survivors")
+    assert len(kinds(result, "fault.confirmed")) == 1 and len(kinds(result, "incident.closed")) == 1
+    [move] = commands(result, "migrate_ranks")
+    assert move.ranks == [2, 3]
+    assert result.engine.jobs["part"].state == "running" and result.engine.jobs["part"].step >= 120
+
+
 def _ts(result: Replay, seq: int) -> int:
     return next(r.ts for r in iter_file(path("sigterm_no_handler")) if r.seq == seq)
 

@@ -352,6 +352,27 @@ def sigterm_no_handler() -> Scenario:
     return s
 
 
+@scenario
+def partial_restart_survivors() -> Scenario:
+    """A GPU falls off the bus on n1: its ranks move to a spare (generation 1) while n0's ranks keep running. Their
+    agent never tells n0's processes the new generation, so they go on reporting generation 0: alive and training,
+    they are neither stale nor silent, and nothing is restarted again in the minutes after."""
+    s = Scenario()
+    s.spare("s0")
+    s.submit("part", ["n0", "n1"], ranks_per_node=2, dp=4)
+    s.train("part", 10)
+    s.checkpoint("part", 10, "storage", "storage")
+    s.node_event("n1", "device.fault", device=1, vendor="nvidia", code="79")
+    s.ack_all()
+    job = s.engine.jobs["part"]
+    for _ in range(120):  # two minutes: far past the watchdog's silence and stall thresholds
+        s.advance(1)
+        step = max(job.steps) + 1
+        for rank in range(4):
+            s.job_event("part", "progress.step", rank=rank, step=step, attempt=job.rank_gen[rank])
+    return s
+
+
 def path(name: str) -> Path:
     return HERE / f"{name}.jsonl"
 
