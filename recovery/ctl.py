@@ -11,13 +11,14 @@
 
 The server: `--nats URL`, else RECOVERY_NATS_URL, else the embedded daemon's `<data dir>/nats.url`
 (`--data-dir`, RECOVERY_DATA_DIR, default ./recovery-data), else nats://127.0.0.1:4222. `--json` prints the
-daemon's answer as JSON. Exit status: 0 done, 1 refused (or the event was rejected), 2 bad usage or no answer.
+daemon's answer as JSON. `--timeout S` (default 5) bounds the whole exchange: connecting and the answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 import sys
@@ -30,13 +31,56 @@ from typing import Any
 import nats
 import nats.errors
 import orjson
+from nats.aio.client import Client
 
 from recovery.control import SUBJECT
 from recovery.embedded import URL_FILE
 
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2  # argparse's own code for a bad command line
+EXIT_NO_NATS = 3
+EXIT_NO_DAEMON = 4
+DEFAULT_TIMEOUT_S = 5.0
+
+EXIT_CODES = f"""exit status:
+  {EXIT_OK}  done
+  {EXIT_REFUSED}  the daemon refused the request, or rejected the event
+  {EXIT_USAGE}  bad usage: arguments, spec file or --data
+  {EXIT_NO_NATS}  no NATS server could be reached at the URL within --timeout
+  {EXIT_NO_DAEMON}  NATS is up but no recovery-daemon answered on {SUBJECT}.<verb> within --timeout"""
+
 
 class CtlFailure(Exception):
-    pass
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+async def connect(url: str, timeout: float) -> Client:
+    """Connect within `timeout` seconds or raise CtlFailure(EXIT_NO_NATS). nats-py left to itself never gives up:
+    `max_reconnect_attempts=0` does not mean "no retries" while connecting (only a positive value discards a
+    server), and a server that accepts the TCP connection but never speaks is waited for in every attempt."""
+    failures: list[BaseException] = []
+
+    async def record(exc: Exception) -> None:
+        failures.append(exc)  # instead of nats-py's default: a traceback on stderr for every attempt
+
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    try:
+        return await asyncio.wait_for(
+            nats.connect(servers, name="recovery-ctl", connect_timeout=max(timeout, 0.1),
+                         max_reconnect_attempts=1, reconnect_time_wait=min(0.5, timeout / 4),
+                         allow_reconnect=False, error_cb=record),
+            timeout)
+    except (OSError, nats.errors.Error, TimeoutError) as exc:
+        cause = failures[-1] if failures and not isinstance(failures[-1], TimeoutError) else exc
+        why = f"no answer within {timeout:g}s" if isinstance(cause, TimeoutError) else _describe(cause)
+        raise CtlFailure(f"cannot reach NATS at {url}: {why}", EXIT_NO_NATS) from None
 
 
 def default_url(data_dir: str | None = None) -> str:
@@ -52,20 +96,28 @@ def default_url(data_dir: str | None = None) -> str:
     return "nats://127.0.0.1:4222"
 
 
-async def request(url: str, verb: str, body: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+async def request(url: str, verb: str, body: dict[str, Any], timeout: float = DEFAULT_TIMEOUT_S
+                  ) -> dict[str, Any]:
+    """The daemon's answer to one request; CtlFailure with EXIT_NO_NATS or EXIT_NO_DAEMON if there is none
+    within `timeout` seconds in all."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    nc = await connect(url, timeout)
+    subject = f"{SUBJECT}.{verb}"
     try:
-        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False,
-                                name="recovery-ctl")
-    except (OSError, nats.errors.Error, TimeoutError) as exc:
-        raise CtlFailure(f"cannot connect to {url}: {exc!r}") from None
-    try:
-        msg = await nc.request(f"{SUBJECT}.{verb}", orjson.dumps(body), timeout=timeout)
+        msg = await nc.request(subject, orjson.dumps(body), timeout=max(deadline - loop.time(), 0.001))
     except nats.errors.NoRespondersError:
-        raise CtlFailure(f"no recovery-daemon answers on {url}") from None
+        raise CtlFailure(f"no recovery-daemon answered on {subject} at {url}: none is subscribed",
+                         EXIT_NO_DAEMON) from None
     except (TimeoutError, nats.errors.TimeoutError):
-        raise CtlFailure(f"the daemon did not answer within {timeout}s") from None
+        raise CtlFailure(f"no recovery-daemon answered on {subject} at {url} within {timeout:g}s",
+                         EXIT_NO_DAEMON) from None
+    except nats.errors.Error as exc:  # the connection closed under the request: NATS went away
+        raise CtlFailure(f"lost the connection to NATS at {url}: {_describe(exc)}", EXIT_NO_NATS) from None
     finally:
-        await nc.close()
+        # Bounded: closing flushes, and a server that just went away must not hold the answer back.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 1.0)
     reply: dict[str, Any] = orjson.loads(msg.data)
     return reply
 
@@ -165,13 +217,25 @@ def render(verb: str, reply: dict[str, Any]) -> None:
             console.print(Text(f"  rejected [{r['code']}]: {r['reason']}", style="red"))
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recovery-ctl", description=__doc__,
+    parser = argparse.ArgumentParser(prog="recovery-ctl", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nats", help="NATS URL of the daemon's server")
     parser.add_argument("--data-dir", help="the embedded daemon's data directory (to find its nats.url)")
     parser.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
-    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help=f"give up after S seconds in all, connecting included (default {DEFAULT_TIMEOUT_S:g}); "
+                             f"exit {EXIT_NO_NATS} if NATS cannot be reached, {EXIT_NO_DAEMON} if no daemon answers")
     sub = parser.add_subparsers(dest="verb", required=True)
     sub.add_parser("status", help="the daemon's state")
     sub.add_parser("jobs", help="live job states")
@@ -213,9 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         body = build_body(args)
         reply = asyncio.run(request(url, args.verb, body, args.timeout))
-    except (CtlFailure, OSError, tomllib.TOMLDecodeError, orjson.JSONDecodeError) as exc:
+    except CtlFailure as exc:
         print(f"recovery-ctl: {exc}", file=sys.stderr)
-        return 2
+        return exc.code
+    except (OSError, tomllib.TOMLDecodeError, orjson.JSONDecodeError) as exc:  # reading the spec file
+        print(f"recovery-ctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(reply, option=orjson.OPT_INDENT_2) + b"\n")
     elif not reply.get("ok"):
@@ -223,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         render(args.verb, reply)
     if not reply.get("ok") or reply.get("rejections"):
-        return 1
-    return 0
+        return EXIT_REFUSED
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -77,7 +77,14 @@ from recovery import config as config_mod
 from recovery import logs
 from recovery.config import ConfigError, DaemonConfig
 from recovery.engine import Effect, Engine, dump_snapshot, load_snapshot
-from recovery.jetstream import ensure_stream, stream_config
+from recovery.jetstream import (
+    Backoff,
+    describe_error,
+    ensure_stream,
+    is_too_many_requests,
+    stream_config,
+    surface_async_ack_errors,
+)
 from recovery.lease import Lease, LeaseLost, default_instance
 from recovery.log import MSG_ID, to_record
 from recovery.recorder import effect_envelope
@@ -115,18 +122,22 @@ class Outgoing:
 class Publisher:
     """Publish to JetStream and wait for every acknowledgement, pipelined. A publish that fails or is not
     acknowledged in time is sent again, with the same `Nats-Msg-Id`, until it is (the server drops a repeat
-    of one that was stored): nothing is lost through an outage, and nothing is stored twice."""
+    of one that was stored): nothing is lost through an outage, and nothing is stored twice. A 429 (the
+    stream's ingest buffer is full, with agents publishing into it too) is one such failure, retried after a
+    backoff like the others."""
 
     def __init__(self, js: JetStreamContext, timeout: float = 5.0) -> None:
         self.js = js
         self.timeout = timeout
         self.retries = 0
         self.duplicates = 0
+        # Without this a refused publish's future never resolves (a nats-py bug): it would cost `timeout`.
+        surface_async_ack_errors(js)
 
     async def publish(self, items: Sequence[Outgoing], deadline: float | None = None) -> list[JsPubAck]:
         acks: list[JsPubAck | None] = [None] * len(items)
         remaining = list(range(len(items)))
-        delay = 0.05
+        backoff = Backoff(None if deadline is None else deadline - time.monotonic())
         while remaining:
             futures: dict[int, asyncio.Future[JsPubAck]] = {}
             error: BaseException | None = None
@@ -157,12 +168,13 @@ class Publisher:
             remaining = failed
             if remaining:
                 self.retries += 1
-                if deadline is not None and time.monotonic() + delay > deadline:
+                delay = backoff.next_delay()
+                if delay is None:
                     raise TimeoutError(f"{len(remaining)} publishes not acknowledged before the deadline")
                 logger.warning("publish not acknowledged, retrying", extra=_fields(
-                    pending=len(remaining), error=repr(error) if error else "timeout"))
-                await asyncio.sleep(delay)  # retry backoff through an outage
-                delay = min(delay * 2, 1.0)
+                    pending=len(remaining), error=describe_error(error) if error else "timeout",
+                    refused=error is not None and is_too_many_requests(error)))
+                await asyncio.sleep(delay)  # retry backoff through an outage or an overloaded server
         return [ack for ack in acks if ack is not None]
 
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -35,6 +36,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    PubAck,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -63,6 +65,108 @@ _TRANSIENT: tuple[type[Exception], ...] = (
     nats.js.errors.ServiceUnavailableError,
     nats.js.errors.ServerError,
 )
+
+TOO_MANY_REQUESTS = 429
+"""JetStream's answer when a stream's ingest buffer is full (`max_buffered_msgs`/`max_buffered_size`, 10,000
+messages by default): the message was turned away before it was stored, so sending it again is always safe."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """For logs: nats-py's errors have an empty repr (`APIError()`) and asyncio's timeout an empty str."""
+    return str(exc) or type(exc).__name__
+
+
+def is_too_many_requests(exc: BaseException) -> bool:
+    """A JetStream 429. nats-py raises it as a plain `APIError` with `code == 429` (err_code 10167)."""
+    return isinstance(exc, nats.js.errors.APIError) and exc.code == TOO_MANY_REQUESTS
+
+
+def is_retryable(exc: BaseException, idempotent: bool) -> bool:
+    """Whether a failed publish may be sent again. A 429 always: the server refused it, nothing was stored.
+    The other transient failures (a timeout, an outage) may hide a publish that was stored after all, so only a
+    message with a `Nats-Msg-Id` (`idempotent`), whose repeat the server drops, is sent again after them."""
+    if is_too_many_requests(exc):
+        return True
+    return idempotent and isinstance(exc, _TRANSIENT)
+
+
+class Backoff:
+    """Doubling delays between retries, jittered so that publishers refused together do not come back
+    together, within an optional overall budget of seconds."""
+
+    def __init__(self, budget: float | None = None, first: float = 0.05, cap: float = 1.0) -> None:
+        self.deadline = None if budget is None else time.monotonic() + budget
+        self.first = first
+        self.cap = cap
+        self.delay = first
+
+    def next_delay(self) -> float | None:
+        """The next pause, or None when it would end past the budget (give up)."""
+        delay = self.delay * random.uniform(0.5, 1.0)
+        if self.deadline is not None and time.monotonic() + delay > self.deadline:
+            return None
+        self.delay = min(self.delay * 2, self.cap)
+        return delay
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+async def publish_with_retry(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    headers: dict[str, str] | None = None,
+    retry_for: float = 30.0,
+    timeout: float | None = None,
+) -> PubAck:
+    """One JetStream publish, waiting for its acknowledgement, sent again with backoff while `is_retryable`
+    says so, for up to `retry_for` seconds; then the last error is raised. The one publish-retry policy of every
+    publisher here (the log, the daemon's pipelined effects, the benches)."""
+    idempotent = bool(headers) and MSG_ID in (headers or {})
+    backoff = Backoff(retry_for)
+    while True:
+        try:
+            # A copy: nats-py may add headers of its own to the dict it is given.
+            return await js.publish(subject, data, timeout=timeout, headers=dict(headers) if headers else None)
+        except Exception as exc:
+            if not is_retryable(exc, idempotent):
+                raise
+            delay = backoff.next_delay()
+            if delay is None:
+                raise
+            logger.warning("publish to %s failed (%s), retrying in %.2fs", subject, describe_error(exc), delay)
+            await asyncio.sleep(delay)  # retry backoff: the server is overloaded or unreachable
+
+
+def surface_async_ack_errors(js: JetStreamContext) -> bool:
+    """Make `js.publish_async` futures fail with the server's error (a 429 above all) instead of staying pending.
+
+    nats-py 2.16 calls `APIError.from_error`, which raises instead of returning, inside its ack handler: the error
+    goes to the connection's error callback and the publish's future is never resolved (nats-io/nats.py#985).
+    A caller that waits without a timeout hangs; one with a timeout retries only after it. This wraps the
+    handler of this context so that the future gets the error. It must run before the first `publish_async`
+    (which subscribes the handler); it returns False, changing nothing, if that has happened or if nats-py's
+    internals are not the ones it knows - callers must still bound their waits."""
+    handler = getattr(js, "_handle_async_reply", None)
+    if getattr(handler, "surfaces_ack_errors", False):
+        return True  # wrapped already (the daemon's and the tests' helpers may both ask)
+    if getattr(js, "_async_reply_prefix", True) is not None or not hasattr(js, "_publish_async_futures"):
+        return False
+    assert handler is not None
+
+    async def handle_async_reply(msg: Msg) -> None:
+        try:
+            await handler(msg)
+        except nats.js.errors.APIError as exc:
+            prefix = js._async_reply_prefix
+            future = js._publish_async_futures.get(msg.subject[len(prefix):]) if prefix else None
+            if future is not None and not future.done():
+                future.set_exception(exc)
+
+    handle_async_reply.surfaces_ack_errors = True  # type: ignore[attr-defined]
+    js._handle_async_reply = handle_async_reply  # type: ignore[method-assign]
+    return True
 
 
 _NUID = NUID()
@@ -281,21 +385,10 @@ class JetStreamLog:
     ) -> Appended:
         """Publish and wait for the stream's acknowledgement. A message with an id is retried on a timeout
         or an outage until `publish_retry` seconds have passed (the server drops the repeat, so a retry
-        whose first try was stored returns duplicate=True with that sequence); one without is tried once."""
+        whose first try was stored returns duplicate=True with that sequence); one without is sent again only
+        after a 429 (the server refused it: nothing was stored)."""
         data, hdrs = _prepare(payload, headers)
-        idempotent = MSG_ID in hdrs
-        deadline = time.monotonic() + self.publish_retry
-        delay = 0.05
-        while True:
-            try:
-                ack = await self.js.publish(subject, data, headers=dict(hdrs) or None)
-                break
-            except _TRANSIENT:
-                if not idempotent or time.monotonic() + delay > deadline:
-                    raise
-                logger.warning("publish to %s failed, retrying", subject, exc_info=True)
-                await asyncio.sleep(delay)  # retry backoff during an outage
-                delay = min(delay * 2, 1.0)
+        ack = await publish_with_retry(self.js, subject, data, hdrs or None, retry_for=self.publish_retry)
         if ack.stream != self.stream:
             # Streams in one account cannot share subjects, so this is a misconfiguration, not a race.
             raise RuntimeError(f"{subject} was stored in stream {ack.stream!r} (seq {ack.seq}), not {self.stream!r}")

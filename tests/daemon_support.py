@@ -24,7 +24,7 @@ from nats.js import JetStreamContext
 from events import subjects
 from events.envelope import RawRecord, Record
 from events.outputs import Decision
-from recovery.jetstream import JetStreamLog
+from recovery.jetstream import JetStreamLog, surface_async_ack_errors
 from recovery.log import MSG_ID
 from recovery.recorder import Replay, replay
 from recovery.testing import free_port
@@ -166,9 +166,18 @@ class DaemonProcess:
         return "\n".join(self.log_paths[-1].read_text(errors="replace").splitlines()[-lines:])
 
 
+CONNECT_TIMEOUT_S = 30.0
+
+
 async def connect(url: str) -> tuple[Client, JetStreamContext]:
-    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1, name="recovery-tests")
-    return nc, nc.jetstream(timeout=10)
+    """A connection that rides out outages once made (reconnects forever) but whose first connect fails after
+    CONNECT_TIMEOUT_S: a server that never came up fails the test instead of hanging it."""
+    nc = await asyncio.wait_for(
+        nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1, name="recovery-tests"),
+        CONNECT_TIMEOUT_S)
+    js = nc.jetstream(timeout=10)
+    surface_async_ack_errors(js)  # a refused (429) publish_async fails its future rather than leaving it pending
+    return nc, js
 
 
 async def read_stream(url: str, stream: str = "RECOVERY") -> list[Record | RawRecord]:

@@ -23,6 +23,9 @@ Figures (JSON lines on stdout, `{"bench": "daemon", "metric", "value", "unit"}`)
 The machine is shared: every figure is one run (the restart one the median of three), and the ratio to the
 raw nats-py consume rate measured beside it is the figure that travels between machines. The publisher of the
 throughput figure does not wait for acknowledgements (agents do not), so the daemon is the bottleneck.
+
+Every process it starts (nats-server, the daemons and what they fork) is stopped when it ends, however it ends:
+a failure, Ctrl-C or SIGTERM. A publish the server refuses (429, its ingest buffer full) is sent again.
 """
 
 from __future__ import annotations
@@ -31,15 +34,18 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any
 
 import nats
@@ -47,12 +53,13 @@ import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck, StorageType, StreamConfig
 
 from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
 from events.values import JobSpec
+from recovery.jetstream import is_retryable, publish_with_retry, surface_async_ack_errors
 from recovery.testing import NatsServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,9 +91,11 @@ class Daemon:
 
     def start(self) -> float:
         started = time.monotonic()
+        # Its own process group: `close` stops the daemon and the snapshot children it forks together, and a
+        # Ctrl-C in the terminal reaches the bench, which stops it, rather than racing it.
         self.proc = subprocess.Popen([sys.executable, "-m", "recovery.daemon", "--config", str(self.config)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     cwd=ROOT)
+                                     cwd=ROOT, start_new_session=True)
         return started
 
     def get(self, path: str) -> tuple[int, bytes]:
@@ -126,16 +135,70 @@ class Daemon:
         assert self.proc is not None
         started = time.monotonic()
         if kill:
-            self.proc.kill()
+            self._kill_group()  # a crashed host: a snapshot child in flight dies with the daemon
         else:
             self.proc.terminate()
         self.proc.wait(timeout=60)
         return time.monotonic() - started
 
+    def _kill_group(self) -> None:
+        # Only while the daemon is not reaped: until then its pid, which is its group's id, cannot name another
+        # process group.
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Stop the daemon (and anything it forked) if it still runs: the cleanup of a bench that failed."""
+        if self.proc is None:
+            return
+        self._kill_group()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def nats_server(store_dir: Path) -> Iterator[NatsServer]:
+    """A running nats-server, stopped on the way out whatever happens, a failed or interrupted start included
+    (`NatsServer`'s own `with` does not stop a server whose start raised)."""
+    server = NatsServer(store_dir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (a CI timeout, `kill`) ends the bench through its `finally` blocks, as Ctrl-C does, instead of
+    leaving its processes running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def unwind(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 
 def wait_seq(daemon: Daemon, seq: int, timeout: float = 3600.0) -> float:
     deadline = time.monotonic() + timeout
     while daemon.published_seq() < seq:
+        if daemon.proc is None or daemon.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited before reaching {seq}; see {daemon.workdir / 'daemon.log'}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"daemon did not reach {seq}")
         time.sleep(0.002)  # polling interval of a deadline-bounded wait
@@ -145,21 +208,43 @@ def wait_seq(daemon: Daemon, seq: int, timeout: float = 3600.0) -> float:
 # -- publishing -------------------------------------------------------------------------------------------
 async def connect(url: str) -> tuple[Client, JetStreamContext]:
     nc = await nats.connect(url, max_reconnect_attempts=-1, pending_size=256 * 1024 * 1024)
-    return nc, nc.jetstream(timeout=30, publish_async_max_pending=20_000)
+    js = nc.jetstream(timeout=30, publish_async_max_pending=20_000)
+    surface_async_ack_errors(js)  # else a refused publish's future never resolves (a nats-py bug)
+    return nc, js
 
 
-async def publish_all(js: JetStreamContext, items: list[tuple[str, bytes, str]], window: int = 8192) -> int:
-    """Pipelined JetStream publishes, at most `window` unacknowledged; the last stream sequence."""
+async def publish_all(js: JetStreamContext, items: list[tuple[str, bytes, str]], window: int = 8192,
+                      ack_timeout: float = 30.0) -> int:
+    """Pipelined JetStream publishes, at most `window` unacknowledged; the last stream sequence. One refused
+    (429) or not acknowledged within `ack_timeout` is sent again on its own, with its id (so never twice)."""
     last = 0
-    pending: list[asyncio.Future[Any]] = []
-    for subject, data, ident in items:
-        pending.append(await js.publish_async(subject, data, headers={MSG_ID: ident}))
+    pending: list[tuple[tuple[str, bytes, str], asyncio.Future[PubAck]]] = []
+
+    async def settle() -> None:
+        nonlocal last
+        if not pending:
+            return
+        # Bounded: an acknowledgement that never comes must not hold the bench forever.
+        _, late = await asyncio.wait([future for _, future in pending], timeout=ack_timeout)
+        for future in late:
+            future.cancel()
+        for (subject, data, ident), future in pending:
+            error = None if future.cancelled() else future.exception()
+            if future.cancelled() or error is not None:
+                if error is not None and not is_retryable(error, idempotent=True):
+                    raise error
+                ack = await publish_with_retry(js, subject, data, {MSG_ID: ident}, retry_for=max(ack_timeout, 60))
+            else:
+                ack = future.result()
+            last = max(last, ack.seq)
+        pending.clear()
+
+    for item in items:
+        subject, data, ident = item
+        pending.append((item, await js.publish_async(subject, data, headers={MSG_ID: ident})))
         if len(pending) >= window:
-            for ack in await asyncio.gather(*pending):
-                last = max(last, ack.seq)
-            pending.clear()
-    for ack in await asyncio.gather(*pending):
-        last = max(last, ack.seq)
+            await settle()
+    await settle()
     return last
 
 
@@ -217,7 +302,15 @@ async def raw_rates(url: str, count: int) -> tuple[float, float, float]:
     more = [(s, d, f"raw2-{i}") for i, (s, d, _) in enumerate(items)]
     t0 = time.perf_counter()
     await blast(nc, js, name, more)
-    while int((await js.stream_info(name)).state.messages) < 2 * count:
+    stored, grew = 0, time.monotonic()
+    while stored < 2 * count:
+        now_stored = int((await js.stream_info(name)).state.messages)
+        if now_stored > stored:
+            stored, grew = now_stored, time.monotonic()
+        elif time.monotonic() - grew > 10:
+            # Publishes without a reply get no 429: the server drops what its ingest buffer cannot hold.
+            raise RuntimeError(f"the server stored {stored - count:,} of the {count:,} messages published without "
+                               "waiting for acknowledgements and no more for 10 s: it dropped the rest")
         await asyncio.sleep(0.005)  # polling interval of a bounded wait (the server stores what it got)
     blast_rate = count / (time.perf_counter() - t0)
     count *= 2
@@ -257,7 +350,7 @@ async def throughput(url: str, daemon: Daemon, jobs: int, events: int) -> tuple[
     marker = items.pop()
     t0 = time.monotonic()
     await blast(nc, js, "RECOVERY", items)
-    last = (await js.publish(marker[0], marker[1], headers={MSG_ID: marker[2]})).seq  # after all the others
+    last = (await publish_with_retry(js, marker[0], marker[1], {MSG_ID: marker[2]})).seq  # after all the others
     offered = time.monotonic()
     await nc.close()
     end = await asyncio.to_thread(wait_seq, daemon, last)
@@ -339,11 +432,9 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
     faults = args.faults or (40 if args.quick else 300)
     parts = set(args.only or PARTS)
     consume_rate = None
-    with tempfile.TemporaryDirectory(prefix="bench-daemon-") as tmp:
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="bench-daemon-") as tmp:
         work = Path(tmp)
-        server = NatsServer(work / "nats")
-        server.start()
-        try:
+        with nats_server(work / "nats") as server:
             if "raw" in parts or "throughput" in parts:
                 publish_rate, blast_rate, consume_rate = asyncio.run(raw_rates(server.url, min(events, 100_000)))
                 note(f"raw nats-py: publish {publish_rate:,.0f}/s with acks, {blast_rate:,.0f}/s without waiting, "
@@ -354,11 +445,11 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
             if "throughput" in parts:
                 _throughput_and_restart(work, server.url, args, events, consume_rate, emit)
             if "latency" in parts:
-                daemon = Daemon(work / "d-latency", server.url, batch_size=args.batch)
-                daemon.start()
-                daemon.wait_ready()
-                lat, achieved = asyncio.run(latency(server.url, daemon, faults, args.heartbeat_rate))
-                daemon.stop()
+                with Daemon(work / "d-latency", server.url, batch_size=args.batch) as daemon:
+                    daemon.start()
+                    daemon.wait_ready()
+                    lat, achieved = asyncio.run(latency(server.url, daemon, faults, args.heartbeat_rate))
+                    daemon.stop()
                 lat.sort()
                 if lat:
                     p50 = lat[len(lat) // 2]
@@ -370,16 +461,19 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
                     emit("daemon", "background_heartbeats_per_s", _sig(achieved), "events/s")
             if "failover" in parts:
                 _failover(work, server.url, emit)
-        finally:
-            server.stop()
         if "rss" in parts:
             _rss(work, rss_jobs, emit)
 
 
 def _throughput_and_restart(work: Path, url: str, args: argparse.Namespace, events: int,
                             consume_rate: float | None, emit: Emit) -> None:
-    daemon = Daemon(work / "d1", url, batch_size=args.batch, snapshot_every_records=200_000,
-                    snapshot_every_s=30.0, timers_enabled=True)
+    with Daemon(work / "d1", url, batch_size=args.batch, snapshot_every_records=200_000, snapshot_every_s=30.0,
+                timers_enabled=True) as daemon:
+        _throughput_and_restart_with(daemon, url, args, events, consume_rate, emit)
+
+
+def _throughput_and_restart_with(daemon: Daemon, url: str, args: argparse.Namespace, events: int,
+                                 consume_rate: float | None, emit: Emit) -> None:
     daemon.start()
     daemon.wait_ready()
     rate, offered, last = asyncio.run(throughput(url, daemon, args.jobs, events))
@@ -416,8 +510,12 @@ def _throughput_and_restart(work: Path, url: str, args: argparse.Namespace, even
 def _failover(work: Path, url: str, emit: Emit, ttl_s: float = 10.0) -> None:
     """Two daemons on one partition: time from SIGKILL of the active one, and from its SIGTERM, until the standby
     answers /readyz (the lease's TTL, then restore and replay)."""
-    first = Daemon(work / "ha-a", url, instance="bench-a", lease_ttl_s=ttl_s)
-    second = Daemon(work / "ha-b", url, instance="bench-b", lease_ttl_s=ttl_s)
+    with Daemon(work / "ha-a", url, instance="bench-a", lease_ttl_s=ttl_s) as first, \
+            Daemon(work / "ha-b", url, instance="bench-b", lease_ttl_s=ttl_s) as second:
+        _failover_with(first, second, emit, ttl_s)
+
+
+def _failover_with(first: Daemon, second: Daemon, emit: Emit, ttl_s: float) -> None:
     first.start()
     first.wait_ready()
     second.start()
@@ -447,11 +545,9 @@ def _failover(work: Path, url: str, emit: Emit, ttl_s: float = 10.0) -> None:
 
 
 def _rss(work: Path, jobs: int, emit: Emit) -> None:
-    server = NatsServer(work / "nats-rss")
-    server.start()
-    try:
-        daemon = Daemon(work / "d2", server.url, timers_enabled=False, snapshot_every_records=10_000_000,
-                        snapshot_every_s=3600.0)
+    with nats_server(work / "nats-rss") as server, \
+            Daemon(work / "d2", server.url, timers_enabled=False, snapshot_every_records=10_000_000,
+                   snapshot_every_s=3600.0) as daemon:
         daemon.start()
         daemon.wait_ready()
         idle = daemon.rss_mb()
@@ -464,8 +560,6 @@ def _rss(work: Path, jobs: int, emit: Emit) -> None:
         emit("daemon", "rss_idle_mb", _sig(idle), "MB")
         emit("daemon", "rss_mb", _sig(rss), f"MB ({jobs} jobs)")
         emit("daemon", "rss_per_job_kb", _sig((rss - idle) * 1024 / jobs), "KB/job")
-    finally:
-        server.stop()
 
 
 async def _more(url: str, jobs: int, events: int) -> int:
