@@ -42,6 +42,8 @@ class Signal:
     step_time_ns: int | None = None
     world: int = 0
     """the job's number of ranks"""
+    node_ranks: tuple[int, ...] = ()
+    """for a node event: every rank of the job on that node (`ranks` holds only those on the device, if any)"""
 
 
 @dataclass(frozen=True, slots=True)

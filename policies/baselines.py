@@ -136,7 +136,7 @@ class MindClusterLikeDetection(DefaultDetection):
     watchdog, with the same code tables and debouncing as our default detection."""
 
     name: ClassVar[str] = "mindcluster-like-detection"
-    version: ClassVar[str] = "2"  # 2: sub-health (PreSeparateNPU, SubHealthFault) drains at the next checkpoint
+    version: ClassVar[str] = "3"  # 2: sub-health drains at the next checkpoint; 3: unused devices (default@4)
 
 
 STRATEGY_ORDER: tuple[tuple[Granularity, float], ...] = (

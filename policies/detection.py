@@ -37,7 +37,8 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 class DefaultDetection:
     family: ClassVar[str] = "detection"
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "3"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault
+    version: ClassVar[str] = "4"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks)
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = p = DefaultDetectionParams.model_validate(params or {})
@@ -126,6 +127,19 @@ class DefaultDetection:
                                      f"{p.frequency_threshold} in window)", code=code)
         if not signal.ranks:
             return Verdict("ignore", f"{code} on {where}: no rank of this job on it", code=code)
+            if meaning.fault_class is FaultClass.NODE and signal.node_ranks:
+                # The fix takes the whole node (a power cycle after a GPU fell off the bus): the job's ranks there
+                # go with it, although none runs on the faulty device.
+                return Verdict("fault", f"{code} on {where}: {meaning.description}: the job's ranks on the node must "
+                                        f"leave it", FaultClass.NODE, "node", signal.node_ranks, signal.node,
+                               data.device, lost=True, needs_move=True, code=code)
+            if meaning.action in (Action.RESET_DEVICE, Action.ISOLATE_DEVICE, Action.ISOLATE_NODE):
+                # Nobody's rank is on it, but nobody's may be placed on it either until it recovers: a fault with no
+                # ranks marks the hardware and opens no incident.
+                isolate = "node" if meaning.action is Action.ISOLATE_NODE else None
+                return Verdict("fault", f"{code} on {where}: {meaning.description}: out of service until it "
+                                        f"recovers", meaning.fault_class, "device", (), signal.node, data.device,
+                               lost=False, needs_move=True, isolate=isolate, code=code)
         verdict = self._from_meaning(meaning, signal, "device", code=code)
         return Verdict(verdict.kind, f"{code} on {where}: {meaning.description}", verdict.fault_class,
                        verdict.scope, verdict.ranks, signal.node, data.device, verdict.lost, verdict.needs_move,

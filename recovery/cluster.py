@@ -91,6 +91,16 @@ class ClusterView:
         state = self.nodes.get(name)
         return state is not None and state.usable
 
+    def usable_by(self, name: str, ranks_per_node: int) -> bool:
+        """Can the job placed on this node keep its ranks there? A bad device no rank of it uses (local rank r
+        runs on device r) does not make it leave; no new job is placed on such a node (`usable`)."""
+        state = self.nodes.get(name)
+        if state is None:
+            return False
+        if state.bad_devices and all(d >= ranks_per_node for d in state.bad_devices):
+            return state.ready and not state.drained and not state.isolated and not state.links_down
+        return state.usable
+
     def reachable(self, name: str) -> bool:
         """Can a checkpoint held in this node's memory or disk still be read?"""
         state = self.nodes.get(name)

@@ -47,6 +47,7 @@ from policies.base import (
     WatchdogView,
     label,
 )
+from policies.detection import DefaultDetection
 from policies.registry import PolicyError, load_set
 from recovery.cluster import ClusterView
 from recovery.job import CLOSED_INCIDENTS, DEDUPE_WINDOW, Attempt, Incident, Job
@@ -117,6 +118,7 @@ class Engine:
         self._hungry: dict[str, None] = {}  # every job that _hungry() holds for, and maybe some it no longer does
         self._finished: dict[str, None] = {}  # jobs in a final state, in the order they got there
         self._submissions = 0  # jobs ever accepted: the next one's place in _order (forgotten jobs leave gaps)
+        self._hardware = DefaultDetection()  # judges device faults on nodes no job runs on
         self._undo: _Undo | None = None  # the journal of the record being applied, if it changes anything
         self._last: tuple[_Undo | None, Record | RawRecord, EnvelopeBase] | None = None  # for revoke()
 
@@ -579,15 +581,34 @@ class Engine:
             else:
                 ranks = tuple(on_node)
             self._signal(out, job, Signal(type_, data, out.ts, name, ranks, device_times, node_times,
-                                          job.step_time, job.world))
+                                          job.step_time, job.world, tuple(on_node)))
+        elif isinstance(data, kinds.DeviceFault):
+            # No job runs here (an idle spare, a node between jobs): its hardware health still decides where the next
+            # job or move may go. No job's policy applies, so the built-in detection judges it.
+            verdict = self._hardware.classify(Signal(type_, data, out.ts, name, (), device_times, node_times))
+            if verdict.kind == "fault":
+                self._mark_hardware(verdict)
         if isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered | kinds.LinkUp) and node.usable:
             self._capacity_returned(out)
 
     def _signal(self, out: _Out, job: Job, signal: Signal) -> None:
         if job.state in ("submitted", "paused"):
+            if isinstance(signal.data, kinds.DeviceFault):  # no recovery now, but the hardware is what it is
+                verdict = _ask(job, "detection", job.policies.detection.classify, signal)
+                if verdict.kind == "fault":
+                    self._mark_hardware(verdict)
             return
         verdict = _ask(job, "detection", job.policies.detection.classify, signal)
         self._verdict(out, job, verdict, type_=signal.type)
+
+    def _mark_hardware(self, verdict: Verdict) -> None:
+        """What a confirmed fault says of the hardware, whoever runs there: an isolated node, a bad device."""
+        if verdict.node is None:
+            return
+        if verdict.isolate == "node":
+            self.cluster.node(verdict.node).isolated = True
+        if verdict.needs_move and verdict.device is not None:
+            self.cluster.node(verdict.node).bad_devices.add(verdict.device)
 
     def _verdict(self, out: _Out, job: Job, verdict: Verdict, type_: str) -> None:
         policy = job.policies.labels["detection"]
@@ -650,17 +671,19 @@ class Engine:
         """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch)."""
         commands: list[Any] = []
         if verdict.isolate is not None and verdict.node is not None:
-            node = self.cluster.node(verdict.node)
             if verdict.isolate == "node":
-                node.isolated = True
                 commands.append(IsolateNode(id=out.command_id(job.id), job=job.id, attempt=job.generation,
                                             deadline_s=60, node=verdict.node, reason=verdict.reason))
             else:
                 commands.append(IsolateDevice(id=out.command_id(job.id), job=job.id, attempt=job.generation,
                                               deadline_s=60, node=verdict.node, device=verdict.device or 0,
                                               reason=verdict.reason))
-        if verdict.needs_move and verdict.node is not None and verdict.device is not None:
-            self.cluster.node(verdict.node).bad_devices.add(verdict.device)
+        self._mark_hardware(verdict)
+        if not verdict.ranks and verdict.scope != "job":
+            # Hardware none of the job's ranks uses: marked out of service, and the job goes on.
+            self._decide(out, job, "hardware.marked", verdict.reason, policy=policy, commands=commands,
+                         detail={"node": verdict.node, "device": verdict.device, "code": verdict.code})
+            return
         if verdict.lost:
             for rank in verdict.ranks:
                 job.alive[rank] = 0
@@ -732,7 +755,7 @@ class Engine:
         if attempt.granularity is G.RETRY:
             return not verdict.lost and not verdict.needs_move
         if verdict.node is not None and verdict.node not in attempt.vacate and (
-                verdict.needs_move or not self.cluster.usable(verdict.node)):
+                verdict.needs_move or not self.cluster.usable_by(verdict.node, job.rpn)):
             return False  # the attempt restarts ranks on a node that can take none now: leave it, or wait for it
         if attempt.covered is None:  # built once: a burst of exits during a 16k-rank restart asks per exit
             attempt.covered = frozenset(attempt.ranks) | frozenset(attempt.stopping)
@@ -741,7 +764,7 @@ class Engine:
 
     # -- planning -------------------------------------------------------------------------------------
     def _vacate(self, job: Job) -> list[str]:
-        return [name for name in job.nodes if not self.cluster.usable(name)]
+        return [name for name in job.nodes if not self.cluster.usable_by(name, job.rpn)]
 
     def _fault_nodes(self, job: Job) -> list[str]:
         """Nodes of the faulty or dead ranks: what a migration moves when no node is unusable."""
@@ -1068,7 +1091,7 @@ class Engine:
 
     def _placement(self, job: Job, attempt: Attempt) -> tuple[list[str], int] | None:
         """Nodes and data-parallel size after a job-level restart or scale."""
-        usable = [n for n in job.nodes if self.cluster.usable(n)]
+        usable = [n for n in job.nodes if self.cluster.usable_by(n, job.rpn)]
         spares = self.cluster.free_spares()
         per_replica = job.layout.tp * job.layout.pp
         if attempt.granularity is G.SCALE_IN:
@@ -1393,7 +1416,7 @@ class Engine:
         if need % job.rpn:
             raise _Reject("invalid_request", f"dp={dp} needs {need} ranks, not a whole number of "
                                              f"{job.rpn}-rank nodes")
-        have = len([n for n in job.nodes if self.cluster.usable(n)]) + len(self.cluster.free_spares())
+        have = len([n for n in job.nodes if self.cluster.usable_by(n, job.rpn)]) + len(self.cluster.free_spares())
         dp = min(dp, _fit_dp(job.layout, job.rpn, have, dp) or job.layout.dp)
         if dp == job.layout.dp:
             return

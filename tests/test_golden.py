@@ -94,6 +94,14 @@ def test_survivors_of_a_pod_level_move_in_their_own_generation_cause_no_second_i
     assert result.engine.jobs["part"].state == "running" and result.engine.jobs["part"].step >= 120
 
 
+def test_a_pod_level_move_skips_a_spare_whose_device_failed_while_idle() -> None:
+    result = load("move_skips_broken_spare")
+    [move] = commands(result, "migrate_ranks")
+    assert (move.from_node, move.to_node) == ("n1", "s1")
+    assert result.engine.cluster.nodes["s0"].bad_devices == {3}
+    assert closed(result).detail["granularity"] == "migrate"
+
+
 def _ts(result: Replay, seq: int) -> int:
     return next(r.ts for r in iter_file(path("sigterm_no_handler")) if r.seq == seq)
 

@@ -373,6 +373,24 @@ def partial_restart_survivors() -> Scenario:
     return s
 
 
+@scenario
+def move_skips_broken_spare() -> Scenario:
+    """A GPU of the idle spare s0 falls off the bus (XID 79) while no job runs there; later a node of the job needs
+    replacing. The move goes to the healthy spare s1, not to the first spare that joined."""
+    s = Scenario()
+    s.spare("s0")
+    s.spare("s1")
+    s.submit("llm", ["n0", "n1"], ranks_per_node=4, dp=8)
+    s.train("llm", 6)
+    s.checkpoint("llm", 6, "storage", "storage")
+    s.node_event("s0", "device.fault", device=3, vendor="nvidia", code="79")
+    s.train("llm", 2)
+    s.node_event("n1", "device.fault", device=0, vendor="nvidia", code="48")
+    s.ack_all()
+    s.train("llm", 2)
+    return s
+
+
 def path(name: str) -> Path:
     return HERE / f"{name}.jsonl"
 
