@@ -87,7 +87,7 @@ from recovery.jetstream import (
 )
 from recovery.lease import Lease, LeaseLost, default_instance
 from recovery.log import MSG_ID, to_record
-from recovery.recorder import effect_envelope
+from recovery.recorder import apply_encoded
 from recovery.service import HttpServer, Metrics
 
 logger = logging.getLogger("recovery.daemon")
@@ -884,13 +884,14 @@ class Daemon:
             if d.seq <= engine.last_seq:
                 continue
             record = to_record(d.seq, d.ts, d.subject, d.headers or {}, d.data)
-            effects = engine.apply(record)
+            encoded = apply_encoded(engine, record)  # a record whose effects cannot be written is revoked
+            effects = [effect for effect, _, _, _ in encoded]
             applied += 1
             is_record = isinstance(record, Record)
             types[record.envelope.type if is_record else "undecodable"] += 1  # type: ignore[union-attr]
             if effects:
                 timed.append(d.ts)
-                for effect in effects:
+                for effect, subject, envelope, data in encoded:
                     if isinstance(effect, Decision):
                         decisions[effect.kind] += 1
                         for command in effect.commands:
@@ -908,9 +909,8 @@ class Daemon:
                         rejections[effect.code] += 1
                         logger.info("rejected", extra=_fields(seq=effect.seq, subject=effect.subject, code=effect.code,
                                                               reason=effect.reason, event_id=effect.event_id))
-                    subject, envelope = effect_envelope(effect)
                     if envelope.id not in self.skip_ids:
-                        out.append(Outgoing(subject, encode_envelope(envelope), envelope.id,
+                        out.append(Outgoing(subject, data, envelope.id,
                                             "decision" if isinstance(effect, Decision) else "rejection"))
             if is_record and self.cfg.timers_enabled and record.envelope.type == "timer.fired":  # type: ignore[union-attr]
                 timer_id = record.envelope.data.timer_id  # type: ignore[union-attr]
