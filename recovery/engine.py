@@ -651,7 +651,7 @@ class Engine:
         nodes = list(job.drains)
         if not nodes:
             return
-        spares = self.cluster.free_spares()
+        spares = self._spares_for(job)
         if len(spares) < len(nodes):
             self._decide(out, job, "node.drain_deferred", f"{len(nodes)} node(s) to drain, {len(spares)} spare(s): "
                                                           f"try again at the next checkpoint",
@@ -778,15 +778,21 @@ class Engine:
         elastic = job.spec.elastic
         if elastic is None:
             return None
-        keep = len(job.nodes) - len(vacate)
-        dp = _fit_dp(job.layout, job.rpn, keep, elastic.max_dp)
+        # The nodes it keeps and the spares it may take: a job that cannot have its old size runs at the largest size
+        # these give, at or above its minimum, rather than wait for the whole of its old size to come back.
+        have = len(job.nodes) - len(vacate) + len(self._spares_for(job))
+        dp = _fit_dp(job.layout, job.rpn, have, elastic.max_dp)
         return dp if dp is not None and elastic.min_dp <= dp < job.layout.dp else None
+
+    def _spares_for(self, job: Job) -> list[str]:
+        """The free spares this job may take now, in the order they joined."""
+        return self.cluster.free_spares()
 
     def _plan(self, out: _Out, job: Job, forced: Granularity | None = None) -> None:
         incident = job.incident
         assert incident is not None
         vacate = self._vacate(job)
-        spares = self.cluster.free_spares()
+        spares = self._spares_for(job)
         fault_class = incident.fault_class or FaultClass.PROCESS
         migrate = vacate or self._fault_nodes(job)
         ctx = RescheduleContext(
@@ -1033,7 +1039,7 @@ class Engine:
                 commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
                                              ranks=list(attempt.ranks), plan=plan))
             elif g is G.MIGRATE:
-                spares = self.cluster.free_spares()
+                spares = self._spares_for(job)
                 if len(spares) < len(attempt.vacate):
                     job.generation -= 1
                     self._end_attempt(out, job, attempt, "superseded", "the spare nodes it needed are gone")
@@ -1092,7 +1098,7 @@ class Engine:
     def _placement(self, job: Job, attempt: Attempt) -> tuple[list[str], int] | None:
         """Nodes and data-parallel size after a job-level restart or scale."""
         usable = [n for n in job.nodes if self.cluster.usable_by(n, job.rpn)]
-        spares = self.cluster.free_spares()
+        spares = self._spares_for(job)
         per_replica = job.layout.tp * job.layout.pp
         if attempt.granularity is G.SCALE_IN:
             dp = attempt.dp or self._scale_in_dp(job, list(attempt.vacate)) or job.layout.dp
@@ -1416,7 +1422,7 @@ class Engine:
         if need % job.rpn:
             raise _Reject("invalid_request", f"dp={dp} needs {need} ranks, not a whole number of "
                                              f"{job.rpn}-rank nodes")
-        have = len([n for n in job.nodes if self.cluster.usable_by(n, job.rpn)]) + len(self.cluster.free_spares())
+        have = len([n for n in job.nodes if self.cluster.usable_by(n, job.rpn)]) + len(self._spares_for(job))
         dp = min(dp, _fit_dp(job.layout, job.rpn, have, dp) or job.layout.dp)
         if dp == job.layout.dp:
             return
