@@ -7,6 +7,7 @@ which the engine turns into a rejection and the daemon into a dead-letter record
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,8 @@ from events.envelope import (
     RawRecord,
     Record,
 )
-from events.subjects import TOKEN_PATTERN, check_token
+from events.subjects import CONTROL_CHARS, TOKEN_PATTERN, check_token
+from events.values import NO_CONTROL_PATTERN, TEXT_CONTROL_CHARS, TEXT_PATTERN
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -107,7 +109,8 @@ def upcast(obj: dict[str, Any]) -> dict[str, Any]:
     """Bring an envelope dict up to the current schema version of its type."""
     type_ = obj.get("type")
     version = obj.get("schema")
-    if not isinstance(type_, str) or not isinstance(version, int) or type_ not in SCHEMA_VERSIONS:
+    # A JSON `true` is a Python int: it must reach validation (and be refused there), not be upcast as version 1.
+    if not isinstance(type_, str) or type(version) is not int or type_ not in SCHEMA_VERSIONS:
         return obj  # no version given means the current one; a bad one is left for validation to report
     current = SCHEMA_VERSIONS[type_]
     if version >= current:
@@ -167,6 +170,26 @@ def _token_error(err: Any) -> str | None:
     return None
 
 
+_FORBIDDEN = {
+    NO_CONTROL_PATTERN: re.compile(f"[{CONTROL_CHARS}]"),
+    TEXT_PATTERN: re.compile(f"[{TEXT_CONTROL_CHARS}]"),
+}
+"""the character class each string pattern of events.values refuses, to say which character broke it"""
+
+
+def _message(err: Any) -> str:
+    """pydantic's message, said plainly where it would not be: which control character an id held (rather than
+    the pattern it failed), and that a boolean is not a number. Only ever runs on input already refused."""
+    if err["type"] == "string_pattern_mismatch":
+        forbidden = _FORBIDDEN.get(err.get("ctx", {}).get("pattern"))
+        bad = forbidden.search(err["input"]) if forbidden is not None and isinstance(err["input"], str) else None
+        if bad is not None:
+            return f"control character U+{ord(bad.group()):04X} at index {bad.start()} is not allowed"
+    if err["type"] in ("int_type", "float_type") and isinstance(err["input"], bool):
+        return f"{err['msg']}, not a boolean"
+    return str(err["msg"])
+
+
 def _explain(exc: ValidationError, ident: str | None, job: str | None, node: str | None) -> DecodeError:
     errors = exc.errors(include_url=False)
     for err in errors:
@@ -177,6 +200,6 @@ def _explain(exc: ValidationError, ident: str | None, job: str | None, node: str
     parts = []
     for err in errors[:3]:
         where = ".".join(str(p) for p in err["loc"][1:]) or "envelope"
-        parts.append(f"{where}: {err['msg']}")
+        parts.append(f"{where}: {_message(err)}")
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return DecodeError("schema_violation", "; ".join(parts) + more, ident, job, node)

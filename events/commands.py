@@ -11,41 +11,42 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from events.subjects import Token
-from events.values import Frozen, ResumePlan
+from events.values import Attempt, Device, Frozen, Id, Interval, Rank, ResumePlan, Seconds, Size, Step
 
 
 class CommandBase(Frozen):
-    id: str
+    id: Id
     job: Token
-    attempt: int = Field(description="the job's restart generation this command belongs to")
-    deadline_s: float = Field(description="ack with status done within this many seconds or the engine escalates")
+    attempt: Attempt = Field(description="the job's restart generation this command belongs to")
+    deadline_s: Interval = Field(description="ack with status done within this many seconds or the engine "
+                                             "escalates: 1 ms .. 30 days")
 
 
 class StopRanks(CommandBase):
     kind: Literal["stop_ranks"] = "stop_ranks"
-    ranks: list[int]
+    ranks: list[Rank]
     mode: Literal["graceful", "kill"] = "graceful"
-    grace_s: float = 30.0
+    grace_s: Seconds = Field(30.0, description="how long a graceful stop may take before the kill: 0 .. 30 days")
 
 
 class SaveCheckpoint(CommandBase):
     """Save a dying checkpoint: each listed rank writes the shard it holds, at its current step."""
 
     kind: Literal["save_checkpoint"] = "save_checkpoint"
-    ranks: list[int]
-    step: int
+    ranks: list[Rank]
+    step: Step
 
 
 class RetryStep(CommandBase):
     kind: Literal["retry_step"] = "retry_step"
-    step: int
+    step: Step
 
 
 class RestartRanks(CommandBase):
     """Restart these ranks' processes on their own nodes; every rank rolls back to the plan's step."""
 
     kind: Literal["restart_ranks"] = "restart_ranks"
-    ranks: list[int]
+    ranks: list[Rank]
     plan: ResumePlan
 
 
@@ -53,7 +54,7 @@ class MigrateRanks(CommandBase):
     """Move the ranks of `from_node` to `to_node` (pod-level rescheduling); other nodes keep running."""
 
     kind: Literal["migrate_ranks"] = "migrate_ranks"
-    ranks: list[int]
+    ranks: list[Rank]
     from_node: Token
     to_node: Token
     plan: ResumePlan
@@ -67,7 +68,7 @@ class RestartJob(CommandBase):
 
 class ScaleJob(CommandBase):
     kind: Literal["scale_job"] = "scale_job"
-    dp: int
+    dp: Size
     nodes: list[Token]
     plan: ResumePlan
 
@@ -81,7 +82,7 @@ class IsolateNode(CommandBase):
 class IsolateDevice(CommandBase):
     kind: Literal["isolate_device"] = "isolate_device"
     node: Token
-    device: int
+    device: Device
     reason: str
 
 

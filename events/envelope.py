@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, create_model
 from events.kinds import JOB_EVENTS, NODE_EVENTS
 from events.outputs import Decision, Rejection
 from events.subjects import Token
-from events.values import Frozen
+from events.values import MAX_ID_LENGTH, Frozen, Id, Label, LogTime, PositiveCount, Seq
 
 SCHEMA_VERSIONS: dict[str, int] = {type_: 1 for type_ in (*JOB_EVENTS, *NODE_EVENTS)}
 SCHEMA_VERSIONS["device.fault"] = 2  # v1 carried only an NVIDIA `xid`: see events.codec.UPCASTERS
@@ -29,13 +29,14 @@ MAX_PAYLOAD_BYTES = 256 * 1024
 class EnvelopeBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: str = Field(min_length=1, max_length=256, description="dedupe key, also sent as Nats-Msg-Id")
+    id: Id = Field(description=f"dedupe key, also sent as Nats-Msg-Id: 1..{MAX_ID_LENGTH} characters, no "
+                               "control character")
     type: str
     job: Token | None = None
     node: Token | None = None
-    source: str = Field("", max_length=256, description="who published it: agent@node, probe, operator")
-    time: str | None = Field(None, description="the source's clock: information only, never logical time")
-    schema_: int = Field(1, alias="schema", ge=1)
+    source: Label = Field("", description="who published it: agent@node, probe, operator")
+    time: Label | None = Field(None, description="the source's clock: information only, never logical time")
+    schema_: PositiveCount = Field(1, alias="schema")
     data: Any
 
 
@@ -62,8 +63,9 @@ class Record(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    seq: int = Field(ge=1)
-    ts: int = Field(ge=0, description="log time in nanoseconds since the epoch (the JetStream timestamp)")
+    seq: Seq
+    ts: LogTime = Field(description="log time in nanoseconds since the epoch (the JetStream timestamp), at most "
+                                    "2^62 so that log time plus any duration fits 63 bits")
     subject: str
     headers: dict[str, str] = Field(default_factory=dict)
     envelope: AnyEnvelope
@@ -74,8 +76,8 @@ class RawRecord(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    seq: int = Field(ge=1)
-    ts: int = Field(ge=0)
+    seq: Seq
+    ts: LogTime
     subject: str
     headers: dict[str, str] = Field(default_factory=dict)
     data: bytes

@@ -11,91 +11,113 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from events.subjects import Token
-from events.values import Frozen, Granularity, JobSpec, Tier
-
-Rank = int
+from events.values import (
+    Attempt,
+    Count,
+    Device,
+    Devices,
+    DueTime,
+    ExitCode,
+    Flag,
+    Frozen,
+    Granularity,
+    Id,
+    JobSpec,
+    Label,
+    LinkName,
+    Name,
+    Pid,
+    PositiveCount,
+    Rank,
+    Seconds,
+    SignalNumber,
+    Size,
+    Step,
+    Text,
+    Tier,
+)
 
 
 # --- device (node-scoped) ---------------------------------------------------------------------------
 class DeviceFault(Frozen):
     """A device reported an error: an NVIDIA XID, an Ascend fault code, or ECC counters."""
 
-    device: int = Field(ge=0, description="local device index on the node")
+    device: Device = Field(description="local device index on the node")
     vendor: Literal["nvidia", "ascend", "other"]
-    code: str = Field(description="vendor code: XID number ('79') or Ascend fault code ('0x80E01801')")
-    ecc_sbe: int = Field(0, ge=0, description="single-bit ECC errors since the last report")
-    ecc_dbe: int = Field(0, ge=0, description="double-bit ECC errors since the last report")
+    code: Label = Field(description="vendor code: XID number ('79') or Ascend fault code ('0x80E01801')")
+    ecc_sbe: Count = Field(0, description="single-bit ECC errors since the last report")
+    ecc_dbe: Count = Field(0, description="double-bit ECC errors since the last report")
     severity: Literal["info", "warning", "error", "critical"] | None = None
-    message: str = ""
+    message: Text = ""
 
 
 class DeviceRecovered(Frozen):
-    device: int = Field(ge=0)
+    device: Device
 
 
 # --- process (job-scoped) ---------------------------------------------------------------------------
 class ProcessStarted(Frozen):
-    rank: Rank = Field(ge=0)
-    pid: int = Field(ge=0)
-    attempt: int = Field(0, ge=0, description="the job's restart generation the process belongs to")
+    rank: Rank
+    pid: Pid
+    attempt: Attempt = Field(0, description="the job's restart generation the process belongs to")
 
 
 class ProcessExited(Frozen):
-    rank: Rank = Field(ge=0)
-    exit_code: int | None = None
-    signal: int | None = Field(None, ge=1, description="the signal that ended the process, if any")
-    attempt: int = Field(0, ge=0)
+    rank: Rank
+    exit_code: ExitCode | None = None
+    signal: SignalNumber | None = Field(None, description="the signal that ended the process, if any")
+    attempt: Attempt = 0
 
 
 class Heartbeat(Frozen):
-    rank: Rank = Field(ge=0)
-    step: int | None = Field(None, ge=0, description="last completed step, if the process knows it")
-    attempt: int = Field(0, ge=0)
+    rank: Rank
+    step: Step | None = Field(None, description="last completed step, if the process knows it")
+    attempt: Attempt = 0
 
 
 class HangReport(Frozen):
     """The node agent's own watchdog saw no progress from a local process."""
 
-    rank: Rank = Field(ge=0)
-    seconds_without_progress: float = Field(ge=0)
-    attempt: int = Field(0, ge=0)
+    rank: Rank
+    seconds_without_progress: Seconds = Field(description="0 .. 30 days")
+    attempt: Attempt = 0
 
 
 class StepReported(Frozen):
-    rank: Rank = Field(ge=0)
-    step: int = Field(ge=0)
-    attempt: int = Field(0, ge=0)
+    rank: Rank
+    step: Step
+    attempt: Attempt = 0
 
 
 # --- network ----------------------------------------------------------------------------------------
 class LinkDown(Frozen):
-    link: str = Field(description="NIC or port, for example 'mlx5_0' or 'hccs3'")
-    switch: str | None = None
+    link: LinkName = Field(description="NIC or port, for example 'mlx5_0' or 'hccs3'")
+    switch: Name | None = None
 
 
 class LinkUp(Frozen):
-    link: str
+    link: LinkName
 
 
 class NicErrors(Frozen):
-    link: str
-    errors: int = Field(ge=1)
+    link: LinkName
+    errors: PositiveCount
 
 
 class CollectiveTimeout(Frozen):
     """A collective did not finish: `reporters` timed out waiting on the other `members` of `group`."""
 
-    group: str
+    group: Name
     members: list[Rank] = Field(min_length=1)
     reporters: list[Rank] = Field(min_length=1)
-    operation: str = "allreduce"
-    timeout_s: float = Field(0, ge=0)
-    attempt: int = Field(0, ge=0, description="the reporters' restart generation")
+    operation: Label = "allreduce"
+    timeout_s: Seconds = Field(0, description="the collective's timeout, 0 .. 30 days (0: not reported)")
+    attempt: Attempt = Field(0, description="the reporters' restart generation")
 
 
 # --- node (node-scoped) -----------------------------------------------------------------------------
 class NodeNotReady(Frozen):
-    reason: str = ""
+    reason: Text = ""
 
 
 class NodeReady(Frozen):
@@ -105,12 +127,12 @@ class NodeReady(Frozen):
 class NodeDrained(Frozen):
     """The platform takes the node away (maintenance, preemption): its ranks must leave it."""
 
-    reason: str = ""
+    reason: Text = ""
 
 
 class NodeJoined(Frozen):
-    spare: bool = True
-    devices: int = Field(8, ge=1)
+    spare: Flag = True
+    devices: Devices = 8
 
 
 # --- job lifecycle ----------------------------------------------------------------------------------
@@ -127,16 +149,16 @@ class JobCompleted(Frozen):
 
 
 class JobCancelled(Frozen):
-    reason: str = ""
+    reason: Text = ""
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
 class CheckpointSaved(Frozen):
     """Shards of the model state at `step` are available in `tier` on `holder` (a node, or 'storage')."""
 
-    step: int = Field(ge=0)
+    step: Step
     tier: Tier
-    shards: list[int] = Field(min_length=1, description="shard indices (pipeline x tensor coordinate)")
+    shards: list[Rank] = Field(min_length=1, description="shard indices (pipeline x tensor coordinate)")
     holder: Token
 
     @field_validator("tier")
@@ -148,30 +170,30 @@ class CheckpointSaved(Frozen):
 
 
 class CheckpointFailed(Frozen):
-    step: int = Field(ge=0)
+    step: Step
     tier: Tier
-    reason: str = ""
+    reason: Text = ""
 
 
 # --- executors, timers, operators -------------------------------------------------------------------
 class CommandAck(Frozen):
-    command_id: str
+    command_id: Id
     status: Literal["accepted", "done", "failed"]
-    reason: str = ""
+    reason: Text = ""
     result: dict[str, Any] = Field(default_factory=dict)
 
 
 class TimerFired(Frozen):
-    timer_id: str
-    due: int = Field(description="the due time the timer was asked for, nanoseconds of log time")
+    timer_id: Id
+    due: DueTime = Field(description="the due time the timer was asked for, nanoseconds of log time (< 2^63)")
 
 
 class OperatorScale(Frozen):
-    dp: int = Field(ge=1)
+    dp: Size
 
 
 class OperatorPause(Frozen):
-    reason: str = ""
+    reason: Text = ""
 
 
 class OperatorResume(Frozen):
@@ -179,14 +201,14 @@ class OperatorResume(Frozen):
 
 
 class OperatorCancel(Frozen):
-    reason: str = ""
+    reason: Text = ""
 
 
 class OperatorForce(Frozen):
     """Start a recovery attempt of this granularity now, ending the one under way."""
 
     granularity: Granularity
-    reason: str = ""
+    reason: Text = ""
 
 
 JOB_EVENTS: dict[str, type[Frozen]] = {

@@ -1,4 +1,10 @@
-"""What the engine writes back into the log: decisions (with their commands and timers) and rejections."""
+"""What the engine writes back into the log: decisions (with their commands and timers) and rejections.
+
+Numbers here are strict (no boolean, no string) but carry no bounds: they are what the engine computed or copied
+from a record, and the engine keeps them in range itself (a due time that would not fit 64 bits becomes an
+`unencodable` rejection, not a validation error half way through a record). Strings are not pattern-checked
+either: a rejection repeats the id it refused, which may be exactly the control character it refused it for.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +13,21 @@ from typing import Any
 from pydantic import Field
 
 from events.commands import Command
-from events.values import Frozen
+from events.values import Frozen, StrictInt
 
 
 class TimerRequest(Frozen):
     id: str
-    due: int = Field(description="nanoseconds of log time")
-    every: int | None = Field(None, description="periodic: fire again this many nanoseconds after each due")
+    due: StrictInt = Field(description="nanoseconds of log time (the engine keeps it below 2^63)")
+    every: StrictInt | None = Field(None, description="periodic: fire again this many nanoseconds after each due")
 
 
 class Decision(Frozen):
     """One step the engine took for a job, with the record that caused it and the policy that chose it."""
 
     job: str
-    cause_seq: int
-    index: int = Field(description="position among the decisions caused by the same record")
+    cause_seq: StrictInt
+    index: StrictInt = Field(description="position among the decisions caused by the same record")
     kind: str
     previous: str
     state: str
@@ -37,7 +43,7 @@ class Decision(Frozen):
 class Rejection(Frozen):
     """An input the engine refused, and why; the daemon sends it to the dead-letter subject."""
 
-    seq: int
+    seq: StrictInt
     subject: str
     code: str
     reason: str

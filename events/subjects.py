@@ -1,7 +1,8 @@
 """Subject naming and the validation of the ids that become subject tokens.
 
 A job or node id is one NATS subject token: it may not contain `.` (a token separator), `*` or `>`
-(wildcards) or whitespace, or a consumer filter on that id would match the wrong messages.
+(wildcards), whitespace or a control character, or a consumer filter on that id would match the wrong messages
+(and a NUL or an escape sequence would reach every log and terminal that shows the id).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from pydantic_core import PydanticCustomError
 
 PREFIX = "recovery"
 MAX_TOKEN_LENGTH = 128
-_BAD_TOKEN = re.compile(r"[.*>\s]")
+CONTROL_CHARS = r"\x00-\x1f\x7f-\x9f"
+"""C0 controls (NUL included), DEL and C1 controls, as a regular-expression class body that Python, Rust
+(pydantic-core) and JSON Schema (ECMAScript) regular expressions read alike"""
+_BAD_TOKEN = re.compile(rf"[.*>\s{CONTROL_CHARS}]")
 
 
 def check_token(value: str) -> str:
@@ -27,18 +31,21 @@ def check_token(value: str) -> str:
         )
     bad = _BAD_TOKEN.search(value)
     if bad is not None:
+        char = bad.group()
+        control = ord(char) < 0x20 or 0x7F <= ord(char) <= 0x9F
+        what = f"control character U+{ord(char):04X}" if control else repr(char)
         raise PydanticCustomError(
             "subject_token",
             "id {value} cannot be a subject token: it contains {char}",
-            {"value": repr(value), "char": repr(bad.group())},
+            {"value": repr(value), "char": what},
         )
     return value
 
 
-TOKEN_PATTERN = rf"^[^.*>\s\x1c-\x1f]{{1,{MAX_TOKEN_LENGTH}}}$"
-"""`check_token` as one regular expression, checked in pydantic-core without a call into Python (Python's
-whitespace class also holds the separators 0x1c-0x1f, Rust's does not). `events.codec` turns its failure back
-into `check_token`'s `subject_token` error."""
+TOKEN_PATTERN = rf"^[^.*>\s{CONTROL_CHARS}]{{1,{MAX_TOKEN_LENGTH}}}$"
+"""`check_token` as one regular expression, checked in pydantic-core without a call into Python (the control
+characters are listed explicitly: Python's whitespace class holds the separators 0x1c-0x1f, Rust's does not).
+`events.codec` turns its failure back into `check_token`'s `subject_token` error."""
 
 Token = Annotated[str, StringConstraints(pattern=TOKEN_PATTERN)]
 """A job or node id: validated so that it is exactly one subject token."""

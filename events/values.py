@@ -3,11 +3,102 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from annotated_types import Ge, Gt, Le
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StringConstraints, model_validator
 
-from events.subjects import Token
+from events.subjects import CONTROL_CHARS, Token
+
+# --- bounds of every number and string on the wire -----------------------------------------------------
+# Each type below is defined once and used by events, commands, outputs and policy parameters alike, so a
+# bound is stated (and exported to events/wire-schema.json) in one place. Numbers are strict: a JSON `true`
+# is not 1, a string "5" or "inf" is not a number, 3.0 is not an integer; floats are finite.
+
+MAX_SAFE_INT = 2**53 - 1
+"""the largest integer every JSON reader holds exactly (a JavaScript or jq reader rounds beyond it)"""
+MAX_RANKS = 1 << 20
+"""ranks of one job (dp * tp * pp), about a million: well above the largest jobs run today (~10^5 accelerators),
+and at ~600 B of engine state per rank a job at the bound still fits in memory; it also bounds every rank, shard
+index and data-parallel size"""
+MAX_DEVICES = 1024
+"""accelerators, and ranks, on one node (nodes have 8 or 16 today)"""
+MAX_LOG_TIME_NS = 2**62
+"""log time (JetStream timestamps, nanoseconds since the epoch) is at most 2^62, the year 2116: log time plus
+the longest duration below stays under 2^63, so every due time the engine derives fits a signed 64-bit integer"""
+MAX_DUE_NS = 2**63 - 1
+"""a due time (log time plus a duration) fits a signed 64-bit integer"""
+MIN_INTERVAL_S = 0.001
+"""the shortest positive duration: 1 ms, so that no duration rounds to a zero-nanosecond timer"""
+MAX_SECONDS = 30 * 86_400.0
+"""the longest duration, deadline or window: 30 days, longer than any training job waits for anything"""
+MIN_WATCHDOG_S = 0.1
+"""the shortest watchdog interval: every tick is a record in the log, so a job cannot flood it with ticks"""
+MAX_WATCHDOG_S = 10 * 365 * 86_400.0
+"""the longest watchdog interval, 10 years: an interval longer than the job runs turns the heartbeat watchdog off
+(the simulator, whose ranks send no heartbeats, sets ten times its run)"""
+MAX_ID_LENGTH = 512
+"""envelope, command and timer ids: a timer id holds a job id, a node id and a link name (128 each) and the
+timer.fired envelope's id wraps it with its due time"""
+MAX_NAME_LENGTH = 256
+
+NO_CONTROL_PATTERN = rf"^[^{CONTROL_CHARS}]*$"
+"""no C0 control character (NUL included), DEL or C1 control character: ids end up in logs, terminals, NATS
+headers and subjects, where a NUL truncates, an escape sequence rewrites the screen, a CR LF splits a header"""
+TEXT_CONTROL_CHARS = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f"
+TEXT_PATTERN = rf"^[^{TEXT_CONTROL_CHARS}]*$"
+"""free text (reasons, messages): as NO_CONTROL_PATTERN, but tab, line feed and carriage return are allowed"""
+
+StrictInt = Annotated[int, Strict()]
+"""an integer and nothing else: what outputs the engine computes carry (their bounds are the engine's to keep)"""
+Count = Annotated[int, Strict(), Ge(0), Le(MAX_SAFE_INT)]
+"""a number of things or events: 0 .. 2^53-1"""
+PositiveCount = Annotated[int, Strict(), Ge(1), Le(MAX_SAFE_INT)]
+"""a threshold, a number of tries: 1 .. 2^53-1"""
+Step = Annotated[int, Strict(), Ge(0), Le(MAX_SAFE_INT)]
+"""a training step: 0 .. 2^53-1"""
+Attempt = Annotated[int, Strict(), Ge(0), Le(MAX_SAFE_INT)]
+"""a job's restart generation: 0 .. 2^53-1"""
+Seq = Annotated[int, Strict(), Ge(1), Le(MAX_SAFE_INT)]
+"""a log sequence number: 1 .. 2^53-1"""
+Rank = Annotated[int, Strict(), Ge(0), Le(MAX_RANKS - 1)]
+"""a rank, or a shard index (a shard is a rank of the first replica): 0 .. MAX_RANKS-1"""
+Size = Annotated[int, Strict(), Ge(1), Le(MAX_RANKS)]
+"""a parallel degree or a number of data-parallel replicas: 1 .. MAX_RANKS"""
+Device = Annotated[int, Strict(), Ge(0), Le(MAX_DEVICES - 1)]
+"""a device's index on its node: 0 .. MAX_DEVICES-1"""
+Devices = Annotated[int, Strict(), Ge(1), Le(MAX_DEVICES)]
+"""devices (or ranks) on one node: 1 .. MAX_DEVICES"""
+Pid = Annotated[int, Strict(), Ge(0), Le(2**32 - 1)]
+"""a process id: an unsigned 32-bit integer holds every operating system's (Linux's are below 2^22)"""
+ExitCode = Annotated[int, Strict(), Ge(-(2**31)), Le(2**32 - 1)]
+"""a process's exit status: 0..255 on POSIX, -N for signal N (Python), a 32-bit status on Windows"""
+SignalNumber = Annotated[int, Strict(), Ge(1), Le(127)]
+"""a signal number: 1..64 on Linux; 127 is the largest a 128+N exit status can carry"""
+LogTime = Annotated[int, Strict(), Ge(0), Le(MAX_LOG_TIME_NS)]
+"""log time, nanoseconds since the epoch: 0 .. 2^62"""
+DueTime = Annotated[int, Strict(), Ge(0), Le(MAX_DUE_NS)]
+"""a due time, nanoseconds of log time: 0 .. 2^63-1"""
+Seconds = Annotated[float, Strict(), AllowInfNan(False), Ge(0), Le(MAX_SECONDS)]
+"""a duration that may be zero (no debounce, no grace): 0 .. 30 days"""
+Interval = Annotated[float, Strict(), AllowInfNan(False), Ge(MIN_INTERVAL_S), Le(MAX_SECONDS)]
+"""a duration that must pass (a deadline, a window, a silence): 1 ms .. 30 days"""
+WatchdogInterval = Annotated[float, Strict(), AllowInfNan(False), Ge(MIN_WATCHDOG_S), Le(MAX_WATCHDOG_S)]
+"""the period of a job's heartbeat watchdog: 0.1 s .. 10 years"""
+Factor = Annotated[float, Strict(), AllowInfNan(False), Gt(0), Le(1000.0)]
+"""a multiple of the job's step time: above 0, at most 1000"""
+Flag = Annotated[bool, Strict()]
+"""true or false: never 1, 0 or a string"""
+Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH, pattern=NO_CONTROL_PATTERN)]
+"""an envelope, command or timer id: 1..512 characters, no control character"""
+Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_LENGTH, pattern=NO_CONTROL_PATTERN)]
+"""a link, collective group, policy or other name: 1..256 characters, no control character"""
+LinkName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_CONTROL_PATTERN)]
+"""a NIC or port: 1..128 characters (it is part of a debounce timer's id), no control character"""
+Label = Annotated[str, StringConstraints(max_length=MAX_NAME_LENGTH, pattern=NO_CONTROL_PATTERN)]
+"""a short optional label (a vendor code, a source, an operation): 0..256 characters, no control character"""
+Text = Annotated[str, StringConstraints(pattern=TEXT_PATTERN)]
+"""free text (a reason, a message): no control character but tab, line feed and carriage return"""
 
 
 class Frozen(BaseModel):
@@ -56,9 +147,16 @@ class FaultClass(StrEnum):
 class Layout(Frozen):
     """Parallel layout. Rank order is tensor-parallel fastest, then pipeline, then data parallel."""
 
-    dp: int = Field(ge=1, description="data-parallel replicas")
-    tp: int = Field(1, ge=1, description="tensor-parallel degree")
-    pp: int = Field(1, ge=1, description="pipeline-parallel degree")
+    dp: Size = Field(description="data-parallel replicas")
+    tp: Size = Field(1, description="tensor-parallel degree")
+    pp: Size = Field(1, description="pipeline-parallel degree")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Layout:
+        # Each degree is bounded, their product must be too: the engine keeps state for every rank.
+        if self.world > MAX_RANKS:
+            raise ValueError(f"layout dp*tp*pp = {self.world} ranks exceeds {MAX_RANKS}")
+        return self
 
     @property
     def world(self) -> int:
@@ -77,8 +175,8 @@ class Layout(Frozen):
 
 
 class Elastic(Frozen):
-    min_dp: int = Field(ge=1)
-    max_dp: int = Field(ge=1)
+    min_dp: Size
+    max_dp: Size
 
     @model_validator(mode="after")
     def _ordered(self) -> Elastic:
@@ -90,7 +188,7 @@ class Elastic(Frozen):
 class PolicyRef(Frozen):
     """A policy chosen by its entry-point name, with its parameters (validated by the policy)."""
 
-    name: str
+    name: Name
     params: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -102,13 +200,15 @@ class PolicySelection(Frozen):
 
 class JobSpec(Frozen):
     nodes: list[Token] = Field(min_length=1, description="placement: rank r runs on nodes[r // ranks_per_node]")
-    ranks_per_node: int = Field(ge=1)
+    ranks_per_node: Devices
     layout: Layout
-    spares: int = Field(0, ge=0, description="spare nodes this job may take from the pool")
+    spares: int = Field(0, ge=0, le=MAX_RANKS, strict=True, description="spare nodes this job may take from the pool")
     elastic: Elastic | None = None
     policies: PolicySelection = PolicySelection()
-    max_restarts: int | None = Field(None, ge=0, description="restart budget over the job's life, any rung")
-    watchdog_interval_s: float = Field(2.0, gt=0, description="how often the engine checks heartbeats")
+    max_restarts: Count | None = Field(None, description="restart budget over the job's life, any rung")
+    watchdog_interval_s: WatchdogInterval = Field(
+        2.0, description=f"how often the engine checks heartbeats: {MIN_WATCHDOG_S:g} s .. {MAX_WATCHDOG_S:g} s "
+                         "(10 years; an interval longer than the job runs turns the watchdog off)")
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -123,11 +223,15 @@ class JobSpec(Frozen):
         if self.elastic is not None and not self.elastic.min_dp <= self.layout.dp <= self.elastic.max_dp:
             raise ValueError(f"layout dp {self.layout.dp} is outside elastic [{self.elastic.min_dp}, "
                              f"{self.elastic.max_dp}]")
+        if self.elastic is not None and self.elastic.max_dp * self.layout.shards > MAX_RANKS:
+            # Scaling out to max_dp must give a layout the wire accepts, or the scale-out itself would fail.
+            raise ValueError(f"elastic max_dp {self.elastic.max_dp} x tp*pp {self.layout.shards} ranks exceeds "
+                             f"{MAX_RANKS}")
         return self
 
 
 class RankSource(Frozen):
-    rank: int
+    rank: Rank
     tier: Tier
     holder: str
 
@@ -135,7 +239,7 @@ class RankSource(Frozen):
 class ShardSource(Frozen):
     """Where one shard of the model state is read from: a tier and the holders that have it."""
 
-    shard: int
+    shard: Rank
     tier: Tier
     holders: list[str] = Field(min_length=1, description="reachable holders, sorted")
 
@@ -146,8 +250,8 @@ class ResumePlan(Frozen):
     Kept per shard, not per rank, so that a plan for 16,384 ranks stays a few kilobytes: every data-parallel
     replica of a shard reads the same source, from the holder on its own node when there is one."""
 
-    checkpoint_step: int | None = Field(description="None: no usable checkpoint, start from the beginning")
-    next_step: int
+    checkpoint_step: Step | None = Field(description="None: no usable checkpoint, start from the beginning")
+    next_step: Step
     shards: list[ShardSource] = Field(default_factory=list)
 
     def source_of(self, rank: int, node: str) -> RankSource | None:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from events import kinds
-from events.values import FaultClass, Granularity, Tier
+from events.values import Count, FaultClass, Flag, Granularity, Interval, Tier
 from policies.base import NS, Action, Params, RescheduleContext, Signal, Verdict, WatchdogView
 from policies.checkpoint import NewestCompleteCheckpoint
 from policies.codes import Action as CodeAction
@@ -39,7 +39,7 @@ G = Granularity
 
 # --- torchelastic-like -----------------------------------------------------------------------------------
 class TorchElasticDetectionParams(Params):
-    platform_device_health: bool = True
+    platform_device_health: Flag = True
     """a device the vendor says must be reset or isolated is taken out by the platform's health check, so the
     job-level restart avoids it"""
 
@@ -85,8 +85,9 @@ class TorchElasticLikeDetection:
 
 
 class TorchElasticReschedulingParams(Params):
-    max_restarts: int | None = Field(None, ge=0, description="torchrun --max-restarts; None: unlimited")
-    deadline_s: float = Field(1800.0, gt=0, description="a restart that has not made progress by then is redone")
+    max_restarts: Count | None = Field(None, description="torchrun --max-restarts; None: unlimited")
+    deadline_s: Interval = Field(1800.0, description="a restart that has not made progress by then is redone "
+                                                     "(1 ms .. 30 days)")
 
 
 class TorchElasticLikeRescheduling:
@@ -148,8 +149,9 @@ deadline each. Job-level rescheduling is tried `job_level_tries` times (Volcano'
 
 
 class MindClusterReschedulingParams(Params):
-    deadlines_s: dict[Granularity, float] = Field(default_factory=lambda: dict(STRATEGY_ORDER))
-    job_level_tries: int = Field(3, ge=1, description="job-level reschedulings per incident before dump")
+    deadlines_s: dict[Granularity, Interval] = Field(default_factory=lambda: dict(STRATEGY_ORDER))
+    job_level_tries: int = Field(3, ge=1, le=100, strict=True,
+                                 description="job-level reschedulings per incident before dump (each is a rung)")
 
 
 class MindClusterLikeRescheduling(LadderRescheduling):

@@ -7,18 +7,18 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from events.values import TIER_COST, ResumePlan, ShardSource, Tier
+from events.values import TIER_COST, Flag, ResumePlan, ShardSource, Tier
 from policies.base import CheckpointContext, CheckpointPlan, Params, SaveRequest
 
 
 class NewestCompleteParams(Params):
-    dying: bool = True
+    dying: Flag = True
     """use the state of healthy data-parallel replicas when every shard still has one: a dying checkpoint, or
     (with `peer`) a transfer straight from them"""
-    peer: bool = True
+    peer: Flag = True
     """rather than save a dying checkpoint and load it back, the restarted ranks receive their shard from a live
     replica over the fabric (TorchFT's live recovery, Gemini's peer memory): no save, a load at fabric speed"""
-    peer_holders: int = Field(2, ge=1, le=8)
+    peer_holders: int = Field(2, ge=1, le=8, strict=True)
     """live replicas named per shard: the executor takes the one on its own node, else the first that answers"""
     tiers: tuple[Tier, ...] = tuple(Tier)
     """tiers this job may resume from"""

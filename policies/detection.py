@@ -12,22 +12,23 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from events import kinds
-from events.values import FaultClass
+from events.values import Factor, FaultClass, Interval, PositiveCount, Seconds
 from policies.base import NS, Params, RankActivity, Signal, Verdict, WatchdogView
 from policies.codes import Action, CodeMeaning, ascend_fault, exit_status, nvidia_xid
 
 
 class DefaultDetectionParams(Params):
-    frequency_window_s: float = Field(24 * 3600.0, gt=0)
-    frequency_threshold: int = Field(3, ge=1, description="faults of one device in the window -> isolate it")
-    node_frequency_threshold: int = Field(6, ge=1, description="device faults on one node -> isolate node")
-    link_debounce_s: float = Field(10.0, ge=0, description="a link down this long is a fault; up earlier: flap")
-    not_ready_grace_s: float = Field(20.0, ge=0)
-    nic_error_threshold: int = Field(100, ge=1)
-    hang_min_silence_s: float = Field(10.0, gt=0)
-    hang_silence_factor: float = Field(5.0, gt=0)
-    stall_min_s: float = Field(60.0, gt=0)
-    stall_factor: float = Field(10.0, gt=0)
+    frequency_window_s: Interval = Field(24 * 3600.0, description="window of the frequency counts: 1 ms .. 30 days")
+    frequency_threshold: PositiveCount = Field(3, description="faults of one device in the window -> isolate it")
+    node_frequency_threshold: PositiveCount = Field(6, description="device faults on one node -> isolate node")
+    link_debounce_s: Seconds = Field(10.0, description="a link down this long is a fault; up earlier: flap "
+                                                       "(0 .. 30 days; 0: at once)")
+    not_ready_grace_s: Seconds = Field(20.0, description="a node not ready this long is a fault (0 .. 30 days)")
+    nic_error_threshold: PositiveCount = 100
+    hang_min_silence_s: Interval = Field(10.0, description="a rank silent this long at least hangs: 1 ms .. 30 days")
+    hang_silence_factor: Factor = Field(5.0, description="... or this many step times if longer: (0, 1000]")
+    stall_min_s: Interval = Field(60.0, description="no rank advancing this long at least is a stall: 1 ms .. 30 days")
+    stall_factor: Factor = Field(10.0, description="... or this many step times if longer: (0, 1000]")
 
 
 def _in_window(times: tuple[int, ...], now: int, window: int) -> int:

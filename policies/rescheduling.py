@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from events.values import FaultClass, Granularity
+from events.values import Count, FaultClass, Flag, Granularity, Interval, PositiveCount, Seconds
 from policies.base import NS, Action, Params, RescheduleContext
 
 G = Granularity
@@ -22,9 +22,9 @@ G = Granularity
 
 class Rung(Params):
     granularity: Granularity
-    budget: int | None = Field(None, ge=0, description="attempts within one incident; None: unlimited")
-    deadline_s: float = Field(300.0, gt=0)
-    tries: int = Field(1, ge=1, description="failed attempts in a row at this rung before the next rung")
+    budget: Count | None = Field(None, description="attempts within one incident; None: unlimited")
+    deadline_s: Interval = Field(300.0, description="from the attempt's start to progress: 1 ms .. 30 days")
+    tries: PositiveCount = Field(1, description="failed attempts in a row at this rung before the next rung")
 
 
 def _ladder(*rungs: tuple[Granularity, int | None, float] | tuple[Granularity, int | None, float, int]
@@ -47,11 +47,11 @@ DEFAULT_LADDERS: dict[FaultClass, list[Rung]] = {
 
 class LadderParams(Params):
     ladders: dict[FaultClass, list[Rung]] = Field(default_factory=lambda: dict(DEFAULT_LADDERS))
-    elastic: bool = True
+    elastic: Flag = True
     """when a rung needs nodes that are not there, scale in by data-parallel replicas if the job allows"""
-    wait: bool = True
+    wait: Flag = True
     """otherwise wait for nodes (the job goes to `waiting`) instead of escalating"""
-    settle_s: float = Field(2.0, ge=0)
+    settle_s: Seconds = Field(2.0, description="0 .. 30 days")
     """after an attempt is superseded by a fault outside it, collect further faults this long before the next
     attempt: a job-wide crash reports its thousands of exits one by one, and each would otherwise supersede the
     last attempt (0: no window)"""

@@ -125,6 +125,13 @@ def test_an_output_type_sent_as_input_is_rejected_as_unknown(scenario: Scenario)
     ({"rank": 0}, "step: Field required"),
     ({"rank": 0, "step": 9, "loss": 0.1}, "loss: Extra inputs are not permitted"),
     ({"rank": "zero", "step": 9}, "rank: Input should be a valid integer"),
+    ({"rank": True, "step": 9}, "data.rank: Input should be a valid integer, not a boolean"),
+    ({"rank": 0, "step": False}, "data.step: Input should be a valid integer, not a boolean"),
+    ({"rank": 0, "step": "9"}, "data.step: Input should be a valid integer"),
+    ({"rank": 0, "step": 9.0}, "data.step: Input should be a valid integer"),
+    ({"rank": 0, "step": 2**53}, "data.step: Input should be less than or equal to 9007199254740991"),
+    ({"rank": 1 << 20, "step": 9}, "data.rank: Input should be less than or equal to 1048575"),
+    ({"rank": 0, "step": 9, "attempt": True}, "data.attempt: Input should be a valid integer, not a boolean"),
 ])
 def test_schema_violation_is_rejected(scenario: Scenario, data: dict[str, Any], reason: str) -> None:
     payload = raw(id="sv-1", type="progress.step", job=JOB, data=data)
@@ -274,3 +281,87 @@ def test_scale_to_a_dp_that_does_not_fill_whole_nodes_is_rejected(scenario: Scen
     assert not [e for e in effects if isinstance(e, Rejection)], effects
     assert scenario.engine.cluster.free_spares() == ["s0"]
     assert scenario.state("job-e") == "running"
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x1b", "\x7f", "\x9b"])
+def test_a_control_character_in_the_event_id_is_a_schema_violation(scenario: Scenario, char: str) -> None:
+    """An event id becomes a Nats-Msg-Id header and a line in every log: a NUL, an escape sequence or a C1 control
+    has no place in it."""
+    payload = step_event(JOB, 0, 9, f"ev{char}1")
+    rejection = expect_rejected(scenario, subjects.job_event(JOB, "progress.step"), payload, "schema_violation",
+                                f"id: control character U+{ord(char):04X} at index 2 is not allowed")
+    assert rejection.event_id == f"ev{char}1", "the rejection names the id it refused, as it came"
+
+
+@pytest.mark.parametrize(("field", "value"), [("source", "agent\x00@a0"), ("time", "2026-01-01T00:00:00\x1b[2J")])
+def test_a_control_character_in_the_envelope_is_a_schema_violation(scenario: Scenario, field: str,
+                                                                   value: str) -> None:
+    payload = raw(**{"id": "cc-1", "type": "progress.step", "job": JOB, "data": {"rank": 0, "step": 9}, field: value})
+    expect_rejected(scenario, subjects.job_event(JOB, "progress.step"), payload, "schema_violation",
+                    f"{field}: control character U+")
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x1b", "\x7f", "\x85"])
+def test_a_control_character_in_a_job_or_node_id_is_refused(scenario: Scenario, char: str) -> None:
+    """Job and node ids are subject tokens, so a control character in one is the token's error, as whitespace
+    already was, and the reason names the field and the character."""
+    payload = step_event(f"job{char}a", 0, 9, "cc-2")
+    expect_rejected(scenario, subjects.job_event(JOB, "progress.step"), payload, "bad_subject_token",
+                    "job: id", f"control character U+{ord(char):04X}")
+    payload = raw(id="cc-3", type="node.not_ready", node=f"a0{char}", data={"reason": "x"})
+    expect_rejected(scenario, subjects.node_event("a0", "node.not_ready"), payload, "bad_subject_token",
+                    "node: id", f"control character U+{ord(char):04X}")
+
+
+@pytest.mark.parametrize(("type_", "data", "reason"), [
+    ("network.link_down", {"link": "mlx5\x000"}, "data.link: control character U+0000"),
+    ("node.not_ready", {"reason": "gone\x1b]0;pwned\x07"}, "data.reason: control character U+001B"),
+])
+def test_a_control_character_in_a_node_event_is_a_schema_violation(scenario: Scenario, type_: str,
+                                                                   data: dict[str, Any], reason: str) -> None:
+    payload = raw(id="cc-4", type=type_, node="a0", data=data)
+    expect_rejected(scenario, subjects.node_event("a0", type_), payload, "schema_violation", reason)
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    ({"rank": 0, "seconds_without_progress": "inf"}, "data.seconds_without_progress: Input should be a valid number"),
+    ({"rank": 0, "seconds_without_progress": 1e300}, "data.seconds_without_progress: Input should be less than"),
+    ({"rank": 0, "seconds_without_progress": True}, "not a boolean"),
+])
+def test_a_duration_that_is_not_a_finite_bounded_number_is_refused(scenario: Scenario, data: dict[str, Any],
+                                                                   reason: str) -> None:
+    payload = raw(id="du-1", type="process.hang", job=JOB, data=data)
+    expect_rejected(scenario, subjects.job_event(JOB, "process.hang"), payload, "schema_violation", reason)
+
+
+def submission(job: str, **spec: Any) -> bytes:
+    base = {"nodes": ["c0"], "ranks_per_node": 2, "layout": {"dp": 2}}
+    return raw(id=f"{job}-submitted", type="job.submitted", job=job, data={"spec": {**base, **spec}})
+
+
+@pytest.mark.parametrize("interval", [1e-12, 0, 1e11, True, "2"])
+def test_a_watchdog_interval_out_of_bounds_is_a_schema_violation(scenario: Scenario, interval: Any) -> None:
+    """1e-12 s made a zero-period timer (ZeroDivisionError in the engine); 1e11 s a due time past 2^64 ns that no
+    decision could carry."""
+    expect_rejected(scenario, subjects.job_event("job-c", "job.submitted"),
+                    submission("job-c", watchdog_interval_s=interval), "schema_violation",
+                    "data.spec.watchdog_interval_s: ")
+    assert "job-c" not in scenario.engine.jobs
+
+
+@pytest.mark.parametrize(("policies", "field"), [
+    ({"rescheduling": {"name": "ladder", "params": {"ladders": {"process": [
+        {"granularity": "in_place", "deadline_s": 1e11}]}}}}, "ladders.process.0.deadline_s"),
+    ({"rescheduling": {"name": "ladder", "params": {"ladders": {"process": [
+        {"granularity": "in_place", "deadline_s": 1e-12}]}}}}, "ladders.process.0.deadline_s"),
+    ({"rescheduling": {"name": "ladder", "params": {"settle_s": 31 * 86400}}}, "settle_s"),
+    ({"detection": {"name": "default", "params": {"link_debounce_s": 1e11}}}, "link_debounce_s"),
+    ({"detection": {"name": "default", "params": {"hang_min_silence_s": 0}}}, "hang_min_silence_s"),
+    ({"detection": {"name": "default", "params": {"frequency_threshold": True}}}, "frequency_threshold"),
+    ({"checkpoint": {"name": "newest-complete", "params": {"peer": 1}}}, "peer"),
+])
+def test_policy_params_out_of_bounds_are_an_invalid_policy(scenario: Scenario, policies: dict[str, Any],
+                                                           field: str) -> None:
+    expect_rejected(scenario, subjects.job_event("job-c", "job.submitted"), submission("job-c", policies=policies),
+                    "invalid_policy", "invalid parameters", field)
+    assert "job-c" not in scenario.engine.jobs

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import PydanticCustomError
 
 from events import DecodeError, decode_envelope, decode_record_line, encode_envelope, encode_record, make_envelope
 from events.envelope import Record
 from events.kinds import DeviceFault, Heartbeat
-from events.subjects import job_event, node_event
+from events.subjects import Token, check_token, job_event, node_event
 
 
 def test_envelope_round_trips_through_the_codec() -> None:
@@ -55,3 +57,30 @@ def test_log_line_round_trip_and_undecodable_payload_survives_as_raw() -> None:
 def test_subjects_put_the_id_in_one_token() -> None:
     assert job_event("j1", "process.exited") == "recovery.ev.job.j1.process.exited"
     assert node_event("n7", "device.fault") == "recovery.ev.node.n7.device.fault"
+
+
+def test_the_token_pattern_and_check_token_agree_on_every_character() -> None:
+    """pydantic-core checks the pattern (Rust regex), `check_token` explains a failure (Python re): a character one
+    refuses and the other accepts would get no readable reason, or slip through. Whitespace ends at U+3000."""
+    adapter = TypeAdapter(Token)
+    for code in [*range(0x3001), 0xFEFF, 0x10FFFF]:
+        value = f"a{chr(code)}b"
+        try:
+            check_token(value)
+            python_ok = True
+        except PydanticCustomError:
+            python_ok = False
+        try:
+            adapter.validate_python(value)
+            rust_ok = True
+        except ValidationError:
+            rust_ok = False
+        assert python_ok == rust_ok, f"U+{code:04X}: check_token {python_ok}, pattern {rust_ok}"
+        if code < 0x20 or 0x7F <= code <= 0x9F:
+            assert not rust_ok, f"control character U+{code:04X} accepted in a token"
+
+
+@pytest.mark.parametrize("bad", ["a\x00", "\x1b[2J", "a\x7f", "a\x9b"])
+def test_control_characters_in_ids_are_rejected_as_tokens(bad: str) -> None:
+    env = decode_envelope(orjson.dumps({"id": "x", "type": "job.started", "job": bad, "data": {}}))
+    assert isinstance(env, DecodeError) and env.code == "bad_subject_token" and "control character U+" in env.reason
