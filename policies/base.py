@@ -138,6 +138,8 @@ class RescheduleContext:
     scale_in_dp: int | None
     """the data-parallel size the job could shrink to without the lost nodes; None if not elastic or below min"""
     forced: Granularity | None = None
+    step_time_ns: int | None = None
+    """the job's measured time per step, if known"""
     widened: bool = False
     """a fault outside the attempt under way superseded it, and no settle window has passed since"""
 

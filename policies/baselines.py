@@ -160,7 +160,7 @@ class MindClusterLikeRescheduling(LadderRescheduling):
     process is gone, an in-place restart when the node must be left, elastic training for a fixed-size job)."""
 
     name: ClassVar[str] = "mindcluster-like-rescheduling"
-    version: ClassVar[str] = "2"  # 2: the ladder's settle window (ClusterD also gathers a job's faults first)
+    version: ClassVar[str] = "3"  # 2: the ladder's settle window (ClusterD gathers a job's faults first); 3: ladder@4
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         own = MindClusterReschedulingParams.model_validate(params or {})

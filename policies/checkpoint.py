@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from events.values import TIER_COST, Flag, ResumePlan, ShardSource, Tier
+from events.values import TIER_COST, Flag, ResumePlan, Seconds, ShardSource, Tier
 from policies.base import CheckpointContext, CheckpointPlan, Params, SaveRequest
 
 
@@ -22,7 +22,7 @@ class NewestCompleteParams(Params):
     """live replicas named per shard: the executor takes the one on its own node, else the first that answers"""
     tiers: tuple[Tier, ...] = tuple(Tier)
     """tiers this job may resume from"""
-    dying_wait_s: float = Field(30.0, ge=0, le=3600, strict=True)
+    dying_wait_s: Seconds = 30.0
     """after ranks were stopped by SIGTERM, hold the restart this long for the dying checkpoint their handlers write
     on the way out (0: never wait); torchrun and ModelArts give a process 30 s between SIGTERM and SIGKILL"""
 

@@ -29,6 +29,10 @@ class DefaultDetectionParams(Params):
     hang_silence_factor: Factor = Field(5.0, description="... or this many step times if longer: (0, 1000]")
     stall_min_s: Interval = Field(60.0, description="no rank advancing this long at least is a stall: 1 ms .. 30 days")
     stall_factor: Factor = Field(10.0, description="... or this many step times if longer: (0, 1000]")
+    first_steps_s: Interval = Field(900.0, description="until the job's step time is measured (two steps after a "
+                                                       "start), no progress is a stall only after this long: a first "
+                                                       "step may compile, load and warm up for minutes "
+                                                       "(1 ms .. 30 days)")
 
 
 def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
@@ -38,8 +42,8 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 class DefaultDetection:
     family: ClassVar[str] = "detection"
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "4"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
-    # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks)
+    version: ClassVar[str] = "5"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = p = DefaultDetectionParams.model_validate(params or {})
@@ -127,7 +131,6 @@ class DefaultDetection:
             return Verdict("ignore", f"{code} on {where}: {meaning.description} ({on_device} of "
                                      f"{p.frequency_threshold} in window)", code=code)
         if not signal.ranks:
-            return Verdict("ignore", f"{code} on {where}: no rank of this job on it", code=code)
             if meaning.fault_class is FaultClass.NODE and signal.node_ranks:
                 # The fix takes the whole node (a power cycle after a GPU fell off the bus): the job's ranks there
                 # go with it, although none runs on the faulty device.
@@ -141,6 +144,7 @@ class DefaultDetection:
                 return Verdict("fault", f"{code} on {where}: {meaning.description}: out of service until it "
                                         f"recovers", meaning.fault_class, "device", (), signal.node, data.device,
                                lost=False, needs_move=True, isolate=isolate, code=code)
+            return Verdict("ignore", f"{code} on {where}: no rank of this job on it", code=code)
         verdict = self._from_meaning(meaning, signal, "device", code=code)
         return Verdict(verdict.kind, f"{code} on {where}: {meaning.description}", verdict.fault_class,
                        verdict.scope, verdict.ranks, signal.node, data.device, verdict.lost, verdict.needs_move,
@@ -173,7 +177,8 @@ class DefaultDetection:
         p = self.params
         step_time = view.step_time_ns or 0
         silence = max(int(p.hang_min_silence_s * NS), int(p.hang_silence_factor * step_time))
-        stall = max(int(p.stall_min_s * NS), int(p.stall_factor * step_time))
+        stall = (max(int(p.stall_min_s * NS), int(p.stall_factor * step_time)) if view.step_time_ns
+                 else int(p.first_steps_s * NS))
         silent = tuple(a.rank for a in view.ranks if view.now - a.last_seen > silence)
         if silent:
             gone = _silent_nodes(view, set(silent))

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from events.values import Count, FaultClass, Flag, Granularity, Interval, PositiveCount, Seconds
+from events.values import MAX_SECONDS, Count, Factor, FaultClass, Flag, Granularity, Interval, PositiveCount, Seconds
 from policies.base import NS, Action, Params, RescheduleContext
 
 G = Granularity
@@ -51,6 +51,10 @@ class LadderParams(Params):
     """when a rung needs nodes that are not there, scale in by data-parallel replicas if the job allows"""
     wait: Flag = True
     """otherwise wait for nodes (the job goes to `waiting`) instead of escalating"""
+    deadline_steps: Factor = 3.0
+    """a rung's deadline is at least this many of the job's step times: the attempt ends with progress past the
+    resume point, and a job whose step takes minutes cannot show that within a deadline set for seconds (at most 30
+    days, like every deadline)"""
     settle_s: Seconds = Field(2.0, description="0 .. 30 days")
     """after an attempt is superseded by a fault outside it, collect further faults this long before the next
     attempt: a job-wide crash reports its thousands of exits one by one, and each would otherwise supersede the
@@ -60,7 +64,7 @@ class LadderParams(Params):
 class LadderRescheduling:
     family: ClassVar[str] = "rescheduling"
     name: ClassVar[str] = "ladder"
-    version: ClassVar[str] = "3"  # 2: a settle window after a superseded attempt; 3: tries per rung
+    version: ClassVar[str] = "4"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = LadderParams.model_validate(params or {})
@@ -93,7 +97,8 @@ class LadderRescheduling:
         for index in order:
             rung = ladder[index]
             g = rung.granularity
-            deadline = int(rung.deadline_s * NS)
+            deadline = min(max(int(rung.deadline_s * NS), int(self.params.deadline_steps * (ctx.step_time_ns or 0))),
+                           int(MAX_SECONDS * NS))
             key = f"{ctx.fault_class.value}/{g.value}"
             if g is G.FAIL:
                 return Action(G.FAIL, f"ladder for {ctx.fault_class.value} ends in fail", rung=index)

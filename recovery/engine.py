@@ -802,7 +802,7 @@ class Engine:
             nodes_to_replace=len(vacate), nodes_to_migrate=len(migrate), spares_available=len(spares),
             dp=job.layout.dp,
             scale_in_dp=self._scale_in_dp(job, vacate), forced=forced,
-            widened=incident.widened,
+            widened=incident.widened, step_time_ns=job.step_time,
         )
         action = _ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
         policy = job.policies.labels["rescheduling"]

@@ -545,10 +545,30 @@ def test_random_interleavings_keep_the_invariants_and_replay_identically(plan: P
     replay of the log re-derives exactly the recorded decisions, rejections and state."""
     driver = run_plan(plan)
     scenario = driver.scenario
+    assert not {r.code for r in scenario.rejections} & {"unencodable", "internal_error", "policy_error"}
+    for decision in scenario.decisions:
+        assert_fits_the_wire(decision.model_dump(mode="json"))
     replayed = replay(scenario.log.records())
     assert dumped(replayed.decisions) == dumped(replayed.recorded_decisions) == dumped(scenario.decisions)
     assert dumped(replayed.rejections) == dumped(replayed.recorded_rejections) == dumped(scenario.rejections)
     assert replayed.engine.snapshot() == scenario.engine.snapshot()
+
+
+def assert_fits_the_wire(value: Any) -> None:
+    """Every number a decision carries is one every reader of the log can hold: a signed 64-bit integer, or a finite
+    float."""
+    if isinstance(value, dict):
+        for item in value.values():
+            assert_fits_the_wire(item)
+    elif isinstance(value, list):
+        for item in value:
+            assert_fits_the_wire(item)
+    elif isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    elif isinstance(value, int):
+        assert -(2**63) <= value < 2**63, value
+    elif isinstance(value, float):
+        assert value == value and abs(value) != float("inf"), value
 
 
 REPLAY_SCRIPT = """

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import orjson
 
+from policies.rescheduling import LadderRescheduling
 from recovery.replay import main
 from tests.golden.scenarios import path
 
@@ -42,7 +43,8 @@ def test_verify_exits_1_at_the_first_divergence_and_names_the_policy(tmp_path: P
     log.write_bytes(b"\n".join(tampered) + b"\n")
     result = run_cli("verify", str(log))
     assert result.returncode == 1
-    assert "DIVERGENCE" in result.stdout and "changed policy: recorded ladder@0, replayed ladder@3" in result.stdout
+    installed = f"ladder@{LadderRescheduling.version}"
+    assert "DIVERGENCE" in result.stdout and f"changed policy: recorded ladder@0, replayed {installed}" in result.stdout
     as_json = run_cli("verify", str(log), "--json")
     assert as_json.returncode == 1
     assert orjson.loads(as_json.stdout)["divergence"]["recorded"]["policy"] == "ladder@0"

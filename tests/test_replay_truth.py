@@ -150,12 +150,16 @@ def test_a_narrow_or_cut_export_says_it_cannot_be_exact(two_jobs: tuple[Path, Sc
 
 
 # -- 2. a policy's version bump is a changed policy, whatever the diverging decision's own policy field -----------
+ORIGINAL_LADDER_VERSION = LadderRescheduling.version  # what the golden logs were recorded with
+
+
 def test_a_version_bump_is_a_changed_policy_not_a_bug(monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(LadderRescheduling, "version", "99")
     assert main(["verify", str(golden("pod_level_reschedule"))]) == 1
     said = capsys.readouterr().out
-    assert "changed policy for job llm" in said and "rescheduling ladder@3 -> ladder@99" in said
+    recorded = f"ladder@{ORIGINAL_LADDER_VERSION}"
+    assert "changed policy for job llm" in said and f"rescheduling {recorded} -> ladder@99" in said
     assert "a bug" not in said
     assert main(["verify", str(golden("pod_level_reschedule")), "--json"]) == 1
     verdict = orjson.loads(capsys.readouterr().out)["divergence"]["verdict"]
@@ -192,7 +196,8 @@ def test_a_changed_policy_of_a_job_sharing_the_cluster_shows_in_a_job_export(
     out.write_bytes(b"\n".join(lines) + b"\n")
     result = run_cli("verify", str(out))
     assert result.returncode == 1
-    assert "changed policy for job b (recorded -> installed): rescheduling ladder@2 -> ladder@3" in result.stdout
+    installed = f"ladder@{LadderRescheduling.version}"
+    assert f"changed policy for job b (recorded -> installed): rescheduling ladder@2 -> {installed}" in result.stdout
 
 
 # -- 3. a policy whose plugin is not installed is named ----------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 from events.envelope import EnvelopeBase
 from events.outputs import Decision
 from events.values import Tier
+from policies.baselines import MindClusterLikeRescheduling
 from recovery.engine import Engine
 from recovery.log import FileLog, MemoryLog, iter_file
 from recovery.recorder import Recorder
@@ -253,7 +254,7 @@ def test_mindcluster_like_uses_the_fixed_strategy_order() -> None:
     _, r, decisions = run(config("mindcluster-like"), [fault("process", 3100, exit_signal=11)])
     assert granularities(decisions) == ["in_place"]
     assert commands(decisions) == ["save_checkpoint", "restart_ranks"]  # the crashed rank needs no stopping
-    assert any(d.policy == "mindcluster-like-rescheduling@2" for d in decisions)
+    assert any(d.policy == f"mindcluster-like-rescheduling@{MindClusterLikeRescheduling.version}" for d in decisions)
     (closed,) = [d for d in decisions if d.kind == "incident.closed"]
     assert closed.detail["lost_steps"] == 0  # resumed from the dying checkpoint at the step of the fault
     # a leaf switch that reboots: its nodes can take no rank while their links are down, so the strategies that
