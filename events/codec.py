@@ -41,7 +41,17 @@ def _device_fault_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-UPCASTERS: dict[tuple[str, int], Upcaster] = {("device.fault", 1): _device_fault_v1_to_v2}
+def _job_submitted_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    # v1 accepted `spec.spares` and never read it; v2 reads it as the job's quota of the shared spare pool. A v1 log
+    # must replay as it ran, with no quota: the field goes (v2's default, null, is "as many as are free").
+    spec = data.get("spec")
+    if not isinstance(spec, dict):
+        return data
+    return {**data, "spec": {k: v for k, v in spec.items() if k != "spares"}}
+
+
+UPCASTERS: dict[tuple[str, int], Upcaster] = {("device.fault", 1): _device_fault_v1_to_v2,
+                                              ("job.submitted", 1): _job_submitted_v1_to_v2}
 """(type, from_version) -> function turning that version's `data` into the next version's."""
 
 

@@ -18,6 +18,7 @@ from events.values import MAX_ID_LENGTH, Frozen, Id, Label, LogTime, PositiveCou
 
 SCHEMA_VERSIONS: dict[str, int] = {type_: 1 for type_ in (*JOB_EVENTS, *NODE_EVENTS)}
 SCHEMA_VERSIONS["device.fault"] = 2  # v1 carried only an NVIDIA `xid`: see events.codec.UPCASTERS
+SCHEMA_VERSIONS["job.submitted"] = 2  # v1's spec.spares was never read: v2 makes it a quota (null: no limit)
 SCHEMA_VERSIONS["decision"] = 1
 SCHEMA_VERSIONS["rejection"] = 1
 

@@ -202,7 +202,10 @@ class JobSpec(Frozen):
     nodes: list[Token] = Field(min_length=1, description="placement: rank r runs on nodes[r // ranks_per_node]")
     ranks_per_node: Devices
     layout: Layout
-    spares: int = Field(0, ge=0, le=MAX_RANKS, strict=True, description="spare nodes this job may take from the pool")
+    spares: int | None = Field(None, ge=0, le=MAX_RANKS, strict=True,
+                               description="spare nodes from the shared pool this job may hold at once beyond its own "
+                                           "placement (a quota, so that one job cannot take every spare while "
+                                           "another waits); null: as many as are free")
     elastic: Elastic | None = None
     policies: PolicySelection = PolicySelection()
     max_restarts: Count | None = Field(None, description="restart budget over the job's life, any rung")

@@ -785,8 +785,15 @@ class Engine:
         return dp if dp is not None and elastic.min_dp <= dp < job.layout.dp else None
 
     def _spares_for(self, job: Job) -> list[str]:
-        """The free spares this job may take now, in the order they joined."""
-        return self.cluster.free_spares()
+        """The free spares this job may take now, in the order they joined: within its quota (`spares` in its spec:
+        nodes of the pool it may hold at once beyond its own placement), so one job cannot take every spare."""
+        free = self.cluster.free_spares()
+        quota = job.spec.spares
+        if quota is None:
+            return free
+        own = job.own_nodes
+        held = sum(1 for name in job.nodes if name not in own)
+        return free[:max(0, quota - held)]
 
     def _plan(self, out: _Out, job: Job, forced: Granularity | None = None) -> None:
         incident = job.incident

@@ -120,6 +120,7 @@ class Job:
         "last_seen",
         "layout",
         "nodes",
+        "own_nodes",
         "policies",
         "rank_gen",
         "restarts_used",
@@ -145,6 +146,7 @@ class Job:
         self.layout: Layout = spec.layout
         self.rpn = spec.ranks_per_node
         self.nodes: list[str] = list(spec.nodes)
+        self.own_nodes = frozenset(spec.nodes)  # its placement at submission: any other node it holds is a spare
         self.target_dp = spec.layout.dp
         self.generation = 0
         self.step = 0  # newest completed step any rank reported
@@ -285,7 +287,7 @@ class Job:
 
 
 _RESTORED = tuple(name for name in Job.__slots__
-                  if name not in ("id", "policies", "seen", "spec", "rpn", "catalog", "catalog_log"))
+                  if name not in ("id", "policies", "seen", "spec", "rpn", "catalog", "catalog_log", "own_nodes"))
 
 
 def _copied_step(by_tier: dict[Tier, dict[int, set[str]]]) -> dict[Tier, dict[int, set[str]]]:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import orjson
+
 from events.values import Elastic
+from recovery.log import iter_file
+from recovery.recorder import replay
+from recovery.replay import first_divergence
 from recovery.scenario import Scenario
+from tests.golden.scenarios import path
 
 
 def test_an_elastic_job_resumes_at_its_minimum_with_a_spare_instead_of_waiting() -> None:
@@ -44,3 +52,60 @@ def test_an_elastic_job_below_its_minimum_even_with_the_spares_waits() -> None:
     s.ack_all()
     [scale] = s.commands_of("scale_job")
     assert scale.dp == 3
+
+
+def test_a_jobs_spare_quota_leaves_the_rest_of_the_pool_to_other_jobs() -> None:
+    """Two spares, two jobs. `a` (quota 1) loses two nodes: it may take one spare, not both, so when `b` loses a node
+    the other spare is still there for it."""
+    s = Scenario()
+    s.spare("s0")
+    s.spare("s1")
+    s.submit("a", ["a0", "a1", "a2"], ranks_per_node=2, dp=6, spares=1)
+    s.submit("b", ["b0", "b1"], ranks_per_node=2, dp=4)
+    for job in ("a", "b"):
+        s.train(job, 3)
+        s.checkpoint(job, 3, "storage", "storage")
+    s.node_event("a1", "device.fault", device=0, vendor="nvidia", code="79")
+    s.node_event("a2", "device.fault", device=0, vendor="nvidia", code="79")
+    s.advance(3)
+    s.ack_all()
+    assert s.state("a") == "waiting"
+    assert "2 node(s) to replace, 1 spare(s)" in s.find("attempt.waiting", "a")[-1].reason
+    s.node_event("b1", "device.fault", device=0, vendor="nvidia", code="79")
+    s.ack_all()
+    s.train("b", 2)
+    [move] = [c for c in s.commands_of("migrate_ranks") if c.job == "b"]
+    assert move.to_node in ("s0", "s1") and s.state("b") == "running"
+
+
+def test_a_quota_counts_the_spares_a_job_already_holds() -> None:
+    s = Scenario()
+    s.spare("s0")
+    s.spare("s1")
+    s.submit("a", ["a0", "a1"], ranks_per_node=2, dp=4, spares=1)
+    s.train("a", 3)
+    s.node_event("a1", "device.fault", device=0, vendor="nvidia", code="79")
+    s.ack_all()
+    s.train("a", 2)
+    assert "s0" in s.engine.jobs["a"].nodes
+    s.node_event("a0", "device.fault", device=0, vendor="nvidia", code="79")  # its quota is spent on s0
+    s.advance(3)
+    s.ack_all()
+    assert s.state("a") == "waiting" and "s1" not in s.engine.jobs["a"].nodes
+
+
+def test_a_log_written_before_spares_was_a_quota_replays_as_it_ran(tmp_path: Path) -> None:
+    """job.submitted v1 carried `spares: 0`, never read; the upcaster drops it, so such a log still verifies."""
+    lines = []
+    for line in path("pod_level_reschedule").read_bytes().splitlines():
+        obj = orjson.loads(line)
+        envelope = obj.get("envelope") or {}
+        if envelope.get("type") == "job.submitted":
+            envelope["schema"] = 1
+            envelope["data"]["spec"]["spares"] = 0  # as v1 producers wrote it
+        lines.append(orjson.dumps(obj))
+    old = tmp_path / "v1.jsonl"
+    old.write_bytes(b"\n".join(lines) + b"\n")
+    result = replay(iter_file(old))
+    assert first_divergence(result) is None and not result.rejections
+    assert result.engine.jobs["llm"].spec.spares is None

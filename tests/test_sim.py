@@ -413,7 +413,7 @@ def test_demo_cluster_yields_events_in_time_order_and_executes_commands() -> Non
         delays.append(delay)
         daemon.advance(delay)
         daemon.feed(subject, envelope)
-    assert all(d >= 0 for d in delays) and sum(delays) <= 200
+    assert all(d >= 0 for d in delays) and sum(delays) <= 200 + 1e-6  # a float sum of the delays
     decisions = [r.envelope.data for r in daemon.log.records() if r.envelope.type == "decision"]
     closed = [d for d in decisions if d.kind == "incident.closed"]
     # the GPU off the bus (moved to the spare), the crash (in place), the hang (in place), the host (moved)

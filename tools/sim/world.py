@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from events import subjects
 from events.commands import CommandBase
 from events.envelope import EnvelopeBase, make_envelope
-from events.values import STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
+from events.values import MAX_WATCHDOG_S, STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
 from policies.codes import Action, nvidia_xid
 from tools.sim.config import NS, SimConfig
 from tools.sim.faults import FOLLOW_UPS, Fault
@@ -191,10 +191,13 @@ class World:
         return [replica * self.shards + shard for replica in replicas for shard in range(self.shards)]
 
     def spec(self) -> JobSpec:
+        # The one job may use the whole spare pool (repaired nodes rejoin it, so no fixed quota fits). Its ranks send
+        # no heartbeats: a watchdog interval past the run's end (within the wire's bound) keeps it quiet.
         return JobSpec(nodes=list(self.placement), ranks_per_node=self.rpn, max_restarts=None,
-                       layout=Layout(dp=self.dp, tp=self.tp, pp=self.pp), spares=self.cfg.cluster.spares,
+                       layout=Layout(dp=self.dp, tp=self.tp, pp=self.pp), spares=None,
                        policies=self.cfg.profile.selection,
-                       watchdog_interval_s=self.cfg.watchdog_interval_s or max(10 * self.cfg.days * 86_400.0, 1e6))
+                       watchdog_interval_s=self.cfg.watchdog_interval_s or min(
+                           max(10 * self.cfg.days * 86_400.0, 1e6), MAX_WATCHDOG_S))
 
     # -- start and end --------------------------------------------------------------------------------
     def start(self) -> None:
