@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -347,6 +347,9 @@ def explain(result: Replay, rec: Decision | None, der: Decision | None) -> str:
             "bump, or non-determinism: a bug")
 
 
+_Output = TypeVar("_Output", Decision, Rejection)
+
+
 def first_divergence(result: Replay, job: str | None = None) -> Divergence | None:
     """Compare derived decisions with recorded ones in order; the first difference, explained. With `job` (or
     a per-job log's own job) only that job's decisions and every job's acceptance are compared."""
@@ -354,13 +357,22 @@ def first_divergence(result: Replay, job: str | None = None) -> Divergence | Non
         job = result.job
     recorded = [d for d in result.recorded_decisions if in_scope(d, job)]
     derived = [d for d in result.decisions if in_scope(d, job)]
+    first = _first_difference(recorded, derived)
+    if first is None:
+        return None
+    index, rec, der = first
+    cause = (rec or der).cause_seq if (rec or der) is not None else None  # type: ignore[union-attr]
+    return Divergence(index, cause, rec, der, explain(result, rec, der))
+
+
+def _first_difference(recorded: Sequence[_Output], derived: Sequence[_Output]
+                      ) -> tuple[int, _Output | None, _Output | None] | None:
+    """The first place two output sequences differ (one may be shorter), compared as they are written."""
     for index in range(max(len(recorded), len(derived))):
         rec = recorded[index] if index < len(recorded) else None
         der = derived[index] if index < len(derived) else None
-        if rec is not None and der is not None and _dump(rec) == _dump(der):
-            continue
-        cause = (rec or der).cause_seq if (rec or der) is not None else None  # type: ignore[union-attr]
-        return Divergence(index, cause, rec, der, explain(result, rec, der))
+        if rec is None or der is None or _dump(rec) != _dump(der):
+            return index, rec, der
     return None
 
 
@@ -395,11 +407,9 @@ def rejection_divergence(result: Replay, job: str | None = None) -> RejectionDiv
         return None
     recorded = [r for r in result.recorded_rejections if rejection_in_scope(r, job)]
     derived = [r for r in result.rejections if rejection_in_scope(r, job)]
-    for index in range(max(len(recorded), len(derived))):
-        rec = recorded[index] if index < len(recorded) else None
-        der = derived[index] if index < len(derived) else None
-        if rec is not None and der is not None and _dump(rec) == _dump(der):
-            continue
+    first = _first_difference(recorded, derived)
+    if first is not None:
+        _, rec, der = first
         if rec is not None and der is not None and rec.seq == der.seq:
             verdict = (f"seq {rec.seq}: the log dead-lettered it [{rec.code}]: {rec.reason}; the replay rejects it "
                        f"[{der.code}]: {der.reason}")

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ from nats.js import JetStreamContext
 from events import subjects
 from events.envelope import RawRecord, Record
 from events.outputs import Decision
+from recovery import config as config_mod
+from recovery.daemon import Daemon
 from recovery.jetstream import JetStreamLog, surface_async_ack_errors
 from recovery.log import MSG_ID
 from recovery.recorder import Replay, replay
@@ -245,3 +247,15 @@ async def drain(daemon: Any, url: str) -> None:
             return
         target = latest
         await async_wait_for(lambda t=target: daemon.status()["published_seq"] >= t, 30, "the daemon to drain")
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(url: str, data_dir: Path, **settings: Any) -> AsyncIterator[Daemon]:
+    """The daemon in-process on `url`, ready; stopped on the way out, also when the test fails."""
+    d = Daemon(config_mod.load(nats_url=url, http_port=0, data_dir=data_dir, **settings))
+    await d.start()
+    try:
+        await async_wait_for(lambda: d.readiness()[0], 10, "the daemon to be ready")
+        yield d
+    finally:
+        await d.stop()

@@ -26,7 +26,7 @@ from recovery.daemon import Daemon, ServerClock, TimerService, build_parser
 from recovery.engine import Engine
 from recovery.log import MSG_ID
 from recovery.testing import NatsServer
-from tests.daemon_support import ROOT, async_wait_for, check_log, connect, read_stream
+from tests.daemon_support import ROOT, async_wait_for, check_log, connect, read_stream, running_daemon
 
 NS = 1_000_000_000
 
@@ -126,15 +126,8 @@ def test_the_server_clock_follows_the_least_delayed_sample_and_ignores_old_backl
 # -- the daemon in-process -----------------------------------------------------------------------------------
 @pytest.fixture
 async def daemon(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Daemon]:
-    cfg = config_mod.load(nats_url=nats_server.url, http_port=0, data_dir=tmp_path / "data", timers_enabled=False,
-                          snapshot_every_s=0.2)
-    d = Daemon(cfg)
-    await d.start()
-    await async_wait_for(lambda: d.readiness()[0], 10, "the daemon to be ready")
-    try:
+    async with running_daemon(nats_server.url, tmp_path / "data", timers_enabled=False, snapshot_every_s=0.2) as d:
         yield d
-    finally:
-        await d.stop()
 
 
 def spec(nodes: list[str], **extra: Any) -> dict[str, Any]:

@@ -17,25 +17,18 @@ from events import subjects
 from events.envelope import Record, make_envelope
 from events.outputs import Decision
 from events.values import Layout
-from recovery import config as config_mod
 from recovery.daemon import Daemon
 from recovery.jetstream import JetStreamLog
 from recovery.log import ExportHeader, iter_file, read_header
 from recovery.testing import NatsServer
-from tests.daemon_support import ROOT, async_wait_for, connect
+from tests.daemon_support import ROOT, connect, running_daemon
 
 
 @pytest.fixture
 async def daemon(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Daemon]:
     # No timer service: every input of the incident is published here, so the log holds exactly these.
-    cfg = config_mod.load(nats_url=nats_server.url, http_port=0, data_dir=tmp_path / "data", timers_enabled=False)
-    d = Daemon(cfg)
-    await d.start()
-    await async_wait_for(lambda: d.readiness()[0], 10, "the daemon to be ready")
-    try:
+    async with running_daemon(nats_server.url, tmp_path / "data", timers_enabled=False) as d:
         yield d
-    finally:
-        await d.stop()
 
 
 class Cluster:
