@@ -50,7 +50,7 @@ from policies.base import (
 from policies.detection import DefaultDetection
 from policies.registry import PolicyError, load_set
 from recovery.cluster import ClusterView
-from recovery.job import CLOSED_INCIDENTS, DEDUPE_WINDOW, Attempt, Incident, Job
+from recovery.job import CLOSED_INCIDENTS, DEDUPE_WINDOW, Attempt, Incident, Job, Memento
 from recovery.machine import FINAL, TRANSITIONS, fire
 
 Effect = Decision | Rejection
@@ -164,7 +164,7 @@ class Engine:
         undo = self._undo
         if undo is not None:
             for job, _ in undo.jobs.values():
-                job.catalog_log = None  # the record succeeded: later changes are not its to undo
+                job.end_journal()  # the record succeeded: later changes are not its to undo
         self._last = (undo, record, envelope)
         self._undo = None
         if len(self._finished) > FINISHED_JOBS_KEPT:
@@ -380,15 +380,16 @@ class Engine:
         if type_ == "job.started":
             if job.state != "submitted":
                 raise _Reject("invalid_state", f"job {job.id} is already {job.state}")
-            for rank in range(job.world):
-                job.alive[rank] = 1
-                job.last_seen[rank] = job.last_progress[rank] = out.ts
+            # Whole arrays replaced, not written rank by rank: the journal restores the old objects.
+            job.alive = bytearray(b"\x01") * job.world
+            job.last_seen = [out.ts] * job.world
+            job.last_progress = [out.ts] * job.world
             self._decide(out, job, "job.started", "processes started", trigger="start",
                          timers=self._arm_watchdog(out, job))
         elif type_ == "process.started":
             if not self._check_rank(job, data.rank, data.attempt, progress=False):
-                job.alive[data.rank] = 1
-                job.last_seen[data.rank] = out.ts
+                job.put(job.alive, data.rank, 1)
+                job.put(job.last_seen, data.rank, out.ts)
         elif type_ == "checkpoint.saved":
             bad = [s for s in data.shards if s >= job.layout.shards]
             if bad:
@@ -436,7 +437,7 @@ class Engine:
                 if any(data.attempt < job.rank_gen[r] for r in data.members):
                     return  # a timeout of a group whose processes an earlier attempt already replaced
             if isinstance(data, kinds.ProcessExited):
-                job.alive[data.rank] = 0
+                job.put(job.alive, data.rank, 0)
                 if job.incident is not None and data.rank in job.incident.exiting:
                     return  # the platform stopped the job: each rank's exit was expected, and is no news
             ranks = (data.rank,) if hasattr(data, "rank") else ()
@@ -485,15 +486,22 @@ class Engine:
                     raise _Reject("step_backwards", f"rank {rank} reported step {step} after step {last}")
                 self._correct_step(out, job, rank, step, last, current)
             elif step > last:
-                job.steps[rank] = step
-                job.last_progress[rank] = ts
+                if job.rank_log is not None:  # journaled (restoring): log what is overwritten
+                    job.put(job.steps, rank, step)
+                    job.put(job.last_progress, rank, ts)
+                else:
+                    job.steps[rank] = step
+                    job.last_progress[rank] = ts
                 if step > job.step and current:
                     if job.step_ts is not None:
                         per_step = (ts - job.step_ts) // (step - job.step)
                         job.step_time = per_step if job.step_time is None else (7 * job.step_time + per_step) // 8
                     job.step = step
                     job.step_ts = ts
-        job.last_seen[rank] = ts
+        if job.rank_log is not None:
+            job.put(job.last_seen, rank, ts)
+        else:
+            job.last_seen[rank] = ts
         if job.state == "restoring" and step is not None:
             self._check_restored(out, job, rank, step)
 
@@ -526,8 +534,8 @@ class Engine:
         """Take a lower step for `rank`: a survivor's roll-back to the resume point, or the correction of a counter
         that had jumped implausibly far ahead (which would otherwise make every true report a step backwards)."""
         self._guard(job)
-        job.steps[rank] = step
-        job.last_progress[rank] = out.ts
+        job.put(job.steps, rank, step)
+        job.put(job.last_progress, rank, out.ts)
         if current and last >= job.step:
             job.step = max(job.steps)
             job.step_ts = out.ts
@@ -686,7 +694,7 @@ class Engine:
             return
         if verdict.lost:
             for rank in verdict.ranks:
-                job.alive[rank] = 0
+                job.put(job.alive, rank, 0)
         fault = {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
                  "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
                  "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
@@ -1088,11 +1096,10 @@ class Engine:
                     commands.append(RestartJob(id=cid, job=job.id, attempt=gen, deadline_s=600, nodes=nodes,
                                                plan=plan))
             for rank in attempt.ranks:
-                job.rank_gen[rank] = job.generation  # these ranks get new processes
+                job.put(job.rank_gen, rank, job.generation)  # these ranks get new processes
             # Every rank rolls back to the resume point, restarted or not.
             start = plan.checkpoint_step or 0
-            for rank in range(job.world):
-                job.steps[rank] = start
+            job.steps = [start] * job.world
             job.step = start
             job.step_ts = None
         timers = [self._ack_timer(out, job, c.id, c.deadline_s) for c in commands]
@@ -1157,7 +1164,7 @@ class Engine:
             self._checkpoint(out, job, attempt)
         elif attempt.phase == "stopping":
             for rank in attempt.stopping:
-                job.alive[rank] = 0
+                job.put(job.alive, rank, 0)
             self._decide(out, job, "ranks.stopped", f"{len(attempt.stopping)} rank(s) stopped",
                          cancelled=cancelled)
             self._reschedule(out, job, attempt)
@@ -1166,9 +1173,9 @@ class Engine:
             assert incident is not None
             incident.enter("restoring", out.ts)
             for rank in attempt.ranks:
-                job.alive[rank] = 1
-            for rank in range(job.world):
-                job.last_seen[rank] = job.last_progress[rank] = out.ts
+                job.put(job.alive, rank, 1)
+            job.last_seen = [out.ts] * job.world
+            job.last_progress = [out.ts] * job.world
             self._decide(out, job, "ranks.restoring", "executors done: waiting for progress past step "
                                                       f"{self._resume_step(job, attempt)}",
                          trigger="restore", cancelled=cancelled)
@@ -1466,7 +1473,7 @@ class _Undo:
     __slots__ = ("created", "finished", "hungry", "jobs", "nodes", "seen", "submissions", "timer_order", "timers")
 
     def __init__(self, engine: Engine) -> None:
-        self.jobs: dict[str, tuple[Job, tuple[Any, ...]]] = {}
+        self.jobs: dict[str, tuple[Job, Memento]] = {}
         self.nodes: dict[str, Any] = {}
         self.timers: dict[str, tuple[str, int, int | None] | None] = {}
         self.timer_order: list[str] | None = None
