@@ -76,7 +76,7 @@ from events.outputs import Decision
 from recovery import config as config_mod
 from recovery import logs
 from recovery.config import ConfigError, DaemonConfig
-from recovery.engine import Effect, Engine, dump_snapshot, load_snapshot
+from recovery.engine import Effect, Engine, dump_snapshot, open_snapshot
 from recovery.jetstream import (
     Backoff,
     describe_error,
@@ -720,13 +720,13 @@ class Daemon:
         if loaded is not None:
             blob, manifest = loaded
             try:
-                engine = load_snapshot(blob)
-            except Exception:  # classes changed under the same version: replay instead of crashing
-                logger.exception("snapshot cannot be restored by this code")
-                engine = None
+                opened = open_snapshot(blob)
+            except Exception as exc:  # classes changed under the same version: replay instead of crashing
+                opened = f"{type(exc).__name__}: {exc}"
+            engine = opened if isinstance(opened, Engine) else None
             if engine is None:
-                logger.warning("snapshot written by other code or format: replaying the whole log",
-                               extra=_fields(seq=manifest.get("seq")))
+                logger.warning("snapshot not restored: replaying the whole log",
+                               extra=_fields(seq=manifest.get("seq"), reason=opened))
             else:
                 self.engine = engine
                 self.restored_seq = self.snapshot_seq = self.clean_seq = engine.last_seq

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from recovery.engine import SNAPSHOT_FORMAT, Engine, dump_snapshot, load_snapshot, snapshot_seq
+from policies.rescheduling import LadderRescheduling
+from recovery.engine import SNAPSHOT_FORMAT, Engine, dump_snapshot, load_snapshot, open_snapshot, snapshot_seq
 from recovery.log import iter_file
 from recovery.recorder import replay
 from tests.golden.scenarios import path
@@ -31,3 +32,16 @@ def test_snapshot_from_other_code_is_refused() -> None:
     assert load_snapshot(head.replace(f'"format":{SNAPSHOT_FORMAT}'.encode(), b'"format":0') + b"\n" + body) is None
     assert load_snapshot(b"garbage\n") is None
 
+
+
+def test_a_snapshot_is_not_restored_when_a_jobs_policy_changed_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plugins are not in the code digest: the snapshot names every policy its jobs hold, and a job whose installed
+    policy has another version since makes the daemon replay from the log instead."""
+    engine = replay(iter_file(path("pod_level_reschedule"))).engine
+    blob = dump_snapshot(engine)
+    assert b'"policies":["default@' in blob.partition(b"\n")[0]
+    assert isinstance(open_snapshot(blob), Engine)
+    monkeypatch.setattr(LadderRescheduling, "version", "999")
+    refused = open_snapshot(blob)
+    assert isinstance(refused, str) and "rescheduling policy ladder@" in refused and "ladder@999" in refused
+    assert load_snapshot(blob) is None
