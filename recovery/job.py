@@ -31,7 +31,6 @@ class Attempt:
     vacate: tuple[str, ...] = ()
     save: SaveRequest | None = None
     plan: ResumePlan | None = None
-    nodes: tuple[str, ...] = ()  # placement after the attempt (job-level and scale)
     dp: int | None = None
     outcome: str | None = None
     budget_keys: tuple[str, ...] = ()
@@ -241,16 +240,6 @@ class Job:
         self.rank_gen = [self.generation] * world
         self.last_seen = [ts] * world
         self.last_progress = [ts] * world
-
-    def remember(self, event_id: str) -> bool:
-        """False if this id was seen recently (a duplicate)."""
-        seen = self.seen
-        if event_id in seen:
-            return False
-        seen[event_id] = None
-        if len(seen) > DEDUPE_WINDOW:
-            del seen[next(iter(seen))]
-        return True
 
     def add_checkpoint(self, step: int, tier: Tier, shards: list[int], holder: str) -> None:
         by_tier = self.catalog.get(step)

@@ -70,10 +70,6 @@ def fire(job: HasState, trigger: str) -> None:
         raise IllegalTransition(f"{trigger!r} from {job.state!r} was refused")
 
 
-def can(job: HasState, trigger: str) -> bool:
-    return job.state in JOB_MACHINE.events[trigger].transitions
-
-
 def mermaid() -> str:
     """The machine drawn as a Mermaid state diagram, generated from the definitions above."""
     lines = ["stateDiagram-v2", "    [*] --> submitted"]
