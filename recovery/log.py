@@ -84,12 +84,22 @@ class _Dedupe:
             self._seen.popitem(last=False)
 
 
-def _prepare(payload: EnvelopeBase | bytes, headers: dict[str, str] | None) -> tuple[bytes, dict[str, str]]:
+def _prepare(payload: EnvelopeBase | bytes, headers: dict[str, str] | None,
+             encoded: bytes | None = None) -> tuple[bytes, dict[str, str]]:
     hdrs = dict(headers or {})
     if isinstance(payload, EnvelopeBase):
         hdrs.setdefault(MSG_ID, payload.id)
-        return encode_envelope(payload), hdrs
+        return encoded if encoded is not None else encode_envelope(payload), hdrs
     return payload, hdrs
+
+
+def _stored(seq: int, ts: int, subject: str, headers: dict[str, str], payload: EnvelopeBase | bytes,
+            data: bytes) -> Record | RawRecord:
+    """The record as read back. The engine's own outputs are kept as the envelope it made (decoding the bytes just
+    written would give it again); inputs are decoded from their bytes, as the daemon receives them."""
+    if isinstance(payload, EnvelopeBase) and is_output(subject):
+        return Record.model_construct(seq=seq, ts=ts, subject=subject, headers=headers, envelope=payload)
+    return to_record(seq, ts, subject, headers, data)
 
 
 class MemoryLog:
@@ -108,14 +118,16 @@ class MemoryLog:
         return self._last_ts
 
     def append_sync(
-        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None,
+        encoded: bytes | None = None,
     ) -> Appended:
-        data, hdrs = _prepare(payload, headers)
+        """Append and return the stored record; `encoded`: the envelope's bytes, if the caller has them already."""
+        data, hdrs = _prepare(payload, headers, encoded)
         first = self._dedupe.check(hdrs.get(MSG_ID))
         if first is not None:
             return Appended(first, True)
         self._count += 1
-        record = to_record(self._count, self._stamp(), subject, hdrs, data)
+        record = _stored(self._count, self._stamp(), subject, hdrs, payload, data)
         self._keep(record)
         self._dedupe.add(hdrs.get(MSG_ID), self._count)
         return Appended(self._count, False, record)
@@ -176,15 +188,16 @@ class FileLog:
         self._fh = self.path.open("ab")
 
     def append_sync(
-        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None,
+        encoded: bytes | None = None,
     ) -> Appended:
-        data, hdrs = _prepare(payload, headers)
+        data, hdrs = _prepare(payload, headers, encoded)
         first = self._dedupe.check(hdrs.get(MSG_ID))
         if first is not None:
             return Appended(first, True)
         self._last_seq += 1
         self._last_ts = max(self._last_ts, self._clock())
-        record = to_record(self._last_seq, self._last_ts, subject, hdrs, data)
+        record = _stored(self._last_seq, self._last_ts, subject, hdrs, payload, data)
         self._fh.write(encode_record(record) + b"\n")
         self._fh.flush()
         self._dedupe.add(hdrs.get(MSG_ID), self._last_seq)

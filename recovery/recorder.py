@@ -22,7 +22,8 @@ from recovery.log import Appended
 
 class SyncLog(Protocol):
     def append_sync(
-        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None,
+        encoded: bytes | None = None,
     ) -> Appended: ...
 
 
@@ -69,8 +70,8 @@ class Recorder:
             return []  # the log dropped a repeated message id, as JetStream does
         record = appended.record
         encoded = apply_encoded(self.engine, record)
-        for _, subject_out, envelope, _ in encoded:
-            self.log.append_sync(subject_out, envelope)
+        for _, subject_out, envelope, data in encoded:
+            self.log.append_sync(subject_out, envelope, encoded=data)
         return [effect for effect, _, _, _ in encoded]
 
 
