@@ -113,7 +113,8 @@ class ListLog:
         self.records: list[Record] = []
 
     def append_sync(
-        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None
+        self, subject: str, payload: EnvelopeBase | bytes, headers: dict[str, str] | None = None,
+        encoded: bytes | None = None,
     ) -> Appended:
         if not isinstance(payload, EnvelopeBase):
             raise TypeError("the workload sends envelopes only")
