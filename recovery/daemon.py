@@ -76,8 +76,11 @@ from events.outputs import Decision
 from recovery import config as config_mod
 from recovery import logs
 from recovery.config import ConfigError, DaemonConfig
-from recovery.engine import Effect, Engine, dump_snapshot, open_snapshot
-from recovery.jetstream import (
+from recovery.core.effects import apply_encoded
+from recovery.core.engine import Effect, Engine
+from recovery.lease import Lease, LeaseLost, default_instance
+from recovery.log import MSG_ID, to_record
+from recovery.log.jetstream import (
     Backoff,
     describe_error,
     ensure_stream,
@@ -85,9 +88,7 @@ from recovery.jetstream import (
     stream_config,
     surface_async_ack_errors,
 )
-from recovery.lease import Lease, LeaseLost, default_instance
-from recovery.log import MSG_ID, to_record
-from recovery.recorder import apply_encoded
+from recovery.log.snapshot import dump_snapshot, open_snapshot
 from recovery.service import HttpServer, Metrics
 
 logger = logging.getLogger("recovery.daemon")

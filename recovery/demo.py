@@ -593,9 +593,9 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
 
 async def _export(daemon: Any, path: Path) -> tuple[Path, str]:
     """Export the log for `recovery-replay` and verify it: the demo's own decisions, derived again."""
-    from recovery.jetstream import JetStreamLog
     from recovery.log import iter_file
-    from recovery.recorder import replay
+    from recovery.log.jetstream import JetStreamLog
+    from recovery.log.recorder import replay
     from recovery.replay import first_divergence
 
     try:

@@ -44,9 +44,10 @@ from events.envelope import RawRecord, Record
 from events.outputs import Decision, Rejection
 from events.subjects import PREFIX, is_output
 from policies import registry
-from recovery.engine import Engine
+from recovery.core.effects import apply_encoded
+from recovery.core.engine import Engine
 from recovery.log import ExportHeader, export_filter, iter_numbered, read_header, rejection_jobs
-from recovery.recorder import Replay, apply_encoded
+from recovery.log.recorder import Replay
 
 NS = 1_000_000_000
 DECISION_SUBJECTS = f"{PREFIX}.dec."
@@ -456,7 +457,7 @@ async def _connect_log(url: str, stream: str) -> Any:
     import nats.errors
     import nats.js.errors
 
-    from recovery.jetstream import JetStreamLog
+    from recovery.log.jetstream import JetStreamLog
 
     try:
         nc = await nats.connect(url, connect_timeout=3, max_reconnect_attempts=3, name="recovery-replay")

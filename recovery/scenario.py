@@ -20,11 +20,9 @@ from events.kinds import JOB_EVENTS
 from events.outputs import Decision, Rejection
 from events.values import STORAGE_HOLDER, JobSpec, Layout, Tier
 from policies.base import NS
-from recovery.engine import Effect, Engine
-from recovery.log import FileLog, MemoryLog
-from recovery.recorder import Recorder
-
-EPOCH = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z: a fixed start, so scenario logs are byte-stable
+from recovery.core.engine import Effect, Engine
+from recovery.log import EPOCH, FileLog, MemoryLog
+from recovery.log.recorder import Recorder
 
 
 class Scenario:

@@ -26,9 +26,9 @@ from events.envelope import RawRecord, Record
 from events.outputs import Decision
 from recovery import config as config_mod
 from recovery.daemon import Daemon
-from recovery.jetstream import JetStreamLog, surface_async_ack_errors
 from recovery.log import MSG_ID
-from recovery.recorder import Replay, replay
+from recovery.log.jetstream import JetStreamLog, surface_async_ack_errors
+from recovery.log.recorder import Replay, replay
 from recovery.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

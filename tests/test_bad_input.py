@@ -18,7 +18,7 @@ from events import subjects
 from events.codec import encode_envelope
 from events.envelope import MAX_PAYLOAD_BYTES, Record, make_envelope
 from events.outputs import Decision, Rejection
-from recovery.engine import Effect
+from recovery.core.engine import Effect
 from recovery.scenario import Scenario
 
 JOB = "job-a"

@@ -21,9 +21,9 @@ from events.envelope import Record, make_envelope
 from events.values import JobSpec
 from recovery import config as config_mod
 from recovery.config import ConfigError, DaemonConfig
+from recovery.core.engine import Engine
 from recovery.ctl import request
 from recovery.daemon import Daemon, ServerClock, TimerService, build_parser
-from recovery.engine import Engine
 from recovery.log import MSG_ID
 from recovery.testing import NatsServer
 from tests.daemon_support import ROOT, async_wait_for, check_log, connect, read_stream, running_daemon

@@ -20,8 +20,8 @@ from events import subjects
 from events.envelope import Record
 from recovery.daemon import SnapshotStore
 from recovery.demo import BuiltinCluster, Bus, DemoSettings
-from recovery.engine import load_snapshot
 from recovery.log import MSG_ID
+from recovery.log.snapshot import load_snapshot
 from recovery.testing import NatsServer
 from tests.daemon_support import (
     DaemonProcess,

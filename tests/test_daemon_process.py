@@ -19,8 +19,8 @@ from events import subjects
 from events.envelope import EnvelopeBase, Record, make_envelope
 from events.values import JobSpec
 from recovery.demo import BuiltinCluster, Bus
-from recovery.jetstream import JetStreamLog
 from recovery.log import MSG_ID, iter_file
+from recovery.log.jetstream import JetStreamLog
 from recovery.testing import NatsServer
 from tests.daemon_support import (
     ROOT,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from events.schema import SCHEMA_PATH, render
-from recovery.machine import mermaid
+from recovery.core.machine import mermaid
 
 ROOT = Path(__file__).resolve().parents[1]
 

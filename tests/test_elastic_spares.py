@@ -8,7 +8,7 @@ import orjson
 
 from events.values import Elastic
 from recovery.log import iter_file
-from recovery.recorder import replay
+from recovery.log.recorder import replay
 from recovery.replay import first_divergence
 from recovery.scenario import Scenario
 from tests.golden.scenarios import path

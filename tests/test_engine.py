@@ -160,7 +160,7 @@ def test_a_crash_of_the_restarted_processes_still_fails_the_attempt() -> None:
 
 
 def test_finished_jobs_beyond_the_kept_number_are_forgotten_oldest_first() -> None:
-    from recovery.engine import FINISHED_JOBS_KEPT
+    from recovery.core.engine import FINISHED_JOBS_KEPT
 
     s = Scenario()
     total = FINISHED_JOBS_KEPT + 3

@@ -4,7 +4,7 @@ crashes of restarted processes, and dead ranks outside a migration."""
 from __future__ import annotations
 
 from events.envelope import MAX_PAYLOAD_BYTES, RawRecord
-from recovery.recorder import replay
+from recovery.log.recorder import replay
 from recovery.replay import first_divergence
 from recovery.scenario import Scenario
 

@@ -10,7 +10,7 @@ from events.commands import MigrateRanks, RestartJob, RestartRanks, SaveCheckpoi
 from events.outputs import Decision
 from events.values import Tier
 from recovery.log import iter_file
-from recovery.recorder import Replay, replay
+from recovery.log.recorder import Replay, replay
 from recovery.replay import first_divergence
 from tests.golden.scenarios import SCENARIOS, path
 

@@ -12,8 +12,8 @@ import pytest
 from nats.js.api import RetentionPolicy, StorageType
 
 from events.subjects import DEAD_LETTERS, DECISIONS, EVENTS
-from recovery.jetstream import JetStreamLog
 from recovery.log import FileLog, MemoryLog
+from recovery.log.jetstream import JetStreamLog
 from recovery.testing import NatsServer
 from tests.log_contract import HEARTBEAT, EventLogContract, LogFactory, heartbeat, read_all
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from events.outputs import Rejection
 from events.values import JobSpec, Layout
 from policies.base import PolicySet
-from recovery.engine import Engine
+from recovery.core.engine import Engine
 from recovery.scenario import Scenario
 from tests.test_properties import CheckedScenario, Driver, JobPlan, Plan, engine_state, plans
 

@@ -31,10 +31,10 @@ from events.envelope import EnvelopeBase, Record
 from events.outputs import Decision, Rejection
 from events.values import STORAGE_HOLDER, Elastic, Granularity, ResumePlan, Tier
 from policies.codes import NVIDIA_XID
-from recovery.engine import Effect, Engine
+from recovery.core.engine import Effect, Engine
+from recovery.core.machine import FINAL, STATES
 from recovery.log import write_file
-from recovery.machine import FINAL, STATES
-from recovery.recorder import replay
+from recovery.log.recorder import replay
 from recovery.scenario import Scenario
 
 T = TypeVar("T")
@@ -574,7 +574,7 @@ def assert_fits_the_wire(value: Any) -> None:
 REPLAY_SCRIPT = """
 import sys, orjson
 from recovery.log import iter_file
-from recovery.recorder import replay
+from recovery.log import replay
 result = replay(iter_file(sys.argv[1]))
 sys.stdout.buffer.write(orjson.dumps({
     "decisions": [d.model_dump(mode="json") for d in result.decisions],

@@ -18,8 +18,8 @@ from events.envelope import Record, make_envelope
 from events.outputs import Decision
 from events.values import Layout
 from recovery.daemon import Daemon
-from recovery.jetstream import JetStreamLog
 from recovery.log import ExportHeader, iter_file, read_header
+from recovery.log.jetstream import JetStreamLog
 from recovery.testing import NatsServer
 from tests.daemon_support import ROOT, connect, running_daemon
 

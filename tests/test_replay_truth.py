@@ -21,7 +21,7 @@ from events.envelope import Record, make_envelope
 from events.outputs import Decision
 from policies import registry
 from policies.rescheduling import LadderRescheduling
-from recovery.engine import Engine
+from recovery.core.engine import Engine
 from recovery.log import ExportHeader, FileLog, export_filter, iter_file, read_header
 from recovery.replay import first_divergence, main, replay_log
 from recovery.scenario import Scenario

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from policies.rescheduling import LadderRescheduling
-from recovery.engine import SNAPSHOT_FORMAT, Engine, dump_snapshot, load_snapshot, open_snapshot, snapshot_seq
+from recovery.core.engine import Engine
 from recovery.log import iter_file
-from recovery.recorder import replay
+from recovery.log.recorder import replay
+from recovery.log.snapshot import SNAPSHOT_FORMAT, dump_snapshot, load_snapshot, open_snapshot, snapshot_seq
 from tests.golden.scenarios import path
 
 

@@ -25,7 +25,8 @@ from nats.js import JetStreamContext
 
 from recovery.ctl import EXIT_NO_DAEMON, EXIT_NO_NATS, build_parser
 from recovery.daemon import Outgoing, Publisher
-from recovery.jetstream import (
+from recovery.log import MSG_ID
+from recovery.log.jetstream import (
     JetStreamLog,
     ensure_stream,
     is_retryable,
@@ -33,7 +34,6 @@ from recovery.jetstream import (
     stream_config,
     surface_async_ack_errors,
 )
-from recovery.log import MSG_ID
 from recovery.testing import NatsServer, free_port
 from tools import bench_daemon
 

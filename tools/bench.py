@@ -70,11 +70,10 @@ from events.envelope import EnvelopeBase, RawRecord, Record, make_envelope
 from events.outputs import Decision
 from events.values import STORAGE_HOLDER, Elastic, JobSpec, Layout, Tier
 from policies.base import NS
-from recovery.engine import Effect, Engine
-from recovery.job import DEDUPE_WINDOW
-from recovery.log import MSG_ID, Appended, iter_file, write_file
-from recovery.recorder import Recorder, replay
-from recovery.scenario import EPOCH
+from recovery.core.engine import Effect, Engine
+from recovery.core.job import DEDUPE_WINDOW
+from recovery.log import EPOCH, MSG_ID, Appended, iter_file, write_file
+from recovery.log.recorder import Recorder, replay
 
 RANKS_PER_NODE = 8
 NODES_PER_JOB = 8
@@ -696,7 +695,7 @@ def run_daemon(args: argparse.Namespace) -> None:
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
     "engine": ("Engine.apply over a prebuilt in-memory mix; bytes per tracked rank",
                lambda p: _workload_args(p, Sizes(1000, 12, 5), Sizes(10, 8, 2)), run_engine),
-    "replay": ("recovery.recorder.replay(iter_file(path)) of a recorded JSONL log, end to end",
+    "replay": ("recovery.log.replay(iter_file(path)) of a recorded JSONL log, end to end",
                lambda p: _workload_args(p, Sizes(1000, 6, 3), Sizes(10, 8, 2)), run_replay),
     "policies": ("ETTR and lost GPU-hours of our policies and the baselines on the Llama 3 fault mix (simulated)",
                  _policies_args, run_policies),

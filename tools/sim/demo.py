@@ -31,7 +31,7 @@ from typing import Any
 
 from events.commands import CommandBase
 from events.envelope import EnvelopeBase
-from recovery.scenario import EPOCH
+from recovery.log import EPOCH
 from tools.sim.config import NS, Agents, Cluster, Costs, Durations, Profile, SimConfig, Training, profile
 from tools.sim.faults import Fault
 from tools.sim.world import World

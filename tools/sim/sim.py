@@ -1,8 +1,8 @@
 """The simulator: the world, the real engine and a timer service on one virtual clock.
 
 Exactly what `recovery.scenario.Scenario` does, at cluster scale: every event the world emits is appended to a
-`MemoryLog` (or `FileLog`) whose clock is the simulator's, applied by `recovery.engine.Engine` through a
-`recovery.recorder.Recorder`, and every decision is recorded after it. Timers the decisions ask for are fired
+`MemoryLog` (or `FileLog`) whose clock is the simulator's, applied by `recovery.core.engine.Engine` through a
+`recovery.log.Recorder`, and every decision is recorded after it. Timers the decisions ask for are fired
 as `timer.fired` job events at their due time (periodic ones again every `every`), and the commands go to the
 world's executors. The log is a replay log: `recovery-replay verify` and `timeline` work on it.
 """
@@ -18,10 +18,9 @@ from pathlib import Path
 from events import subjects
 from events.envelope import EnvelopeBase, make_envelope
 from events.outputs import Decision
-from recovery.engine import Engine
-from recovery.log import CountingLog, FileLog, MemoryLog, write_file
-from recovery.recorder import Recorder
-from recovery.scenario import EPOCH
+from recovery.core.engine import Engine
+from recovery.log import EPOCH, CountingLog, FileLog, MemoryLog, write_file
+from recovery.log.recorder import Recorder
 from tools.sim.accounting import CAUSES, STATE_LABEL, FaultOutcome, Ledger, Result
 from tools.sim.config import NS, SimConfig
 from tools.sim.faults import Fault, FaultMix, draw_faults, read_trace

@@ -46,9 +46,10 @@ from nats.nuid import NUID
 
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.subjects import DEAD_LETTERS, DECISIONS, EVENTS
-from recovery.log import MSG_ID, Appended, _prepare, export_log, to_record
+from recovery.log.base import MSG_ID, Appended, prepare, to_record
+from recovery.log.export import export_log
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("recovery.jetstream")  # the name operators filter on: kept since it moved
 
 DEFAULT_STREAM = "RECOVERY"
 DEFAULT_SUBJECTS = [EVENTS, DECISIONS, DEAD_LETTERS]
@@ -387,7 +388,7 @@ class JetStreamLog:
         or an outage until `publish_retry` seconds have passed (the server drops the repeat, so a retry
         whose first try was stored returns duplicate=True with that sequence); one without is sent again only
         after a 429 (the server refused it: nothing was stored)."""
-        data, hdrs = _prepare(payload, headers)
+        data, hdrs = prepare(payload, headers)
         ack = await publish_with_retry(self.js, subject, data, hdrs or None, retry_for=self.publish_retry)
         if ack.stream != self.stream:
             # Streams in one account cannot share subjects, so this is a misconfiguration, not a race.

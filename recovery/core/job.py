@@ -102,7 +102,7 @@ class Incident:
 
 
 class Job:
-    """One training job. `state` is driven only through recovery.machine.fire."""
+    """One training job. `state` is driven only through recovery.core.machine.fire."""
 
     __slots__ = (
         "alive",
