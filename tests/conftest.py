@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from recovery.testing import NatsServer
+from recovery.testing.nats import NatsServer
 
 
 @pytest.fixture

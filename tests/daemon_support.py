@@ -29,7 +29,7 @@ from recovery.daemon import Daemon
 from recovery.log import MSG_ID
 from recovery.log.jetstream import JetStreamLog, surface_async_ack_errors
 from recovery.log.recorder import Replay, replay
-from recovery.testing import free_port
+from recovery.testing.nats import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.01

@@ -19,7 +19,7 @@ from events.codec import encode_envelope
 from events.envelope import MAX_PAYLOAD_BYTES, Record, make_envelope
 from events.outputs import Decision, Rejection
 from recovery.core.engine import Effect
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 JOB = "job-a"
 OTHER = "job-b"

@@ -25,7 +25,7 @@ from recovery.core.engine import Engine
 from recovery.ctl import request
 from recovery.daemon import Daemon, ServerClock, TimerService, build_parser
 from recovery.log import MSG_ID
-from recovery.testing import NatsServer
+from recovery.testing.nats import NatsServer
 from tests.daemon_support import ROOT, async_wait_for, check_log, connect, read_stream, running_daemon
 
 NS = 1_000_000_000

@@ -22,7 +22,7 @@ from recovery.daemon import SnapshotStore
 from recovery.demo import BuiltinCluster, Bus, DemoSettings
 from recovery.log import MSG_ID
 from recovery.log.snapshot import load_snapshot
-from recovery.testing import NatsServer
+from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     DaemonProcess,
     async_wait_for,

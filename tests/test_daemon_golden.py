@@ -18,7 +18,7 @@ from events import subjects
 from events.envelope import Record
 from recovery.log import MSG_ID, iter_file
 from recovery.log.jetstream import JetStreamLog
-from recovery.testing import NatsServer
+from recovery.testing.nats import NatsServer
 from tests.daemon_support import DaemonProcess, check_log, connect, input_ids, read_stream, wait_for
 from tests.golden.scenarios import SCENARIOS, path
 

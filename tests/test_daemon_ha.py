@@ -15,7 +15,7 @@ import orjson
 from events import subjects
 from recovery.demo import BuiltinCluster, Bus, DemoSettings
 from recovery.log import MSG_ID
-from recovery.testing import NatsServer
+from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     DaemonProcess,
     async_wait_for,

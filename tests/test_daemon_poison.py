@@ -29,7 +29,7 @@ from events.values import (
 from recovery import config as config_mod
 from recovery.daemon import Daemon
 from recovery.log import MSG_ID
-from recovery.testing import NatsServer
+from recovery.testing.nats import NatsServer
 from tests.daemon_support import async_wait_for, check_log, connect, read_stream
 
 POISON = "poison"

@@ -21,7 +21,7 @@ from events.values import JobSpec
 from recovery.demo import BuiltinCluster, Bus
 from recovery.log import MSG_ID, iter_file
 from recovery.log.jetstream import JetStreamLog
-from recovery.testing import NatsServer
+from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     ROOT,
     DaemonProcess,

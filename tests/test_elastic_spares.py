@@ -10,7 +10,7 @@ from events.values import Elastic
 from recovery.log import iter_file
 from recovery.log.recorder import replay
 from recovery.replay import first_divergence
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 from tests.golden.scenarios import path
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from policies.base import NS
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 NO_DYING = {"checkpoint": {"name": "newest-complete", "params": {"dying": False}}}
 

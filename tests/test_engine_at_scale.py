@@ -6,7 +6,7 @@ from __future__ import annotations
 from events.envelope import MAX_PAYLOAD_BYTES, RawRecord
 from recovery.log.recorder import replay
 from recovery.replay import first_divergence
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 
 def test_a_restart_decision_at_16k_ranks_fits_in_a_log_message() -> None:

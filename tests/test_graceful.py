@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from events.commands import RestartJob
 from events.values import Tier
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 NO_LIVE_STATE = {"checkpoint": {"name": "newest-complete", "params": {"dying": False, "peer": False}}}
 

@@ -3,7 +3,7 @@ not use."""
 
 from __future__ import annotations
 
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 
 def job_on_half_of_each_node() -> Scenario:

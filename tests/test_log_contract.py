@@ -14,8 +14,8 @@ from nats.js.api import RetentionPolicy, StorageType
 from events.subjects import DEAD_LETTERS, DECISIONS, EVENTS
 from recovery.log import FileLog, MemoryLog
 from recovery.log.jetstream import JetStreamLog
-from recovery.testing import NatsServer
-from tests.log_contract import HEARTBEAT, EventLogContract, LogFactory, heartbeat, read_all
+from recovery.testing.log_contract import HEARTBEAT, EventLogContract, LogFactory, heartbeat, read_all
+from recovery.testing.nats import NatsServer
 
 
 class TestMemoryLog(EventLogContract):

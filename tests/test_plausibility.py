@@ -5,7 +5,7 @@ processes by the generation their own process started in."""
 from __future__ import annotations
 
 from recovery.core.engine import STEP_LEAD
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 NO_LIVE_STATE = {"checkpoint": {"name": "newest-complete", "params": {"dying": False, "peer": False}}}
 

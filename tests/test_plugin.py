@@ -42,7 +42,7 @@ def installed_plugin() -> Iterator[str]:
 SCRIPT = textwrap.dedent("""
     import json
     from policies import registry
-    from recovery.scenario import Scenario
+    from recovery.testing import Scenario
 
     s = Scenario()
     s.spare("spare0")

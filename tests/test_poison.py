@@ -16,7 +16,7 @@ from events.outputs import Rejection
 from events.values import JobSpec, Layout
 from policies.base import PolicySet
 from recovery.core.engine import Engine
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 from tests.test_properties import CheckedScenario, Driver, JobPlan, Plan, engine_state, plans
 
 ROOT = Path(__file__).resolve().parents[1]

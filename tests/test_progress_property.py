@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from events.outputs import Decision
 from policies.base import NS
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 from tests.test_properties import CheckedScenario
 
 

@@ -1,7 +1,7 @@
 """Property tests: random layouts and random interleavings of faults, acks, timers and operator requests.
 
 A scenario is a plan (jobs, spares, a list of operations) drawn up front from plain integers, then played
-through `recovery.scenario.Scenario`. Every operation holds raw numbers that are read modulo what exists at
+through `recovery.testing.Scenario`. Every operation holds raw numbers that are read modulo what exists at
 the moment it runs (a rank index modulo the job's current world, an outstanding command modulo how many are
 outstanding), so any list of operations is playable and hypothesis can shrink a failure freely.
 
@@ -35,7 +35,7 @@ from recovery.core.engine import Effect, Engine
 from recovery.core.machine import FINAL, STATES
 from recovery.log import write_file
 from recovery.log.recorder import replay
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 T = TypeVar("T")
 Op = tuple[Any, ...]

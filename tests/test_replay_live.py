@@ -20,7 +20,7 @@ from events.values import Layout
 from recovery.daemon import Daemon
 from recovery.log import ExportHeader, iter_file, read_header
 from recovery.log.jetstream import JetStreamLog
-from recovery.testing import NatsServer
+from recovery.testing.nats import NatsServer
 from tests.daemon_support import ROOT, connect, running_daemon
 
 

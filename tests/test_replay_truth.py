@@ -24,7 +24,7 @@ from policies.rescheduling import LadderRescheduling
 from recovery.core.engine import Engine
 from recovery.log import ExportHeader, FileLog, export_filter, iter_file, read_header
 from recovery.replay import first_divergence, main, replay_log
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 from tests.golden.scenarios import path as golden
 
 ROOT = Path(__file__).resolve().parents[1]

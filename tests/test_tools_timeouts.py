@@ -34,7 +34,7 @@ from recovery.log.jetstream import (
     stream_config,
     surface_async_ack_errors,
 )
-from recovery.testing import NatsServer, free_port
+from recovery.testing.nats import NatsServer, free_port
 from tools import bench_daemon
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,7 +37,7 @@ from policies import registry
 from policies.base import NS
 from policies.detection import DefaultDetectionParams
 from policies.rescheduling import LadderParams
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 MAX_INT64 = 2**63 - 1
 SPEC = {"nodes": ["n0", "n1"], "ranks_per_node": 2, "layout": {"dp": 4}}

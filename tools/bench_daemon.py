@@ -60,7 +60,7 @@ from events.codec import encode_envelope
 from events.envelope import make_envelope
 from events.values import JobSpec
 from recovery.log.jetstream import is_retryable, publish_with_retry, surface_async_ack_errors
-from recovery.testing import NatsServer, free_port
+from recovery.testing.nats import NatsServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MSG_ID = "Nats-Msg-Id"

