@@ -24,11 +24,11 @@ from nats.js import JetStreamContext
 from events import subjects
 from events.envelope import RawRecord, Record
 from events.outputs import Decision
-from recovery import config as config_mod
-from recovery.daemon import Daemon
 from recovery.log import MSG_ID
 from recovery.log.jetstream import JetStreamLog, surface_async_ack_errors
 from recovery.log.recorder import Replay, replay
+from recovery.service import config as config_mod
+from recovery.service.daemon import Daemon
 from recovery.testing.nats import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def _toml_value(value: Any) -> str:
 
 
 class DaemonProcess:
-    """`python -m recovery.daemon --config <toml>` with its HTTP port, its JSON logs and signals."""
+    """`python -m recovery.cli.daemon --config <toml>` with its HTTP port, its JSON logs and signals."""
 
     def __init__(self, workdir: Path, nats_url: str, **settings: Any) -> None:
         self.workdir = workdir
@@ -90,9 +90,10 @@ class DaemonProcess:
         log_path = self.workdir / f"daemon-{self.starts}.log"
         self.log_paths.append(log_path)
         with log_path.open("wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "recovery.daemon", "--config", str(self.config_path)],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "recovery.cli.daemon", "--config", str(self.config_path)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

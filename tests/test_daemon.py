@@ -19,12 +19,13 @@ from events import subjects
 from events.codec import encode_envelope
 from events.envelope import Record, make_envelope
 from events.values import JobSpec
-from recovery import config as config_mod
-from recovery.config import ConfigError, DaemonConfig
+from recovery.cli.ctl import request
+from recovery.cli.daemon import build_parser
 from recovery.core.engine import Engine
-from recovery.ctl import request
-from recovery.daemon import Daemon, ServerClock, TimerService, build_parser
 from recovery.log import MSG_ID
+from recovery.service import config as config_mod
+from recovery.service.config import ConfigError, DaemonConfig
+from recovery.service.daemon import Daemon, ServerClock, TimerService
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import ROOT, async_wait_for, check_log, connect, read_stream, running_daemon
 
@@ -73,7 +74,7 @@ def test_bad_configuration_names_the_key_and_its_origin(argv: list[str], env: di
 
 
 def test_daemon_cli_exits_2_on_bad_configuration() -> None:
-    result = subprocess.run([sys.executable, "-m", "recovery.daemon", "--snapshot-every-records", "-1"],
+    result = subprocess.run([sys.executable, "-m", "recovery.cli.daemon", "--snapshot-every-records", "-1"],
                             capture_output=True, text=True, cwd=ROOT, check=False)
     assert result.returncode == 2
     assert "snapshot_every_records: Input should be greater than or equal to 1" in result.stderr
@@ -191,7 +192,7 @@ async def test_ctl_verbs_and_the_cli(daemon: Daemon, nats_server: NatsServer, tm
     url = nats_server.url
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps({"job": "train", "spec": spec(["t0", "t1"], elastic={"min_dp": 2, "max_dp": 4})}))
-    cli = [sys.executable, "-m", "recovery.ctl", "--nats", url]
+    cli = [sys.executable, "-m", "recovery.cli.ctl", "--nats", url]
     result = await asyncio.to_thread(subprocess.run, [*cli, "submit", str(job_file)], capture_output=True,
                                      text=True, cwd=ROOT, check=False)
     assert result.returncode == 0, result.stderr
@@ -296,7 +297,7 @@ async def test_replay_cli_reads_the_live_log(daemon: Daemon, nats_server: NatsSe
     await ctl(url, "inject", type="process.exited", job="a", data={"rank": 1, "exit_code": 1})
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "recovery.replay", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "recovery.cli.replay", *args], capture_output=True, text=True,
                               cwd=ROOT, check=False)
 
     out = tmp_path / "a.jsonl"
@@ -323,7 +324,7 @@ async def test_replay_cli_reads_the_live_log(daemon: Daemon, nats_server: NatsSe
 
 
 def test_since_accepts_nanoseconds_iso_times_and_ages() -> None:
-    from recovery.replay import parse_since
+    from recovery.cli.replay import parse_since
 
     assert parse_since("1767225600000000000") == 1_767_225_600 * NS
     assert parse_since("2026-01-01T00:00:00Z") == 1_767_225_600 * NS
@@ -334,7 +335,7 @@ def test_since_accepts_nanoseconds_iso_times_and_ages() -> None:
 
 
 async def test_snapshot_store_alternates_slots_and_checks_its_chunks(nats_server: NatsServer) -> None:
-    from recovery.daemon import SnapshotStore
+    from recovery.service.daemon import SnapshotStore
 
     nc, js = await connect(nats_server.url)
     try:

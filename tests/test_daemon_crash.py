@@ -1,7 +1,7 @@
 """Crash safety: SIGKILL the daemon process at random points during incidents, restart it, and check that every
 event took effect exactly once, no command id was stored twice, and the final state is an offline replay's.
 
-The cluster is `recovery.demo.BuiltinCluster`, sped up: three jobs, a fault every half second, executors that
+The cluster is `recovery.service.demo.BuiltinCluster`, sped up: three jobs, a fault every half second, executors that
 answer from the command stream and restarted ranks that report progress. It talks to NATS only, like real
 agents, and keeps publishing while the daemon is down. The daemon snapshots often, in batches of a size the
 seed picks, with its timer service on; its last run drains the log with the timer service off, so that the
@@ -18,10 +18,10 @@ import pytest
 
 from events import subjects
 from events.envelope import Record
-from recovery.daemon import SnapshotStore
-from recovery.demo import BuiltinCluster, Bus, DemoSettings
 from recovery.log import MSG_ID
 from recovery.log.snapshot import load_snapshot
+from recovery.service.daemon import SnapshotStore
+from recovery.service.demo import BuiltinCluster, Bus, DemoSettings
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     DaemonProcess,

@@ -13,8 +13,8 @@ from pathlib import Path
 import orjson
 
 from events import subjects
-from recovery.demo import BuiltinCluster, Bus, DemoSettings
 from recovery.log import MSG_ID
+from recovery.service.demo import BuiltinCluster, Bus, DemoSettings
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     DaemonProcess,

@@ -26,9 +26,9 @@ from events.values import (
     JobSpec,
     Tier,
 )
-from recovery import config as config_mod
-from recovery.daemon import Daemon
 from recovery.log import MSG_ID
+from recovery.service import config as config_mod
+from recovery.service.daemon import Daemon
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import async_wait_for, check_log, connect, read_stream
 

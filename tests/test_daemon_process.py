@@ -18,9 +18,9 @@ import pytest
 from events import subjects
 from events.envelope import EnvelopeBase, Record, make_envelope
 from events.values import JobSpec
-from recovery.demo import BuiltinCluster, Bus
 from recovery.log import MSG_ID, iter_file
 from recovery.log.jetstream import JetStreamLog
+from recovery.service.demo import BuiltinCluster, Bus
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     ROOT,
@@ -181,7 +181,7 @@ def test_demo_runs_a_cluster_live_and_stops_by_itself(tmp_path: Path) -> None:
     """The README's first command, shortened: daemon, embedded JetStream and simulated cluster, then a verified
     export of the log."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "recovery.daemon", "--demo", "--duration", "8", "--demo-driver",
+    done = subprocess.run([sys.executable, "-m", "recovery.cli.daemon", "--demo", "--duration", "8", "--demo-driver",
                            "builtin", "--data-dir", str(tmp_path / "demo")], capture_output=True, text=True,
                           cwd=ROOT, timeout=60, check=False, env={**os.environ, "COLUMNS": "160"})
     assert done.returncode == 0, done.stdout + done.stderr

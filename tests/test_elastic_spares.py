@@ -9,7 +9,7 @@ import orjson
 from events.values import Elastic
 from recovery.log import iter_file
 from recovery.log.recorder import replay
-from recovery.replay import first_divergence
+from recovery.log.verify import first_divergence
 from recovery.testing.scenario import Scenario
 from tests.golden.scenarios import path
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from events.envelope import MAX_PAYLOAD_BYTES, RawRecord
 from recovery.log.recorder import replay
-from recovery.replay import first_divergence
+from recovery.log.verify import first_divergence
 from recovery.testing.scenario import Scenario
 
 

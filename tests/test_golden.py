@@ -11,7 +11,7 @@ from events.outputs import Decision
 from events.values import Tier
 from recovery.log import iter_file
 from recovery.log.recorder import Replay, replay
-from recovery.replay import first_divergence
+from recovery.log.verify import first_divergence
 from tests.golden.scenarios import SCENARIOS, path
 
 

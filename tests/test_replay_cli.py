@@ -9,12 +9,12 @@ from pathlib import Path
 import orjson
 
 from policies.rescheduling import LadderRescheduling
-from recovery.replay import main
+from recovery.cli.replay import main
 from tests.golden.scenarios import path
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "recovery.replay", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "recovery.cli.replay", *args], capture_output=True, text=True,
                           check=False)
 
 

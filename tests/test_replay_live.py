@@ -17,9 +17,9 @@ from events import subjects
 from events.envelope import Record, make_envelope
 from events.outputs import Decision
 from events.values import Layout
-from recovery.daemon import Daemon
 from recovery.log import ExportHeader, iter_file, read_header
 from recovery.log.jetstream import JetStreamLog
+from recovery.service.daemon import Daemon
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import ROOT, connect, running_daemon
 
@@ -77,7 +77,7 @@ async def shared_spare_pool(cluster: Cluster) -> list[Decision]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "recovery.replay", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "recovery.cli.replay", *args], capture_output=True, text=True,
                           cwd=ROOT, check=False)
 
 

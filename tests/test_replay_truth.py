@@ -21,9 +21,10 @@ from events.envelope import Record, make_envelope
 from events.outputs import Decision
 from policies import registry
 from policies.rescheduling import LadderRescheduling
+from recovery.cli.replay import main
 from recovery.core.engine import Engine
 from recovery.log import ExportHeader, FileLog, export_filter, iter_file, read_header
-from recovery.replay import first_divergence, main, replay_log
+from recovery.log.verify import first_divergence, replay_log
 from recovery.testing.scenario import Scenario
 from tests.golden.scenarios import path as golden
 
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "recovery.replay", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "recovery.cli.replay", *args], capture_output=True, text=True,
                           check=False, cwd=ROOT)
 
 

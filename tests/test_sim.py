@@ -16,10 +16,10 @@ from events.envelope import EnvelopeBase
 from events.outputs import Decision
 from events.values import Tier
 from policies.baselines import MindClusterLikeRescheduling
+from recovery.cli.replay import main as replay_main
 from recovery.core.engine import Engine
 from recovery.log import EPOCH, FileLog, MemoryLog, iter_file
 from recovery.log.recorder import Recorder
-from recovery.replay import main as replay_main
 from tools.sim import PROFILES, Cluster, Costs, Fault, FaultMix, Result, SimConfig, Simulator, Training, simulate
 from tools.sim.__main__ import main as sim_main
 from tools.sim.config import NS

@@ -23,8 +23,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from recovery.ctl import EXIT_NO_DAEMON, EXIT_NO_NATS, build_parser
-from recovery.daemon import Outgoing, Publisher
+from recovery.cli.ctl import EXIT_NO_DAEMON, EXIT_NO_NATS, build_parser
 from recovery.log import MSG_ID
 from recovery.log.jetstream import (
     JetStreamLog,
@@ -34,6 +33,7 @@ from recovery.log.jetstream import (
     stream_config,
     surface_async_ack_errors,
 )
+from recovery.service.publisher import Outgoing, Publisher
 from recovery.testing.nats import NatsServer, free_port
 from tools import bench_daemon
 
@@ -45,7 +45,7 @@ STARTUP_MARGIN_S = 3.0
 
 def run_ctl(url: str, *args: str, timeout: float = CTL_TIMEOUT_S) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "recovery.ctl", "--nats", url, "--timeout", str(timeout), *args],
+    done = subprocess.run([sys.executable, "-m", "recovery.cli.ctl", "--nats", url, "--timeout", str(timeout), *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=60, check=False)
     return done, time.monotonic() - started
 

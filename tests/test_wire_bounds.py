@@ -289,7 +289,7 @@ def test_the_longest_ids_still_make_a_timer_fired_envelope() -> None:
     timers = [t for d in s.decisions for t in d.timers]
     assert {t.id.split("/")[1] for t in timers} >= {"watchdog", "confirm", "attempt", "ack"}
     for timer in timers:
-        daemon_id = f"timer:{timer.id}:{timer.due}"  # as recovery.daemon's timer service names it
+        daemon_id = f"timer:{timer.id}:{timer.due}"  # as recovery.service.daemon's timer service names it
         assert len(daemon_id) <= MAX_ID_LENGTH
         make_envelope("timer.fired", {"timer_id": timer.id, "due": timer.due}, id=daemon_id, job=job)
     assert not s.rejections

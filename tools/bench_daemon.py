@@ -93,7 +93,7 @@ class Daemon:
         started = time.monotonic()
         # Its own process group: `close` stops the daemon and the snapshot children it forks together, and a
         # Ctrl-C in the terminal reaches the bench, which stops it, rather than racing it.
-        self.proc = subprocess.Popen([sys.executable, "-m", "recovery.daemon", "--config", str(self.config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "recovery.cli.daemon", "--config", str(self.config)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      cwd=ROOT, start_new_session=True)
         return started

@@ -4,6 +4,9 @@ Restoring a snapshot and applying the rest of the log gives exactly the decision
 names the format, the code (the package version and a digest of the sources the state's meaning depends on) and
 the `name@version` of every policy the engine's jobs hold, so that a daemon started with other code or other
 policies replays from the start instead.
+
+Everything it needs is imported with the module: the daemon dumps a snapshot in a forked child, where an import
+could wait forever on a lock that a thread of the parent held at the fork.
 """
 
 from __future__ import annotations

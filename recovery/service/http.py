@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("recovery.service")  # the name operators filter on: kept since it moved
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

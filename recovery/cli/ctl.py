@@ -33,8 +33,8 @@ import nats.errors
 import orjson
 from nats.aio.client import Client
 
-from recovery.control import SUBJECT
-from recovery.embedded import URL_FILE
+from recovery.service.control import SUBJECT
+from recovery.service.embedded import URL_FILE
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -172,6 +172,7 @@ def _when(ns: int | None) -> str:
 
 
 def render(verb: str, reply: dict[str, Any]) -> None:
+    # Imported here for start-up time (rich takes 40 ms): --json does without it.
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text

@@ -14,8 +14,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
 import orjson
 from nats.aio.client import Client
@@ -29,9 +29,8 @@ from events.envelope import ENVELOPES, make_envelope
 from events.kinds import JOB_EVENTS, NODE_EVENTS
 from events.outputs import Decision
 from events.values import JobSpec
-
-if TYPE_CHECKING:
-    from recovery.daemon import Daemon
+from recovery.core.engine import Effect, Engine
+from recovery.service.publisher import Outgoing, Publisher
 
 logger = logging.getLogger("recovery.control")
 SUBJECT = f"{subjects.PREFIX}.ctl"
@@ -74,8 +73,27 @@ def effect_summary(effects: list[Any]) -> dict[str, Any]:
     return {"decisions": decisions, "rejections": rejections}
 
 
+class Controlled(Protocol):
+    """What the control service reads and drives of the daemon it serves."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def publisher(self) -> Publisher | None: ...
+
+    @property
+    def recent(self) -> Mapping[int, list[Effect]]:
+        """the effects of the inputs applied last, by sequence"""
+        ...
+
+    async def status(self) -> dict[str, object]: ...
+
+    async def wait_applied(self, seq: int, timeout: float) -> bool: ...
+
+
 class ControlService:
-    def __init__(self, daemon: Daemon, apply_timeout: float = 5.0) -> None:
+    def __init__(self, daemon: Controlled, apply_timeout: float = 5.0) -> None:
         self.daemon = daemon
         self.apply_timeout = apply_timeout
         self._sub: Subscription | None = None
@@ -188,8 +206,6 @@ class ControlService:
 
     async def _publish(self, type_: str, data: dict[str, Any], body: dict[str, Any], *, job: str | None = None,
                        node: str | None = None) -> dict[str, Any]:
-        from recovery.daemon import Outgoing
-
         ident = body.get("id") or f"ctl-{secrets.token_hex(8)}"
         try:
             envelope = make_envelope(type_, data, id=str(ident), job=job, node=node, source=SOURCE)

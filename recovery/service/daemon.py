@@ -1,8 +1,5 @@
-"""`recovery-daemon`: the long-running I/O shell around the pure engine, on NATS JetStream.
-
-    recovery-daemon                              # embedded nats-server in ./recovery-data, HTTP on :9464
-    recovery-daemon --nats-url nats://nats:4222 --config /etc/recovery.toml
-    recovery-daemon --demo --duration 60         # plus a simulated cluster, shown live in the terminal
+"""The daemon: the long-running I/O shell around the pure engine, on NATS JetStream (`recovery-daemon`,
+`recovery.cli.daemon`, starts it with `run`).
 
 The loop: pull the next batch of input records (`recovery.ev.>`) from a durable consumer, in stream order;
 apply each to the engine; publish the effects (commands to `recovery.cmd.<job>.<kind>` in the command stream,
@@ -26,22 +23,18 @@ enters: the engine sees the firing as an input record with the log's own timesta
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
 import heapq
-import importlib.metadata  # noqa: F401 - imported before any thread exists: the snapshot child uses it
 import logging
 import os
-import pickle  # noqa: F401 - same: `dump_snapshot` imports it in the forked child
 import secrets
 import signal
-import sys
 import time
 import zlib
 from collections import Counter, OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -64,32 +57,27 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.api import (
-    PubAck as JsPubAck,
-)
 from nats.js.kv import KeyValue
 
 from events import subjects
 from events.codec import encode_envelope
 from events.envelope import RawRecord, Record, make_envelope
 from events.outputs import Decision
-from recovery import config as config_mod
-from recovery import logs
-from recovery.config import ConfigError, DaemonConfig
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Effect, Engine
-from recovery.lease import Lease, LeaseLost, default_instance
 from recovery.log import MSG_ID, to_record
 from recovery.log.jetstream import (
-    Backoff,
-    describe_error,
     ensure_stream,
-    is_too_many_requests,
     stream_config,
-    surface_async_ack_errors,
 )
 from recovery.log.snapshot import dump_snapshot, open_snapshot
-from recovery.service import HttpServer, Metrics
+from recovery.service import speedups
+from recovery.service.config import DaemonConfig
+from recovery.service.control import ControlService
+from recovery.service.embedded import EmbeddedNats
+from recovery.service.http import HttpServer, Metrics
+from recovery.service.lease import Lease, LeaseLost, default_instance
+from recovery.service.publisher import TRANSIENT, Outgoing, Publisher, reraise_cancel
 
 logger = logging.getLogger("recovery.daemon")
 
@@ -99,90 +87,8 @@ SNAPSHOT_FORMAT = 2  # of the KV layout (manifest and chunks); the engine's blob
 CLOCK_SKEW_MARGIN_NS = 120 * 1_000_000_000
 """commands are looked up from this long before the snapshot's log time (servers' clocks may differ)"""
 
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    asyncio.TimeoutError,
-    nats.errors.Error,  # no responders, connection closed/reconnecting, outbound buffer full, ...
-    nats.js.errors.Error,  # service unavailable, server error, no stream response, ...
-    OSError,
-)
-
-
 def _fields(**kwargs: Any) -> dict[str, Any]:
     return {"fields": kwargs}
-
-
-# -- publishing ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    subject: str
-    data: bytes
-    msg_id: str
-    kind: str  # command | decision | rejection | input | timer
-
-
-class Publisher:
-    """Publish to JetStream and wait for every acknowledgement, pipelined. A publish that fails or is not
-    acknowledged in time is sent again, with the same `Nats-Msg-Id`, until it is (the server drops a repeat
-    of one that was stored): nothing is lost through an outage, and nothing is stored twice. A 429 (the
-    stream's ingest buffer is full, with agents publishing into it too) is one such failure, retried after a
-    backoff like the others."""
-
-    def __init__(self, js: JetStreamContext, timeout: float = 5.0) -> None:
-        self.js = js
-        self.timeout = timeout
-        self.retries = 0
-        self.duplicates = 0
-        # Without this a refused publish's future never resolves (a nats-py bug): it would cost `timeout`.
-        surface_async_ack_errors(js)
-
-    async def publish(self, items: Sequence[Outgoing], deadline: float | None = None) -> list[JsPubAck]:
-        acks: list[JsPubAck | None] = [None] * len(items)
-        remaining = list(range(len(items)))
-        backoff = Backoff(None if deadline is None else deadline - time.monotonic())
-        while remaining:
-            futures: dict[int, asyncio.Future[JsPubAck]] = {}
-            error: BaseException | None = None
-            try:
-                for i in remaining:
-                    item = items[i]
-                    futures[i] = await self.js.publish_async(item.subject, item.data, wait_stall=self.timeout,
-                                                             headers={MSG_ID: item.msg_id})
-            except _TRANSIENT as exc:
-                _reraise_cancel(exc)  # nats-py turns a cancellation while waiting for a slot into an error
-                error = exc
-            if futures:
-                _, pending = await asyncio.wait(futures.values(), timeout=self.timeout)
-                for future in pending:
-                    future.cancel()
-            failed = []
-            for i in remaining:
-                maybe = futures.get(i)
-                if maybe is not None and maybe.done() and not maybe.cancelled() and maybe.exception() is None:
-                    ack = maybe.result()
-                    acks[i] = ack
-                    if ack.duplicate:
-                        self.duplicates += 1
-                else:
-                    if maybe is not None and maybe.done() and not maybe.cancelled() and error is None:
-                        error = maybe.exception()
-                    failed.append(i)
-            remaining = failed
-            if remaining:
-                self.retries += 1
-                delay = backoff.next_delay()
-                if delay is None:
-                    raise TimeoutError(f"{len(remaining)} publishes not acknowledged before the deadline")
-                logger.warning("publish not acknowledged, retrying", extra=_fields(
-                    pending=len(remaining), error=describe_error(error) if error else "timeout",
-                    refused=error is not None and is_too_many_requests(error)))
-                await asyncio.sleep(delay)  # retry backoff through an outage or an overloaded server
-        return [ack for ack in acks if ack is not None]
-
-
-def _reraise_cancel(exc: BaseException) -> None:
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError from exc
 
 
 # -- the input consumer ---------------------------------------------------------------------------------
@@ -194,7 +100,7 @@ class ReaderLost(Exception):
     """The consumer stopped delivering in stream order (gap, redelivery ahead, stall, reconnect)."""
 
 
-_RESET: tuple[type[BaseException], ...] = (ReaderLost, *_TRANSIENT)
+_RESET: tuple[type[BaseException], ...] = (ReaderLost, *TRANSIENT)
 
 
 @dataclass(slots=True)
@@ -335,7 +241,7 @@ class InputReader:
 
     async def ack(self, delivery: Delivery) -> None:
         """Acknowledge this delivery and every one before it (AckPolicy.ALL)."""
-        with contextlib.suppress(*_TRANSIENT):
+        with contextlib.suppress(*TRANSIENT):
             await self.nc.publish(delivery.reply, b"+ACK")
 
 
@@ -575,8 +481,6 @@ class Daemon:
             self.http_port = await self.http.start()
             logger.info("http listening", extra=_fields(host=cfg.http_host, port=self.http_port))
         if not self.url:
-            from recovery.embedded import EmbeddedNats
-
             self.embedded = EmbeddedNats(cfg.data_dir, port=cfg.embedded_port)
             await asyncio.to_thread(self.embedded.start)
             self.url = self.embedded.url
@@ -603,8 +507,6 @@ class Daemon:
             armed = self.timers.arm_all(self.engine)
             logger.info("timers re-armed", extra=_fields(timers=armed))
         if cfg.ctl_enabled:
-            from recovery.control import ControlService
-
             self.control = ControlService(self)
             await self.control.start(self.nc)
         self._loop_task = asyncio.create_task(self._run(), name="recovery-loop")
@@ -634,8 +536,8 @@ class Daemon:
                 self.failed = True
                 self._stop.set()
                 return
-            except _TRANSIENT as exc:
-                _reraise_cancel(exc)
+            except TRANSIENT as exc:
+                reraise_cancel(exc)
                 logger.warning("lease not renewed: retrying", extra=_fields(error=repr(exc)))
 
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
@@ -705,8 +607,8 @@ class Daemon:
         while True:
             try:
                 return await op()
-            except _TRANSIENT as exc:
-                _reraise_cancel(exc)
+            except TRANSIENT as exc:
+                reraise_cancel(exc)
                 if time.monotonic() > deadline or self._stop.is_set():
                     raise
                 logger.warning(f"{what}: retrying", extra=_fields(error=repr(exc)))
@@ -846,7 +748,7 @@ class Daemon:
                 batch = await self.reader.next_batch(0.2, self.engine.last_seq)
                 delay = 0.05
             except _RESET as exc:
-                _reraise_cancel(exc)
+                reraise_cancel(exc)
                 self._reader_ok = False
                 self.metrics.consumer_resets.inc()
                 logger.warning("consumer reset", extra=_fields(reason=repr(exc), at=self.engine.last_seq + 1))
@@ -1175,8 +1077,6 @@ async def scan_ids(nc: Client, js: JetStreamContext, stream: str, filters: list[
 
 async def run(cfg: DaemonConfig, on_started: Callable[[Daemon], Awaitable[None]] | None = None) -> int:
     """Run a daemon until SIGTERM/SIGINT (or `duration_s`); 0 on a clean stop."""
-    from recovery import speedups
-
     tuned = speedups.apply()
     daemon = Daemon(cfg)
     loop = asyncio.get_running_loop()
@@ -1204,35 +1104,3 @@ async def run(cfg: DaemonConfig, on_started: Callable[[Daemon], Awaitable[None]]
     finally:
         await daemon.stop()
     return 1 if daemon.failed else code
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recovery-daemon", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Every flag is also a TOML key and an environment variable "
-                                            "RECOVERY_<KEY>; flags win over the environment, which wins over "
-                                            "the file.")
-    config_mod.add_arguments(parser)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = config_mod.load(args)
-    except ConfigError as exc:
-        print(f"recovery-daemon: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        sys.stdout.buffer.write(orjson.dumps(cfg.model_dump(mode="json"), option=orjson.OPT_INDENT_2) + b"\n")
-        return 0
-    if cfg.demo:
-        from recovery.demo import run_demo
-
-        return run_demo(cfg)
-    logs.setup(cfg.log_level, cfg.log_format, cfg.log_file)
-    return asyncio.run(run(cfg))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,6 +37,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from pydantic import TypeAdapter
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
 
 from events import subjects
 from events.codec import encode_envelope
@@ -44,7 +48,13 @@ from events.commands import Command, CommandBase
 from events.envelope import EnvelopeBase, RawRecord, Record, make_envelope
 from events.outputs import Decision
 from events.values import STORAGE_HOLDER, JobSpec, Layout, Tier
-from recovery.config import DaemonConfig
+from recovery.log import iter_file, replay
+from recovery.log.jetstream import JetStreamLog
+from recovery.log.verify import first_divergence
+from recovery.service import jsonlog
+from recovery.service.config import DaemonConfig
+from recovery.service.daemon import run
+from recovery.service.publisher import Outgoing, Publisher
 
 logger = logging.getLogger("recovery.demo")
 NS = 1_000_000_000
@@ -108,8 +118,6 @@ class Bus:
         self._queue.put_nowait((subject, encode_envelope(envelope), envelope.id))
 
     async def start(self, driver: Driver) -> None:
-        from recovery.daemon import Publisher
-
         self.driver = driver
         self._publisher = Publisher(self.js)
         self._tasks.append(asyncio.create_task(self._pump(), name="demo-publish"))
@@ -118,8 +126,6 @@ class Bus:
         driver.start()
 
     async def _pump(self) -> None:
-        from recovery.daemon import Outgoing
-
         while True:
             subject, data, msg_id = await self._queue.get()
             batch = [Outgoing(subject, data, msg_id, "input")]
@@ -470,10 +476,6 @@ class LiveView:
                               effect.reason + commands))
 
     def render(self) -> Any:
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-
         engine = self.daemon.engine
         elapsed = time.monotonic() - self.started
         jobs = Table(title=f"recovery-daemon demo  {elapsed:4.0f}s / {self.seconds:.0f}s   "
@@ -508,8 +510,6 @@ class LiveView:
 def run_demo(cfg: DaemonConfig) -> int:
     """The daemon (embedded NATS in a temporary directory unless --data-dir is given) plus a demo cluster,
     shown live for `duration_s` seconds (default 60); then a summary and the log exported for replay."""
-    from recovery import logs
-
     seconds = cfg.duration_s or 60.0
     explicit_dir = "data_dir" in cfg.model_fields_set
     data_dir = Path(cfg.data_dir) if explicit_dir else Path(tempfile.mkdtemp(prefix="recovery-demo-"))
@@ -519,17 +519,12 @@ def run_demo(cfg: DaemonConfig) -> int:
     if "http_port" not in cfg.model_fields_set:
         updates["http_port"] = 0
     cfg = cfg.model_copy(update=updates)
-    logs.setup(cfg.log_level, cfg.log_format, cfg.log_file or data_dir / "daemon.log")
+    jsonlog.setup(cfg.log_level, cfg.log_format, cfg.log_file or data_dir / "daemon.log")
     settings = DemoSettings(seconds=seconds, seed=cfg.demo_seed)
     return asyncio.run(_demo(cfg, settings, data_dir))
 
 
 async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
-    from recovery.daemon import run
-
     console = Console()
     factory = load_driver(cfg.demo_driver)
     where = "tools.sim world" if factory is sim_driver else ("built-in cluster" if factory is builtin_driver
@@ -593,11 +588,6 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
 
 async def _export(daemon: Any, path: Path) -> tuple[Path, str]:
     """Export the log for `recovery-replay` and verify it: the demo's own decisions, derived again."""
-    from recovery.log import iter_file
-    from recovery.log.jetstream import JetStreamLog
-    from recovery.log.recorder import replay
-    from recovery.replay import first_divergence
-
     try:
         async with asyncio.timeout(5):
             log = JetStreamLog(daemon.nc, daemon.js, daemon.cfg.stream, owns_connection=False)

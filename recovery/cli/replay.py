@@ -1,0 +1,396 @@
+"""`recovery-replay`: rebuild every state and decision from a log, for postmortems and audit.
+
+    recovery-replay run LOG              final state of each job, incidents and decision counts
+    recovery-replay verify LOG [--job J] re-derive every decision and diff against the recorded ones
+    recovery-replay timeline LOG --job J events, states and decisions of one job, in order
+    recovery-replay export --nats URL [--job J] [--since T] [-o FILE]
+                                         the JetStream log as JSONL (the format LOG is in)
+
+Each of run, verify and timeline reads a JSONL export (LOG) or, with `--nats URL`, the live JetStream
+stream (`--stream`, default RECOVERY). Each takes `--json` for machine-readable output. Exit status: 0
+fine, 1 divergence, 2 bad usage or unreadable log (a line that is not a record, a last line cut short, a
+recorded decision of a schema this version cannot read: each named with its line).
+
+A per-job export (`export --job J`) keeps every input record, since the engine's decisions for J depend on
+the whole cluster (node events, spares other jobs took), and leaves out only other jobs' outputs except
+their job.accepted; its header names J, and verify then compares J's decisions, J's dead letters and those
+naming no job, and every job's acceptance: exact whenever verify of the whole log is. An export cut by
+--since or --start-seq lacks the state before it: verify says it cannot be exact instead of calling a
+divergence a bug.
+
+verify explains a divergence from the policies in force for the job (`job.accepted` names each policy as
+name@version; the replay names what is installed now): a changed policy, a policy whose plugin is not
+installed (named), or, with the same policies, a bug. Records are told apart by subject: only records on
+decision and dead-letter subjects are recorded outputs; anything on an event subject is an input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from events.codec import encode_record
+from events.envelope import RawRecord, Record
+from events.subjects import is_output
+from recovery.log import ExportHeader, export_filter, iter_numbered, read_header, rejection_jobs
+from recovery.log.verify import (
+    DEAD_LETTER_SUBJECTS,
+    DECISION_SUBJECTS,
+    Located,
+    LogReplay,
+    UnreadableLog,
+    canonical,
+    caveats,
+    dead_letters_compared,
+    first_divergence,
+    in_scope,
+    rejection_divergence,
+    rejection_in_scope,
+    replay_log,
+)
+
+NS = 1_000_000_000
+
+
+def _records(source: str | argparse.Namespace) -> Iterator[Record | RawRecord]:
+    """The records of a JSONL file, or of the JetStream stream when the arguments carry `--nats`."""
+    return (record for _, record in _located(source)[1])
+
+
+def _located(source: str | argparse.Namespace) -> tuple[ExportHeader | None, Iterator[Located]]:
+    """The export header (if the file has one) and the records with where each is: `LOG:<line>` or `seq <n>`."""
+    if isinstance(source, str):
+        path = source
+    elif getattr(source, "nats", None):
+        if source.log:
+            raise ValueError("give either a LOG file or --nats, not both")
+        records = asyncio.run(_read_nats(source.nats, source.stream))
+        return None, ((f"seq {record.seq}", record) for record in records)
+    elif not source.log:
+        raise ValueError("give a LOG file or --nats URL")
+    else:
+        path = source.log
+    return read_header(path), ((f"{path}:{number}", record) for number, record in iter_numbered(path))
+
+
+async def _connect_log(url: str, stream: str) -> Any:
+    """A read-only view of the stream: it is neither created nor reconfigured (that is the daemon's job)."""
+    # Imported here for start-up time: nats-py takes a tenth of a second to import, and only --nats needs it.
+    import nats
+    import nats.errors
+    import nats.js.errors
+
+    from recovery.log.jetstream import JetStreamLog
+
+    try:
+        nc = await nats.connect(url, connect_timeout=3, max_reconnect_attempts=3, name="recovery-replay")
+    except (OSError, nats.errors.Error, TimeoutError) as exc:
+        raise OSError(f"cannot connect to {url}: {exc!r}") from None
+    js = nc.jetstream(timeout=10)
+    try:
+        await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        await nc.close()
+        raise OSError(f"no stream {stream!r} on {url}") from None
+    return JetStreamLog(nc, js, stream, owns_connection=True)
+
+
+async def _read_nats(url: str, stream: str) -> list[Record | RawRecord]:
+    log = await _connect_log(url, stream)
+    try:
+        return [record async for record in log.read()]
+    finally:
+        await log.close()
+
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def parse_since(text: str, now_ns: int | None = None) -> int:
+    """`--since`: nanoseconds since the epoch, an ISO 8601 time (UTC unless it says), or an age such as
+    `90s`, `15m`, `2h`, `1d` before now."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    match = _RELATIVE.match(text)
+    if match:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86_400}[match.group(2)]
+        now = time.time_ns() if now_ns is None else now_ns
+        return now - int(float(match.group(1)) * unit * NS)
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--since {text!r}: give nanoseconds, an ISO 8601 time or an age like 15m") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp()) * NS + when.microsecond * 1000
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    since = parse_since(args.since) if args.since else None
+    count = asyncio.run(_export(args.nats, args.stream, args.output, args.job, since, args.start_seq))
+    if args.output != "-":
+        print(f"{count} records written to {args.output}", file=sys.stderr)
+    return 0
+
+
+async def _export(url: str, stream: str, output: str, job: str | None, since: int | None, start_seq: int) -> int:
+    log = await _connect_log(url, stream)
+    try:
+        if output != "-":
+            return int(await log.export(output, start_seq, job, since, replayable=True))
+        # The same header and filter as the file export above (recovery.log.export_log), to standard output.
+        count = 0
+        out = sys.stdout.buffer
+        header = ExportHeader.for_filters(job, since, start_seq, replayable=True)
+        if header is not None:
+            out.write(header.encode() + b"\n")
+        keep = export_filter(job, since, replayable=True)
+        async for record in log.read(start_seq):
+            if keep(record):
+                out.write(encode_record(record) + b"\n")
+                count += 1
+        out.flush()
+        return count
+    finally:
+        await log.close()
+
+
+def _clock(ts: int, origin: int) -> str:
+    return f"+{(ts - origin) / NS:10.3f}s"
+
+
+def _utc(ts: int) -> str:
+    return datetime.fromtimestamp(ts / NS, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _summary(envelope: Any) -> str:
+    data = envelope.data.model_dump(mode="json", exclude_defaults=True)
+    if envelope.type == "job.submitted":
+        spec = data["spec"]
+        return f"{len(spec['nodes'])} nodes, layout {spec['layout']}"
+    return " ".join(f"{k}={v}" for k, v in data.items())
+
+
+def _json(obj: Any) -> bytes:
+    """Indented JSON; integers beyond 64 bits (which orjson refuses) through the standard library."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_INDENT_2)
+    except orjson.JSONEncodeError:
+        return json.dumps(obj, indent=2, default=str).encode()
+
+
+def _replay_args(args: argparse.Namespace, job: str | None = None) -> LogReplay:
+    """Replay the log the arguments name, for the job a per-job export holds (or `job`)."""
+    header, located = _located(args)
+    if header is not None and header.job is not None:
+        if job is not None and job != header.job:
+            raise ValueError(f"this export holds only job {header.job}'s outputs, not job {job}'s")
+        job = header.job
+    return replay_log(located, job=job, header=header)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    result = _replay_args(args)
+    snapshot = result.engine.snapshot()
+    if args.json:
+        out = {"inputs": result.inputs, "jobs": snapshot["jobs"],
+               "decisions": [d.model_dump(mode="json") for d in result.decisions],
+               "rejections": [r.model_dump(mode="json") for r in result.rejections]}
+        sys.stdout.buffer.write(_json(out) + b"\n")
+        return 0
+    print(f"{result.inputs} input records, {len(result.decisions)} decisions, {len(result.rejections)} rejections")
+    for job_id, job in snapshot["jobs"].items():
+        print(f"\njob {job_id}: {job['state']} at step {job['step']}, generation {job['generation']}, "
+              f"{job['alive']}/{job['world']} ranks alive, nodes {', '.join(job['nodes'])}")
+        print(f"  policies: {', '.join(job['policies'].values())}; restarts used {job['restarts_used']}")
+        for inc in job["incidents"] + ([job["incident"]] if job["incident"] else []):
+            mttr = "" if inc["closed"] is None else f", {(inc['closed'] - inc['opened']) / NS:.1f}s"
+            grans = " -> ".join(f"{a['granularity']}({a['outcome']})" for a in inc["attempts"])
+            print(f"  incident {inc['id']}: {inc['fault_class'] or inc['cause']}, {inc['outcome'] or 'open'}"
+                  f"{mttr}, lost steps {inc['lost_steps']}; {grans}")
+    for rej in result.rejections:
+        print(f"rejected seq {rej.seq} [{rej.code}]: {rej.reason}")
+    for note in caveats(result):
+        print(f"note: the replay cannot be exact: {note}")
+    for unreadable in result.unreadable:
+        print(f"note: {unreadable}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    result = _replay_args(args, args.job)
+    if result.unreadable:
+        more = f" (and {len(result.unreadable) - 1} more)" if len(result.unreadable) > 1 else ""
+        raise UnreadableLog(f"{result.unreadable[0]}{more}: use the recovery-replay of the version that wrote it")
+    job = result.job
+    divergence = first_divergence(result)
+    letters = rejection_divergence(result)
+    ok = divergence is None and letters is None
+    limits = caveats(result)
+    notes = [f"{len(result.foreign)} records on output subjects are not decisions or dead letters, so the engine "
+             f"did not write them (first: {result.foreign[0]}); not compared"] if result.foreign else []
+    rejected = [r for r in result.rejections if rejection_in_scope(r, job)]
+    if rejected and not dead_letters_compared(result):
+        notes.append(f"the log holds no dead letters; the replay rejects {len(rejected)} records "
+                     f"(first: seq {rejected[0].seq} [{rejected[0].code}]); not compared")
+    compared = [d for d in result.decisions if in_scope(d, job)]
+    recorded = [d for d in result.recorded_decisions if in_scope(d, job)]
+    if args.json:
+        out = {"ok": ok, "job": job, "exact": not limits, "caveats": limits, "notes": notes,
+               "inputs": result.inputs, "decisions": len(compared), "recorded": len(recorded),
+               "divergence": None if divergence is None else divergence.as_dict(),
+               "rejections_match": letters is None,
+               "rejection_divergence": None if letters is None else letters.as_dict()}
+        sys.stdout.buffer.write(_json(out) + b"\n")
+        return 0 if ok else 1
+    if divergence is not None:
+        print(f"DIVERGENCE at decision #{divergence.index} (caused by seq {divergence.cause_seq}): "
+              f"{divergence.verdict}")
+        if divergence.recorded is not None:
+            print(f"  recorded: {canonical(divergence.recorded).decode()}")
+        if divergence.derived is not None:
+            print(f"  replayed: {canonical(divergence.derived).decode()}")
+    elif letters is not None:
+        print(f"DIVERGENCE in rejections: {letters.verdict}")
+    else:
+        which = "" if job is None else f" (job {job}'s and every job's acceptance)"
+        print(f"ok: {len(compared)} decisions{which} from {result.inputs} inputs match the {len(recorded)} recorded")
+    for note in notes:
+        print(f"note: {note}")
+    if ok:
+        for limit in limits:
+            print(f"note: the replay cannot be exact, so this check is not either: {limit}")
+    return 0 if ok else 1
+
+
+def timeline_rows(records: Sequence[Record | RawRecord] | Iterator[Record | RawRecord], job: str,
+                  include_progress: bool = False) -> list[dict[str, Any]]:
+    """The job's inputs and decisions in log order, with the state after each decision. Decisions and dead
+    letters are what sits on their subjects; a record of another type there, or one typed `decision` on an
+    event subject, is not the engine's."""
+    rows: list[dict[str, Any]] = []
+    nodes: set[str] = set()
+    state = "submitted"
+    for record in records:
+        if isinstance(record, RawRecord):
+            continue
+        env = record.envelope
+        if is_output(record.subject):
+            if env.type == "decision" and record.subject.startswith(DECISION_SUBJECTS):
+                if env.data.job != job:
+                    continue
+                d = env.data
+                state = d.state
+                nodes.update(d.detail.get("nodes", ()))  # nodes the job moved to are its nodes from then on
+                rows.append({"seq": record.seq, "ts": record.ts, "what": f"decision {d.kind}",
+                             "detail": d.reason + (f" [{', '.join(c.kind for c in d.commands)}]" if d.commands else ""),
+                             "state": state, "policy": d.policy})
+            elif (env.type == "rejection" and record.subject.startswith(DEAD_LETTER_SUBJECTS)
+                  and job in rejection_jobs(env.data)):
+                rows.append({"seq": record.seq, "ts": record.ts, "what": f"rejected {env.data.code}",
+                             "detail": env.data.reason, "state": state, "policy": None})
+            continue
+        if env.job == job:
+            if env.type == "job.submitted":
+                nodes.update(env.data.spec.nodes)
+            if env.type in ("process.heartbeat", "progress.step") and not include_progress:
+                continue
+            if env.type == "timer.fired" and "/watchdog/" in env.data.timer_id and not include_progress:
+                continue
+        elif not (env.node is not None and env.node in nodes):
+            continue
+        # An input typed like an output is hostile or broken input (the daemon rejects it): never shown as one.
+        what = env.type if env.type not in ("decision", "rejection") else f"input typed {env.type}"
+        rows.append({"seq": record.seq, "ts": record.ts, "what": what, "detail": _summary(env),
+                     "state": state, "policy": None})
+    return rows
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    rows = timeline_rows(_records(args), args.job, include_progress=args.all)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+        return 0
+    if not rows:
+        print(f"nothing in the log for job {args.job}")
+        return 2
+    origin = rows[0]["ts"]
+    try:  # imported here for start-up time (rich takes 40 ms): --json and the other commands do without it
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:  # pragma: no cover - rich is a dependency; plain text keeps the CLI usable without it
+        for r in rows:
+            print(f"{_clock(r['ts'], origin)} {r['seq']:>7} {r['what']:<28} {r['state']:<13} {r['detail']}")
+        return 0
+    table = Table(title=f"job {args.job} from {_utc(origin)}", show_lines=False)
+    for column in ("time", "seq", "event / decision", "state", "detail"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        style = "bold" if r["what"].startswith("decision") else ("red" if r["what"].startswith("rejected") else "")
+        # Text cells: details such as "[migrate_ranks]" are data, not console markup.
+        table.add_row(*(Text(c) for c in (_clock(r["ts"], origin), str(r["seq"]), r["what"], r["state"], r["detail"])),
+                      style=style)
+    console = Console()
+    # Piped output has no terminal width: give the table room rather than folding every cell.
+    Console(width=console.width if console.is_terminal else 200).print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recovery-replay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, func, helptext in (("run", cmd_run, "final state of each job and the decisions"),
+                                 ("verify", cmd_verify, "re-derive decisions and diff with the recorded ones"),
+                                 ("timeline", cmd_timeline, "events, states and decisions of one job")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("log", nargs="?", help="JSONL export of the log (or --nats)")
+        p.add_argument("--nats", metavar="URL", help="read the live JetStream log instead of a file")
+        p.add_argument("--stream", default="RECOVERY", help="the log's stream with --nats (default RECOVERY)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=func)
+        if name == "timeline":
+            p.add_argument("--job", required=True)
+            p.add_argument("--all", action="store_true", help="include heartbeats, steps and watchdog ticks")
+        if name == "verify":
+            p.add_argument("--job", help="compare only this job's decisions and dead letters, and every job's "
+                                         "acceptance (a per-job export names its job itself)")
+    p = sub.add_parser("export", help="write the JetStream log as JSONL",
+                       description="Write the JetStream log as JSONL. A per-job export starts with a header line "
+                                   "naming the job and its filters, which verify reads.")
+    p.add_argument("--nats", metavar="URL", required=True, help="NATS server of the log")
+    p.add_argument("--stream", default="RECOVERY", help="the log's stream (default RECOVERY)")
+    p.add_argument("--job", help="an incident of this job: every input record (every job's and node's events: the "
+                                 "job's decisions depend on them), the job's decisions and dead letters, the dead "
+                                 "letters of records naming no job, and every job's job.accepted; only other "
+                                 "jobs' other outputs are left out, so verify re-derives the job's decisions exactly")
+    p.add_argument("--since", help="only records at or after this log time: ns, ISO 8601, or an age (15m, 2h); "
+                                   "a replay then lacks the state before it, and verify says it cannot be exact")
+    p.add_argument("--start-seq", type=int, default=1, help="first stream sequence to read (cuts like --since)")
+    p.add_argument("-o", "--output", default="-", help="JSONL file to write (default: standard output)")
+    p.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (OSError, ValueError) as exc:
+        print(f"recovery-replay: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

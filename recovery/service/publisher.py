@@ -1,0 +1,104 @@
+"""Publishing to JetStream until every message is acknowledged: the daemon's effects, the control service's and
+the demo cluster's inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import PubAck as JsPubAck
+
+from recovery.log.base import MSG_ID
+from recovery.log.jetstream import Backoff, describe_error, is_too_many_requests, surface_async_ack_errors
+
+logger = logging.getLogger("recovery.daemon")  # its lines are the daemon's, as before the publisher had a module
+
+TRANSIENT: tuple[type[BaseException], ...] = (
+    asyncio.TimeoutError,
+    nats.errors.Error,  # no responders, connection closed/reconnecting, outbound buffer full, ...
+    nats.js.errors.Error,  # service unavailable, server error, no stream response, ...
+    OSError,
+)
+"""errors after which a NATS operation is simply tried again (the connection reconnects forever)"""
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One message to publish, with its deterministic id."""
+
+    subject: str
+    data: bytes
+    msg_id: str
+    kind: str  # command | decision | rejection | input | timer
+
+
+class Publisher:
+    """Publish to JetStream and wait for every acknowledgement, pipelined. A publish that fails or is not
+    acknowledged in time is sent again, with the same `Nats-Msg-Id`, until it is (the server drops a repeat
+    of one that was stored): nothing is lost through an outage, and nothing is stored twice. A 429 (the
+    stream's ingest buffer is full, with agents publishing into it too) is one such failure, retried after a
+    backoff like the others."""
+
+    def __init__(self, js: JetStreamContext, timeout: float = 5.0) -> None:
+        self.js = js
+        self.timeout = timeout
+        self.retries = 0
+        self.duplicates = 0
+        # Without this a refused publish's future never resolves (a nats-py bug): it would cost `timeout`.
+        surface_async_ack_errors(js)
+
+    async def publish(self, items: Sequence[Outgoing], deadline: float | None = None) -> list[JsPubAck]:
+        acks: list[JsPubAck | None] = [None] * len(items)
+        remaining = list(range(len(items)))
+        backoff = Backoff(None if deadline is None else deadline - time.monotonic())
+        while remaining:
+            futures: dict[int, asyncio.Future[JsPubAck]] = {}
+            error: BaseException | None = None
+            try:
+                for i in remaining:
+                    item = items[i]
+                    futures[i] = await self.js.publish_async(item.subject, item.data, wait_stall=self.timeout,
+                                                             headers={MSG_ID: item.msg_id})
+            except TRANSIENT as exc:
+                reraise_cancel(exc)  # nats-py turns a cancellation while waiting for a slot into an error
+                error = exc
+            if futures:
+                _, pending = await asyncio.wait(futures.values(), timeout=self.timeout)
+                for future in pending:
+                    future.cancel()
+            failed = []
+            for i in remaining:
+                maybe = futures.get(i)
+                if maybe is not None and maybe.done() and not maybe.cancelled() and maybe.exception() is None:
+                    ack = maybe.result()
+                    acks[i] = ack
+                    if ack.duplicate:
+                        self.duplicates += 1
+                else:
+                    if maybe is not None and maybe.done() and not maybe.cancelled() and error is None:
+                        error = maybe.exception()
+                    failed.append(i)
+            remaining = failed
+            if remaining:
+                self.retries += 1
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise TimeoutError(f"{len(remaining)} publishes not acknowledged before the deadline")
+                logger.warning("publish not acknowledged, retrying", extra={"fields": {
+                    "pending": len(remaining), "error": describe_error(error) if error else "timeout",
+                    "refused": error is not None and is_too_many_requests(error)}})
+                await asyncio.sleep(delay)  # retry backoff through an outage or an overloaded server
+        return [ack for ack in acks if ack is not None]
+
+
+def reraise_cancel(exc: BaseException) -> None:
+    """Raise a cancellation that nats-py turned into another error while the current task was being cancelled."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from exc
