@@ -1,4 +1,4 @@
-"""The cluster simulator (tools/sim): determinism, accounting, the baselines' behaviour, replayable logs, the fault
+"""The cluster simulator (recovery/sim): determinism, accounting, the baselines' behaviour, replayable logs, the fault
 mix, the Titan importer and the demo cluster. Small clusters and short horizons: each run takes well under a
 second."""
 
@@ -20,13 +20,13 @@ from recovery.cli.replay import main as replay_main
 from recovery.core.engine import Engine
 from recovery.log import EPOCH, FileLog, MemoryLog, iter_file
 from recovery.log.recorder import Recorder
-from tools.sim import PROFILES, Cluster, Costs, Fault, FaultMix, Result, SimConfig, Simulator, Training, simulate
-from tools.sim.__main__ import main as sim_main
-from tools.sim.config import NS
-from tools.sim.demo import DemoCluster, demo_cluster
-from tools.sim.faults import PACKAGED_MIX, default_mix_path, draw_faults, read_trace, write_trace
-from tools.sim.sim import event
-from tools.sim.titan import import_titan, titan_index
+from recovery.sim import PROFILES, Cluster, Costs, Fault, FaultMix, Result, SimConfig, Simulator, Training, simulate
+from recovery.sim.__main__ import main as sim_main
+from recovery.sim.config import NS
+from recovery.sim.demo import DemoCluster, demo_cluster
+from recovery.sim.faults import PACKAGED_MIX, default_mix_path, draw_faults, read_trace, write_trace
+from recovery.sim.sim import event
+from recovery.sim.titan import import_titan, titan_index
 
 DATA = Path(__file__).parent / "data"
 SMALL = Cluster(gpus=64, gpus_per_node=8, tp=8, pp=2, nodes_per_switch=4, spare_nodes=2)
@@ -109,7 +109,7 @@ def test_verify_and_timeline_work_on_a_simulated_run(tmp_path: Path, capsys: pyt
 
 
 def test_the_log_does_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
-    script = ("import sys; from tools.sim import *; from tools.sim.sim import Simulator; "
+    script = ("import sys; from recovery.sim import *; from recovery.sim.sim import Simulator; "
               "s = Simulator(SimConfig(cluster=Cluster(gpus=64, tp=8, pp=2, nodes_per_switch=4, spare_nodes=2), "
               "training=Training(params=8e9, storage_every_s=600), days=1.0, seed=5, rate_per_gpu_hour=3e-3)); "
               "s.run(); s.write_log(sys.argv[1])")

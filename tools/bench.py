@@ -62,6 +62,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import bench_daemon  # beside this script (`python tools/bench.py` puts tools/ on the path)
 import orjson
 
 from events import subjects
@@ -74,6 +75,7 @@ from recovery.core.engine import Effect, Engine
 from recovery.core.job import DEDUPE_WINDOW
 from recovery.log import EPOCH, MSG_ID, Appended, iter_file, write_file
 from recovery.log.recorder import Recorder, replay
+from recovery.sim import bench as sim_bench
 
 RANKS_PER_NODE = 8
 NODES_PER_JOB = 8
@@ -655,7 +657,7 @@ def _resolve(args: argparse.Namespace) -> None:
     args.repeat = args.repeat or sizes.repeat
 
 
-# -- policies: ETTR and lost GPU-hours of our policies and the baselines (the simulator, tools/sim) -----------
+# -- policies: ETTR and lost GPU-hours of our policies and the baselines (the simulator, recovery/sim) -------
 POLICY_PROFILES = ("default", "default-memory", "torchelastic-like", "mindcluster-like")
 
 
@@ -669,10 +671,7 @@ def _policies_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_policies(args: argparse.Namespace) -> None:
-    """54 days of the Llama 3 mix on 16,384 and 1,024 GPUs per profile, medians over seeds (tools/sim/bench.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tools.sim import bench as sim_bench
-
+    """54 days of the Llama 3 mix on 16,384 and 1,024 GPUs per profile, medians over seeds (recovery/sim/bench.py)."""
     if args.quick:
         args.seeds, args.gpus, args.days = 1, [1_024], 7.0
     sim_bench.main(args.seeds, args.gpus, args.days, args.profiles, args.workers,
@@ -680,16 +679,9 @@ def run_policies(args: argparse.Namespace) -> None:
 
 
 # -- daemon: the recovery-daemon process on a real nats-server (tools/bench_daemon.py) -----------------------
-def _daemon_bench() -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tools import bench_daemon
-
-    return bench_daemon
-
-
 def run_daemon(args: argparse.Namespace) -> None:
     """Throughput, fault-to-command latency under load, restart-to-ready, RSS; the raw nats-py ceiling."""
-    _daemon_bench().run(args, emit)
+    bench_daemon.run(args, emit)
 
 
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
@@ -700,7 +692,7 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
     "policies": ("ETTR and lost GPU-hours of our policies and the baselines on the Llama 3 fault mix (simulated)",
                  _policies_args, run_policies),
     "daemon": ("recovery-daemon on nats-server: throughput, fault-to-command latency, restart-to-ready, RSS",
-               lambda p: _daemon_bench().add_arguments(p), run_daemon),
+               bench_daemon.add_arguments, run_daemon),
 }
 """name -> (help, add arguments, run). `policies` and `daemon` are added here."""
 

@@ -80,8 +80,9 @@ class DaemonConfig(BaseSettings):
     duration_s: float | None = Field(None, gt=0, description="stop by itself after this many seconds")
     # -- demo ------------------------------------------------------------------------------------------
     demo: bool = Field(False, description="run a simulated cluster against the daemon and show it live")
-    demo_driver: str = Field("auto", description="'auto' (tools.sim when importable, else the built-in "
-                                                 "cluster), 'builtin', or module:attribute of a driver factory")
+    demo_driver: str = Field("auto", description="'auto' or 'sim' (the simulator's demo cluster; with 'auto' the "
+                                                 "built-in cluster if it cannot start), 'builtin', or "
+                                                 "module:attribute of a driver factory")
     demo_seed: int = Field(1, description="seed of the demo cluster's faults")
 
     @classmethod

@@ -7,8 +7,8 @@ through NATS: its events go into the log like any agent's, and it receives the c
 the command stream (an executor consuming from JetStream, so a command republished after a crash reaches it
 once). Drivers:
 
-- `tools.sim` (when the repository's `tools/` is importable): the simulator's world (`tools.sim.world.World`)
-  with the small demo cluster and its scripted faults (`tools.sim.demo`), on the wall clock;
+- `sim` (the default, `auto`): the simulator's world (`recovery.sim.world.World`) with the small demo cluster
+  and its scripted faults (`recovery.sim.demo`), on the wall clock;
 - `builtin`: a small cluster in this module, three jobs with a random fault every few seconds;
 - `module:attribute`: any factory `(bus, settings) -> driver`.
 """
@@ -24,7 +24,6 @@ import logging
 import random
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 from collections import deque
@@ -55,6 +54,9 @@ from recovery.service import jsonlog
 from recovery.service.config import DaemonConfig
 from recovery.service.daemon import run
 from recovery.service.publisher import Outgoing, Publisher
+from recovery.sim.demo import DEMO_FAULTS, DemoCluster
+from recovery.sim.faults import Fault
+from recovery.sim.world import World
 
 logger = logging.getLogger("recovery.demo")
 NS = 1_000_000_000
@@ -400,10 +402,7 @@ def builtin_driver(bus: Bus, settings: DemoSettings) -> Driver:
 
 # -- the simulator's world on the wall clock ----------------------------------------------------------------
 def sim_driver(bus: Bus, settings: DemoSettings) -> Driver:
-    """`tools.sim`'s small demo cluster (one job, scripted faults), with its faults spread over the demo."""
-    from tools.sim.demo import DEMO_FAULTS, DemoCluster  # type: ignore[import-not-found]
-    from tools.sim.world import World  # type: ignore[import-not-found]
-
+    """The simulator's small demo cluster (one job, scripted faults), with its faults spread over the demo."""
     template = DemoCluster(seed=settings.seed)
     start = bus.now
     world = World(template.config, bus, bus.emit, start_ns=start)
@@ -424,26 +423,15 @@ def sim_driver(bus: Bus, settings: DemoSettings) -> Driver:
     return SimDriver()
 
 
-def _inject(world: Any, fault: Any) -> None:
+def _inject(world: World, fault: Fault) -> None:
     world.inject(fault)
 
 
 def load_driver(name: str) -> Callable[[Bus, DemoSettings], Driver]:
     if name == "builtin":
         return builtin_driver
-    if name in ("auto", "sim", "tools.sim"):
-        cwd = str(Path.cwd())
-        if (Path.cwd() / "tools" / "sim" / "demo.py").is_file() and cwd not in sys.path:
-            sys.path.insert(0, cwd)
-        try:
-            importlib.import_module("tools.sim.demo")
-            importlib.import_module("tools.sim.world")
-            return sim_driver
-        except Exception as exc:  # the simulator lives in the repository, not in the installed package
-            if name != "auto":
-                raise
-            logger.info("tools.sim not importable (%s): the built-in demo cluster runs", exc)
-            return builtin_driver
+    if name in ("auto", "sim"):
+        return sim_driver
     module, _, attr = name.partition(":")
     factory: Callable[[Bus, DemoSettings], Driver] = getattr(importlib.import_module(module), attr)
     return factory
@@ -527,7 +515,7 @@ def run_demo(cfg: DaemonConfig) -> int:
 async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> int:
     console = Console()
     factory = load_driver(cfg.demo_driver)
-    where = "tools.sim world" if factory is sim_driver else ("built-in cluster" if factory is builtin_driver
+    where = "simulator world" if factory is sim_driver else ("built-in cluster" if factory is builtin_driver
                                                              else cfg.demo_driver)
     console.print(f"[bold]recovery demo[/]: daemon on an embedded JetStream in {data_dir}, a simulated cluster "
                   f"({where}) publishing faults and acking commands, for {settings.seconds:.0f}s.")
@@ -540,7 +528,7 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
         except Exception as exc:  # the simulator is another team's moving code: the demo must still run
             if cfg.demo_driver != "auto" or factory is builtin_driver:
                 raise
-            console.print(f"tools.sim demo cluster unavailable ({exc!r}): the built-in cluster runs instead")
+            console.print(f"the simulator's demo cluster unavailable ({exc!r}): the built-in cluster runs instead")
             driver = builtin_driver(bus, settings)
         view = LiveView(daemon, settings.seconds)
         state.update(bus=bus, driver=driver, view=view, daemon=daemon)

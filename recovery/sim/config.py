@@ -1,7 +1,7 @@
 """Configuration of a simulated run: the cluster, the training job, the cost model, the agents' detection delays,
 and the policy profile under test.
 
-Every default names its source in README.md (tools/sim), in the cost-model table. Values we could not find a
+Every default names its source in README.md (recovery/sim), in the cost-model table. Values we could not find a
 public figure for are marked as assumptions there.
 """
 
@@ -78,7 +78,7 @@ class Training:
 
 @dataclass(frozen=True)
 class Costs:
-    """How long executors and checkpoint tiers take. README.md (tools/sim) has the source of every value."""
+    """How long executors and checkpoint tiers take. README.md (recovery/sim) has the source of every value."""
 
     ack_latency_s: float = 0.05
     stop_kill_s: float = 2.0
@@ -192,7 +192,7 @@ PROFILES: dict[str, Profile] = {
 """Profiles by name. `default` is the built-in selection as shipped, on a job that writes persistent checkpoints
 only: restarted ranks take their state from live replicas (or a dying checkpoint), so in-memory snapshots would
 pay off only for job-level restarts, and on the Llama 3 mix their stalls cost more than they save (see
-tools/sim/README.md, "Findings"). `default-memory` is the same with in-memory snapshots (MindIO ACP, Gemini), as
+recovery/sim/README.md, "Findings"). `default-memory` is the same with in-memory snapshots (MindIO ACP, Gemini), as
 `mindcluster-like` has. A torchelastic-like job has no in-memory checkpoints: it resumes from storage."""
 
 
@@ -222,7 +222,7 @@ class SimConfig:
     rate_per_gpu_hour: float | None = None
     """None: the mix's own rate (419 / (16,384 x 54 x 24) for Llama 3)"""
     trace_path: str | None = None
-    """a fault trace (tools.sim.faults.read_trace) instead of the mix"""
+    """a fault trace (recovery.sim.faults.read_trace) instead of the mix"""
     job: str = "llm"
     report_every_s: float | None = None
     """None: training is closed form and the job reports only what changes (the simulator); a period: every live

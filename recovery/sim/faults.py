@@ -7,7 +7,7 @@ seed, and all of them are drawn before the run starts: two policies simulated wi
 faults at the same times, at the same positions of their placement (common random numbers).
 
 What each row becomes on the wire (which NVIDIA XID, which exit status) is our reading, in `DEVICE_CODES`,
-`EXITS` and `OVERRIDES`; README.md (tools/sim) lists it with the reasons.
+`EXITS` and `OVERRIDES`; README.md (recovery/sim) lists it with the reasons.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
-from tools.sim.config import Durations
+from recovery.sim.config import Durations
 
 T = TypeVar("T")
 
@@ -213,7 +213,7 @@ TRACE_COLUMNS = ("time_s", "node", "position", "device", "signal", "scope", "cod
 def read_trace(path: str | Path) -> list[Fault]:
     """A fault trace: CSV with `time_s` (since the start of the run) and `signal`, and optionally `node` (a node
     id) or `position` (index in the job's placement), `device`, `scope`, `code` (an XID), `component`,
-    `repair_s`, `outage_s`. `tools.sim.titan` writes Titan's GPU failures in this form."""
+    `repair_s`, `outage_s`. `recovery.sim.titan` writes Titan's GPU failures in this form."""
     faults: list[Fault] = []
     with open(path, newline="") as fh:
         for line, raw in enumerate(csv.DictReader(fh), 2):

@@ -19,12 +19,11 @@ from events import subjects
 from events.envelope import EnvelopeBase, make_envelope
 from events.outputs import Decision
 from recovery.core.engine import Engine
-from recovery.log import EPOCH, CountingLog, FileLog, MemoryLog, write_file
-from recovery.log.recorder import Recorder
-from tools.sim.accounting import CAUSES, STATE_LABEL, FaultOutcome, Ledger, Result
-from tools.sim.config import NS, SimConfig
-from tools.sim.faults import Fault, FaultMix, draw_faults, read_trace
-from tools.sim.world import World
+from recovery.log import EPOCH, CountingLog, FileLog, MemoryLog, Recorder, write_file
+from recovery.sim.accounting import CAUSES, STATE_LABEL, FaultOutcome, Ledger, Result
+from recovery.sim.config import NS, SimConfig
+from recovery.sim.faults import Fault, FaultMix, draw_faults, read_trace
+from recovery.sim.world import World
 
 OUTCOMES = {"attempt.failed": "failed", "attempt.timed_out": "timed_out", "attempt.superseded": "superseded"}
 

@@ -18,7 +18,7 @@ and its acks (`accepted`, then `done` or `failed`, with `checkpoint.saved` befor
 and the restarted ranks' first step after a restore) come out of `events()` at their time.
 
 There is no engine here: the daemon under test is the engine. The world is the same as the simulator's
-(`tools.sim.world.World`), on a small cluster with short costs so a recovery takes seconds.
+(`recovery.sim.world.World`), on a small cluster with short costs so a recovery takes seconds.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 from events.commands import CommandBase
 from events.envelope import EnvelopeBase
 from recovery.log import EPOCH
-from tools.sim.config import NS, Agents, Cluster, Costs, Durations, Profile, SimConfig, Training, profile
-from tools.sim.faults import Fault
-from tools.sim.world import World
+from recovery.sim.config import NS, Agents, Cluster, Costs, Durations, Profile, SimConfig, Training, profile
+from recovery.sim.faults import Fault
+from recovery.sim.world import World
 
 DEMO_COSTS = Costs(stop_kill_s=0.5, stop_graceful_s=1.0, retry_step_s=1.0, restart_in_place_s=3.0, migrate_s=5.0,
                    restart_job_small_s=8.0, restart_job_large_s=8.0, memory_latency_s=0.5, storage_latency_s=1.0,

@@ -161,6 +161,7 @@ class Result:
     # -- readable -------------------------------------------------------------------------------------
     def render(self, console: Any | None = None) -> None:
         """Print the summary with rich."""
+        # Imported here for start-up time (rich takes 40 ms): simulations in worker processes print nothing.
         from rich.console import Console
         from rich.table import Table
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from tools.sim.config import PROFILES, Cluster, SimConfig
-from tools.sim.sim import simulate
+from recovery.sim.config import PROFILES, Cluster, SimConfig
+from recovery.sim.sim import simulate
 
 BASELINE = "torchelastic-like"
 OURS = ("default", "default-memory")

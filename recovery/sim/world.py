@@ -2,8 +2,8 @@
 
 The world knows nothing of the engine. It emits the events a real cluster would (device probes, node agents,
 the platform, executors' acks) through a `sink`, schedules its own future through a `Scheduler`, and carries
-out the commands handed to `execute`, each after the duration of the cost model. `tools.sim.sim.Simulator`
-puts the real engine between the two; `tools.sim.demo.DemoCluster` hands the same events to a daemon in real
+out the commands handed to `execute`, each after the duration of the cost model. `recovery.sim.sim.Simulator`
+puts the real engine between the two; `recovery.sim.demo.DemoCluster` hands the same events to a daemon in real
 time.
 
 Training between faults is closed form: the job's step at time t is `anchor_step + (t - anchor_t) // step`,
@@ -26,8 +26,8 @@ from events.commands import CommandBase
 from events.envelope import EnvelopeBase, make_envelope
 from events.values import MAX_WATCHDOG_S, STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
 from policies.codes import Action, nvidia_xid
-from tools.sim.config import NS, SimConfig
-from tools.sim.faults import FOLLOW_UPS, Fault
+from recovery.sim.config import NS, SimConfig
+from recovery.sim.faults import FOLLOW_UPS, Fault
 
 Sink = Callable[[str, EnvelopeBase], None]
 _RESTARTS = ("restart_ranks", "migrate_ranks", "restart_job", "scale_job")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tools.sim.faults import NS, Fault, reindex
+from recovery.sim.faults import NS, Fault, reindex
 
 LOCATION = re.compile(r"^c(\d+)-(\d+)c(\d+)s(\d+)n(\d+)$")
 COLUMNS, ROWS, CAGES, SLOTS, NODES = 25, 8, 3, 8, 4

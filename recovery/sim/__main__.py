@@ -1,9 +1,9 @@
-"""`python -m tools.sim`: run one simulation, or import a Titan failure trace.
+"""`python -m recovery.sim`: run one simulation, or import a Titan failure trace.
 
-    python -m tools.sim run --gpus 1024 --days 54 --profile torchelastic-like --seed 3 --log run.jsonl
-    python -m tools.sim run --gpus 16384 --json > result.json
-    python -m tools.sim titan gc_full.csv --gpus 16384 --start "2015-01-01 00:00:00" --days 54 --out trace.csv
-    python -m tools.sim run --trace trace.csv --gpus 16384 --days 54
+    python -m recovery.sim run --gpus 1024 --days 54 --profile torchelastic-like --seed 3 --log run.jsonl
+    python -m recovery.sim run --gpus 16384 --json > result.json
+    python -m recovery.sim titan gc_full.csv --gpus 16384 --start "2015-01-01 00:00:00" --days 54 --out trace.csv
+    python -m recovery.sim run --trace trace.csv --gpus 16384 --days 54
 
 `recovery-replay verify run.jsonl` and `recovery-replay timeline run.jsonl --job llm` read the log of a run.
 """
@@ -17,10 +17,10 @@ from dataclasses import replace
 
 import orjson
 
-from tools.sim.config import PROFILES, Cluster, Costs, SimConfig, Training
-from tools.sim.faults import write_trace
-from tools.sim.sim import simulate
-from tools.sim.titan import import_titan, summarize
+from recovery.sim.config import PROFILES, Cluster, Costs, SimConfig, Training
+from recovery.sim.faults import write_trace
+from recovery.sim.sim import simulate
+from recovery.sim.titan import import_titan, summarize
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
@@ -51,7 +51,7 @@ def cmd_titan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.sim", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m recovery.sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate one job and print where its time went")
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (OSError, ValueError) as exc:
-        print(f"python -m tools.sim: {exc}", file=sys.stderr)
+        print(f"python -m recovery.sim: {exc}", file=sys.stderr)
         return 2
 
 
