@@ -612,7 +612,7 @@ def test_replay_is_byte_identical_under_different_hash_seeds(tmp_path: Path) -> 
         assert decisions, f"{path.name}: the scenario made no decision at all"
 
 
-# -- regressions the properties found (each was an internal_error before its fix in recovery/engine.py) ----------
+# -- regressions the properties found (each was an internal_error before its fix in recovery/core/engine.py) -----
 def no_internal_errors(scenario: Scenario) -> None:
     assert not [r for r in scenario.rejections if r.code == "internal_error"], scenario.rejections
 
