@@ -4,8 +4,10 @@
 - `memory` (`MemoryLog`, `CountingLog`) and `file` (`FileLog`, the JSONL format's readers and writer);
 - `jetstream`: the JetStream log, with its reader and publisher helpers (imports nats-py: import it from there);
 - `export`: per-job export headers and filters;
-- `recorder`: the daemon's loop on a synchronous log (`Recorder`) and `replay`;
+- `recorder`: the daemon's loop on a synchronous log (`Recorder`) and `replay`; `verify`: the first decision a
+  replay derives differently from the log's, and why;
 - `snapshot`: the engine's state as bytes, for the daemon's snapshot bucket;
+- `nats_server`: a local `nats-server -js` process (the daemon's embedded server and the test fixture are two kinds).
 """
 
 from recovery.log.base import EPOCH, MSG_ID, Appended, Clock, EventLog, SyncLog, to_record
