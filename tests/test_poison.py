@@ -16,6 +16,7 @@ from events.outputs import Rejection
 from events.values import JobSpec, Layout
 from policies.base import PolicySet
 from recovery.core.engine import Engine
+from recovery.core.job import _JOURNALED, Job
 from recovery.testing.scenario import Scenario
 from tests.test_properties import CheckedScenario, Driver, JobPlan, Plan, engine_state, plans
 
@@ -211,3 +212,10 @@ def test_a_policy_asking_for_a_restart_the_cluster_cannot_place_makes_the_job_wa
     s.ack_all()
     s.train("j", 2)
     assert s.state("j") == "running" and "spare0" in job.nodes
+
+
+def test_the_journal_covers_every_slot_of_a_job_a_record_may_change() -> None:
+    """A slot added to Job must be journaled (restored on a failed record) or be one a record never changes: the
+    memento names its slots explicitly, so a new one left out would silently survive a rollback."""
+    fixed = {"id", "spec", "policies", "rpn", "own_nodes", "seen", "catalog_log", "rank_log"}
+    assert set(Job.__slots__) == _JOURNALED | fixed

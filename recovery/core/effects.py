@@ -35,6 +35,8 @@ def apply_encoded(engine: Engine, record: Record | RawRecord) -> list[Encoded]:
     revoked (the engine undoes it) and its only effect is that rejection: the daemon, the recorder and every replay
     go through here, so a record the daemon could not write is one every replay rejects too."""
     effects = engine.apply(record)
+    if not effects:
+        return []  # most records: heartbeats and steps
     try:
         return [_encoded(effect) for effect in effects]
     except (orjson.JSONEncodeError, TypeError, ValueError) as exc:

@@ -144,7 +144,9 @@ class Engine:
         out = _Out(record.seq, record.ts)
         try:
             self._dispatch(out, record.subject, envelope)
-            _check_encodable(out.effects)
+            effects = out.effects
+            if effects:
+                _check_encodable(effects)
         except _Reject as exc:
             self._rollback()
             return [self._rejection(record, exc.code, exc.reason, envelope.id, envelope.job, envelope.node)]
@@ -154,17 +156,17 @@ class Engine:
             return [self._rejection(record, "internal_error",
                                     f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})",
                                     envelope.id, envelope.job, envelope.node)]
-        finally:
-            self.cluster.journal = None
         undo = self._undo
-        if undo is not None:
+        if undo is not None:  # most heartbeats and steps never open one
+            self.cluster.journal = None
             for job, _ in undo.jobs.values():
                 job.end_journal()  # the record succeeded: later changes are not its to undo
-        self._last = (undo, record, envelope)
-        self._undo = None
+            self._undo = None
+        if effects:
+            self._last = (undo, record, envelope)  # what revoke() needs should its effects not encode
         if len(self._finished) > FINISHED_JOBS_KEPT:
             self._forget_finished()  # after the record, never while its handlers walk the jobs
-        return out.effects
+        return effects
 
     def revoke(self, reason: str) -> Rejection:
         """Undo the record applied last, whose effects could not be written (the caller's encoding failed): it
@@ -211,6 +213,7 @@ class Engine:
         self._undo = None
         if undo is None:
             return
+        self.cluster.journal = None
         for job, memento in undo.jobs.values():
             job.restore(memento)
         if undo.created is not None:
@@ -278,7 +281,12 @@ class Engine:
             else:
                 self._guard(job)
                 self._job_event(out, job, type_, env.data)
-            self._remember(seen, env.id, DEDUPE_WINDOW)
+            if self._undo is None:  # the hot path: Engine._remember without the journal
+                seen[env.id] = None
+                if len(seen) > DEDUPE_WINDOW:
+                    del seen[next(iter(seen))]
+            else:
+                self._remember(seen, env.id, DEDUPE_WINDOW)
         elif type_ in NODE_EVENTS:
             if env.node is None:
                 raise _Reject("schema_violation", f"{type_} is a node event but the envelope names no node")

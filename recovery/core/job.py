@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any
 
 from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier
@@ -181,16 +182,21 @@ class Job:
         self.catalog_log = []
         self.rank_log = []
         incident = self.incident
-        faults = -1 if incident is None else len(incident.faults)
-        values = tuple(getattr(self, name) if name in _ARRAYS else _copied(getattr(self, name)) for name in _RESTORED)
-        return values, self.catalog_log, self.rank_log, incident, faults
+        if incident is None:
+            kept, faults = None, -1
+        else:
+            kept, faults = incident.copy(), len(incident.faults)
+        return (_SCALARS(self), self.nodes[:], self.closed[:], dict(self.drains), dict(self.suspects),
+                dict(self.used), kept, faults, self.catalog_log, self.rank_log)
 
     def restore(self, memento: Memento) -> None:
-        values, catalog_log, rank_log, incident, faults = memento
+        scalars, nodes, closed, drains, suspects, used, incident, faults, catalog_log, rank_log = memento
         for array, rank, before in reversed(rank_log):
             array[rank] = before
-        for name, value in zip(_RESTORED, values, strict=True):
+        for name, value in zip(_SCALAR_NAMES, scalars, strict=True):
             setattr(self, name, value)
+        self.nodes, self.closed, self.drains, self.suspects, self.used = nodes, closed, drains, suspects, used
+        self.incident = incident
         if incident is not None:
             del incident.faults[faults:]  # the copy restored shares the list with the incident it was taken from
         for step, before in reversed(catalog_log):
@@ -212,8 +218,13 @@ class Job:
         array[rank] = value
 
     def holds_memory_on(self, node: str) -> bool:
-        return any(node in holders for by_tier in self.catalog.values()
-                   for holders in by_tier.get(Tier.MEMORY, {}).values())
+        for by_tier in self.catalog.values():
+            shards = by_tier.get(Tier.MEMORY)
+            if shards:
+                for holders in shards.values():
+                    if node in holders:
+                        return True
+        return False
 
     def next_incident_id(self) -> str:
         # Counted, not derived from the closed list: that list keeps only the newest incidents.
@@ -296,24 +307,16 @@ class Job:
         return len(held) >= shards and all(shard in held for shard in range(shards))
 
 
-_RESTORED = tuple(name for name in Job.__slots__
-                  if name not in ("id", "policies", "seen", "spec", "rpn", "catalog", "catalog_log", "rank_log",
-                                  "own_nodes"))
-_ARRAYS = frozenset({"alive", "steps", "rank_gen", "last_seen", "last_progress"})
-"""per-rank arrays: the memento keeps the objects, not copies; they are written only through Job.put, which logs, or
-replaced whole by a resize, which the restored attribute undoes"""
-Memento = tuple[tuple[Any, ...], list[Any], list[Any], "Incident | None", int]
+_SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
+                 "watchdog", "restarts_used", "alive", "steps", "rank_gen", "last_seen", "last_progress")
+"""what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
+Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
+_SCALARS = attrgetter(*_SCALAR_NAMES)
+_JOURNALED = frozenset((*_SCALAR_NAMES, "nodes", "closed", "drains", "suspects", "used", "incident", "catalog"))
+"""every slot a record may change (test_job_journal checks that no other slot exists but the fixed ones)"""
+Memento = tuple[tuple[Any, ...], list[str], list[dict[str, Any]], dict[str, str], dict[str, Any], dict[str, int],
+                "Incident | None", int, list[Any], list[Any]]
 
 
 def _copied_step(by_tier: dict[Tier, dict[int, set[str]]]) -> dict[Tier, dict[int, set[str]]]:
     return {tier: {shard: set(holders) for shard, holders in shards.items()} for tier, shards in by_tier.items()}
-
-
-def _copied(value: Any) -> Any:
-    if isinstance(value, list):
-        return value[:]  # nodes, closed incidents: short, and their items are never changed in place
-    if isinstance(value, Incident):
-        return value.copy()
-    if isinstance(value, dict):
-        return dict(value)  # suspects, drains, used: their values are never changed in place
-    return value  # immutable: str, int, None, Layout
