@@ -261,3 +261,20 @@ def test_sigterm_unwinds_the_bench_like_ctrl_c() -> None:
         pytest.fail("SIGTERM did not unwind")
     assert stopped.value.code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_nats_server_whose_start_is_interrupted_does_not_outlive_it(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or a test's timeout) while the server starts: the process it launched is stopped, not leaked."""
+    server = NatsServer(tmp_path / "nats")
+    started: list[subprocess.Popen[bytes]] = []
+
+    def interrupted(self: NatsServer) -> bool:
+        started.append(self._proc)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(NatsServer, "ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    assert started and started[0].poll() is not None, "the nats-server process outlived its interrupted start"
+    assert not server.running

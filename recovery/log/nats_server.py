@@ -132,17 +132,22 @@ class NatsProcess:
             **self._popen_options(),
         )
         deadline = time.monotonic() + timeout
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                self._proc = None
-                raise RuntimeError(f"{self.name} exited with {code} during start:\n{self.log_tail()}")
-            if self.ready():
-                return
-            if time.monotonic() > deadline:
+        try:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    self._proc = None
+                    raise RuntimeError(f"{self.name} exited with {code} during start:\n{self.log_tail()}")
+                if self.ready():
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not ready within {timeout}s:\n{self.log_tail()}")
+                time.sleep(POLL_INTERVAL_S)  # polling interval of a deadline-bounded wait, not synchronisation
+        except BaseException:
+            # Not ready, or interrupted while waiting (Ctrl-C, a test's timeout): the process must not outlive it.
+            if self._proc is not None:
                 self.kill()
-                raise TimeoutError(f"{self.name} not ready within {timeout}s:\n{self.log_tail()}")
-            time.sleep(POLL_INTERVAL_S)  # polling interval of a deadline-bounded wait, not synchronisation
+            raise
 
     def ready(self) -> bool:
         """Whether JetStream answers: /healthz says 200 only once the server (and JetStream) is up, and the client
