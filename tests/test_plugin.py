@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from recovery.sim.__main__ import parse_policy
+
 PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "policy-plugin"
 DISTRIBUTION = "recovery-example-plugin"
 
@@ -80,3 +82,29 @@ def test_the_plugin_is_a_separate_distribution() -> None:
     assert 'name = "recovery-example-plugin"' in pyproject
     assert '[project.entry-points."recovery.policies"]' in pyproject
     assert 'example-in-place-first = "recovery_example_plugin:InPlaceFirst"' in pyproject
+
+
+def test_the_simulator_runs_an_installed_plugin_on_the_same_faults(installed_plugin: str, tmp_path: Path) -> None:
+    """A policy author compares a plugin with the built-ins from the command line, without reading the simulator."""
+    log = tmp_path / "run.jsonl"
+    run = [sys.executable, "-m", "recovery.sim", "run", "--gpus", "1024", "--days", "7", "--seed", "1", "--json"]
+    proc = subprocess.run([*run, "--policy", "rescheduling=example-in-place-first:deadline_s=90", "--log", str(log)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["profile"] == "default+rescheduling=example-in-place-first"
+    chosen = [json.loads(line)["envelope"]["data"]["policy"] for line in log.read_text().splitlines()
+              if '"kind":"attempt.started"' in line]
+    assert chosen and set(chosen) <= {"example-in-place-first@1", None}
+    bad = subprocess.run([*run, "--policy", "rescheduling=example-in-place-first:deadline=1"], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "example-in-place-first" in bad.stderr and "deadline" in bad.stderr
+
+
+def test_policy_overrides_are_parsed_as_json_values_or_strings() -> None:
+    family, ref = parse_policy('checkpoint=newest-complete:dying_wait_s=10,tiers=["storage","dying"],peer=false')
+    assert family == "checkpoint" and ref.name == "newest-complete"
+    assert ref.params == {"dying_wait_s": 10, "tiers": ["storage", "dying"], "peer": False}
+    assert parse_policy("detection=my-probe:mode=strict")[1].params == {"mode": "strict"}
+    with pytest.raises(ValueError, match="FAMILY=NAME"):
+        parse_policy("scheduling=ladder")

@@ -4,6 +4,7 @@
     python -m recovery.sim run --gpus 16384 --json > result.json
     python -m recovery.sim titan gc_full.csv --gpus 16384 --start "2015-01-01 00:00:00" --days 54 --out trace.csv
     python -m recovery.sim run --trace trace.csv --gpus 16384 --days 54
+    python -m recovery.sim run --gpus 1024 --policy rescheduling=my-ladder:max_migrations=2   # a plugin, same faults
 
 `recovery-replay verify run.jsonl` and `recovery-replay timeline run.jsonl --job llm` read the log of a run.
 """
@@ -14,26 +15,88 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import orjson
 
-from recovery.sim.config import PROFILES, Cluster, Costs, SimConfig, Training
+from events.values import PolicyRef, PolicySelection
+from policies.registry import PolicyError, load_set
+from recovery.sim.config import PROFILES, Cluster, Costs, Profile, SimConfig, Training
 from recovery.sim.faults import write_trace
 from recovery.sim.sim import simulate
 from recovery.sim.titan import import_titan, summarize
+
+FAMILIES = ("detection", "rescheduling", "checkpoint")
+
+
+def parse_policy(text: str) -> tuple[str, PolicyRef]:
+    """`FAMILY=NAME[:key=value,...]`: a policy of one family, by its entry-point name, with parameters. A value is
+    read as JSON when it is JSON (`3`, `2.5`, `true`, `["storage"]`), as a string otherwise."""
+    family, sep, rest = text.partition("=")
+    if not sep or family not in FAMILIES or not rest:
+        raise ValueError(f"--policy {text!r}: expected FAMILY=NAME[:key=value,...] with FAMILY one of "
+                         f"{', '.join(FAMILIES)}")
+    name, _, params_text = rest.partition(":")
+    params: dict[str, Any] = {}
+    for item in _split_params(params_text):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--policy {text!r}: parameter {item!r} is not key=value")
+        try:
+            params[key] = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            params[key] = value
+    return family, PolicyRef(name=name, params=params)
+
+
+def _split_params(text: str) -> list[str]:
+    """Split on the commas that are not inside a JSON list or object."""
+    items, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    if text[start:]:
+        items.append(text[start:])
+    return items
+
+
+def chosen_profile(base: str, overrides: Sequence[str]) -> Profile:
+    """The profile `base` with the families named in `overrides` replaced; each policy loaded once here, so that a
+    missing plugin or a bad parameter is an error before the simulation starts."""
+    chosen = PROFILES[base]
+    if not overrides:
+        return chosen
+    refs = {family: getattr(chosen.selection, family) for family in FAMILIES}
+    for text in overrides:
+        family, ref = parse_policy(text)
+        refs[family] = ref
+    selection = PolicySelection(**refs)
+    load_set(selection)  # raises PolicyError naming the policy, its family and what is wrong
+    name = "+".join([base, *(f"{f}={r.name}" for f, r in refs.items() if r != getattr(chosen.selection, f))])
+    return replace(chosen, name=name, selection=selection)
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
     cluster = Cluster(gpus=args.gpus, tp=args.tp, pp=args.pp, spare_nodes=args.spares)
     costs = replace(Costs(), fail_probability=args.fail_p, timeout_probability=args.timeout_p)
     training = replace(Training(), storage_every_s=args.storage_every_s, memory_every_steps=args.memory_every)
-    return SimConfig(cluster=cluster, training=training, costs=costs, profile=PROFILES[args.profile],
+    return SimConfig(cluster=cluster, training=training, costs=costs, profile=chosen_profile(args.profile, args.policy),
                      days=args.days, seed=args.seed, mix_path=args.mix, trace_path=args.trace,
                      rate_per_gpu_hour=args.rate)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    result = simulate(_config(args), log_path=args.log)
+    try:
+        config = _config(args)
+    except (ValueError, PolicyError) as exc:
+        print(f"python -m recovery.sim: {exc}", file=sys.stderr)
+        return 2
+    result = simulate(config, log_path=args.log)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
                                 + b"\n")
@@ -61,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--spares", type=int, default=None, help="spare nodes (default: 1/64 of the job's, at least 4)")
     run.add_argument("--days", type=float, default=54.0)
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    run.add_argument("--profile", choices=sorted(PROFILES), default="default",
+                     help="the policies to run (and whether the job writes in-memory checkpoints)")
+    run.add_argument("--policy", action="append", default=[], metavar="FAMILY=NAME[:key=value,...]",
+                     help="replace one family of the profile by any installed policy, plugins included, for example "
+                          "rescheduling=ladder:settle_s=5 or checkpoint=newest-complete:dying_wait_s=10 (repeatable)")
     run.add_argument("--mix", help="fault mix CSV (default: the Llama 3 405B mix)")
     run.add_argument("--rate", type=float, help="faults per GPU-hour (default: the mix's own)")
     run.add_argument("--trace", help="fault trace CSV instead of the mix (see `titan`)")
