@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from importlib.metadata import entry_points
 from typing import Any, Literal
@@ -12,6 +13,7 @@ from events.values import PolicyRef, PolicySelection
 from policies.base import CheckpointPolicy, DetectionPolicy, PolicySet, ReschedulingPolicy, label
 
 GROUP = "recovery.policies"
+logger = logging.getLogger("recovery.policies")
 Family = Literal["detection", "rescheduling", "checkpoint"]
 
 
@@ -19,23 +21,54 @@ class PolicyError(ValueError):
     """A policy that cannot be found, is of the wrong family, or whose parameters are invalid."""
 
 
+_METHODS: dict[str, tuple[str, ...]] = {"detection": ("classify", "check"), "rescheduling": ("decide",),
+                                        "checkpoint": ("plan",)}
+"""what each family's Protocol asks of a policy class"""
+
+
 @cache
-def available() -> dict[str, type]:
-    """Every installed policy class by entry-point name, sorted by name."""
+def _scan() -> tuple[dict[str, type], dict[str, str]]:
+    """Every entry point of the group, loaded one at a time: the classes that loaded, and for each one that did not,
+    why (named by its distribution and entry point). One broken plugin does not hide the others."""
     found: dict[str, type] = {}
+    broken: dict[str, str] = {}
     for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        found[ep.name] = ep.load()
-    return found
+        where = f"entry point {ep.name} = {ep.value}"
+        if ep.dist is not None:
+            where += f" of distribution {ep.dist.name} {ep.dist.version}"
+        try:
+            found[ep.name] = ep.load()
+        except Exception as exc:  # a plugin's import may raise anything
+            broken[ep.name] = f"{where} failed to load: {type(exc).__name__}: {exc}"
+            logger.warning("policy plugin not loaded: %s", broken[ep.name])
+    return found, broken
+
+
+def available() -> dict[str, type]:
+    """Every installed policy class that loads, by entry-point name, sorted by name."""
+    return _scan()[0]
+
+
+def broken() -> dict[str, str]:
+    """Installed policies whose entry point failed to load, with the reason."""
+    return _scan()[1]
 
 
 @cache
 def _instance(name: str, family: Family, params_json: bytes) -> Any:
     classes = available()
     if name not in classes:
+        failed = broken().get(name)
+        if failed is not None:
+            raise PolicyError(f"{family} policy {name!r} is installed but cannot be used: {failed}")
         raise PolicyError(f"no {family} policy named {name!r} (installed: {', '.join(classes) or 'none'})")
     cls = classes[name]
     if getattr(cls, "family", None) != family:
         raise PolicyError(f"policy {name!r} is a {getattr(cls, 'family', '?')} policy, not {family}")
+    missing = [method for method in _METHODS[family] if not callable(getattr(cls, method, None))]
+    if missing:
+        raise PolicyError(f"{family} policy {name!r} ({cls.__module__}.{cls.__qualname__}) lacks "
+                          f"{', '.join(missing)}, which a {family} policy must have")
     try:
         return cls(orjson.loads(params_json))
     except ValueError as exc:  # pydantic's ValidationError is a ValueError

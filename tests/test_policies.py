@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib.metadata import EntryPoint, entry_points
+
 import pytest
 
 from events.values import FaultClass, Granularity, Layout, PolicyRef, PolicySelection, Tier
@@ -9,6 +11,7 @@ from policies import registry
 from policies.base import NS, AttemptSummary, CheckpointContext, RescheduleContext
 from policies.checkpoint import NewestCompleteCheckpoint
 from policies.rescheduling import LadderRescheduling
+from recovery.testing.scenario import Scenario
 
 
 def test_builtins_come_from_the_entry_point_group() -> None:
@@ -120,3 +123,40 @@ def test_cheapest_reachable_tier_and_older_step_when_newest_is_incomplete() -> N
     sources = [lost_b.resume.source_of(rank, node) for rank, node in enumerate(("a", "a", "b", "b"))]
     assert [(s.tier, s.holder) for s in sources if s] == [(Tier.MEMORY, "a"), (Tier.STORAGE, "storage"),
                                                          (Tier.MEMORY, "a"), (Tier.STORAGE, "storage")]
+
+
+class NoDecide:
+    family = "rescheduling"
+    name = "no-decide"
+    version = "1"
+
+    def __init__(self, params: object = None) -> None:
+        pass
+
+
+def test_a_broken_plugin_is_named_and_breaks_no_other_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plugins load one at a time: one whose import fails, or whose class lacks its family's method, is reported by
+    its entry point when a job selects it, and jobs that do not select it are not touched."""
+    real = list(entry_points(group=registry.GROUP))
+    fakes = [EntryPoint("ghost-ladder", "recovery_no_such_plugin:Ladder", registry.GROUP),
+             EntryPoint("no-decide", f"{__name__}:NoDecide", registry.GROUP)]
+    monkeypatch.setattr(registry, "entry_points", lambda group: [*real, *fakes])
+    registry._scan.cache_clear()
+    registry._instance.cache_clear()
+    try:
+        assert "ghost-ladder" in registry.broken() and "ModuleNotFoundError" in registry.broken()["ghost-ladder"]
+        assert registry.load_set(PolicySelection()).labels["rescheduling"].startswith("ladder@")
+        with pytest.raises(registry.PolicyError, match=r"ghost-ladder.*recovery_no_such_plugin:Ladder.*failed to load"):
+            registry.load(PolicyRef(name="ghost-ladder"), "rescheduling")
+        with pytest.raises(registry.PolicyError, match="lacks decide"):
+            registry.load(PolicyRef(name="no-decide"), "rescheduling")
+        s = Scenario()
+        s.submit("fine", ["f0"], ranks_per_node=1, dp=1)
+        effects = s.submit("ghostly", ["g0"], ranks_per_node=1, dp=1, start=False,
+                           policies={"rescheduling": {"name": "ghost-ladder"}})
+        assert [e.code for e in effects] == ["invalid_policy"]  # type: ignore[union-attr]
+        assert "recovery_no_such_plugin" in effects[0].reason  # type: ignore[union-attr]
+        assert s.state("fine") == "running"
+    finally:
+        registry._scan.cache_clear()
+        registry._instance.cache_clear()
