@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from events.values import PolicyRef, PolicySelection
-from policies.registry import PolicyError, load_set
+from policies.registry import load_set
 from recovery.sim.config import PROFILES, Cluster, Costs, Profile, SimConfig, Training
 from recovery.sim.faults import write_trace
 from recovery.sim.sim import simulate
@@ -91,11 +91,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    try:
-        config = _config(args)
-    except (ValueError, PolicyError) as exc:
-        print(f"python -m recovery.sim: {exc}", file=sys.stderr)
-        return 2
+    config = _config(args)  # a bad --policy raises PolicyError (a ValueError): main reports it and exits 2
     result = simulate(config, log_path=args.log)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
