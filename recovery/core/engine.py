@@ -47,6 +47,7 @@ from policies.registry import PolicyError, load_set
 from recovery.core.cluster import ClusterView
 from recovery.core.job import CLOSED_INCIDENTS, DEDUPE_WINDOW, Attempt, Incident, Job, Memento
 from recovery.core.machine import FINAL, TRANSITIONS, fire
+from recovery.core.timers import next_due
 
 Effect = Decision | Rejection
 _T = TypeVar("_T")
@@ -1247,11 +1248,7 @@ class Engine:
         if every is not None:
             if data.due != due:
                 return  # a repeated firing of a period already handled
-            following = due + every
-            if following <= out.ts:
-                # Periods went by with nobody to fire them (the daemon was down): the next one is the first
-                # after this firing, not a burst of every period missed.
-                following += ((out.ts - following) // every + 1) * every
+            following = next_due(due, every, out.ts)
             self._note_timer(data.timer_id)
             self.timers[data.timer_id] = (owner, following, every)
         else:
