@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from events.commands import Command
+from events.names import DecisionKind
 from events.values import Frozen, StrictInt
 
 
@@ -28,7 +29,7 @@ class Decision(Frozen):
     job: str
     cause_seq: StrictInt
     index: StrictInt = Field(description="position among the decisions caused by the same record")
-    kind: str
+    kind: DecisionKind
     previous: str
     state: str
     incident: str | None = None
