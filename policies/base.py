@@ -1,22 +1,27 @@
-"""The policy contract: three Protocols and the small value types they exchange with the engine.
+"""The policy contract: three families, each a Protocol the engine calls and a base class an author subclasses,
+and the small value types they exchange with the engine.
 
 Policies are pure and deterministic: they see only what the engine hands them (values derived from
-the log) and return values; no clock, no I/O, no randomness. Each has a `name` and a `version`, and
+the log) and return values; no clock, no I/O, no randomness. Each has a `family`, a `name` and a `version`, and
 every decision records `name@version` so a replay can tell a changed policy from a bug.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from events.names import AttemptOutcome
 from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
 
 NS = 1_000_000_000
 Scope = Literal["rank", "device", "node", "link", "job"]
+Family = Literal["detection", "rescheduling", "checkpoint"]
+FAMILIES: tuple[Family, ...] = ("detection", "rescheduling", "checkpoint")
 
 
 class Params(BaseModel):
@@ -98,6 +103,7 @@ class WatchdogView:
 class DetectionPolicy(Protocol):
     """Detection escalation: signal -> ignore, suspect, clear or fault."""
 
+    family: ClassVar[str]
     name: ClassVar[str]
     version: ClassVar[str]
 
@@ -112,8 +118,14 @@ class DetectionPolicy(Protocol):
 @dataclass(frozen=True, slots=True)
 class AttemptSummary:
     granularity: Granularity
-    outcome: Literal["failed", "timed_out", "superseded"]
+    outcome: AttemptOutcome
+    """failed, timed_out or superseded: the attempts of an incident that ended without recovering it"""
     rung: int
+
+    def __post_init__(self) -> None:
+        # The engine may hand the outcome over as its wire string: policies always see the member.
+        if type(self.outcome) is not AttemptOutcome:
+            object.__setattr__(self, "outcome", AttemptOutcome(self.outcome))
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +172,9 @@ class Action:
 
 @runtime_checkable
 class ReschedulingPolicy(Protocol):
+    """The escalation ladder: a confirmed fault (and the incident's attempts so far) -> what to restart, or wait."""
+
+    family: ClassVar[str]
     name: ClassVar[str]
     version: ClassVar[str]
 
@@ -214,6 +229,9 @@ class CheckpointPlan:
 
 @runtime_checkable
 class CheckpointPolicy(Protocol):
+    """The checkpoint source: where every shard's state comes from, and whether to save a dying checkpoint first."""
+
+    family: ClassVar[str]
     name: ClassVar[str]
     version: ClassVar[str]
 
@@ -229,4 +247,71 @@ class PolicySet:
 
 
 def label(policy: DetectionPolicy | ReschedulingPolicy | CheckpointPolicy) -> str:
+    """`name@version`: how every decision, snapshot and replay names a policy."""
     return f"{policy.name}@{policy.version}"
+
+
+# --- the bases an author subclasses ---------------------------------------------------------------------
+class PolicyBase(ABC):
+    """What every policy class is: a family, a name, a version, and parameters validated when it is made.
+
+    Subclass the base of your policy's family (`DetectionPolicyBase`, `ReschedulingPolicyBase`,
+    `CheckpointPolicyBase`), not this one. Set `name`, and `version`, which you change whenever a decision could
+    change: every decision records `name@version`, and a replay tells a changed policy from a bug by it. Set
+    `parameters` to your `Params` model: a job's `params` are validated against it, and an unknown key is an error.
+    Implement the family's methods as pure functions of their argument and `self.params`: no clock, no I/O, no
+    randomness, no order taken from iterating a set. `recovery.testing.policy_contract` checks that.
+    """
+
+    family: ClassVar[Family]
+    name: ClassVar[str]
+    version: ClassVar[str]
+    parameters: ClassVar[type[Params]] = Params
+    """the model a job's parameters for this policy are validated against (`Params` itself takes none)"""
+    params: Params
+    """the validated parameters (redeclare it with your model's type to read its fields typed)"""
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        self.params = self.parameters.model_validate(dict(params or {}))
+
+
+class DetectionPolicyBase(PolicyBase):
+    """Base of a detection policy: classify each signal, and check the job's ranks on every watchdog tick."""
+
+    family: ClassVar[Family] = "detection"
+
+    @abstractmethod
+    def classify(self, signal: Signal) -> Verdict:
+        """What one input event means for the job: ignore, suspect, clear, fault or drain."""
+
+    @abstractmethod
+    def check(self, view: WatchdogView) -> list[Verdict]:
+        """Called on every watchdog tick while the job runs: hangs from silence or from no progress (return [] to
+        leave hangs to the collective timeouts)."""
+
+
+class ReschedulingPolicyBase(PolicyBase):
+    """Base of a rescheduling policy: for an incident, the granularity of the next attempt, or wait, settle or fail."""
+
+    family: ClassVar[Family] = "rescheduling"
+
+    @abstractmethod
+    def decide(self, ctx: RescheduleContext) -> Action:
+        """The next attempt of the open incident. The engine checks the answer against the cluster: a restart it
+        cannot place makes the job wait for nodes."""
+
+
+class CheckpointPolicyBase(PolicyBase):
+    """Base of a checkpoint-source policy: where every shard's state comes from when ranks restart."""
+
+    family: ClassVar[Family] = "checkpoint"
+
+    @abstractmethod
+    def plan(self, ctx: CheckpointContext) -> CheckpointPlan:
+        """The resume plan, and optionally a dying checkpoint to save first or one on its way to wait for."""
+
+
+FAMILY_BASES: dict[Family, type[PolicyBase]] = {"detection": DetectionPolicyBase,
+                                                "rescheduling": ReschedulingPolicyBase,
+                                                "checkpoint": CheckpointPolicyBase}
+"""the base of each family: its abstract methods are what a policy of the family must have"""

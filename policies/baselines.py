@@ -21,13 +21,24 @@ three for `mindcluster-like`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from events import kinds
 from events.values import Count, FaultClass, Flag, Granularity, Interval, Tier
-from policies.base import NS, Action, Params, RescheduleContext, Signal, Verdict, WatchdogView
+from policies.base import (
+    NS,
+    Action,
+    DetectionPolicyBase,
+    Params,
+    RescheduleContext,
+    ReschedulingPolicyBase,
+    Signal,
+    Verdict,
+    WatchdogView,
+)
 from policies.checkpoint import NewestCompleteCheckpoint
 from policies.codes import Action as CodeAction
 from policies.codes import exit_status, nvidia_xid
@@ -44,16 +55,14 @@ class TorchElasticDetectionParams(Params):
     job-level restart avoids it"""
 
 
-class TorchElasticLikeDetection:
+class TorchElasticLikeDetection(DetectionPolicyBase):
     """Sees what torchelastic's agents see: their own workers exiting, and the NCCL watchdog's collective
     timeout. Hang reports, link probes and node conditions go unnoticed."""
 
-    family: ClassVar[str] = "detection"
     name: ClassVar[str] = "torchelastic-like-detection"
     version: ClassVar[str] = "1"
-
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = TorchElasticDetectionParams.model_validate(params or {})
+    parameters = TorchElasticDetectionParams
+    params: TorchElasticDetectionParams
 
     def classify(self, signal: Signal) -> Verdict:
         data = signal.data
@@ -90,16 +99,14 @@ class TorchElasticReschedulingParams(Params):
                                                      "(1 ms .. 30 days)")
 
 
-class TorchElasticLikeRescheduling:
+class TorchElasticLikeRescheduling(ReschedulingPolicyBase):
     """Every failure restarts every rank (a job-level restart), as many times as `max_restarts` allows; nodes the
     platform took out are replaced from the spare pool, or the job waits for them."""
 
-    family: ClassVar[str] = "rescheduling"
     name: ClassVar[str] = "torchelastic-like-rescheduling"
     version: ClassVar[str] = "1"
-
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = TorchElasticReschedulingParams.model_validate(params or {})
+    parameters = TorchElasticReschedulingParams
+    params: TorchElasticReschedulingParams
 
     def decide(self, ctx: RescheduleContext) -> Action:
         p = self.params
@@ -125,9 +132,10 @@ class TorchElasticLikeCheckpoint(NewestCompleteCheckpoint):
 
     name: ClassVar[str] = "torchelastic-like-checkpoint"
     version: ClassVar[str] = "1"
+    parameters = TorchElasticCheckpointParams  # what a job may set; the policy runs newest-complete's with them
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        own = TorchElasticCheckpointParams.model_validate(params or {})
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        own = TorchElasticCheckpointParams.model_validate(dict(params or {}))
         super().__init__({"dying": False, "tiers": list(own.tiers)})
 
 
@@ -161,9 +169,10 @@ class MindClusterLikeRescheduling(LadderRescheduling):
 
     name: ClassVar[str] = "mindcluster-like-rescheduling"
     version: ClassVar[str] = "3"  # 2: the ladder's settle window (ClusterD gathers a job's faults first); 3: ladder@4
+    parameters = MindClusterReschedulingParams  # what a job may set; the policy runs the ladder's built from them
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        own = MindClusterReschedulingParams.model_validate(params or {})
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        own = MindClusterReschedulingParams.model_validate(dict(params or {}))
         ladder = [Rung(granularity=g, budget=None, deadline_s=own.deadlines_s.get(g, d))
                   for g, d in STRATEGY_ORDER for _ in range(own.job_level_tries if g is G.RESTART_JOB else 1)]
         super().__init__({"ladders": {fc: ladder for fc in FaultClass}, "elastic": True, "wait": True})
@@ -176,7 +185,7 @@ class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):
     name: ClassVar[str] = "mindcluster-like-checkpoint"
     version: ClassVar[str] = "1"
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         # MindIO TTP saves the healthy replica's state and the restarted processes load it: no transfer from
         # the live replicas themselves.
         super().__init__({**(params or {}), "peer": False})

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from events.values import TIER_COST, Flag, ResumePlan, Seconds, ShardSource, Tier
-from policies.base import CheckpointContext, CheckpointPlan, Params, SaveRequest
+from policies.base import CheckpointContext, CheckpointPlan, CheckpointPolicyBase, Params, SaveRequest
 
 
 class NewestCompleteParams(Params):
@@ -27,7 +27,7 @@ class NewestCompleteParams(Params):
     on the way out (0: never wait); torchrun and ModelArts give a process 30 s between SIGTERM and SIGKILL"""
 
 
-class NewestCompleteCheckpoint:
+class NewestCompleteCheckpoint(CheckpointPolicyBase):
     """Resume from the newest complete checkpoint, each rank from the cheapest tier that holds its shard.
 
     Before that, if every shard still has a live replica outside the restart whose step is newer than the
@@ -36,12 +36,15 @@ class NewestCompleteCheckpoint:
     checkpoint, ModelArts' save on SIGTERM). Either way the job loses no step at all.
     """
 
-    family: ClassVar[str] = "checkpoint"
     name: ClassVar[str] = "newest-complete"
     version: ClassVar[str] = "3"  # 2: state from live peers before a dying checkpoint; 3: await a graceful exit's
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = NewestCompleteParams.model_validate(params or {})
+    parameters = NewestCompleteParams
+    params: NewestCompleteParams
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        # Its own model, not `self.parameters`: a subclass may take other parameters and pass these on.
+        self.params = NewestCompleteParams.model_validate(dict(params or {}))
 
     def plan(self, ctx: CheckpointContext) -> CheckpointPlan:
         resume = newest_complete(ctx, self.params.tiers)

@@ -7,13 +7,14 @@ job whose step has not advanced for `stall_factor` step times, is a fault within
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from events import kinds
 from events.values import Factor, FaultClass, Interval, PositiveCount, Seconds
-from policies.base import NS, Params, RankActivity, Signal, Verdict, WatchdogView
+from policies.base import NS, DetectionPolicyBase, Params, RankActivity, Signal, Verdict, WatchdogView
 from policies.codes import Action, CodeMeaning, ascend_fault, exit_status, nvidia_xid
 
 
@@ -39,14 +40,17 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
     return sum(1 for t in times if now - t <= window)
 
 
-class DefaultDetection:
-    family: ClassVar[str] = "detection"
+class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
     version: ClassVar[str] = "5"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = p = DefaultDetectionParams.model_validate(params or {})
+    parameters = DefaultDetectionParams
+    params: DefaultDetectionParams
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        # Its own model, not `self.parameters`: a subclass may take other parameters and pass these on.
+        self.params = p = DefaultDetectionParams.model_validate(dict(params or {}))
         self._window = int(p.frequency_window_s * NS)
         self._debounce = int(p.link_debounce_s * NS)
         self._grace = int(p.not_ready_grace_s * NS)

@@ -10,12 +10,13 @@ needs nodes the cluster does not have scales the job in if it is elastic, or wai
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from events.values import MAX_SECONDS, Count, Factor, FaultClass, Flag, Granularity, Interval, PositiveCount, Seconds
-from policies.base import NS, Action, Params, RescheduleContext
+from policies.base import NS, Action, Params, RescheduleContext, ReschedulingPolicyBase
 
 G = Granularity
 
@@ -61,13 +62,16 @@ class LadderParams(Params):
     last attempt (0: no window)"""
 
 
-class LadderRescheduling:
-    family: ClassVar[str] = "rescheduling"
+class LadderRescheduling(ReschedulingPolicyBase):
     name: ClassVar[str] = "ladder"
     version: ClassVar[str] = "4"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = LadderParams.model_validate(params or {})
+    parameters = LadderParams
+    params: LadderParams
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        # Its own model, not `self.parameters`: a subclass may take other parameters and pass these on.
+        self.params = LadderParams.model_validate(dict(params or {}))
         # Classes the user left out keep their defaults, so a partial ladder is never a silent gap.
         self.ladders = {**DEFAULT_LADDERS, **self.params.ladders}
 

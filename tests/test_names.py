@@ -22,6 +22,7 @@ from events.names import (
 )
 from events.outputs import Decision
 from events.subjects import DECISIONS
+from policies import AttemptSummary, Granularity
 
 GOLDEN = Path(__file__).parent / "golden"
 NAMES: tuple[type[StrEnum], ...] = (DecisionKind, IncidentCause, IncidentOutcome, AttemptPurpose, AttemptOutcome,
@@ -81,3 +82,7 @@ def test_every_attempt_that_ends_without_recovering_has_its_decision() -> None:
         outcome: f"attempt.{outcome.value}" for outcome in ATTEMPT_ENDED}
     assert set(ATTEMPT_ENDED) == set(AttemptOutcome) - {AttemptOutcome.RECOVERED, AttemptOutcome.PAUSED}
 
+
+def test_a_policy_sees_an_attempts_outcome_as_a_member_whichever_way_it_was_given() -> None:
+    summary = AttemptSummary(Granularity.MIGRATE, "superseded", 1)  # type: ignore[arg-type]
+    assert summary.outcome is AttemptOutcome.SUPERSEDED and summary.outcome == "superseded"

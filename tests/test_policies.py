@@ -8,7 +8,14 @@ import pytest
 
 from events.values import FaultClass, Granularity, Layout, PolicyRef, PolicySelection, Tier
 from policies import registry
-from policies.base import NS, AttemptSummary, CheckpointContext, RescheduleContext
+from policies.base import (
+    FAMILY_BASES,
+    NS,
+    AttemptSummary,
+    CheckpointContext,
+    RescheduleContext,
+    ReschedulingPolicyBase,
+)
 from policies.checkpoint import NewestCompleteCheckpoint
 from policies.rescheduling import LadderRescheduling
 from recovery.testing.scenario import Scenario
@@ -160,3 +167,24 @@ def test_a_broken_plugin_is_named_and_breaks_no_other_job(monkeypatch: pytest.Mo
     finally:
         registry._scan.cache_clear()
         registry._instance.cache_clear()
+
+
+def test_a_method_left_abstract_is_named_when_a_job_selects_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Undecided(ReschedulingPolicyBase):
+        name = "undecided"
+        version = "1"
+
+    monkeypatch.setattr(registry, "available", lambda: {"undecided": Undecided})
+    registry._instance.cache_clear()
+    try:
+        with pytest.raises(registry.PolicyError, match="lacks decide"):
+            registry.load(registry.PolicyRef(name="undecided"), "rescheduling")
+    finally:
+        registry._instance.cache_clear()
+
+
+def test_every_built_in_subclasses_its_familys_base() -> None:
+    built_in = {name: cls for name, cls in registry.available().items() if cls.__module__.startswith("policies.")}
+    assert len(built_in) == 9
+    for name, cls in built_in.items():
+        assert issubclass(cls, FAMILY_BASES[cls.family]), name
