@@ -13,7 +13,7 @@ from typing import Any
 from recovery.testing.nats import NatsServer, free_port
 from recovery.testing.scenario import Scenario
 
-_CONTRACT = frozenset({"CONTRACTS", "CheckpointPolicyContract", "DetectionPolicyContract", "ImpureCall",
+_CONTRACT = frozenset({"CONTRACTS", "Call", "CheckpointPolicyContract", "DetectionPolicyContract", "ImpureCall",
                        "PolicyContract", "ReschedulingPolicyContract", "canonical", "forbid_clock_and_io"})
 _CONTEXTS = frozenset({"checkpoint_contexts", "make_checkpoint_context", "make_reschedule_context", "make_signal",
                        "make_watchdog_view", "reschedule_contexts", "signals", "watchdog_views"})
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CONTRACTS", "CheckpointPolicyContract", "DetectionPolicyContract", "ImpureCall", "NatsServer",
+__all__ = ["CONTRACTS", "Call", "CheckpointPolicyContract", "DetectionPolicyContract", "ImpureCall", "NatsServer",
            "PolicyContract", "ReschedulingPolicyContract", "Scenario", "canonical", "checkpoint_contexts",
            "forbid_clock_and_io", "free_port", "make_checkpoint_context", "make_reschedule_context", "make_signal",
            "make_watchdog_view", "reschedule_contexts", "signals", "watchdog_views"]

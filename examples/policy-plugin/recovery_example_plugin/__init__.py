@@ -1,33 +1,30 @@
 """An example third-party rescheduling policy for `recovery`.
 
-A policy is a class with `family`, `name` and `version`, a constructor taking its parameters (a dict), and the
-method of its family's Protocol (`policies.base.ReschedulingPolicy.decide`), registered under the entry-point
-group `recovery.policies` in this distribution's pyproject.toml.
+A policy subclasses its family's base from `policies` (here `ReschedulingPolicyBase`), names itself, declares its
+parameters and implements the family's method (`decide`); its distribution registers it under the entry-point group
+`recovery.policies` in pyproject.toml. Its tests (tests/) run the contract of `recovery.testing` on it.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field
 
-from events.values import Granularity
-from policies.base import NS, Action, Params, RescheduleContext
+from policies import NS, Action, Granularity, Params, RescheduleContext, ReschedulingPolicyBase
 
 
 class InPlaceFirstParams(Params):
     deadline_s: float = Field(120.0, gt=0, description="deadline of each attempt")
 
 
-class InPlaceFirst:
+class InPlaceFirst(ReschedulingPolicyBase):
     """Restart in place (or move off a node that must be left); if that fails, restart the whole job."""
 
-    family: ClassVar[str] = "rescheduling"
     name: ClassVar[str] = "example-in-place-first"
     version: ClassVar[str] = "1"
-
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = InPlaceFirstParams.model_validate(params or {})
+    parameters = InPlaceFirstParams
+    params: InPlaceFirstParams
 
     def decide(self, ctx: RescheduleContext) -> Action:
         deadline = int(self.params.deadline_s * NS)
