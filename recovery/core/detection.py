@@ -65,8 +65,7 @@ class Detection:
             if entry is None:
                 return
             cancelled = self.timekeeper.cancel(entry[1])
-            trigger = "clear" if job.state == "suspect" and not job.suspects else None
-            out.decide(job, "fault.cleared", verdict.reason, trigger=trigger, policy=policy,
+            out.decide(job, "fault.cleared", verdict.reason, policy=policy,
                        cancelled=cancelled, detail={"key": verdict.key})
         elif verdict.kind == "suspect":
             key = verdict.key or f"{type_}:{out.seq}"
@@ -74,8 +73,7 @@ class Detection:
                 return  # already counting down: a repeated signal does not restart the debounce
             timer = self.timekeeper.request(out, job, f"confirm/{key}", verdict.confirm_after_ns)
             job.suspects[key] = (verdict, timer.id)
-            trigger = "suspect" if job.state == "running" else None
-            out.decide(job, "fault.suspected", verdict.reason, trigger=trigger, policy=policy,
+            out.decide(job, "fault.suspected", verdict.reason, policy=policy,
                        timers=[timer], detail={"key": key, "ranks": list(verdict.ranks)})
         elif verdict.kind == "drain":
             node = verdict.node
@@ -140,12 +138,12 @@ class Detection:
             self._note_exiting(incident, verdict)
             self._note_dead_hosts(job, incident, verdict)
             attempt = incident.attempt
-            if job.state == "waiting" or attempt is None:
+            if incident.phase == "waiting" or attempt is None:
                 out.decide(job, "fault.added", verdict.reason, policy=policy, commands=commands)
                 if plan and incident.settle_timer is None:  # a settle window decides when it closes
                     self.incidents.plan(out, job)
                 return
-            if attempt.phase in ("rescheduling", "restoring") and verdict.fault_class in _PROCESS_FAULTS and (
+            if incident.phase in ("rescheduling", "restoring") and verdict.fault_class in _PROCESS_FAULTS and (
                     attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
                 # The restarted (or retried) processes themselves crashed or hung: this attempt did not work. New
                 # hardware under them (a device, a node, a link) is a new fault instead: it widens the incident.
@@ -168,10 +166,9 @@ class Detection:
         job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                 fault_step=job.step, fault_class=verdict.fault_class, cause="fault",
                                 faults=[fault])
-        job.incident.enter("detected", out.ts)
         self._note_exiting(job.incident, verdict)
         self._note_dead_hosts(job, job.incident, verdict)
-        out.decide(job, "fault.confirmed", verdict.reason, policy=policy, commands=commands,
+        out.decide(job, "fault.confirmed", verdict.reason, trigger="recover", policy=policy, commands=commands,
                    cancelled=cancelled, detail={"fault": fault, "step": job.step})
         if plan:
             self.incidents.plan(out, job)
@@ -215,8 +212,7 @@ class Detection:
             # are gone or renumbered; or an operator paused the job, which takes no signals (as in _signal).
             # Either way there is nothing left to confirm.
             why = f"job no longer on {verdict.node}" if gone else "job is paused"
-            trigger = "clear" if job.state == "suspect" and not job.suspects else None
-            out.decide(job, "fault.cleared", f"{verdict.reason}: {why}", trigger=trigger,
+            out.decide(job, "fault.cleared", f"{verdict.reason}: {why}",
                        policy=job.policies.labels["detection"], detail={"key": key})
             return None
         ranks = verdict.ranks
@@ -230,14 +226,14 @@ class Detection:
                        0, verdict.code)
 
     def watchdog(self, out: RecordEffects, job: Job) -> None:
-        if job.state not in ("running", "suspect"):
+        if job.state != "running":
             return
         view = WatchdogView(out.ts, job.step_time, tuple(
             RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
             tuple(job.nodes), job.rpn)
         verdicts = ask(job, "detection", job.policies.detection.check, view)
         for verdict in verdicts:
-            if job.state not in ("running", "suspect") or job.incident is not None:
+            if job.state != "running" or job.incident is not None:
                 break
             self.verdict(out, job, verdict, type_="watchdog")
 

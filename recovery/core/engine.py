@@ -222,7 +222,8 @@ class Engine:
             if env.id in seen:
                 raise Rejected("duplicate", f"event id {env.id!r} already applied to job {env.job}")
             if type_ in _PROGRESS:
-                if job.state == "restoring":
+                incident = job.incident
+                if incident is not None and incident.phase == "restoring":
                     self.guard(job)  # progress past the resume point closes the incident
                 self._progress(out, job, env.data)
             else:
@@ -316,7 +317,7 @@ class Engine:
                 raise Rejected("implausible", implausible)
             job.add_checkpoint(data.step, data.tier, data.shards, data.holder)
             attempt = job.incident.attempt if job.incident is not None else None
-            if (attempt is not None and attempt.awaiting is not None and attempt.phase == "saving"
+            if (attempt is not None and attempt.awaiting is not None and job.phase == "saving"
                     and data.step >= attempt.awaiting and job.complete_at(data.step)):
                 attempt.awaiting = None
                 cancelled = self.timekeeper.cancel(*(timer for _, timer in attempt.pending.values()))
@@ -324,7 +325,7 @@ class Engine:
                 out.decide(job, "checkpoint.dying_done", f"dying checkpoint at step {data.step} complete",
                            cancelled=cancelled)
                 self.incidents.checkpoint(out, job, attempt)
-            if job.drains and job.state == "running" and job.incident is None and job.complete_at(data.step):
+            if job.drains and job.state == "running" and not job.suspects and job.complete_at(data.step):
                 self.detection.drain(out, job, data.step)
         elif type_ == "checkpoint.failed":
             pass  # a save that did not land leaves the catalog as it was; the log keeps the failure
@@ -417,7 +418,7 @@ class Engine:
             job.put(job.last_seen, rank, ts)
         else:
             job.last_seen[rank] = ts
-        if job.state == "restoring" and step is not None:
+        if step is not None and job.incident is not None and job.incident.phase == "restoring":
             self.incidents.check_restored(out, job, rank, step)
 
     @staticmethod
@@ -529,9 +530,9 @@ class Engine:
         for job_id in sorted(self._hungry, key=self._order.__getitem__):
             job = self.jobs[job_id]
             self.touch(job)
-            if job.state == "waiting" and job.incident is not None:
+            if job.phase == "waiting":
                 self.incidents.plan(out, job)
-            elif (job.state == "running" and job.incident is None and job.spec.elastic is not None
+            elif (job.state == "running" and not job.suspects and job.spec.elastic is not None
                   and job.layout.dp < job.target_dp):
                 self.incidents.scale(out, job, job.target_dp, "nodes returned: scale out", cause="scale")
             if not _hungry(job):
@@ -564,8 +565,8 @@ class Journal:
 
 def _hungry(job: Job) -> bool:
     """Can nodes coming back help this job: is it waiting for nodes, or elastic and below its target size?"""
-    return ((job.state == "waiting" and job.incident is not None)
-            or (job.state == "running" and job.incident is None and job.spec.elastic is not None
+    return (job.phase == "waiting"
+            or (job.state == "running" and not job.suspects and job.spec.elastic is not None
                 and job.layout.dp < job.target_dp))
 
 

@@ -26,6 +26,7 @@ from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
 from policies.base import NS, CheckpointContext, RescheduleContext
 from recovery.core.cluster import ClusterView
 from recovery.core.job import CLOSED_INCIDENTS, Attempt, Incident, Job
+from recovery.core.machine import fire
 from recovery.core.placement import Placement, fit_dp
 from recovery.core.record import RecordEffects, Rejected, ask
 from recovery.core.timers import Timekeeper, TimerRequest
@@ -47,6 +48,8 @@ class Incidents:
     def plan(self, out: RecordEffects, job: Job, forced: Granularity | None = None) -> None:
         incident = job.incident
         assert incident is not None
+        if incident.phase != "planning":
+            incident.move("plan", out.ts)
         vacate = self.placement.vacate(job)
         spares = self.placement.spares_for(job)
         fault_class = incident.fault_class or FaultClass.PROCESS
@@ -70,23 +73,23 @@ class Incidents:
         if short is not None:
             # The policy chose what the cluster cannot carry out now. Asking again at once would get the same answer
             # (a policy is a pure function of the same context): wait until nodes come back, and say why.
-            incident.enter("waiting", out.ts)
+            incident.move("wait", out.ts)
             chose = action.granularity.value if action.granularity is not None else "nothing"
             out.decide(job, "attempt.waiting", f"{policy} chose {chose}, which cannot be placed: {short}; "
-                       f"wait for nodes", trigger="wait", policy=policy,
+                       f"wait for nodes", policy=policy,
                          detail={"vacate": vacate, "spares": len(spares), "refused": action.reason})
             return
         if action.settle_ns > 0 and action.granularity is None and not action.wait:
             purpose = f"settle/{incident.id}/{len(incident.attempts)}"
             timer = self.timekeeper.request(out, job, purpose, action.settle_ns)
             incident.settle_timer = timer.id
-            incident.enter("settling", out.ts)
-            out.decide(job, "attempt.settling", action.reason, trigger="settle", policy=policy,
+            incident.move("settle", out.ts)
+            out.decide(job, "attempt.settling", action.reason, policy=policy,
                        timers=[timer], detail={"faults": len(incident.faults)})
             return
         if action.wait:
-            incident.enter("waiting", out.ts)
-            out.decide(job, "attempt.waiting", action.reason, trigger="wait", policy=policy,
+            incident.move("wait", out.ts)
+            out.decide(job, "attempt.waiting", action.reason, policy=policy,
                        detail={"vacate": vacate, "spares": len(spares)})
             return
         g = action.granularity or G.FAIL
@@ -128,6 +131,8 @@ class Incidents:
                vacate: list[str], trigger: str | None = None) -> None:
         incident = job.incident
         assert incident is not None
+        if incident.phase != "planning":
+            incident.move("plan", out.ts)  # a resume from `paused`
         # An operator's order can start an attempt while a settle window is open: the window has no more to say.
         settle = self.timekeeper.cancel(incident.settle_timer)
         incident.settle_timer = None
@@ -210,13 +215,12 @@ class Incidents:
         if plan.save is not None:
             incident.dying_tried = True
             attempt.save = plan.save
-            attempt.phase = "saving"
-            incident.enter("saving", out.ts)
+            incident.move("save", out.ts)
             command = SaveCheckpoint(id=out.command_id(job.id), job=job.id, attempt=job.generation,
                                      deadline_s=60, ranks=list(plan.save.ranks), step=plan.save.step)
             timer = self._ack_timer(out, job, command.id, command.deadline_s)
             attempt.pending = {command.id: (command.kind, timer.id)}
-            out.decide(job, "checkpoint.dying", plan.reason, trigger="save", policy=policy,
+            out.decide(job, "checkpoint.dying", plan.reason, policy=policy,
                        commands=[command], timers=[timer],
                        detail={"step": plan.save.step, "savers": list(plan.save.ranks)})
             return
@@ -224,11 +228,10 @@ class Incidents:
             incident.awaited = True  # once per incident: the next plan takes what has landed by then
             attempt.plan = plan.resume
             attempt.awaiting = plan.await_step
-            attempt.phase = "saving"
-            incident.enter("saving", out.ts)
+            incident.move("save", out.ts)
             timer = self.timekeeper.request(out, job, f"await/{incident.id}/{attempt.number}", plan.await_ns)
             attempt.pending = {f"await:{plan.await_step}": ("await_dying", timer.id)}
-            out.decide(job, "checkpoint.awaiting", plan.reason, trigger="save", policy=policy, timers=[timer],
+            out.decide(job, "checkpoint.awaiting", plan.reason, policy=policy, timers=[timer],
                        detail={"step": plan.await_step, "wait_s": plan.await_ns / NS,
                                "exiting": len(incident.exiting)})
             return
@@ -249,8 +252,7 @@ class Incidents:
         if not stopping:
             self._reschedule(out, job, attempt)
             return
-        attempt.phase = "stopping"
-        incident.enter("stopping", out.ts)
+        incident.move("stop", out.ts)
         # Hung or faulty processes are killed, and so are healthy ones on a node being vacated: the plan takes their
         # state from elsewhere, so a grace period buys nothing. The rest of a job stopped whole gets SIGTERM and a
         # grace period to exit cleanly.
@@ -261,15 +263,14 @@ class Incidents:
                             ranks=stopping, mode=mode, grace_s=30.0)
         timer = self._ack_timer(out, job, command.id, command.deadline_s)
         attempt.pending = {command.id: (command.kind, timer.id)}
-        out.decide(job, "ranks.stopping", f"stop {len(stopping)} rank(s) ({mode})", trigger="stop",
+        out.decide(job, "ranks.stopping", f"stop {len(stopping)} rank(s) ({mode})",
                    commands=[command], timers=[timer])
 
     def _reschedule(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
         incident = job.incident
         assert incident is not None
         g = attempt.granularity
-        attempt.phase = "rescheduling"
-        incident.enter("rescheduling", out.ts)
+        incident.move("reschedule", out.ts)
         if g is G.DUMP:
             step = attempt.plan.checkpoint_step if attempt.plan else None
             self.fail_job(out, job, f"dumped: checkpoint at step {step}; the job stops for an operator", None)
@@ -277,7 +278,7 @@ class Incidents:
         if attempt.purpose == "pause":
             self.timekeeper.cancel(attempt.deadline_timer)
             attempt.outcome = "paused"
-            incident.enter("paused", out.ts)
+            incident.move("pause", out.ts)
             out.decide(job, "job.paused", attempt.reason, trigger="pause",
                        cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
             return
@@ -347,7 +348,7 @@ class Incidents:
         timers = [self._ack_timer(out, job, c.id, c.deadline_s) for c in commands]
         attempt.pending = {c.id: (c.kind, t.id) for c, t in zip(commands, timers, strict=True)}
         out.decide(job, "ranks.rescheduling", f"{g.value}: {len(commands)} command(s)",
-                   trigger="reschedule", commands=commands, timers=timers,
+                   commands=commands, timers=timers,
                    detail={"attempt": attempt.number, "generation": job.generation,
                            "nodes": list(job.nodes)})
 
@@ -374,28 +375,27 @@ class Incidents:
             if cancelled:
                 out.decide(job, "command.done", f"{kind} done", cancelled=cancelled)
             return
-        if attempt.phase == "saving":
+        assert incident is not None
+        if incident.phase == "saving":
             out.decide(job, "checkpoint.dying_done", f"dying checkpoint at step "
                        f"{attempt.save.step if attempt.save else '?'} saved",
                          cancelled=cancelled)
             self.checkpoint(out, job, attempt)
-        elif attempt.phase == "stopping":
+        elif incident.phase == "stopping":
             for rank in attempt.stopping:
                 job.put(job.alive, rank, 0)
             out.decide(job, "ranks.stopped", f"{len(attempt.stopping)} rank(s) stopped",
                        cancelled=cancelled)
             self._reschedule(out, job, attempt)
-        elif attempt.phase == "rescheduling":
-            attempt.phase = "restoring"
-            assert incident is not None
-            incident.enter("restoring", out.ts)
+        elif incident.phase == "rescheduling":
+            incident.move("restore", out.ts)
             for rank in attempt.ranks:
                 job.put(job.alive, rank, 1)
             job.last_seen = [out.ts] * job.world
             job.last_progress = [out.ts] * job.world
             out.decide(job, "ranks.restoring", "executors done: waiting for progress past step "
                        f"{self._resume_step(job, attempt)}",
-                         trigger="restore", cancelled=cancelled)
+                         cancelled=cancelled)
 
     def _resume_step(self, job: Job, attempt: Attempt) -> int:
         if attempt.granularity is G.RETRY:
@@ -406,7 +406,7 @@ class Incidents:
     def check_restored(self, out: RecordEffects, job: Job, rank: int, step: int) -> None:
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
-        if attempt is None or attempt.phase != "restoring":
+        if attempt is None or job.phase != "restoring":
             return
         if attempt.granularity is not G.RETRY and rank not in attempt.ranks:
             return
@@ -428,7 +428,7 @@ class Incidents:
     def close(self, job: Job, ts: int, outcome: str) -> None:
         incident = job.incident
         assert incident is not None
-        incident.enter("done", ts)
+        incident.move("close", ts)
         incident.phases[-1][2] = ts
         incident.closed = ts
         incident.outcome = outcome
@@ -471,7 +471,9 @@ class Incidents:
             job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                     fault_step=job.step, fault_class=None, cause=cause)
             if cancelled:
-                out.decide(job, "watchdog.disarmed", f"{cause} incident", cancelled=cancelled)
+                out.decide(job, "watchdog.disarmed", f"{cause} incident", trigger="recover", cancelled=cancelled)
+            else:  # a running job always has its watchdog armed: kept so the machine stays right regardless
+                fire(job, "recover")
         return job.incident
 
     def fail_job(self, out: RecordEffects, job: Job, reason: str, policy: str | None) -> None:

@@ -52,9 +52,9 @@ class Operators:
                 raise Rejected("invalid_state", f"job {job.id} is {job.state}, not paused")
             attempt = Attempt(number=len(job.incident.attempts) + 1, granularity=G.RESTART_JOB, rung=0,
                               purpose="resume", reason="resumed by an operator", started=out.ts)
-            # Leave `paused` as the attempt starts: the machine allows only `reschedule` out of it, and the
-            # resume may first need to save, stop stray processes or wait for nodes (legal from rescheduling).
-            self.incidents.start(out, job, attempt, 900 * NS, None, self.placement.vacate(job), trigger="reschedule")
+            # The job recovers again as the attempt starts: the resume may first need to save, stop stray
+            # processes or wait for nodes, like any attempt.
+            self.incidents.start(out, job, attempt, 900 * NS, None, self.placement.vacate(job), trigger="resume")
         elif type_ == "operator.scale":
             elastic = job.spec.elastic
             if elastic is None or not elastic.min_dp <= data.dp <= elastic.max_dp:

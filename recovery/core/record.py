@@ -13,14 +13,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from events.outputs import Decision, Rejection, TimerRequest
-from recovery.core.machine import TRANSITIONS, fire
+from recovery.core.machine import JOB_DEST, fire
 
 if TYPE_CHECKING:
     from recovery.core.job import Job
 
 Effect = Decision | Rejection
 _T = TypeVar("_T")
-_DEST = {t["trigger"]: t["dest"] for t in TRANSITIONS}
 MAX_WIRE_INT = 2**63 - 1
 """the largest integer every consumer of the log can read (a signed 64-bit one); timers are nanoseconds"""
 
@@ -74,12 +73,13 @@ class RecordEffects:
         """Record one decision for `job`, firing the machine's `trigger` first (if the job is not there yet):
         every change of a job's state goes through here."""
         previous = job.state
-        if trigger is not None and previous != _DEST.get(trigger):
+        if trigger is not None and previous != JOB_DEST.get(trigger):
             fire(job, trigger)
-        incident = job.incident.id if job.incident is not None else None
+        incident = job.incident
         self.effects.append(Decision(
             job=job.id, cause_seq=self.seq, index=self.index(job.id), kind=kind, previous=previous,
-            state=job.state, incident=incident, policy=policy, reason=reason, commands=commands or [],
+            state=job.state, phase=None if incident is None else incident.phase,
+            incident=None if incident is None else incident.id, policy=policy, reason=reason, commands=commands or [],
             timers=timers or [], cancelled_timers=cancelled or [], detail=detail or {},
         ))
         self.engine.indexed(job, previous)

@@ -136,7 +136,7 @@ class Simulator:
         label = self.world.busy_label
         if label is None:
             job = self.engine.jobs.get(self.cfg.job)
-            label = STATE_LABEL.get(job.state if job is not None else "submitted", "detection")
+            label = STATE_LABEL.get((job.phase or job.state) if job is not None else "submitted", "detection")
         self.ledger.label(self._now, label)
 
     def _inject(self, fault: Fault) -> None:
