@@ -54,6 +54,7 @@ class TestDefaultDetection(DetectionPolicyContract):
 
 class TestDefaultDetectionTuned(DetectionPolicyContract):
     policy = DefaultDetection
+    entry_point = "default"
     params: ClassVar[dict[str, Any]] = {"link_debounce_s": 0.0, "frequency_threshold": 1, "hang_min_silence_s": 1.0}
 
 
@@ -64,6 +65,7 @@ class TestLadderRescheduling(ReschedulingPolicyContract):
 
 class TestLadderReschedulingWithoutWaiting(ReschedulingPolicyContract):
     policy = LadderRescheduling
+    entry_point = "ladder"
     params: ClassVar[dict[str, Any]] = {"elastic": False, "wait": False, "settle_s": 0.0,
                                         "ladders": {"process": [{"granularity": "in_place", "budget": 1},
                                                                 {"granularity": "fail"}]}}
