@@ -4,7 +4,7 @@ entry points like any plugin).
 An author imports everything from here. A policy is a class of one family that subclasses the family's base,
 names itself, declares its parameters and implements the family's method::
 
-    from policies import NS, Action, Granularity, Params, RescheduleContext, ReschedulingPolicyBase
+    from policies import NS, Granularity, Params, RescheduleContext, Reschedule, ReschedulingPolicyBase, StartRung
 
     class InPlaceFirstParams(Params):
         deadline_s: float = 120.0
@@ -15,15 +15,20 @@ names itself, declares its parameters and implements the family's method::
         parameters = InPlaceFirstParams
         params: InPlaceFirstParams
 
-        def decide(self, ctx: RescheduleContext) -> Action:
-            return Action(Granularity.IN_PLACE, "restart where they are", int(self.params.deadline_s * NS))
+        def decide(self, ctx: RescheduleContext) -> Reschedule:
+            return StartRung(Granularity.IN_PLACE, "restart where they are", int(self.params.deadline_s * NS))
 
 and registers it in its distribution's `pyproject.toml` under `[project.entry-points."recovery.policies"]`.
 `recovery.testing.policy_contract` has the test cases that check it is pure and deterministic.
 
-The families: detection (`DetectionPolicyBase`: `classify` a `Signal`, `check` a `WatchdogView`, each giving
-`Verdict`s), rescheduling (`ReschedulingPolicyBase`: `decide` on a `RescheduleContext`, giving an `Action`) and
-checkpoint source (`CheckpointPolicyBase`: `plan` on a `CheckpointContext`, giving a `CheckpointPlan`).
+The families, and the small typed answers each gives:
+
+- detection (`DetectionPolicyBase`): `classify` a `Signal`, `check` a `WatchdogView`; a `Verdict` is one of
+  `Ignore`, `Suspect` (a `Fault` to confirm unless cleared in time), `Clear`, `Fault` or `Drain`;
+- rescheduling (`ReschedulingPolicyBase`): `decide` on a `RescheduleContext`; a `Reschedule` is one of
+  `StartRung`, `Wait`, `Settle` or `Fail`;
+- checkpoint source (`CheckpointPolicyBase`): `plan` on a `CheckpointContext`; a `CheckpointPlan` is one of
+  `Resume`, `SaveDying` (ask healthy replicas for a dying checkpoint first) or `AwaitDying` (one is on its way).
 """
 
 from events import kinds
@@ -56,27 +61,39 @@ from policies.base import (
     FAMILIES,
     FAMILY_BASES,
     NS,
-    Action,
     AttemptSummary,
+    AwaitDying,
     Catalog,
     CheckpointContext,
     CheckpointPlan,
     CheckpointPolicy,
     CheckpointPolicyBase,
+    Clear,
     DetectionPolicy,
     DetectionPolicyBase,
+    Drain,
+    Fail,
     Family,
+    Fault,
+    Ignore,
     Params,
     PolicyBase,
     PolicySet,
     RankActivity,
+    Reschedule,
     RescheduleContext,
     ReschedulingPolicy,
     ReschedulingPolicyBase,
+    Resume,
+    SaveDying,
     SaveRequest,
     Scope,
+    Settle,
     Signal,
+    StartRung,
+    Suspect,
     Verdict,
+    Wait,
     WatchdogView,
     label,
 )
@@ -92,24 +109,29 @@ __all__ = [
     "NS",
     "STORAGE_HOLDER",
     "TIER_COST",
-    "Action",
     "AttemptOutcome",
     "AttemptSummary",
+    "AwaitDying",
     "Catalog",
     "CheckpointContext",
     "CheckpointPlan",
     "CheckpointPolicy",
     "CheckpointPolicyBase",
+    "Clear",
     "CodeAction",
     "CodeMeaning",
     "Count",
     "DetectionPolicy",
     "DetectionPolicyBase",
+    "Drain",
     "Factor",
+    "Fail",
     "Family",
+    "Fault",
     "FaultClass",
     "Flag",
     "Granularity",
+    "Ignore",
     "Interval",
     "Layout",
     "Params",
@@ -122,19 +144,26 @@ __all__ = [
     "Rank",
     "RankActivity",
     "RankSource",
+    "Reschedule",
     "RescheduleContext",
     "ReschedulingPolicy",
     "ReschedulingPolicyBase",
+    "Resume",
     "ResumePlan",
+    "SaveDying",
     "SaveRequest",
     "Scope",
     "Seconds",
+    "Settle",
     "ShardSource",
     "Signal",
     "Size",
+    "StartRung",
     "Step",
+    "Suspect",
     "Tier",
     "Verdict",
+    "Wait",
     "WatchdogView",
     "ascend_fault",
     "available",

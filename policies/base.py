@@ -51,16 +51,19 @@ class Signal:
     """for a node event: every rank of the job on that node (`ranks` holds only those on the device, if any)"""
 
 
+# What a signal means for the job: one of five small variants (`Verdict` is their union).
 @dataclass(frozen=True, slots=True)
-class Verdict:
-    """What a signal means for the job.
+class Ignore:
+    """Nothing to do (the decision says why, unless the signal is good news such as a link coming up)."""
 
-    kind: `ignore`; `suspect` (confirm after `confirm_after_ns` unless a `clear` with the same `key`
-    comes first); `clear`; `fault` (confirmed, act now); or `drain` (sub-health: the hardware still works,
-    move the ranks off `node` at the job's next complete checkpoint).
-    """
+    reason: str
+    code: str | None = None
 
-    kind: Literal["ignore", "suspect", "clear", "fault", "drain"]
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A confirmed fault: act now."""
+
     reason: str
     fault_class: FaultClass | None = None
     scope: Scope = "rank"
@@ -72,9 +75,43 @@ class Verdict:
     needs_move: bool = False
     """the hardware under the ranks is unusable: they must leave their node"""
     isolate: Literal["device", "node"] | None = None
-    key: str | None = None
-    confirm_after_ns: int = 0
     code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """`fault`, unless a `Clear` with the same `key` comes within `confirm_after_ns` (a link flap, a node that is
+    not ready for a moment): the engine confirms it when the time is up."""
+
+    fault: Fault
+    key: str
+    confirm_after_ns: int
+
+    @property
+    def reason(self) -> str:
+        return self.fault.reason
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """The suspicion under `key` is over: drop it."""
+
+    reason: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Sub-health: the hardware still works; move the ranks off `node` at the job's next complete checkpoint."""
+
+    reason: str
+    node: str
+    device: int | None = None
+    code: str | None = None
+
+
+Verdict = Ignore | Suspect | Clear | Fault | Drain
+"""What a detection policy answers for one signal (and, as a list, for one watchdog check)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,18 +193,42 @@ class RescheduleContext:
     """a fault outside the attempt under way superseded it, and no settle window has passed since"""
 
 
+# The rescheduling decision: one of four small variants (`Reschedule` is their union).
 @dataclass(frozen=True, slots=True)
-class Action:
-    """The rescheduling decision: a granularity, or wait for nodes, with a deadline and a reason."""
+class StartRung:
+    """Start an attempt of `granularity` (rung `rung` of the policy's ladder), to show progress within
+    `deadline_ns`."""
 
-    granularity: Granularity | None
+    granularity: Granularity
     reason: str
     deadline_ns: int = 300 * NS
     rung: int = 0
-    wait: bool = False
-    budget: str | None = None
-    settle_ns: int = 0
-    """start nothing yet: collect further faults of the incident for this long, then decide again"""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Start nothing: wait for nodes to come back (the engine asks again when they do)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Start nothing yet: collect further faults of the incident for `settle_ns`, then decide again."""
+
+    reason: str
+    settle_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """No rung can recover this: fail the job."""
+
+    reason: str
+
+
+Reschedule = StartRung | Wait | Settle | Fail
+"""What a rescheduling policy answers."""
 
 
 @runtime_checkable
@@ -178,7 +239,7 @@ class ReschedulingPolicy(Protocol):
     name: ClassVar[str]
     version: ClassVar[str]
 
-    def decide(self, ctx: RescheduleContext) -> Action: ...
+    def decide(self, ctx: RescheduleContext) -> Reschedule: ...
 
 
 # --- checkpoint source --------------------------------------------------------------------------------
@@ -216,15 +277,37 @@ class SaveRequest:
     """one rank per shard: a healthy replica that writes it"""
 
 
+# The checkpoint source: one of three small variants (`CheckpointPlan` is their union).
 @dataclass(frozen=True, slots=True)
-class CheckpointPlan:
-    resume: ResumePlan
-    save: SaveRequest | None = None
+class Resume:
+    """Restart from `plan`: the step to load and every shard's source."""
+
+    plan: ResumePlan
     reason: str = ""
-    await_step: int | None = None
-    """a dying checkpoint at this step is on its way (from `exiting` ranks): hold the restart until every shard of
-    it is saved, or `await_ns` has passed, then plan again; `resume` is the plan should it never come"""
-    await_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SaveDying:
+    """First ask healthy replicas for a dying checkpoint (MindIO TTP), then plan again."""
+
+    save: SaveRequest
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitDying:
+    """A dying checkpoint at `step` is on its way (from ranks the platform stopped with SIGTERM): hold the restart
+    until every shard of it is saved, or `wait_ns` has passed, then plan again; `fallback` is the plan should it
+    never come."""
+
+    step: int
+    wait_ns: int
+    fallback: ResumePlan
+    reason: str = ""
+
+
+CheckpointPlan = Resume | SaveDying | AwaitDying
+"""What a checkpoint-source policy answers."""
 
 
 @runtime_checkable
@@ -296,7 +379,7 @@ class ReschedulingPolicyBase(PolicyBase):
     family: ClassVar[Family] = "rescheduling"
 
     @abstractmethod
-    def decide(self, ctx: RescheduleContext) -> Action:
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
         """The next attempt of the open incident. The engine checks the answer against the cluster: a restart it
         cannot place makes the job wait for nodes."""
 

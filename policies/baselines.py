@@ -30,13 +30,18 @@ from events import kinds
 from events.values import Count, FaultClass, Flag, Granularity, Interval, Tier
 from policies.base import (
     NS,
-    Action,
     DetectionPolicyBase,
+    Fail,
+    Fault,
+    Ignore,
     Params,
+    Reschedule,
     RescheduleContext,
     ReschedulingPolicyBase,
     Signal,
+    StartRung,
     Verdict,
+    Wait,
     WatchdogView,
 )
 from policies.checkpoint import NewestCompleteCheckpoint
@@ -69,25 +74,25 @@ class TorchElasticLikeDetection(DetectionPolicyBase):
         if isinstance(data, kinds.ProcessExited):
             meaning = exit_status(data.exit_code, data.signal)
             if meaning.fault_class is None:
-                return Verdict("ignore", f"rank {data.rank}: {meaning.description}")
-            return Verdict("fault", f"rank {data.rank}: {meaning.description}: the agents restart every worker",
-                           meaning.fault_class, "job", signal.ranks, code=f"exit={data.exit_code},sig={data.signal}")
+                return Ignore(f"rank {data.rank}: {meaning.description}")
+            return Fault(f"rank {data.rank}: {meaning.description}: the agents restart every worker",
+                         meaning.fault_class, "job", signal.ranks, code=f"exit={data.exit_code},sig={data.signal}")
         if isinstance(data, kinds.CollectiveTimeout):
             waited = tuple(r for r in sorted(set(data.members)) if r not in set(data.reporters))
             cls = FaultClass.HANG if waited else FaultClass.NETWORK
-            return Verdict("fault", f"NCCL watchdog: {data.operation} on {data.group} timed out after "
-                                    f"{data.timeout_s:.0f}s: every worker aborts", cls, "job",
+            return Fault(f"NCCL watchdog: {data.operation} on {data.group} timed out after "
+                         f"{data.timeout_s:.0f}s: every worker aborts", cls, "job",
                            tuple(sorted(set(data.members))))
         if isinstance(data, kinds.DeviceFault) and self.params.platform_device_health and data.vendor == "nvidia":
             meaning = nvidia_xid(data.code)
             if meaning.action in (CodeAction.RESET_DEVICE, CodeAction.ISOLATE_DEVICE, CodeAction.ISOLATE_NODE):
                 if not signal.ranks:
-                    return Verdict("ignore", f"XID {data.code} on {signal.node}: no rank of this job on it")
-                return Verdict("fault", f"XID {data.code} on {signal.node} device {data.device}: the platform marks "
-                                        f"the GPU unhealthy; the job restarts elsewhere",
+                    return Ignore(f"XID {data.code} on {signal.node}: no rank of this job on it")
+                return Fault(f"XID {data.code} on {signal.node} device {data.device}: the platform marks "
+                             f"the GPU unhealthy; the job restarts elsewhere",
                                meaning.fault_class, "job", signal.ranks, signal.node, data.device, needs_move=True,
                                code=f"XID {data.code}")
-        return Verdict("ignore", f"{signal.type}: torchelastic does not watch it")
+        return Ignore(f"{signal.type}: torchelastic does not watch it")
 
     def check(self, view: WatchdogView) -> list[Verdict]:
         return []
@@ -108,19 +113,17 @@ class TorchElasticLikeRescheduling(ReschedulingPolicyBase):
     parameters = TorchElasticReschedulingParams
     params: TorchElasticReschedulingParams
 
-    def decide(self, ctx: RescheduleContext) -> Action:
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
         p = self.params
         deadline = int(p.deadline_s * NS)
         if ctx.forced is not None:
-            return Action(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=deadline)
+            return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=deadline)
         used = ctx.used.get(G.RESTART_JOB.value, 0)
         if p.max_restarts is not None and used >= p.max_restarts:
-            return Action(G.FAIL, f"max_restarts {p.max_restarts} used", budget="max_restarts")
+            return Fail(f"max_restarts {p.max_restarts} used")
         if ctx.nodes_to_replace > ctx.spares_available:
-            return Action(None, f"{ctx.nodes_to_replace} node(s) to replace, {ctx.spares_available} spare(s): "
-                                f"wait for nodes", deadline, wait=True)
-        return Action(G.RESTART_JOB, f"{ctx.fault_class.value} fault: restart every worker", deadline,
-                      budget=G.RESTART_JOB.value)
+            return Wait(f"{ctx.nodes_to_replace} node(s) to replace, {ctx.spares_available} spare(s): wait for nodes")
+        return StartRung(G.RESTART_JOB, f"{ctx.fault_class.value} fault: restart every worker", deadline)
 
 
 class TorchElasticCheckpointParams(Params):

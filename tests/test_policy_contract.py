@@ -13,14 +13,16 @@ import pytest
 
 from policies import (
     NS,
-    Action,
     CheckpointPolicyBase,
     DetectionPolicyBase,
     Granularity,
+    Ignore,
     Params,
+    Reschedule,
     RescheduleContext,
     ReschedulingPolicyBase,
     Signal,
+    StartRung,
     Verdict,
     WatchdogView,
     registry,
@@ -119,9 +121,9 @@ class ClockReading(ReschedulingPolicyBase):
     name = "clock-reading"
     version = "1"
 
-    def decide(self, ctx: RescheduleContext) -> Action:
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
         late = time.time() > 0  # the engine's log time is the only time a policy may see
-        return Action(Granularity.IN_PLACE, f"late: {late}")
+        return StartRung(Granularity.IN_PLACE, f"late: {late}")
 
 
 class HashOrdered(DetectionPolicyBase):
@@ -130,7 +132,7 @@ class HashOrdered(DetectionPolicyBase):
 
     def classify(self, signal: Signal) -> Verdict:
         nodes = {f"node-{rank}" for rank in range(signal.world)}
-        return Verdict("ignore", ", ".join(nodes))  # a set's order is its strings' hashes: another seed, another order
+        return Ignore(", ".join(nodes))  # a set's order is its strings' hashes: another seed, another order
 
     def check(self, view: WatchdogView) -> list[Verdict]:
         return []
@@ -157,9 +159,9 @@ class Counting(ReschedulingPolicyBase):
         super().__init__(params)
         self.asked = 0
 
-    def decide(self, ctx: RescheduleContext) -> Action:
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
         self.asked += 1  # state kept between calls: a replay that starts from a snapshot would answer otherwise
-        return Action(Granularity.IN_PLACE, f"asked {self.asked} times", 60 * NS)
+        return StartRung(Granularity.IN_PLACE, f"asked {self.asked} times", 60 * NS)
 
 
 def test_a_policy_that_reads_the_clock_fails_the_contract() -> None:

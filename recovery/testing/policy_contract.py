@@ -48,12 +48,13 @@ from pydantic import BaseModel, ValidationError
 from events.values import FaultClass, Granularity, Tier
 from policies import (
     NS,
-    Action,
     AttemptOutcome,
     CheckpointPlan,
     Family,
     PolicyError,
     PolicyRef,
+    Reschedule,
+    StartRung,
     Verdict,
     available,
     label,
@@ -364,7 +365,8 @@ class DetectionPolicyContract(PolicyContract):
 
 
 class ReschedulingPolicyContract(PolicyContract):
-    """The contract of a rescheduling policy: `decide` answers an `Action`."""
+    """The contract of a rescheduling policy: `decide` answers a `Reschedule`: `StartRung`, `Wait`, `Settle`
+    or `Fail`."""
 
     family: ClassVar[Family] = "rescheduling"
 
@@ -390,12 +392,13 @@ class ReschedulingPolicyContract(PolicyContract):
         return reschedule_contexts().map(lambda ctx: ("decide", ctx))
 
     def check_answer(self, call: Call, answer: Any) -> None:
-        assert isinstance(answer, Action), f"decide answered {answer!r}, not an Action"
-        assert answer.granularity is None or isinstance(answer.granularity, Granularity)
+        assert isinstance(answer, Reschedule), f"decide answered {answer!r}, not a Reschedule"
+        assert not isinstance(answer, StartRung) or isinstance(answer.granularity, Granularity)
 
 
 class CheckpointPolicyContract(PolicyContract):
-    """The contract of a checkpoint-source policy: `plan` answers a `CheckpointPlan`."""
+    """The contract of a checkpoint-source policy: `plan` answers a `CheckpointPlan`: `Resume`, `SaveDying` or
+    `AwaitDying`."""
 
     family: ClassVar[Family] = "checkpoint"
 

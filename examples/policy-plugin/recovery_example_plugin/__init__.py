@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from policies import NS, Action, Granularity, Params, RescheduleContext, ReschedulingPolicyBase
+from policies import NS, Granularity, Params, Reschedule, RescheduleContext, ReschedulingPolicyBase, StartRung, Wait
 
 
 class InPlaceFirstParams(Params):
@@ -26,15 +26,15 @@ class InPlaceFirst(ReschedulingPolicyBase):
     parameters = InPlaceFirstParams
     params: InPlaceFirstParams
 
-    def decide(self, ctx: RescheduleContext) -> Action:
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
         deadline = int(self.params.deadline_s * NS)
         if ctx.forced is not None:
-            return Action(ctx.forced, f"operator forced {ctx.forced.value}", deadline)
+            return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline)
         if ctx.previous:
-            return Action(Granularity.RESTART_JOB, "the first attempt did not recover: restart the job", deadline,
-                          rung=1)
+            return StartRung(Granularity.RESTART_JOB, "the first attempt did not recover: restart the job", deadline,
+                             rung=1)
         if ctx.needs_move:
             if ctx.nodes_to_migrate > ctx.spares_available:
-                return Action(None, "no spare for the node to leave: wait", deadline, wait=True)
-            return Action(Granularity.MIGRATE, "the node must be left: move its ranks", deadline)
-        return Action(Granularity.IN_PLACE, "restart the faulty processes where they are", deadline)
+                return Wait("no spare for the node to leave: wait")
+            return StartRung(Granularity.MIGRATE, "the node must be left: move its ranks", deadline)
+        return StartRung(Granularity.IN_PLACE, "restart the faulty processes where they are", deadline)

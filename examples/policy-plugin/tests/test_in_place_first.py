@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from recovery_example_plugin import InPlaceFirst
 
-from policies import NS, AttemptOutcome, Granularity
+from policies import NS, AttemptOutcome, Granularity, Wait
 from recovery.testing import Call, ReschedulingPolicyContract, make_reschedule_context
 
 
@@ -30,7 +30,7 @@ def test_moves_off_a_node_that_must_be_left_or_waits_for_a_spare() -> None:
     policy = InPlaceFirst()
     assert policy.decide(make_reschedule_context(nodes_to_replace=1)).granularity is Granularity.MIGRATE
     waiting = policy.decide(make_reschedule_context(nodes_to_replace=1, spares_available=0))
-    assert waiting.granularity is None and waiting.wait
+    assert isinstance(waiting, Wait)
 
 
 def test_restarts_the_job_once_the_first_attempt_failed() -> None:
