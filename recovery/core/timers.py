@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from events.names import TimerPurpose
 from events.outputs import TimerRequest
 from policies.base import NS
 from recovery.core.record import RecordEffects, Rejected
@@ -91,7 +92,7 @@ class Timekeeper:
     def arm_watchdog(self, out: RecordEffects, job: Job) -> list[TimerRequest]:
         """One periodic timer per running job: its firings are log events, its re-arming needs no decision."""
         interval = int(job.spec.watchdog_interval_s * NS)
-        timer = self.request(out, job, "watchdog", interval, every=interval)
+        timer = self.request(out, job, TimerPurpose.WATCHDOG, interval, every=interval)
         job.watchdog = timer.id
         return [timer]
 
