@@ -20,8 +20,8 @@ from events import subjects
 from events.envelope import Record
 from recovery.log import MSG_ID
 from recovery.log.snapshot import load_snapshot
-from recovery.service.daemon import SnapshotStore
 from recovery.service.demo import BuiltinCluster, Bus, DemoSettings
+from recovery.service.snapshots import SnapshotStore
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     DaemonProcess,
