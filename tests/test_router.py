@@ -4,7 +4,7 @@ Scenario and the simulator) share."""
 from __future__ import annotations
 
 from events import subjects
-from events.commands import CommandBase
+from events.commands import Command
 from events.envelope import EnvelopeBase, make_envelope
 from events.outputs import Decision, Rejection
 from policies.base import NS
@@ -73,7 +73,7 @@ class Routes(EffectRouter):
         super().__init__(Engine())
         self.seen: list[str] = []
 
-    def commanded(self, command: CommandBase, decision: Decision) -> None:
+    def commanded(self, command: Command, decision: Decision) -> None:
         self.seen.append(f"command {command.kind} of {decision.kind}")
 
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:

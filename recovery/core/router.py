@@ -9,7 +9,7 @@ Pure: no clock, no I/O; the driver decides when a timer is due and how its `time
 
 from __future__ import annotations
 
-from events.commands import CommandBase
+from events.commands import Command
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.outputs import Decision, Rejection
 from recovery.core.effects import Encoded, apply_encoded
@@ -42,7 +42,7 @@ class EffectRouter:
         if (type(record) is Record and record.envelope.type == TIMER_FIRED
                 and not (encoded and type(encoded[0][0]) is Rejection)):
             data = record.envelope.data
-            self.timers.fired(data.timer_id, record.envelope.job or "", data.due, record.ts)  # type: ignore[attr-defined]
+            self.timers.fired(data.timer_id, record.envelope.job or "", data.due, record.ts)
         if not encoded:
             return  # most records: heartbeats and steps
         timers = self.timers
@@ -62,7 +62,7 @@ class EffectRouter:
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         """A decision, with the subject, envelope and bytes it is written under."""
 
-    def commanded(self, command: CommandBase, decision: Decision) -> None:
+    def commanded(self, command: Command, decision: Decision) -> None:
         """A command of `decision`, for the executors (before the decision itself is routed)."""
 
     def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:

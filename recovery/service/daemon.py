@@ -817,7 +817,7 @@ async def run(cfg: DaemonConfig, companion: Companion | None = None) -> int:
     asyncio.get_running_loop().set_default_executor(_ShortLivedThreads())
     daemon = Daemon(cfg)
 
-    async def serve(*, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def serve(*, task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
             await daemon.run(companion, task_status=task_status)
         except DaemonFailed:

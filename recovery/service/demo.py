@@ -580,6 +580,7 @@ async def _refresh(live: Live, view: LiveView) -> None:
 
 async def _export(daemon: Daemon, path: Path) -> tuple[Path, str]:
     """Export the log for `recovery-replay` and verify it: the demo's own decisions, derived again."""
+    assert daemon.nc is not None and daemon.js is not None
     try:
         with anyio.fail_after(5):
             log = JetStreamLog(daemon.nc, daemon.js, daemon.cfg.stream, owns_connection=False)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from events import subjects
-from events.commands import CommandBase
+from events.commands import Command
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.outputs import Decision, Rejection
 from recovery.core.engine import Effect, Engine
@@ -100,7 +100,7 @@ class Processor(EffectRouter):
             self.skip_ids.difference_update(o.msg_id for o in out)
 
     # -- where effects go ---------------------------------------------------------------------------------
-    def commanded(self, command: CommandBase, decision: Decision) -> None:
+    def commanded(self, command: Command, decision: Decision) -> None:
         self._batch.commands[command.kind] += 1
         if command.id not in self.skip_ids:
             self._batch.out.append(Outgoing(subjects.command(command.job, command.kind),

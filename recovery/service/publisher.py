@@ -96,11 +96,11 @@ class Publisher:
                         self.duplicates += 1
                 else:
                     if maybe is not None and maybe.done() and not maybe.cancelled():
-                        exc = maybe.exception()
-                        assert exc is not None
-                        if not is_retryable(exc, idempotent=True):
-                            raise exc  # every message carries its id: only what cannot succeed is not sent again
-                        error = error or exc
+                        failure = maybe.exception()
+                        assert failure is not None
+                        if not is_retryable(failure, idempotent=True):
+                            raise failure  # every message carries its id: only what cannot succeed is not sent again
+                        error = error or failure
                     failed.append(i)
             remaining = failed
             if remaining:
