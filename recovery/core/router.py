@@ -33,7 +33,8 @@ class EffectRouter:
         """Apply one input record and route its effects; they come back encoded as they are written into a log
         (a record whose effects cannot be encoded is revoked: `recovery.core.effects.apply_encoded`)."""
         encoded = apply_encoded(self.engine, record)
-        self.route(record, encoded)
+        if encoded or (type(record) is Record and record.envelope.type == TIMER_FIRED):
+            self.route(record, encoded)  # most records have no effects: heartbeats and steps
         return encoded
 
     def route(self, record: Record | RawRecord, encoded: list[Encoded]) -> None:
