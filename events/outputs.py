@@ -29,8 +29,12 @@ class Decision(Frozen):
     cause_seq: StrictInt
     index: StrictInt = Field(description="position among the decisions caused by the same record")
     kind: str
-    previous: str
-    state: str
+    previous: str = Field(description="the job's lifecycle state before this decision")
+    state: str = Field(description="the job's lifecycle state after it: submitted, running, recovering, paused, "
+                                   "completed, failed or cancelled")
+    phase: str | None = Field(None, description="the phase of the recovery under way after this decision (planning, "
+                                                "settling, waiting, saving, stopping, rescheduling, restoring, paused, "
+                                                "closed), None while no incident is open")
     incident: str | None = None
     policy: str | None = Field(None, description="name@version of the policy that chose this")
     reason: str = ""

@@ -10,8 +10,10 @@ from recovery.core.machine import mermaid
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_draws_the_current_state_machine() -> None:
-    assert f"```mermaid\n{mermaid()}\n```" in (ROOT / "README.md").read_text()
+def test_readme_draws_the_current_state_machines() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for machine in ("job", "phase"):
+        assert f"```mermaid\n{mermaid(machine)}\n```" in readme, f"the {machine} machine's drawing is stale"
 
 
 def test_exported_wire_schema_is_current() -> None:

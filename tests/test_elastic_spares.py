@@ -27,7 +27,7 @@ def test_an_elastic_job_resumes_at_its_minimum_with_a_spare_instead_of_waiting()
     s.node_event("n3", "device.fault", device=0, vendor="nvidia", code="79")
     s.advance(3)
     s.ack_all()
-    assert s.state("e") != "waiting", s.kinds("e")
+    assert s.phase("e") != "waiting", s.kinds("e")
     [scale] = s.commands_of("scale_job")
     assert scale.dp == 3 and sorted(scale.nodes) == ["n0", "n1", "s0"]
     s.train("e", 2)
@@ -47,7 +47,7 @@ def test_an_elastic_job_below_its_minimum_even_with_the_spares_waits() -> None:
     s.node_event("n2", "device.fault", device=0, vendor="nvidia", code="79")
     s.node_event("n3", "device.fault", device=0, vendor="nvidia", code="79")
     s.advance(3)
-    assert s.state("e") == "waiting"
+    assert s.phase("e") == "waiting"
     s.spare("s0")  # one node returns: three can run now
     s.ack_all()
     [scale] = s.commands_of("scale_job")
@@ -69,7 +69,7 @@ def test_a_jobs_spare_quota_leaves_the_rest_of_the_pool_to_other_jobs() -> None:
     s.node_event("a2", "device.fault", device=0, vendor="nvidia", code="79")
     s.advance(3)
     s.ack_all()
-    assert s.state("a") == "waiting"
+    assert s.phase("a") == "waiting"
     assert "2 node(s) to replace, 1 spare(s)" in s.find("attempt.waiting", "a")[-1].reason
     s.node_event("b1", "device.fault", device=0, vendor="nvidia", code="79")
     s.ack_all()
@@ -91,7 +91,7 @@ def test_a_quota_counts_the_spares_a_job_already_holds() -> None:
     s.node_event("a0", "device.fault", device=0, vendor="nvidia", code="79")  # its quota is spent on s0
     s.advance(3)
     s.ack_all()
-    assert s.state("a") == "waiting" and "s1" not in s.engine.jobs["a"].nodes
+    assert s.phase("a") == "waiting" and "s1" not in s.engine.jobs["a"].nodes
 
 
 def test_a_log_written_before_spares_was_a_quota_replays_as_it_ran(tmp_path: Path) -> None:

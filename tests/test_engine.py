@@ -23,7 +23,7 @@ def test_exit_of_a_rank_that_was_only_rolled_back_is_a_fault() -> None:
     s = restarted_rank_1()
     s.job_event("j", "process.exited", rank=5, exit_code=139, attempt=0)  # same process, generation 0
     assert s.kinds("j")[-2:] == ["attempt.superseded", "attempt.settling"]
-    assert s.engine.jobs["j"].state == "settling" and not s.outstanding("restart_ranks")
+    assert s.engine.jobs["j"].phase == "settling" and not s.outstanding("restart_ranks")
     s.advance(2)  # the ladder's settle window: the next attempt covers both exits
     [restart] = s.outstanding("restart_ranks")
     assert restart.ranks == [1, 5]
@@ -44,7 +44,7 @@ def test_progress_of_an_untouched_rank_in_its_own_generation_neither_closes_nor_
     s.ack_all()
     s.job_event("j", "progress.step", rank=5, step=9, attempt=0)
     job = s.engine.jobs["j"]
-    assert job.step == 5 and job.state == "restoring"
+    assert job.step == 5 and job.phase == "restoring"
     s.job_event("j", "progress.step", rank=5, step=6, attempt=0)  # rolled back to the resume point, trains on
     assert not s.rejections and job.steps[5] == 6
     s.job_event("j", "progress.step", rank=1, step=6, attempt=1)
@@ -68,7 +68,7 @@ def test_a_burst_of_exits_makes_one_attempt_after_the_settle_window() -> None:
     # the other 62 only join the incident instead of superseding one attempt after another.
     assert s.kinds("j").count("attempt.started") == 1
     assert s.kinds("j").count("attempt.superseded") == 1
-    assert s.state("j") == "settling"
+    assert s.phase("j") == "settling"
     s.advance(2)
     started = s.find("attempt.started", "j")
     assert len(started) == 2 and started[-1].detail["ranks"] == list(range(64))
@@ -82,7 +82,7 @@ def test_a_burst_of_exits_makes_one_attempt_after_the_settle_window() -> None:
 
 def test_an_operator_order_closes_the_settle_window() -> None:
     s = crash_every_rank(nodes=2, rpn=2)
-    assert s.state("j") == "settling"
+    assert s.phase("j") == "settling"
     s.job_event("j", "operator.force", granularity="restart_job")
     started = s.find("attempt.started", "j")[-1]
     assert started.detail["granularity"] == "restart_job"
@@ -100,7 +100,7 @@ def test_a_node_whose_link_is_down_is_left_or_waited_for_not_restarted_on() -> N
     assert not s.engine.cluster.usable("b")
     s.advance(10)  # the link debounce: a fault now, and no spare to move to
     assert s.find("fault.confirmed", "j")
-    assert s.state("j") == "waiting" and not s.outstanding()
+    assert s.phase("j") == "waiting" and not s.outstanding()
     assert "retry" not in [d.detail.get("granularity") for d in s.find("attempt.started", "j")]
     s.node_event("b", "network.link_up", link="mlx5_0")  # the switch is back: the job recovers where it is
     [started] = s.find("attempt.started", "j")

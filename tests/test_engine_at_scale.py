@@ -62,7 +62,7 @@ def test_a_crash_after_a_job_level_restart_starts_a_new_attempt() -> None:
     s.job_event("llm", "operator.force", granularity="restart_job")
     s.ack_all()
     job = s.engine.jobs["llm"]
-    assert job.state == "restoring"
+    assert job.phase == "restoring"
     s.advance(30)  # the restarted ranks are loading their checkpoint when one of them crashes
     s.job_event("llm", "process.exited", rank=1, exit_code=139, attempt=job.generation)
     assert s.kinds("llm")[-1] != "fault.absorbed", "the crash waits for the attempt's deadline"

@@ -205,7 +205,7 @@ def test_a_policy_asking_for_a_restart_the_cluster_cannot_place_makes_the_job_wa
     s.node_event("n1", "node.not_ready", reason="kernel panic")
     s.idle("j", 25, ranks=[0, 1])
     assert not [r for r in s.rejections if r.code == "internal_error"], s.rejections
-    assert s.state("j") == "waiting"
+    assert s.phase("j") == "waiting"
     waiting = s.find("attempt.waiting", "j")[-1]
     assert "cannot be placed" in waiting.reason and "0 spare" in waiting.reason
     s.spare("spare0")

@@ -32,7 +32,7 @@ from events.outputs import Decision, Rejection
 from events.values import STORAGE_HOLDER, Elastic, Granularity, ResumePlan, Tier
 from policies.codes import NVIDIA_XID
 from recovery.core.engine import Effect, Engine
-from recovery.core.machine import FINAL, STATES
+from recovery.core.machine import FINAL, PHASES, STATES
 from recovery.log import write_file
 from recovery.log.recorder import replay
 from recovery.testing.scenario import Scenario
@@ -197,7 +197,8 @@ class CheckedScenario(Scenario):
 
 
 LIFECYCLE_KINDS = (StopRanks, RestartRanks, MigrateRanks, RestartJob, ScaleJob)
-RECOVERY_STATES = frozenset({"saving", "stopping", "rescheduling", "restoring", "waiting", "settling", "paused"})
+RECOVERY_STATES = frozenset({"recovering", "paused"})
+"""the lifecycle states in which, and only in which, a job has an open incident (whose phase says where it stands)"""
 
 
 @dataclass
@@ -213,6 +214,7 @@ class Driver:
     finals: dict[str, str] = field(default_factory=dict)
     checked: int = 0
     last_state: dict[str, str] = field(default_factory=dict)
+    last_phase: dict[str, str | None] = field(default_factory=dict)
 
     # -- setup ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -433,8 +435,9 @@ class Driver:
                 assert len(set(job.nodes)) == len(job.nodes), f"{name}: a node twice in {job.nodes}"
                 foreign = [n for n in job.nodes if getattr(s.engine.cluster.nodes.get(n), "job", None) != name]
                 assert not foreign, f"{name}: placed on {foreign}, which the cluster gives to another job"
-            if job.state in RECOVERY_STATES:
-                assert job.incident is not None, f"{name} is {job.state} without an open incident"
+            assert (job.state in RECOVERY_STATES) == (job.incident is not None), (
+                f"{name} is {job.state} with{'out' if job.incident is None else ''} an open incident")
+            assert job.incident is None or job.incident.phase in PHASES, f"{name}: unknown phase"
         assert_no_conflicting_commands(s)
         for decision in s.decisions[self.checked:]:
             # The decisions of a job form one chain of states: no state change goes unrecorded.
@@ -443,10 +446,15 @@ class Driver:
                 f"{decision.job}: {decision.kind} starts from {decision.previous}, but the last decision left "
                 f"it {last}")
             self.last_state[decision.job] = decision.state
+            self.last_phase[decision.job] = decision.phase
             self.check_plans(decision)
         self.checked = len(s.decisions)
         for name, job in s.engine.jobs.items():
             assert job.state == self.last_state[name], f"{name} is {job.state}, its last decision says otherwise"
+            # The phase too: every record that moves a recovery decides something, and says where it left it.
+            if job.incident is not None:
+                assert job.phase == self.last_phase[name], (
+                    f"{name} is {job.phase}, its last decision says {self.last_phase[name]}")
 
     def check_plans(self, decision: Decision) -> None:
         """A resume point is a step whose every shard was reported saved, and each rank's source holds its
@@ -628,7 +636,7 @@ def test_resume_without_enough_nodes_waits_instead_of_failing_the_transition() -
     s.node_event("n1", "node.not_ready", reason="rebooting")
     s.job_event("job", "operator.resume")
     no_internal_errors(s)
-    assert s.state("job") == "waiting"
+    assert s.phase("job") == "waiting"
     assert s.find("attempt.started", "job")[-1].previous == "paused"
 
 
@@ -642,7 +650,7 @@ def test_resume_stops_processes_that_came_back_while_paused() -> None:
     s.job_event("job", "process.started", rank=0, pid=4242, attempt=s.engine.jobs["job"].generation)
     s.job_event("job", "operator.resume")
     no_internal_errors(s)
-    assert s.state("job") == "stopping"
+    assert s.phase("job") == "stopping"
     assert [c.ranks for c in s.outstanding() if isinstance(c, StopRanks)] == [[0]]
 
 
@@ -671,13 +679,13 @@ def test_forced_scale_in_never_places_the_job_on_too_few_nodes() -> None:
     s.train("job", 3)
     s.node_event("n0", "node.not_ready", reason="gone")
     s.advance(21)  # past the not-ready grace: node fault, no spare: wait
-    assert s.state("job") == "waiting"
+    assert s.phase("job") == "waiting"
     s.job_event("job", "operator.force", granularity="scale_in")
     s.job_event("job", "operator.force", granularity="scale_in")
     no_internal_errors(s)
     for command in s.commands_of("restart_job") + s.commands_of("scale_job"):
         assert command.nodes, command
-    assert s.state("job") == "waiting"
+    assert s.phase("job") == "waiting"
 
 
 def suspicion_across_scale_in(link_node: str) -> Scenario:

@@ -316,11 +316,11 @@ class Generator:
         """Every live rank of a running job reports its next step; during a recovery they only heartbeat."""
         for job_id in self.job_ids:
             job = self.engine.jobs[job_id]
-            state = job.state
-            if state in ("running", "suspect", "restoring"):
+            state = job.phase or job.state
+            if state in ("running", "restoring"):
                 step: int | None = job.step + 1
                 type_ = "progress.step"
-            elif state in ("saving", "stopping", "rescheduling", "waiting"):
+            elif state in ("planning", "settling", "saving", "stopping", "rescheduling", "waiting"):
                 step, type_ = None, "process.heartbeat"
             else:
                 continue

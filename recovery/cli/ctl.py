@@ -180,7 +180,7 @@ def render(verb: str, reply: dict[str, Any]) -> None:
     console = Console()
     if verb == "jobs":
         table = Table(title=f"{len(reply['jobs'])} job(s)")
-        columns = ("job", "state", "step", "generation", "alive", "dp", "nodes", "incident", "attempt",
+        columns = ("job", "state", "phase", "step", "generation", "alive", "dp", "nodes", "incident", "attempt",
                    "incidents_closed", "restarts_used")
         for column in columns:
             table.add_column(column.replace("_", " "))

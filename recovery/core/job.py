@@ -8,6 +8,7 @@ from typing import Any
 
 from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier
 from policies.base import AttemptSummary, PolicySet, SaveRequest, Verdict
+from recovery.core.machine import fire_phase
 
 DEDUPE_WINDOW = 256
 """event ids remembered per job: JetStream's duplicate window is the first line, this the second"""
@@ -25,7 +26,6 @@ class Attempt:
     reason: str
     started: int
     deadline_timer: str | None = None
-    phase: str = "planning"
     pending: dict[str, tuple[str, str]] = field(default_factory=dict)  # command id -> (kind, ack timer id)
     ranks: tuple[int, ...] = ()  # ranks whose processes restart (all of them for job-level)
     stopping: tuple[int, ...] = ()
@@ -45,7 +45,7 @@ class Attempt:
 
     def summary(self) -> dict[str, Any]:
         return {"number": self.number, "granularity": self.granularity.value, "rung": self.rung,
-                "purpose": self.purpose, "started": self.started, "phase": self.phase,
+                "purpose": self.purpose, "started": self.started,
                 "ranks": list(self.ranks), "vacate": list(self.vacate), "outcome": self.outcome,
                 "resume_step": None if self.plan is None else self.plan.checkpoint_step}
 
@@ -60,7 +60,10 @@ class Incident:
     cause: str  # fault | scale | operator
     faults: list[dict[str, Any]] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
-    phases: list[list[Any]] = field(default_factory=list)  # [name, start, end or None]
+    phase: str = "planning"
+    """where the recovery stands: driven only through `move` (recovery.core.machine's phase machine)"""
+    phases: list[list[Any]] = field(default_factory=list)
+    """the phases so far, [name, start, end or None], for reports: a history, not the state"""
     dying_tried: bool = False
     peer_tried: bool = False
     widened: bool = False  # a fault outside the attempt under way superseded it; no attempt since
@@ -80,12 +83,24 @@ class Incident:
         return tuple(AttemptSummary(a.granularity, a.outcome, a.rung)  # type: ignore[arg-type]
                      for a in self.attempts if a.outcome in ("failed", "timed_out", "superseded"))
 
-    def enter(self, phase: str, ts: int) -> None:
-        if self.phases and self.phases[-1][2] is None:
-            if self.phases[-1][0] == phase:
+    def __post_init__(self) -> None:
+        if not self.phases:
+            self.phases.append([self.phase, self.opened, None])
+
+    def move(self, trigger: str, ts: int) -> None:
+        """Fire `trigger` on the incident's phase at log time `ts`, and note the phase in its history."""
+        fire_phase(self, trigger)
+        phases = self.phases
+        if phases and phases[-1][0] == self.phase and phases[-1][2] is None:
+            return  # a self-loop (another dying checkpoint asked for): the same interval goes on
+        if phases and phases[-1][1] == ts and phases[-1][2] is None:
+            phases.pop()  # a phase left at the log time it was entered (planning, mostly) took no time
+            if phases and phases[-1][0] == self.phase and phases[-1][2] == ts:
+                phases[-1][2] = None  # back where it was at the same time: one interval, not three
                 return
-            self.phases[-1][2] = ts
-        self.phases.append([phase, ts, None])
+        if phases and phases[-1][2] is None:
+            phases[-1][2] = ts
+        phases.append([self.phase, ts, None])
 
     def copy(self) -> Incident:
         """A copy for the journal: it shares only the faults list, which a record only appends to."""
@@ -99,7 +114,7 @@ class Incident:
                 "fault_class": None if self.fault_class is None else self.fault_class.value,
                 "fault_step": self.fault_step, "outcome": self.outcome, "lost_steps": self.lost_steps,
                 "faults": self.faults, "attempts": [a.summary() for a in self.attempts],
-                "phases": [list(p) for p in self.phases]}
+                "phase": self.phase, "phases": [list(p) for p in self.phases]}
 
 
 class Job:
@@ -238,6 +253,12 @@ class Job:
     def node_of(self, rank: int) -> str:
         return self.nodes[rank // self.rpn]
 
+    @property
+    def phase(self) -> str | None:
+        """The phase of the recovery under way (its incident's), or None while no incident is open."""
+        incident = self.incident
+        return incident.phase if incident is not None else None
+
     def ranks_on(self, node: str) -> range:
         index = self.nodes.index(node)
         return range(index * self.rpn, (index + 1) * self.rpn)
@@ -285,7 +306,8 @@ class Job:
     def snapshot(self) -> dict[str, Any]:
         """The job's state as plain data, for replay output, `recovery-ctl` and tests."""
         return {
-            "job": self.id, "state": self.state, "generation": self.generation, "step": self.step,
+            "job": self.id, "state": self.state, "phase": self.phase, "generation": self.generation,
+            "step": self.step,
             "layout": self.layout.model_dump(), "nodes": list(self.nodes),
             "alive": sum(self.alive), "world": self.world, "step_time_ns": self.step_time,
             "restarts_used": self.restarts_used, "used": dict(sorted(self.used.items())),

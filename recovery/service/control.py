@@ -51,16 +51,17 @@ def job_row(snapshot: dict[str, Any]) -> dict[str, Any]:
             "generation": snapshot["generation"], "alive": snapshot["alive"], "world": snapshot["world"],
             "nodes": len(snapshot["nodes"]), "dp": snapshot["layout"]["dp"],
             "incident": incident["id"] if incident else None,
-            "attempt": None if attempt is None else f"{attempt['granularity']} ({attempt['phase']})",
+            "phase": incident["phase"] if incident else None,
+            "attempt": None if attempt is None else attempt["granularity"],
             "incidents_closed": len(snapshot["incidents"]), "restarts_used": snapshot["restarts_used"]}
 
 
 def incident_row(job: str, inc: dict[str, Any]) -> dict[str, Any]:
-    phase = inc["phases"][-1][0] if inc["phases"] else None
+    phase = inc["phase"]
     return {"job": job, "incident": inc["id"], "cause": inc["cause"], "fault_class": inc["fault_class"],
             "opened": inc["opened"], "closed": inc["closed"], "outcome": inc["outcome"], "phase": phase,
             "faults": len(inc["faults"]), "lost_steps": inc["lost_steps"],
-            "attempts": [f"{a['granularity']}:{a['outcome'] or a['phase']}" for a in inc["attempts"]]}
+            "attempts": [f"{a['granularity']}:{a['outcome'] or 'open'}" for a in inc["attempts"]]}
 
 
 def effect_summary(effects: list[Any]) -> dict[str, Any]:

@@ -472,14 +472,14 @@ class LiveView:
                      title_justify="left", expand=True)
         for column in ("job", "state", "step", "gen", "ranks", "nodes", "incident", "attempt / phase", "closed"):
             jobs.add_column(column)
-        colours = {"running": "green", "restoring": "cyan", "suspect": "yellow", "failed": "red",
+        colours = {"running": "green", "recovering": "yellow", "paused": "cyan", "failed": "red",
                    "cancelled": "red", "completed": "blue"}
         for job_id in sorted(engine.jobs):
             job = engine.jobs[job_id]
             incident = job.incident
             attempt = incident.attempt if incident is not None else None
-            phase = incident.phases[-1][0] if incident is not None and incident.phases else ""
-            what = f"{attempt.granularity.value} / {attempt.phase}" if attempt is not None else phase
+            phase = job.phase or ""
+            what = f"{attempt.granularity.value} / {phase}" if attempt is not None else phase
             jobs.add_row(job_id, Text(job.state, style=colours.get(job.state, "magenta")), str(job.step),
                          str(job.generation), f"{sum(job.alive)}/{job.world}", " ".join(job.nodes),
                          incident.id if incident else "", what, str(len(job.closed)))

@@ -31,11 +31,12 @@ CAUSES: dict[str, str] = {
 """Causes of lost time, in the order of the summary."""
 
 STATE_LABEL = {
-    "submitted": "detection", "running": "detection", "suspect": "detection", "saving": "saving",
-    "stopping": "stopping", "rescheduling": "rescheduling", "restoring": "blocked", "waiting": "waiting",
-    "settling": "detection", "paused": "waiting", "completed": "failed", "failed": "failed", "cancelled": "failed",
+    "submitted": "detection", "running": "detection", "planning": "detection", "settling": "detection",
+    "saving": "saving", "stopping": "stopping", "rescheduling": "rescheduling", "restoring": "blocked",
+    "waiting": "waiting", "paused": "waiting", "completed": "failed", "failed": "failed", "cancelled": "failed",
 }
-"""The label of a stopped job's time, from the engine's state (the world labels training and loading)."""
+"""The label of a stopped job's time, from the phase of its recovery or else its state (the world labels training
+and loading)."""
 
 
 class Ledger:

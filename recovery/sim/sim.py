@@ -22,6 +22,7 @@ from events.commands import CommandBase
 from events.envelope import EnvelopeBase, make_envelope
 from events.outputs import Decision, Rejection
 from recovery.core.engine import Engine
+from recovery.core.job import Job
 from recovery.core.timers import TimerTable
 from recovery.log import EPOCH, CountingLog, FileLog, MemoryLog, Recorder, write_file
 from recovery.sim.accounting import CAUSES, STATE_LABEL, FaultOutcome, Ledger, Result
@@ -138,7 +139,7 @@ class Simulator:
         label = self.world.busy_label
         if label is None:
             job = self.engine.jobs.get(self.cfg.job)
-            label = STATE_LABEL.get(job.state if job is not None else "submitted", "detection")
+            label = STATE_LABEL.get((job.phase or job.state) if job is not None else "submitted", "detection")
         self.ledger.label(self._now, label)
 
     def _inject(self, fault: Fault) -> None:
@@ -203,7 +204,7 @@ class Simulator:
             lost_s=lost,
             faults=self.outcomes, restarts=dict(sorted(self.restarts.items())), events=self.events,
             decisions=self.decisions, rejections=dict(sorted(self.rejections.items())),
-            records=self._records(), job_state=job.state if job is not None else "?",
+            records=self._records(), job_state=_job_state(job),
             steps=self.world.high_water, sim_seconds=seconds, engine_seconds=self.engine_seconds,
             stats=dict(sorted(self.world.stats.items())),
         )
@@ -242,3 +243,10 @@ def event(type_: str, data: dict[str, object], *, id: str, job: str | None = Non
         return subjects.job_event(job, type_), make_envelope(type_, data, id=id, job=job)
     assert node is not None
     return subjects.node_event(node, type_), make_envelope(type_, data, id=id, node=node)
+
+
+def _job_state(job: Job | None) -> str:
+    """The job's state at the end, with the phase of a recovery still open (`recovering (waiting)`)."""
+    if job is None:
+        return "?"
+    return f"{job.state} ({job.phase})" if job.phase else job.state

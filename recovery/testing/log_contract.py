@@ -29,8 +29,8 @@ def heartbeat(i: int, job: str = "j1") -> EnvelopeBase:
 
 
 def decision_envelope(job: str, cause_seq: int) -> EnvelopeBase:
-    data = {"job": job, "cause_seq": cause_seq, "index": 0, "kind": "suspect", "previous": "running",
-            "state": "suspect", "reason": "missed heartbeats"}
+    data = {"job": job, "cause_seq": cause_seq, "index": 0, "kind": "fault.suspected", "previous": "running",
+            "state": "running", "reason": "missed heartbeats"}
     return make_envelope("decision", data, id=f"dec-{job}-{cause_seq}-0", job=job)
 
 

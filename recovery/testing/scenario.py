@@ -178,7 +178,12 @@ class Scenario:
 
     # -- reading ----------------------------------------------------------------------------------------
     def state(self, job: str) -> str:
+        """The job's lifecycle state: submitted, running, recovering, paused, completed, failed or cancelled."""
         return self.engine.jobs[job].state
+
+    def phase(self, job: str) -> str | None:
+        """The phase of the job's recovery under way, or None while no incident is open."""
+        return self.engine.jobs[job].phase
 
     def kinds(self, job: str | None = None) -> list[str]:
         return [d.kind for d in self.decisions if job is None or d.job == job]

@@ -1,0 +1,258 @@
+"""Detection: what a signal means for a job, and when a suspicion becomes a fault.
+
+The job's detection policy classifies each signal (ignore, suspect, clear, fault, drain) and checks the watchdog
+view on every tick; this part keeps the suspicions and their confirmation timers, confirms suspicions due
+together as one fault set, plans drains of sub-healthy nodes, marks hardware out of service, and records each
+confirmed fault in the job's incident (opening one, or widening the one under way).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from events import kinds
+from events.commands import IsolateDevice, IsolateNode
+from events.values import FaultClass, Granularity
+from policies.base import NS, RankActivity, Signal, Verdict, WatchdogView
+from policies.detection import DefaultDetection
+from recovery.core.cluster import ClusterView
+from recovery.core.incidents import Incidents
+from recovery.core.job import Attempt, Incident, Job
+from recovery.core.placement import Placement
+from recovery.core.record import RecordEffects, ask
+from recovery.core.timers import Timekeeper
+
+G = Granularity
+_PROCESS_FAULTS = (FaultClass.PROCESS, FaultClass.HANG, None)
+
+
+class Detection:
+    def __init__(self, cluster: ClusterView, timekeeper: Timekeeper, placement: Placement,
+                 incidents: Incidents) -> None:
+        self.cluster = cluster
+        self.timekeeper = timekeeper
+        self.placement = placement
+        self.incidents = incidents
+        self.hardware = DefaultDetection()  # judges device faults on nodes no job runs on
+
+    def signal(self, out: RecordEffects, job: Job, signal: Signal) -> None:
+        if job.state in ("submitted", "paused"):
+            if isinstance(signal.data, kinds.DeviceFault):  # no recovery now, but the hardware is what it is
+                verdict = ask(job, "detection", job.policies.detection.classify, signal)
+                if verdict.kind == "fault":
+                    self.mark_hardware(verdict)
+            return
+        verdict = ask(job, "detection", job.policies.detection.classify, signal)
+        self.verdict(out, job, verdict, type_=signal.type)
+
+    def mark_hardware(self, verdict: Verdict) -> None:
+        """What a confirmed fault says of the hardware, whoever runs there: an isolated node, a bad device."""
+        if verdict.node is None:
+            return
+        if verdict.isolate == "node":
+            self.cluster.node(verdict.node).isolated = True
+        if verdict.needs_move and verdict.device is not None:
+            self.cluster.node(verdict.node).bad_devices.add(verdict.device)
+
+    def verdict(self, out: RecordEffects, job: Job, verdict: Verdict, type_: str) -> None:
+        policy = job.policies.labels["detection"]
+        if verdict.kind == "ignore":
+            if type_ not in ("network.link_up", "node.ready", "device.recovered"):
+                out.decide(job, "signal.ignored", verdict.reason, policy=policy,
+                           detail={"signal": type_, "code": verdict.code})
+        elif verdict.kind == "clear":
+            entry = job.suspects.pop(verdict.key or "", None)
+            if entry is None:
+                return
+            cancelled = self.timekeeper.cancel(entry[1])
+            out.decide(job, "fault.cleared", verdict.reason, policy=policy,
+                       cancelled=cancelled, detail={"key": verdict.key})
+        elif verdict.kind == "suspect":
+            key = verdict.key or f"{type_}:{out.seq}"
+            if key in job.suspects:
+                return  # already counting down: a repeated signal does not restart the debounce
+            timer = self.timekeeper.request(out, job, f"confirm/{key}", verdict.confirm_after_ns)
+            job.suspects[key] = (verdict, timer.id)
+            out.decide(job, "fault.suspected", verdict.reason, policy=policy,
+                       timers=[timer], detail={"key": key, "ranks": list(verdict.ranks)})
+        elif verdict.kind == "drain":
+            node = verdict.node
+            if node is None or node not in job.nodes or node in job.drains:
+                return
+            job.drains[node] = verdict.reason
+            out.decide(job, "node.drain_planned", verdict.reason, policy=policy,
+                       detail={"node": node, "device": verdict.device, "code": verdict.code})
+        else:
+            self.fault(out, job, verdict, policy)
+
+    def drain(self, out: RecordEffects, job: Job, step: int) -> None:
+        """Move the ranks off sub-healthy nodes now that `step` is a complete checkpoint: a planned pod-level move
+        that loses nothing, instead of a fault later."""
+        for gone in [n for n in job.drains if n not in job.nodes]:
+            del job.drains[gone]  # the job left it meanwhile
+        nodes = list(job.drains)
+        if not nodes:
+            return
+        spares = self.placement.spares_for(job)
+        if len(spares) < len(nodes):
+            out.decide(job, "node.drain_deferred", f"{len(nodes)} node(s) to drain, {len(spares)} spare(s): "
+                       f"try again at the next checkpoint",
+                         detail={"nodes": nodes, "step": step})
+            return
+        for name in nodes:
+            self.cluster.node(name).drained = True  # no new work lands there until it rejoins
+        reasons = "; ".join(job.drains[n] for n in nodes)
+        job.drains.clear()
+        incident = self.incidents.open(out, job, "drain")
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=G.MIGRATE, rung=0, purpose="drain",
+                          reason=f"checkpoint at step {step} complete: drain {', '.join(nodes)} ({reasons})",
+                          started=out.ts)
+        self.incidents.start(out, job, attempt, 900 * NS, None, nodes)
+
+    def fault(self, out: RecordEffects, job: Job, verdict: Verdict, policy: str, plan: bool = True) -> None:
+        """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch)."""
+        commands: list[Any] = []
+        if verdict.isolate is not None and verdict.node is not None:
+            if verdict.isolate == "node":
+                commands.append(IsolateNode(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                            deadline_s=60, node=verdict.node, reason=verdict.reason))
+            else:
+                commands.append(IsolateDevice(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                              deadline_s=60, node=verdict.node, device=verdict.device or 0,
+                                              reason=verdict.reason))
+        self.mark_hardware(verdict)
+        if not verdict.ranks and verdict.scope != "job":
+            # Hardware none of the job's ranks uses: marked out of service, and the job goes on.
+            out.decide(job, "hardware.marked", verdict.reason, policy=policy, commands=commands,
+                       detail={"node": verdict.node, "device": verdict.device, "code": verdict.code})
+            return
+        if verdict.lost:
+            for rank in verdict.ranks:
+                job.put(job.alive, rank, 0)
+        fault = {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
+                 "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
+                 "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
+        incident = job.incident
+        if incident is not None:
+            incident.faults.append(fault)
+            self._note_exiting(incident, verdict)
+            self._note_dead_hosts(job, incident, verdict)
+            attempt = incident.attempt
+            if incident.phase == "waiting" or attempt is None:
+                out.decide(job, "fault.added", verdict.reason, policy=policy, commands=commands)
+                if plan and incident.settle_timer is None:  # a settle window decides when it closes
+                    self.incidents.plan(out, job)
+                return
+            if incident.phase in ("rescheduling", "restoring") and verdict.fault_class in _PROCESS_FAULTS and (
+                    attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
+                # The restarted (or retried) processes themselves crashed or hung: this attempt did not work. New
+                # hardware under them (a device, a node, a link) is a new fault instead: it widens the incident.
+                out.decide(job, "fault.added", verdict.reason, policy=policy, commands=commands)
+                why = f"attempt {attempt.number} ({attempt.granularity.value}) failed: {verdict.reason}"
+                self.incidents.end_attempt(out, job, attempt, "failed", why, plan=plan)
+                return
+            if self._covered(job, attempt, verdict):
+                out.decide(job, "fault.absorbed", verdict.reason, policy=policy, commands=commands,
+                           detail={"attempt": attempt.number})
+                return
+            out.decide(job, "fault.added", verdict.reason, policy=policy, commands=commands)
+            incident.widened = True
+            self.incidents.end_attempt(out, job, attempt, "superseded", f"new fault outside attempt "
+                                       f"{attempt.number}: {verdict.reason}", plan=plan)
+            return
+        # Pending suspicions stay: the other nodes behind a failed switch confirm later and join this incident.
+        cancelled = self.timekeeper.cancel(job.watchdog)
+        job.watchdog = None
+        job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
+                                fault_step=job.step, fault_class=verdict.fault_class, cause="fault",
+                                faults=[fault])
+        self._note_exiting(job.incident, verdict)
+        self._note_dead_hosts(job, job.incident, verdict)
+        out.decide(job, "fault.confirmed", verdict.reason, trigger="recover", policy=policy, commands=commands,
+                   cancelled=cancelled, detail={"fault": fault, "step": job.step})
+        if plan:
+            self.incidents.plan(out, job)
+
+    @staticmethod
+    def _note_dead_hosts(job: Job, incident: Incident, verdict: Verdict) -> None:
+        """A node fault declares its hosts gone (their ranks fell silent together, or a host stayed not ready): what
+        they held in memory or on local disk is no source for this incident's restarts, whatever the cluster view
+        says of their readiness (a silent host has not said it is not ready)."""
+        if verdict.fault_class is FaultClass.NODE and verdict.lost:
+            hosts = {job.nodes[r // job.rpn] for r in verdict.ranks if r < job.world}
+            if not incident.dead_hosts.issuperset(hosts):
+                incident.dead_hosts = incident.dead_hosts | hosts
+
+    @staticmethod
+    def _note_exiting(incident: Incident, verdict: Verdict) -> None:
+        """Processes the platform stopped (a preemption whose processes are gone) write a dying checkpoint on their
+        way out: the checkpoint policy may hold the restart for it."""
+        if verdict.fault_class is FaultClass.PREEMPTION and verdict.lost and not incident.exiting.issuperset(
+                verdict.ranks):
+            incident.exiting = incident.exiting | frozenset(verdict.ranks)
+
+    def _covered(self, job: Job, attempt: Attempt, verdict: Verdict) -> bool:
+        """Is this fault already handled by the attempt under way (its ranks restart or stop anyway)?"""
+        if attempt.granularity is G.RETRY:
+            return not verdict.lost and not verdict.needs_move
+        if verdict.node is not None and verdict.node not in attempt.vacate and (
+                verdict.needs_move or not self.cluster.usable_by(verdict.node, job.rpn)):
+            return False  # the attempt restarts ranks on a node that can take none now: leave it, or wait for it
+        if attempt.covered is None:  # built once: a burst of exits during a 16k-rank restart asks per exit
+            attempt.covered = frozenset(attempt.ranks) | frozenset(attempt.stopping)
+        covered = attempt.covered
+        return all(rank in covered for rank in verdict.ranks)
+
+    def _confirm(self, out: RecordEffects, job: Job, key: str) -> Verdict | None:
+        """Turn the suspicion `key` into a confirmed fault, or drop it (with a decision) if it no longer applies."""
+        verdict, _ = job.suspects.pop(key)
+        gone = verdict.node is not None and verdict.node not in job.nodes
+        if gone or job.state == "paused":
+            # The job left that node (migrated or scaled in) while the suspicion counted down, so its ranks there
+            # are gone or renumbered; or an operator paused the job, which takes no signals (as in _signal).
+            # Either way there is nothing left to confirm.
+            why = f"job no longer on {verdict.node}" if gone else "job is paused"
+            out.decide(job, "fault.cleared", f"{verdict.reason}: {why}",
+                       policy=job.policies.labels["detection"], detail={"key": key})
+            return None
+        ranks = verdict.ranks
+        if verdict.node is not None:
+            # A resize since the suspicion may have renumbered the node's ranks: keep each rank's slot on the
+            # node (rank % ranks_per_node), not its old number.
+            on_node = job.ranks_on(verdict.node)
+            ranks = tuple(on_node[r % job.rpn] for r in verdict.ranks)
+        return Verdict("fault", f"confirmed: {verdict.reason}", verdict.fault_class, verdict.scope, ranks,
+                       verdict.node, verdict.device, verdict.lost, verdict.needs_move, verdict.isolate, verdict.key,
+                       0, verdict.code)
+
+    def watchdog(self, out: RecordEffects, job: Job) -> None:
+        if job.state != "running":
+            return
+        view = WatchdogView(out.ts, job.step_time, tuple(
+            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
+            tuple(job.nodes), job.rpn)
+        verdicts = ask(job, "detection", job.policies.detection.check, view)
+        for verdict in verdicts:
+            if job.state != "running" or job.incident is not None:
+                break
+            self.verdict(out, job, verdict, type_="watchdog")
+
+    def suspicion_due(self, out: RecordEffects, job: Job, timer_id: str, due: int) -> bool:
+        """A confirmation timer fired: confirm its suspicion, with every other one due by now. False if
+        `timer_id` is no suspicion's."""
+        fired = next((key for key, (_, timer) in job.suspects.items() if timer == timer_id), None)
+        if fired is None:
+            return False
+        # Suspicions due by now confirm together (the nodes behind one failed switch), so that they make
+        # one fault set and one attempt rather than a chain of attempts each superseding the last.
+        keys = [fired] + [key for key, (_, timer) in job.suspects.items()
+                          if key != fired and self.timekeeper.due_by(timer, due)]
+        cancelled = self.timekeeper.cancel(*(job.suspects[key][1] for key in keys[1:]))
+        confirmed = [v for v in (self._confirm(out, job, key) for key in keys) if v is not None]
+        if cancelled:
+            out.decide(job, "faults.confirmed_together", f"{len(keys)} suspicions due at once",
+                       cancelled=cancelled, detail={"keys": keys})
+        policy = job.policies.labels["detection"]
+        for index, verdict in enumerate(confirmed):
+            self.fault(out, job, verdict, policy, plan=index == len(confirmed) - 1)
+        return True

@@ -1,0 +1,556 @@
+"""The incident lifecycle: from a confirmed fault (or an operator's order) to progress past the resume point.
+
+An incident is open while the job recovers. Each attempt of it is planned by the job's rescheduling policy
+(start a rung, wait for nodes, settle, or fail), saves a dying checkpoint or awaits one if the checkpoint policy
+says so, chooses its resume point, stops the processes that must go, sends the restart, migrate or scale commands,
+and waits for their acknowledgements and then for progress past the resume point; a deadline, a failed command or
+a fault outside the attempt ends it and the policy is asked again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from events import kinds
+from events.commands import (
+    FailJob,
+    MigrateRanks,
+    RestartJob,
+    RestartRanks,
+    RetryStep,
+    SaveCheckpoint,
+    ScaleJob,
+    StopRanks,
+)
+from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
+from policies.base import NS, CheckpointContext, RescheduleContext
+from recovery.core.cluster import ClusterView
+from recovery.core.job import CLOSED_INCIDENTS, Attempt, Incident, Job
+from recovery.core.machine import fire
+from recovery.core.placement import Placement, fit_dp
+from recovery.core.record import RecordEffects, Rejected, ask
+from recovery.core.timers import Timekeeper, TimerRequest
+
+G = Granularity
+MAX_PLANS_PER_RECORD = 16
+"""a record that would ask the rescheduling policy more often than this (each answer superseded at once) makes the
+job wait instead: a policy and a cluster that keep refusing each other must not loop"""
+RESTARTS = (G.IN_PLACE, G.MIGRATE, G.RESTART_JOB, G.SCALE_IN, G.SCALE_OUT)
+"""granularities that count against the job's `max_restarts`"""
+
+
+class Incidents:
+    def __init__(self, cluster: ClusterView, timekeeper: Timekeeper, placement: Placement) -> None:
+        self.cluster = cluster
+        self.timekeeper = timekeeper
+        self.placement = placement
+
+    def plan(self, out: RecordEffects, job: Job, forced: Granularity | None = None) -> None:
+        incident = job.incident
+        assert incident is not None
+        if incident.phase != "planning":
+            incident.move("plan", out.ts)
+        vacate = self.placement.vacate(job)
+        spares = self.placement.spares_for(job)
+        fault_class = incident.fault_class or FaultClass.PROCESS
+        migrate = vacate or self.placement.fault_nodes(job)
+        ctx = RescheduleContext(
+            fault_class=fault_class, scope="job", needs_move=bool(vacate),
+            any_lost=not all(job.alive), previous=incident.history(), used=_incident_usage(incident),
+            restarts_used=job.restarts_used, max_restarts=job.spec.max_restarts,
+            nodes_to_replace=len(vacate), nodes_to_migrate=len(migrate), spares_available=len(spares),
+            dp=job.layout.dp,
+            scale_in_dp=self.placement.scale_in_dp(job, vacate), forced=forced,
+            widened=incident.widened, step_time_ns=job.step_time,
+        )
+        action = ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
+        policy = job.policies.labels["rescheduling"]
+        out.plans += 1
+        short = None if action.wait or action.granularity is None else self._unplaceable(
+            job, action.granularity, vacate, migrate, len(spares), forced)
+        if short is None and out.plans > MAX_PLANS_PER_RECORD:
+            short = f"asked {out.plans} times within one record"
+        if short is not None:
+            # The policy chose what the cluster cannot carry out now. Asking again at once would get the same answer
+            # (a policy is a pure function of the same context): wait until nodes come back, and say why.
+            incident.move("wait", out.ts)
+            chose = action.granularity.value if action.granularity is not None else "nothing"
+            out.decide(job, "attempt.waiting", f"{policy} chose {chose}, which cannot be placed: {short}; "
+                       f"wait for nodes", policy=policy,
+                         detail={"vacate": vacate, "spares": len(spares), "refused": action.reason})
+            return
+        if action.settle_ns > 0 and action.granularity is None and not action.wait:
+            purpose = f"settle/{incident.id}/{len(incident.attempts)}"
+            timer = self.timekeeper.request(out, job, purpose, action.settle_ns)
+            incident.settle_timer = timer.id
+            incident.move("settle", out.ts)
+            out.decide(job, "attempt.settling", action.reason, policy=policy,
+                       timers=[timer], detail={"faults": len(incident.faults)})
+            return
+        if action.wait:
+            incident.move("wait", out.ts)
+            out.decide(job, "attempt.waiting", action.reason, policy=policy,
+                       detail={"vacate": vacate, "spares": len(spares)})
+            return
+        g = action.granularity or G.FAIL
+        if g is G.FAIL:
+            self.fail_job(out, job, action.reason, policy)
+            return
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=action.rung,
+                          purpose="dump" if g is G.DUMP else "recover", reason=action.reason, started=out.ts)
+        keys = (f"{fault_class.value}/{g.value}", g.value)
+        attempt.budget_keys = keys
+        for key in keys:
+            job.used[key] = job.used.get(key, 0) + 1
+        if g in RESTARTS:
+            job.restarts_used += 1
+        self.start(out, job, attempt, action.deadline_ns, policy, vacate)
+
+    def _unplaceable(self, job: Job, g: Granularity, vacate: list[str], migrate: list[str], spares: int,
+                     forced: Granularity | None) -> str | None:
+        """Why an attempt of granularity `g` cannot be carried out on the cluster as it is, or None if it can.
+        The engine checks every policy's answer: a third-party ladder that picks a restart the cluster cannot
+        place must not make the engine supersede, refund and ask again without end."""
+        if g is G.MIGRATE and len(migrate) > spares:
+            return f"{len(migrate)} node(s) to move, {spares} spare(s)"
+        if g in (G.RESTART_JOB, G.DUMP) and len(vacate) > spares:
+            return f"{len(vacate)} node(s) to replace, {spares} spare(s)"
+        if g is G.IN_PLACE and vacate and forced is None:
+            return f"node(s) {', '.join(vacate)} cannot run processes now"
+        if g is G.SCALE_IN:
+            elastic = job.spec.elastic
+            if elastic is None:
+                return "the job is not elastic"
+            if self.placement.scale_in_dp(job, vacate) is None:
+                return f"no data-parallel size within [{elastic.min_dp}, {elastic.max_dp}] fits the usable nodes"
+        if g is G.SCALE_OUT:
+            return "scale-out is started by the engine when nodes return, not a recovery"
+        return None
+
+    def start(self, out: RecordEffects, job: Job, attempt: Attempt, deadline_ns: int, policy: str | None,
+               vacate: list[str], trigger: str | None = None) -> None:
+        incident = job.incident
+        assert incident is not None
+        if incident.phase != "planning":
+            incident.move("plan", out.ts)  # a resume from `paused`
+        # An operator's order can start an attempt while a settle window is open: the window has no more to say.
+        settle = self.timekeeper.cancel(incident.settle_timer)
+        incident.settle_timer = None
+        incident.widened = False
+        incident.attempts.append(attempt)
+        g = attempt.granularity
+        dead = tuple(r for r in range(job.world) if not job.alive[r])
+        if g is G.RETRY:
+            attempt.ranks = ()
+        elif g is G.IN_PLACE:
+            # Faults from before a scale-in may name ranks the smaller job no longer has (as in _fault_nodes).
+            fault_ranks = {r for f in incident.faults for r in f["ranks"] if r < job.world}
+            attempt.ranks = tuple(sorted(set(dead) | fault_ranks))
+            attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
+        elif g is G.MIGRATE:
+            vacate = vacate or self.placement.fault_nodes(job)
+            attempt.vacate = tuple(vacate)
+            moved = {r for n in vacate for r in job.ranks_on(n)}
+            # Dead or faulty ranks on the nodes that stay restart where they are, in the same attempt.
+            faulty = {r for f in incident.faults for r in f["ranks"] if r < job.world}
+            attempt.ranks = tuple(sorted(moved | set(dead) | faulty))
+            attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
+        else:  # job level: restart, scale, dump
+            attempt.ranks = tuple(range(job.world))
+            attempt.stopping = tuple(r for r in range(job.world) if job.alive[r])
+            attempt.vacate = tuple(vacate)
+        timer = self.timekeeper.request(out, job, f"attempt/{incident.id}/{attempt.number}", deadline_ns)
+        attempt.deadline_timer = timer.id
+        out.decide(job, "attempt.started", attempt.reason, trigger=trigger, policy=policy, timers=[timer],
+                   cancelled=settle, detail={"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,
+                           "ranks": list(attempt.ranks), "vacate": list(attempt.vacate)})
+        if g is G.RETRY:
+            self._reschedule(out, job, attempt)
+        else:
+            self.checkpoint(out, job, attempt)
+
+    def _checkpoint_ctx(self, job: Job, attempt: Attempt, dying_allowed: bool, peer_allowed: bool
+                        ) -> CheckpointContext:
+        incident = job.incident
+        assert incident is not None
+        saving_ranks = set(attempt.ranks) if attempt.granularity is G.IN_PLACE else set()
+        alive = tuple(bool(job.alive[r]) and r not in saving_ranks for r in range(job.world))
+        return CheckpointContext(
+            layout=job.layout, catalog=job.frozen_catalog(), placement=tuple(job.nodes[r // job.rpn]
+                                                                              for r in range(job.world)),
+            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)) | incident.dead_hosts,
+            alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
+            restarting=frozenset(attempt.ranks),
+            exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),
+        )
+
+    def _refresh_plan(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
+        """The plan a restart carries is made from what is known when the command is sent: while processes were
+        stopped, live replicas may have trained on, a newer checkpoint (a dying one written by SIGTERM handlers)
+        may have landed, or a holder may have gone. Ask again; a different answer replaces the plan."""
+        plan = attempt.plan
+        if plan is None:
+            return
+        peer = any(source.tier is Tier.PEER for source in plan.shards)
+        fresh = ask(job, "checkpoint", job.policies.checkpoint.plan,
+                     self._checkpoint_ctx(job, attempt, False, peer)).resume
+        if fresh != plan:
+            attempt.plan = fresh
+            why = (f"{plan.checkpoint_step} is no longer where the live replicas are" if peer else
+                   f"step {plan.checkpoint_step} is no longer the newest complete, reachable checkpoint")
+            out.decide(job, "checkpoint.plan", f"again before the restart: {why}",
+                       policy=job.policies.labels["checkpoint"],
+                       detail={"checkpoint_step": fresh.checkpoint_step, "next_step": fresh.next_step,
+                               "tiers": _tier_counts(fresh)})
+
+    def checkpoint(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
+        """Choose the resume point; first ask live replicas for a dying checkpoint if the policy says so."""
+        incident = job.incident
+        assert incident is not None
+        ctx = self._checkpoint_ctx(job, attempt, not incident.dying_tried, not incident.peer_tried)
+        plan = ask(job, "checkpoint", job.policies.checkpoint.plan, ctx)
+        policy = job.policies.labels["checkpoint"]
+        if plan.save is None and any(source.tier is Tier.PEER for source in plan.resume.shards):
+            incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
+        if plan.save is not None:
+            incident.dying_tried = True
+            attempt.save = plan.save
+            incident.move("save", out.ts)
+            command = SaveCheckpoint(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                     deadline_s=60, ranks=list(plan.save.ranks), step=plan.save.step)
+            timer = self._ack_timer(out, job, command.id, command.deadline_s)
+            attempt.pending = {command.id: (command.kind, timer.id)}
+            out.decide(job, "checkpoint.dying", plan.reason, policy=policy,
+                       commands=[command], timers=[timer],
+                       detail={"step": plan.save.step, "savers": list(plan.save.ranks)})
+            return
+        if plan.await_step is not None and plan.await_ns > 0 and not incident.awaited:
+            incident.awaited = True  # once per incident: the next plan takes what has landed by then
+            attempt.plan = plan.resume
+            attempt.awaiting = plan.await_step
+            incident.move("save", out.ts)
+            timer = self.timekeeper.request(out, job, f"await/{incident.id}/{attempt.number}", plan.await_ns)
+            attempt.pending = {f"await:{plan.await_step}": ("await_dying", timer.id)}
+            out.decide(job, "checkpoint.awaiting", plan.reason, policy=policy, timers=[timer],
+                       detail={"step": plan.await_step, "wait_s": plan.await_ns / NS,
+                               "exiting": len(incident.exiting)})
+            return
+        attempt.plan = plan.resume
+        out.decide(job, "checkpoint.plan", plan.reason, policy=policy,
+                   detail={"checkpoint_step": plan.resume.checkpoint_step,
+                           "next_step": plan.resume.next_step,
+                           "tiers": _tier_counts(plan.resume)})
+        self._stop(out, job, attempt)
+
+    def _ack_timer(self, out: RecordEffects, job: Job, command_id: str, deadline_s: float) -> TimerRequest:
+        return self.timekeeper.request(out, job, f"ack/{command_id}", int(deadline_s * NS))
+
+    def _stop(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
+        incident = job.incident
+        assert incident is not None
+        stopping = [r for r in attempt.stopping if job.alive[r]]
+        if not stopping:
+            self._reschedule(out, job, attempt)
+            return
+        incident.move("stop", out.ts)
+        # Hung or faulty processes are killed, and so are healthy ones on a node being vacated: the plan takes their
+        # state from elsewhere, so a grace period buys nothing. The rest of a job stopped whole gets SIGTERM and a
+        # grace period to exit cleanly.
+        faulty = {r for f in incident.faults for r in f["ranks"]}
+        kill = attempt.granularity in (G.IN_PLACE, G.MIGRATE) or all(r in faulty for r in stopping)
+        mode: Literal["graceful", "kill"] = "kill" if kill else "graceful"
+        command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
+                            ranks=stopping, mode=mode, grace_s=30.0)
+        timer = self._ack_timer(out, job, command.id, command.deadline_s)
+        attempt.pending = {command.id: (command.kind, timer.id)}
+        out.decide(job, "ranks.stopping", f"stop {len(stopping)} rank(s) ({mode})",
+                   commands=[command], timers=[timer])
+
+    def _reschedule(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
+        incident = job.incident
+        assert incident is not None
+        g = attempt.granularity
+        incident.move("reschedule", out.ts)
+        if g is G.DUMP:
+            step = attempt.plan.checkpoint_step if attempt.plan else None
+            self.fail_job(out, job, f"dumped: checkpoint at step {step}; the job stops for an operator", None)
+            return
+        if attempt.purpose == "pause":
+            self.timekeeper.cancel(attempt.deadline_timer)
+            attempt.outcome = "paused"
+            incident.move("pause", out.ts)
+            out.decide(job, "job.paused", attempt.reason, trigger="pause",
+                       cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
+            return
+        self._refresh_plan(out, job, attempt)
+        cid = out.command_id(job.id)
+        commands: list[Any] = []
+        if g is G.RETRY:
+            commands.append(RetryStep(id=cid, job=job.id, attempt=job.generation, deadline_s=60,
+                                      step=incident.fault_step + 1))
+        else:
+            plan = attempt.plan
+            assert plan is not None
+            job.generation += 1
+            gen = job.generation
+            if g is G.IN_PLACE:
+                commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
+                                             ranks=list(attempt.ranks), plan=plan))
+            elif g is G.MIGRATE:
+                spares = self.placement.spares_for(job)
+                if len(spares) < len(attempt.vacate):
+                    job.generation -= 1
+                    self.end_attempt(out, job, attempt, "superseded", "the spare nodes it needed are gone")
+                    return
+                for index, name in enumerate(attempt.vacate):
+                    target = spares[index]
+                    ranks = list(job.ranks_on(name))
+                    self.cluster.release(name, job.id)
+                    self.cluster.assign(target, job.id)
+                    job.nodes[job.nodes.index(name)] = target
+                    commands.append(MigrateRanks(id=cid if index == 0 else out.command_id(job.id), job=job.id,
+                                                 attempt=gen, deadline_s=300, ranks=ranks, from_node=name,
+                                                 to_node=target, plan=plan))
+                moved = {r for c in commands for r in c.ranks}  # type: ignore[attr-defined]
+                staying = [r for r in attempt.ranks if r not in moved]
+                if staying:
+                    commands.append(RestartRanks(id=out.command_id(job.id), job=job.id, attempt=gen,
+                                                 deadline_s=120, ranks=staying, plan=plan))
+            else:
+                placement = self.placement.place(job, attempt)
+                if placement is None:
+                    job.generation -= 1
+                    self.end_attempt(out, job, attempt, "superseded", "not enough usable nodes left")
+                    return
+                nodes, dp = placement
+                for name in job.nodes:
+                    if name not in nodes:
+                        self.cluster.release(name, job.id)
+                for name in nodes:
+                    self.cluster.assign(name, job.id)
+                if dp != job.layout.dp:
+                    job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
+                    attempt.ranks = tuple(range(job.world))
+                    attempt.covered = None
+                    commands.append(ScaleJob(id=cid, job=job.id, attempt=gen, deadline_s=600, dp=dp,
+                                             nodes=nodes, plan=plan))
+                else:
+                    job.nodes = nodes
+                    commands.append(RestartJob(id=cid, job=job.id, attempt=gen, deadline_s=600, nodes=nodes,
+                                               plan=plan))
+            for rank in attempt.ranks:
+                job.put(job.rank_gen, rank, job.generation)  # these ranks get new processes
+            # Every rank rolls back to the resume point, restarted or not.
+            start = plan.checkpoint_step or 0
+            job.steps = [start] * job.world
+            job.step = start
+            job.step_ts = None
+        timers = [self._ack_timer(out, job, c.id, c.deadline_s) for c in commands]
+        attempt.pending = {c.id: (c.kind, t.id) for c, t in zip(commands, timers, strict=True)}
+        out.decide(job, "ranks.rescheduling", f"{g.value}: {len(commands)} command(s)",
+                   commands=commands, timers=timers,
+                   detail={"attempt": attempt.number, "generation": job.generation,
+                           "nodes": list(job.nodes)})
+
+    def ack(self, out: RecordEffects, job: Job, data: kinds.CommandAck) -> None:
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        if attempt is None or data.command_id not in attempt.pending or attempt.awaiting is not None:
+            return  # an ack for a finished or superseded attempt, or for isolate commands: kept in the log
+        if data.status == "accepted":
+            return
+        kind, ack_timer = attempt.pending.pop(data.command_id)
+        cancelled = self.timekeeper.cancel(ack_timer)
+        if data.status == "failed":
+            if kind == "save_checkpoint":
+                out.decide(job, "checkpoint.dying_failed", data.reason or "dying checkpoint failed",
+                           cancelled=cancelled)
+                attempt.pending.clear()
+                self.checkpoint(out, job, attempt)
+                return
+            self.end_attempt(out, job, attempt, "failed", f"{kind} failed: {data.reason}".rstrip(": "),
+                              cancelled)
+            return
+        if attempt.pending:
+            if cancelled:
+                out.decide(job, "command.done", f"{kind} done", cancelled=cancelled)
+            return
+        assert incident is not None
+        if incident.phase == "saving":
+            out.decide(job, "checkpoint.dying_done", f"dying checkpoint at step "
+                       f"{attempt.save.step if attempt.save else '?'} saved",
+                         cancelled=cancelled)
+            self.checkpoint(out, job, attempt)
+        elif incident.phase == "stopping":
+            for rank in attempt.stopping:
+                job.put(job.alive, rank, 0)
+            out.decide(job, "ranks.stopped", f"{len(attempt.stopping)} rank(s) stopped",
+                       cancelled=cancelled)
+            self._reschedule(out, job, attempt)
+        elif incident.phase == "rescheduling":
+            incident.move("restore", out.ts)
+            for rank in attempt.ranks:
+                job.put(job.alive, rank, 1)
+            job.last_seen = [out.ts] * job.world
+            job.last_progress = [out.ts] * job.world
+            out.decide(job, "ranks.restoring", "executors done: waiting for progress past step "
+                       f"{self._resume_step(job, attempt)}",
+                         cancelled=cancelled)
+
+    def _resume_step(self, job: Job, attempt: Attempt) -> int:
+        if attempt.granularity is G.RETRY:
+            assert job.incident is not None
+            return job.incident.fault_step
+        return attempt.plan.checkpoint_step or 0 if attempt.plan else 0
+
+    def check_restored(self, out: RecordEffects, job: Job, rank: int, step: int) -> None:
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        if attempt is None or job.phase != "restoring":
+            return
+        if attempt.granularity is not G.RETRY and rank not in attempt.ranks:
+            return
+        resume = self._resume_step(job, attempt)
+        if step <= resume:
+            return
+        assert incident is not None
+        attempt.outcome = "recovered"
+        cancelled = self.timekeeper.cancel(attempt.deadline_timer)
+        lost = max(0, incident.fault_step - resume) if incident.cause == "fault" else 0
+        incident.lost_steps = lost
+        self.close(job, out.ts, "recovered")
+        out.decide(job, "incident.closed", f"progress to step {step} past resume point {resume}",
+                   trigger="recovered", cancelled=cancelled, timers=self.timekeeper.arm_watchdog(out, job),
+                   detail={"incident": incident.id, "lost_steps": lost, "attempts": len(incident.attempts),
+                           "granularity": attempt.granularity.value,
+                           "mttr_ns": out.ts - incident.opened})
+
+    def close(self, job: Job, ts: int, outcome: str) -> None:
+        incident = job.incident
+        assert incident is not None
+        incident.move("close", ts)
+        incident.phases[-1][2] = ts
+        incident.closed = ts
+        incident.outcome = outcome
+        job.closed.append(incident.summary())
+        del job.closed[:-CLOSED_INCIDENTS]
+        job.incident = None
+
+    def end_attempt(self, out: RecordEffects, job: Job, attempt: Attempt, outcome: str, reason: str,
+                     cancelled: list[str] | None = None, plan: bool = True) -> None:
+        attempt.outcome = outcome
+        gone = list(cancelled or [])
+        gone += self.timekeeper.cancel(attempt.deadline_timer, *(timer for _, timer in attempt.pending.values()))
+        attempt.pending.clear()
+        if outcome == "superseded":
+            # A fault that widened the incident is not the attempt's failure: give back its budget.
+            for key in attempt.budget_keys:
+                job.used[key] -= 1
+            if attempt.granularity in RESTARTS:
+                job.restarts_used -= 1
+        out.decide(job, f"attempt.{outcome}", reason, cancelled=gone,
+                   detail={"attempt": attempt.number, "granularity": attempt.granularity.value})
+        if plan:
+            self.plan(out, job)
+
+    def supersede(self, out: RecordEffects, job: Job, reason: str) -> None:
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        if attempt is not None:
+            attempt.outcome = "superseded"
+            cancelled = self.timekeeper.cancel(attempt.deadline_timer,
+                                               *(timer for _, timer in attempt.pending.values()))
+            attempt.pending.clear()
+            out.decide(job, "attempt.superseded", reason, cancelled=cancelled,
+                       detail={"attempt": attempt.number})
+
+    def open(self, out: RecordEffects, job: Job, cause: str) -> Incident:
+        if job.incident is None:
+            cancelled = self.timekeeper.cancel(job.watchdog)
+            job.watchdog = None
+            job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
+                                    fault_step=job.step, fault_class=None, cause=cause)
+            if cancelled:
+                out.decide(job, "watchdog.disarmed", f"{cause} incident", trigger="recover", cancelled=cancelled)
+            else:  # a running job always has its watchdog armed: kept so the machine stays right regardless
+                fire(job, "recover")
+        return job.incident
+
+    def fail_job(self, out: RecordEffects, job: Job, reason: str, policy: str | None) -> None:
+        command = FailJob(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
+                          reason=reason)
+        cancelled = self.timekeeper.cancel(*self.timekeeper.of_job(job))
+        if job.incident is not None:
+            self.close(job, out.ts, "failed")
+        job.suspects.clear()
+        job.watchdog = None
+        for name in job.nodes:
+            self.cluster.release(name, job.id)
+        out.decide(job, "job.failed", reason, trigger="fail", policy=policy, commands=[command],
+                   cancelled=cancelled)
+
+    def scale(self, out: RecordEffects, job: Job, dp: int, reason: str, cause: str) -> None:
+        per_replica = job.layout.tp * job.layout.pp
+        need = dp * per_replica
+        if need % job.rpn:
+            raise Rejected("invalid_request", f"dp={dp} needs {need} ranks, not a whole number of "
+                                             f"{job.rpn}-rank nodes")
+        have = len([n for n in job.nodes if self.cluster.usable_by(n, job.rpn)]) + len(self.placement.spares_for(job))
+        dp = min(dp, fit_dp(job.layout, job.rpn, have, dp) or job.layout.dp)
+        if dp == job.layout.dp:
+            return
+        incident = self.open(out, job, cause)
+        g = G.SCALE_OUT if dp > job.layout.dp else G.SCALE_IN
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=0, purpose="scale",
+                          reason=reason, started=out.ts, dp=dp)
+        self.start(out, job, attempt, 900 * NS, None, [])
+
+    def timer_fired(self, out: RecordEffects, job: Job, timer_id: str) -> None:
+        """One of the open incident's timers fired: its settle window, its attempt's deadline, or the time an
+        acknowledgement (or a dying checkpoint) was due."""
+        incident = job.incident
+        if incident is not None and timer_id == incident.settle_timer:
+            incident.settle_timer = None
+            incident.widened = False
+            self.plan(out, job)
+            return
+        attempt = incident.attempt if incident is not None else None
+        if attempt is None:
+            return
+        if timer_id == attempt.deadline_timer:
+            attempt.deadline_timer = None
+            self.end_attempt(out, job, attempt, "timed_out", f"attempt {attempt.number} "
+                                                             f"({attempt.granularity.value}) missed its deadline")
+            return
+        for cid, (kind, timer) in list(attempt.pending.items()):
+            if timer_id == timer:
+                if kind in ("save_checkpoint", "await_dying"):
+                    attempt.pending.clear()
+                    why = ("no ack for the dying checkpoint in time" if kind == "save_checkpoint" else
+                           f"the dying checkpoint at step {attempt.awaiting} was not complete in time")
+                    attempt.awaiting = None
+                    out.decide(job, "checkpoint.dying_failed", why)
+                    self.checkpoint(out, job, attempt)
+                else:
+                    self.end_attempt(out, job, attempt, "timed_out", f"no ack for {kind} {cid} in time")
+                return
+
+
+def _incident_usage(incident: Incident) -> dict[str, int]:
+    """Attempts of this incident by '<class>/<granularity>' and by granularity: the ladder's rung budgets are
+    per incident (how often a rung is tried before the next), and the spec's max_restarts covers the job's
+    life; a life-long rung budget ran out within two weeks at 16,384 GPUs and failed healthy jobs."""
+    used: dict[str, int] = {}
+    for attempt in incident.attempts:
+        if attempt.outcome != "superseded":
+            for key in attempt.budget_keys:
+                used[key] = used.get(key, 0) + 1
+    return used
+
+
+def _tier_counts(plan: ResumePlan) -> dict[str, int]:
+    """Shards per tier the plan reads from."""
+    counts: dict[str, int] = {}
+    for source in plan.shards:
+        counts[source.tier.value] = counts.get(source.tier.value, 0) + 1
+    return dict(sorted(counts.items()))

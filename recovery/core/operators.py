@@ -1,0 +1,76 @@
+"""Operator requests: cancel, pause, resume, scale and force a recovery, each checked against the job's state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from events.commands import StopRanks
+from events.values import Granularity
+from policies.base import NS
+from recovery.core.cluster import ClusterView
+from recovery.core.incidents import Incidents
+from recovery.core.job import Attempt, Job
+from recovery.core.placement import Placement
+from recovery.core.record import RecordEffects, Rejected
+from recovery.core.timers import Timekeeper
+
+G = Granularity
+
+
+class Operators:
+    def __init__(self, cluster: ClusterView, timekeeper: Timekeeper, placement: Placement,
+                 incidents: Incidents) -> None:
+        self.cluster = cluster
+        self.timekeeper = timekeeper
+        self.placement = placement
+        self.incidents = incidents
+
+    def handle(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
+        if type_ == "operator.cancel":
+            stopping = [r for r in range(job.world) if job.alive[r]]
+            command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
+                                ranks=stopping, mode="kill", grace_s=0)
+            cancelled = self.timekeeper.cancel(*self.timekeeper.of_job(job))
+            job.suspects.clear()
+            job.watchdog = None
+            if job.incident is not None:
+                self.incidents.close(job, out.ts, "cancelled")
+            for name in job.nodes:
+                self.cluster.release(name, job.id)
+            out.decide(job, "job.cancelled", data.reason or "cancelled by an operator", trigger="cancel",
+                       commands=[command] if stopping else [], cancelled=cancelled)
+        elif type_ == "operator.pause":
+            if job.state in ("paused", "submitted"):
+                raise Rejected("invalid_state", f"job {job.id} is {job.state}: nothing to pause")
+            self.incidents.supersede(out, job, "operator pause")
+            incident = self.incidents.open(out, job, "operator")
+            attempt = Attempt(number=len(incident.attempts) + 1, granularity=G.RESTART_JOB, rung=0,
+                              purpose="pause", reason=data.reason or "paused by an operator", started=out.ts)
+            self.incidents.start(out, job, attempt, 900 * NS, None, [])
+        elif type_ == "operator.resume":
+            if job.state != "paused" or job.incident is None:
+                raise Rejected("invalid_state", f"job {job.id} is {job.state}, not paused")
+            attempt = Attempt(number=len(job.incident.attempts) + 1, granularity=G.RESTART_JOB, rung=0,
+                              purpose="resume", reason="resumed by an operator", started=out.ts)
+            # The job recovers again as the attempt starts: the resume may first need to save, stop stray
+            # processes or wait for nodes, like any attempt.
+            self.incidents.start(out, job, attempt, 900 * NS, None, self.placement.vacate(job), trigger="resume")
+        elif type_ == "operator.scale":
+            elastic = job.spec.elastic
+            if elastic is None or not elastic.min_dp <= data.dp <= elastic.max_dp:
+                limits = "not elastic" if elastic is None else f"elastic [{elastic.min_dp}, {elastic.max_dp}]"
+                raise Rejected("invalid_request", f"job {job.id} cannot scale to dp={data.dp}: {limits}")
+            if job.state != "running":
+                raise Rejected("invalid_state", f"job {job.id} is {job.state}; scale when it is running")
+            if data.dp != job.layout.dp:
+                self.incidents.scale(out, job, data.dp, f"operator scale to dp={data.dp}", cause="operator")
+            # Only once _scale accepted it: a rejected dp (not whole nodes) kept as the target made every later
+            # node.joined/ready fail in _capacity_returned with this job's error.
+            job.target_dp = data.dp
+            out.reindex(job)
+        elif type_ == "operator.force":
+            if job.state in ("submitted", "paused"):
+                raise Rejected("invalid_state", f"job {job.id} is {job.state}; nothing to recover")
+            self.incidents.supersede(out, job, f"operator forced {data.granularity.value}")
+            self.incidents.open(out, job, "operator")
+            self.incidents.plan(out, job, forced=data.granularity)

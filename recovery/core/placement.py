@@ -1,0 +1,84 @@
+"""Placement: which nodes a job may use, and the size it can run at.
+
+The cluster view says which nodes are usable; this part says which of a job's nodes it must vacate, which free
+spares it may take (within its quota), where a job-level restart or a scale places it, and the largest
+data-parallel size whole nodes can hold.
+"""
+
+from __future__ import annotations
+
+from events.values import Granularity, Layout
+from recovery.core.cluster import ClusterView
+from recovery.core.job import Attempt, Job
+
+G = Granularity
+
+
+class Placement:
+    def __init__(self, cluster: ClusterView) -> None:
+        self.cluster = cluster
+
+    def vacate(self, job: Job) -> list[str]:
+        return [name for name in job.nodes if not self.cluster.usable_by(name, job.rpn)]
+
+    def fault_nodes(self, job: Job) -> list[str]:
+        """Nodes of the faulty or dead ranks: what a migration moves when no node is unusable."""
+        assert job.incident is not None
+        ranks = {r for f in job.incident.faults for r in f["ranks"] if r < job.world}
+        ranks.update(r for r in range(job.world) if not job.alive[r])
+        indices = {r // job.rpn for r in ranks}
+        return [n for i, n in enumerate(job.nodes) if i in indices]
+
+    def scale_in_dp(self, job: Job, vacate: list[str]) -> int | None:
+        elastic = job.spec.elastic
+        if elastic is None:
+            return None
+        # The nodes it keeps and the spares it may take: a job that cannot have its old size runs at the largest size
+        # these give, at or above its minimum, rather than wait for the whole of its old size to come back.
+        have = len(job.nodes) - len(vacate) + len(self.spares_for(job))
+        dp = fit_dp(job.layout, job.rpn, have, elastic.max_dp)
+        return dp if dp is not None and elastic.min_dp <= dp < job.layout.dp else None
+
+    def spares_for(self, job: Job) -> list[str]:
+        """The free spares this job may take now, in the order they joined: within its quota (`spares` in its spec:
+        nodes of the pool it may hold at once beyond its own placement), so one job cannot take every spare."""
+        free = self.cluster.free_spares()
+        quota = job.spec.spares
+        if quota is None:
+            return free
+        own = job.own_nodes
+        held = sum(1 for name in job.nodes if name not in own)
+        return free[:max(0, quota - held)]
+
+    def place(self, job: Job, attempt: Attempt) -> tuple[list[str], int] | None:
+        """Nodes and data-parallel size after a job-level restart or scale."""
+        usable = [n for n in job.nodes if self.cluster.usable_by(n, job.rpn)]
+        spares = self.spares_for(job)
+        per_replica = job.layout.tp * job.layout.pp
+        if attempt.granularity is G.SCALE_IN:
+            dp = attempt.dp or self.scale_in_dp(job, list(attempt.vacate)) or job.layout.dp
+            need = dp * per_replica // job.rpn
+            # Nodes may have gone since the attempt was planned (or a forced scale-in had no smaller dp):
+            # never place the job on fewer nodes than its ranks need.
+            if len(usable) + len(spares) < need:
+                return None
+            return usable[:need] + spares[: max(0, need - len(usable))], dp
+        if attempt.granularity is G.SCALE_OUT:
+            dp = attempt.dp or job.layout.dp
+            need = dp * per_replica // job.rpn
+            if len(usable) + len(spares) < need:
+                return None
+            return usable[:need] + spares[: max(0, need - len(usable))], dp
+        need = len(job.nodes)
+        if len(usable) + len(spares) < need:
+            return None
+        return usable + spares[: need - len(usable)], job.layout.dp
+
+
+def fit_dp(layout: Layout, rpn: int, nodes: int, cap: int) -> int | None:
+    """The largest dp <= cap whose ranks fill whole nodes among `nodes`."""
+    per_replica = layout.tp * layout.pp
+    dp = min(cap, nodes * rpn // per_replica)
+    while dp >= 1 and (dp * per_replica) % rpn:
+        dp -= 1
+    return dp if dp >= 1 else None
