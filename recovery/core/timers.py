@@ -34,6 +34,21 @@ TimerEntry = tuple[str, int, int | None]
 """(job, due, every) of one outstanding timer"""
 
 
+def after_firing(entry: TimerEntry | None, job: str, due: int, now: int) -> tuple[bool, TimerEntry | None]:
+    """What a `timer.fired` event of `job` for `due`, applied at log time `now`, does to its timer's outstanding
+    `entry`: whether it fires it at all, and the entry after it (None: a one-shot timer is done; a periodic one
+    moves to `next_due`). It fires nothing if the timer is cancelled or done, another job's, or if it names a period
+    already handled. The engine's table and every driver's follow this one rule."""
+    if entry is None or entry[0] != job:
+        return False, entry
+    owner, was_due, every = entry
+    if every is None:
+        return True, None
+    if due != was_due:
+        return False, entry
+    return True, (owner, next_due(was_due, every, now), every)
+
+
 class TimerJournal(Protocol):
     """Where the record being applied notes the timers it changes, as they were before."""
 
@@ -78,18 +93,14 @@ class Timekeeper:
     def fired(self, out: RecordEffects, job: Job, timer_id: str, due: int) -> bool:
         """Take a `timer.fired` event off the table (a periodic timer moves to its next due time). False if the
         firing is stale: cancelled, another job's, or a repeated firing of a period already handled."""
-        entry = self.table.get(timer_id)
-        if entry is None or entry[0] != job.id:
+        fires, after = after_firing(self.table.get(timer_id), job.id, due, out.ts)
+        if not fires:
             return False
-        owner, was_due, every = entry
-        if every is not None:
-            if due != was_due:
-                return False
-            self._note(timer_id)
-            self.table[timer_id] = (owner, next_due(was_due, every, out.ts), every)
-        else:
-            self._note(timer_id, removing=True)
+        self._note(timer_id, removing=after is None)
+        if after is None:
             del self.table[timer_id]
+        else:
+            self.table[timer_id] = after
         return True
 
     def arm_watchdog(self, out: RecordEffects, job: Job) -> list[TimerRequest]:
@@ -187,15 +198,14 @@ class TimerTable:
 
     def fired(self, timer_id: str, job: str, due: int, ts: int) -> None:
         """The engine has applied a `timer.fired` event for `timer_id` and `due` at log time `ts`: do what it did
-        with its own table (the same checks, the same `next_due`)."""
-        entry = self._timers.get(timer_id)
-        if entry is None or entry[0] != job:
+        with its own table (`after_firing`)."""
+        fires, after = after_firing(self._timers.get(timer_id), job, due, ts)
+        if not fires:
             return  # stale or cancelled: the engine ignored it
-        owner, armed_due, every = entry
-        if every is None:
+        if after is None:
             del self._timers[timer_id]
-        elif due == armed_due:
-            self.arm(timer_id, owner, next_due(armed_due, every, ts), every)
+        else:
+            self.arm(timer_id, *after)
 
     def peek(self) -> tuple[int, int, str] | None:
         """(due, order, timer id) of the next timer to take, or None; it may turn out cancelled or moved when
