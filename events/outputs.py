@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from events.commands import Command
+from events.names import DecisionKind
 from events.values import Frozen, StrictInt
 
 
@@ -28,7 +29,7 @@ class Decision(Frozen):
     job: str
     cause_seq: StrictInt
     index: StrictInt = Field(description="position among the decisions caused by the same record")
-    kind: str
+    kind: DecisionKind
     previous: str = Field(description="the job's lifecycle state before this decision")
     state: str = Field(description="the job's lifecycle state after it: submitted, running, recovering, paused, "
                                    "completed, failed or cancelled")

@@ -1,22 +1,27 @@
-"""The policy contract: three Protocols and the small value types they exchange with the engine.
+"""The policy contract: three families, each a Protocol the engine calls and a base class an author subclasses,
+and the small value types they exchange with the engine.
 
 Policies are pure and deterministic: they see only what the engine hands them (values derived from
-the log) and return values; no clock, no I/O, no randomness. Each has a `name` and a `version`, and
+the log) and return values; no clock, no I/O, no randomness. Each has a `family`, a `name` and a `version`, and
 every decision records `name@version` so a replay can tell a changed policy from a bug.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from events.names import AttemptOutcome
 from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
 
 NS = 1_000_000_000
 Scope = Literal["rank", "device", "node", "link", "job"]
+Family = Literal["detection", "rescheduling", "checkpoint"]
+FAMILIES: tuple[Family, ...] = ("detection", "rescheduling", "checkpoint")
 
 
 class Params(BaseModel):
@@ -46,16 +51,19 @@ class Signal:
     """for a node event: every rank of the job on that node (`ranks` holds only those on the device, if any)"""
 
 
+# What a signal means for the job: one of five small variants (`Verdict` is their union).
 @dataclass(frozen=True, slots=True)
-class Verdict:
-    """What a signal means for the job.
+class Ignore:
+    """Nothing to do (the decision says why, unless the signal is good news such as a link coming up)."""
 
-    kind: `ignore`; `suspect` (confirm after `confirm_after_ns` unless a `clear` with the same `key`
-    comes first); `clear`; `fault` (confirmed, act now); or `drain` (sub-health: the hardware still works,
-    move the ranks off `node` at the job's next complete checkpoint).
-    """
+    reason: str
+    code: str | None = None
 
-    kind: Literal["ignore", "suspect", "clear", "fault", "drain"]
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A confirmed fault: act now."""
+
     reason: str
     fault_class: FaultClass | None = None
     scope: Scope = "rank"
@@ -67,9 +75,43 @@ class Verdict:
     needs_move: bool = False
     """the hardware under the ranks is unusable: they must leave their node"""
     isolate: Literal["device", "node"] | None = None
-    key: str | None = None
-    confirm_after_ns: int = 0
     code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """`fault`, unless a `Clear` with the same `key` comes within `confirm_after_ns` (a link flap, a node that is
+    not ready for a moment): the engine confirms it when the time is up."""
+
+    fault: Fault
+    key: str
+    confirm_after_ns: int
+
+    @property
+    def reason(self) -> str:
+        return self.fault.reason
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """The suspicion under `key` is over: drop it."""
+
+    reason: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Sub-health: the hardware still works; move the ranks off `node` at the job's next complete checkpoint."""
+
+    reason: str
+    node: str
+    device: int | None = None
+    code: str | None = None
+
+
+Verdict = Ignore | Suspect | Clear | Fault | Drain
+"""What a detection policy answers for one signal (and, as a list, for one watchdog check)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +140,7 @@ class WatchdogView:
 class DetectionPolicy(Protocol):
     """Detection escalation: signal -> ignore, suspect, clear or fault."""
 
+    family: ClassVar[str]
     name: ClassVar[str]
     version: ClassVar[str]
 
@@ -112,8 +155,14 @@ class DetectionPolicy(Protocol):
 @dataclass(frozen=True, slots=True)
 class AttemptSummary:
     granularity: Granularity
-    outcome: Literal["failed", "timed_out", "superseded"]
+    outcome: AttemptOutcome
+    """failed, timed_out or superseded: the attempts of an incident that ended without recovering it"""
     rung: int
+
+    def __post_init__(self) -> None:
+        # The engine may hand the outcome over as its wire string: policies always see the member.
+        if type(self.outcome) is not AttemptOutcome:
+            object.__setattr__(self, "outcome", AttemptOutcome(self.outcome))
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,26 +193,53 @@ class RescheduleContext:
     """a fault outside the attempt under way superseded it, and no settle window has passed since"""
 
 
+# The rescheduling decision: one of four small variants (`Reschedule` is their union).
 @dataclass(frozen=True, slots=True)
-class Action:
-    """The rescheduling decision: a granularity, or wait for nodes, with a deadline and a reason."""
+class StartRung:
+    """Start an attempt of `granularity` (rung `rung` of the policy's ladder), to show progress within
+    `deadline_ns`."""
 
-    granularity: Granularity | None
+    granularity: Granularity
     reason: str
     deadline_ns: int = 300 * NS
     rung: int = 0
-    wait: bool = False
-    budget: str | None = None
-    settle_ns: int = 0
-    """start nothing yet: collect further faults of the incident for this long, then decide again"""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Start nothing: wait for nodes to come back (the engine asks again when they do)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Start nothing yet: collect further faults of the incident for `settle_ns`, then decide again."""
+
+    reason: str
+    settle_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """No rung can recover this: fail the job."""
+
+    reason: str
+
+
+Reschedule = StartRung | Wait | Settle | Fail
+"""What a rescheduling policy answers."""
 
 
 @runtime_checkable
 class ReschedulingPolicy(Protocol):
+    """The escalation ladder: a confirmed fault (and the incident's attempts so far) -> what to restart, or wait."""
+
+    family: ClassVar[str]
     name: ClassVar[str]
     version: ClassVar[str]
 
-    def decide(self, ctx: RescheduleContext) -> Action: ...
+    def decide(self, ctx: RescheduleContext) -> Reschedule: ...
 
 
 # --- checkpoint source --------------------------------------------------------------------------------
@@ -201,19 +277,44 @@ class SaveRequest:
     """one rank per shard: a healthy replica that writes it"""
 
 
+# The checkpoint source: one of three small variants (`CheckpointPlan` is their union).
 @dataclass(frozen=True, slots=True)
-class CheckpointPlan:
-    resume: ResumePlan
-    save: SaveRequest | None = None
+class Resume:
+    """Restart from `plan`: the step to load and every shard's source."""
+
+    plan: ResumePlan
     reason: str = ""
-    await_step: int | None = None
-    """a dying checkpoint at this step is on its way (from `exiting` ranks): hold the restart until every shard of
-    it is saved, or `await_ns` has passed, then plan again; `resume` is the plan should it never come"""
-    await_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SaveDying:
+    """First ask healthy replicas for a dying checkpoint (MindIO TTP), then plan again."""
+
+    save: SaveRequest
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitDying:
+    """A dying checkpoint at `step` is on its way (from ranks the platform stopped with SIGTERM): hold the restart
+    until every shard of it is saved, or `wait_ns` has passed, then plan again; `fallback` is the plan should it
+    never come."""
+
+    step: int
+    wait_ns: int
+    fallback: ResumePlan
+    reason: str = ""
+
+
+CheckpointPlan = Resume | SaveDying | AwaitDying
+"""What a checkpoint-source policy answers."""
 
 
 @runtime_checkable
 class CheckpointPolicy(Protocol):
+    """The checkpoint source: where every shard's state comes from, and whether to save a dying checkpoint first."""
+
+    family: ClassVar[str]
     name: ClassVar[str]
     version: ClassVar[str]
 
@@ -229,4 +330,71 @@ class PolicySet:
 
 
 def label(policy: DetectionPolicy | ReschedulingPolicy | CheckpointPolicy) -> str:
+    """`name@version`: how every decision, snapshot and replay names a policy."""
     return f"{policy.name}@{policy.version}"
+
+
+# --- the bases an author subclasses ---------------------------------------------------------------------
+class PolicyBase(ABC):
+    """What every policy class is: a family, a name, a version, and parameters validated when it is made.
+
+    Subclass the base of your policy's family (`DetectionPolicyBase`, `ReschedulingPolicyBase`,
+    `CheckpointPolicyBase`), not this one. Set `name`, and `version`, which you change whenever a decision could
+    change: every decision records `name@version`, and a replay tells a changed policy from a bug by it. Set
+    `parameters` to your `Params` model: a job's `params` are validated against it, and an unknown key is an error.
+    Implement the family's methods as pure functions of their argument and `self.params`: no clock, no I/O, no
+    randomness, no order taken from iterating a set. `recovery.testing.policy_contract` checks that.
+    """
+
+    family: ClassVar[Family]
+    name: ClassVar[str]
+    version: ClassVar[str]
+    parameters: ClassVar[type[Params]] = Params
+    """the model a job's parameters for this policy are validated against (`Params` itself takes none)"""
+    params: Params
+    """the validated parameters (redeclare it with your model's type to read its fields typed)"""
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        self.params = self.parameters.model_validate(dict(params or {}))
+
+
+class DetectionPolicyBase(PolicyBase):
+    """Base of a detection policy: classify each signal, and check the job's ranks on every watchdog tick."""
+
+    family: ClassVar[Family] = "detection"
+
+    @abstractmethod
+    def classify(self, signal: Signal) -> Verdict:
+        """What one input event means for the job: ignore, suspect, clear, fault or drain."""
+
+    @abstractmethod
+    def check(self, view: WatchdogView) -> list[Verdict]:
+        """Called on every watchdog tick while the job runs: hangs from silence or from no progress (return [] to
+        leave hangs to the collective timeouts)."""
+
+
+class ReschedulingPolicyBase(PolicyBase):
+    """Base of a rescheduling policy: for an incident, the granularity of the next attempt, or wait, settle or fail."""
+
+    family: ClassVar[Family] = "rescheduling"
+
+    @abstractmethod
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
+        """The next attempt of the open incident. The engine checks the answer against the cluster: a restart it
+        cannot place makes the job wait for nodes."""
+
+
+class CheckpointPolicyBase(PolicyBase):
+    """Base of a checkpoint-source policy: where every shard's state comes from when ranks restart."""
+
+    family: ClassVar[Family] = "checkpoint"
+
+    @abstractmethod
+    def plan(self, ctx: CheckpointContext) -> CheckpointPlan:
+        """The resume plan, and optionally a dying checkpoint to save first or one on its way to wait for."""
+
+
+FAMILY_BASES: dict[Family, type[PolicyBase]] = {"detection": DetectionPolicyBase,
+                                                "rescheduling": ReschedulingPolicyBase,
+                                                "checkpoint": CheckpointPolicyBase}
+"""the base of each family: its abstract methods are what a policy of the family must have"""

@@ -21,13 +21,29 @@ three for `mindcluster-like`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from events import kinds
 from events.values import Count, FaultClass, Flag, Granularity, Interval, Tier
-from policies.base import NS, Action, Params, RescheduleContext, Signal, Verdict, WatchdogView
+from policies.base import (
+    NS,
+    DetectionPolicyBase,
+    Fail,
+    Fault,
+    Ignore,
+    Params,
+    Reschedule,
+    RescheduleContext,
+    ReschedulingPolicyBase,
+    Signal,
+    StartRung,
+    Verdict,
+    Wait,
+    WatchdogView,
+)
 from policies.checkpoint import NewestCompleteCheckpoint
 from policies.codes import Action as CodeAction
 from policies.codes import exit_status, nvidia_xid
@@ -44,41 +60,39 @@ class TorchElasticDetectionParams(Params):
     job-level restart avoids it"""
 
 
-class TorchElasticLikeDetection:
+class TorchElasticLikeDetection(DetectionPolicyBase):
     """Sees what torchelastic's agents see: their own workers exiting, and the NCCL watchdog's collective
     timeout. Hang reports, link probes and node conditions go unnoticed."""
 
-    family: ClassVar[str] = "detection"
     name: ClassVar[str] = "torchelastic-like-detection"
     version: ClassVar[str] = "1"
-
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = TorchElasticDetectionParams.model_validate(params or {})
+    parameters = TorchElasticDetectionParams
+    params: TorchElasticDetectionParams
 
     def classify(self, signal: Signal) -> Verdict:
         data = signal.data
         if isinstance(data, kinds.ProcessExited):
             meaning = exit_status(data.exit_code, data.signal)
             if meaning.fault_class is None:
-                return Verdict("ignore", f"rank {data.rank}: {meaning.description}")
-            return Verdict("fault", f"rank {data.rank}: {meaning.description}: the agents restart every worker",
-                           meaning.fault_class, "job", signal.ranks, code=f"exit={data.exit_code},sig={data.signal}")
+                return Ignore(f"rank {data.rank}: {meaning.description}")
+            return Fault(f"rank {data.rank}: {meaning.description}: the agents restart every worker",
+                         meaning.fault_class, "job", signal.ranks, code=f"exit={data.exit_code},sig={data.signal}")
         if isinstance(data, kinds.CollectiveTimeout):
             waited = tuple(r for r in sorted(set(data.members)) if r not in set(data.reporters))
             cls = FaultClass.HANG if waited else FaultClass.NETWORK
-            return Verdict("fault", f"NCCL watchdog: {data.operation} on {data.group} timed out after "
-                                    f"{data.timeout_s:.0f}s: every worker aborts", cls, "job",
+            return Fault(f"NCCL watchdog: {data.operation} on {data.group} timed out after "
+                         f"{data.timeout_s:.0f}s: every worker aborts", cls, "job",
                            tuple(sorted(set(data.members))))
         if isinstance(data, kinds.DeviceFault) and self.params.platform_device_health and data.vendor == "nvidia":
             meaning = nvidia_xid(data.code)
             if meaning.action in (CodeAction.RESET_DEVICE, CodeAction.ISOLATE_DEVICE, CodeAction.ISOLATE_NODE):
                 if not signal.ranks:
-                    return Verdict("ignore", f"XID {data.code} on {signal.node}: no rank of this job on it")
-                return Verdict("fault", f"XID {data.code} on {signal.node} device {data.device}: the platform marks "
-                                        f"the GPU unhealthy; the job restarts elsewhere",
+                    return Ignore(f"XID {data.code} on {signal.node}: no rank of this job on it")
+                return Fault(f"XID {data.code} on {signal.node} device {data.device}: the platform marks "
+                             f"the GPU unhealthy; the job restarts elsewhere",
                                meaning.fault_class, "job", signal.ranks, signal.node, data.device, needs_move=True,
                                code=f"XID {data.code}")
-        return Verdict("ignore", f"{signal.type}: torchelastic does not watch it")
+        return Ignore(f"{signal.type}: torchelastic does not watch it")
 
     def check(self, view: WatchdogView) -> list[Verdict]:
         return []
@@ -90,30 +104,26 @@ class TorchElasticReschedulingParams(Params):
                                                      "(1 ms .. 30 days)")
 
 
-class TorchElasticLikeRescheduling:
+class TorchElasticLikeRescheduling(ReschedulingPolicyBase):
     """Every failure restarts every rank (a job-level restart), as many times as `max_restarts` allows; nodes the
     platform took out are replaced from the spare pool, or the job waits for them."""
 
-    family: ClassVar[str] = "rescheduling"
     name: ClassVar[str] = "torchelastic-like-rescheduling"
     version: ClassVar[str] = "1"
+    parameters = TorchElasticReschedulingParams
+    params: TorchElasticReschedulingParams
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = TorchElasticReschedulingParams.model_validate(params or {})
-
-    def decide(self, ctx: RescheduleContext) -> Action:
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
         p = self.params
         deadline = int(p.deadline_s * NS)
         if ctx.forced is not None:
-            return Action(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=deadline)
+            return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=deadline)
         used = ctx.used.get(G.RESTART_JOB.value, 0)
         if p.max_restarts is not None and used >= p.max_restarts:
-            return Action(G.FAIL, f"max_restarts {p.max_restarts} used", budget="max_restarts")
+            return Fail(f"max_restarts {p.max_restarts} used")
         if ctx.nodes_to_replace > ctx.spares_available:
-            return Action(None, f"{ctx.nodes_to_replace} node(s) to replace, {ctx.spares_available} spare(s): "
-                                f"wait for nodes", deadline, wait=True)
-        return Action(G.RESTART_JOB, f"{ctx.fault_class.value} fault: restart every worker", deadline,
-                      budget=G.RESTART_JOB.value)
+            return Wait(f"{ctx.nodes_to_replace} node(s) to replace, {ctx.spares_available} spare(s): wait for nodes")
+        return StartRung(G.RESTART_JOB, f"{ctx.fault_class.value} fault: restart every worker", deadline)
 
 
 class TorchElasticCheckpointParams(Params):
@@ -125,9 +135,10 @@ class TorchElasticLikeCheckpoint(NewestCompleteCheckpoint):
 
     name: ClassVar[str] = "torchelastic-like-checkpoint"
     version: ClassVar[str] = "1"
+    parameters = TorchElasticCheckpointParams  # what a job may set; the policy runs newest-complete's with them
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        own = TorchElasticCheckpointParams.model_validate(params or {})
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        own = TorchElasticCheckpointParams.model_validate(dict(params or {}))
         super().__init__({"dying": False, "tiers": list(own.tiers)})
 
 
@@ -161,9 +172,10 @@ class MindClusterLikeRescheduling(LadderRescheduling):
 
     name: ClassVar[str] = "mindcluster-like-rescheduling"
     version: ClassVar[str] = "3"  # 2: the ladder's settle window (ClusterD gathers a job's faults first); 3: ladder@4
+    parameters = MindClusterReschedulingParams  # what a job may set; the policy runs the ladder's built from them
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        own = MindClusterReschedulingParams.model_validate(params or {})
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        own = MindClusterReschedulingParams.model_validate(dict(params or {}))
         ladder = [Rung(granularity=g, budget=None, deadline_s=own.deadlines_s.get(g, d))
                   for g, d in STRATEGY_ORDER for _ in range(own.job_level_tries if g is G.RESTART_JOB else 1)]
         super().__init__({"ladders": {fc: ladder for fc in FaultClass}, "elastic": True, "wait": True})
@@ -176,7 +188,7 @@ class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):
     name: ClassVar[str] = "mindcluster-like-checkpoint"
     version: ClassVar[str] = "1"
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         # MindIO TTP saves the healthy replica's state and the restarted processes load it: no transfer from
         # the live replicas themselves.
         super().__init__({**(params or {}), "peer": False})

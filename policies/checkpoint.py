@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from events.values import TIER_COST, Flag, ResumePlan, Seconds, ShardSource, Tier
-from policies.base import CheckpointContext, CheckpointPlan, Params, SaveRequest
+from policies.base import (
+    NS,
+    AwaitDying,
+    CheckpointContext,
+    CheckpointPlan,
+    CheckpointPolicyBase,
+    Params,
+    Resume,
+    SaveDying,
+    SaveRequest,
+)
 
 
 class NewestCompleteParams(Params):
@@ -27,7 +37,7 @@ class NewestCompleteParams(Params):
     on the way out (0: never wait); torchrun and ModelArts give a process 30 s between SIGTERM and SIGKILL"""
 
 
-class NewestCompleteCheckpoint:
+class NewestCompleteCheckpoint(CheckpointPolicyBase):
     """Resume from the newest complete checkpoint, each rank from the cheapest tier that holds its shard.
 
     Before that, if every shard still has a live replica outside the restart whose step is newer than the
@@ -36,12 +46,15 @@ class NewestCompleteCheckpoint:
     checkpoint, ModelArts' save on SIGTERM). Either way the job loses no step at all.
     """
 
-    family: ClassVar[str] = "checkpoint"
     name: ClassVar[str] = "newest-complete"
     version: ClassVar[str] = "3"  # 2: state from live peers before a dying checkpoint; 3: await a graceful exit's
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = NewestCompleteParams.model_validate(params or {})
+    parameters = NewestCompleteParams
+    params: NewestCompleteParams
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        # Its own model, not `self.parameters`: a subclass may take other parameters and pass these on.
+        self.params = NewestCompleteParams.model_validate(dict(params or {}))
 
     def plan(self, ctx: CheckpointContext) -> CheckpointPlan:
         resume = newest_complete(ctx, self.params.tiers)
@@ -49,24 +62,22 @@ class NewestCompleteCheckpoint:
         if self.params.dying and self.params.peer and ctx.peer_allowed and Tier.PEER in self.params.tiers:
             peers = live_peers(ctx, self.params.peer_holders)
             if peers is not None and peers.checkpoint_step is not None and peers.checkpoint_step > newest:
-                return CheckpointPlan(peers, None, f"every shard has a live replica at step {peers.checkpoint_step}"
-                                                   f" outside the restart: take it from them (newest complete: "
-                                                   f"{newest})")
+                return Resume(peers, f"every shard has a live replica at step {peers.checkpoint_step} outside the "
+                              f"restart: take it from them (newest complete: {newest})")
         if self.params.dying and ctx.dying_allowed:
             save = dying_savers(ctx)
             if save is not None and save.step > newest:
-                return CheckpointPlan(resume, save, f"every shard has a live replica at step {save.step}: "
-                                                    f"save a dying checkpoint (newest complete: {newest})")
+                return SaveDying(save, f"every shard has a live replica at step {save.step}: save a dying checkpoint "
+                                 f"(newest complete: {newest})")
         reason = ("no complete checkpoint: start from step 0" if resume.checkpoint_step is None
                   else f"newest complete checkpoint is step {resume.checkpoint_step}")
         if self.params.dying and self.params.dying_wait_s > 0 and Tier.DYING in self.params.tiers:
             coming = exiting_step(ctx)
             if coming is not None and coming > newest:
-                return CheckpointPlan(resume, None, f"ranks stopped by SIGTERM at step {coming} are writing a dying "
-                                                    f"checkpoint: wait up to {self.params.dying_wait_s:g} s for it "
-                                                    f"({reason})",
-                                      await_step=coming, await_ns=int(self.params.dying_wait_s * 1_000_000_000))
-        return CheckpointPlan(resume, None, reason)
+                return AwaitDying(coming, int(self.params.dying_wait_s * NS), resume,
+                                  f"ranks stopped by SIGTERM at step {coming} are writing a dying checkpoint: wait up "
+                                  f"to {self.params.dying_wait_s:g} s for it ({reason})")
+        return Resume(resume, reason)
 
 
 def _replicas_at(ctx: CheckpointContext, usable: Callable[[int], bool]) -> tuple[int, list[list[int]]] | None:

@@ -7,13 +7,28 @@ job whose step has not advanced for `stall_factor` step times, is a fault within
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from events import kinds
 from events.values import Factor, FaultClass, Interval, PositiveCount, Seconds
-from policies.base import NS, Params, RankActivity, Signal, Verdict, WatchdogView
+from policies.base import (
+    NS,
+    Clear,
+    DetectionPolicyBase,
+    Drain,
+    Fault,
+    Ignore,
+    Params,
+    RankActivity,
+    Signal,
+    Suspect,
+    Verdict,
+    WatchdogView,
+)
 from policies.codes import Action, CodeMeaning, ascend_fault, exit_status, nvidia_xid
 
 
@@ -39,14 +54,17 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
     return sum(1 for t in times if now - t <= window)
 
 
-class DefaultDetection:
-    family: ClassVar[str] = "detection"
+class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
     version: ClassVar[str] = "5"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = p = DefaultDetectionParams.model_validate(params or {})
+    parameters = DefaultDetectionParams
+    params: DefaultDetectionParams
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        # Its own model, not `self.parameters`: a subclass may take other parameters and pass these on.
+        self.params = p = DefaultDetectionParams.model_validate(dict(params or {}))
         self._window = int(p.frequency_window_s * NS)
         self._debounce = int(p.link_debounce_s * NS)
         self._grace = int(p.not_ready_grace_s * NS)
@@ -62,41 +80,42 @@ class DefaultDetection:
             if meaning.fault_class is FaultClass.PREEMPTION:
                 # SIGTERM from outside is the platform stopping the job (ModelArts graceful exit): every
                 # rank goes, each saving its dying checkpoint on the way out.
-                return Verdict("fault", f"rank {data.rank}: {meaning.description}", FaultClass.PREEMPTION,
-                               "job", tuple(range(signal.world)), code=code)
+                return Fault(f"rank {data.rank}: {meaning.description}", FaultClass.PREEMPTION,
+                             "job", tuple(range(signal.world)), code=code)
             verdict = self._from_meaning(meaning, signal, "rank", code=code)
-            return Verdict(verdict.kind, f"rank {data.rank}: {verdict.reason}", verdict.fault_class,
-                           verdict.scope, verdict.ranks, lost=verdict.lost, code=code)
+            if isinstance(verdict, Ignore):
+                return Ignore(f"rank {data.rank}: {verdict.reason}", code=code)
+            return Fault(f"rank {data.rank}: {verdict.reason}", verdict.fault_class, verdict.scope, verdict.ranks,
+                         lost=verdict.lost, code=code)
         if isinstance(data, kinds.HangReport):
-            return Verdict("fault", f"rank {data.rank} reports no progress for "
-                                    f"{data.seconds_without_progress:.0f}s", FaultClass.HANG, "rank",
-                           signal.ranks)
+            return Fault(f"rank {data.rank} reports no progress for {data.seconds_without_progress:.0f}s",
+                         FaultClass.HANG, "rank", signal.ranks)
         if isinstance(data, kinds.CollectiveTimeout):
             return self._collective(signal, data)
         if isinstance(data, kinds.LinkDown):
-            return Verdict("suspect", f"link {data.link} down on {signal.node}", FaultClass.NETWORK, "link",
-                           signal.ranks, signal.node, lost=False, key=f"link:{signal.node}:{data.link}",
-                           confirm_after_ns=self._debounce)
+            return Suspect(Fault(f"link {data.link} down on {signal.node}", FaultClass.NETWORK, "link",
+                                 signal.ranks, signal.node, lost=False),
+                           key=f"link:{signal.node}:{data.link}", confirm_after_ns=self._debounce)
         if isinstance(data, kinds.LinkUp):
-            return Verdict("clear", f"link {data.link} up on {signal.node}", key=f"link:{signal.node}:{data.link}")
+            return Clear(f"link {data.link} up on {signal.node}", key=f"link:{signal.node}:{data.link}")
         if isinstance(data, kinds.NicErrors):
             if data.errors < self.params.nic_error_threshold:
-                return Verdict("ignore", f"{data.errors} NIC errors, below {self.params.nic_error_threshold}")
-            return Verdict("suspect", f"{data.errors} NIC errors on {data.link}", FaultClass.NETWORK, "link",
-                           signal.ranks, signal.node, lost=False, key=f"link:{signal.node}:{data.link}",
-                           confirm_after_ns=self._debounce)
+                return Ignore(f"{data.errors} NIC errors, below {self.params.nic_error_threshold}")
+            return Suspect(Fault(f"{data.errors} NIC errors on {data.link}", FaultClass.NETWORK, "link",
+                                 signal.ranks, signal.node, lost=False),
+                           key=f"link:{signal.node}:{data.link}", confirm_after_ns=self._debounce)
         if isinstance(data, kinds.NodeNotReady):
-            return Verdict("suspect", f"node {signal.node} not ready: {data.reason}".rstrip(": "),
-                           FaultClass.NODE, "node", signal.ranks, signal.node, needs_move=True,
+            return Suspect(Fault(f"node {signal.node} not ready: {data.reason}".rstrip(": "),
+                                 FaultClass.NODE, "node", signal.ranks, signal.node, needs_move=True),
                            key=f"node:{signal.node}", confirm_after_ns=self._grace)
         if isinstance(data, kinds.NodeReady):
-            return Verdict("clear", f"node {signal.node} ready", key=f"node:{signal.node}")
+            return Clear(f"node {signal.node} ready", key=f"node:{signal.node}")
         if isinstance(data, kinds.NodeDrained):
             # The node is being taken away but its processes still run: they can save before leaving.
-            return Verdict("fault", f"node {signal.node} drained: {data.reason}".rstrip(": "),
-                           FaultClass.PREEMPTION, "node", signal.ranks, signal.node, lost=False,
-                           needs_move=True)
-        return Verdict("ignore", f"{signal.type} needs no action")
+            return Fault(f"node {signal.node} drained: {data.reason}".rstrip(": "),
+                         FaultClass.PREEMPTION, "node", signal.ranks, signal.node, lost=False,
+                         needs_move=True)
+        return Ignore(f"{signal.type} needs no action")
 
     def _device(self, signal: Signal, data: kinds.DeviceFault) -> Verdict:
         if data.vendor == "nvidia":
@@ -110,67 +129,67 @@ class DefaultDetection:
             meaning = CodeMeaning(FaultClass.DEVICE, Action.RESTART_PROCESS, data.message or "device error")
             code = data.code
         if meaning.action is Action.IGNORE:
-            return Verdict("ignore", f"{code}: {meaning.description}", code=code)
+            return Ignore(f"{code}: {meaning.description}", code=code)
         p = self.params
         on_device = _in_window(signal.device_fault_times, signal.ts, self._window)
         on_node = _in_window(signal.node_fault_times, signal.ts, self._window)
         where = f"{signal.node} device {data.device}"
         if on_node >= p.node_frequency_threshold:
-            return Verdict("fault", f"{code} on {where}: {on_node} device faults on the node within "
-                                    f"{p.frequency_window_s:.0f}s: isolate node", FaultClass.DEVICE, "node",
+            return Fault(f"{code} on {where}: {on_node} device faults on the node within "
+                         f"{p.frequency_window_s:.0f}s: isolate node", FaultClass.DEVICE, "node",
                            signal.ranks, signal.node, data.device, needs_move=True, isolate="node", code=code)
         if on_device >= p.frequency_threshold:
-            return Verdict("fault", f"{code} on {where}: {on_device} faults within "
-                                    f"{p.frequency_window_s:.0f}s: isolate device", FaultClass.DEVICE, "device",
+            return Fault(f"{code} on {where}: {on_device} faults within "
+                         f"{p.frequency_window_s:.0f}s: isolate device", FaultClass.DEVICE, "device",
                            signal.ranks, signal.node, data.device, needs_move=True, isolate="device", code=code)
         if meaning.action is Action.DRAIN and signal.ranks:
-            return Verdict("drain", f"{code} on {where}: {meaning.description}: leave it at the next checkpoint",
-                           meaning.fault_class, "node", signal.ranks, signal.node, data.device, lost=False,
-                           code=code)
+            return Drain(f"{code} on {where}: {meaning.description}: leave it at the next checkpoint",
+                         signal.node or "", data.device, code=code)
         if meaning.action is Action.WATCH or meaning.action is Action.DRAIN:
-            return Verdict("ignore", f"{code} on {where}: {meaning.description} ({on_device} of "
-                                     f"{p.frequency_threshold} in window)", code=code)
+            return Ignore(f"{code} on {where}: {meaning.description} ({on_device} of "
+                          f"{p.frequency_threshold} in window)", code=code)
         if not signal.ranks:
             if meaning.fault_class is FaultClass.NODE and signal.node_ranks:
                 # The fix takes the whole node (a power cycle after a GPU fell off the bus): the job's ranks there
                 # go with it, although none runs on the faulty device.
-                return Verdict("fault", f"{code} on {where}: {meaning.description}: the job's ranks on the node must "
-                                        f"leave it", FaultClass.NODE, "node", signal.node_ranks, signal.node,
+                return Fault(f"{code} on {where}: {meaning.description}: the job's ranks on the node must "
+                             f"leave it", FaultClass.NODE, "node", signal.node_ranks, signal.node,
                                data.device, lost=True, needs_move=True, code=code)
             if meaning.action in (Action.RESET_DEVICE, Action.ISOLATE_DEVICE, Action.ISOLATE_NODE):
                 # Nobody's rank is on it, but nobody's may be placed on it either until it recovers: a fault with no
                 # ranks marks the hardware and opens no incident.
                 isolate = "node" if meaning.action is Action.ISOLATE_NODE else None
-                return Verdict("fault", f"{code} on {where}: {meaning.description}: out of service until it "
-                                        f"recovers", meaning.fault_class, "device", (), signal.node, data.device,
+                return Fault(f"{code} on {where}: {meaning.description}: out of service until it "
+                             f"recovers", meaning.fault_class, "device", (), signal.node, data.device,
                                lost=False, needs_move=True, isolate=isolate, code=code)
-            return Verdict("ignore", f"{code} on {where}: no rank of this job on it", code=code)
+            return Ignore(f"{code} on {where}: no rank of this job on it", code=code)
         verdict = self._from_meaning(meaning, signal, "device", code=code)
-        return Verdict(verdict.kind, f"{code} on {where}: {meaning.description}", verdict.fault_class,
-                       verdict.scope, verdict.ranks, signal.node, data.device, verdict.lost, verdict.needs_move,
-                       verdict.isolate, code=code)
+        if isinstance(verdict, Ignore):
+            return Ignore(f"{code} on {where}: {meaning.description}", code=code)
+        return replace(verdict, reason=f"{code} on {where}: {meaning.description}", node=signal.node,
+                       device=data.device, code=code)
 
-    def _from_meaning(self, meaning: CodeMeaning, signal: Signal, scope: Any, code: str) -> Verdict:
+    def _from_meaning(self, meaning: CodeMeaning, signal: Signal, scope: Any, code: str) -> Ignore | Fault:
         if meaning.action is Action.IGNORE or meaning.fault_class is None:
-            return Verdict("ignore", meaning.description, code=code)
+            return Ignore(meaning.description, code=code)
         fc = meaning.fault_class
         action = meaning.action
         if action is Action.RETRY:
-            return Verdict("fault", meaning.description, fc, scope, signal.ranks, signal.node, lost=False, code=code)
+            return Fault(meaning.description, fc, scope, signal.ranks, signal.node, lost=False, code=code)
         needs_move = action in (Action.RESET_DEVICE, Action.ISOLATE_DEVICE, Action.ISOLATE_NODE)
         isolate = {Action.ISOLATE_DEVICE: "device", Action.ISOLATE_NODE: "node"}.get(action)
-        return Verdict("fault", meaning.description, fc, "node" if isolate == "node" else scope, signal.ranks,
-                       signal.node, lost=True, needs_move=needs_move, isolate=isolate, code=code)  # type: ignore[arg-type]
+        return Fault(meaning.description, fc, "node" if isolate == "node" else scope, signal.ranks,
+                     signal.node, lost=True, needs_move=needs_move, isolate=isolate, code=code)  # type: ignore[arg-type]
 
     def _collective(self, signal: Signal, data: kinds.CollectiveTimeout) -> Verdict:
         reporters = set(data.reporters)
         waited_for = tuple(r for r in sorted(set(data.members)) if r not in reporters)
         if waited_for:
             # The members that did not time out are the ones the others were waiting for.
-            return Verdict("fault", f"{data.operation} on {data.group} timed out; ranks {list(waited_for)} "
-                                    f"never joined", FaultClass.HANG, "rank", waited_for)
-        return Verdict("fault", f"{data.operation} on {data.group} timed out on every member: network",
-                       FaultClass.NETWORK, "job", tuple(sorted(set(data.members))), lost=False)
+            return Fault(f"{data.operation} on {data.group} timed out; ranks {list(waited_for)} "
+                         f"never joined", FaultClass.HANG, "rank", waited_for)
+        return Fault(f"{data.operation} on {data.group} timed out on every member: network",
+                     FaultClass.NETWORK, "job", tuple(sorted(set(data.members))), lost=False)
 
     # -- watchdog -------------------------------------------------------------------------------------
     def check(self, view: WatchdogView) -> list[Verdict]:
@@ -186,20 +205,20 @@ class DefaultDetection:
                 # Every rank of a node fell silent at once: the host or its agent is gone, not one process. Move
                 # the ranks now rather than restart them in place on a host that may not answer.
                 names = [view.nodes[i] for i in sorted(gone)]
-                return [Verdict("fault", f"all ranks on {', '.join(names)} silent for more than "
-                                         f"{silence / NS:.1f}s: the host or its agent is gone", FaultClass.NODE,
+                return [Fault(f"all ranks on {', '.join(names)} silent for more than "
+                              f"{silence / NS:.1f}s: the host or its agent is gone", FaultClass.NODE,
                                 "node", silent, names[0] if len(names) == 1 else None)]
-            return [Verdict("fault", f"ranks {list(silent)} silent for more than {silence / NS:.1f}s",
-                            FaultClass.HANG, "rank", silent)]
+            return [Fault(f"ranks {list(silent)} silent for more than {silence / NS:.1f}s",
+                          FaultClass.HANG, "rank", silent)]
         newest = max((a.last_progress for a in view.ranks), default=view.now)
         if view.now - newest > stall:
-            return [Verdict("fault", f"no rank advanced for {(view.now - newest) / NS:.1f}s",
-                            FaultClass.HANG, "job", tuple(a.rank for a in view.ranks))]
+            return [Fault(f"no rank advanced for {(view.now - newest) / NS:.1f}s",
+                          FaultClass.HANG, "job", tuple(a.rank for a in view.ranks))]
         top = max((a.step for a in view.ranks), default=0)
         behind: tuple[int, ...] = tuple(a.rank for a in view.ranks if _stuck(a, top, view.now, stall))
         if behind:
-            return [Verdict("fault", f"ranks {list(behind)} stuck behind step {top} for more than "
-                                     f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
+            return [Fault(f"ranks {list(behind)} stuck behind step {top} for more than "
+                          f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
         return []
 
 

@@ -5,25 +5,32 @@ from __future__ import annotations
 import logging
 from functools import cache
 from importlib.metadata import entry_points
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 from events.values import PolicyRef, PolicySelection
-from policies.base import CheckpointPolicy, DetectionPolicy, PolicySet, ReschedulingPolicy, label
+from policies.base import (
+    FAMILY_BASES,
+    CheckpointPolicy,
+    DetectionPolicy,
+    Family,
+    PolicySet,
+    ReschedulingPolicy,
+    label,
+)
 
 GROUP = "recovery.policies"
 logger = logging.getLogger("recovery.policies")
-Family = Literal["detection", "rescheduling", "checkpoint"]
 
 
 class PolicyError(ValueError):
     """A policy that cannot be found, is of the wrong family, or whose parameters are invalid."""
 
 
-_METHODS: dict[str, tuple[str, ...]] = {"detection": ("classify", "check"), "rescheduling": ("decide",),
-                                        "checkpoint": ("plan",)}
-"""what each family's Protocol asks of a policy class"""
+_METHODS: dict[str, tuple[str, ...]] = {family: tuple(sorted(base.__abstractmethods__))
+                                        for family, base in FAMILY_BASES.items()}
+"""what each family asks of a policy class: the abstract methods of its base"""
 
 
 @cache
@@ -65,7 +72,10 @@ def _instance(name: str, family: Family, params_json: bytes) -> Any:
     cls = classes[name]
     if getattr(cls, "family", None) != family:
         raise PolicyError(f"policy {name!r} is a {getattr(cls, 'family', '?')} policy, not {family}")
-    missing = [method for method in _METHODS[family] if not callable(getattr(cls, method, None))]
+    # A subclass of the family's base that left a method abstract cannot be made: say which, as for a plain class.
+    abstract = getattr(cls, "__abstractmethods__", frozenset())
+    missing = [method for method in _METHODS[family]
+               if not callable(getattr(cls, method, None)) or method in abstract]
     if missing:
         raise PolicyError(f"{family} policy {name!r} ({cls.__module__}.{cls.__qualname__}) lacks "
                           f"{', '.join(missing)}, which a {family} policy must have")

@@ -10,12 +10,23 @@ needs nodes the cluster does not have scales the job in if it is elastic, or wai
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from events.values import MAX_SECONDS, Count, Factor, FaultClass, Flag, Granularity, Interval, PositiveCount, Seconds
-from policies.base import NS, Action, Params, RescheduleContext
+from policies.base import (
+    NS,
+    Fail,
+    Params,
+    Reschedule,
+    RescheduleContext,
+    ReschedulingPolicyBase,
+    Settle,
+    StartRung,
+    Wait,
+)
 
 G = Granularity
 
@@ -61,26 +72,27 @@ class LadderParams(Params):
     last attempt (0: no window)"""
 
 
-class LadderRescheduling:
-    family: ClassVar[str] = "rescheduling"
+class LadderRescheduling(ReschedulingPolicyBase):
     name: ClassVar[str] = "ladder"
     version: ClassVar[str] = "4"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = LadderParams.model_validate(params or {})
+    parameters = LadderParams
+    params: LadderParams
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        # Its own model, not `self.parameters`: a subclass may take other parameters and pass these on.
+        self.params = LadderParams.model_validate(dict(params or {}))
         # Classes the user left out keep their defaults, so a partial ladder is never a silent gap.
         self.ladders = {**DEFAULT_LADDERS, **self.params.ladders}
 
-    def decide(self, ctx: RescheduleContext) -> Action:
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
         if ctx.forced is not None:
-            return Action(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=900 * NS)
+            return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=900 * NS)
         if ctx.max_restarts is not None and ctx.restarts_used >= ctx.max_restarts:
-            return Action(G.FAIL, f"restart budget max_restarts exhausted: {ctx.restarts_used} of "
-                                  f"{ctx.max_restarts} used", budget="max_restarts")
+            return Fail(f"restart budget max_restarts exhausted: {ctx.restarts_used} of {ctx.max_restarts} used")
         if ctx.widened and self.params.settle_s > 0:
-            return Action(None, f"a fault outside the last attempt widened the incident: collect faults for "
-                                f"{self.params.settle_s:g} s before the next attempt",
-                          settle_ns=int(self.params.settle_s * NS))
+            return Settle(f"a fault outside the last attempt widened the incident: collect faults for "
+                          f"{self.params.settle_s:g} s before the next attempt", int(self.params.settle_s * NS))
         ladder = self.ladders[ctx.fault_class]
         start = 0
         if ctx.previous:
@@ -101,7 +113,7 @@ class LadderRescheduling:
                            int(MAX_SECONDS * NS))
             key = f"{ctx.fault_class.value}/{g.value}"
             if g is G.FAIL:
-                return Action(G.FAIL, f"ladder for {ctx.fault_class.value} ends in fail", rung=index)
+                return Fail(f"ladder for {ctx.fault_class.value} ends in fail")
             if g is G.RETRY and (ctx.any_lost or ctx.needs_move):
                 continue
             if g is G.IN_PLACE and ctx.needs_move:
@@ -115,17 +127,16 @@ class LadderRescheduling:
                 if not ctx.needs_move:
                     continue  # the nodes still work: a bigger restart in place beats waiting for a spare
                 if self.params.elastic and ctx.scale_in_dp is not None:
-                    return Action(G.SCALE_IN, f"{short}: scale in to dp={ctx.scale_in_dp}", deadline, index)
+                    return StartRung(G.SCALE_IN, f"{short}: scale in to dp={ctx.scale_in_dp}", deadline, index)
                 if self.params.wait:
-                    return Action(None, f"{short}: wait for nodes", deadline, index, wait=True)
+                    return Wait(f"{short}: wait for nodes")
                 continue
             if g is G.SCALE_IN and ctx.scale_in_dp is None:
                 continue
-            return Action(g, f"{ctx.fault_class.value} fault, rung {index}: {g.value}", deadline, index,
-                          budget=key if rung.budget is not None else None)
+            return StartRung(g, f"{ctx.fault_class.value} fault, rung {index}: {g.value}", deadline, index)
         if exhausted:
-            return Action(G.FAIL, "restart budget exhausted: " + "; ".join(exhausted), budget=exhausted[0])
-        return Action(G.FAIL, f"no rung of the {ctx.fault_class.value} ladder can recover this fault")
+            return Fail("restart budget exhausted: " + "; ".join(exhausted))
+        return Fail(f"no rung of the {ctx.fault_class.value} ladder can recover this fault")
 
 
 def _failed_in_a_row(ctx: RescheduleContext) -> int:

@@ -77,6 +77,15 @@ def test_an_installed_plugin_policy_drives_a_job(installed_plugin: str) -> None:
     assert out["state"] == "running"
 
 
+def test_the_plugins_own_tests_pass_the_policy_contract(installed_plugin: str) -> None:
+    """What its README tells an author to run: the plugin's tests, which subclass recovery.testing's contract."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=PLUGIN,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TestInPlaceFirst" not in proc.stdout  # nothing failed, and no test was skipped
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
 def test_the_plugin_is_a_separate_distribution() -> None:
     pyproject = (PLUGIN / "pyproject.toml").read_text()
     assert 'name = "recovery-example-plugin"' in pyproject

@@ -8,7 +8,18 @@ import pytest
 
 from events.values import FaultClass, Granularity, Layout, PolicyRef, PolicySelection, Tier
 from policies import registry
-from policies.base import NS, AttemptSummary, CheckpointContext, RescheduleContext
+from policies.base import (
+    FAMILY_BASES,
+    NS,
+    AttemptSummary,
+    CheckpointContext,
+    Fail,
+    RescheduleContext,
+    ReschedulingPolicyBase,
+    Resume,
+    SaveDying,
+    Wait,
+)
 from policies.checkpoint import NewestCompleteCheckpoint
 from policies.rescheduling import LadderRescheduling
 from recovery.testing.scenario import Scenario
@@ -62,7 +73,7 @@ def test_ladder_escalates_one_rung_per_failed_attempt() -> None:
     both = (AttemptSummary(Granularity.IN_PLACE, "failed", 0), AttemptSummary(Granularity.RESTART_JOB, "timed_out", 1))
     spent = {"process/in_place": 1, "process/restart_job": 1}
     third = ladder.decide(ctx(previous=both, used=spent))
-    assert third.granularity is Granularity.FAIL and "process/restart_job 1 of 1" in third.reason
+    assert isinstance(third, Fail) and "process/restart_job 1 of 1" in third.reason
 
 
 def test_top_rung_is_tried_again_while_its_budget_lasts() -> None:
@@ -71,13 +82,13 @@ def test_top_rung_is_tried_again_while_its_budget_lasts() -> None:
     again = ladder.decide(ctx(previous=failed, used={"process/restart_job": 1}))
     assert again.granularity is Granularity.RESTART_JOB
     done = ladder.decide(ctx(previous=failed * 2, used={"process/restart_job": 2}))
-    assert done.granularity is Granularity.FAIL
+    assert isinstance(done, Fail)
 
 
 def test_ladder_budget_per_rung_is_named_when_exhausted() -> None:
     ladder = LadderRescheduling({"ladders": {"process": [{"granularity": "in_place", "budget": 2}]}})
     action = ladder.decide(ctx(used={"process/in_place": 2}))
-    assert action.granularity is Granularity.FAIL and "process/in_place 2 of 2" in action.reason
+    assert isinstance(action, Fail) and "process/in_place 2 of 2" in action.reason
 
 
 def test_ladder_scales_in_or_waits_when_nodes_are_short() -> None:
@@ -85,7 +96,7 @@ def test_ladder_scales_in_or_waits_when_nodes_are_short() -> None:
     short = dict(fault_class=FaultClass.NODE, needs_move=True, nodes_to_replace=1, nodes_to_migrate=1,
                  spares_available=0)
     assert ladder.decide(ctx(**short, scale_in_dp=3)).granularity is Granularity.SCALE_IN
-    assert ladder.decide(ctx(**short)).wait
+    assert isinstance(ladder.decide(ctx(**short)), Wait)
 
 
 def test_retry_only_when_every_process_lives() -> None:
@@ -103,13 +114,13 @@ def cctx(alive: tuple[bool, ...], catalog: dict, unreachable: frozenset[str] = f
 def test_dying_checkpoint_when_every_shard_has_a_live_replica() -> None:
     plan = NewestCompleteCheckpoint().plan(cctx((True, False, True, True), {5: {Tier.STORAGE: {0: ("storage",),
                                                                                              1: ("storage",)}}}))
-    assert plan.save is not None and plan.save.step == 9 and plan.save.ranks == (0, 3)
+    assert isinstance(plan, SaveDying) and plan.save.step == 9 and plan.save.ranks == (0, 3)
 
 
 def test_no_dying_checkpoint_without_a_replica_of_every_shard() -> None:
     plan = NewestCompleteCheckpoint().plan(cctx((True, False, True, False), {5: {Tier.STORAGE: {0: ("storage",),
                                                                                               1: ("storage",)}}}))
-    assert plan.save is None and plan.resume.checkpoint_step == 5
+    assert isinstance(plan, Resume) and plan.plan.checkpoint_step == 5
 
 
 def test_cheapest_reachable_tier_and_older_step_when_newest_is_incomplete() -> None:
@@ -117,10 +128,12 @@ def test_cheapest_reachable_tier_and_older_step_when_newest_is_incomplete() -> N
                6: {Tier.MEMORY: {0: ("a",), 1: ("b",)}, Tier.STORAGE: {0: ("storage",), 1: ("storage",)}}}
     policy = NewestCompleteCheckpoint({"dying": False})
     plan = policy.plan(cctx((True,) * 4, catalog))
-    assert plan.resume.checkpoint_step == 6 and {s.tier for s in plan.resume.shards} == {Tier.MEMORY}
+    assert isinstance(plan, Resume)
+    assert plan.plan.checkpoint_step == 6 and {s.tier for s in plan.plan.shards} == {Tier.MEMORY}
     lost_b = policy.plan(cctx((True,) * 4, catalog, unreachable=frozenset({"b"})))
-    assert [(s.shard, s.tier) for s in lost_b.resume.shards] == [(0, Tier.MEMORY), (1, Tier.STORAGE)]
-    sources = [lost_b.resume.source_of(rank, node) for rank, node in enumerate(("a", "a", "b", "b"))]
+    assert isinstance(lost_b, Resume)
+    assert [(s.shard, s.tier) for s in lost_b.plan.shards] == [(0, Tier.MEMORY), (1, Tier.STORAGE)]
+    sources = [lost_b.plan.source_of(rank, node) for rank, node in enumerate(("a", "a", "b", "b"))]
     assert [(s.tier, s.holder) for s in sources if s] == [(Tier.MEMORY, "a"), (Tier.STORAGE, "storage"),
                                                          (Tier.MEMORY, "a"), (Tier.STORAGE, "storage")]
 
@@ -160,3 +173,24 @@ def test_a_broken_plugin_is_named_and_breaks_no_other_job(monkeypatch: pytest.Mo
     finally:
         registry._scan.cache_clear()
         registry._instance.cache_clear()
+
+
+def test_a_method_left_abstract_is_named_when_a_job_selects_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Undecided(ReschedulingPolicyBase):
+        name = "undecided"
+        version = "1"
+
+    monkeypatch.setattr(registry, "available", lambda: {"undecided": Undecided})
+    registry._instance.cache_clear()
+    try:
+        with pytest.raises(registry.PolicyError, match="lacks decide"):
+            registry.load(registry.PolicyRef(name="undecided"), "rescheduling")
+    finally:
+        registry._instance.cache_clear()
+
+
+def test_every_built_in_subclasses_its_familys_base() -> None:
+    built_in = {name: cls for name, cls in registry.available().items() if cls.__module__.startswith("policies.")}
+    assert len(built_in) == 9
+    for name, cls in built_in.items():
+        assert issubclass(cls, FAMILY_BASES[cls.family]), name

@@ -8,18 +8,19 @@ confirmed fault in the job's incident (opening one, or widening the one under wa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from events import kinds
 from events.commands import IsolateDevice, IsolateNode
 from events.values import FaultClass, Granularity
-from policies.base import NS, RankActivity, Signal, Verdict, WatchdogView
+from policies.base import NS, Clear, Drain, Fault, Ignore, RankActivity, Signal, Suspect, Verdict, WatchdogView
 from policies.detection import DefaultDetection
 from recovery.core.cluster import ClusterView
 from recovery.core.incidents import Incidents
 from recovery.core.job import Attempt, Incident, Job
 from recovery.core.placement import Placement
-from recovery.core.record import RecordEffects, ask
+from recovery.core.record import RecordEffects, ask, expect
 from recovery.core.timers import Timekeeper
 
 G = Granularity
@@ -39,13 +40,13 @@ class Detection:
         if job.state in ("submitted", "paused"):
             if isinstance(signal.data, kinds.DeviceFault):  # no recovery now, but the hardware is what it is
                 verdict = ask(job, "detection", job.policies.detection.classify, signal)
-                if verdict.kind == "fault":
+                if isinstance(verdict, Fault):
                     self.mark_hardware(verdict)
             return
         verdict = ask(job, "detection", job.policies.detection.classify, signal)
         self.verdict(out, job, verdict, type_=signal.type)
 
-    def mark_hardware(self, verdict: Verdict) -> None:
+    def mark_hardware(self, verdict: Fault) -> None:
         """What a confirmed fault says of the hardware, whoever runs there: an isolated node, a bad device."""
         if verdict.node is None:
             return
@@ -56,26 +57,28 @@ class Detection:
 
     def verdict(self, out: RecordEffects, job: Job, verdict: Verdict, type_: str) -> None:
         policy = job.policies.labels["detection"]
-        if verdict.kind == "ignore":
+        if isinstance(verdict, Fault):
+            self.fault(out, job, verdict, policy)
+        elif isinstance(verdict, Ignore):
             if type_ not in ("network.link_up", "node.ready", "device.recovered"):
                 out.decide(job, "signal.ignored", verdict.reason, policy=policy,
                            detail={"signal": type_, "code": verdict.code})
-        elif verdict.kind == "clear":
-            entry = job.suspects.pop(verdict.key or "", None)
+        elif isinstance(verdict, Clear):
+            entry = job.suspects.pop(verdict.key, None)
             if entry is None:
                 return
             cancelled = self.timekeeper.cancel(entry[1])
             out.decide(job, "fault.cleared", verdict.reason, policy=policy,
                        cancelled=cancelled, detail={"key": verdict.key})
-        elif verdict.kind == "suspect":
+        elif isinstance(verdict, Suspect):
             key = verdict.key or f"{type_}:{out.seq}"
             if key in job.suspects:
                 return  # already counting down: a repeated signal does not restart the debounce
             timer = self.timekeeper.request(out, job, f"confirm/{key}", verdict.confirm_after_ns)
-            job.suspects[key] = (verdict, timer.id)
+            job.suspects[key] = (verdict.fault, timer.id)
             out.decide(job, "fault.suspected", verdict.reason, policy=policy,
-                       timers=[timer], detail={"key": key, "ranks": list(verdict.ranks)})
-        elif verdict.kind == "drain":
+                       timers=[timer], detail={"key": key, "ranks": list(verdict.fault.ranks)})
+        elif isinstance(verdict, Drain):
             node = verdict.node
             if node is None or node not in job.nodes or node in job.drains:
                 return
@@ -83,7 +86,7 @@ class Detection:
             out.decide(job, "node.drain_planned", verdict.reason, policy=policy,
                        detail={"node": node, "device": verdict.device, "code": verdict.code})
         else:
-            self.fault(out, job, verdict, policy)
+            expect(job, "detection", verdict, (Ignore, Suspect, Clear, Fault, Drain))
 
     def drain(self, out: RecordEffects, job: Job, step: int) -> None:
         """Move the ranks off sub-healthy nodes now that `step` is a complete checkpoint: a planned pod-level move
@@ -109,7 +112,7 @@ class Detection:
                           started=out.ts)
         self.incidents.start(out, job, attempt, 900 * NS, None, nodes)
 
-    def fault(self, out: RecordEffects, job: Job, verdict: Verdict, policy: str, plan: bool = True) -> None:
+    def fault(self, out: RecordEffects, job: Job, verdict: Fault, policy: str, plan: bool = True) -> None:
         """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch)."""
         commands: list[Any] = []
         if verdict.isolate is not None and verdict.node is not None:
@@ -174,7 +177,7 @@ class Detection:
             self.incidents.plan(out, job)
 
     @staticmethod
-    def _note_dead_hosts(job: Job, incident: Incident, verdict: Verdict) -> None:
+    def _note_dead_hosts(job: Job, incident: Incident, verdict: Fault) -> None:
         """A node fault declares its hosts gone (their ranks fell silent together, or a host stayed not ready): what
         they held in memory or on local disk is no source for this incident's restarts, whatever the cluster view
         says of their readiness (a silent host has not said it is not ready)."""
@@ -184,14 +187,14 @@ class Detection:
                 incident.dead_hosts = incident.dead_hosts | hosts
 
     @staticmethod
-    def _note_exiting(incident: Incident, verdict: Verdict) -> None:
+    def _note_exiting(incident: Incident, verdict: Fault) -> None:
         """Processes the platform stopped (a preemption whose processes are gone) write a dying checkpoint on their
         way out: the checkpoint policy may hold the restart for it."""
         if verdict.fault_class is FaultClass.PREEMPTION and verdict.lost and not incident.exiting.issuperset(
                 verdict.ranks):
             incident.exiting = incident.exiting | frozenset(verdict.ranks)
 
-    def _covered(self, job: Job, attempt: Attempt, verdict: Verdict) -> bool:
+    def _covered(self, job: Job, attempt: Attempt, verdict: Fault) -> bool:
         """Is this fault already handled by the attempt under way (its ranks restart or stop anyway)?"""
         if attempt.granularity is G.RETRY:
             return not verdict.lost and not verdict.needs_move
@@ -203,7 +206,7 @@ class Detection:
         covered = attempt.covered
         return all(rank in covered for rank in verdict.ranks)
 
-    def _confirm(self, out: RecordEffects, job: Job, key: str) -> Verdict | None:
+    def _confirm(self, out: RecordEffects, job: Job, key: str) -> Fault | None:
         """Turn the suspicion `key` into a confirmed fault, or drop it (with a decision) if it no longer applies."""
         verdict, _ = job.suspects.pop(key)
         gone = verdict.node is not None and verdict.node not in job.nodes
@@ -221,9 +224,7 @@ class Detection:
             # node (rank % ranks_per_node), not its old number.
             on_node = job.ranks_on(verdict.node)
             ranks = tuple(on_node[r % job.rpn] for r in verdict.ranks)
-        return Verdict("fault", f"confirmed: {verdict.reason}", verdict.fault_class, verdict.scope, ranks,
-                       verdict.node, verdict.device, verdict.lost, verdict.needs_move, verdict.isolate, verdict.key,
-                       0, verdict.code)
+        return replace(verdict, reason=f"confirmed: {verdict.reason}", ranks=ranks)
 
     def watchdog(self, out: RecordEffects, job: Job) -> None:
         if job.state != "running":

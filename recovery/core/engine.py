@@ -29,7 +29,7 @@ from events.envelope import EnvelopeBase, RawRecord, Record
 from events.kinds import JOB_EVENTS, NODE_EVENTS
 from events.outputs import Rejection
 from events.subjects import is_output, job_event, node_event
-from policies.base import NS, Signal, label
+from policies.base import NS, Fault, Signal, label
 from policies.registry import PolicyError, load_set
 from recovery.core.cluster import ClusterView
 from recovery.core.detection import Detection
@@ -509,7 +509,7 @@ class Engine:
             # No job runs here (an idle spare, a node between jobs): its hardware health still decides where the next
             # job or move may go. No job's policy applies, so the built-in detection judges it.
             verdict = self.detection.hardware.classify(Signal(type_, data, out.ts, name, (), device_times, node_times))
-            if verdict.kind == "fault":
+            if isinstance(verdict, Fault):
                 self.detection.mark_hardware(verdict)
         if isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered | kinds.LinkUp) and node.usable:
             self._capacity_returned(out)

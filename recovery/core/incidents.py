@@ -23,12 +23,24 @@ from events.commands import (
     StopRanks,
 )
 from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
-from policies.base import NS, CheckpointContext, RescheduleContext
+from policies.base import (
+    NS,
+    AwaitDying,
+    CheckpointContext,
+    CheckpointPlan,
+    Fail,
+    RescheduleContext,
+    Resume,
+    SaveDying,
+    Settle,
+    StartRung,
+    Wait,
+)
 from recovery.core.cluster import ClusterView
 from recovery.core.job import CLOSED_INCIDENTS, Attempt, Incident, Job
 from recovery.core.machine import fire
 from recovery.core.placement import Placement, fit_dp
-from recovery.core.record import RecordEffects, Rejected, ask
+from recovery.core.record import RecordEffects, Rejected, ask, expect
 from recovery.core.timers import Timekeeper, TimerRequest
 
 G = Granularity
@@ -63,48 +75,50 @@ class Incidents:
             scale_in_dp=self.placement.scale_in_dp(job, vacate), forced=forced,
             widened=incident.widened, step_time_ns=job.step_time,
         )
-        action = ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
+        answer = ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
+        expect(job, "rescheduling", answer, (StartRung, Wait, Settle, Fail))
         policy = job.policies.labels["rescheduling"]
         out.plans += 1
-        short = None if action.wait or action.granularity is None else self._unplaceable(
-            job, action.granularity, vacate, migrate, len(spares), forced)
+        short = None
+        if isinstance(answer, StartRung):
+            short = self._unplaceable(job, answer.granularity, vacate, migrate, len(spares), forced)
         if short is None and out.plans > MAX_PLANS_PER_RECORD:
             short = f"asked {out.plans} times within one record"
         if short is not None:
             # The policy chose what the cluster cannot carry out now. Asking again at once would get the same answer
             # (a policy is a pure function of the same context): wait until nodes come back, and say why.
             incident.move("wait", out.ts)
-            chose = action.granularity.value if action.granularity is not None else "nothing"
+            chose = answer.granularity.value if isinstance(answer, StartRung) else "nothing"
             out.decide(job, "attempt.waiting", f"{policy} chose {chose}, which cannot be placed: {short}; "
                        f"wait for nodes", policy=policy,
-                         detail={"vacate": vacate, "spares": len(spares), "refused": action.reason})
+                       detail={"vacate": vacate, "spares": len(spares), "refused": answer.reason})
             return
-        if action.settle_ns > 0 and action.granularity is None and not action.wait:
+        if isinstance(answer, Settle):
             purpose = f"settle/{incident.id}/{len(incident.attempts)}"
-            timer = self.timekeeper.request(out, job, purpose, action.settle_ns)
+            timer = self.timekeeper.request(out, job, purpose, answer.settle_ns)
             incident.settle_timer = timer.id
             incident.move("settle", out.ts)
-            out.decide(job, "attempt.settling", action.reason, policy=policy,
+            out.decide(job, "attempt.settling", answer.reason, policy=policy,
                        timers=[timer], detail={"faults": len(incident.faults)})
             return
-        if action.wait:
+        if isinstance(answer, Wait):
             incident.move("wait", out.ts)
-            out.decide(job, "attempt.waiting", action.reason, policy=policy,
+            out.decide(job, "attempt.waiting", answer.reason, policy=policy,
                        detail={"vacate": vacate, "spares": len(spares)})
             return
-        g = action.granularity or G.FAIL
-        if g is G.FAIL:
-            self.fail_job(out, job, action.reason, policy)
+        if isinstance(answer, Fail) or answer.granularity is G.FAIL:
+            self.fail_job(out, job, answer.reason, policy)
             return
-        attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=action.rung,
-                          purpose="dump" if g is G.DUMP else "recover", reason=action.reason, started=out.ts)
+        g = answer.granularity
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=answer.rung,
+                          purpose="dump" if g is G.DUMP else "recover", reason=answer.reason, started=out.ts)
         keys = (f"{fault_class.value}/{g.value}", g.value)
         attempt.budget_keys = keys
         for key in keys:
             job.used[key] = job.used.get(key, 0) + 1
         if g in RESTARTS:
             job.restarts_used += 1
-        self.start(out, job, attempt, action.deadline_ns, policy, vacate)
+        self.start(out, job, attempt, answer.deadline_ns, policy, vacate)
 
     def _unplaceable(self, job: Job, g: Granularity, vacate: list[str], migrate: list[str], spares: int,
                      forced: Granularity | None) -> str | None:
@@ -192,8 +206,9 @@ class Incidents:
         if plan is None:
             return
         peer = any(source.tier is Tier.PEER for source in plan.shards)
-        fresh = ask(job, "checkpoint", job.policies.checkpoint.plan,
-                     self._checkpoint_ctx(job, attempt, False, peer)).resume
+        answer = ask(job, "checkpoint", job.policies.checkpoint.plan, self._checkpoint_ctx(job, attempt, False, peer))
+        expect(job, "checkpoint", answer, CHECKPOINT_ANSWERS)
+        fresh = _resume_of(answer) or plan
         if fresh != plan:
             attempt.plan = fresh
             why = (f"{plan.checkpoint_step} is no longer where the live replicas are" if peer else
@@ -208,38 +223,40 @@ class Incidents:
         incident = job.incident
         assert incident is not None
         ctx = self._checkpoint_ctx(job, attempt, not incident.dying_tried, not incident.peer_tried)
-        plan = ask(job, "checkpoint", job.policies.checkpoint.plan, ctx)
+        answer = ask(job, "checkpoint", job.policies.checkpoint.plan, ctx)
+        expect(job, "checkpoint", answer, CHECKPOINT_ANSWERS)
         policy = job.policies.labels["checkpoint"]
-        if plan.save is None and any(source.tier is Tier.PEER for source in plan.resume.shards):
-            incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
-        if plan.save is not None:
+        if isinstance(answer, SaveDying):
+            save = answer.save
             incident.dying_tried = True
-            attempt.save = plan.save
+            attempt.save = save
             incident.move("save", out.ts)
             command = SaveCheckpoint(id=out.command_id(job.id), job=job.id, attempt=job.generation,
-                                     deadline_s=60, ranks=list(plan.save.ranks), step=plan.save.step)
+                                     deadline_s=60, ranks=list(save.ranks), step=save.step)
             timer = self._ack_timer(out, job, command.id, command.deadline_s)
             attempt.pending = {command.id: (command.kind, timer.id)}
-            out.decide(job, "checkpoint.dying", plan.reason, policy=policy,
+            out.decide(job, "checkpoint.dying", answer.reason, policy=policy,
                        commands=[command], timers=[timer],
-                       detail={"step": plan.save.step, "savers": list(plan.save.ranks)})
+                       detail={"step": save.step, "savers": list(save.ranks)})
             return
-        if plan.await_step is not None and plan.await_ns > 0 and not incident.awaited:
+        resume = answer.plan if isinstance(answer, Resume) else answer.fallback
+        if any(source.tier is Tier.PEER for source in resume.shards):
+            incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
+        if isinstance(answer, AwaitDying) and answer.wait_ns > 0 and not incident.awaited:
             incident.awaited = True  # once per incident: the next plan takes what has landed by then
-            attempt.plan = plan.resume
-            attempt.awaiting = plan.await_step
+            attempt.plan = resume
+            attempt.awaiting = answer.step
             incident.move("save", out.ts)
-            timer = self.timekeeper.request(out, job, f"await/{incident.id}/{attempt.number}", plan.await_ns)
-            attempt.pending = {f"await:{plan.await_step}": ("await_dying", timer.id)}
-            out.decide(job, "checkpoint.awaiting", plan.reason, policy=policy, timers=[timer],
-                       detail={"step": plan.await_step, "wait_s": plan.await_ns / NS,
+            timer = self.timekeeper.request(out, job, f"await/{incident.id}/{attempt.number}", answer.wait_ns)
+            attempt.pending = {f"await:{answer.step}": ("await_dying", timer.id)}
+            out.decide(job, "checkpoint.awaiting", answer.reason, policy=policy, timers=[timer],
+                       detail={"step": answer.step, "wait_s": answer.wait_ns / NS,
                                "exiting": len(incident.exiting)})
             return
-        attempt.plan = plan.resume
-        out.decide(job, "checkpoint.plan", plan.reason, policy=policy,
-                   detail={"checkpoint_step": plan.resume.checkpoint_step,
-                           "next_step": plan.resume.next_step,
-                           "tiers": _tier_counts(plan.resume)})
+        attempt.plan = resume
+        out.decide(job, "checkpoint.plan", answer.reason, policy=policy,
+                   detail={"checkpoint_step": resume.checkpoint_step, "next_step": resume.next_step,
+                           "tiers": _tier_counts(resume)})
         self._stop(out, job, attempt)
 
     def _ack_timer(self, out: RecordEffects, job: Job, command_id: str, deadline_s: float) -> TimerRequest:
@@ -534,6 +551,16 @@ class Incidents:
                 else:
                     self.end_attempt(out, job, attempt, "timed_out", f"no ack for {kind} {cid} in time")
                 return
+
+
+CHECKPOINT_ANSWERS = (Resume, SaveDying, AwaitDying)
+
+
+def _resume_of(answer: CheckpointPlan) -> ResumePlan | None:
+    """The plan an answer would restart from (none for a dying checkpoint to save first)."""
+    if isinstance(answer, Resume):
+        return answer.plan
+    return answer.fallback if isinstance(answer, AwaitDying) else None
 
 
 def _incident_usage(incident: Incident) -> dict[str, int]:

@@ -7,7 +7,7 @@ from operator import attrgetter
 from typing import Any
 
 from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier
-from policies.base import AttemptSummary, PolicySet, SaveRequest, Verdict
+from policies.base import AttemptSummary, Fault, PolicySet, SaveRequest
 from recovery.core.machine import fire_phase
 
 DEDUPE_WINDOW = 256
@@ -182,7 +182,7 @@ class Job:
         self.incidents_opened = 0
         self.closed: list[dict[str, Any]] = []
         self.drains: dict[str, str] = {}  # node -> why: sub-health to leave at the next complete checkpoint
-        self.suspects: dict[str, tuple[Verdict, str]] = {}  # key -> (verdict, timer id), in log order
+        self.suspects: dict[str, tuple[Fault, str]] = {}  # key -> (the fault to confirm, timer id), in log order
         self.watchdog: str | None = None
         self.used: dict[str, int] = {}
         self.restarts_used = 0

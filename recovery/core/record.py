@@ -100,6 +100,15 @@ def ask(job: Job, family: str, call: Callable[[Any], _T], argument: Any) -> _T:
                                        f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})") from exc
 
 
+def expect(job: Job, family: str, answer: Any, types: tuple[type, ...]) -> None:
+    """A policy's answer must be one of its family's result types: anything else fails the record as a
+    `policy_error` naming the policy, like an exception would."""
+    if not isinstance(answer, types):
+        names = ", ".join(t.__name__ for t in types)
+        raise Rejected("policy_error", f"{family} policy {job.policies.labels.get(family, '?')} answered "
+                                       f"{answer!r}, not one of {names}")
+
+
 def check_encodable(effects: list[Effect]) -> None:
     """Numbers the engine computed (due times) must fit the wire; everything else it copies from validated
     input. A decision that cannot be written would stop every consumer of the log on the same record."""

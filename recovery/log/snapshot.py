@@ -26,7 +26,9 @@ import recovery.core
 from policies.base import label
 from recovery.core.engine import Engine
 
-SNAPSHOT_FORMAT = 4  # 2: Engine._order and Engine._hungry; 3: Engine._finished and _submissions; 4: the engine in parts
+SNAPSHOT_FORMAT = 5
+"""2: Engine._order and Engine._hungry; 3: Engine._finished and _submissions; 4: the engine in parts; 5: suspicions
+hold typed Faults"""
 
 
 def dump_snapshot(engine: Engine) -> bytes:

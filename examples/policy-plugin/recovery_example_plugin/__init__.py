@@ -1,43 +1,40 @@
 """An example third-party rescheduling policy for `recovery`.
 
-A policy is a class with `family`, `name` and `version`, a constructor taking its parameters (a dict), and the
-method of its family's Protocol (`policies.base.ReschedulingPolicy.decide`), registered under the entry-point
-group `recovery.policies` in this distribution's pyproject.toml.
+A policy subclasses its family's base from `policies` (here `ReschedulingPolicyBase`), names itself, declares its
+parameters and implements the family's method (`decide`); its distribution registers it under the entry-point group
+`recovery.policies` in pyproject.toml. Its tests (tests/) run the contract of `recovery.testing` on it.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field
 
-from events.values import Granularity
-from policies.base import NS, Action, Params, RescheduleContext
+from policies import NS, Granularity, Params, Reschedule, RescheduleContext, ReschedulingPolicyBase, StartRung, Wait
 
 
 class InPlaceFirstParams(Params):
     deadline_s: float = Field(120.0, gt=0, description="deadline of each attempt")
 
 
-class InPlaceFirst:
+class InPlaceFirst(ReschedulingPolicyBase):
     """Restart in place (or move off a node that must be left); if that fails, restart the whole job."""
 
-    family: ClassVar[str] = "rescheduling"
     name: ClassVar[str] = "example-in-place-first"
     version: ClassVar[str] = "1"
+    parameters = InPlaceFirstParams
+    params: InPlaceFirstParams
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
-        self.params = InPlaceFirstParams.model_validate(params or {})
-
-    def decide(self, ctx: RescheduleContext) -> Action:
+    def decide(self, ctx: RescheduleContext) -> Reschedule:
         deadline = int(self.params.deadline_s * NS)
         if ctx.forced is not None:
-            return Action(ctx.forced, f"operator forced {ctx.forced.value}", deadline)
+            return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline)
         if ctx.previous:
-            return Action(Granularity.RESTART_JOB, "the first attempt did not recover: restart the job", deadline,
-                          rung=1)
+            return StartRung(Granularity.RESTART_JOB, "the first attempt did not recover: restart the job", deadline,
+                             rung=1)
         if ctx.needs_move:
             if ctx.nodes_to_migrate > ctx.spares_available:
-                return Action(None, "no spare for the node to leave: wait", deadline, wait=True)
-            return Action(Granularity.MIGRATE, "the node must be left: move its ranks", deadline)
-        return Action(Granularity.IN_PLACE, "restart the faulty processes where they are", deadline)
+                return Wait("no spare for the node to leave: wait")
+            return StartRung(Granularity.MIGRATE, "the node must be left: move its ranks", deadline)
+        return StartRung(Granularity.IN_PLACE, "restart the faulty processes where they are", deadline)
