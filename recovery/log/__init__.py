@@ -2,7 +2,9 @@
 
 - `base`: the contract (`EventLog`, `SyncLog`, `Appended`, `MSG_ID`) and what every log shares;
 - `memory` (`MemoryLog`, `CountingLog`) and `file` (`FileLog`, the JSONL format's readers and writer);
-- `jetstream`: the JetStream log, with its reader and publisher helpers (imports nats-py: import it from there);
+- `jetstream`: the JetStream log, with its publisher helpers and the one list of transient NATS errors, and `pull`:
+  the one JetStream pull reader, of the log, the daemon's input and its scans (both import nats-py: import them
+  from there);
 - `export`: per-job export headers and filters;
 - `recorder`: the daemon's loop on a synchronous log (`Recorder`) and `replay`; `verify`: the first decision a
   replay derives differently from the log's, and why;

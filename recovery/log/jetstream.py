@@ -7,66 +7,67 @@ Only the event-log adapters (this module) import `nats`; the engine, `events/` a
   id goes out as `Nats-Msg-Id`, so a republished event is dropped by the server.
 - Order is the stream sequence; logical time is the JetStream message timestamp, taken as integer
   nanoseconds from the delivery metadata (never through a float or a datetime).
-- `read` pulls from an ephemeral, memory-backed, no-ack pull consumer in pipelined batches, checks the
-  consumer sequence for gaps and, if delivery stalls or a gap shows (a NATS outage, a lost consumer),
-  recreates the consumer at the next sequence it needs: every record comes once, in order.
+- `read` reads through the one pull reader (`recovery.log.pull`): an ephemeral, memory-backed, no-ack
+  consumer over the range, and, when the reader loses order (a NATS outage, a lost consumer), a new one at the
+  next sequence it needs: every record comes once, in order.
+- `TRANSIENT` is the one list of errors after which a NATS operation may simply be tried again; a publish goes
+  by `is_retryable`, which adds what makes repeating it safe.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
 import nats.errors
 import nats.js.errors
-import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
-    DeliverPolicy,
     PubAck,
     RetentionPolicy,
     StorageType,
     StreamConfig,
     StreamInfo,
 )
-from nats.nuid import NUID
 
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.subjects import DEAD_LETTERS, DECISIONS, EVENTS
 from recovery.log.base import MSG_ID, Appended, prepare, to_record
 from recovery.log.export import export_log
+from recovery.log.pull import PullReader, ReaderLost
 
 logger = logging.getLogger("recovery.jetstream")  # the name operators filter on: kept since it moved
 
 DEFAULT_STREAM = "RECOVERY"
 DEFAULT_SUBJECTS = [EVENTS, DECISIONS, DEAD_LETTERS]
-API_PREFIX = "$JS.API"
 
-# Errors after which a publish or a pull may simply be tried again (the connection reconnects forever).
-_TRANSIENT: tuple[type[Exception], ...] = (
+TRANSIENT: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,  # nats.errors.TimeoutError derives from it
+    OSError,  # the socket under a connection that is reconnecting
     nats.errors.NoRespondersError,
     nats.errors.ConnectionReconnectingError,
-    nats.errors.StaleConnectionError,
+    nats.errors.StaleConnectionError,  # and UnexpectedEOF
     nats.errors.OutboundBufferLimitError,
     nats.js.errors.TooManyStalledMsgsError,  # `publish_async` waited out its stall time for a slot: a timeout
     nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
     nats.js.errors.ServerError,
+    ReaderLost,  # a reader that lost order: opened again, it goes on where it is needed
 )
+"""Errors after which a NATS operation may simply be tried again (the connection reconnects forever): an outage,
+an overloaded or restarting server, a reader that lost its consumer. Everything else (a bad request, a subject no
+stream takes, a message over the payload limit, a closed connection) fails again however often it is tried. A
+publish is retried by `is_retryable`, which also knows when repeating one cannot store it twice."""
 
 TOO_MANY_REQUESTS = 429
 """JetStream's answer when a stream's ingest buffer is full (`max_buffered_msgs`/`max_buffered_size`, 10,000
@@ -83,13 +84,19 @@ def is_too_many_requests(exc: BaseException) -> bool:
     return isinstance(exc, nats.js.errors.APIError) and exc.code == TOO_MANY_REQUESTS
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed NATS operation may simply be tried again: one of `TRANSIENT`, or a 429 (a publish the
+    server turned away, the lease's and the snapshots' included)."""
+    return isinstance(exc, TRANSIENT) or is_too_many_requests(exc)
+
+
 def is_retryable(exc: BaseException, idempotent: bool) -> bool:
     """Whether a failed publish may be sent again. A 429 always: the server refused it, nothing was stored.
     The other transient failures (a timeout, an outage) may hide a publish that was stored after all, so only a
     message with a `Nats-Msg-Id` (`idempotent`), whose repeat the server drops, is sent again after them."""
     if is_too_many_requests(exc):
         return True
-    return idempotent and isinstance(exc, _TRANSIENT)
+    return idempotent and isinstance(exc, TRANSIENT)
 
 
 class Backoff:
@@ -171,144 +178,6 @@ def surface_async_ack_errors(js: JetStreamContext) -> bool:
     return True
 
 
-_NUID = NUID()
-
-
-class _ReaderLost(Exception):
-    """The pull consumer stopped delivering in order (gap, stall, deletion): recreate it."""
-
-
-def _parse_ack_reply(reply: str) -> tuple[int, int, int, int]:
-    """(stream seq, consumer seq, timestamp ns, pending) from a JetStream delivery's reply subject:
-    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>` (v1) or
-    `$JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]`
-    (v2). The timestamp is the server's integer nanoseconds, kept exact."""
-    tokens = reply.split(".")
-    if len(tokens) == 9 and tokens[0] == "$JS" and tokens[1] == "ACK":
-        return int(tokens[5]), int(tokens[6]), int(tokens[7]), int(tokens[8])
-    if len(tokens) >= 11 and tokens[0] == "$JS" and tokens[1] == "ACK":
-        return int(tokens[7]), int(tokens[8]), int(tokens[9]), int(tokens[10])
-    raise ValueError(f"not a JetStream delivery reply subject: {reply!r}")
-
-
-class _Reader:
-    """One ephemeral pull consumer over [start, end] with pipelined pull requests on one inbox."""
-
-    def __init__(self, owner: JetStreamLog, start: int, end: int) -> None:
-        self._owner = owner
-        self._start = start
-        self._end = end
-        self._batch = owner.read_batch
-        self._inbox = owner.nc.new_inbox()
-        self._name = _NUID.next().decode()
-        self._next_subject = f"{API_PREFIX}.CONSUMER.MSG.NEXT.{owner.stream}.{self._name}"
-        self._sub: Subscription | None = None
-        self._created = False
-        self._buffer: deque[Msg] = deque()
-        self._arrived = asyncio.Event()
-        self._outstanding = 0  # messages asked for and not yet delivered
-        self._highest = start - 1  # highest stream sequence delivered
-        self._cseq = 0  # last consumer sequence delivered
-        self._connection = owner.connection_generation  # a reconnect may have lost the consumer
-        self.exhausted = False  # nothing left in [start, end]
-
-    async def open(self) -> None:
-        nc = self._owner.nc
-        self._sub = await nc.subscribe(self._inbox, cb=self._on_msg)
-        config = ConsumerConfig(
-            name=self._name,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=self._start,
-            ack_policy=AckPolicy.NONE,
-            mem_storage=True,
-            num_replicas=1,
-            inactive_threshold=max(self._owner.stall_timeout, 5.0),
-        )
-        info = await self._owner.js.add_consumer(self._owner.stream, config=config)
-        self._created = True
-        if info.num_pending == 0:
-            self.exhausted = True
-            return
-        await self._pull()
-
-    async def _on_msg(self, msg: Msg) -> None:
-        self._buffer.append(msg)
-        self._arrived.set()
-
-    def wake(self) -> None:
-        self._arrived.set()
-
-    async def _pull(self) -> None:
-        # Keep between one and two batches asked for, never more than the range still needs (the range
-        # is contiguous unless the stream lost messages; a short count only means one more pull).
-        needed = self._end - self._highest - self._outstanding
-        while self._outstanding < self._batch and needed > 0:
-            count = min(self._batch, needed)
-            request = {"batch": count, "expires": int(self._owner.pull_expires * 1e9)}
-            await self._owner.nc.publish(self._next_subject, orjson.dumps(request), reply=self._inbox)
-            self._outstanding += count
-            needed -= count
-
-    async def next_batch(self) -> list[Record | RawRecord]:
-        """The records delivered since the last call (at least one unless the range is exhausted)."""
-        out: list[Record | RawRecord] = []
-        # A healthy server answers every pull within its expiry, with messages or a timeout status.
-        idle = 2 * self._owner.pull_expires + 1
-        while not out and not self.exhausted:
-            if not self._buffer:
-                self._arrived.clear()
-                if self._owner.connection_generation != self._connection:
-                    raise _ReaderLost("reconnected")
-                try:
-                    async with asyncio.timeout(idle):
-                        await self._arrived.wait()
-                except TimeoutError as exc:
-                    raise _ReaderLost(f"no delivery for {idle}s") from exc
-            while self._buffer and not self.exhausted:
-                self._take(self._buffer.popleft(), out)
-            if not self.exhausted:
-                await self._pull()
-        return out
-
-    def _take(self, msg: Msg, out: list[Record | RawRecord]) -> None:
-        reply = msg.reply
-        if not reply:
-            # A status message ends a pull request: 404/408 (no messages, expired) or 409 (limits,
-            # leadership change, consumer deleted). Ask again, or start over if the consumer is gone.
-            status = (msg.headers or {}).get("Status", "")
-            description = (msg.headers or {}).get("Description", "")
-            if status == "409" and "Consumer Deleted" in description:
-                raise _ReaderLost("consumer deleted")
-            if status in ("404", "408", "409"):
-                self._outstanding = 0
-            return
-        sseq, cseq, ts, pending = _parse_ack_reply(reply)
-        if cseq <= self._cseq:
-            return  # already seen
-        if cseq != self._cseq + 1:
-            raise _ReaderLost(f"gap in consumer sequence: {self._cseq} then {cseq}")
-        self._cseq = cseq
-        self._outstanding = max(self._outstanding - 1, 0)
-        if sseq > self._end:
-            self.exhausted = True
-            return
-        self._highest = sseq
-        out.append(to_record(sseq, ts, msg.subject, msg.headers or {}, msg.data))
-        if sseq >= self._end or pending == 0:
-            self.exhausted = True
-
-    async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
-        if self._created and self._owner.nc.is_connected:
-            # Best effort: the inactive threshold removes it anyway if this does not get through.
-            with contextlib.suppress(Exception):
-                await self._owner.js.delete_consumer(self._owner.stream, self._name)
-        self._created = False
-
-
 class JetStreamLog:
     """An `EventLog` over one JetStream stream. Create it with `await JetStreamLog.connect(url)`."""
 
@@ -332,13 +201,11 @@ class JetStreamLog:
         self.pull_expires = pull_expires
         self.publish_retry = publish_retry
         self._owns_connection = owns_connection
-        self.connection_generation = 0  # counts reconnects
-        self._readers: set[_Reader] = set()
+        self._readers: set[PullReader] = set()
 
     async def _reconnected(self) -> None:
         """nats-py's reconnected callback (set by `connect`): readers re-create their consumers, which a
         restarted server no longer has, instead of waiting for their pulls to time out."""
-        self.connection_generation += 1
         logger.info("reconnected to %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
         for reader in self._readers:
             reader.wake()
@@ -403,7 +270,7 @@ class JetStreamLog:
         while True:
             try:
                 return await self.js.stream_info(self.stream)
-            except _TRANSIENT:
+            except TRANSIENT:
                 if time.monotonic() + delay > deadline:
                     raise
                 await asyncio.sleep(delay)  # retry backoff during an outage
@@ -418,44 +285,46 @@ class JetStreamLog:
         state = (await self.stream_info()).state
         end = int(state.last_seq)
         next_seq = max(start_seq, int(state.first_seq), 1)
-        reader: _Reader | None = None
+        if next_seq > end:
+            return
+        # Memory storage and no acks: a read holds no state worth keeping, and the server none worth writing.
+        consumer = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
+                                  inactive_threshold=max(self.stall_timeout, 5.0))
+        reader = PullReader(self.nc, self.js, self.stream, consumer, batch=self.read_batch,
+                            pull_expires_s=self.pull_expires, end_seq=end)
+        self._readers.add(reader)
+        opened = False
         progress = time.monotonic()
         delay = 0.05
         try:
-            while next_seq <= end:
+            while next_seq <= end and not reader.done:
                 try:
-                    if reader is None:
-                        reader = _Reader(self, next_seq, end)
-                        self._readers.add(reader)
-                        await reader.open()
-                    batch = await reader.next_batch()
-                except (_ReaderLost, *_TRANSIENT) as exc:  # type: ignore[misc]  # mypy cannot see a starred tuple
-                    if reader is not None:
-                        self._readers.discard(reader)
-                        await reader.close()
-                        reader = None
+                    if not opened:
+                        await reader.open(next_seq)
+                        opened = True
+                    batch = await reader.next_batch(reader.stall_s)
+                except TRANSIENT as exc:
+                    opened = False
+                    await reader.close()
                     if time.monotonic() - progress > self.stall_timeout:
                         raise TimeoutError(
                             f"reading {self.stream} stalled at sequence {next_seq} for {self.stall_timeout}s"
                         ) from exc
-                    logger.warning("reading %s at %d: %s; resuming", self.stream, next_seq, exc)
+                    logger.warning("reading %s at %d: %s; resuming", self.stream, next_seq, describe_error(exc))
                     await asyncio.sleep(delay)  # retry backoff during an outage
                     delay = min(delay * 2, 1.0)
                     continue
                 if batch:
                     progress = time.monotonic()
                     delay = 0.05
-                for record in batch:
-                    if record.seq < next_seq:
-                        continue
-                    yield record
-                    next_seq = record.seq + 1
-                if reader.exhausted:
-                    break
+                for d in batch:
+                    if d.seq < next_seq:
+                        continue  # delivered before the reader was opened again
+                    yield to_record(d.seq, d.ts, d.subject, d.headers or {}, d.data)
+                    next_seq = d.seq + 1
         finally:
-            if reader is not None:
-                self._readers.discard(reader)
-                await reader.close()
+            self._readers.discard(reader)
+            await reader.close()
 
     async def export(
         self, path: str | os.PathLike[str], start_seq: int = 1, job: str | None = None,

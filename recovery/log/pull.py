@@ -1,0 +1,270 @@
+"""The one JetStream pull reader: a pull consumer read in stream order, in pipelined batches on one inbox.
+
+Every reader of a stream goes through `PullReader`: `JetStreamLog.read` (an ephemeral, no-ack consumer over a
+range of the log, for `recovery-replay --nats`, exports and the tests), the daemon's durable input consumer
+(acknowledged after its effects) and its scan of the ids it already published. The caller chooses the consumer's
+configuration (durable or ephemeral, ack policy, filter, headers only) and where it starts; the reader creates it,
+keeps pull requests outstanding, reads JetStream's status messages, and checks order by the consumer sequence.
+
+Whenever order cannot be guaranteed any more (a gap in the consumer sequence, a consumer deleted under it, a
+reconnect, no delivery or status for longer than a pull may take) it raises `ReaderLost`, and the caller opens
+it again at the sequence it needs: a caller that does so sees every message once, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import anyio
+import nats.errors
+import nats.js.errors
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.nuid import NUID
+
+API_PREFIX = "$JS.API"
+
+_NUID = NUID()
+
+
+class ReaderLost(Exception):
+    """The consumer stopped delivering in stream order (a gap, a deleted consumer, a reconnect, a stall, or, for
+    the daemon, a redelivery ahead of what it applied): open the reader again where it is needed."""
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One message as the consumer delivered it, with the metadata of its reply subject."""
+
+    seq: int
+    """stream sequence"""
+    ts: int
+    """the stream's timestamp of the message, integer nanoseconds (exact: never through a float)"""
+    pending: int
+    """messages left for the consumer after this one"""
+    delivered: int
+    """how many times the consumer delivered it (1 unless it was redelivered after `ack_wait`)"""
+    subject: str
+    headers: dict[str, str] | None
+    data: bytes
+    reply: str
+    """the `$JS.ACK...` subject an acknowledgement goes to"""
+
+
+def parse_reply(reply: str) -> tuple[int, int, int, int, int]:
+    """(delivered count, stream seq, consumer seq, timestamp ns, pending) from a JetStream delivery's reply
+    subject: `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>` (v1) or
+    `$JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]` (v2)."""
+    t = reply.split(".")
+    if len(t) == 9 and t[0] == "$JS" and t[1] == "ACK":
+        return int(t[4]), int(t[5]), int(t[6]), int(t[7]), int(t[8])
+    if len(t) >= 11 and t[0] == "$JS" and t[1] == "ACK":
+        return int(t[6]), int(t[7]), int(t[8]), int(t[9]), int(t[10])
+    raise ValueError(f"not a JetStream delivery reply subject: {reply!r}")
+
+
+class PullReader:
+    """A pull consumer of `stream` configured by `consumer`, read in stream order with up to two batches of pull
+    requests outstanding on one inbox.
+
+    `open(start_seq)` (re)creates the consumer at `start_seq` (or where `consumer`'s deliver policy says): a
+    durable one of that name is deleted first, since a durable's start cannot move; an ephemeral one gets a fresh
+    name and, unless `consumer` sets one, an inactivity threshold, so that one the reader could not delete goes
+    away by itself. With `end_seq` the reader stops (`done`) after that stream sequence or once nothing is
+    pending. `next_batch` raises `ReaderLost` when order is lost; `open` it again."""
+
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        stream: str,
+        consumer: ConsumerConfig,
+        *,
+        batch: int = 1000,
+        pull_expires_s: float = 2.0,
+        end_seq: int | None = None,
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self.stream = stream
+        self.consumer = consumer
+        self.batch = batch
+        self.pull_expires_s = pull_expires_s
+        self.end_seq = end_seq
+        self.stall_s = 2 * pull_expires_s + 1
+        """a healthy server answers every pull within its expiry, with messages or a status: silence longer than
+        this means the consumer or its pull requests are gone"""
+        self.name = ""
+        self.lag = 0
+        """messages still pending for the consumer after the last delivery (or at `open`)"""
+        self.caught_up = False
+        """the reader has reached the end of what its consumer matches at least once since it was made"""
+        self.done = False
+        """with `end_seq`: everything up to it was delivered (or nothing more is pending)"""
+        self._request = orjson.dumps({"batch": batch, "expires": int(pull_expires_s * 1e9)})
+        self._next_subject = ""
+        self._inbox = ""
+        self._sub: Subscription | None = None
+        self._ephemeral = ""  # the ephemeral consumer to delete at close
+        self._buffer: deque[Msg] = deque()
+        self._arrived: anyio.Event | None = None  # set by the next delivery while `next_batch` waits for one
+        self._outstanding = 0  # messages asked for and not yet delivered
+        self._cseq = 0  # the last consumer sequence delivered
+        self._highest = 0  # the highest stream sequence delivered
+        self._reconnects = 0
+        self._activity = time.monotonic()
+
+    async def open(self, start_seq: int | None = None) -> int:
+        """Create the consumer at `start_seq` (None: as `consumer` says) and send the first pulls; the number of
+        messages pending for it."""
+        await self.close()
+        config = dataclasses.replace(self.consumer)
+        if start_seq is not None:
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = max(start_seq, 1)
+        if config.durable_name:
+            self.name = config.durable_name
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.js.delete_consumer(self.stream, self.name)
+        else:
+            self.name = config.name = _NUID.next().decode()
+            if config.inactive_threshold is None:
+                config.inactive_threshold = max(self.stall_s, 5.0)
+        self._reconnects = self.nc.stats["reconnects"]
+        inbox = self.nc.new_inbox()
+        self._sub = await self.nc.subscribe(inbox, cb=self._on_msg)
+        self._inbox = inbox
+        info = await self.js.add_consumer(self.stream, config=config)
+        self._ephemeral = "" if config.durable_name else self.name
+        self._next_subject = f"{API_PREFIX}.CONSUMER.MSG.NEXT.{self.stream}.{self.name}"
+        self._buffer.clear()
+        self._outstanding = 0
+        self._cseq = 0
+        self._highest = (config.opt_start_seq or 1) - 1
+        self._activity = time.monotonic()
+        self.lag = int(info.num_pending or 0)
+        self.done = False
+        if self.lag == 0:
+            self.caught_up = True
+            self.done = self.end_seq is not None
+        if not self.done:
+            await self._pull()
+        return self.lag
+
+    async def close(self) -> None:
+        """Stop reading; an ephemeral consumer is deleted (best effort), a durable one stays."""
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        name, self._ephemeral = self._ephemeral, ""
+        if name and self.nc.is_connected:
+            # Shielded and bounded: it runs while its caller is being cancelled too, and the consumer's
+            # inactivity threshold removes it anyway if this does not get through.
+            with anyio.move_on_after(2, shield=True), contextlib.suppress(Exception):
+                await self.js.delete_consumer(self.stream, name)
+
+    def wake(self) -> None:
+        """End a wait in `next_batch` now (after a reconnect, so that it need not wait out its timeout)."""
+        if self._arrived is not None:
+            self._arrived.set()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._buffer.append(msg)
+        if self._arrived is not None:
+            self._arrived.set()
+
+    async def _pull(self) -> None:
+        # Two batches asked for keep the server sending while the caller works on one; with an end, never more
+        # than the range still needs (it is contiguous unless filtered: a short count only means one more pull).
+        limit = 2 * self.batch
+        needed = math.inf if self.end_seq is None else self.end_seq - self._highest - self._outstanding
+        while self._outstanding < limit and needed > 0:
+            if needed >= self.batch:
+                count, request = self.batch, self._request
+            else:
+                count = int(needed)
+                request = orjson.dumps({"batch": count, "expires": int(self.pull_expires_s * 1e9)})
+            await self.nc.publish(self._next_subject, request, reply=self._inbox)
+            self._outstanding += count
+            needed -= count
+
+    async def next_batch(self, wait_s: float) -> list[Delivery]:
+        """Up to `batch` deliveries in stream order, waiting up to `wait_s` for the first; none if nothing came
+        (or the reader is `done`). ReaderLost if order is lost."""
+        if self.done:
+            return []
+        buffer = self._buffer
+        if not buffer:
+            self._arrived = arrived = anyio.Event()
+            with anyio.move_on_after(wait_s):
+                await arrived.wait()
+            self._arrived = None
+            if self.nc.stats["reconnects"] != self._reconnects:
+                raise ReaderLost("reconnected: the pull requests (and a memory consumer) died with the connection")
+            if not buffer and time.monotonic() - self._activity > self.stall_s:
+                raise ReaderLost(f"no delivery or status for {self.stall_s:.0f}s")
+        if buffer:
+            self._activity = time.monotonic()
+        out: list[Delivery] = []
+        end = self.end_seq
+        while buffer and len(out) < self.batch:
+            msg = buffer.popleft()
+            reply = msg.reply
+            if not reply:
+                self._status(msg)
+                continue
+            delivered, sseq, cseq, ts, pending = parse_reply(reply)
+            if cseq <= self._cseq:
+                continue  # a repeat of something already seen
+            if cseq != self._cseq + 1:
+                raise ReaderLost(f"gap in the consumer sequence: {self._cseq} then {cseq}")
+            self._cseq = cseq
+            self._outstanding = max(self._outstanding - 1, 0)
+            self.lag = pending
+            if end is not None and sseq > end:
+                self.done = True
+                break
+            self._highest = sseq
+            out.append(Delivery(sseq, ts, pending, delivered, msg.subject, msg.headers, msg.data, reply))
+            if pending == 0:
+                self.caught_up = True
+                if end is not None:
+                    self.done = True
+                    break
+            elif end is not None and sseq >= end:
+                self.done = True
+                break
+        if not self.done:
+            await self._pull()
+        return out
+
+    def _status(self, msg: Msg) -> None:
+        # A status message ends a pull request: 404/408 (no messages, expired) or 409 (limits, leadership change,
+        # consumer deleted). Ask again, or start over if the consumer is gone.
+        headers = msg.headers or {}
+        status = headers.get("Status", "")
+        if status == "409" and "Consumer Deleted" in headers.get("Description", ""):
+            raise ReaderLost("consumer deleted")
+        if status == "408" and "Nats-Pending-Messages" in headers:
+            # An expired request says how much of it was left undelivered: exactly what no longer comes.
+            self._outstanding = max(self._outstanding - int(headers["Nats-Pending-Messages"]), 0)
+        elif status in ("404", "408", "409"):
+            self._outstanding = 0
+        if status in ("404", "408") and not self._buffer and self.lag == 0:
+            self.caught_up = True
+
+    async def ack(self, delivery: Delivery) -> None:
+        """Acknowledge `delivery` (under AckPolicy.ALL, and every one before it too). Best effort: a lost ack only
+        means a redelivery after `ack_wait`, which a caller that knows what it applied skips."""
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self.nc.publish(delivery.reply, b"+ACK")
