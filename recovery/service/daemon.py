@@ -65,10 +65,11 @@ from events.envelope import make_envelope
 from recovery.core.engine import Effect, Engine
 from recovery.core.timers import Firing
 from recovery.log.jetstream import ensure_stream, stream_config
+from recovery.log.pull import Delivery, ReaderLost
 from recovery.log.snapshot import open_snapshot
 from recovery.service import speedups
 from recovery.service.config import DaemonConfig
-from recovery.service.consumer import Delivery, InputReader, ReaderLost, scan_ids
+from recovery.service.consumer import InputReader, scan_ids
 from recovery.service.control import ControlService
 from recovery.service.embedded import EmbeddedNats
 from recovery.service.http import HttpServer, Metrics

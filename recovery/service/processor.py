@@ -24,7 +24,7 @@ from recovery.core.engine import Effect, Engine
 from recovery.core.router import EffectRouter
 from recovery.core.timers import TimerTable
 from recovery.log import to_record
-from recovery.service.consumer import Delivery
+from recovery.log.pull import Delivery
 from recovery.service.publisher import Outgoing
 
 logger = logging.getLogger("recovery.daemon")
