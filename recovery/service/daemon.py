@@ -64,8 +64,8 @@ from events.codec import encode_envelope
 from events.envelope import make_envelope
 from recovery.core.engine import Effect, Engine
 from recovery.core.timers import Firing
-from recovery.log.jetstream import ensure_stream, stream_config
-from recovery.log.pull import Delivery, ReaderLost
+from recovery.log.jetstream import ensure_stream, is_transient, stream_config
+from recovery.log.pull import Delivery
 from recovery.log.snapshot import open_snapshot
 from recovery.service import speedups
 from recovery.service.config import DaemonConfig
@@ -75,7 +75,7 @@ from recovery.service.embedded import EmbeddedNats
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost, default_instance
 from recovery.service.processor import Listener, Processor
-from recovery.service.publisher import TRANSIENT, Outgoing, Publisher, reraise_cancel
+from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
 from recovery.service.snapshots import Capture, SnapshotStore, capture, packed
 from recovery.service.timers import ServerClock, TimerService
 
@@ -86,8 +86,6 @@ CLOCK_SKEW_MARGIN_NS = 120 * 1_000_000_000
 """commands are looked up from this long before the snapshot's log time (servers' clocks may differ)"""
 COMPANION_GRACE_S = 15.0
 """how long a companion may take to wind down before the daemon stops (the demo exports and verifies its log)"""
-
-_RESET: tuple[type[BaseException], ...] = (ReaderLost, *TRANSIENT)
 
 Companion = Callable[["Daemon"], AbstractAsyncContextManager[object]]
 """what runs beside a daemon: entered once the daemon runs, left first when it stops"""
@@ -493,7 +491,9 @@ class Daemon:
         while True:
             try:
                 return await op()
-            except TRANSIENT as exc:
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
                 reraise_cancel(exc)
                 if time.monotonic() > deadline or self.stopping:
                     raise
@@ -565,7 +565,9 @@ class Daemon:
                     self._check_caught_up()
                 batch = await reader.next_batch(0.2, self.engine.last_seq)
                 delay = 0.05
-            except _RESET as exc:
+            except Exception as exc:  # a reader that lost order (ReaderLost) or an outage: open it again
+                if not is_transient(exc):
+                    raise
                 reraise_cancel(exc)
                 self._reader_ok = False
                 self.metrics.consumer_resets.inc()

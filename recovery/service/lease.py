@@ -35,7 +35,8 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from recovery.service.publisher import TRANSIENT, reraise_cancel
+from recovery.log.jetstream import is_transient
+from recovery.service.publisher import reraise_cancel
 
 logger = logging.getLogger("recovery.lease")
 
@@ -131,7 +132,9 @@ class Lease:
             await anyio.sleep(self.ttl_s / 3)
             try:
                 await self.renew()
-            except TRANSIENT as exc:
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
                 reraise_cancel(exc)
                 logger.warning("lease not renewed: retrying", extra={"fields": {"error": repr(exc)}})
 

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
-import nats.errors
-import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck as JsPubAck
 
@@ -25,16 +23,6 @@ from recovery.log.jetstream import (
 )
 
 logger = logging.getLogger("recovery.daemon")  # its lines are the daemon's, as before the publisher had a module
-
-TRANSIENT: tuple[type[BaseException], ...] = (
-    asyncio.TimeoutError,
-    nats.errors.Error,  # no responders, connection closed/reconnecting, outbound buffer full, ...
-    nats.js.errors.Error,  # service unavailable, server error, no stream response, ...
-    OSError,
-)
-"""errors after which a NATS operation other than a publish (stream and bucket set-up, the lease, a pull) is simply
-tried again (the connection reconnects forever); a publish goes by `recovery.log.jetstream.is_retryable`"""
-
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
