@@ -7,7 +7,8 @@
 Figures (JSON lines on stdout, `{"bench": "daemon", "metric", "value", "unit"}`):
 
 - `nats_publish_per_s`, `nats_consume_per_s`: the ceiling. nats-py alone on the same server: pipelined
-  JetStream publishes with acks, and a pull consumer in batches doing nothing with the messages.
+  JetStream publishes with acks, and the pull reader every consumer here uses (`recovery.log.pull`, the daemon's
+  included) reading in batches and doing nothing with the messages.
 - `events_per_s`: sustained publish -> acknowledged processing. A publisher pipelines progress reports of
   running jobs as fast as nats-py goes while the daemon applies them; from the first publish to the daemon's
   acknowledgement of the last (its published sequence). `ratio_to_nats_consume` puts it against the ceiling.
@@ -53,13 +54,14 @@ import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, PubAck, StorageType, StreamConfig
 
 from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
 from events.values import JobSpec
 from recovery.log.jetstream import is_retryable, publish_with_retry, surface_async_ack_errors
+from recovery.log.pull import PullReader
 from recovery.testing.nats import NatsServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -288,7 +290,7 @@ def progress(jobs: int, prefix: str, count: int, start_step: int = 1, kind: str 
 # -- the benches ------------------------------------------------------------------------------------------
 async def raw_rates(url: str, count: int) -> tuple[float, float, float]:
     """nats-py's own rates on a scratch stream: pipelined JetStream publishes with acks, publishes without
-    waiting for acks (until the stream holds them), and a pull consumer in batches."""
+    waiting for acks (until the stream holds them), and the pull reader in batches of the daemon's size."""
     nc, js = await connect(url)
     name = f"BENCH_RAW_{time.monotonic_ns()}"
     await js.add_stream(StreamConfig(name=name, subjects=[f"bench.{name}.>"], storage=StorageType.FILE,
@@ -313,28 +315,15 @@ async def raw_rates(url: str, count: int) -> tuple[float, float, float]:
                                "waiting for acknowledgements and no more for 10 s: it dropped the rest")
         await asyncio.sleep(0.005)  # polling interval of a bounded wait (the server stores what it got)
     blast_rate = count / (time.perf_counter() - t0)
-    count *= 2
-    info = await js.add_consumer(name, ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
-                                                      mem_storage=True))
+    reader = PullReader(nc, js, name, ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True), batch=1000,
+                        end_seq=stored)
     got = 0
-    done = asyncio.Event()
-
-    async def on_msg(msg: Msg) -> None:
-        nonlocal got
-        if msg.reply:
-            got += 1
-            if got >= count:
-                done.set()
-
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=on_msg)
     t0 = time.perf_counter()
-    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{name}.{info.name}"
-    for _ in range(0, count, 1000):
-        await nc.publish(next_subject, orjson.dumps({"batch": 1000, "expires": int(30e9)}), reply=inbox)
-    await asyncio.wait_for(done.wait(), 300)
-    consume_rate = count / (time.perf_counter() - t0)
-    await sub.unsubscribe()
+    await reader.open(1)
+    while not reader.done:
+        got += len(await reader.next_batch(reader.stall_s))
+    consume_rate = got / (time.perf_counter() - t0)
+    await reader.close()
     await js.delete_stream(name)
     await nc.close()
     return publish_rate, blast_rate, consume_rate
