@@ -76,11 +76,12 @@ class PullReader:
     """A pull consumer of `stream` configured by `consumer`, read in stream order with up to two batches of pull
     requests outstanding on one inbox.
 
-    `open(start_seq)` (re)creates the consumer at `start_seq` (or where `consumer`'s deliver policy says): a
-    durable one of that name is deleted first, since a durable's start cannot move; an ephemeral one gets a fresh
-    name and, unless `consumer` sets one, an inactivity threshold, so that one the reader could not delete goes
-    away by itself. With `end_seq` the reader stops (`done`) after that stream sequence or once nothing is
-    pending. `next_batch` raises `ReaderLost` when order is lost; `open` it again."""
+    `open(start_seq)` (re)creates the consumer at `start_seq`: a durable one of that name is deleted first,
+    since a durable's start cannot move. `open()` creates it where `consumer`'s deliver policy says, or attaches
+    to the durable of that name if it exists, which goes on after what it delivered and was acknowledged. An
+    ephemeral consumer gets a fresh name and, unless `consumer` sets one, an inactivity threshold, so that one the
+    reader could not delete goes away by itself. With `end_seq` the reader stops (`done`) after that stream
+    sequence or once nothing is pending. `next_batch` raises `ReaderLost` when order is lost; `open` it again."""
 
     def __init__(
         self,
@@ -124,8 +125,8 @@ class PullReader:
         self._activity = time.monotonic()
 
     async def open(self, start_seq: int | None = None) -> int:
-        """Create the consumer at `start_seq` (None: as `consumer` says) and send the first pulls; the number of
-        messages pending for it."""
+        """Create the consumer at `start_seq` (None: as `consumer` says, or the existing durable) and send the
+        first pulls; the number of messages pending for it."""
         await self.close()
         config = dataclasses.replace(self.consumer)
         if start_seq is not None:
@@ -133,8 +134,9 @@ class PullReader:
             config.opt_start_seq = max(start_seq, 1)
         if config.durable_name:
             self.name = config.durable_name
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.js.delete_consumer(self.stream, self.name)
+            if start_seq is not None:
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await self.js.delete_consumer(self.stream, self.name)
         else:
             self.name = config.name = _NUID.next().decode()
             if config.inactive_threshold is None:
@@ -148,8 +150,10 @@ class PullReader:
         self._next_subject = f"{API_PREFIX}.CONSUMER.MSG.NEXT.{self.stream}.{self.name}"
         self._buffer.clear()
         self._outstanding = 0
-        self._cseq = 0
-        self._highest = (config.opt_start_seq or 1) - 1
+        # A new consumer has delivered nothing; an existing durable goes on after what it delivered.
+        self._cseq = info.delivered.consumer_seq if info.delivered else 0
+        start = (config.opt_start_seq or 1) - 1
+        self._highest = max(start, info.delivered.stream_seq if info.delivered else 0)
         self._activity = time.monotonic()
         self.lag = int(info.num_pending or 0)
         self.done = False

@@ -1,0 +1,180 @@
+"""The one JetStream pull reader (`recovery.log.pull`) against a real nats-server: ranges, order, loss, acks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import nats
+import orjson
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from recovery.log.jetstream import TRANSIENT, ensure_stream, stream_config
+from recovery.log.pull import Delivery, PullReader, ReaderLost, parse_reply
+from recovery.testing.nats import NatsServer
+
+STREAM = "PULL"
+SUBJECT = "pull.test"
+
+
+@dataclass
+class Js:
+    nc: Client
+    js: JetStreamContext
+
+    async def publish(self, count: int) -> None:
+        for i in range(count):
+            await self.js.publish(SUBJECT, orjson.dumps({"i": i}))
+
+
+@pytest.fixture
+async def js(nats_server: NatsServer) -> AsyncIterator[Js]:
+    nc = await nats.connect(nats_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    context = nc.jetstream()
+    await ensure_stream(context, stream_config(STREAM, [f"{SUBJECT}.>", SUBJECT]))
+    yield Js(nc, context)
+    await nc.close()
+
+
+def no_ack() -> ConsumerConfig:
+    return ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True)
+
+
+async def read_until_done(reader: PullReader) -> list[Delivery]:
+    got: list[Delivery] = []
+    with anyio.fail_after(10):
+        while not reader.done:
+            got += await reader.next_batch(reader.stall_s)
+    return got
+
+
+async def read_count(reader: PullReader, count: int) -> list[Delivery]:
+    got: list[Delivery] = []
+    with anyio.fail_after(10):
+        while len(got) < count:
+            got += await reader.next_batch(5)
+    return got
+
+
+def test_reply_subjects_of_both_formats_parse() -> None:
+    v1 = "$JS.ACK.RECOVERY.daemon.2.17.5.1700000000123456789.40"
+    v2 = "$JS.ACK.hub.ACCOUNT.RECOVERY.daemon.2.17.5.1700000000123456789.40.token"
+    assert parse_reply(v1) == parse_reply(v2) == (2, 17, 5, 1700000000123456789, 40)
+    with pytest.raises(ValueError):
+        parse_reply("_INBOX.abc")
+
+
+async def test_an_end_sequence_stops_the_reader(js: Js) -> None:
+    await js.publish(10)
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=2, end_seq=6)
+    try:
+        assert await reader.open(3) == 8  # pending counts the whole stream after the start, not the range
+        got = await read_until_done(reader)
+        assert [d.seq for d in got] == [3, 4, 5, 6]
+        assert [orjson.loads(d.data)["i"] for d in got] == [2, 3, 4, 5]
+        assert all(d.delivered == 1 and d.subject == SUBJECT for d in got)
+        assert [d.ts for d in got] == sorted(d.ts for d in got)
+        assert await reader.next_batch(0.01) == []
+    finally:
+        await reader.close()
+
+
+async def test_an_unbounded_reader_follows_new_messages_and_reports_lag(js: Js) -> None:
+    await js.publish(3)
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=100)
+    try:
+        assert await reader.open(1) == 3
+        got = await read_count(reader, 3)
+        assert reader.caught_up and reader.lag == 0 and not reader.done
+        await js.publish(2)
+        got += await read_count(reader, 2)
+        assert [d.seq for d in got] == [1, 2, 3, 4, 5]
+    finally:
+        await reader.close()
+
+
+async def test_a_deleted_consumer_raises_reader_lost(js: Js) -> None:
+    await js.publish(2)
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=10)
+    try:
+        await reader.open(1)
+        await read_count(reader, 2)
+        await js.js.delete_consumer(STREAM, reader.name)  # its waiting pulls end with 409 Consumer Deleted
+        with anyio.fail_after(10), pytest.raises(ReaderLost, match="consumer deleted"):
+            while True:
+                await reader.next_batch(5)
+    finally:
+        await reader.close()
+
+
+async def test_a_gap_in_the_consumer_sequence_raises_reader_lost(js: Js) -> None:
+    await js.publish(3)
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=1)
+    try:
+        await reader.open(1)  # two pulls of one message each: the first two messages
+        # Another pull on the same consumer, on the same connection, so the server takes it after the reader's:
+        # the third message goes elsewhere and the reader's next delivery skips a consumer sequence.
+        # (Its own subscription: a delivery carries the message's subject, not the inbox a request would match.)
+        elsewhere = await js.nc.subscribe(js.nc.new_inbox())
+        await js.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{reader.name}", b'{"batch": 1}',
+                            reply=elsewhere.subject)
+        stolen = await elsewhere.next_msg(timeout=5)
+        await elsewhere.unsubscribe()
+        assert parse_reply(stolen.reply)[1:3] == (3, 3)
+        await js.publish(1)
+        got: list[Delivery] = []
+        with anyio.fail_after(10), pytest.raises(ReaderLost, match="gap in the consumer sequence: 2 then 4"):
+            while True:
+                got += await reader.next_batch(5)
+        assert [d.seq for d in got] == [1, 2]
+    finally:
+        await reader.close()
+
+
+async def test_a_reconnect_raises_reader_lost(js: Js, nats_server: NatsServer) -> None:
+    await js.publish(2)
+    # Pulls that last longer than the outage: only the reconnect can end the wait, not a stall.
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=10, pull_expires_s=30)
+    try:
+        await reader.open(1)
+        await read_count(reader, 2)
+        nats_server.stop()
+        nats_server.start()
+        with anyio.fail_after(30), pytest.raises(ReaderLost, match="reconnected"):
+            while True:
+                await reader.next_batch(1)
+        assert isinstance(ReaderLost(), TRANSIENT)  # every caller simply opens it again
+        await js.publish(1)
+        assert await reader.open(3) == 1
+        assert [d.seq for d in await read_count(reader, 1)] == [3]
+    finally:
+        await reader.close()
+
+
+async def test_a_durable_ack_all_reader_resumes_after_its_acks(js: Js) -> None:
+    await js.publish(8)
+    durable = ConsumerConfig(durable_name="resumes", ack_policy=AckPolicy.ALL, ack_wait=60, filter_subject=SUBJECT)
+    first = PullReader(js.nc, js.js, STREAM, durable, batch=2, end_seq=5)
+    try:
+        await first.open()
+        got = await read_until_done(first)
+        assert [d.seq for d in got] == [1, 2, 3, 4, 5]
+        await first.ack(got[-1])  # AckPolicy.ALL: every one before it too
+        with anyio.fail_after(10):
+            while (info := await js.js.consumer_info(STREAM, "resumes")).ack_floor.stream_seq < 5:
+                pass  # the ack is a plain publish: ask until the server has taken it
+        assert info.num_ack_pending == 0
+    finally:
+        await first.close()  # a durable consumer stays
+    second = PullReader(js.nc, js.js, STREAM, durable, batch=2, end_seq=8)
+    try:
+        assert await second.open() == 3  # attached: it goes on after what was delivered and acknowledged
+        assert [d.seq for d in await read_until_done(second)] == [6, 7, 8]
+        assert await second.open(2) == 7  # a start sequence re-creates it there
+        assert (await js.js.consumer_info(STREAM, "resumes")).ack_floor.consumer_seq == 0  # a new consumer
+    finally:
+        await second.close()
