@@ -29,6 +29,7 @@ import re
 import select
 import stat
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -239,13 +240,13 @@ class XidFollower:
         """The XIDs (and malformed XID lines) logged since the last read, without waiting."""
         found: list[XidFault | XidError] = []
         for line in self.read_lines():
+            if self.after_sequence is not None:
+                prefix = _KMSG_PREFIX.match(line)
+                if prefix is not None and int(prefix["sequence"]) <= self.after_sequence:
+                    continue
             parsed = parse_xid(line, self.devices)
-            if parsed is None:
-                continue
-            if (isinstance(parsed, XidFault) and parsed.sequence is not None and self.after_sequence is not None
-                    and parsed.sequence <= self.after_sequence):
-                continue
-            found.append(parsed)
+            if parsed is not None:
+                found.append(parsed)
         return found
 
     def read_lines(self) -> list[str]:
@@ -260,7 +261,7 @@ class XidFollower:
             poller.register(self._fd, select.POLLIN)
             poller.poll(max(0, int(timeout_s * 1000)))
         else:
-            threading.Event().wait(timeout_s)
+            time.sleep(timeout_s)
 
     def follow(self, stop: threading.Event, interval_s: float = 0.5) -> Iterator[XidFault | XidError]:
         """Yield XIDs as they are logged until `stop` is set (noticed within `interval_s`)."""
