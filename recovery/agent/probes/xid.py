@@ -326,10 +326,15 @@ class XidFollower:
         if (now.st_dev, now.st_ino) == self._inode:
             return
         # another file under the name: what was appended to the old one first, then the new one from its start
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # gone again: the next read looks again
         leftover = self._read_to_end()
         os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        self._inode = (now.st_dev, now.st_ino)
+        self._fd = fd
+        info = os.fstat(fd)
+        self._inode = (info.st_dev, info.st_ino)
         self._offset = 0
         self._partial = leftover
 
