@@ -1,6 +1,6 @@
 """The layers, checked by reading every module's imports (at the top, inside functions, under TYPE_CHECKING alike).
 
-    events < policies < recovery.core < recovery.log < recovery.sim < recovery.service < recovery.cli
+    events < policies < recovery.core < recovery.log < recovery.agent < recovery.sim < recovery.service < recovery.cli
 
 A module imports only from its own layer or lower ones; `recovery.testing` (what users and plugin authors test with)
 may import any layer up to `recovery.sim`, and nothing in the product imports it, `tests` or `tools`. The core does
@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("events", "policies", "recovery")
-LAYERS = ("events", "policies", "recovery.core", "recovery.log", "recovery.sim", "recovery.service", "recovery.cli")
+LAYERS = ("events", "policies", "recovery.core", "recovery.log", "recovery.agent", "recovery.sim", "recovery.service",
+          "recovery.cli")
 """lowest first"""
 TESTING = "recovery.testing"
 TESTING_MAY_IMPORT = LAYERS[: LAYERS.index("recovery.sim") + 1]
