@@ -61,8 +61,10 @@ from nats.js.kv import KeyValue
 
 from events import subjects
 from events.codec import encode_envelope
+from events.commands import Command
 from events.envelope import RawRecord, Record, make_envelope
 from events.outputs import Decision
+from recovery.core.addressing import command_nodes
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Effect, Engine
 from recovery.log import MSG_ID, to_record
@@ -799,10 +801,7 @@ class Daemon:
                         decisions[effect.kind] += 1
                         for command in effect.commands:
                             commands[command.kind] += 1
-                            if command.id not in self.skip_ids:
-                                out.append(Outgoing(subjects.command(command.job, command.kind),
-                                                    orjson.dumps(command.model_dump(mode="json")), command.id,
-                                                    "command"))
+                            out.extend(o for o in addressed(engine, command) if o.msg_id not in self.skip_ids)
                         if self.cfg.timers_enabled:
                             for timer_id in effect.cancelled_timers:
                                 self.timers.cancel(timer_id)
@@ -1104,3 +1103,21 @@ async def run(cfg: DaemonConfig, on_started: Callable[[Daemon], Awaitable[None]]
     finally:
         await daemon.stop()
     return 1 if daemon.failed else code
+
+
+def addressed(engine: Engine, command: Command) -> list[Outgoing]:
+    """One copy of `command` per node it concerns, on that node's command subject, each with its own message id."""
+    job = engine.jobs.get(command.job)
+    job_nodes = job.nodes if job is not None else []
+
+    def node_of(rank: int) -> str:
+        if job is None or not 0 <= rank // job.rpn < len(job.nodes):
+            return ""
+        return job.node_of(rank)
+
+    data = orjson.dumps(command.model_dump(mode="json"))
+    nodes = [node for node in command_nodes(command, node_of, job_nodes) if node]
+    if not nodes:
+        logger.warning("command concerns no node", extra=_fields(command=command.id, kind=command.kind))
+    return [Outgoing(subjects.command(node, command.job, command.kind), data,
+                     subjects.command_msg_id(command.id, node), "command") for node in nodes]
