@@ -252,11 +252,25 @@ async def drain(daemon: Any, url: str) -> None:
 
 @contextlib.asynccontextmanager
 async def running_daemon(url: str, data_dir: Path, **settings: Any) -> AsyncIterator[Daemon]:
-    """The daemon in-process on `url`, ready; stopped on the way out, also when the test fails."""
+    """The daemon in-process on `url`, ready; stopped on the way out, also when the test fails.
+
+    It runs in a task of its own: a pytest fixture's set-up and teardown run in different tasks, and the daemon's
+    task group must be left by the task that entered it."""
     d = Daemon(config_mod.load(nats_url=url, http_port=0, data_dir=data_dir, **settings))
-    await d.start()
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def host() -> None:
+        async with d.running():
+            started.set()
+            await release.wait()
+
+    task = asyncio.create_task(host(), name="daemon-under-test")
     try:
+        await async_wait_for(lambda: started.is_set() or task.done(), 30, "the daemon to start")
+        if task.done():
+            task.result()  # its start failed: say why
         await async_wait_for(lambda: d.readiness()[0], 10, "the daemon to be ready")
         yield d
     finally:
-        await d.stop()
+        release.set()
+        await task

@@ -22,10 +22,13 @@ from events.values import JobSpec
 from recovery.cli.ctl import request
 from recovery.cli.daemon import build_parser
 from recovery.core.engine import Engine
+from recovery.core.router import EffectRouter
+from recovery.core.timers import Firing
 from recovery.log import MSG_ID
 from recovery.service import config as config_mod
 from recovery.service.config import ConfigError, DaemonConfig
-from recovery.service.daemon import Daemon, ServerClock, TimerService
+from recovery.service.daemon import Daemon
+from recovery.service.timers import ServerClock, TimerService
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import ROOT, async_wait_for, check_log, connect, read_stream, running_daemon
 
@@ -83,23 +86,24 @@ def test_daemon_cli_exits_2_on_bad_configuration() -> None:
 # -- the timer service ---------------------------------------------------------------------------------------
 def test_timer_service_fires_what_the_engine_still_holds() -> None:
     engine = Engine()
-    fired: list[tuple[str, str, int]] = []
+    fired: list[Firing] = []
 
-    async def fire(items: list[tuple[str, str, int]]) -> None:
+    async def fire(items: list[Firing]) -> None:
         fired.extend(items)
 
-    timers = TimerService(lambda: engine, fire)
+    router = EffectRouter(engine)
+    timers = TimerService(router, fire)
     engine.timers = {"a/watchdog/3": ("a", 10, 5), "a/confirm/x/4": ("a", 20, None), "b/ack/b:1:0/9": ("b", 15, None)}
-    assert timers.arm_all(engine) == 3
+    assert router.timers.load(engine.timers) == 3
     assert timers.due(9) == []
-    assert timers.due(15) == [("a/watchdog/3", "a", 10), ("b/ack/b:1:0/9", "b", 15)]
+    assert timers.due(15) == [("a/watchdog/3", "a", 10, 5), ("b/ack/b:1:0/9", "b", 15, None)]
     engine.timers["a/watchdog/3"] = ("a", 15, 5)  # the engine applied the firing: the period moved on
-    timers.arm("a/watchdog/3", 15)
+    router.timers.fired("a/watchdog/3", "a", 10, 12)
     del engine.timers["a/confirm/x/4"]  # cancelled by a decision
-    timers.cancel("a/confirm/x/4")
-    assert timers.due(100) == [("a/watchdog/3", "a", 15)]
-    timers.arm("gone", 1)  # armed but not in the engine's table: never fired
-    assert timers.due(200) == [] and fired == []
+    router.timers.cancel("a/confirm/x/4")
+    assert timers.due(100) == [("a/watchdog/3", "a", 15, 5)]
+    router.timers.arm("gone", "a", 1)  # armed but not in the engine's table: never fired, and forgotten
+    assert timers.due(200) == [] and "gone" not in router.timers and fired == []
 
 
 def test_the_server_clock_follows_the_least_delayed_sample_and_ignores_old_backlog() -> None:
@@ -270,15 +274,12 @@ async def test_timer_service_fires_on_the_wall_clock(nats_server: NatsServer, tm
     with deterministic ids, and the engine confirms the hang from them; nothing else drives time."""
     cfg = config_mod.load(nats_url=nats_server.url, http_port=-1, data_dir=tmp_path / "d", timers_enabled=True)
     d = Daemon(cfg)
-    await d.start()
-    try:
+    async with d.running():
         quick = {"detection": {"name": "default", "params": {"hang_min_silence_s": 0.3}}}
         await ctl(nats_server.url, "submit", job="w", spec=spec(["w0"], watchdog_interval_s=0.1, policies=quick))
         await ctl(nats_server.url, "inject", type="job.started", job="w")
         await async_wait_for(lambda: d.engine.jobs["w"].incident is not None, 10, "the watchdog to catch the hang")
         await d.quiesce()
-    finally:
-        await d.stop()
     records = await read_stream(nats_server.url)
     fired = [r for r in records if isinstance(r, Record) and r.envelope.type == "timer.fired"]
     assert len(fired) >= 3
@@ -335,7 +336,7 @@ def test_since_accepts_nanoseconds_iso_times_and_ages() -> None:
 
 
 async def test_snapshot_store_alternates_slots_and_checks_its_chunks(nats_server: NatsServer) -> None:
-    from recovery.service.daemon import SnapshotStore
+    from recovery.service.snapshots import SnapshotStore
 
     nc, js = await connect(nats_server.url)
     try:

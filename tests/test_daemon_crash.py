@@ -20,8 +20,8 @@ from events import subjects
 from events.envelope import Record
 from recovery.log import MSG_ID
 from recovery.log.snapshot import load_snapshot
-from recovery.service.daemon import SnapshotStore
 from recovery.service.demo import BuiltinCluster, Bus, DemoSettings
+from recovery.service.snapshots import SnapshotStore
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     DaemonProcess,
@@ -107,6 +107,9 @@ async def test_sigkill_during_incidents_loses_and_doubles_nothing(seed: int, nat
     kinds = [d.kind for d in result.recorded_decisions]
     assert kinds.count("incident.closed") >= 2
     assert killed_in_incident >= 2
+    # the daemon process runs no thread of its own: its periodic snapshots are pickled in a forked child
+    periodic = [line for line in daemon.logs() if line.get("msg") == "snapshot written" and not line["final"]]
+    assert periodic and all(line["forked"] for line in periodic)
     restored = [line for line in daemon.logs() if line.get("msg") == "restored"]
     assert len(restored) == 5 and max(line["snapshot_seq"] for line in restored) > 0
     # restarts found effects of the replayed tail already stored, and did not publish them again

@@ -110,49 +110,20 @@ def node_events() -> st.SearchStrategy[tuple[str, str, dict[str, Any]]]:
 async def run_batch(spec: dict[str, Any], batch: list[Any], workdir: Path) -> None:
     server = NatsServer(workdir / "nats")
     server.start()
-    daemons: list[Daemon] = []
     try:
         url = server.url
 
         def daemon() -> Daemon:
             cfg = config_mod.load(nats_url=url, http_port=0, data_dir=workdir / "data", timers_enabled=True,
                                   snapshot_every_s=0.2, lease_ttl_s=0)
-            daemons.append(Daemon(cfg))
-            return daemons[-1]
+            return Daemon(cfg)
 
         first = daemon()
-        await first.start()
-        await async_wait_for(lambda: first.readiness()[0], 20, "the daemon to be ready")
-        nc, js = await connect(url)
-        counter = 0
-
-        async def send(type_: str, data: dict[str, Any], job: str | None = None, node: str | None = None) -> int:
-            nonlocal counter
-            counter += 1
-            envelope = make_envelope(type_, data, id=f"e{counter}", job=job, node=node)
-            subject = subjects.job_event(job, type_) if job else subjects.node_event(node or "", type_)
-            ack = await js.publish(subject, encode_envelope(envelope), headers={MSG_ID: envelope.id})
-            return ack.seq
-
-        try:
-            await send("node.joined", {"spare": True}, node="spare-0")
-            await send("job.submitted", {"spec": JobSpec.model_validate(
-                {"nodes": ["g0", "g1"], "ranks_per_node": 2, "layout": {"dp": 4}}).model_dump(mode="json")}, job=GOOD)
-            await send("job.started", {}, job=GOOD)
-            await send("job.submitted", {"spec": spec}, job=POISON)
-            for item in batch:
-                if len(item) == 2:
-                    await send(item[0], item[1], job=POISON)
-                else:
-                    await send(item[0], item[2], node=item[1])
-            for rank in range(4):
-                await send("progress.step", {"rank": rank, "step": 1}, job=GOOD)
-            crash = await send("process.exited", {"rank": 1, "exit_code": 139}, job=GOOD)
-        finally:
-            await nc.close()
-        assert await first.wait_applied(crash, 30), "the daemon stopped applying the log"
-        assert first.readiness()[0], first.readiness()
-        await first.stop()
+        async with first.running():
+            await async_wait_for(lambda: first.readiness()[0], 20, "the daemon to be ready")
+            crash = await publish_batch(url, spec, batch)
+            assert await first.wait_applied(crash, 30), "the daemon stopped applying the log"
+            assert first.readiness()[0], first.readiness()
         # Its timer service may have appended firings it did not apply before it stopped: they are the next start's.
         applied = first.engine.last_seq
         records = [r for r in await read_stream(url) if subjects.is_output(r.subject) or r.seq <= applied]
@@ -162,12 +133,41 @@ async def run_batch(spec: dict[str, Any], batch: list[Any], workdir: Path) -> No
         assert not [r for r in records if r.subject == subjects.dead_letter("internal_error")]
         check_log(records)
         again = daemon()
-        await again.start()
-        await async_wait_for(lambda: again.readiness()[0], 20, "the restarted daemon to be ready")
+        async with again.running():
+            await async_wait_for(lambda: again.readiness()[0], 20, "the restarted daemon to be ready")
     finally:
-        for d in daemons:
-            await d.stop()
         server.stop()
+
+
+async def publish_batch(url: str, spec: dict[str, Any], batch: list[Any]) -> int:
+    """The good job, the poison one and `batch`, then a crash of the good job (its sequence is returned)."""
+    nc, js = await connect(url)
+    counter = 0
+
+    async def send(type_: str, data: dict[str, Any], job: str | None = None, node: str | None = None) -> int:
+        nonlocal counter
+        counter += 1
+        envelope = make_envelope(type_, data, id=f"e{counter}", job=job, node=node)
+        subject = subjects.job_event(job, type_) if job else subjects.node_event(node or "", type_)
+        ack = await js.publish(subject, encode_envelope(envelope), headers={MSG_ID: envelope.id})
+        return ack.seq
+
+    try:
+        await send("node.joined", {"spare": True}, node="spare-0")
+        await send("job.submitted", {"spec": JobSpec.model_validate(
+            {"nodes": ["g0", "g1"], "ranks_per_node": 2, "layout": {"dp": 4}}).model_dump(mode="json")}, job=GOOD)
+        await send("job.started", {}, job=GOOD)
+        await send("job.submitted", {"spec": spec}, job=POISON)
+        for item in batch:
+            if len(item) == 2:
+                await send(item[0], item[1], job=POISON)
+            else:
+                await send(item[0], item[2], node=item[1])
+        for rank in range(4):
+            await send("progress.step", {"rank": rank, "step": 1}, job=GOOD)
+        return await send("process.exited", {"rank": 1, "exit_code": 139}, job=GOOD)
+    finally:
+        await nc.close()
 
 
 def longest_spec() -> dict[str, Any]:

@@ -12,12 +12,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from events.envelope import EnvelopeBase
+from events.commands import CommandBase
 from events.outputs import Decision
 from events.values import Tier
 from policies.baselines import MindClusterLikeRescheduling
 from recovery.cli.replay import main as replay_main
-from recovery.core.engine import Engine
 from recovery.log import EPOCH, FileLog, MemoryLog, iter_file
 from recovery.log.recorder import Recorder
 from recovery.sim import PROFILES, Cluster, Costs, Fault, FaultMix, Result, SimConfig, Simulator, Training, simulate
@@ -372,36 +371,28 @@ def test_titan_failures_become_device_faults(tmp_path: Path) -> None:
 
 
 # -- the demo cluster -------------------------------------------------------------------------------------
-class Daemon:
-    """The daemon's loop in miniature, for driving the demo: a log on the demo's clock, the engine, a timer
-    service that fires due timers before the next event, and the demo as executor."""
+class Daemon(Recorder):
+    """The daemon's loop in miniature, for driving the demo: a log on the demo's clock, the engine, its timers
+    fired when due before the next event, and the demo as executor."""
 
     def __init__(self, demo: DemoCluster) -> None:
-        self.demo = demo
         self.now = EPOCH
-        self.log = MemoryLog(clock=lambda: self.now)
-        self.recorder = Recorder(self.log, Engine())
-        self.timers: dict[str, tuple[int, str]] = {}
+        super().__init__(MemoryLog(clock=lambda: self.now))
+        self.demo = demo
         self.fired = 0
 
-    def feed(self, subject: str, envelope: EnvelopeBase) -> None:
-        for effect in self.recorder.feed(subject, envelope):
-            if isinstance(effect, Decision):
-                for timer in effect.timers:
-                    if timer.every is None:
-                        self.timers[timer.id] = (timer.due, effect.job)
-                for timer_id in effect.cancelled_timers:
-                    self.timers.pop(timer_id, None)
-                for command in effect.commands:
-                    self.demo.execute(command)
+    def commanded(self, command: CommandBase, decision: Decision) -> None:
+        self.demo.execute(command)
 
     def advance(self, delay_s: float) -> None:
         self.now += int(delay_s * NS)
-        while due := sorted((d, t, j) for t, (d, j) in self.timers.items() if d <= self.now):
-            d, timer_id, job = due[0]
-            del self.timers[timer_id]
+        while (due := self.timers.next_at()) is not None and due <= self.now:
+            firing = self.timers.take()
+            if firing is None:
+                continue  # cancelled, or a period already fired
             self.fired += 1
-            self.feed(*event("timer.fired", {"timer_id": timer_id, "due": d}, id=f"timer-{self.fired}", job=job))
+            self.feed(*event("timer.fired", {"timer_id": firing.timer_id, "due": firing.due}, id=f"timer-{self.fired}",
+                             job=firing.job))
 
 
 def test_demo_cluster_yields_events_in_time_order_and_executes_commands() -> None:
@@ -412,12 +403,13 @@ def test_demo_cluster_yields_events_in_time_order_and_executes_commands() -> Non
         delays.append(delay)
         daemon.advance(delay)
         daemon.feed(subject, envelope)
+    assert daemon.fired > 0
     assert all(d >= 0 for d in delays) and sum(delays) <= 200 + 1e-6  # a float sum of the delays
     decisions = [r.envelope.data for r in daemon.log.records() if r.envelope.type == "decision"]
     closed = [d for d in decisions if d.kind == "incident.closed"]
     # the GPU off the bus (moved to the spare), the crash (in place), the hang (in place), the host (moved)
     assert [d.detail["granularity"] for d in closed] == ["migrate", "in_place", "in_place", "migrate"]
-    assert daemon.recorder.engine.jobs["demo"].state == "running"
+    assert daemon.engine.jobs["demo"].state == "running"
     acks = [r.envelope.data.status for r in daemon.log.records() if r.envelope.type == "command.ack"]
     assert acks.count("accepted") == acks.count("done") > 0
 

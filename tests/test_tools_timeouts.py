@@ -1,6 +1,7 @@
 """Tools that must not hang: recovery-ctl gives up within --timeout with an exit code that says why; every
-publisher survives a JetStream 429 (provoked for real: a nats-server with a tiny stream ingest buffer); a daemon
-bench that fails stops the processes it started."""
+publisher survives a JetStream 429 (provoked for real: a nats-server with a tiny stream ingest buffer), and the
+daemon's raises at once an error that no retry can cure; a daemon bench that fails stops the processes it
+started."""
 
 from __future__ import annotations
 
@@ -189,6 +190,28 @@ async def test_the_daemon_publisher_gets_every_effect_stored_through_429s(busy_s
         assert publisher.retries > 0, "the server never refused a publish: nothing was tested"
         assert publisher.duplicates == 0
         assert int((await js.stream_info("BUSY")).state.messages) == sent
+    finally:
+        await nc.close()
+
+
+async def test_the_daemon_publisher_raises_at_once_what_sending_again_cannot_fix(nats_server: NatsServer) -> None:
+    nc, js = await _connect(nats_server.url)
+    try:
+        config = stream_config("SMALL", ["small.>"])
+        config.max_msg_size = 64
+        await ensure_stream(js, config)
+        publisher = Publisher(js, timeout=5)
+        started = time.monotonic()
+        with pytest.raises(nats.errors.MaxPayloadError):  # over the server's limit: refused before it is sent
+            await publisher.publish([Outgoing("small.x", b"x" * (nc.max_payload + 1), "big-1", "decision")],
+                                    deadline=time.monotonic() + 60)
+        with pytest.raises(nats.js.errors.APIError) as refused:  # over the stream's: refused by JetStream
+            await publisher.publish([Outgoing("small.x", b"x" * 1000, "big-2", "decision")],
+                                    deadline=time.monotonic() + 60)
+        assert refused.value.code != 429
+        assert publisher.retries == 0 and time.monotonic() - started < 5
+        acks = await publisher.publish([Outgoing("small.x", b"fits", "small-1", "decision")])
+        assert [a.seq for a in acks] == [1]
     finally:
         await nc.close()
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import heapq
 import io
 import linecache
 import pstats
@@ -172,8 +171,6 @@ class Generator:
         self.spares = [f"spare-{i:04d}" for i in range(max(2, jobs // 20))]
         self.round = 0
         self._n = 0
-        self._due: list[tuple[int, int, str, str]] = []  # (due, order, timer id, job)
-        self._armed: dict[str, tuple[int, int | None]] = {}
         self._accept: list[CommandBase] = []
         self._answer: list[CommandBase] = []
         self._later: dict[int, list[tuple[str, str, str, dict[str, Any]]]] = {}
@@ -191,12 +188,7 @@ class Generator:
             return
         self.decisions[effect.kind] += 1
         self._accept.extend(effect.commands)
-        for timer in effect.timers:
-            self._armed[timer.id] = (timer.due, timer.every)
-            self._n += 1
-            heapq.heappush(self._due, (timer.due, self._n, timer.id, effect.job))
-        for timer_id in effect.cancelled_timers:
-            self._armed.pop(timer_id, None)
+        self._n += len(effect.timers)  # the event ids count timers too, as they always have: the same workload
 
     def job_event(self, job: str, type_: str, data: dict[str, Any], source: str = "agent") -> None:
         self._n += 1
@@ -248,19 +240,15 @@ class Generator:
         self._checkpoints()
 
     def _fire_timers(self, now: int) -> None:
-        while self._due and self._due[0][0] <= now:
-            due, _, timer_id, job = heapq.heappop(self._due)
-            armed = self._armed.get(timer_id)
-            if armed is None or armed[0] != due:
+        timers = self.recorder.timers
+        while (due := timers.next_at()) is not None and due <= now:
+            firing = timers.take()
+            if firing is None:
                 continue  # cancelled, or a period already fired
-            every = armed[1]
-            if every is None:
-                del self._armed[timer_id]
-            else:
-                self._armed[timer_id] = (due + every, every)
-                self._n += 1
-                heapq.heappush(self._due, (due + every, self._n, timer_id, job))
-            self.job_event(job, "timer.fired", {"timer_id": timer_id, "due": due}, source="timers")
+            if firing.every is not None:
+                self._n += 1  # counted in the event ids, as it always was
+            self.job_event(firing.job, "timer.fired", {"timer_id": firing.timer_id, "due": firing.due},
+                           source="timers")
 
     def _flush_accepts(self) -> None:
         while self._accept:

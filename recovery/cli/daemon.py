@@ -10,10 +10,10 @@ The daemon itself is `recovery.service.daemon`; the demo is `recovery.service.de
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 
+import anyio
 import orjson
 
 from recovery.service import config as config_mod
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(cfg)
     jsonlog.setup(cfg.log_level, cfg.log_format, cfg.log_file)
-    return asyncio.run(run(cfg))
+    return anyio.run(run, cfg)
 
 
 if __name__ == "__main__":

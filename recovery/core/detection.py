@@ -13,6 +13,7 @@ from typing import Any
 
 from events import kinds
 from events.commands import IsolateDevice, IsolateNode
+from events.names import AttemptOutcome, AttemptPurpose, DecisionKind, IncidentCause, TimerPurpose
 from events.values import FaultClass, Granularity
 from policies.base import NS, Clear, Drain, Fault, Ignore, RankActivity, Signal, Suspect, Verdict, WatchdogView
 from policies.detection import DefaultDetection
@@ -61,29 +62,29 @@ class Detection:
             self.fault(out, job, verdict, policy)
         elif isinstance(verdict, Ignore):
             if type_ not in ("network.link_up", "node.ready", "device.recovered"):
-                out.decide(job, "signal.ignored", verdict.reason, policy=policy,
+                out.decide(job, DecisionKind.SIGNAL_IGNORED, verdict.reason, policy=policy,
                            detail={"signal": type_, "code": verdict.code})
         elif isinstance(verdict, Clear):
             entry = job.suspects.pop(verdict.key, None)
             if entry is None:
                 return
             cancelled = self.timekeeper.cancel(entry[1])
-            out.decide(job, "fault.cleared", verdict.reason, policy=policy,
+            out.decide(job, DecisionKind.FAULT_CLEARED, verdict.reason, policy=policy,
                        cancelled=cancelled, detail={"key": verdict.key})
         elif isinstance(verdict, Suspect):
             key = verdict.key or f"{type_}:{out.seq}"
             if key in job.suspects:
                 return  # already counting down: a repeated signal does not restart the debounce
-            timer = self.timekeeper.request(out, job, f"confirm/{key}", verdict.confirm_after_ns)
+            timer = self.timekeeper.request(out, job, f"{TimerPurpose.CONFIRM}/{key}", verdict.confirm_after_ns)
             job.suspects[key] = (verdict.fault, timer.id)
-            out.decide(job, "fault.suspected", verdict.reason, policy=policy,
+            out.decide(job, DecisionKind.FAULT_SUSPECTED, verdict.reason, policy=policy,
                        timers=[timer], detail={"key": key, "ranks": list(verdict.fault.ranks)})
         elif isinstance(verdict, Drain):
             node = verdict.node
             if node is None or node not in job.nodes or node in job.drains:
                 return
             job.drains[node] = verdict.reason
-            out.decide(job, "node.drain_planned", verdict.reason, policy=policy,
+            out.decide(job, DecisionKind.NODE_DRAIN_PLANNED, verdict.reason, policy=policy,
                        detail={"node": node, "device": verdict.device, "code": verdict.code})
         else:
             expect(job, "detection", verdict, (Ignore, Suspect, Clear, Fault, Drain))
@@ -98,7 +99,7 @@ class Detection:
             return
         spares = self.placement.spares_for(job)
         if len(spares) < len(nodes):
-            out.decide(job, "node.drain_deferred", f"{len(nodes)} node(s) to drain, {len(spares)} spare(s): "
+            out.decide(job, DecisionKind.NODE_DRAIN_DEFERRED, f"{len(nodes)} node(s) to drain, {len(spares)} spare(s): "
                        f"try again at the next checkpoint",
                          detail={"nodes": nodes, "step": step})
             return
@@ -106,8 +107,9 @@ class Detection:
             self.cluster.node(name).drained = True  # no new work lands there until it rejoins
         reasons = "; ".join(job.drains[n] for n in nodes)
         job.drains.clear()
-        incident = self.incidents.open(out, job, "drain")
-        attempt = Attempt(number=len(incident.attempts) + 1, granularity=G.MIGRATE, rung=0, purpose="drain",
+        incident = self.incidents.open(out, job, IncidentCause.DRAIN)
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=G.MIGRATE, rung=0,
+                          purpose=AttemptPurpose.DRAIN,
                           reason=f"checkpoint at step {step} complete: drain {', '.join(nodes)} ({reasons})",
                           started=out.ts)
         self.incidents.start(out, job, attempt, 900 * NS, None, nodes)
@@ -126,7 +128,7 @@ class Detection:
         self.mark_hardware(verdict)
         if not verdict.ranks and verdict.scope != "job":
             # Hardware none of the job's ranks uses: marked out of service, and the job goes on.
-            out.decide(job, "hardware.marked", verdict.reason, policy=policy, commands=commands,
+            out.decide(job, DecisionKind.HARDWARE_MARKED, verdict.reason, policy=policy, commands=commands,
                        detail={"node": verdict.node, "device": verdict.device, "code": verdict.code})
             return
         if verdict.lost:
@@ -142,7 +144,7 @@ class Detection:
             self._note_dead_hosts(job, incident, verdict)
             attempt = incident.attempt
             if incident.phase == "waiting" or attempt is None:
-                out.decide(job, "fault.added", verdict.reason, policy=policy, commands=commands)
+                out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands)
                 if plan and incident.settle_timer is None:  # a settle window decides when it closes
                     self.incidents.plan(out, job)
                 return
@@ -150,29 +152,29 @@ class Detection:
                     attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
                 # The restarted (or retried) processes themselves crashed or hung: this attempt did not work. New
                 # hardware under them (a device, a node, a link) is a new fault instead: it widens the incident.
-                out.decide(job, "fault.added", verdict.reason, policy=policy, commands=commands)
+                out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands)
                 why = f"attempt {attempt.number} ({attempt.granularity.value}) failed: {verdict.reason}"
-                self.incidents.end_attempt(out, job, attempt, "failed", why, plan=plan)
+                self.incidents.end_attempt(out, job, attempt, AttemptOutcome.FAILED, why, plan=plan)
                 return
             if self._covered(job, attempt, verdict):
-                out.decide(job, "fault.absorbed", verdict.reason, policy=policy, commands=commands,
+                out.decide(job, DecisionKind.FAULT_ABSORBED, verdict.reason, policy=policy, commands=commands,
                            detail={"attempt": attempt.number})
                 return
-            out.decide(job, "fault.added", verdict.reason, policy=policy, commands=commands)
+            out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands)
             incident.widened = True
-            self.incidents.end_attempt(out, job, attempt, "superseded", f"new fault outside attempt "
+            self.incidents.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, f"new fault outside attempt "
                                        f"{attempt.number}: {verdict.reason}", plan=plan)
             return
         # Pending suspicions stay: the other nodes behind a failed switch confirm later and join this incident.
         cancelled = self.timekeeper.cancel(job.watchdog)
         job.watchdog = None
         job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
-                                fault_step=job.step, fault_class=verdict.fault_class, cause="fault",
+                                fault_step=job.step, fault_class=verdict.fault_class, cause=IncidentCause.FAULT,
                                 faults=[fault])
         self._note_exiting(job.incident, verdict)
         self._note_dead_hosts(job, job.incident, verdict)
-        out.decide(job, "fault.confirmed", verdict.reason, trigger="recover", policy=policy, commands=commands,
-                   cancelled=cancelled, detail={"fault": fault, "step": job.step})
+        out.decide(job, DecisionKind.FAULT_CONFIRMED, verdict.reason, trigger="recover", policy=policy,
+                   commands=commands, cancelled=cancelled, detail={"fault": fault, "step": job.step})
         if plan:
             self.incidents.plan(out, job)
 
@@ -215,7 +217,7 @@ class Detection:
             # are gone or renumbered; or an operator paused the job, which takes no signals (as in _signal).
             # Either way there is nothing left to confirm.
             why = f"job no longer on {verdict.node}" if gone else "job is paused"
-            out.decide(job, "fault.cleared", f"{verdict.reason}: {why}",
+            out.decide(job, DecisionKind.FAULT_CLEARED, f"{verdict.reason}: {why}",
                        policy=job.policies.labels["detection"], detail={"key": key})
             return None
         ranks = verdict.ranks
@@ -251,7 +253,7 @@ class Detection:
         cancelled = self.timekeeper.cancel(*(job.suspects[key][1] for key in keys[1:]))
         confirmed = [v for v in (self._confirm(out, job, key) for key in keys) if v is not None]
         if cancelled:
-            out.decide(job, "faults.confirmed_together", f"{len(keys)} suspicions due at once",
+            out.decide(job, DecisionKind.FAULTS_CONFIRMED_TOGETHER, f"{len(keys)} suspicions due at once",
                        cancelled=cancelled, detail={"keys": keys})
         policy = job.policies.labels["detection"]
         for index, verdict in enumerate(confirmed):

@@ -27,6 +27,7 @@ from events import kinds
 from events.codec import DecodeError, decode_envelope
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.kinds import JOB_EVENTS, NODE_EVENTS
+from events.names import DecisionKind, IncidentCause, IncidentOutcome
 from events.outputs import Rejection
 from events.subjects import is_output, job_event, node_event
 from policies.base import NS, Fault, Signal, label
@@ -288,7 +289,7 @@ class Engine:
         self._submissions += 1
         for name in spec.nodes:
             self.cluster.assign(name, job_id)
-        out.decide(job, "job.accepted", f"{spec.layout.world} ranks on {len(spec.nodes)} nodes",
+        out.decide(job, DecisionKind.JOB_ACCEPTED, f"{spec.layout.world} ranks on {len(spec.nodes)} nodes",
                    detail={"policies": dict(policies.labels)})
 
     def _job_event(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
@@ -301,7 +302,7 @@ class Engine:
             job.alive = bytearray(b"\x01") * job.world
             job.last_seen = [out.ts] * job.world
             job.last_progress = [out.ts] * job.world
-            out.decide(job, "job.started", "processes started", trigger="start",
+            out.decide(job, DecisionKind.JOB_STARTED, "processes started", trigger="start",
                        timers=self.timekeeper.arm_watchdog(out, job))
         elif type_ == "process.started":
             if not self._check_rank(job, data.rank, data.attempt, progress=False):
@@ -322,7 +323,7 @@ class Engine:
                 attempt.awaiting = None
                 cancelled = self.timekeeper.cancel(*(timer for _, timer in attempt.pending.values()))
                 attempt.pending.clear()
-                out.decide(job, "checkpoint.dying_done", f"dying checkpoint at step {data.step} complete",
+                out.decide(job, DecisionKind.CHECKPOINT_DYING_DONE, f"dying checkpoint at step {data.step} complete",
                            cancelled=cancelled)
                 self.incidents.checkpoint(out, job, attempt)
             if job.drains and job.state == "running" and not job.suspects and job.complete_at(data.step):
@@ -334,9 +335,10 @@ class Engine:
         elif type_ == "timer.fired":
             self._timer_fired(out, job, data)
         elif type_ == "job.completed":
-            self._finish(out, job, "complete", "job.completed", "training finished")
+            self._finish(out, job, "complete", DecisionKind.JOB_COMPLETED, "training finished")
         elif type_ == "job.cancelled":
-            self._finish(out, job, "cancel", "job.cancelled", data.reason or "cancelled by the scheduler")
+            self._finish(out, job, "cancel", DecisionKind.JOB_CANCELLED,
+                         data.reason or "cancelled by the scheduler")
         elif type_.startswith("operator."):
             self.operators.handle(out, job, type_, data)
         else:  # process.exited, process.hang, network.collective_timeout
@@ -374,12 +376,12 @@ class Engine:
                                              f"{job.generation}")
         return attempt < (job.generation if progress else job.rank_gen[rank])
 
-    def _finish(self, out: RecordEffects, job: Job, trigger: str, kind: str, reason: str) -> None:
+    def _finish(self, out: RecordEffects, job: Job, trigger: str, kind: DecisionKind, reason: str) -> None:
         cancelled = self.timekeeper.cancel(*self.timekeeper.of_job(job))
         job.suspects.clear()
         job.watchdog = None
         if job.incident is not None:
-            self.incidents.close(job, out.ts, kind)
+            self.incidents.close(job, out.ts, IncidentOutcome(kind))  # the incident ends as the job did
         for name in job.nodes:
             self.cluster.release(name, job.id)
         out.decide(job, kind, reason, trigger=trigger, cancelled=cancelled)
@@ -456,7 +458,7 @@ class Engine:
             job.step = max(job.steps)
             job.step_ts = out.ts
         if current:
-            out.decide(job, "progress.corrected",
+            out.decide(job, DecisionKind.PROGRESS_CORRECTED,
                        f"rank {rank} reported step {step} after step {last}, which was more than {STEP_LEAD} steps "
                        f"ahead of every other rank: taken as a corrupted counter", detail={"rank": rank,
                                                                                            "step": step,
@@ -534,7 +536,8 @@ class Engine:
                 self.incidents.plan(out, job)
             elif (job.state == "running" and not job.suspects and job.spec.elastic is not None
                   and job.layout.dp < job.target_dp):
-                self.incidents.scale(out, job, job.target_dp, "nodes returned: scale out", cause="scale")
+                self.incidents.scale(out, job, job.target_dp, "nodes returned: scale out",
+                                     cause=IncidentCause.SCALE)
             if not _hungry(job):
                 self.note_indexes()
                 self._hungry.pop(job_id, None)

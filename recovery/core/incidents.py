@@ -22,6 +22,15 @@ from events.commands import (
     ScaleJob,
     StopRanks,
 )
+from events.names import (
+    ATTEMPT_ENDED,
+    AttemptOutcome,
+    AttemptPurpose,
+    DecisionKind,
+    IncidentCause,
+    IncidentOutcome,
+    TimerPurpose,
+)
 from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
 from policies.base import (
     NS,
@@ -89,21 +98,21 @@ class Incidents:
             # (a policy is a pure function of the same context): wait until nodes come back, and say why.
             incident.move("wait", out.ts)
             chose = answer.granularity.value if isinstance(answer, StartRung) else "nothing"
-            out.decide(job, "attempt.waiting", f"{policy} chose {chose}, which cannot be placed: {short}; "
+            out.decide(job, DecisionKind.ATTEMPT_WAITING, f"{policy} chose {chose}, which cannot be placed: {short}; "
                        f"wait for nodes", policy=policy,
                        detail={"vacate": vacate, "spares": len(spares), "refused": answer.reason})
             return
         if isinstance(answer, Settle):
-            purpose = f"settle/{incident.id}/{len(incident.attempts)}"
+            purpose = f"{TimerPurpose.SETTLE}/{incident.id}/{len(incident.attempts)}"
             timer = self.timekeeper.request(out, job, purpose, answer.settle_ns)
             incident.settle_timer = timer.id
             incident.move("settle", out.ts)
-            out.decide(job, "attempt.settling", answer.reason, policy=policy,
+            out.decide(job, DecisionKind.ATTEMPT_SETTLING, answer.reason, policy=policy,
                        timers=[timer], detail={"faults": len(incident.faults)})
             return
         if isinstance(answer, Wait):
             incident.move("wait", out.ts)
-            out.decide(job, "attempt.waiting", answer.reason, policy=policy,
+            out.decide(job, DecisionKind.ATTEMPT_WAITING, answer.reason, policy=policy,
                        detail={"vacate": vacate, "spares": len(spares)})
             return
         if isinstance(answer, Fail) or answer.granularity is G.FAIL:
@@ -111,7 +120,8 @@ class Incidents:
             return
         g = answer.granularity
         attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=answer.rung,
-                          purpose="dump" if g is G.DUMP else "recover", reason=answer.reason, started=out.ts)
+                          purpose=AttemptPurpose.DUMP if g is G.DUMP else AttemptPurpose.RECOVER,
+                          reason=answer.reason, started=out.ts)
         keys = (f"{fault_class.value}/{g.value}", g.value)
         attempt.budget_keys = keys
         for key in keys:
@@ -173,9 +183,9 @@ class Incidents:
             attempt.ranks = tuple(range(job.world))
             attempt.stopping = tuple(r for r in range(job.world) if job.alive[r])
             attempt.vacate = tuple(vacate)
-        timer = self.timekeeper.request(out, job, f"attempt/{incident.id}/{attempt.number}", deadline_ns)
+        timer = self.timekeeper.request(out, job, f"{TimerPurpose.ATTEMPT}/{incident.id}/{attempt.number}", deadline_ns)
         attempt.deadline_timer = timer.id
-        out.decide(job, "attempt.started", attempt.reason, trigger=trigger, policy=policy, timers=[timer],
+        out.decide(job, DecisionKind.ATTEMPT_STARTED, attempt.reason, trigger=trigger, policy=policy, timers=[timer],
                    cancelled=settle, detail={"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,
                            "ranks": list(attempt.ranks), "vacate": list(attempt.vacate)})
         if g is G.RETRY:
@@ -213,7 +223,7 @@ class Incidents:
             attempt.plan = fresh
             why = (f"{plan.checkpoint_step} is no longer where the live replicas are" if peer else
                    f"step {plan.checkpoint_step} is no longer the newest complete, reachable checkpoint")
-            out.decide(job, "checkpoint.plan", f"again before the restart: {why}",
+            out.decide(job, DecisionKind.CHECKPOINT_PLAN, f"again before the restart: {why}",
                        policy=job.policies.labels["checkpoint"],
                        detail={"checkpoint_step": fresh.checkpoint_step, "next_step": fresh.next_step,
                                "tiers": _tier_counts(fresh)})
@@ -235,7 +245,7 @@ class Incidents:
                                      deadline_s=60, ranks=list(save.ranks), step=save.step)
             timer = self._ack_timer(out, job, command.id, command.deadline_s)
             attempt.pending = {command.id: (command.kind, timer.id)}
-            out.decide(job, "checkpoint.dying", answer.reason, policy=policy,
+            out.decide(job, DecisionKind.CHECKPOINT_DYING, answer.reason, policy=policy,
                        commands=[command], timers=[timer],
                        detail={"step": save.step, "savers": list(save.ranks)})
             return
@@ -247,20 +257,21 @@ class Incidents:
             attempt.plan = resume
             attempt.awaiting = answer.step
             incident.move("save", out.ts)
-            timer = self.timekeeper.request(out, job, f"await/{incident.id}/{attempt.number}", answer.wait_ns)
+            purpose = f"{TimerPurpose.AWAIT}/{incident.id}/{attempt.number}"
+            timer = self.timekeeper.request(out, job, purpose, answer.wait_ns)
             attempt.pending = {f"await:{answer.step}": ("await_dying", timer.id)}
-            out.decide(job, "checkpoint.awaiting", answer.reason, policy=policy, timers=[timer],
+            out.decide(job, DecisionKind.CHECKPOINT_AWAITING, answer.reason, policy=policy, timers=[timer],
                        detail={"step": answer.step, "wait_s": answer.wait_ns / NS,
                                "exiting": len(incident.exiting)})
             return
         attempt.plan = resume
-        out.decide(job, "checkpoint.plan", answer.reason, policy=policy,
+        out.decide(job, DecisionKind.CHECKPOINT_PLAN, answer.reason, policy=policy,
                    detail={"checkpoint_step": resume.checkpoint_step, "next_step": resume.next_step,
                            "tiers": _tier_counts(resume)})
         self._stop(out, job, attempt)
 
     def _ack_timer(self, out: RecordEffects, job: Job, command_id: str, deadline_s: float) -> TimerRequest:
-        return self.timekeeper.request(out, job, f"ack/{command_id}", int(deadline_s * NS))
+        return self.timekeeper.request(out, job, f"{TimerPurpose.ACK}/{command_id}", int(deadline_s * NS))
 
     def _stop(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
         incident = job.incident
@@ -280,7 +291,7 @@ class Incidents:
                             ranks=stopping, mode=mode, grace_s=30.0)
         timer = self._ack_timer(out, job, command.id, command.deadline_s)
         attempt.pending = {command.id: (command.kind, timer.id)}
-        out.decide(job, "ranks.stopping", f"stop {len(stopping)} rank(s) ({mode})",
+        out.decide(job, DecisionKind.RANKS_STOPPING, f"stop {len(stopping)} rank(s) ({mode})",
                    commands=[command], timers=[timer])
 
     def _reschedule(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
@@ -292,11 +303,11 @@ class Incidents:
             step = attempt.plan.checkpoint_step if attempt.plan else None
             self.fail_job(out, job, f"dumped: checkpoint at step {step}; the job stops for an operator", None)
             return
-        if attempt.purpose == "pause":
+        if attempt.purpose is AttemptPurpose.PAUSE:
             self.timekeeper.cancel(attempt.deadline_timer)
-            attempt.outcome = "paused"
+            attempt.outcome = AttemptOutcome.PAUSED
             incident.move("pause", out.ts)
-            out.decide(job, "job.paused", attempt.reason, trigger="pause",
+            out.decide(job, DecisionKind.JOB_PAUSED, attempt.reason, trigger="pause",
                        cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
             return
         self._refresh_plan(out, job, attempt)
@@ -317,7 +328,7 @@ class Incidents:
                 spares = self.placement.spares_for(job)
                 if len(spares) < len(attempt.vacate):
                     job.generation -= 1
-                    self.end_attempt(out, job, attempt, "superseded", "the spare nodes it needed are gone")
+                    self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, "the spare nodes it needed are gone")
                     return
                 for index, name in enumerate(attempt.vacate):
                     target = spares[index]
@@ -337,7 +348,7 @@ class Incidents:
                 placement = self.placement.place(job, attempt)
                 if placement is None:
                     job.generation -= 1
-                    self.end_attempt(out, job, attempt, "superseded", "not enough usable nodes left")
+                    self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, "not enough usable nodes left")
                     return
                 nodes, dp = placement
                 for name in job.nodes:
@@ -364,7 +375,7 @@ class Incidents:
             job.step_ts = None
         timers = [self._ack_timer(out, job, c.id, c.deadline_s) for c in commands]
         attempt.pending = {c.id: (c.kind, t.id) for c, t in zip(commands, timers, strict=True)}
-        out.decide(job, "ranks.rescheduling", f"{g.value}: {len(commands)} command(s)",
+        out.decide(job, DecisionKind.RANKS_RESCHEDULING, f"{g.value}: {len(commands)} command(s)",
                    commands=commands, timers=timers,
                    detail={"attempt": attempt.number, "generation": job.generation,
                            "nodes": list(job.nodes)})
@@ -380,28 +391,28 @@ class Incidents:
         cancelled = self.timekeeper.cancel(ack_timer)
         if data.status == "failed":
             if kind == "save_checkpoint":
-                out.decide(job, "checkpoint.dying_failed", data.reason or "dying checkpoint failed",
+                out.decide(job, DecisionKind.CHECKPOINT_DYING_FAILED, data.reason or "dying checkpoint failed",
                            cancelled=cancelled)
                 attempt.pending.clear()
                 self.checkpoint(out, job, attempt)
                 return
-            self.end_attempt(out, job, attempt, "failed", f"{kind} failed: {data.reason}".rstrip(": "),
+            self.end_attempt(out, job, attempt, AttemptOutcome.FAILED, f"{kind} failed: {data.reason}".rstrip(": "),
                               cancelled)
             return
         if attempt.pending:
             if cancelled:
-                out.decide(job, "command.done", f"{kind} done", cancelled=cancelled)
+                out.decide(job, DecisionKind.COMMAND_DONE, f"{kind} done", cancelled=cancelled)
             return
         assert incident is not None
         if incident.phase == "saving":
-            out.decide(job, "checkpoint.dying_done", f"dying checkpoint at step "
+            out.decide(job, DecisionKind.CHECKPOINT_DYING_DONE, f"dying checkpoint at step "
                        f"{attempt.save.step if attempt.save else '?'} saved",
                          cancelled=cancelled)
             self.checkpoint(out, job, attempt)
         elif incident.phase == "stopping":
             for rank in attempt.stopping:
                 job.put(job.alive, rank, 0)
-            out.decide(job, "ranks.stopped", f"{len(attempt.stopping)} rank(s) stopped",
+            out.decide(job, DecisionKind.RANKS_STOPPED, f"{len(attempt.stopping)} rank(s) stopped",
                        cancelled=cancelled)
             self._reschedule(out, job, attempt)
         elif incident.phase == "rescheduling":
@@ -410,7 +421,7 @@ class Incidents:
                 job.put(job.alive, rank, 1)
             job.last_seen = [out.ts] * job.world
             job.last_progress = [out.ts] * job.world
-            out.decide(job, "ranks.restoring", "executors done: waiting for progress past step "
+            out.decide(job, DecisionKind.RANKS_RESTORING, "executors done: waiting for progress past step "
                        f"{self._resume_step(job, attempt)}",
                          cancelled=cancelled)
 
@@ -431,18 +442,18 @@ class Incidents:
         if step <= resume:
             return
         assert incident is not None
-        attempt.outcome = "recovered"
+        attempt.outcome = AttemptOutcome.RECOVERED
         cancelled = self.timekeeper.cancel(attempt.deadline_timer)
-        lost = max(0, incident.fault_step - resume) if incident.cause == "fault" else 0
+        lost = max(0, incident.fault_step - resume) if incident.cause is IncidentCause.FAULT else 0
         incident.lost_steps = lost
-        self.close(job, out.ts, "recovered")
-        out.decide(job, "incident.closed", f"progress to step {step} past resume point {resume}",
+        self.close(job, out.ts, IncidentOutcome.RECOVERED)
+        out.decide(job, DecisionKind.INCIDENT_CLOSED, f"progress to step {step} past resume point {resume}",
                    trigger="recovered", cancelled=cancelled, timers=self.timekeeper.arm_watchdog(out, job),
                    detail={"incident": incident.id, "lost_steps": lost, "attempts": len(incident.attempts),
                            "granularity": attempt.granularity.value,
                            "mttr_ns": out.ts - incident.opened})
 
-    def close(self, job: Job, ts: int, outcome: str) -> None:
+    def close(self, job: Job, ts: int, outcome: IncidentOutcome) -> None:
         incident = job.incident
         assert incident is not None
         incident.move("close", ts)
@@ -453,19 +464,19 @@ class Incidents:
         del job.closed[:-CLOSED_INCIDENTS]
         job.incident = None
 
-    def end_attempt(self, out: RecordEffects, job: Job, attempt: Attempt, outcome: str, reason: str,
+    def end_attempt(self, out: RecordEffects, job: Job, attempt: Attempt, outcome: AttemptOutcome, reason: str,
                      cancelled: list[str] | None = None, plan: bool = True) -> None:
         attempt.outcome = outcome
         gone = list(cancelled or [])
         gone += self.timekeeper.cancel(attempt.deadline_timer, *(timer for _, timer in attempt.pending.values()))
         attempt.pending.clear()
-        if outcome == "superseded":
+        if outcome is AttemptOutcome.SUPERSEDED:
             # A fault that widened the incident is not the attempt's failure: give back its budget.
             for key in attempt.budget_keys:
                 job.used[key] -= 1
             if attempt.granularity in RESTARTS:
                 job.restarts_used -= 1
-        out.decide(job, f"attempt.{outcome}", reason, cancelled=gone,
+        out.decide(job, ATTEMPT_ENDED[outcome], reason, cancelled=gone,
                    detail={"attempt": attempt.number, "granularity": attempt.granularity.value})
         if plan:
             self.plan(out, job)
@@ -474,21 +485,22 @@ class Incidents:
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
         if attempt is not None:
-            attempt.outcome = "superseded"
+            attempt.outcome = AttemptOutcome.SUPERSEDED
             cancelled = self.timekeeper.cancel(attempt.deadline_timer,
                                                *(timer for _, timer in attempt.pending.values()))
             attempt.pending.clear()
-            out.decide(job, "attempt.superseded", reason, cancelled=cancelled,
+            out.decide(job, DecisionKind.ATTEMPT_SUPERSEDED, reason, cancelled=cancelled,
                        detail={"attempt": attempt.number})
 
-    def open(self, out: RecordEffects, job: Job, cause: str) -> Incident:
+    def open(self, out: RecordEffects, job: Job, cause: IncidentCause) -> Incident:
         if job.incident is None:
             cancelled = self.timekeeper.cancel(job.watchdog)
             job.watchdog = None
             job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                     fault_step=job.step, fault_class=None, cause=cause)
             if cancelled:
-                out.decide(job, "watchdog.disarmed", f"{cause} incident", trigger="recover", cancelled=cancelled)
+                out.decide(job, DecisionKind.WATCHDOG_DISARMED, f"{cause} incident", trigger="recover",
+                           cancelled=cancelled)
             else:  # a running job always has its watchdog armed: kept so the machine stays right regardless
                 fire(job, "recover")
         return job.incident
@@ -498,15 +510,15 @@ class Incidents:
                           reason=reason)
         cancelled = self.timekeeper.cancel(*self.timekeeper.of_job(job))
         if job.incident is not None:
-            self.close(job, out.ts, "failed")
+            self.close(job, out.ts, IncidentOutcome.FAILED)
         job.suspects.clear()
         job.watchdog = None
         for name in job.nodes:
             self.cluster.release(name, job.id)
-        out.decide(job, "job.failed", reason, trigger="fail", policy=policy, commands=[command],
+        out.decide(job, DecisionKind.JOB_FAILED, reason, trigger="fail", policy=policy, commands=[command],
                    cancelled=cancelled)
 
-    def scale(self, out: RecordEffects, job: Job, dp: int, reason: str, cause: str) -> None:
+    def scale(self, out: RecordEffects, job: Job, dp: int, reason: str, cause: IncidentCause) -> None:
         per_replica = job.layout.tp * job.layout.pp
         need = dp * per_replica
         if need % job.rpn:
@@ -518,7 +530,7 @@ class Incidents:
             return
         incident = self.open(out, job, cause)
         g = G.SCALE_OUT if dp > job.layout.dp else G.SCALE_IN
-        attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=0, purpose="scale",
+        attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=0, purpose=AttemptPurpose.SCALE,
                           reason=reason, started=out.ts, dp=dp)
         self.start(out, job, attempt, 900 * NS, None, [])
 
@@ -536,7 +548,7 @@ class Incidents:
             return
         if timer_id == attempt.deadline_timer:
             attempt.deadline_timer = None
-            self.end_attempt(out, job, attempt, "timed_out", f"attempt {attempt.number} "
+            self.end_attempt(out, job, attempt, AttemptOutcome.TIMED_OUT, f"attempt {attempt.number} "
                                                              f"({attempt.granularity.value}) missed its deadline")
             return
         for cid, (kind, timer) in list(attempt.pending.items()):
@@ -546,10 +558,10 @@ class Incidents:
                     why = ("no ack for the dying checkpoint in time" if kind == "save_checkpoint" else
                            f"the dying checkpoint at step {attempt.awaiting} was not complete in time")
                     attempt.awaiting = None
-                    out.decide(job, "checkpoint.dying_failed", why)
+                    out.decide(job, DecisionKind.CHECKPOINT_DYING_FAILED, why)
                     self.checkpoint(out, job, attempt)
                 else:
-                    self.end_attempt(out, job, attempt, "timed_out", f"no ack for {kind} {cid} in time")
+                    self.end_attempt(out, job, attempt, AttemptOutcome.TIMED_OUT, f"no ack for {kind} {cid} in time")
                 return
 
 
@@ -569,7 +581,7 @@ def _incident_usage(incident: Incident) -> dict[str, int]:
     life; a life-long rung budget ran out within two weeks at 16,384 GPUs and failed healthy jobs."""
     used: dict[str, int] = {}
     for attempt in incident.attempts:
-        if attempt.outcome != "superseded":
+        if attempt.outcome is not AttemptOutcome.SUPERSEDED:
             for key in attempt.budget_keys:
                 used[key] = used.get(key, 0) + 1
     return used

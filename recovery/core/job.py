@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any
 
+from events.names import ATTEMPT_ENDED, AttemptOutcome, AttemptPurpose, IncidentCause, IncidentOutcome
 from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier
 from policies.base import AttemptSummary, Fault, PolicySet, SaveRequest
 from recovery.core.machine import fire_phase
@@ -22,7 +23,7 @@ class Attempt:
     number: int
     granularity: Granularity
     rung: int
-    purpose: str  # recover | scale | pause | resume | dump
+    purpose: AttemptPurpose
     reason: str
     started: int
     deadline_timer: str | None = None
@@ -33,7 +34,7 @@ class Attempt:
     save: SaveRequest | None = None
     plan: ResumePlan | None = None
     dp: int | None = None
-    outcome: str | None = None
+    outcome: AttemptOutcome | None = None
     budget_keys: tuple[str, ...] = ()
     covered: frozenset[int] | None = None  # ranks + stopping, built on first use
     awaiting: int | None = None  # the step of a dying checkpoint the restart is held for
@@ -57,7 +58,7 @@ class Incident:
     opened: int
     fault_step: int
     fault_class: FaultClass | None
-    cause: str  # fault | scale | operator
+    cause: IncidentCause
     faults: list[dict[str, Any]] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
     phase: str = "planning"
@@ -72,7 +73,7 @@ class Incident:
     awaited: bool = False  # an attempt held its restart for their dying checkpoint already
     dead_hosts: frozenset[str] = frozenset()  # hosts a node fault declared gone: no source of state
     closed: int | None = None
-    outcome: str | None = None
+    outcome: IncidentOutcome | None = None
     lost_steps: int | None = None
 
     @property
@@ -81,7 +82,7 @@ class Incident:
 
     def history(self) -> tuple[AttemptSummary, ...]:
         return tuple(AttemptSummary(a.granularity, a.outcome, a.rung)  # type: ignore[arg-type]
-                     for a in self.attempts if a.outcome in ("failed", "timed_out", "superseded"))
+                     for a in self.attempts if a.outcome in ATTEMPT_ENDED)
 
     def __post_init__(self) -> None:
         if not self.phases:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from events.commands import StopRanks
+from events.names import AttemptPurpose, DecisionKind, IncidentCause, IncidentOutcome
 from events.values import Granularity
 from policies.base import NS
 from recovery.core.cluster import ClusterView
@@ -34,24 +35,25 @@ class Operators:
             job.suspects.clear()
             job.watchdog = None
             if job.incident is not None:
-                self.incidents.close(job, out.ts, "cancelled")
+                self.incidents.close(job, out.ts, IncidentOutcome.CANCELLED)
             for name in job.nodes:
                 self.cluster.release(name, job.id)
-            out.decide(job, "job.cancelled", data.reason or "cancelled by an operator", trigger="cancel",
+            out.decide(job, DecisionKind.JOB_CANCELLED, data.reason or "cancelled by an operator", trigger="cancel",
                        commands=[command] if stopping else [], cancelled=cancelled)
         elif type_ == "operator.pause":
             if job.state in ("paused", "submitted"):
                 raise Rejected("invalid_state", f"job {job.id} is {job.state}: nothing to pause")
             self.incidents.supersede(out, job, "operator pause")
-            incident = self.incidents.open(out, job, "operator")
+            incident = self.incidents.open(out, job, IncidentCause.OPERATOR)
             attempt = Attempt(number=len(incident.attempts) + 1, granularity=G.RESTART_JOB, rung=0,
-                              purpose="pause", reason=data.reason or "paused by an operator", started=out.ts)
+                              purpose=AttemptPurpose.PAUSE, reason=data.reason or "paused by an operator",
+                              started=out.ts)
             self.incidents.start(out, job, attempt, 900 * NS, None, [])
         elif type_ == "operator.resume":
             if job.state != "paused" or job.incident is None:
                 raise Rejected("invalid_state", f"job {job.id} is {job.state}, not paused")
             attempt = Attempt(number=len(job.incident.attempts) + 1, granularity=G.RESTART_JOB, rung=0,
-                              purpose="resume", reason="resumed by an operator", started=out.ts)
+                              purpose=AttemptPurpose.RESUME, reason="resumed by an operator", started=out.ts)
             # The job recovers again as the attempt starts: the resume may first need to save, stop stray
             # processes or wait for nodes, like any attempt.
             self.incidents.start(out, job, attempt, 900 * NS, None, self.placement.vacate(job), trigger="resume")
@@ -63,7 +65,7 @@ class Operators:
             if job.state != "running":
                 raise Rejected("invalid_state", f"job {job.id} is {job.state}; scale when it is running")
             if data.dp != job.layout.dp:
-                self.incidents.scale(out, job, data.dp, f"operator scale to dp={data.dp}", cause="operator")
+                self.incidents.scale(out, job, data.dp, f"operator scale to dp={data.dp}", cause=IncidentCause.OPERATOR)
             # Only once _scale accepted it: a rejected dp (not whole nodes) kept as the target made every later
             # node.joined/ready fail in _capacity_returned with this job's error.
             job.target_dp = data.dp
@@ -72,5 +74,5 @@ class Operators:
             if job.state in ("submitted", "paused"):
                 raise Rejected("invalid_state", f"job {job.id} is {job.state}; nothing to recover")
             self.incidents.supersede(out, job, f"operator forced {data.granularity.value}")
-            self.incidents.open(out, job, "operator")
+            self.incidents.open(out, job, IncidentCause.OPERATOR)
             self.incidents.plan(out, job, forced=data.granularity)

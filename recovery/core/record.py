@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from events.names import DecisionKind
 from events.outputs import Decision, Rejection, TimerRequest
 from recovery.core.machine import JOB_DEST, fire
 
@@ -67,8 +68,8 @@ class RecordEffects:
         self.decisions[job] = index + 1
         return index
 
-    def decide(self, job: Job, kind: str, reason: str, *, trigger: str | None = None, policy: str | None = None,
-               commands: list[Any] | None = None, timers: list[TimerRequest] | None = None,
+    def decide(self, job: Job, kind: DecisionKind, reason: str, *, trigger: str | None = None,
+               policy: str | None = None, commands: list[Any] | None = None, timers: list[TimerRequest] | None = None,
                cancelled: list[str] | None = None, detail: dict[str, Any] | None = None) -> None:
         """Record one decision for `job`, firing the machine's `trigger` first (if the job is not there yet):
         every change of a job's state goes through here."""

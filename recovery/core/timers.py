@@ -1,4 +1,5 @@
-"""Timers: the one place that says when a timer fires next.
+"""Timers: the one place that says when a timer fires next, the engine's timer table, and the table every driver
+fires them from.
 
 The engine keeps its outstanding timers as part of its state; every driver (the daemon's timer service,
 `recovery.testing.Scenario`, the simulator) fires them as `timer.fired` job events at their due time. A periodic
@@ -8,8 +9,12 @@ daemon was down), the next due time is the first period after the firing, not a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import heapq
+import itertools
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from events.names import TimerPurpose
 from events.outputs import TimerRequest
 from policies.base import NS
 from recovery.core.record import RecordEffects, Rejected
@@ -28,6 +33,21 @@ def next_due(due: int, every: int, now: int) -> int:
 
 TimerEntry = tuple[str, int, int | None]
 """(job, due, every) of one outstanding timer"""
+
+
+def after_firing(entry: TimerEntry | None, job: str, due: int, now: int) -> tuple[bool, TimerEntry | None]:
+    """What a `timer.fired` event of `job` for `due`, applied at log time `now`, does to its timer's outstanding
+    `entry`: whether it fires it at all, and the entry after it (None: a one-shot timer is done; a periodic one
+    moves to `next_due`). It fires nothing if the timer is cancelled or done, another job's, or if it names a period
+    already handled. The engine's table and every driver's follow this one rule."""
+    if entry is None or entry[0] != job:
+        return False, entry
+    owner, was_due, every = entry
+    if every is None:
+        return True, None
+    if due != was_due:
+        return False, entry
+    return True, (owner, next_due(was_due, every, now), every)
 
 
 class TimerJournal(Protocol):
@@ -74,24 +94,20 @@ class Timekeeper:
     def fired(self, out: RecordEffects, job: Job, timer_id: str, due: int) -> bool:
         """Take a `timer.fired` event off the table (a periodic timer moves to its next due time). False if the
         firing is stale: cancelled, another job's, or a repeated firing of a period already handled."""
-        entry = self.table.get(timer_id)
-        if entry is None or entry[0] != job.id:
+        fires, after = after_firing(self.table.get(timer_id), job.id, due, out.ts)
+        if not fires:
             return False
-        owner, was_due, every = entry
-        if every is not None:
-            if due != was_due:
-                return False
-            self._note(timer_id)
-            self.table[timer_id] = (owner, next_due(was_due, every, out.ts), every)
-        else:
-            self._note(timer_id, removing=True)
+        self._note(timer_id, removing=after is None)
+        if after is None:
             del self.table[timer_id]
+        else:
+            self.table[timer_id] = after
         return True
 
     def arm_watchdog(self, out: RecordEffects, job: Job) -> list[TimerRequest]:
         """One periodic timer per running job: its firings are log events, its re-arming needs no decision."""
         interval = int(job.spec.watchdog_interval_s * NS)
-        timer = self.request(out, job, "watchdog", interval, every=interval)
+        timer = self.request(out, job, TimerPurpose.WATCHDOG, interval, every=interval)
         job.watchdog = timer.id
         return [timer]
 
@@ -119,3 +135,111 @@ class Timekeeper:
                 table[timer_id] = entry
         if order is not None:
             self.table = {timer_id: table[timer_id] for timer_id in order}
+
+
+class Firing(NamedTuple):
+    """One timer to fire now: the `timer.fired` event a driver sends for it names the timer and its due time."""
+
+    timer_id: str
+    job: str
+    due: int
+    every: int | None = None
+
+
+class TimerTable:
+    """The timers a driver fires: the ones the engine asked for and has not cancelled, each at its due time.
+
+    `recovery.core.router.EffectRouter` keeps it: it arms the timers a decision requests, forgets the ones a
+    decision cancels, and once the engine has applied a `timer.fired` event it does what the engine did with it
+    (`fired`): a one-shot timer is gone, a periodic one moves to `next_due`. So the table holds what the engine's
+    own table holds, and a driver only asks it what is due (`due`, or `peek` and `take` one at a time for a
+    driver that interleaves timers with a scheduler of its own).
+
+    A timer taken to be fired stays in the table until its firing is applied, but is not due again: a driver
+    that could not deliver the event puts it back with `retry`. Timers due at the same time come out in the order
+    they were armed; `order` numbers them (a simulator shares its scheduler's counter, so that its actions and
+    its timers keep one order)."""
+
+    __slots__ = ("_heap", "_order", "_timers")
+
+    def __init__(self, order: Iterator[int] | None = None) -> None:
+        self._timers: dict[str, TimerEntry] = {}  # id -> (job, due, every), as the engine's
+        self._heap: list[tuple[int, int, str]] = []  # (due, order, id); entries of moved or cancelled timers stay
+        self._order = order if order is not None else itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+    def __contains__(self, timer_id: object) -> bool:
+        return timer_id in self._timers
+
+    def get(self, timer_id: str) -> TimerEntry | None:
+        """(job, due, every) of an armed timer."""
+        return self._timers.get(timer_id)
+
+    def arm(self, timer_id: str, job: str, due: int, every: int | None = None) -> None:
+        self._timers[timer_id] = (job, due, every)
+        heapq.heappush(self._heap, (due, next(self._order), timer_id))
+
+    def cancel(self, timer_id: str) -> None:
+        self._timers.pop(timer_id, None)
+        if len(self._heap) > 2 * len(self._timers) + 4096:
+            self._compact()  # cancelled deadlines may be due in years: do not keep their entries that long
+
+    def _compact(self) -> None:
+        timers = self._timers
+        self._heap = [e for e in self._heap if (entry := timers.get(e[2])) is not None and entry[1] == e[0]]
+        heapq.heapify(self._heap)  # the entries keep their order numbers: ties still come out as armed
+
+    def load(self, timers: Mapping[str, TimerEntry]) -> int:
+        """Arm every timer of an engine's table (`Engine.timers`: id -> (job, due, every)), as after a restore."""
+        for timer_id, (job, due, every) in timers.items():
+            self.arm(timer_id, job, due, every)
+        return len(timers)
+
+    def fired(self, timer_id: str, job: str, due: int, ts: int) -> None:
+        """The engine has applied a `timer.fired` event for `timer_id` and `due` at log time `ts`: do what it did
+        with its own table (`after_firing`)."""
+        fires, after = after_firing(self._timers.get(timer_id), job, due, ts)
+        if not fires:
+            return  # stale or cancelled: the engine ignored it
+        if after is None:
+            del self._timers[timer_id]
+        else:
+            self.arm(timer_id, *after)
+
+    def peek(self) -> tuple[int, int, str] | None:
+        """(due, order, timer id) of the next timer to take, or None; it may turn out cancelled or moved when
+        taken."""
+        return self._heap[0] if self._heap else None
+
+    def take(self) -> Firing | None:
+        """Take the next timer: the firing to send, or None if it was cancelled or has moved since it was armed."""
+        due, _, timer_id = heapq.heappop(self._heap)
+        entry = self._timers.get(timer_id)
+        if entry is None or entry[1] != due:
+            return None
+        return Firing(timer_id, entry[0], due, entry[2])
+
+    def due(self, now: int) -> list[Firing]:
+        """Take every timer due at or before `now`, in due order."""
+        out = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            firing = self.take()
+            if firing is not None:
+                out.append(firing)
+        return out
+
+    def next_at(self) -> int | None:
+        """The earliest due time still to take (perhaps of a timer since cancelled: taking it finds out)."""
+        return self._heap[0][0] if self._heap else None
+
+    def retry(self, firing: Firing) -> None:
+        """Make a taken timer due again (its event was not delivered), unless it has been cancelled or moved."""
+        entry = self._timers.get(firing.timer_id)
+        if entry is not None and entry[1] == firing.due:
+            heapq.heappush(self._heap, (firing.due, next(self._order), firing.timer_id))
+
+    def describe(self) -> dict[str, object]:
+        return {"armed": len(self._timers), "heap": len(self._heap), "next_due": self.next_at()}

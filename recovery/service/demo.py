@@ -27,10 +27,11 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -52,7 +53,7 @@ from recovery.log.jetstream import JetStreamLog
 from recovery.log.verify import first_divergence
 from recovery.service import jsonlog
 from recovery.service.config import DaemonConfig
-from recovery.service.daemon import run
+from recovery.service.daemon import Daemon, run
 from recovery.service.publisher import Outgoing, Publisher
 from recovery.sim.demo import DEMO_FAULTS, DemoCluster
 from recovery.sim.faults import Fault
@@ -441,7 +442,7 @@ def load_driver(name: str) -> Callable[[Bus, DemoSettings], Driver]:
 class LiveView:
     """What the terminal shows: every job's state, its incident and attempt, and the stream of decisions."""
 
-    def __init__(self, daemon: Any, seconds: float) -> None:
+    def __init__(self, daemon: Daemon, seconds: float) -> None:
         self.daemon = daemon
         self.seconds = seconds
         self.started = time.monotonic()
@@ -509,7 +510,7 @@ def run_demo(cfg: DaemonConfig) -> int:
     cfg = cfg.model_copy(update=updates)
     jsonlog.setup(cfg.log_level, cfg.log_format, cfg.log_file or data_dir / "daemon.log")
     settings = DemoSettings(seconds=seconds, seed=cfg.demo_seed)
-    return asyncio.run(_demo(cfg, settings, data_dir))
+    return anyio.run(_demo, cfg, settings, data_dir)
 
 
 async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> int:
@@ -521,7 +522,11 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
                   f"({where}) publishing faults and acking commands, for {settings.seconds:.0f}s.")
     state: dict[str, Any] = {}
 
-    async def started(daemon: Any) -> None:
+    @contextlib.asynccontextmanager
+    async def cluster(daemon: Daemon) -> AsyncIterator[None]:
+        """The cluster and the live view beside the daemon. When the daemon stops, they stop first; then the
+        daemon takes no more input and the log is exported and verified, before the daemon drains."""
+        assert daemon.nc is not None and daemon.js is not None
         bus = Bus(daemon.nc, daemon.js, cfg.command_stream)
         try:
             driver = factory(bus, settings)
@@ -531,37 +536,30 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
             console.print(f"the simulator's demo cluster unavailable ({exc!r}): the built-in cluster runs instead")
             driver = builtin_driver(bus, settings)
         view = LiveView(daemon, settings.seconds)
-        state.update(bus=bus, driver=driver, view=view, daemon=daemon)
-        await bus.start(driver)
-        console.print(f"metrics on http://{cfg.http_host}:{daemon.http_port}/metrics; recovery-ctl --nats "
-                      f"{daemon.url} jobs")
+        state.update(view=view)
         live = Live(view.render(), console=console, refresh_per_second=4, transient=False)
-        live.start()
-        state["live"] = live
-
-        async def refresh() -> None:
-            while True:
-                live.update(view.render())
-                await asyncio.sleep(0.25)  # screen refresh interval
-
-        state["refresh"] = asyncio.create_task(refresh())
-        original_stop = daemon.stop
-
-        async def stop() -> None:  # stop the cluster and the view before the daemon drains
+        try:
+            await bus.start(driver)
+            console.print(f"metrics on http://{cfg.http_host}:{daemon.http_port}/metrics; recovery-ctl --nats "
+                          f"{daemon.url} jobs")
+            live.start()
+            async with anyio.create_task_group() as screen:
+                screen.start_soon(_refresh, live, view)
+                try:
+                    yield
+                finally:
+                    screen.cancel_scope.cancel()
+        finally:
             stopper = getattr(driver, "stop", None)
             if stopper is not None:
                 stopper()
-            state["refresh"].cancel()
             live.update(view.render())
             live.stop()
             await bus.close()
             await daemon.quiesce()
             state["export"] = await _export(daemon, data_dir / "demo.jsonl")
-            await original_stop()
 
-        daemon.stop = stop  # type: ignore[method-assign]
-
-    code = await run(cfg, on_started=started)
+    code = await run(cfg, cluster)
     view = state.get("view")
     if view is not None:
         mttr = f", median MTTR {statistics.median(view.mttr):.1f}s" if view.mttr else ""
@@ -574,10 +572,17 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
     return code
 
 
-async def _export(daemon: Any, path: Path) -> tuple[Path, str]:
+async def _refresh(live: Live, view: LiveView) -> None:
+    while True:
+        live.update(view.render())
+        await anyio.sleep(0.25)  # screen refresh interval
+
+
+async def _export(daemon: Daemon, path: Path) -> tuple[Path, str]:
     """Export the log for `recovery-replay` and verify it: the demo's own decisions, derived again."""
+    assert daemon.nc is not None and daemon.js is not None
     try:
-        async with asyncio.timeout(5):
+        with anyio.fail_after(5):
             log = JetStreamLog(daemon.nc, daemon.js, daemon.cfg.stream, owns_connection=False)
             count = await log.export(path)
         result = replay(iter_file(path))

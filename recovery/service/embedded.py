@@ -4,14 +4,18 @@ The same `nats-server` process as the test fixture's (`recovery.log.nats_server`
 needs. The server dies with the daemon even when the daemon is SIGKILLed (Linux parent-death
 signal), a busy default port falls back to a free one, and the URL is written to `<data_dir>/nats.url`
 so that `recovery-ctl` finds it.
+
+The parent-death signal is set by a small exec shim (`python -c`, then `exec nats-server`), not by a
+`preexec_fn`: Python code between fork and exec in a process that runs threads can deadlock on a lock another
+thread held at the fork. And the daemon starts the server from its event loop's thread, which lives as long as
+the daemon: the signal follows the thread that forked, so a worker thread that exits would take the server down.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import signal
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,13 +24,15 @@ from recovery.log.nats_server import NatsProcess, free_port, port_free
 
 logger = logging.getLogger("recovery.embedded")  # the name operators filter on: kept since it moved
 URL_FILE = "nats.url"
-_PR_SET_PDEATHSIG = 1
 
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, kept across the exec below
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)  # the daemon died before the signal was set: nobody to serve
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+"""run by `python -I -S -c` with the daemon's pid and the server's command line"""
 
 
 class EmbeddedNats(NatsProcess):
@@ -44,20 +50,45 @@ class EmbeddedNats(NatsProcess):
         self.data_dir = data
         self.url_file = data / URL_FILE
 
+    def command(self) -> list[str]:
+        server = super().command()
+        if not sys.platform.startswith("linux"):
+            return server  # no parent-death signal elsewhere: a SIGKILLed daemon leaves its server running
+        return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *server]
+
     def _popen_options(self) -> dict[str, Any]:
-        # The server dies with the daemon; a terminal's Ctrl-C goes to the daemon only.
-        return {"preexec_fn": _die_with_parent, "start_new_session": True}
+        # Its own session: a terminal's Ctrl-C goes to the daemon only, which stops the server in its turn.
+        return {"start_new_session": True}
 
     def start(self, timeout: float = 15.0) -> None:
         if self.running:
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._start(timeout)
+        self._started()
+
+    async def start_async(self, timeout: float = 15.0) -> None:
+        if self.running:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        await super().start_async(timeout)
+        self._started()
+
+    def _started(self) -> None:
         self.url_file.write_text(self.url + "\n")
         logger.info("embedded nats-server ready", extra={"fields": {"url": self.url, "store": str(self.store_dir)}})
 
     def stop(self, timeout: float = 15.0) -> None:
         super().stop(timeout)
+        self._stopped()
+
+    async def stop_async(self, timeout: float = 15.0) -> None:
+        try:
+            await super().stop_async(timeout)
+        finally:
+            self._stopped()
+
+    def _stopped(self) -> None:
         with contextlib.suppress(OSError):
             if self.url_file.read_text().strip() == self.url:
                 self.url_file.unlink()

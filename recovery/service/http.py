@@ -1,17 +1,20 @@
 """The daemon's service face: Prometheus metrics and a tiny HTTP server for `/healthz`, `/readyz`, `/metrics`.
 
-The HTTP server is `asyncio.start_server` with a few lines of HTTP/1.0: three read-only endpoints need no
-framework, and it runs on the daemon's own event loop (a scrape sees a consistent state).
+The HTTP server is an anyio listener with a few lines of HTTP/1.0: three read-only endpoints need no
+framework, and it runs on the daemon's own event loop (a scrape sees a consistent state), each connection a task
+of the server's own task group, so none outlives it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
+import anyio
 import orjson
+from anyio.abc import SocketListener, SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 logger = logging.getLogger("recovery.service")  # the name operators filter on: kept since it moved
@@ -82,42 +85,42 @@ class HttpServer:
         self._ready = ready
         self._before_scrape = before_scrape
         self._status = status
-        self._server: asyncio.Server | None = None
+        self._listener: SocketListener | None = None
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+    async def listen(self) -> int:
+        """Bind and listen (the port is taken once this returns: 0 picks a free one); returns the port."""
+        # Bound here rather than by anyio's listener factory, whose name lookup would borrow a worker thread.
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.create_server((self.host, self.port), family=family)
+        self._listener = await SocketListener.from_socket(sock)
+        self.port = sock.getsockname()[1]
         return self.port
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1):
-                    await self._server.wait_closed()
-            self._server = None
+    async def serve(self) -> None:
+        """Answer requests until cancelled; the listener is closed on the way out."""
+        assert self._listener is not None, "listen() first"
+        async with self._listener:
+            await self._listener.serve(self._handle)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(5):
-                request = await reader.readline()
-                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    pass  # headers: nothing here needs them
-            parts = request.decode("latin-1").split()
-            method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("", "")
-            status, ctype, body = await self._route(method, path)
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                    "Connection: close\r\n\r\n").encode()
-            writer.write(head + (b"" if method == "HEAD" else body))
-            await writer.drain()
-        except (TimeoutError, ConnectionError, UnicodeDecodeError):
-            pass
-        except Exception:  # a scrape must never take the daemon down
-            logger.exception("http handler failed")
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    async def _handle(self, stream: SocketStream) -> None:
+        async with stream:
+            try:
+                with anyio.fail_after(5):
+                    receive = BufferedByteReceiveStream(stream)
+                    request = await receive.receive_until(b"\n", 8192)
+                    while (await receive.receive_until(b"\n", 8192)).strip():
+                        pass  # headers: nothing here needs them
+                parts = request.decode("latin-1").split()
+                method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("", "")
+                status, ctype, body = await self._route(method, path)
+                head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                        "Connection: close\r\n\r\n").encode()
+                await stream.send(head + (b"" if method == "HEAD" else body))
+            except (TimeoutError, anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound,
+                    anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError, UnicodeDecodeError):
+                pass
+            except Exception:  # a scrape must never take the daemon down
+                logger.exception("http handler failed")
 
     async def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):

@@ -19,7 +19,6 @@ was SIGKILLed and restarted does not wait out the TTL.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -28,12 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import nats.errors
 import nats.js.errors
 import orjson
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
+
+from recovery.service.publisher import TRANSIENT, reraise_cancel
 
 logger = logging.getLogger("recovery.lease")
 
@@ -103,22 +105,15 @@ class Lease:
         self.holder = None
         return True
 
-    async def acquire(self, stop: asyncio.Event) -> bool:
-        """Wait until the lease is ours (True) or `stop` is set (False)."""
+    async def acquire(self) -> None:
+        """Wait until the lease is ours (a stop cancels the wait)."""
         announced = False
-        while not stop.is_set():
-            if await self.try_acquire():
-                return True
+        while not await self.try_acquire():
             if not announced:
                 logger.info("standby: another daemon holds the partition",
                             extra={"fields": {"partition": self.key, "holder": self.holder}})
                 announced = True
-            try:
-                async with asyncio.timeout(min(self.ttl_s / 4, 0.5)):
-                    await stop.wait()  # the retry period (a released lease is taken within it); a stop ends it
-            except TimeoutError:
-                pass
-        return False
+            await anyio.sleep(min(self.ttl_s / 4, 0.5))  # the retry period: a released lease is taken within it
 
     async def renew(self) -> None:
         """Write the lease again on the revision we wrote last; LeaseLost if another daemon wrote since."""
@@ -127,6 +122,18 @@ class Lease:
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError) as exc:
             raise LeaseLost(f"the lease of partition {self.key} changed hands: {exc}") from exc
         self.renewed = self._clock()
+
+    async def hold(self) -> None:
+        """Renew the lease every third of its TTL until cancelled; LeaseLost once another daemon has taken it.
+        A renewal that fails because NATS is away is tried again at the next period: meanwhile `fresh` says no,
+        so the holder reads no input another daemon may read."""
+        while True:
+            await anyio.sleep(self.ttl_s / 3)
+            try:
+                await self.renew()
+            except TRANSIENT as exc:
+                reraise_cancel(exc)
+                logger.warning("lease not renewed: retrying", extra={"fields": {"error": repr(exc)}})
 
     def fresh(self) -> bool:
         """May the holder read input now: renewed within half the TTL?"""

@@ -9,13 +9,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import anyio
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck as JsPubAck
 
 from recovery.log.base import MSG_ID
-from recovery.log.jetstream import Backoff, describe_error, is_too_many_requests, surface_async_ack_errors
+from recovery.log.jetstream import (
+    Backoff,
+    describe_error,
+    is_retryable,
+    is_too_many_requests,
+    surface_async_ack_errors,
+)
 
 logger = logging.getLogger("recovery.daemon")  # its lines are the daemon's, as before the publisher had a module
 
@@ -25,7 +32,8 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     nats.js.errors.Error,  # service unavailable, server error, no stream response, ...
     OSError,
 )
-"""errors after which a NATS operation is simply tried again (the connection reconnects forever)"""
+"""errors after which a NATS operation other than a publish (stream and bucket set-up, the lease, a pull) is simply
+tried again (the connection reconnects forever); a publish goes by `recovery.log.jetstream.is_retryable`"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +47,13 @@ class Outgoing:
 
 
 class Publisher:
-    """Publish to JetStream and wait for every acknowledgement, pipelined. A publish that fails or is not
-    acknowledged in time is sent again, with the same `Nats-Msg-Id`, until it is (the server drops a repeat
-    of one that was stored): nothing is lost through an outage, and nothing is stored twice. A 429 (the
-    stream's ingest buffer is full, with agents publishing into it too) is one such failure, retried after a
-    backoff like the others."""
+    """Publish to JetStream and wait for every acknowledgement, pipelined. A publish that is not acknowledged in
+    time, or fails the way an outage or an overloaded server fails it (`recovery.log.jetstream.is_retryable`: a
+    timeout, no responders, a connection that is reconnecting, a 429 because the stream's ingest buffer is full),
+    is sent again after a backoff, with the same `Nats-Msg-Id`, until it is acknowledged (the server drops a
+    repeat of one that was stored): nothing is lost through an outage, and nothing is stored twice. Any other
+    error (a message over the payload limit, a subject no stream takes, a closed connection) would fail again
+    however often it is sent: it is raised at once."""
 
     def __init__(self, js: JetStreamContext, timeout: float = 5.0) -> None:
         self.js = js
@@ -54,6 +64,8 @@ class Publisher:
         surface_async_ack_errors(js)
 
     async def publish(self, items: Sequence[Outgoing], deadline: float | None = None) -> list[JsPubAck]:
+        """Publish `items` (in order) and return their acknowledgements; TimeoutError if some are still not
+        acknowledged at `deadline` (monotonic), the error itself if one is not worth sending again."""
         acks: list[JsPubAck | None] = [None] * len(items)
         remaining = list(range(len(items)))
         backoff = Backoff(None if deadline is None else deadline - time.monotonic())
@@ -65,8 +77,10 @@ class Publisher:
                     item = items[i]
                     futures[i] = await self.js.publish_async(item.subject, item.data, wait_stall=self.timeout,
                                                              headers={MSG_ID: item.msg_id})
-            except TRANSIENT as exc:
+            except Exception as exc:
                 reraise_cancel(exc)  # nats-py turns a cancellation while waiting for a slot into an error
+                if not is_retryable(exc, idempotent=True):
+                    raise
                 error = exc
             if futures:
                 _, pending = await asyncio.wait(futures.values(), timeout=self.timeout)
@@ -81,8 +95,12 @@ class Publisher:
                     if ack.duplicate:
                         self.duplicates += 1
                 else:
-                    if maybe is not None and maybe.done() and not maybe.cancelled() and error is None:
-                        error = maybe.exception()
+                    if maybe is not None and maybe.done() and not maybe.cancelled():
+                        failure = maybe.exception()
+                        assert failure is not None
+                        if not is_retryable(failure, idempotent=True):
+                            raise failure  # every message carries its id: only what cannot succeed is not sent again
+                        error = error or failure
                     failed.append(i)
             remaining = failed
             if remaining:
@@ -93,7 +111,7 @@ class Publisher:
                 logger.warning("publish not acknowledged, retrying", extra={"fields": {
                     "pending": len(remaining), "error": describe_error(error) if error else "timeout",
                     "refused": error is not None and is_too_many_requests(error)}})
-                await asyncio.sleep(delay)  # retry backoff through an outage or an overloaded server
+                await anyio.sleep(delay)  # retry backoff through an outage or an overloaded server
         return [ack for ack in acks if ack is not None]
 
 

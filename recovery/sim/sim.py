@@ -2,24 +2,28 @@
 
 Exactly what `recovery.testing.Scenario` does, at cluster scale: every event the world emits is appended to a
 `MemoryLog` (or `FileLog`) whose clock is the simulator's, applied by `recovery.core.engine.Engine` through a
-`recovery.log.Recorder`, and every decision is recorded after it. Timers the decisions ask for are fired
-as `timer.fired` job events at their due time (periodic ones again every `every`), and the commands go to the
-world's executors. The log is a replay log: `recovery-replay verify` and `timeline` work on it.
+`recovery.log.Recorder`, and every decision is recorded after it. Timers the decisions ask for are fired from
+the recorder's `TimerTable` as `timer.fired` job events at their due time (periodic ones again at
+`recovery.core.timers.next_due`), in one order with the world's own actions, and the commands go to the world's
+executors. The log is a replay log: `recovery-replay verify` and `timeline` work on it.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from events import subjects
+from events.commands import CommandBase
 from events.envelope import EnvelopeBase, make_envelope
-from events.outputs import Decision
+from events.outputs import Decision, Rejection
 from recovery.core.engine import Engine
 from recovery.core.job import Job
+from recovery.core.timers import TimerTable
 from recovery.log import EPOCH, CountingLog, FileLog, MemoryLog, Recorder, write_file
 from recovery.sim.accounting import CAUSES, STATE_LABEL, FaultOutcome, Ledger, Result
 from recovery.sim.config import NS, SimConfig
@@ -41,6 +45,29 @@ def faults_for(config: SimConfig) -> list[Fault]:
                        durations=config.durations)
 
 
+class _Recording(Recorder):
+    """The simulator's recorder: decisions are recorded and accounted for, commands wait for the record to be
+    done (an executor's reply must come after every decision the record made)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        super().__init__(sim.log, sim.engine, TimerTable(sim._order))
+        self.sim = sim
+        self.commands: list[CommandBase] = []
+
+    def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        super().decided(decision, subject, envelope, data)
+        self.sim.decisions += 1
+        self.sim._observe(decision)
+
+    def commanded(self, command: CommandBase, decision: Decision) -> None:
+        self.commands.append(command)
+
+    def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        super().rejected(rejection, subject, envelope, data)
+        rejections = self.sim.rejections
+        rejections[rejection.code] = rejections.get(rejection.code, 0) + 1
+
+
 class Simulator:
     def __init__(self, config: SimConfig, log: MemoryLog | FileLog | None = None,
                  faults: list[Fault] | None = None) -> None:
@@ -49,13 +76,13 @@ class Simulator:
         self.log = log if log is not None else MemoryLog(clock=self._clock)
         self.log._clock = self._clock
         self.engine = Engine()
-        self.recorder = Recorder(self.log, self.engine)
+        self._heap: list[tuple[int, int, Callable[[], None]]] = []
+        self._order = itertools.count(1)  # one order for the world's actions and the timers due at the same time
+        self.recorder = _Recording(self)
+        self.timers = self.recorder.timers
         self.ledger = Ledger(EPOCH)
         self.world = World(config, self, self._deliver, start_ns=EPOCH)
         self.faults = faults if faults is not None else faults_for(config)
-        self._heap: list[tuple[int, int, Callable[[], None]]] = []
-        self._seq = 0
-        self._armed: dict[str, tuple[int, int | None]] = {}
         self.events = 0
         self.engine_seconds = 0.0
         """wall-clock time spent in Recorder.feed: the log appends, Engine.apply and recording decisions"""
@@ -75,45 +102,20 @@ class Simulator:
         return self._now
 
     def at(self, when: int, action: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (max(when, self._now), self._seq, action))
+        heapq.heappush(self._heap, (max(when, self._now), next(self._order), action))
 
     # -- the engine in the loop -----------------------------------------------------------------------
     def _deliver(self, subject: str, envelope: EnvelopeBase) -> None:
+        recorder = self.recorder
         started = time.perf_counter()
-        effects = self.recorder.feed(subject, envelope)
+        recorder.feed(subject, envelope)
         self.engine_seconds += time.perf_counter() - started
         self.events += 1
-        commands = []
-        for effect in effects:
-            if not isinstance(effect, Decision):
-                self.rejections[effect.code] = self.rejections.get(effect.code, 0) + 1
-                continue
-            self.decisions += 1
-            self._observe(effect)
-            for timer in effect.timers:
-                self._armed[timer.id] = (timer.due, timer.every)
-                self.at(timer.due, self._firer(timer.id, timer.due, effect.job))
-            for timer_id in effect.cancelled_timers:
-                self._armed.pop(timer_id, None)
-            commands.extend(effect.commands)
-        for command in commands:
-            self.world.execute(command)
+        if recorder.commands:
+            commands, recorder.commands = recorder.commands, []
+            for command in commands:
+                self.world.execute(command)
         self._relabel()
-
-    def _firer(self, timer_id: str, due: int, job: str) -> Callable[[], None]:
-        def fire() -> None:
-            armed = self._armed.get(timer_id)
-            if armed is None or armed[0] != due:
-                return  # cancelled, or a period already fired
-            every = armed[1]
-            if every is None:
-                del self._armed[timer_id]
-            else:
-                self._armed[timer_id] = (due + every, every)
-                self.at(due + every, self._firer(timer_id, due + every, job))
-            self.world.job_event("timer.fired", {"timer_id": timer_id, "due": due}, source="timers")
-        return fire
 
     def _observe(self, decision: Decision) -> None:
         kind = decision.kind
@@ -153,10 +155,25 @@ class Simulator:
         self._relabel()
         for fault in self.faults:
             self.at(EPOCH + fault.at_ns, partial(self._inject, fault))
-        while self._heap and self._heap[0][0] <= self.end:
-            when, _, action = heapq.heappop(self._heap)
-            self._now = when
-            action()
+        heap, timers, end = self._heap, self.timers, self.end
+        while True:
+            timer = timers.peek()
+            if heap and (timer is None or heap[0][0] < timer[0] or (heap[0][0] == timer[0] and heap[0][1] < timer[1])):
+                if heap[0][0] > end:
+                    break
+                when, _, action = heapq.heappop(heap)
+                self._now = when
+                action()
+            elif timer is not None:
+                if timer[0] > end:
+                    break
+                self._now = max(self._now, timer[0])
+                firing = timers.take()
+                if firing is not None:  # else cancelled, or a period already fired
+                    self.world.job_event("timer.fired", {"timer_id": firing.timer_id, "due": firing.due},
+                                         source="timers")
+            else:
+                break
             self._relabel()
             if self.world.failed:
                 break

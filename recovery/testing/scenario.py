@@ -9,7 +9,6 @@ and `timeline` work on it.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +24,26 @@ from recovery.log import EPOCH, FileLog, MemoryLog
 from recovery.log.recorder import Recorder
 
 
+class _Recording(Recorder):
+    """The scenario's recorder: what it records, the scenario also keeps, to be read back by the test."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__(scenario.log, scenario.engine)
+        self.scenario = scenario
+
+    def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        super().decided(decision, subject, envelope, data)
+        self.scenario.decisions.append(decision)
+        self.scenario._counter += len(decision.timers)  # the ids it makes count timers as well, as they always did
+
+    def commanded(self, command: CommandBase, decision: Decision) -> None:
+        self.scenario.commands[command.id] = command
+
+    def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        super().rejected(rejection, subject, envelope, data)
+        self.scenario.rejections.append(rejection)
+
+
 class Scenario:
     def __init__(self, log: MemoryLog | FileLog | None = None, start_ns: int = EPOCH) -> None:
         self.now = start_ns
@@ -32,13 +51,12 @@ class Scenario:
         if isinstance(self.log, MemoryLog | FileLog):
             self.log._clock = self._clock
         self.engine = Engine()
-        self.recorder = Recorder(self.log, self.engine)
         self.decisions: list[Decision] = []
         self.rejections: list[Rejection] = []
         self.commands: dict[str, CommandBase] = {}
         self._counter = 0
-        self._due: list[tuple[int, int, str, str]] = []  # (due, order, timer id, job)
-        self._armed: dict[str, tuple[int, int | None]] = {}
+        self.recorder = _Recording(self)
+        self.timers = self.recorder.timers
 
     def _clock(self) -> int:
         return self.now
@@ -49,21 +67,7 @@ class Scenario:
 
     # -- sending ----------------------------------------------------------------------------------------
     def send(self, subject: str, payload: EnvelopeBase | bytes) -> list[Effect]:
-        effects = self.recorder.feed(subject, payload)
-        for effect in effects:
-            if isinstance(effect, Decision):
-                self.decisions.append(effect)
-                for command in effect.commands:
-                    self.commands[command.id] = command
-                for timer in effect.timers:
-                    self._armed[timer.id] = (timer.due, timer.every)
-                    heapq.heappush(self._due, (timer.due, len(self._due) + self._counter, timer.id, effect.job))
-                    self._counter += 1
-                for timer_id in effect.cancelled_timers:
-                    self._armed.pop(timer_id, None)
-            else:
-                self.rejections.append(effect)
-        return effects
+        return self.recorder.feed(subject, payload)
 
     def job_event(self, job: str, type_: str, event_id: str | None = None, **data: Any) -> list[Effect]:
         envelope = make_envelope(type_, data, id=event_id or self._id(type_), job=job, source="scenario")
@@ -160,20 +164,15 @@ class Scenario:
 
     def run_until(self, end: int) -> list[Effect]:
         effects: list[Effect] = []
-        while self._due and self._due[0][0] <= end:
-            due, _, timer_id, job = heapq.heappop(self._due)
-            armed = self._armed.get(timer_id)
-            if armed is None or armed[0] != due:
+        timers = self.timers
+        while (next_at := timers.next_at()) is not None and next_at <= end:
+            firing = timers.take()
+            if firing is None:
                 continue  # cancelled, or a period already fired
-            self.now = max(self.now, due)
-            every = armed[1]
-            if every is None:
-                del self._armed[timer_id]
-            else:
-                self._armed[timer_id] = (due + every, every)
-                heapq.heappush(self._due, (due + every, self._counter, timer_id, job))
-                self._counter += 1
-            effects += self.job_event(job, "timer.fired", timer_id=timer_id, due=due)
+            self.now = max(self.now, firing.due)
+            if firing.every is not None:
+                self._counter += 1  # a periodic timer is armed again: counted in the ids, as it always was
+            effects += self.job_event(firing.job, "timer.fired", timer_id=firing.timer_id, due=firing.due)
         self.now = max(self.now, end)
         return effects
 

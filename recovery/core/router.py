@@ -1,0 +1,70 @@
+"""The one driver loop step, written once: apply a record to the engine and send each of its effects where it goes.
+
+Whatever drives the engine (the daemon's processor, the `Recorder` and through it `recovery.testing.Scenario` and
+the simulator) is an `EffectRouter`: decisions go to be recorded or published, their commands to the executors,
+their timer requests and cancellations into one `TimerTable`, rejections to the dead letters. A driver says what
+"goes" means by overriding `decided`, `commanded` and `rejected`; the timers are kept here, the same for all.
+Pure: no clock, no I/O; the driver decides when a timer is due and how its `timer.fired` event travels.
+"""
+
+from __future__ import annotations
+
+from events.commands import Command
+from events.envelope import EnvelopeBase, RawRecord, Record
+from events.outputs import Decision, Rejection
+from recovery.core.effects import Encoded, apply_encoded
+from recovery.core.engine import Engine
+from recovery.core.timers import TimerTable
+
+TIMER_FIRED = "timer.fired"
+
+
+class EffectRouter:
+    """Applies input records to `engine` and routes their effects; keeps `timers` as the engine keeps its own.
+
+    For each decision, in order: `commanded` for each of its commands, its cancelled timers out of the table, its
+    requested timers into it, then `decided`. For a rejection, `rejected`. The hooks do nothing here."""
+
+    def __init__(self, engine: Engine | None = None, timers: TimerTable | None = None) -> None:
+        self.engine = engine if engine is not None else Engine()
+        self.timers = timers if timers is not None else TimerTable()
+
+    def apply(self, record: Record | RawRecord) -> list[Encoded]:
+        """Apply one input record and route its effects; they come back encoded as they are written into a log
+        (a record whose effects cannot be encoded is revoked: `recovery.core.effects.apply_encoded`)."""
+        encoded = apply_encoded(self.engine, record)
+        if encoded or (type(record) is Record and record.envelope.type == TIMER_FIRED):
+            self.route(record, encoded)  # most records have no effects: heartbeats and steps
+        return encoded
+
+    def route(self, record: Record | RawRecord, encoded: list[Encoded]) -> None:
+        """Route the effects the engine made of `record` (for a driver that applies records itself)."""
+        # A rejected firing changed nothing in the engine, so it changes nothing here either.
+        if (type(record) is Record and record.envelope.type == TIMER_FIRED
+                and not (encoded and type(encoded[0][0]) is Rejection)):
+            data = record.envelope.data
+            self.timers.fired(data.timer_id, record.envelope.job or "", data.due, record.ts)
+        if not encoded:
+            return  # most records: heartbeats and steps
+        timers = self.timers
+        for effect, subject, envelope, data in encoded:
+            if type(effect) is Decision:
+                for command in effect.commands:
+                    self.commanded(command, effect)
+                for timer_id in effect.cancelled_timers:
+                    timers.cancel(timer_id)
+                for timer in effect.timers:
+                    timers.arm(timer.id, effect.job, timer.due, timer.every)
+                self.decided(effect, subject, envelope, data)
+            else:
+                self.rejected(effect, subject, envelope, data)  # type: ignore[arg-type]
+
+    # -- where effects go: what a driver overrides -------------------------------------------------------
+    def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        """A decision, with the subject, envelope and bytes it is written under."""
+
+    def commanded(self, command: Command, decision: Decision) -> None:
+        """A command of `decision`, for the executors (before the decision itself is routed)."""
+
+    def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        """A rejected input, for the dead letters."""

@@ -1,0 +1,138 @@
+"""The daemon's processor: a batch of input deliveries in, the messages to publish out. No I/O.
+
+Each delivery is applied to the engine in stream order through the `EffectRouter`; commands go to
+`recovery.cmd.<node>.<job>.<kind>` in the command stream (a copy for each node the command concerns), decisions
+to `recovery.dec.<job>` and dead letters to `recovery.dlq.<reason>` in the log, each with its deterministic id as
+`Nats-Msg-Id`. Effects a restart found already stored (`skip_ids`) are routed but not published again. The daemon
+publishes what comes out, waits for JetStream to acknowledge it, and only then acknowledges the inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import orjson
+
+from events import subjects
+from events.commands import Command
+from events.envelope import EnvelopeBase, RawRecord, Record
+from events.outputs import Decision, Rejection
+from recovery.core.addressing import command_nodes
+from recovery.core.engine import Effect, Engine
+from recovery.core.router import EffectRouter
+from recovery.core.timers import TimerTable
+from recovery.log import to_record
+from recovery.service.consumer import Delivery
+from recovery.service.publisher import Outgoing
+
+logger = logging.getLogger("recovery.daemon")
+
+CTL_SOURCE = "recovery-ctl"
+RECENT = 1024
+"""how many control requests' effects are kept for their answers"""
+
+Listener = Callable[[Record | RawRecord, list[Effect]], None]
+
+
+@dataclass(slots=True)
+class Processed:
+    """What one batch made: the messages to publish and what the metrics count."""
+
+    out: list[Outgoing] = field(default_factory=list)
+    applied: int = 0
+    last: Delivery | None = None
+    timed: list[int] = field(default_factory=list)
+    """log times of the inputs that had effects: their decision latency is measured once published"""
+    types: Counter[str] = field(default_factory=Counter)
+    decisions: Counter[str] = field(default_factory=Counter)
+    rejections: Counter[str] = field(default_factory=Counter)
+    commands: Counter[str] = field(default_factory=Counter)
+
+
+class Processor(EffectRouter):
+    """Applies batches of deliveries to the engine and turns their effects into messages to publish."""
+
+    def __init__(self, engine: Engine | None = None, timers: TimerTable | None = None) -> None:
+        super().__init__(engine, timers)
+        self.skip_ids: set[str] = set()
+        """ids of effects stored before a restart, found by scanning the streams: routed, not published again"""
+        self.recent: OrderedDict[int, list[Effect]] = OrderedDict()
+        """the effects of the control service's inputs, by sequence, for its answers"""
+        self.listeners: list[Listener] = []
+        self._batch = Processed()
+
+    def process(self, batch: list[Delivery], observe: Callable[[int], None] | None = None) -> Processed:
+        """Apply `batch` (deliveries already applied are skipped) and say what to publish; `observe` is given each
+        delivery's log time (the timer service's server clock)."""
+        engine = self.engine
+        self._batch = done = Processed()
+        types = done.types
+        recent, listeners = self.recent, self.listeners
+        for d in batch:
+            done.last = d
+            if observe is not None:
+                observe(d.ts)
+            if d.seq <= engine.last_seq:
+                continue
+            record = to_record(d.seq, d.ts, d.subject, d.headers or {}, d.data)
+            encoded = self.apply(record)  # a record whose effects cannot be written is revoked
+            done.applied += 1
+            is_record = type(record) is Record
+            types[record.envelope.type if is_record else "undecodable"] += 1  # type: ignore[union-attr]
+            if encoded:
+                done.timed.append(d.ts)
+            from_ctl = is_record and record.envelope.source == CTL_SOURCE  # type: ignore[union-attr]
+            if from_ctl or listeners:
+                effects = [effect for effect, _, _, _ in encoded]
+                if from_ctl:
+                    recent[d.seq] = effects
+                    while len(recent) > RECENT:
+                        recent.popitem(last=False)
+                for listener in listeners:
+                    listener(record, effects)
+        return done
+
+    def published(self, out: list[Outgoing]) -> None:
+        """`out` is stored: a later restart's scan finds it, this run needs not remember it."""
+        if self.skip_ids:
+            self.skip_ids.difference_update(o.msg_id for o in out)
+
+    # -- where effects go ---------------------------------------------------------------------------------
+    def commanded(self, command: Command, decision: Decision) -> None:
+        self._batch.commands[command.kind] += 1
+        self._batch.out.extend(o for o in addressed(self.engine, command) if o.msg_id not in self.skip_ids)
+
+    def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        self._batch.decisions[decision.kind] += 1
+        if envelope.id not in self.skip_ids:
+            self._batch.out.append(Outgoing(subject, data, envelope.id, "decision"))
+
+    def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        self._batch.rejections[rejection.code] += 1
+        logger.info("rejected", extra={"fields": {"seq": rejection.seq, "subject": rejection.subject,
+                                                  "code": rejection.code, "reason": rejection.reason,
+                                                  "event_id": rejection.event_id}})
+        if envelope.id not in self.skip_ids:
+            self._batch.out.append(Outgoing(subject, data, envelope.id, "rejection"))
+
+
+def addressed(engine: Engine, command: Command) -> list[Outgoing]:
+    """One copy of `command` per node it concerns, on that node's command subject, each with its own message id
+    (the job's placement is the engine's after the record that decided the command)."""
+    job = engine.jobs.get(command.job)
+    job_nodes = job.nodes if job is not None else []
+
+    def node_of(rank: int) -> str:
+        if job is None or not 0 <= rank // job.rpn < len(job.nodes):
+            return ""
+        return job.node_of(rank)
+
+    data = orjson.dumps(command.model_dump(mode="json"))
+    nodes = [node for node in command_nodes(command, node_of, job_nodes) if node]
+    if not nodes:
+        logger.warning("command concerns no node", extra={"fields": {"command": command.id, "kind": command.kind}})
+    return [Outgoing(subjects.command(node, command.job, command.kind), data, subjects.command_msg_id(command.id, node),
+                     "command") for node in nodes]

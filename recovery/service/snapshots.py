@@ -1,0 +1,258 @@
+"""Engine snapshots for the daemon: captured at a batch boundary, packed (zlib, sha256) and kept in a KV bucket.
+
+Pickling thousands of jobs takes tens of milliseconds or more, so a running daemon captures its state in a forked
+child (copy-on-write: the state as of the fork) that pickles, compresses and hashes it while the loop goes on
+deciding. A child forked from a process that runs threads inherits their locks in whatever state they were: so the
+daemon forks only while it runs no thread but its own (it starts none; a host name lookup borrows one for a moment),
+and otherwise, like a platform without fork, it pickles in the loop and packs in slices between other work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import signal
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import nats.js.errors
+import orjson
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from recovery.core.engine import Engine
+from recovery.log.snapshot import dump_snapshot
+
+logger = logging.getLogger("recovery.daemon")
+
+SNAPSHOT_FORMAT = 2  # of the KV layout (manifest and chunks); the engine's blob has its own
+SLICE = 1 << 20
+"""bytes compressed or hashed between two looks at the event loop, when packing in the loop"""
+_HEADER = struct.Struct("!Q32s")  # what a child writes before the packed body: the blob's length, its sha256
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A snapshot as stored: the engine's blob compressed, the sha256 of what is stored, and the blob's length."""
+
+    body: bytes
+    sha256: str
+    blob_bytes: int
+
+
+def pack_now(blob: bytes) -> Packed:
+    body = zlib.compress(blob, 1)
+    return Packed(body, hashlib.sha256(body).hexdigest(), len(blob))
+
+
+async def pack(blob: bytes) -> Packed:
+    """`pack_now`, a slice at a time, letting the loop run between slices."""
+    compressor = zlib.compressobj(1)
+    parts = []
+    for start in range(0, len(blob), SLICE):
+        parts.append(compressor.compress(blob[start:start + SLICE]))
+        await anyio.lowlevel.checkpoint()
+    parts.append(compressor.flush())
+    body = b"".join(parts)
+    digest = hashlib.sha256()
+    for start in range(0, len(body), SLICE):
+        digest.update(body[start:start + SLICE])
+        await anyio.lowlevel.checkpoint()
+    return Packed(body, digest.hexdigest(), len(blob))
+
+
+def threads_running() -> int:
+    """The threads of this process, those no Python code started included (Linux), else Python's own."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """The engine's state as of one batch boundary (input `seq`, log time `ts`), on its way to the bucket: in a
+    forked child (`child`: its pid and the read end of its pipe), or pickled already (`blob`)."""
+
+    seq: int
+    ts: int
+    blob: bytes = b""
+    child: tuple[int, int] | None = None
+    blocked_s: float = 0.0
+    """how long capturing held the loop"""
+
+    @property
+    def forked(self) -> bool:
+        return self.child is not None
+
+
+def capture(engine: Engine, seq: int, ts: int, fork: bool) -> Capture:
+    """Capture the engine's state now: in a forked child if `fork` and this process runs no other thread, else
+    pickled here."""
+    started = time.monotonic()
+    if fork and hasattr(os, "fork") and threads_running() == 1:
+        try:
+            child = _fork_pack(engine)
+        except OSError:
+            logger.warning("fork failed: snapshot pickled in the loop", exc_info=True)
+        else:
+            return Capture(seq, ts, child=child, blocked_s=time.monotonic() - started)
+    blob = dump_snapshot(engine)
+    return Capture(seq, ts, blob=blob, blocked_s=time.monotonic() - started)
+
+
+async def packed(captured: Capture) -> Packed:
+    """The captured state, packed: read from the child's pipe as the loop goes on, or packed here in slices."""
+    if captured.child is None:
+        return await pack(captured.blob)
+    pid, read_fd = captured.child
+    chunks = []
+    try:
+        os.set_blocking(read_fd, False)
+        while True:
+            await anyio.wait_readable(read_fd)
+            try:
+                chunk = os.read(read_fd, SLICE)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+        status = _reap(pid)
+    if status != 0:
+        raise RuntimeError(f"snapshot child exited with status {status}")
+    data = b"".join(chunks)
+    blob_bytes, digest = _HEADER.unpack_from(data)
+    return Packed(data[_HEADER.size:], digest.hex(), blob_bytes)
+
+
+def _fork_pack(engine: Engine) -> tuple[int, int]:
+    """Fork a child that writes the packed `dump_snapshot(engine)` to a pipe and exits; (pid, read end)."""
+    import fcntl  # POSIX, as fork is
+
+    read_fd, write_fd = os.pipe()
+    if hasattr(fcntl, "F_SETPIPE_SZ"):
+        with contextlib.suppress(OSError):  # fewer, larger reads for the loop; the default pipe holds 64 KiB
+            fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, SLICE)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: pack, write, leave without running any cleanup of the parent's
+        code = 1
+        try:
+            os.close(read_fd)
+            done = pack_now(dump_snapshot(engine))
+            view = memoryview(_HEADER.pack(done.blob_bytes, bytes.fromhex(done.sha256)) + done.body)
+            while view:
+                view = view[os.write(write_fd, view):]
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    return pid, read_fd
+
+
+def _reap(pid: int) -> int:
+    """The child's exit status. It has closed its end of the pipe by exiting, so this does not wait for long; a
+    child still running (the pipe was closed early by a cancellation) is stopped first."""
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done == 0:
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    return status
+
+
+class SnapshotStore:
+    """Engine snapshots in a KV bucket: the value is split into chunks (a snapshot of thousands of jobs is
+    far above NATS's max_payload) under `<partition>.<slot>.<n>`, then the manifest `<partition>` names the
+    slot, the chunk count and their checksum. Snapshots alternate between slots `a` and `b` and the manifest is
+    written last, so a crash mid-write leaves the previous snapshot intact and in force, and the bucket (one
+    revision per key) stays bounded: two snapshots' chunks and a manifest."""
+
+    def __init__(self, js: JetStreamContext, bucket: str, partition: str, chunk_bytes: int, replicas: int) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.partition = partition
+        self.chunk_bytes = chunk_bytes
+        self.replicas = replicas
+        self._kv: KeyValue | None = None
+
+    async def ensure(self) -> None:
+        try:
+            self._kv = await self.js.key_value(self.bucket)
+        except nats.js.errors.BucketNotFoundError:
+            self._kv = await self.js.create_key_value(KeyValueConfig(
+                bucket=self.bucket, history=1, storage=StorageType.FILE, replicas=self.replicas,
+                description="recovery-daemon engine snapshots"))
+
+    @property
+    def kv(self) -> KeyValue:
+        assert self._kv is not None, "ensure() first"
+        return self._kv
+
+    async def manifest(self) -> dict[str, Any] | None:
+        try:
+            entry = await self.kv.get(self.partition)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        if not entry.value:
+            return None
+        try:
+            manifest: dict[str, Any] = orjson.loads(entry.value)
+        except orjson.JSONDecodeError:
+            return None
+        return manifest if manifest.get("format") == SNAPSHOT_FORMAT else None
+
+    async def load(self) -> tuple[bytes, dict[str, Any]] | None:
+        manifest = await self.manifest()
+        if manifest is None:
+            return None
+        try:
+            return await self._load(manifest)
+        except (KeyError, TypeError, ValueError, zlib.error) as exc:  # a damaged manifest: no snapshot, never a crash
+            logger.warning("unreadable snapshot: ignoring it", extra={"fields": {"error": repr(exc)}})
+            return None
+
+    async def _load(self, manifest: dict[str, Any]) -> tuple[bytes, dict[str, Any]] | None:
+        parts = []
+        for n in range(int(manifest["chunks"])):
+            try:
+                entry = await self.kv.get(f"{self.partition}.{manifest['slot']}.{n}")
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                logger.warning("snapshot chunk missing: ignoring the snapshot",
+                               extra={"fields": {"id": manifest["id"], "n": n}})
+                return None
+            parts.append(entry.value or b"")
+        body = b"".join(parts)
+        if hashlib.sha256(body).hexdigest() != manifest["sha256"]:
+            logger.warning("snapshot checksum mismatch: ignoring the snapshot",
+                           extra={"fields": {"id": manifest["id"]}})
+            return None
+        if manifest.get("compression") == "zlib":
+            body = zlib.decompress(body)
+        return body, manifest
+
+    async def save(self, snapshot: bytes | Packed, seq: int, ts: int) -> dict[str, Any]:
+        """Store a snapshot (the engine's blob, or packed already) covering the inputs up to `seq`."""
+        done = snapshot if isinstance(snapshot, Packed) else await pack(snapshot)
+        previous = await self.manifest()
+        slot = "b" if previous is not None and previous.get("slot") == "a" else "a"
+        body = done.body
+        chunks = [body[i:i + self.chunk_bytes] for i in range(0, len(body), self.chunk_bytes)] or [b""]
+        for n, chunk in enumerate(chunks):
+            await self.kv.put(f"{self.partition}.{slot}.{n}", chunk)
+        manifest = {"format": SNAPSHOT_FORMAT, "id": f"{seq}-{secrets.token_hex(4)}", "slot": slot, "seq": seq,
+                    "ts": ts, "chunks": len(chunks), "bytes": done.blob_bytes, "stored_bytes": len(body),
+                    "compression": "zlib", "sha256": done.sha256, "written_ns": time.time_ns(), "pid": os.getpid()}
+        await self.kv.put(self.partition, orjson.dumps(manifest))
+        return manifest

@@ -1,0 +1,112 @@
+"""The daemon's timer service: the engine's timers fired as `timer.fired` events on the wall clock.
+
+The processor's `TimerTable` (kept by the effect router, as every driver's is) says what is armed and when; this
+service is the only place wall time enters. It fires each timer when the server's clock reaches its due time, with
+the id `timer:<timer id>:<due>` (so that a re-fire after a crash is a duplicate), and the engine sees the firing as
+an input record with the log's own timestamp.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+from recovery.core.router import EffectRouter
+from recovery.core.timers import Firing
+
+MAX_SLEEP_S = 1.0
+"""the longest the service sleeps without looking at its table again"""
+
+
+class ServerClock:
+    """The NATS server's clock, as seen from here: the local clock plus an offset estimated from the log's own
+    timestamps. A timer's due time is server time (the log time of the decision that asked for it); firing it on
+    a local clock that runs 5 s fast would confirm a link debounce 5 s early. Each live delivery gives
+    `server_ts - local_now` = skew - transit; the largest in a recent window has the least transit in it. Only
+    deliveries read once caught up count: a replayed backlog's timestamps are old, not skewed."""
+
+    LIMIT_NS = 60 * 1_000_000_000
+    """offsets are clamped to this: a larger skew is a misconfigured host, and a backlog delivered after an
+    outage must not hold every timer back by its age"""
+
+    def __init__(self, window: int = 512, local: Callable[[], int] = time.time_ns) -> None:
+        self._samples: deque[int] = deque(maxlen=window)
+        self._local = local
+        self._best: int | None = None
+        self.offset_ns = 0
+
+    def observe(self, server_ts: int) -> None:
+        samples = self._samples
+        dropped = samples[0] if len(samples) == samples.maxlen else None
+        sample = server_ts - self._local()
+        samples.append(sample)
+        if self._best is None or sample >= self._best:
+            self._best = sample
+        elif dropped == self._best:
+            self._best = max(samples)  # the largest sample left the window: look again
+        self.offset_ns = max(-self.LIMIT_NS, min(self.LIMIT_NS, self._best))
+
+    def __call__(self) -> int:
+        return self._local() + self.offset_ns
+
+
+class TimerService:
+    """Fires the timers of `router`'s table when `clock` reaches their due time, through `fire` (which publishes
+    them and, if it cannot, puts them back with `TimerTable.retry`). The engine's own table is the truth at firing
+    time: a timer it no longer holds at that due is not fired, and the table follows the engine."""
+
+    def __init__(self, router: EffectRouter, fire: Callable[[list[Firing]], Awaitable[None]],
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        self._router = router
+        self._fire = fire
+        self._clock = clock
+        self._wake: anyio.Event | None = None  # set to look at the table again before the sleep is over
+        self._asleep_until: int | None = None  # due time the service sleeps towards, while it sleeps
+
+    def due(self, now: int) -> list[Firing]:
+        """Take the timers due at `now` that the engine still holds at their due time."""
+        table, engine_timers = self._router.timers, self._router.engine.timers
+        out = []
+        for firing in table.due(now):
+            entry = engine_timers.get(firing.timer_id)
+            if entry is not None and entry[1] == firing.due:
+                out.append(firing)
+            elif entry is None:
+                table.cancel(firing.timer_id)
+            else:
+                table.arm(firing.timer_id, *entry)  # moved by a firing the table has not seen: follow the engine
+        return out
+
+    def reschedule(self) -> None:
+        """Look at the table again now if a timer due before the one the service sleeps towards was armed."""
+        asleep_until = self._asleep_until
+        if asleep_until is not None and self._wake is not None:
+            next_at = self._router.timers.next_at()
+            if next_at is not None and next_at < asleep_until:
+                self._wake.set()
+
+    def describe(self) -> dict[str, object]:
+        return self._router.timers.describe()
+
+    async def run(self) -> None:
+        """Fire timers as they fall due, until cancelled."""
+        table = self._router.timers
+        while True:
+            now = self._clock()
+            fired = self.due(now)
+            if fired:
+                await self._fire(fired)
+                continue
+            next_at = table.next_at()
+            if next_at is None:
+                wait, self._asleep_until = MAX_SLEEP_S, now + int(MAX_SLEEP_S * 1e9)
+            else:
+                wait = min(max((next_at - now) / 1e9, 0.0), MAX_SLEEP_S)
+                self._asleep_until = min(next_at, now + int(MAX_SLEEP_S * 1e9))
+            self._wake = wake = anyio.Event()
+            with anyio.move_on_after(wait):
+                await wake.wait()
+            self._asleep_until = None

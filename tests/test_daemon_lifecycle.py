@@ -1,0 +1,151 @@
+"""The daemon's parts in one anyio task group: a part that fails, or a SIGTERM, stops every part in order, and no
+task of the daemon outlives it; the embedded server starts with no Python code between fork and exec; a snapshot
+forks only from a process that runs no other thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from recovery.log.nats_server import NatsProcess
+from recovery.service import config as config_mod
+from recovery.service.daemon import Daemon, DaemonFailed, run
+from recovery.service.embedded import EmbeddedNats
+from recovery.service.snapshots import capture
+from recovery.service.timers import TimerService
+from recovery.testing import NatsServer, Scenario
+from tests.daemon_support import ROOT, async_wait_for
+
+STOP_ORDER = ["processor", "lease", "control", "snapshots", "http"]
+"""after the companion and the timer service: what stops once the batch under way is done, HTTP last"""
+
+
+def stopped_parts(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.fields["part"] for r in caplog.records if r.getMessage() == "part stopped"]  # type: ignore[attr-defined]
+
+
+def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "recovery.daemon"]
+
+
+async def test_a_failing_part_stops_every_part_in_order_and_no_task_outlives_the_daemon(
+        nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    broken = RuntimeError("the clock went backwards")
+
+    def due(self: TimerService, now: int) -> list[object]:
+        raise broken
+
+    monkeypatch.setattr(TimerService, "due", due)
+    caplog.set_level(logging.INFO)
+    daemon = Daemon(config_mod.load(nats_url=nats_server.url, http_port=0, data_dir=tmp_path / "d",
+                                    timers_enabled=True, lease_ttl_s=2))
+    before = asyncio.all_tasks()
+    with pytest.raises(DaemonFailed) as failed, anyio.fail_after(30):
+        await daemon.run()
+    assert failed.value.__cause__ is broken and daemon.failed
+    assert stopped_parts(caplog) == ["timers", *STOP_ORDER]
+    said = messages(caplog)
+    assert said.index("timers failed: stopping") < said.index("lease released") < said.index("stopped")
+    assert asyncio.all_tasks() - before == set(), "a task of the daemon outlived it"
+    assert daemon.nc is not None and daemon.nc.is_closed
+    assert not daemon.readiness()[0]
+
+
+async def test_sigterm_stops_every_part_in_order(nats_server: NatsServer, tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    cfg = config_mod.load(nats_url=nats_server.url, http_port=0, data_dir=tmp_path / "d", timers_enabled=True,
+                          lease_ttl_s=2)
+
+    @contextlib.asynccontextmanager
+    async def terminate(daemon: Daemon) -> AsyncIterator[None]:
+        await async_wait_for(lambda: daemon.readiness()[0], 10, "the daemon to be ready")
+        os.kill(os.getpid(), signal.SIGTERM)
+        yield
+
+    before = asyncio.all_tasks()
+    with anyio.fail_after(30):
+        assert await run(cfg, terminate) == 0
+    assert stopped_parts(caplog) == ["companion", "timers", *STOP_ORDER]
+    assert "lease released" in messages(caplog)
+    assert asyncio.all_tasks() - before == set(), "a task of the daemon outlived it"
+
+
+async def test_a_stop_while_standing_by_ends_the_wait_and_every_part(nats_server: NatsServer, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+
+    def load(instance: str) -> config_mod.DaemonConfig:
+        return config_mod.load(nats_url=nats_server.url, http_port=0, data_dir=tmp_path / instance,
+                               instance=instance, lease_ttl_s=5)
+
+    active, standby = Daemon(load("a")), Daemon(load("b"))
+    before = asyncio.all_tasks()
+    async with active.running():
+        async with anyio.create_task_group() as group:
+            group.start_soon(standby.run)
+            await async_wait_for(lambda: standby.role == "standby", 10, "the second daemon to stand by")
+            started = time.monotonic()
+            standby.request_stop()
+        assert time.monotonic() - started < 2
+        assert standby.role == "standby" and active.role == "active"
+    assert asyncio.all_tasks() - before == set()
+
+
+def test_the_embedded_server_is_started_without_python_between_fork_and_exec(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path, port=0)
+    assert server._popen_options() == {"start_new_session": True}  # no preexec_fn
+    command = server.command()
+    if sys.platform.startswith("linux"):  # a shim sets the parent-death signal, then execs the server
+        assert command[:4] == [sys.executable, "-I", "-S", "-c"] and command[5] == str(os.getpid())
+        assert command[6:] == NatsProcess.command(server)
+
+
+def test_a_snapshot_forks_only_while_the_process_runs_no_other_thread() -> None:
+    s = Scenario()
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4)
+    s.train("j", 3)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        captured = capture(s.engine, s.engine.last_seq, s.now, fork=True)
+    finally:
+        release.set()
+        other.join()
+    assert not captured.forked and captured.blob
+
+
+def test_a_snapshot_of_a_single_threaded_process_is_packed_in_a_forked_child() -> None:
+    script = textwrap.dedent("""
+        import anyio
+        from recovery.log.snapshot import dump_snapshot
+        from recovery.service.snapshots import capture, pack_now, packed
+        from recovery.testing import Scenario
+
+        s = Scenario()
+        s.submit("j", ["a", "b"], ranks_per_node=2, dp=4)
+        s.train("j", 3)
+        captured = capture(s.engine, s.engine.last_seq, s.now, fork=True)
+        assert captured.forked, "a process with one thread forks"
+        got = anyio.run(packed, captured)
+        want = pack_now(dump_snapshot(s.engine))
+        assert (got.body, got.sha256, got.blob_bytes) == (want.body, want.sha256, want.blob_bytes)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr

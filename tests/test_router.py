@@ -1,0 +1,113 @@
+"""The one driver loop: the effect router and its timer table, which the daemon, the Recorder (and through it
+Scenario and the simulator) share."""
+
+from __future__ import annotations
+
+from events import subjects
+from events.commands import Command
+from events.envelope import EnvelopeBase, make_envelope
+from events.outputs import Decision, Rejection
+from policies.base import NS
+from recovery.core.engine import Engine
+from recovery.core.router import EffectRouter
+from recovery.core.timers import Firing, TimerTable, next_due
+from recovery.log import MemoryLog, Recorder
+from recovery.sim import Simulator
+from recovery.testing import Scenario
+from tests.test_sim import config
+
+
+def test_timers_due_together_come_out_in_the_order_they_were_armed() -> None:
+    table = TimerTable()
+    table.arm("b", "j", 10)
+    table.arm("a", "j", 10)
+    table.arm("c", "j", 5)
+    assert table.due(9) == [Firing("c", "j", 5)]
+    assert table.due(10) == [Firing("b", "j", 10), Firing("a", "j", 10)]
+    assert table.due(100) == []
+
+
+def test_a_cancelled_timer_is_not_taken_and_a_taken_one_not_twice() -> None:
+    table = TimerTable()
+    table.arm("a", "j", 10)
+    table.arm("b", "j", 10)
+    table.cancel("a")
+    assert table.due(10) == [Firing("b", "j", 10)]
+    assert "b" in table  # taken, not forgotten: the engine still holds it until its firing is applied
+    assert table.due(10) == []
+    table.retry(Firing("b", "j", 10))  # the event was not delivered
+    assert table.due(10) == [Firing("b", "j", 10)]
+    table.fired("b", "j", 10, 11)
+    assert "b" not in table and len(table) == 0
+
+
+def test_a_periodic_timer_moves_as_the_engine_moves_it() -> None:
+    table = TimerTable()
+    table.arm("w", "j", 10 * NS, every=10 * NS)
+    [firing] = table.due(10 * NS)
+    assert firing.every == 10 * NS
+    table.fired("w", "j", 10 * NS, 3_605 * NS)  # applied an hour late: the first period after, not a burst
+    assert table.get("w") == ("j", next_due(10 * NS, 10 * NS, 3_605 * NS), 10 * NS) == ("j", 3_610 * NS, 10 * NS)
+    table.fired("w", "j", 20 * NS, 3_606 * NS)  # a stale period: ignored, as the engine ignores it
+    table.fired("w", "other", 3_610 * NS, 3_610 * NS)  # another job's event naming it: ignored too
+    assert table.get("w") == ("j", 3_610 * NS, 10 * NS)
+    assert table.due(3_609 * NS) == [] and table.due(3_610 * NS) == [Firing("w", "j", 3_610 * NS, 10 * NS)]
+
+
+def test_the_table_keeps_what_the_engine_keeps_through_a_scenario() -> None:
+    s = Scenario()
+    s.spare("s1")
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4, watchdog_interval_s=5)
+    s.train("j", 3)
+    s.job_event("j", "process.exited", rank=1, exit_code=139)
+    s.idle("j", 30)
+    s.ack_all()
+    s.train("j", 12)
+    for timer_id, (job, due, every) in s.engine.timers.items():
+        assert s.timers.get(timer_id) == (job, due, every)
+    assert len(s.timers) == len(s.engine.timers)
+
+
+class Routes(EffectRouter):
+    def __init__(self) -> None:
+        super().__init__(Engine())
+        self.seen: list[str] = []
+
+    def commanded(self, command: Command, decision: Decision) -> None:
+        self.seen.append(f"command {command.kind} of {decision.kind}")
+
+    def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        assert subject == subjects.decision(decision.job) and data
+        self.seen.append(f"decision {decision.kind}")
+
+    def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
+        assert subject == subjects.dead_letter(rejection.code)
+        self.seen.append(f"rejection {rejection.code}")
+
+
+def test_the_router_sends_each_effect_where_it_goes() -> None:
+    routes = Routes()
+    log = MemoryLog()
+    for subject, envelope in [
+        (subjects.job_event("j", "job.submitted"), make_envelope("job.submitted", {"spec": {
+            "nodes": ["a"], "ranks_per_node": 2, "layout": {"dp": 2}, "watchdog_interval_s": 5}}, id="1", job="j")),
+        (subjects.job_event("j", "job.started"), make_envelope("job.started", {}, id="2", job="j")),
+        (subjects.job_event("j", "process.exited"), make_envelope("process.exited", {"rank": 1, "exit_code": 139},
+                                                                  id="3", job="j")),
+        (subjects.job_event("nope", "job.started"), make_envelope("job.started", {}, id="4", job="nope")),
+    ]:
+        record = log.append_sync(subject, envelope).record
+        assert record is not None
+        routes.apply(record)
+    assert routes.seen[:2] == ["decision job.accepted", "decision job.started"]
+    # a command goes to the executors before its decision is recorded
+    assert routes.seen[-3:] == ["command restart_ranks of ranks.rescheduling", "decision ranks.rescheduling",
+                                "rejection unknown_job"]
+    assert dict(routes.timers._timers) == routes.engine.timers  # one table, as the engine's
+
+
+def test_every_driver_fires_timers_from_a_router_table() -> None:
+    assert isinstance(Scenario().recorder, EffectRouter)
+    assert isinstance(Recorder(MemoryLog()), EffectRouter)
+    sim = Simulator(config(days=0.01))
+    assert isinstance(sim.recorder, EffectRouter) and sim.timers is sim.recorder.timers
