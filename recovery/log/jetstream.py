@@ -174,6 +174,10 @@ def surface_async_ack_errors(js: JetStreamContext) -> bool:
 _NUID = NUID()
 
 
+FOLLOW_END = 2**63 - 1
+"""the end of a reader that follows the stream: no sequence reaches it"""
+
+
 class _ReaderLost(Exception):
     """The pull consumer stopped delivering in order (gap, stall, deletion): recreate it."""
 
@@ -194,10 +198,12 @@ def _parse_ack_reply(reply: str) -> tuple[int, int, int, int]:
 class _Reader:
     """One ephemeral pull consumer over [start, end] with pipelined pull requests on one inbox."""
 
-    def __init__(self, owner: JetStreamLog, start: int, end: int) -> None:
+    def __init__(self, owner: JetStreamLog, start: int, end: int, filter_subject: str | None = None) -> None:
         self._owner = owner
         self._start = start
         self._end = end
+        self._filter = filter_subject
+        self._follow = end == FOLLOW_END  # a tail: never exhausted, it waits for the next message
         self._batch = owner.read_batch
         self._inbox = owner.nc.new_inbox()
         self._name = _NUID.next().decode()
@@ -223,10 +229,11 @@ class _Reader:
             mem_storage=True,
             num_replicas=1,
             inactive_threshold=max(self._owner.stall_timeout, 5.0),
+            filter_subject=self._filter,
         )
         info = await self._owner.js.add_consumer(self._owner.stream, config=config)
         self._created = True
-        if info.num_pending == 0:
+        if info.num_pending == 0 and not self._follow:
             self.exhausted = True
             return
         await self._pull()
@@ -254,6 +261,8 @@ class _Reader:
         out: list[Record | RawRecord] = []
         # A healthy server answers every pull within its expiry, with messages or a timeout status.
         idle = 2 * self._owner.pull_expires + 1
+        if self._follow and not self._outstanding:
+            await self._pull()  # a tail asks again after each expired pull
         while not out and not self.exhausted:
             if not self._buffer:
                 self._arrived.clear()
@@ -294,7 +303,7 @@ class _Reader:
             return
         self._highest = sseq
         out.append(to_record(sseq, ts, msg.subject, msg.headers or {}, msg.data))
-        if sseq >= self._end or pending == 0:
+        if sseq >= self._end or (pending == 0 and not self._follow):
             self.exhausted = True
 
     async def close(self) -> None:
@@ -452,6 +461,40 @@ class JetStreamLog:
                     next_seq = record.seq + 1
                 if reader.exhausted:
                     break
+        finally:
+            if reader is not None:
+                self._readers.discard(reader)
+                await reader.close()
+
+    async def follow(self, start_seq: int, filter_subject: str | None = None) -> AsyncIterator[Record | RawRecord]:
+        """Every record from `start_seq` on (those on `filter_subject` only, when given), in order, waiting for new
+        ones forever: the same reader as `read`, re-created at the next sequence it needs after an outage."""
+        next_seq = max(start_seq, 1)
+        reader: _Reader | None = None
+        delay = 0.05
+        try:
+            while True:
+                try:
+                    if reader is None:
+                        reader = _Reader(self, next_seq, FOLLOW_END, filter_subject)
+                        self._readers.add(reader)
+                        await reader.open()
+                    batch = await reader.next_batch()
+                except (_ReaderLost, *_TRANSIENT) as exc:  # type: ignore[misc]  # mypy cannot see a starred tuple
+                    if reader is not None:
+                        self._readers.discard(reader)
+                        await reader.close()
+                        reader = None
+                    logger.warning("following %s at %d: %s; resuming", self.stream, next_seq, exc)
+                    await asyncio.sleep(delay)  # retry backoff during an outage
+                    delay = min(delay * 2, 1.0)
+                    continue
+                delay = 0.05
+                for record in batch:
+                    if record.seq < next_seq:
+                        continue
+                    yield record
+                    next_seq = record.seq + 1
         finally:
             if reader is not None:
                 self._readers.discard(reader)
