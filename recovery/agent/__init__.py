@@ -9,4 +9,5 @@ wait status), and carries out the commands addressed to its node, acknowledging 
 - `ranks.py`: the rank processes: environment, start, signals, wait status.
 - `rendezvous.py`: the rendezvous store process.
 - `agent.py`: the agent itself: jobs, commands, acks.
+- `probes/`: the node's hardware facts: NVIDIA XIDs from the kernel log, links' operstate.
 """

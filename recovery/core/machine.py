@@ -76,7 +76,6 @@ PHASE_MACHINE = Machine(
     model_attribute="phase",
 )
 JOB_DEST = {t["trigger"]: t["dest"] for t in TRANSITIONS}
-PHASE_DEST = {t["trigger"]: t["dest"] for t in PHASE_TRANSITIONS}
 
 
 class HasState(Protocol):

@@ -10,7 +10,6 @@ verifies the sum.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -200,11 +199,3 @@ class Result:
             restarts.add_row(g, *(str(counts.get(o, 0)) for o in outcomes))
         console.print(restarts)
 
-
-def median_of(results: Iterable[Result], key: str) -> float:
-    values = [float(getattr(r, key)) for r in results]
-    values.sort()
-    n = len(values)
-    if not n:
-        return math.nan
-    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2

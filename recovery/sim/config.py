@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from events.values import PolicyRef, PolicySelection, Tier
 
@@ -172,9 +171,6 @@ class Profile:
     name: str
     selection: PolicySelection
     memory_tier: bool = True
-
-    def spec_policies(self) -> dict[str, Any]:
-        return self.selection.model_dump()
 
 
 PROFILES: dict[str, Profile] = {
