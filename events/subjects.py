@@ -67,9 +67,21 @@ def dead_letter(reason_code: str) -> str:
     return f"{PREFIX}.dlq.{reason_code}"
 
 
-def command(target: str, kind: str) -> str:
-    """Commands go to the executor that carries them out: a node's agent or the job's scheduler adapter."""
-    return f"{PREFIX}.cmd.{target}.{kind}"
+def command(node: str, job: str, kind: str) -> str:
+    """A command goes to the agent of each node it concerns, on a subject that starts with that node, so that
+    NATS permissions can confine an agent to its own node's commands (`node_commands`)."""
+    return f"{PREFIX}.cmd.{node}.{job}.{kind}"
+
+
+def node_commands(node: str) -> str:
+    """The filter an agent reads its node's commands with."""
+    return f"{PREFIX}.cmd.{node}.>"
+
+
+def command_msg_id(command_id: str, node: str) -> str:
+    """The `Nats-Msg-Id` of a command's copy for one node: one command reaches several agents, and JetStream
+    would drop every copy after the first if they shared the command's id."""
+    return f"{command_id}@{node}"
 
 
 EVENTS = f"{PREFIX}.ev.>"

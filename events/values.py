@@ -6,7 +6,17 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from annotated_types import Ge, Gt, Le
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StringConstraints, model_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    Strict,
+    StringConstraints,
+    model_serializer,
+    model_validator,
+)
 
 from events.subjects import CONTROL_CHARS, Token
 
@@ -198,6 +208,29 @@ class PolicySelection(Frozen):
     checkpoint: PolicyRef = PolicyRef(name="newest-complete")
 
 
+MAX_ARGS = 1024
+"""arguments of an entrypoint, and variables of its environment"""
+MAX_ARG_LENGTH = 4096
+"""one argument, path or environment value: PATH_MAX on Linux"""
+Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LENGTH, pattern=NO_CONTROL_PATTERN)]
+"""a command-line argument, a path or an environment value: 0..4096 characters, no control character"""
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_LENGTH,
+                                           pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+"""an environment variable's name, as POSIX shells accept it"""
+
+
+class Entrypoint(Frozen):
+    """What a node agent runs for each rank placed on its node, with torchrun's environment added."""
+
+    command: Annotated[Arg, StringConstraints(min_length=1)] = Field(
+        description="the program, a path or a name looked up in the agent's PATH")
+    args: list[Arg] = Field(default_factory=list, max_length=MAX_ARGS)
+    cwd: Arg | None = Field(None, description="working directory; null: the agent's own")
+    env: dict[EnvName, Arg] = Field(default_factory=dict, max_length=MAX_ARGS,
+                                    description="added to the agent's environment, beneath the variables the "
+                                                "agent sets for the rank")
+
+
 class JobSpec(Frozen):
     nodes: list[Token] = Field(min_length=1, description="placement: rank r runs on nodes[r // ranks_per_node]")
     ranks_per_node: Devices
@@ -212,6 +245,16 @@ class JobSpec(Frozen):
     watchdog_interval_s: WatchdogInterval = Field(
         2.0, description=f"how often the engine checks heartbeats: {MIN_WATCHDOG_S:g} s .. {MAX_WATCHDOG_S:g} s "
                          "(10 years; an interval longer than the job runs turns the watchdog off)")
+    entrypoint: Entrypoint | None = Field(None, description="what node agents launch for each rank; null: the "
+                                                            "ranks are started by something else (a scheduler)")
+
+    @model_serializer(mode="wrap")
+    def _without_absent_entrypoint(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A spec without an entrypoint is written as before the field existed, so logs stay byte for byte.
+        data: dict[str, Any] = handler(self)
+        if data.get("entrypoint", ...) is None:
+            del data["entrypoint"]
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

@@ -96,7 +96,9 @@ async def test_sigkill_during_incidents_loses_and_doubles_nothing(seed: int, nat
     commands = await read_stream(nats_server.url, "RECOVERY_CMD")
     command_ids = [r.headers.get(MSG_ID, "") for r in commands]
     assert len(command_ids) == len(set(command_ids)), "a command id was stored twice"
-    assert sorted(command_ids) == sorted(command_count(result))  # every command of a decision, once
+    # every command of a decision, once for each node it concerns, on that node's subject
+    assert sorted({i.rpartition("@")[0] for i in command_ids}) == sorted(command_count(result))
+    assert all(r.subject.startswith(f"recovery.cmd.{r.headers[MSG_ID].rpartition('@')[2]}.") for r in commands)
     assert snapshot is not None
     engine = load_snapshot(snapshot[0])
     assert engine is not None

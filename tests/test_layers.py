@@ -2,6 +2,10 @@
 
     events < policies < recovery.core < recovery.log < recovery.agent < recovery.sim < recovery.service < recovery.cli
 
+`recovery.client`, the SDK training scripts import, stands alone: it imports nothing of ours and only the standard
+library, so that it installs into any training environment (torch only in `recovery.client.torch`, and only inside
+its functions, so that importing the SDK never imports torch).
+
 A module imports only from its own layer or lower ones; `recovery.testing` (what users and plugin authors test with)
 may import any layer up to `recovery.sim`, and nothing in the product imports it, `tests` or `tools`. The core does
 no I/O and reads no clock. No two modules import each other, however indirectly: an import placed inside a
@@ -24,6 +28,8 @@ LAYERS = ("events", "policies", "recovery.core", "recovery.log", "recovery.agent
 TESTING = "recovery.testing"
 TESTING_MAY_IMPORT = LAYERS[: LAYERS.index("recovery.sim") + 1]
 NOT_THE_PRODUCT = ("recovery.testing", "tests", "tools")
+CLIENT = "recovery.client"
+CLIENT_TORCH = "recovery.client.torch"
 CORE_MAY_NOT_IMPORT = frozenset({
     "anyio", "asyncio", "concurrent", "datetime", "glob", "http", "io", "logging", "multiprocessing", "nats", "os",
     "pathlib", "pickle", "prometheus_client", "random", "rich", "select", "selectors", "shutil", "signal", "socket",
@@ -98,7 +104,8 @@ def where(name: str, line: int) -> str:
 def test_every_module_sits_in_a_layer() -> None:
     """A new folder under recovery/ takes its place in the order here, deliberately."""
     homeless = [name for name in modules()
-                if name != "recovery" and not within(name, TESTING) and layer(name) is None]
+                if name != "recovery" and not within(name, TESTING) and not within(name, CLIENT)
+                and layer(name) is None]
     assert not homeless, homeless
 
 
@@ -143,6 +150,51 @@ def test_the_test_tools_use_only_the_layers_up_to_the_simulator() -> None:
             if not any(within(module, allowed) for allowed in TESTING_MAY_IMPORT):
                 wrong.append(f"{where(name, line)}: {name} imports {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_client_imports_nothing_of_ours_and_only_the_standard_library() -> None:
+    wrong = []
+    for name in modules():
+        if not within(name, CLIENT):
+            continue
+        for target, line in imports(name):
+            module = internal(target)
+            if module is not None:
+                if not within(module, CLIENT):
+                    wrong.append(f"{where(name, line)}: {name} imports {module}")
+                continue
+            top = target.split(".")[0]
+            if top == "torch" and name == CLIENT_TORCH:
+                continue
+            if top not in sys.stdlib_module_names:
+                wrong.append(f"{where(name, line)}: {name} imports {target}, not in the standard library")
+    assert not wrong, "\n".join(wrong)
+    assert any(within(name, CLIENT) for name in modules())
+
+
+def test_nothing_of_ours_imports_the_client_but_the_client() -> None:
+    """The agent speaks the client's protocol from its own side; sharing code would tie their releases."""
+    wrong = [f"{where(name, line)}: {name} imports {target}" for name in modules() if not within(name, CLIENT)
+             for target, line in imports(name) if (m := internal(target)) is not None and within(m, CLIENT)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_client_imports_torch_only_inside_its_torch_helpers_functions() -> None:
+    tree = ast.parse(modules()[CLIENT_TORCH].read_text())
+    top_level = [node.lineno for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)
+                 and any((a.name if isinstance(node, ast.Import) else node.module or "").split(".")[0] == "torch"
+                         for a in node.names)]
+    assert top_level == [], f"torch imported at module level of {CLIENT_TORCH}: lines {top_level}"
+
+
+def test_importing_the_client_loads_no_third_party_module() -> None:
+    """What importing the SDK adds to the modules the interpreter loaded at start (site's own hooks among them)."""
+    script = ("import sys; before = set(sys.modules); import recovery.client, recovery.client.torch; "
+              "print('\\n'.join(sorted({m.split('.')[0] for m in set(sys.modules) - before})))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True,
+                          timeout=60)
+    loaded = [m for m in done.stdout.split() if m not in sys.stdlib_module_names and m != "recovery"]
+    assert loaded == []
 
 
 def test_the_core_does_no_io_and_reads_no_clock() -> None:

@@ -326,6 +326,42 @@ class JetStreamLog:
             self._readers.discard(reader)
             await reader.close()
 
+    async def follow(self, start_seq: int, filter_subject: str | None = None) -> AsyncIterator[Record | RawRecord]:
+        """Every record from `start_seq` on (those on `filter_subject` only, when given), in order, waiting for new
+        ones forever: the same reader as `read` with no end, opened again at the next sequence it needs after an
+        outage."""
+        next_seq = max(start_seq, 1)
+        consumer = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
+                                  inactive_threshold=max(self.stall_timeout, 5.0), filter_subject=filter_subject)
+        reader = PullReader(self.nc, self.js, self.stream, consumer, batch=self.read_batch,
+                            pull_expires_s=self.pull_expires)
+        self._readers.add(reader)
+        opened = False
+        delay = 0.05
+        try:
+            while True:
+                try:
+                    if not opened:
+                        await reader.open(next_seq)
+                        opened = True
+                    batch = await reader.next_batch(reader.stall_s)
+                except TRANSIENT as exc:
+                    opened = False
+                    await reader.close()
+                    logger.warning("following %s at %d: %s; resuming", self.stream, next_seq, describe_error(exc))
+                    await asyncio.sleep(delay)  # retry backoff during an outage
+                    delay = min(delay * 2, 1.0)
+                    continue
+                delay = 0.05
+                for d in batch:
+                    if d.seq < next_seq:
+                        continue  # delivered before the reader was opened again
+                    yield to_record(d.seq, d.ts, d.subject, d.headers or {}, d.data)
+                    next_seq = d.seq + 1
+        finally:
+            self._readers.discard(reader)
+            await reader.close()
+
     async def export(
         self, path: str | os.PathLike[str], start_seq: int = 1, job: str | None = None,
         since_ns: int | None = None, *, replayable: bool = False,

@@ -1,10 +1,10 @@
 """The daemon's processor: a batch of input deliveries in, the messages to publish out. No I/O.
 
 Each delivery is applied to the engine in stream order through the `EffectRouter`; commands go to
-`recovery.cmd.<job>.<kind>` in the command stream, decisions to `recovery.dec.<job>` and dead letters to
-`recovery.dlq.<reason>` in the log, each with its deterministic id as `Nats-Msg-Id`. Effects a restart found
-already stored (`skip_ids`) are routed but not published again. The daemon publishes what comes out, waits for
-JetStream to acknowledge it, and only then acknowledges the inputs.
+`recovery.cmd.<node>.<job>.<kind>` in the command stream (a copy for each node the command concerns), decisions
+to `recovery.dec.<job>` and dead letters to `recovery.dlq.<reason>` in the log, each with its deterministic id as
+`Nats-Msg-Id`. Effects a restart found already stored (`skip_ids`) are routed but not published again. The daemon
+publishes what comes out, waits for JetStream to acknowledge it, and only then acknowledges the inputs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from events import subjects
 from events.commands import Command
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.outputs import Decision, Rejection
+from recovery.core.addressing import command_nodes
 from recovery.core.engine import Effect, Engine
 from recovery.core.router import EffectRouter
 from recovery.core.timers import TimerTable
@@ -102,9 +103,7 @@ class Processor(EffectRouter):
     # -- where effects go ---------------------------------------------------------------------------------
     def commanded(self, command: Command, decision: Decision) -> None:
         self._batch.commands[command.kind] += 1
-        if command.id not in self.skip_ids:
-            self._batch.out.append(Outgoing(subjects.command(command.job, command.kind),
-                                            orjson.dumps(command.model_dump(mode="json")), command.id, "command"))
+        self._batch.out.extend(o for o in addressed(self.engine, command) if o.msg_id not in self.skip_ids)
 
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         self._batch.decisions[decision.kind] += 1
@@ -118,3 +117,22 @@ class Processor(EffectRouter):
                                                   "event_id": rejection.event_id}})
         if envelope.id not in self.skip_ids:
             self._batch.out.append(Outgoing(subject, data, envelope.id, "rejection"))
+
+
+def addressed(engine: Engine, command: Command) -> list[Outgoing]:
+    """One copy of `command` per node it concerns, on that node's command subject, each with its own message id
+    (the job's placement is the engine's after the record that decided the command)."""
+    job = engine.jobs.get(command.job)
+    job_nodes = job.nodes if job is not None else []
+
+    def node_of(rank: int) -> str:
+        if job is None or not 0 <= rank // job.rpn < len(job.nodes):
+            return ""
+        return job.node_of(rank)
+
+    data = orjson.dumps(command.model_dump(mode="json"))
+    nodes = [node for node in command_nodes(command, node_of, job_nodes) if node]
+    if not nodes:
+        logger.warning("command concerns no node", extra={"fields": {"command": command.id, "kind": command.kind}})
+    return [Outgoing(subjects.command(node, command.job, command.kind), data, subjects.command_msg_id(command.id, node),
+                     "command") for node in nodes]

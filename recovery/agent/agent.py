@@ -1,0 +1,389 @@
+"""The node agent: jobs placed on its node, their processes, the SDK's reports, and the node's commands."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import nats
+from anyio.abc import Process, TaskGroup
+from nats.aio.client import Client
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from events import subjects
+from events.codec import encode_envelope
+from events.commands import (
+    Command,
+    FailJob,
+    IsolateDevice,
+    IsolateNode,
+    MigrateRanks,
+    RestartJob,
+    RestartRanks,
+    RetryStep,
+    SaveCheckpoint,
+    ScaleJob,
+    StopRanks,
+)
+from events.envelope import Record, make_envelope
+from events.kinds import JobSubmitted
+from events.values import STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
+from recovery.agent import ranks
+from recovery.agent.channel import ProcessChannel
+from recovery.agent.config import AgentConfig
+from recovery.agent.outbox import Outbox
+from recovery.log.jetstream import JetStreamLog
+
+logger = logging.getLogger("recovery.agent")
+
+COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+SUBMITTED = "recovery.ev.job.*.job.submitted"
+
+
+@dataclass
+class JobOnNode:
+    """What the agent knows of a job: its spec, its current placement and its processes here."""
+
+    id: str
+    spec: JobSpec
+    nodes: list[str]
+    layout: Layout
+    master_addr: str
+    master_port: int
+    channel: ProcessChannel
+    processes: dict[int, ranks.RankProcess] = field(default_factory=dict)
+    saves: dict[str, anyio.Event] = field(default_factory=dict)  # save request id -> answered
+    store: Process | None = None
+    finished: bool = False
+
+    @property
+    def rpn(self) -> int:
+        return self.spec.ranks_per_node
+
+    def ranks_on(self, node: str) -> list[int]:
+        if node not in self.nodes:
+            return []
+        index = self.nodes.index(node)
+        return [r for r in range(index * self.rpn, (index + 1) * self.rpn) if r < self.layout.world]
+
+    def placement(self, rank: int) -> ranks.Placement:
+        return ranks.Placement(rank, self.layout.world, rank % self.rpn, self.rpn, rank // self.rpn)
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.node = cfg.node
+        self.source = f"agent@{cfg.node}"
+        self.jobs: dict[str, JobOnNode] = {}
+        self.seen_commands: set[str] = set()
+        self.nc: Client | None = None
+        self.outbox: Outbox | None = None
+        self._tg: TaskGroup | None = None
+        self._boot = time.time_ns()  # event ids of this run of the agent: unique, and stable across retries
+        self._counter = 0
+        self.runtime_dir = cfg.runtime_dir.resolve()
+
+    # -- events ----------------------------------------------------------------------------------------
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"{self.node}:{self._boot}:{self._counter}"
+
+    def job_event(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None = None) -> None:
+        envelope = make_envelope(type_, data, id=event_id or self._next_id(), job=job, source=self.source)
+        assert self.outbox is not None
+        self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id)
+
+    def node_event(self, type_: str, data: dict[str, Any], event_id: str | None = None) -> None:
+        envelope = make_envelope(type_, data, id=event_id or self._next_id(), node=self.node, source=self.source)
+        assert self.outbox is not None
+        self.outbox.put(subjects.node_event(self.node, type_), encode_envelope(envelope), envelope.id)
+
+    def ack(self, command: Command, status: str, reason: str = "", **result: Any) -> None:
+        self.job_event(command.job, "command.ack",
+                       {"command_id": command.id, "status": status, "reason": reason,
+                        "result": {"node": self.node, **result}},
+                       event_id=f"{subjects.command_msg_id(command.id, self.node)}:{status}")
+
+    # -- running ---------------------------------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        self.nc = await nats.connect(self.cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                     name=f"recovery-agent-{self.node}")
+        js = self.nc.jetstream(timeout=5.0)
+        self.outbox = Outbox(js, self.cfg.outbox_capacity)
+        log = JetStreamLog(self.nc, js, self.cfg.stream, owns_connection=False)
+        commands = JetStreamLog(self.nc, js, self.cfg.command_stream, owns_connection=False)
+        # Only what comes after the agent starts: earlier jobs and commands are another run's.
+        log_start = await _next_seq(log)
+        command_start = await _next_seq(commands)
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self.outbox.run)
+                tg.start_soon(self._follow_jobs, log, log_start)
+                tg.start_soon(self._follow_commands, commands, command_start)
+                if self.cfg.spare:
+                    self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices})
+                else:
+                    self.node_event("node.ready", {})
+                logger.info("agent ready", extra={"fields": {"node": self.node}})
+                task_status.started()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        """The agent stops: its ranks get SIGTERM and the kill grace to end (a platform stopping the node), then
+        SIGKILL; the stores go with the agent."""
+        async with anyio.create_task_group() as tg:
+            for job in self.jobs.values():
+                for proc in job.processes.values():
+                    tg.start_soon(ranks.stop, proc, self.cfg.kill_grace_s, self.cfg.kill_grace_s)
+        for job in self.jobs.values():
+            if job.store is not None:
+                with contextlib.suppress(Exception):
+                    await job.store.aclose()
+        if self.outbox is not None:
+            await self.outbox.flush(2.0)
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    async def _follow_jobs(self, log: JetStreamLog, start: int) -> None:
+        async for record in log.follow(start, SUBMITTED):
+            if not isinstance(record, Record) or record.envelope.job is None:
+                continue
+            data = record.envelope.data
+            if isinstance(data, JobSubmitted) and data.spec.entrypoint is not None:
+                await self._submitted(record.envelope.job, data.spec)
+
+    async def _follow_commands(self, log: JetStreamLog, start: int) -> None:
+        async for record in log.follow(start, subjects.node_commands(self.node)):
+            raw = getattr(record, "data", None)
+            if raw is None:
+                continue
+            try:
+                command = COMMANDS.validate_json(raw)
+            except ValidationError as exc:
+                logger.warning("undecodable command on %s: %s", record.subject, exc)
+                continue
+            if command.id in self.seen_commands:
+                continue  # a command is carried out once, however often it arrives
+            self.seen_commands.add(command.id)
+            assert self._tg is not None
+            self._tg.start_soon(self._carry_out, command)
+
+    # -- jobs ------------------------------------------------------------------------------------------
+    async def _submitted(self, job_id: str, spec: JobSpec) -> None:
+        if job_id in self.jobs:
+            return
+        assert spec.entrypoint is not None
+        env = spec.entrypoint.env
+        job = JobOnNode(job_id, spec, list(spec.nodes), spec.layout, env.get("MASTER_ADDR", "127.0.0.1"),
+                        int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+                        ProcessChannel(self.runtime_dir / f"{job_id}.sock", lambda m, j=job_id: self._report(j, m)))
+        self.jobs[job_id] = job
+        assert self._tg is not None
+        await self._tg.start(job.channel.serve)
+        if spec.nodes[0] == self.node:
+            await self._host_store(job)
+        for rank in job.ranks_on(self.node):
+            await self._launch(job, rank, 0, None)
+        if spec.nodes[0] == self.node:
+            self.job_event(job_id, "job.started", {}, event_id=f"{job_id}:started")
+
+    async def _host_store(self, job: JobOnNode) -> None:
+        """Start the job's rendezvous store beside the agent and wait until it listens."""
+        job.store = await anyio.open_process(
+            [sys.executable, "-m", "recovery.agent.rendezvous", "--host", self.cfg.store_host,
+             "--port", str(job.master_port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+        assert job.store.stdout is not None
+        with anyio.fail_after(60):
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await job.store.stdout.receive(1)
+        logger.info("rendezvous store of %s: %s", job.id, line.decode().strip())
+
+    async def _launch(self, job: JobOnNode, rank: int, attempt: int, plan: ResumePlan | None) -> None:
+        assert job.spec.entrypoint is not None
+        env = ranks.environment(job.spec.entrypoint, job.placement(rank), job=job.id, node=self.node,
+                                attempt=attempt, plan=plan, master_addr=job.master_addr,
+                                master_port=job.master_port, socket=job.channel.path,
+                                heartbeat_s=self.cfg.heartbeat_s)
+        output = self.runtime_dir / f"{job.id}.rank{rank}.gen{attempt}.log"
+        proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt)
+        job.processes[rank] = proc
+        self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt})
+        assert self._tg is not None
+        self._tg.start_soon(self._watch, job, proc)
+
+    async def _watch(self, job: JobOnNode, proc: ranks.RankProcess) -> None:
+        await ranks.reap(proc)
+        exit_code, signal = proc.status()
+        data: dict[str, Any] = {"rank": proc.rank, "attempt": proc.attempt}
+        if signal is not None:
+            data["signal"] = signal
+        else:
+            data["exit_code"] = exit_code
+        self.job_event(job.id, "process.exited", data)
+        if exit_code == 0 and job.nodes and job.nodes[0] == self.node and not job.finished:
+            here = [job.processes.get(r) for r in job.ranks_on(self.node)]
+            if all(p is not None and not p.alive and p.returncode == 0 for p in here):
+                # Data-parallel ranks finish together: the first node's agent says so for the job.
+                job.finished = True
+                self.job_event(job.id, "job.completed", {}, event_id=f"{job.id}:completed")
+
+    async def _report(self, job_id: str, message: dict[str, Any]) -> None:
+        """What a process says through the SDK, relayed as the job's events."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        rank, attempt, op = message["rank"], message.get("attempt", 0), message.get("op")
+        try:
+            if op == "heartbeat":
+                self.job_event(job_id, "process.heartbeat", {"rank": rank, "step": message.get("step"),
+                                                             "attempt": attempt})
+            elif op == "step":
+                self.job_event(job_id, "progress.step", {"rank": rank, "step": message["step"], "attempt": attempt})
+            elif op == "joined":
+                self.job_event(job_id, "process.heartbeat", {"rank": rank, "attempt": attempt})
+            elif op in ("checkpoint", "saved"):
+                tier = Tier(message["tier"])
+                holder = STORAGE_HOLDER if tier is Tier.STORAGE else self.node
+                self.job_event(job_id, "checkpoint.saved", {"step": message["step"], "tier": tier,
+                                                            "shards": message["shards"], "holder": holder})
+                if op == "saved":
+                    done = job.saves.get(str(message.get("id")))
+                    if done is not None:
+                        done.set()
+            elif op == "save_failed":
+                done = job.saves.get(str(message.get("id")))
+                if done is not None:
+                    done.set()
+        except (ValueError, KeyError, ValidationError) as exc:
+            logger.warning("bad report from rank %s of %s: %s", rank, job_id, exc)
+
+    # -- commands --------------------------------------------------------------------------------------
+    async def _carry_out(self, command: Command) -> None:
+        job = self.jobs.get(command.job)
+        self.ack(command, "accepted")
+        try:
+            if job is None and not isinstance(command, IsolateNode | IsolateDevice):
+                raise CommandFailed(f"job {command.job} has no entrypoint known to the agent of {self.node}")
+            result = await self._execute(command, job)
+        except CommandFailed as exc:
+            logger.warning("command %s failed: %s", command.id, exc)
+            self.ack(command, "failed", str(exc))
+            return
+        self.ack(command, "done", **result)
+
+    async def _execute(self, command: Command, job: JobOnNode | None) -> dict[str, Any]:
+        match command:
+            case RestartRanks():
+                assert job is not None
+                mine = [r for r in command.ranks if r in job.ranks_on(self.node)]
+                await self._kill(job, mine)
+                for rank in mine:
+                    await self._launch(job, rank, command.attempt, command.plan)
+                return {"restarted": mine}
+            case StopRanks():
+                assert job is not None
+                mine = [r for r in command.ranks if r in job.ranks_on(self.node)]
+                if command.mode == "kill":
+                    await self._kill(job, mine)
+                else:
+                    await self._stop(job, mine, command.grace_s)
+                return {"stopped": mine}
+            case MigrateRanks():
+                assert job is not None
+                if command.from_node == self.node:
+                    await self._kill(job, [r for r in command.ranks if r in job.processes])
+                if command.from_node in job.nodes:
+                    job.nodes[job.nodes.index(command.from_node)] = command.to_node
+                if command.to_node == self.node:
+                    for rank in command.ranks:
+                        await self._launch(job, rank, command.attempt, command.plan)
+                return {"ranks": command.ranks}
+            case RestartJob() | ScaleJob():
+                assert job is not None
+                await self._kill(job, list(job.processes))
+                job.nodes = list(command.nodes)
+                if isinstance(command, ScaleJob):
+                    job.layout = Layout(dp=command.dp, tp=job.layout.tp, pp=job.layout.pp)
+                for rank in job.ranks_on(self.node):
+                    await self._launch(job, rank, command.attempt, command.plan)
+                return {"started": job.ranks_on(self.node)}
+            case SaveCheckpoint():
+                assert job is not None
+                return await self._save(job, command)
+            case FailJob():
+                assert job is not None
+                await self._kill(job, list(job.processes))
+                return {}
+            case RetryStep():
+                raise CommandFailed("a step retry is not carried out by the agent: the collective is re-run by "
+                                    "the process group's own recovery")
+            case IsolateNode() | IsolateDevice():
+                return {}
+        raise CommandFailed(f"unknown command {command.kind}")
+
+    async def _kill(self, job: JobOnNode, which: list[int]) -> None:
+        procs = [job.processes[r] for r in which if r in job.processes]
+        async with anyio.create_task_group() as tg:
+            for proc in procs:
+                tg.start_soon(ranks.kill, proc, self.cfg.kill_grace_s)
+        if any(p.alive for p in procs):
+            raise CommandFailed(f"ranks {[p.rank for p in procs if p.alive]} did not end after SIGKILL")
+
+    async def _stop(self, job: JobOnNode, which: list[int], grace_s: float) -> None:
+        """The SDK's stop first (the step ends cleanly), then SIGTERM, then SIGKILL, within `grace_s`."""
+        procs = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
+        for proc in procs:
+            if not await job.channel.send(proc.rank, {"op": "stop"}):
+                logger.info("rank %d of %s has no SDK connection: stopped by signals only", proc.rank, job.id)
+
+        async def one(proc: ranks.RankProcess) -> None:
+            with anyio.move_on_after(grace_s / 2):
+                await proc.ended.wait()
+            await ranks.stop(proc, grace_s / 2, self.cfg.kill_grace_s)
+
+        async with anyio.create_task_group() as tg:
+            for proc in procs:
+                tg.start_soon(one, proc)
+        if any(p.alive for p in procs):
+            raise CommandFailed(f"ranks {[p.rank for p in procs if p.alive]} did not end after SIGKILL")
+
+    async def _save(self, job: JobOnNode, command: SaveCheckpoint) -> dict[str, Any]:
+        mine = [r for r in command.ranks if r in job.processes and job.processes[r].alive]
+        waits = []
+        for rank in mine:
+            request = f"{command.id}/{rank}"
+            job.saves[request] = anyio.Event()
+            if await job.channel.send(rank, {"op": "save", "id": request, "step": command.step}):
+                waits.append(job.saves[request])
+        if not waits:
+            raise CommandFailed(f"no live rank of {command.ranks} on {self.node} could be asked to save")
+        with anyio.move_on_after(command.deadline_s):
+            for event in waits:
+                await event.wait()
+        if not all(event.is_set() for event in waits):
+            raise CommandFailed("the dying checkpoint was not saved before the command's deadline")
+        return {"saved": mine}
+
+
+class CommandFailed(Exception):
+    """A command that could not be carried out: its ack says why."""
+
+
+async def _next_seq(log: JetStreamLog) -> int:
+    return await log.last_seq() + 1
+

@@ -1,0 +1,58 @@
+"""`recovery-agent`: the node agent. It launches and supervises the ranks placed on its node, relays what they
+report, and carries out the commands addressed to its node.
+
+    recovery-agent --node gpu-17 --nats-url nats://nats-0:4222
+    recovery-agent --config /etc/recovery/agent.toml
+
+SIGTERM or SIGINT stops it: its ranks get SIGTERM, then SIGKILL after `kill_grace_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from recovery.agent import config as config_mod
+from recovery.agent.agent import Agent
+from recovery.agent.config import AgentConfig, ConfigError
+from recovery.service import jsonlog
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recovery-agent", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Every flag is also a TOML key and an environment variable "
+                                            "RECOVERY_AGENT_<KEY>; flags win over the environment, which wins "
+                                            "over the file.")
+    config_mod.add_arguments(parser)
+    return parser
+
+
+async def serve(cfg: AgentConfig) -> None:
+    agent = Agent(cfg)
+    async with anyio.create_task_group() as tg:
+        await tg.start(agent.run)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        tg.cancel_scope.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_mod.load(args)
+    except ConfigError as exc:
+        print(f"recovery-agent: {exc}", file=sys.stderr)
+        return 2
+    jsonlog.setup(cfg.log_level, "json", None)
+    anyio.run(serve, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""`Client`: what a training script calls. See the package docstring."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from recovery.client._channel import SOCKET_ENV, AgentChannel
+
+GENERATION_ENV = "RECOVERY_GENERATION"
+RESUME_PLAN_ENV = "RECOVERY_RESUME_PLAN"
+JOB_ENV = "RECOVERY_JOB"
+NODE_ENV = "RECOVERY_NODE"
+HEARTBEAT_ENV = "RECOVERY_HEARTBEAT_S"
+DEFAULT_HEARTBEAT_S = 1.0
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Where one shard of the model state comes from: a tier (`peer`: live replicas) and its holders."""
+
+    shard: int
+    tier: str
+    holders: list[str]
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where this process resumes: the checkpoint step (None: none usable), the next step to train, and per shard
+    where the state comes from. A rank holds shard `rank % len(shards)`."""
+
+    checkpoint_step: int | None
+    next_step: int
+    shards: list[ShardSource] = field(default_factory=list)
+
+    def source_of(self, rank: int) -> ShardSource | None:
+        return self.shards[rank % len(self.shards)] if self.shards else None
+
+    @classmethod
+    def from_json(cls, text: str) -> ResumePlan:
+        raw = json.loads(text)
+        shards = [ShardSource(int(s["shard"]), str(s["tier"]), [str(h) for h in s["holders"]])
+                  for s in raw.get("shards", [])]
+        step = raw.get("checkpoint_step")
+        return cls(None if step is None else int(step), int(raw["next_step"]), shards)
+
+
+class Client:
+    """A training process's side of its agent. Create it with `connect()`, once per process."""
+
+    def __init__(self, socket_path: str | None, rank: int, generation: int = 0, plan: ResumePlan | None = None,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+        self.rank = rank
+        self.generation = generation
+        self._plan = plan
+        self._heartbeat_s = heartbeat_s
+        self._step: int | None = None
+        self._save: Callable[[int], dict[str, Any] | None] | None = None
+        self._save_requested: str | None = None  # the request's id, until the step boundary runs it
+        self._stop_requested = threading.Event()
+        self._closed = threading.Event()
+        self._channel = AgentChannel(socket_path, self._on_message) if socket_path else None
+        self._thread: threading.Thread | None = None
+        if self._channel is not None:
+            self._send({"op": "hello", "pid": os.getpid()})
+            self._thread = threading.Thread(target=self._beat, name="recovery-heartbeat", daemon=True)
+            self._thread.start()
+
+    # -- what training calls ---------------------------------------------------------------------------
+    def resume_plan(self) -> ResumePlan | None:
+        """The plan this process was started with: None on a job's first start."""
+        return self._plan
+
+    def report_step(self, step: int) -> None:
+        """`step` steps are complete. At this boundary a dying checkpoint the agent asked for is written."""
+        self._step = step
+        self._send({"op": "step", "step": step})
+        if self._save_requested is not None:
+            self._run_save()
+
+    def checkpoint_saved(self, step: int, tier: str, shards: list[int], location: str | None = None) -> None:
+        """A checkpoint of `shards` at `step` is complete in `tier` (memory, local, dying, storage); `location`
+        is where (a path or URL), kept by the agent for the operator."""
+        self._send({"op": "checkpoint", "step": step, "tier": tier, "shards": list(shards), "location": location})
+
+    def on_save(self, save: Callable[[int], dict[str, Any] | None]) -> None:
+        """`save(step)` writes a dying checkpoint of this rank's state at `step` and may return
+        `{"tier": ..., "shards": [...], "location": ...}` (default: tier `dying`, this rank's shard 0)."""
+        self._save = save
+
+    def joined(self, generation: int) -> None:
+        """This process re-formed its process group in `generation`: its reports now carry it."""
+        self.generation = generation
+        self._send({"op": "joined"})
+
+    def should_stop(self) -> bool:
+        """The agent asked this process to stop (a graceful stop): finish the step and exit."""
+        return self._stop_requested.is_set()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self._heartbeat_s)
+        if self._channel is not None:
+            self._channel.close()
+
+    # -- inside ----------------------------------------------------------------------------------------
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._channel is not None:
+            self._channel.send({**message, "rank": self.rank, "attempt": self.generation})
+
+    def _beat(self) -> None:
+        assert self._channel is not None
+        while not self._closed.is_set():
+            self._send({"op": "heartbeat", "step": self._step})
+            # Waiting for the agent's messages is the pause between heartbeats.
+            self._channel.poll(self._heartbeat_s)
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "save":
+            self._save_requested = str(message.get("id", ""))
+        elif op == "stop":
+            self._stop_requested.set()
+
+    def _run_save(self) -> None:
+        request, self._save_requested = self._save_requested, None
+        step = self._step if self._step is not None else 0
+        if self._save is None:
+            self._send({"op": "save_failed", "id": request, "reason": "no save function registered"})
+            return
+        try:
+            result = self._save(step) or {}
+        except Exception as exc:  # the user's code: its failure is the agent's to report, not training's end
+            self._send({"op": "save_failed", "id": request, "reason": f"{type(exc).__name__}: {exc}"})
+            return
+        self._send({"op": "saved", "id": request, "step": step, "tier": result.get("tier", "dying"),
+                    "shards": result.get("shards", [0]), "location": result.get("location")})
+
+
+def connect(heartbeat_s: float | None = None) -> Client:
+    """The client for this process, from the environment its agent set (RANK, the agent's socket, the generation
+    and the resume plan); without an agent, a client whose calls do nothing."""
+    plan_text = os.environ.get(RESUME_PLAN_ENV)
+    interval = heartbeat_s if heartbeat_s is not None else float(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S))
+    return Client(os.environ.get(SOCKET_ENV) or None, int(os.environ.get("RANK", "0")),
+                  int(os.environ.get(GENERATION_ENV, "0")), ResumePlan.from_json(plan_text) if plan_text else None,
+                  interval)

@@ -1,0 +1,156 @@
+"""PyTorch helpers of the SDK: in-process recovery of a data-parallel job's survivors on gloo. torch is imported
+inside the functions, so that `import recovery.client` never imports it.
+
+A partial restart replaces only the dead ranks. The survivors notice on gloo (a collective with a dead peer raises a
+`RuntimeError` within tens of milliseconds) and do not exit:
+
+    group = ProcessGroupRecovery(client)
+    group.form()                                    # the process group of the generation the agent gave us
+    step = group.synchronize(0, get_state, set_state, live=plan is None)  # a restarted rank: a replica's state
+    while step < steps:
+        failed = False
+        try:
+            train_one_step(step)                    # its collectives raise RuntimeError when a peer dies
+        except RuntimeError:
+            failed = True                           # leave the except block first: see `recover`
+        if failed:
+            group.recover()
+            step = group.synchronize(step, get_state, set_state)
+            continue
+        step += 1
+        client.report_step(step)
+
+Generations live on the rendezvous store the agent hosts (never in a training process, so rank 0 may die like any
+other): each generation's process group uses its own key prefix (`gen<g>/`), and a process started in a new
+generation announces it under `recovery/generation`, which the survivors wait for. Where a survivor cannot notice
+(blocked in a collective with a peer that is stopped rather than dead, or stuck in C++), the agent kills the
+stuck peer, which turns it into the case above, or the process group's timeout ends the wait.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from recovery.client._client import Client
+
+GENERATION_KEY = "recovery/generation"
+POLL_S = 0.01
+"""how often a survivor looks for the new generation: a store read, cheap against a restart's second"""
+
+
+class RecoveryTimeout(TimeoutError):
+    """No new generation came in time: the process exits, and the agent's report of it escalates."""
+
+
+class ProcessGroupRecovery:
+    """The default process group of one rank, formed again in every generation. Not thread-safe."""
+
+    def __init__(self, client: Client, backend: str = "gloo", timeout_s: float = 30.0,
+                 wait_for_generation_s: float = 300.0) -> None:
+        self.client = client
+        self.backend = backend
+        self.timeout = timedelta(seconds=timeout_s)
+        self.wait_for_generation_s = wait_for_generation_s
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self._store: Any = None
+        self.recoveries = 0
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                        is_master=False, timeout=self.timeout, wait_for_workers=False)
+        return self._store
+
+    def _announced(self) -> int:
+        store = self.store
+        return int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else -1
+
+    def form(self) -> None:
+        """Join the process group of the client's generation, announcing the generation if it is new."""
+        import torch.distributed as dist
+
+        generation = self.client.generation
+        if self._announced() < generation:
+            self.store.set(GENERATION_KEY, str(generation))
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/", self.store),
+                                rank=self.rank, world_size=self.world_size, timeout=self.timeout)
+
+    def recover(self) -> None:
+        """After a collective failed: tear the group down, wait for the next generation, form it.
+
+        Call it outside the `except` block that caught the failure: the traceback holds the frames that hold
+        the process group, so a teardown inside it frees nothing, and peers then wait out the group's timeout."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()  # at once: peers still blocked on us get "connection closed" now
+        deadline = time.monotonic() + self.wait_for_generation_s
+        while (generation := self._announced()) <= self.client.generation:
+            if time.monotonic() > deadline:
+                raise RecoveryTimeout(f"no generation after {self.client.generation} within "
+                                      f"{self.wait_for_generation_s:g}s")
+            time.sleep(POLL_S)  # polling the agent's store, within the deadline above
+        self.client.generation = generation
+        self.form()
+        self.recoveries += 1
+        self.client.joined(generation)
+
+    def synchronize(self, step: int, get_state: Callable[[], Any], set_state: Callable[[Any], None],
+                    live: bool = True) -> int:
+        """Agree on the step with every replica and take the state of the one furthest ahead (the lowest rank of
+        those): a restarted rank receives its state from a live replica (the `peer` tier), and survivors that
+        disagree on whether the interrupted step completed all continue from the one where it did. Returns the
+        step to train next. A process started to receive its state (`live=False`: a restarted rank whose plan
+        names the `peer` tier) is never the source. Pure data parallelism: every rank holds the whole state."""
+        import torch
+        import torch.distributed as dist
+
+        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(steps, torch.tensor([step if live else -1], dtype=torch.int64))
+        values = [int(s.item()) for s in steps]
+        best = max(values)
+        if best < 0:
+            raise RuntimeError("no replica holds live state: restart from a checkpoint instead")
+        source = values.index(best)
+        if len(set(values)) > 1 or self.client.generation > 0:
+            state = _broadcast(get_state() if self.rank == source else None, source, self.rank)
+            if self.rank != source:
+                set_state(state)
+        return best
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _broadcast(state: Any, source: int, rank: int) -> Any:
+    """`state` from `source` to every rank, serialised with torch.save (tensors byte for byte; broadcast_object_list
+    would need numpy, which a training environment may not have)."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    data = b""
+    if rank == source:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        size[0] = len(data)
+    dist.broadcast(size, src=source)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == source else \
+        torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=source)
+    if rank == source:
+        return state
+    return torch.load(io.BytesIO(bytes(payload.untyped_storage())), weights_only=False)

@@ -1,0 +1,161 @@
+"""Real processes for the end-to-end tests: a nats-server, a `recovery-daemon`, `recovery-agent`s and the training
+job of `examples/dp-training`, with what the tests watch them through (the job's events and decisions)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from events import subjects
+from events.codec import encode_envelope
+from events.envelope import make_envelope
+from recovery.testing.nats import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "dp-training" / "train.py"
+POLL_S = 0.01
+
+
+def environment() -> dict[str, str]:
+    """Every process a test starts imports this checkout's code."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+
+
+class AgentProcess:
+    """`python -m recovery.cli.agent` for one node."""
+
+    def __init__(self, workdir: Path, node: str, nats_url: str, spare: bool = False) -> None:
+        self.node = node
+        self.workdir = workdir / node
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / "agent.log"
+        args = [sys.executable, "-m", "recovery.cli.agent", "--node", node, "--nats-url", nats_url,
+                "--runtime-dir", str(self.workdir), "--heartbeat-s", "0.5", "--kill-grace-s", "3"]
+        if spare:
+            args.append("--spare")
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=ROOT, env=environment())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class JobWatch:
+    """A job's events and decisions as they arrive (a core NATS subscription beside the streams)."""
+
+    job: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    started_at: dict[str, float] = field(default_factory=dict)
+
+    def on_event(self, msg: Msg) -> None:
+        envelope = orjson.loads(msg.data)
+        envelope["_seen"] = time.monotonic()
+        self.events.append(envelope)
+
+    def on_decision(self, msg: Msg) -> None:
+        decision = orjson.loads(msg.data)
+        decision["_seen"] = time.monotonic()
+        self.decisions.append(decision)
+
+    def of(self, type_: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == type_]
+
+    def pids(self) -> dict[int, list[int]]:
+        """Every process started per rank, in order."""
+        out: dict[int, list[int]] = {}
+        for e in self.of("process.started"):
+            out.setdefault(e["data"]["rank"], []).append(e["data"]["pid"])
+        return out
+
+    def step(self, rank: int) -> int:
+        steps = [e["data"]["step"] for e in self.of("progress.step") if e["data"]["rank"] == rank]
+        return max(steps, default=-1)
+
+    def kinds(self) -> list[str]:
+        return [d["data"]["kind"] for d in self.decisions]
+
+    def decided(self, kind: str) -> list[dict[str, Any]]:
+        return [d for d in self.decisions if d["data"]["kind"] == kind]
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float, what: str,
+                     explain: Callable[[], str] = lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{explain()}")
+        await asyncio.sleep(POLL_S)  # polling interval of a deadline-bounded wait
+
+
+async def watch(nc: Client, job: str) -> JobWatch:
+    w = JobWatch(job)
+
+    async def on_event(msg: Msg) -> None:
+        w.on_event(msg)
+
+    async def on_decision(msg: Msg) -> None:
+        w.on_decision(msg)
+
+    await nc.subscribe(f"{subjects.PREFIX}.ev.job.{job}.>", cb=on_event)
+    await nc.subscribe(subjects.decision(job), cb=on_decision)
+    return w
+
+
+def job_spec(out: Path, steps: int, step_time: float, nodes: list[str], master_port: int) -> dict[str, Any]:
+    return {
+        "nodes": nodes, "ranks_per_node": 2, "layout": {"dp": 4}, "watchdog_interval_s": 1.0,
+        "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": 5.0}}},
+        "entrypoint": {"command": sys.executable,
+                       "args": [str(TRAIN), "--steps", str(steps), "--step-time", str(step_time), "--out", str(out)],
+                       "cwd": str(ROOT),
+                       "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+                               "PYTHONPATH": environment()["PYTHONPATH"]}},
+    }
+
+
+async def submit(nc: Client, job: str, spec: dict[str, Any]) -> None:
+    envelope = make_envelope("job.submitted", {"spec": spec}, id=f"{job}:submitted", job=job, source="test")
+    await nc.jetstream().publish(subjects.job_event(job, "job.submitted"), encode_envelope(envelope),
+                                 headers={"Nats-Msg-Id": envelope.id})
+
+
+async def connect(url: str) -> Client:
+    return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+
+
+def kill_leftovers(pids: list[int]) -> None:
+    """Processes a failed test may leave behind (each rank runs in a session of its own)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+__all__ = ["AgentProcess", "JobWatch", "connect", "free_port", "job_spec", "kill_leftovers", "submit", "wait_until",
+           "watch"]

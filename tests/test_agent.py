@@ -1,0 +1,135 @@
+"""The agent as a real process against a real nats-server, with a small training stand-in that uses the SDK (no
+torch): it launches the ranks of its node, relays their reports, reports how each ended from its wait status, and
+carries out its node's commands with acks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from events import subjects
+from events.envelope import make_envelope
+from recovery.agent.config import ConfigError, load
+from recovery.log.jetstream import JetStreamLog, ensure_stream, stream_config
+from recovery.testing.nats import NatsServer
+from tests.e2e_support import AgentProcess, JobWatch, connect, kill_leftovers, submit, wait_until, watch
+
+STAND_IN = '''
+import signal, sys, time
+import recovery.client as recovery
+client = recovery.connect()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+step = 0
+while not client.should_stop():
+    step += 1
+    client.report_step(step)
+    time.sleep(0.05)
+client.close()
+'''
+
+
+def test_a_bad_setting_is_named_with_where_it_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECOVERY_AGENT_HEARTBEAT_S", "-1")
+    with pytest.raises(ConfigError, match=r"heartbeat_s.*environment variable RECOVERY_AGENT_HEARTBEAT_S"):
+        load(node="n0")
+    monkeypatch.delenv("RECOVERY_AGENT_HEARTBEAT_S")
+    with pytest.raises(ConfigError, match="node: required"):
+        load()
+    with pytest.raises(ConfigError, match=r"node.*cannot be a subject token"):
+        load(node="a.b")
+
+
+async def test_following_a_stream_delivers_what_comes_after_it_started_on_one_subject(
+        nats_server: NatsServer) -> None:
+    log = await JetStreamLog.connect(nats_server.url)
+    try:
+        start = await log.last_seq() + 1
+        got: list[str] = []
+
+        async def follow() -> None:
+            async for record in log.follow(start, "recovery.ev.node.n1.>"):
+                got.append(record.subject)
+
+        task = asyncio.create_task(follow())
+        for node in ("n0", "n1", "n0", "n1"):
+            envelope = make_envelope("node.ready", {}, id=f"{node}-{len(got)}-{os.urandom(4).hex()}", node=node)
+            await log.append(subjects.node_event(node, "node.ready"), envelope)
+        await wait_until(lambda: len(got) == 2, 10, "two records of n1")
+        task.cancel()
+        assert got == ["recovery.ev.node.n1.node.ready"] * 2
+    finally:
+        await log.close()
+
+
+@pytest.fixture
+async def streams(nats_server: NatsServer) -> AsyncIterator[NatsServer]:
+    nc = await connect(nats_server.url)
+    js = nc.jetstream()
+    await ensure_stream(js, stream_config())
+    await ensure_stream(js, stream_config("RECOVERY_CMD", [subjects.COMMANDS]))
+    await nc.close()
+    yield nats_server
+
+
+async def command(nc: Any, node: str, body: dict[str, Any]) -> None:
+    await nc.jetstream().publish(subjects.command(node, body["job"], body["kind"]), orjson.dumps(body),
+                                 headers={"Nats-Msg-Id": subjects.command_msg_id(body["id"], node)})
+
+
+def acks(w: JobWatch, command_id: str) -> list[str]:
+    return [e["data"]["status"] for e in w.of("command.ack") if e["data"]["command_id"] == command_id]
+
+
+async def test_the_agent_runs_its_ranks_relays_them_and_carries_out_its_commands(
+        streams: NatsServer, tmp_path: Path) -> None:
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    agent = AgentProcess(tmp_path, "n1", streams.url)
+    nc = await connect(streams.url)
+    w = await watch(nc, "j")
+    ready: list[str] = []
+
+    async def on_node(msg: Any) -> None:
+        ready.append(msg.subject)
+
+    await nc.subscribe("recovery.ev.node.n1.>", cb=on_node)
+    try:
+        await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
+        spec = {"nodes": ["elsewhere", "n1"], "ranks_per_node": 2, "layout": {"dp": 4},
+                "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
+                               "env": {"MASTER_PORT": "1"}}}
+        await submit(nc, "j", spec)
+        await wait_until(lambda: set(w.pids()) == {2, 3} and w.step(2) >= 3 and w.step(3) >= 3, 30,
+                         "ranks 2 and 3 to run and report steps", agent.log_tail)
+        assert {e["data"]["rank"] for e in w.of("process.heartbeat")} == {2, 3}
+
+        os.kill(w.pids()[2][0], signal.SIGKILL)
+        await wait_until(lambda: bool(w.of("process.exited")), 10, "the exit of rank 2")
+        assert w.of("process.exited")[0]["data"] == {"rank": 2, "exit_code": None, "signal": 9, "attempt": 0}
+
+        plan = {"checkpoint_step": 3, "next_step": 4, "shards": [{"shard": 0, "tier": "peer", "holders": ["n1"]}]}
+        await command(nc, "n1", {"id": "j:10:0", "job": "j", "attempt": 1, "deadline_s": 60.0,
+                                 "kind": "restart_ranks", "ranks": [2], "plan": plan})
+        await wait_until(lambda: acks(w, "j:10:0") == ["accepted", "done"], 30, "the restart's acks", agent.log_tail)
+        started = w.of("process.started")[-1]["data"]
+        assert (started["rank"], started["attempt"]) == (2, 1) and len(w.pids()[3]) == 1
+        await wait_until(lambda: any(e["data"]["rank"] == 2 and e["data"]["attempt"] == 1
+                                     for e in w.of("progress.step")), 30, "the restarted rank's first step")
+
+        await command(nc, "n1", {"id": "j:11:0", "job": "j", "attempt": 1, "deadline_s": 60.0,
+                                 "kind": "stop_ranks", "ranks": [2, 3], "mode": "graceful", "grace_s": 10.0})
+        await wait_until(lambda: acks(w, "j:11:0") == ["accepted", "done"], 30, "the stop's acks", agent.log_tail)
+        exits = {e["data"]["rank"]: e["data"] for e in w.of("process.exited")[1:]}
+        assert exits[2]["exit_code"] == 0 and exits[3]["exit_code"] == 0  # the SDK's stop: a clean end of step
+    finally:
+        agent.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()

@@ -1,0 +1,131 @@
+"""The SDK against a stand-in agent on a real Unix socket: what it sends, when it saves, and that it never stops
+training when no agent listens."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recovery.client import Client, ResumePlan, connect
+
+
+class StandInAgent:
+    """Accepts one connection and records every line it receives."""
+
+    def __init__(self, path: Path) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen(1)
+        self.received: list[dict[str, Any]] = []
+        self.conn: socket.socket | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.conn, _ = self.server.accept()
+        buffer = b""
+        while chunk := self.conn.recv(65536):
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                self.received.append(json.loads(line))
+
+    def ops(self, op: str) -> list[dict[str, Any]]:
+        return [m for m in list(self.received) if m["op"] == op]
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.conn is not None
+        self.conn.sendall(json.dumps(message).encode() + b"\n")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.server.close()
+
+
+def wait_for(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)  # polling interval of a deadline-bounded wait
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[StandInAgent]:
+    stand_in = StandInAgent(tmp_path / "agent.sock")
+    yield stand_in
+    stand_in.close()
+
+
+def test_the_client_says_hello_then_reports_steps_and_heartbeats_with_its_generation(
+        agent: StandInAgent, tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "agent.sock"), rank=3, generation=2, heartbeat_s=0.05)
+    client.report_step(7)
+    wait_for(lambda: len(agent.ops("heartbeat")) >= 3)
+    client.close()
+    assert agent.received[0]["op"] == "hello" and agent.received[0]["rank"] == 3
+    assert agent.ops("step") == [{"op": "step", "step": 7, "rank": 3, "attempt": 2}]
+    assert agent.ops("heartbeat")[-1]["step"] == 7
+
+
+def test_a_save_request_runs_the_save_function_at_the_next_step_boundary(agent: StandInAgent, tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "agent.sock"), rank=1, heartbeat_s=0.05)
+    saved: list[int] = []
+    client.on_save(lambda step: saved.append(step) or {"tier": "dying", "shards": [0], "location": "/ckpt"})
+    client.report_step(4)
+    wait_for(lambda: agent.conn is not None)
+    agent.send({"op": "save", "id": "j:9:0/1", "step": 4})
+    wait_for(lambda: client._save_requested is not None)
+    assert saved == []  # not from the heartbeat thread, in the middle of a step
+    client.report_step(5)
+    assert saved == [5]
+    wait_for(lambda: agent.ops("saved"))
+    assert agent.ops("saved")[0] | {"attempt": 0} == {"op": "saved", "id": "j:9:0/1", "step": 5, "tier": "dying",
+                                                       "shards": [0], "location": "/ckpt", "rank": 1, "attempt": 0}
+    client.close()
+
+
+def test_a_stop_request_is_seen_by_should_stop(agent: StandInAgent, tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "agent.sock"), rank=0, heartbeat_s=0.05)
+    client.report_step(1)
+    wait_for(lambda: agent.conn is not None)
+    agent.send({"op": "stop"})
+    wait_for(client.should_stop)
+    client.close()
+
+
+def test_without_an_agent_every_call_is_a_no_op(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("RECOVERY_AGENT_SOCKET", raising=False)
+    client = connect()
+    client.report_step(1)
+    client.checkpoint_saved(1, "storage", [0], "/ckpt")
+    assert client.resume_plan() is None and not client.should_stop()
+    client.close()
+
+
+def test_an_agent_that_is_gone_never_blocks_training(tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "nobody.sock"), rank=0, heartbeat_s=0.05)
+    started = time.monotonic()
+    for step in range(100):
+        client.report_step(step)
+    assert time.monotonic() - started < 1.0
+    client.close()
+
+
+def test_the_resume_plan_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RECOVERY_AGENT_SOCKET", raising=False)
+    monkeypatch.setenv("RECOVERY_RESUME_PLAN", json.dumps(
+        {"checkpoint_step": 15, "next_step": 16, "shards": [{"shard": 0, "tier": "peer", "holders": ["n0", "n1"]}]}))
+    monkeypatch.setenv("RECOVERY_GENERATION", "1")
+    monkeypatch.setenv("RANK", "2")
+    client = connect()
+    plan = client.resume_plan()
+    assert isinstance(plan, ResumePlan) and plan.next_step == 16 and plan.source_of(2).tier == "peer"  # type: ignore[union-attr]
+    assert (client.rank, client.generation) == (2, 1)

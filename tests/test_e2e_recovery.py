@@ -1,0 +1,184 @@
+"""End to end on real processes: a nats-server, a `recovery-daemon`, three `recovery-agent`s (two nodes of two
+ranks and a spare) and the 4-way data-parallel job of `examples/dp-training` on torch.distributed with gloo.
+
+A rank's process that dies is restarted alone: the three others keep their processes, re-form the process group in
+the new generation and hand the restarted rank their state, and the job ends with the parameters of a run without
+faults, bit for bit (every rank sees the same gradients summed in the same order, and the interrupted step is
+recomputed from the same data)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recovery.testing.nats import NatsServer
+from tests.daemon_support import DaemonProcess
+from tests.e2e_support import (
+    AgentProcess,
+    JobWatch,
+    connect,
+    free_port,
+    job_spec,
+    kill_leftovers,
+    submit,
+    wait_until,
+    watch,
+)
+
+NODES = ["n0", "n1"]
+STEPS = 40
+STEP_TIME_S = 0.05
+FAULT_AT_STEP = 10
+
+
+@dataclass
+class Cluster:
+    nats: NatsServer
+    daemon: DaemonProcess
+    agents: list[AgentProcess]
+    workdir: Path
+    started: list[int]
+
+    def explain(self) -> str:
+        return "\n".join(f"--- agent {a.node}:\n{a.log_tail()}" for a in self.agents) + \
+            f"\n--- daemon:\n{self.daemon.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("e2e")
+    server = NatsServer(workdir / "nats")
+    server.start()
+    daemon = DaemonProcess(workdir / "daemon", server.url, lease_ttl_s=0, snapshot_fork=False)
+    agents: list[AgentProcess] = []
+    state = Cluster(server, daemon, agents, workdir, [])
+    try:
+        daemon.start(PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        daemon.wait_ready()
+
+        async def start_agents() -> None:
+            nc = await connect(server.url)
+            ready: set[str] = set()
+
+            async def on_node(msg: Any) -> None:
+                ready.add(msg.subject.split(".")[3])
+
+            await nc.subscribe("recovery.ev.node.>", cb=on_node)
+            agents.extend([AgentProcess(workdir, "n0", server.url), AgentProcess(workdir, "n1", server.url),
+                           AgentProcess(workdir, "spare0", server.url, spare=True)])
+            await wait_until(lambda: ready >= {"n0", "n1", "spare0"}, 30, "the agents to report their nodes",
+                             state.explain)
+            await nc.close()
+
+        asyncio.run(start_agents())
+        yield state
+    finally:
+        for agent in agents:
+            agent.stop()
+        kill_leftovers(state.started)
+        daemon.close()
+        server.stop()
+
+
+async def run_job(cluster: Cluster, job: str, fault: Any = None) -> tuple[JobWatch, dict[str, Any]]:
+    """Submit the job, let `fault(watch)` strike once every rank passed FAULT_AT_STEP, wait for the job to
+    complete; returns what was seen and the final parameters."""
+    import torch
+
+    out = cluster.workdir / f"{job}.pt"
+    nc = await connect(cluster.nats.url)
+    try:
+        w = await watch(nc, job)
+
+        def explain() -> str:
+            decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
+            return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
+
+        await submit(nc, job, job_spec(out, STEPS, STEP_TIME_S, NODES, free_port()))
+        try:
+            await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), 60,
+                             f"{job} to train {FAULT_AT_STEP} steps", explain)
+            if fault is not None:
+                await fault(w, explain)
+            await wait_until(lambda: "job.completed" in w.kinds() and out.exists(), 60, f"{job} to complete",
+                             explain)
+        finally:
+            cluster.started.extend(pid for pids in w.pids().values() for pid in pids)
+    finally:
+        await nc.close()
+    return w, torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def fault_free(cluster: Cluster) -> dict[str, Any]:
+    w, params = asyncio.run(run_job(cluster, "fault-free"))
+    assert all(len(pids) == 1 for pids in w.pids().values())
+    return params
+
+
+def assert_bitwise_equal(params: dict[str, Any], reference: dict[str, Any]) -> None:
+    import torch
+
+    assert params.keys() == reference.keys()
+    for name in params:
+        assert torch.equal(params[name], reference[name]), f"{name} differs from the fault-free run"
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+async def test_a_sigkilled_rank_alone_restarts_and_the_job_ends_as_a_fault_free_run(
+        cluster: Cluster, fault_free: dict[str, Any], victim: int) -> None:
+    measured: dict[str, float] = {}
+
+    async def sigkill(w: JobWatch, explain: Callable[[], str]) -> None:
+        pid = w.pids()[victim][-1]
+        step = max(w.step(r) for r in range(4))
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+
+        def recovered() -> bool:
+            # the replacement completed a step past the one the job was on when its rank died
+            return any(e["data"]["rank"] == victim and e["data"]["attempt"] >= 1 and e["data"]["step"] > step
+                       and e["_seen"] > killed for e in w.of("progress.step"))
+
+        await wait_until(recovered, 30, f"rank {victim} to be recovered", explain)
+        measured["recovered_s"] = time.monotonic() - killed
+
+    w, params = await run_job(cluster, f"sigkill-{victim}", sigkill)
+    pids = w.pids()
+    assert len(pids[victim]) == 2, pids  # restarted once
+    assert all(len(pids[r]) == 1 for r in range(4) if r != victim), pids  # the others kept their processes
+    assert w.kinds().count("incident.closed") == 1
+    assert_bitwise_equal(params, fault_free)
+    print(f"rank {victim}: SIGKILL to recovered {measured['recovered_s']:.2f}s; pids {pids}")
+
+
+async def test_a_stopped_rank_is_found_by_its_silence_within_10s_and_recovered_alone(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+    victim = 1
+    measured: dict[str, float] = {}
+
+    async def sigstop(w: JobWatch, explain: Callable[[], str]) -> None:
+        pid = w.pids()[victim][-1]
+        stopped = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)  # alive but silent: the survivors block in the collective, gloo raises nothing
+        await wait_until(lambda: bool(w.decided("fault.confirmed")), 10, f"rank {victim}'s silence to be a fault",
+                         explain)
+        measured["detected_s"] = w.decided("fault.confirmed")[0]["_seen"] - stopped
+        await wait_until(lambda: len(w.pids()[victim]) == 2 and w.kinds().count("incident.closed") == 1, 30,
+                         f"rank {victim} to be recovered", explain)
+        measured["recovered_s"] = time.monotonic() - stopped
+
+    w, params = await run_job(cluster, "sigstop-1", sigstop)
+    pids = w.pids()
+    assert all(len(pids[r]) == 1 for r in range(4) if r != victim), pids
+    assert "silent" in w.decided("fault.confirmed")[0]["data"]["reason"]
+    assert_bitwise_equal(params, fault_free)
+    print(f"SIGSTOP of rank {victim}: detected {measured['detected_s']:.2f}s, recovered {measured['recovered_s']:.2f}s")
