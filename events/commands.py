@@ -48,6 +48,9 @@ class RestartRanks(CommandBase):
     kind: Literal["restart_ranks"] = "restart_ranks"
     ranks: list[Rank]
     plan: ResumePlan
+    reset_devices: dict[Token, list[Device]] = Field(default_factory=dict)
+    """devices to reset before the restart, by node: what a double-bit ECC error (XID 48) needs when no spare
+    node came to move the ranks to"""
 
 
 class MigrateRanks(CommandBase):

@@ -32,12 +32,14 @@ class DecisionKind(StrEnum):
     FAULT_ADDED = "fault.added"  # joins the open incident
     FAULT_ABSORBED = "fault.absorbed"  # already covered by the attempt under way
     HARDWARE_MARKED = "hardware.marked"  # hardware no rank of the job uses is out of service
+    HARDWARE_RELEASED = "hardware.released"  # an isolated node or device is usable again (repair, expiry, operator)
     NODE_DRAIN_PLANNED = "node.drain_planned"
     NODE_DRAIN_DEFERRED = "node.drain_deferred"
     WATCHDOG_DISARMED = "watchdog.disarmed"
     # an incident's attempts
     ATTEMPT_SETTLING = "attempt.settling"
     ATTEMPT_WAITING = "attempt.waiting"
+    WAIT_EXPIRED = "attempt.wait_expired"  # the wait's deadline passed: the policy's fallback follows
     ATTEMPT_STARTED = "attempt.started"
     ATTEMPT_FAILED = "attempt.failed"
     ATTEMPT_TIMED_OUT = "attempt.timed_out"
@@ -121,6 +123,8 @@ class TimerPurpose(StrEnum):
     ATTEMPT = "attempt"  # an attempt's deadline: `attempt/<incident>/<number>`
     ACK = "ack"  # a command's acknowledgement deadline: `ack/<command id>`
     AWAIT = "await"  # the wait for a dying checkpoint on its way: `await/<incident>/<number>`
+    WAIT = "wait"  # the deadline of a wait for nodes: `wait/<incident>/<attempts>`
+    RELEASE = "release"  # the expiry of an isolation the policy set: `release/<node>[/<device>]`
 
 
 __all__ = ["ATTEMPT_ENDED", "AttemptOutcome", "AttemptPurpose", "DecisionKind", "IncidentCause", "IncidentOutcome",

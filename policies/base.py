@@ -49,6 +49,11 @@ class Signal:
     """the job's number of ranks"""
     node_ranks: tuple[int, ...] = ()
     """for a node event: every rank of the job on that node (`ranks` holds only those on the device, if any)"""
+    spares_available: int | None = None
+    """for a device fault: the free spare nodes the job may take now (None: not known), so that a policy isolates a
+    lemon only when something can replace it"""
+    can_shrink: bool = False
+    """for a device fault: the job is elastic and could go on at a smaller data-parallel size without that node"""
 
 
 # What a signal means for the job: one of five small variants (`Verdict` is their union).
@@ -76,6 +81,12 @@ class Fault:
     """the hardware under the ranks is unusable: they must leave their node"""
     isolate: Literal["device", "node"] | None = None
     code: str | None = None
+    reset_clears: bool = False
+    """a reset of `device` clears what makes it unusable (XID 48): when no spare comes, the ranks may restart on
+    their node after a reset instead of waiting for a repair"""
+    isolate_for_ns: int | None = None
+    """with `isolate`: the isolation expires after this long unless a repair or a replacement ended it first (None:
+    until then)"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +202,14 @@ class RescheduleContext:
     """the job's measured time per step, if known"""
     widened: bool = False
     """a fault outside the attempt under way superseded it, and no settle window has passed since"""
+    wait_expired: bool = False
+    """the job has waited for nodes until the deadline of the policy's `Wait` (or the engine's own, for a rung it
+    could not place), and they did not come: fall back instead of waiting again"""
+    waited_ns: int = 0
+    """how long the open incident has been waiting for nodes so far (0: it is not waiting)"""
+    reset_clears: bool = False
+    """every node the job must leave is unusable only for devices a reset clears (XID 48 and its kind): a restart in
+    place that resets them first (`StartRung(..., reset_devices=True)`) can run without a spare"""
 
 
 # The rescheduling decision: one of four small variants (`Reschedule` is their union).
@@ -203,13 +222,19 @@ class StartRung:
     reason: str
     deadline_ns: int = 300 * NS
     rung: int = 0
+    reset_devices: bool = False
+    """for an in-place restart: reset the devices that keep the ranks' nodes unusable first, and restart there
+    (only when `RescheduleContext.reset_clears`)"""
 
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """Start nothing: wait for nodes to come back (the engine asks again when they do)."""
+    """Start nothing: wait for nodes to come back. The engine asks again whenever capacity returns or a fault
+    joins, and once more when `deadline_ns` has passed since the wait began (with `wait_expired`): a wait always
+    has an exit. None leaves the deadline to the engine's `MAX_WAIT`."""
 
     reason: str
+    deadline_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

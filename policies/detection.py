@@ -34,8 +34,12 @@ from policies.codes import Action, CodeMeaning, ascend_fault, exit_status, nvidi
 
 class DefaultDetectionParams(Params):
     frequency_window_s: Interval = Field(24 * 3600.0, description="window of the frequency counts: 1 ms .. 30 days")
-    frequency_threshold: PositiveCount = Field(3, description="faults of one device in the window -> isolate it")
+    frequency_threshold: PositiveCount = Field(3, description="faults of one device in the window (any job's, from "
+                                                              "the cluster's history) -> a lemon: isolate it")
     node_frequency_threshold: PositiveCount = Field(6, description="device faults on one node -> isolate node")
+    isolation_s: Interval | None = Field(7 * 86_400.0, description="an isolation ends after this long unless a "
+                                                                   "repair or a replacement ended it first (None: "
+                                                                   "only those): 1 ms .. 30 days")
     link_debounce_s: Seconds = Field(10.0, description="a link down this long is a fault; up earlier: flap "
                                                        "(0 .. 30 days; 0: at once)")
     not_ready_grace_s: Seconds = Field(20.0, description="a node not ready this long is a fault (0 .. 30 days)")
@@ -56,8 +60,10 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 
 class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "5"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
-    # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s
+    version: ClassVar[str] = "6"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s;
+    # 6: a lemon is isolated only when a spare can replace it or the job can do without it, for isolation_s; a
+    # fault a device reset clears says so
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -68,6 +74,7 @@ class DefaultDetection(DetectionPolicyBase):
         self._window = int(p.frequency_window_s * NS)
         self._debounce = int(p.link_debounce_s * NS)
         self._grace = int(p.not_ready_grace_s * NS)
+        self._isolation = None if p.isolation_s is None else int(p.isolation_s * NS)
 
     # -- events ---------------------------------------------------------------------------------------
     def classify(self, signal: Signal) -> Verdict:
@@ -134,20 +141,33 @@ class DefaultDetection(DetectionPolicyBase):
         on_device = _in_window(signal.device_fault_times, signal.ts, self._window)
         on_node = _in_window(signal.node_fault_times, signal.ts, self._window)
         where = f"{signal.node} device {data.device}"
+        lemon = None
         if on_node >= p.node_frequency_threshold:
-            return Fault(f"{code} on {where}: {on_node} device faults on the node within "
-                         f"{p.frequency_window_s:.0f}s: isolate node", FaultClass.DEVICE, "node",
-                           signal.ranks, signal.node, data.device, needs_move=True, isolate="node", code=code)
-        if on_device >= p.frequency_threshold:
-            return Fault(f"{code} on {where}: {on_device} faults within "
-                         f"{p.frequency_window_s:.0f}s: isolate device", FaultClass.DEVICE, "device",
-                           signal.ranks, signal.node, data.device, needs_move=True, isolate="device", code=code)
+            lemon = f"{on_node} device faults on the node within {p.frequency_window_s:.0f}s: a lemon node"
+        elif on_device >= p.frequency_threshold:
+            lemon = f"{on_device} faults of the device within {p.frequency_window_s:.0f}s: a lemon device"
+        if lemon is not None:
+            # Isolating a lemon takes it away for good (until a repair, a replacement or the expiry): worth it only
+            # if the job loses nothing by it: a spare takes its place, the job can shrink, or no rank of it is there.
+            replaceable = (not signal.ranks and not signal.node_ranks) or signal.can_shrink or (
+                signal.spares_available is None or signal.spares_available > 0)
+            if replaceable:
+                scope: Any = "node" if on_node >= p.node_frequency_threshold else "device"
+                because = ("no rank of the job on it" if not signal.ranks and not signal.node_ranks else
+                           f"{signal.spares_available} spare(s) can replace it" if signal.spares_available else
+                           "the job can shrink without it" if signal.can_shrink else "spares unknown")
+                return Fault(f"{code} on {where}: {lemon}: isolate {scope} ({because})", FaultClass.DEVICE, scope,
+                             signal.ranks, signal.node, data.device, needs_move=True, isolate=scope, code=code,
+                             isolate_for_ns=self._isolation)
+            note = f"; {lemon}, not isolated: no spare to replace it and the job cannot shrink"
+        else:
+            note = ""
         if meaning.action is Action.DRAIN and signal.ranks:
-            return Drain(f"{code} on {where}: {meaning.description}: leave it at the next checkpoint",
+            return Drain(f"{code} on {where}: {meaning.description}: leave it at the next checkpoint{note}",
                          signal.node or "", data.device, code=code)
         if meaning.action is Action.WATCH or meaning.action is Action.DRAIN:
             return Ignore(f"{code} on {where}: {meaning.description} ({on_device} of "
-                          f"{p.frequency_threshold} in window)", code=code)
+                          f"{p.frequency_threshold} in window){note}", code=code)
         if not signal.ranks:
             if meaning.fault_class is FaultClass.NODE and signal.node_ranks:
                 # The fix takes the whole node (a power cycle after a GPU fell off the bus): the job's ranks there
@@ -166,7 +186,7 @@ class DefaultDetection(DetectionPolicyBase):
         verdict = self._from_meaning(meaning, signal, "device", code=code)
         if isinstance(verdict, Ignore):
             return Ignore(f"{code} on {where}: {meaning.description}", code=code)
-        return replace(verdict, reason=f"{code} on {where}: {meaning.description}", node=signal.node,
+        return replace(verdict, reason=f"{code} on {where}: {meaning.description}{note}", node=signal.node,
                        device=data.device, code=code)
 
     def _from_meaning(self, meaning: CodeMeaning, signal: Signal, scope: Any, code: str) -> Ignore | Fault:
@@ -178,8 +198,11 @@ class DefaultDetection(DetectionPolicyBase):
             return Fault(meaning.description, fc, scope, signal.ranks, signal.node, lost=False, code=code)
         needs_move = action in (Action.RESET_DEVICE, Action.ISOLATE_DEVICE, Action.ISOLATE_NODE)
         isolate = {Action.ISOLATE_DEVICE: "device", Action.ISOLATE_NODE: "node"}.get(action)
+        # A reset clears the device's own faults (XID 48, an NVLink error), not a GPU that left the bus (NODE).
+        reset_clears = action is Action.RESET_DEVICE and fc in (FaultClass.DEVICE, FaultClass.NETWORK)
         return Fault(meaning.description, fc, "node" if isolate == "node" else scope, signal.ranks,
-                     signal.node, lost=True, needs_move=needs_move, isolate=isolate, code=code)  # type: ignore[arg-type]
+                     signal.node, lost=True, needs_move=needs_move, isolate=isolate, code=code,  # type: ignore[arg-type]
+                     reset_clears=reset_clears, isolate_for_ns=self._isolation if isolate else None)
 
     def _collective(self, signal: Signal, data: kinds.CollectiveTimeout) -> Verdict:
         reporters = set(data.reporters)

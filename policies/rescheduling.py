@@ -36,6 +36,8 @@ class Rung(Params):
     budget: Count | None = Field(None, description="attempts within one incident; None: unlimited")
     deadline_s: Interval = Field(300.0, description="from the attempt's start to progress: 1 ms .. 30 days")
     tries: PositiveCount = Field(1, description="failed attempts in a row at this rung before the next rung")
+    wait_s: Interval = Field(4 * 3600.0, description="the longest the job waits for the nodes this rung needs before "
+                                                      "the ladder falls back: 1 ms .. 30 days")
 
 
 def _ladder(*rungs: tuple[Granularity, int | None, float] | tuple[Granularity, int | None, float, int]
@@ -66,6 +68,10 @@ class LadderParams(Params):
     """a rung's deadline is at least this many of the job's step times: the attempt ends with progress past the
     resume point, and a job whose step takes minutes cannot show that within a deadline set for seconds (at most 30
     days, like every deadline)"""
+    reset_after_s: Interval = Field(300.0, description="when the only thing keeping the ranks off their node is a "
+                                                         "device a reset clears (XID 48), wait this long at most "
+                                                         "for a spare, then reset it and restart in place: "
+                                                         "1 ms .. 30 days")
     settle_s: Seconds = Field(2.0, description="0 .. 30 days")
     """after an attempt is superseded by a fault outside it, collect further faults this long before the next
     attempt: a job-wide crash reports its thousands of exits one by one, and each would otherwise supersede the
@@ -74,7 +80,8 @@ class LadderParams(Params):
 
 class LadderRescheduling(ReschedulingPolicyBase):
     name: ClassVar[str] = "ladder"
-    version: ClassVar[str] = "4"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps
+    version: ClassVar[str] = "5"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps;
+    # 5: every wait has a deadline and a fallback (a device reset in place, scale in, or fail with the reason)
 
     parameters = LadderParams
     params: LadderParams
@@ -102,6 +109,7 @@ class LadderRescheduling(ReschedulingPolicyBase):
             start = last.rung if last.outcome == "superseded" or _failed_in_a_row(ctx) < ladder[
                 min(last.rung, len(ladder) - 1)].tries else last.rung + 1
         exhausted: list[str] = []
+        blocked: list[str] = []  # rungs that cannot run on the job's nodes now, and why
         order = list(range(start, len(ladder)))
         if ctx.previous and ctx.previous[-1].outcome != "superseded" and start == len(ladder):
             # The top rung failed: try it again while its budget lasts rather than give up at once.
@@ -117,6 +125,7 @@ class LadderRescheduling(ReschedulingPolicyBase):
             if g is G.RETRY and (ctx.any_lost or ctx.needs_move):
                 continue
             if g is G.IN_PLACE and ctx.needs_move:
+                blocked.append(f"{g.value}: {ctx.nodes_to_replace} node(s) cannot run processes now")
                 continue
             if rung.budget is not None and ctx.used.get(key, 0) >= rung.budget:
                 exhausted.append(f"{key} {ctx.used.get(key, 0)} of {rung.budget} used")
@@ -129,14 +138,36 @@ class LadderRescheduling(ReschedulingPolicyBase):
                 if self.params.elastic and ctx.scale_in_dp is not None:
                     return StartRung(G.SCALE_IN, f"{short}: scale in to dp={ctx.scale_in_dp}", deadline, index)
                 if self.params.wait:
-                    return Wait(f"{short}: wait for nodes")
+                    return self._wait_or_fall_back(ctx, short, rung.wait_s, deadline, index)
                 continue
             if g is G.SCALE_IN and ctx.scale_in_dp is None:
                 continue
             return StartRung(g, f"{ctx.fault_class.value} fault, rung {index}: {g.value}", deadline, index)
         if exhausted:
             return Fail("restart budget exhausted: " + "; ".join(exhausted))
+        if blocked and self.params.wait:
+            # The rungs left need nodes that cannot run processes now (a link down and being debounced, a node not
+            # ready): a condition that often passes by itself. Wait for it, bounded, rather than fail at once.
+            wait_s = max(ladder[i].wait_s for i in order)
+            return self._wait_or_fall_back(ctx, "; ".join(blocked), wait_s, 0, max(order, default=0))
         return Fail(f"no rung of the {ctx.fault_class.value} ladder can recover this fault")
+
+    def _wait_or_fall_back(self, ctx: RescheduleContext, short: str, wait_s: float, deadline: int, rung: int
+                           ) -> Reschedule:
+        """The job cannot have the nodes it needs now: wait for them, bounded; once the wait has run out, restart in
+        place after a device reset if that clears the fault, else fail and say why."""
+        reset = ctx.reset_clears
+        if ctx.wait_expired:
+            waited = f"waited {ctx.waited_ns / NS:.0f} s: "
+            if reset:
+                in_place = max(deadline, int(self.ladders[ctx.fault_class][0].deadline_s * NS))
+                return StartRung(G.IN_PLACE, f"{short}: {waited}reset the faulty device(s) and restart in place",
+                                 in_place, rung, reset_devices=True)
+            return Fail(f"{short}: {waited}no fallback: the job is not elastic and no device reset clears the fault")
+        wait = min(wait_s, self.params.reset_after_s) if reset else wait_s
+        then = "reset the device(s) and restart in place" if reset else (
+            "scale in" if self.params.elastic and ctx.scale_in_dp is not None else "fail")
+        return Wait(f"{short}: wait for nodes, at most {wait:g} s, then {then}", int(wait * NS))
 
 
 def _failed_in_a_row(ctx: RescheduleContext) -> int:

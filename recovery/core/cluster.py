@@ -20,10 +20,12 @@ class NodeState:
         "drained",
         "faults",
         "isolated",
+        "isolated_devices",
         "job",
         "links_down",
         "name",
         "ready",
+        "resettable",
         "spare",
     )
 
@@ -36,6 +38,8 @@ class NodeState:
         self.isolated = False
         self.job: str | None = None
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
+        self.resettable: set[int] = set()  # bad devices a reset clears (XID 48): sorted when read
+        self.isolated_devices: set[int] = set()  # bad devices a policy isolated (lemons): released by a decision
         self.links_down: set[str] | None = None  # made at the node's first link down: most nodes never have one
         self.faults: deque[int] | None = None  # made at the node's first fault: most nodes never have one
         self.device_faults: dict[int, deque[int]] = {}
@@ -45,6 +49,8 @@ class NodeState:
         for name in NodeState.__slots__:
             setattr(twin, name, getattr(self, name))
         twin.bad_devices = set(self.bad_devices)
+        twin.resettable = set(self.resettable)
+        twin.isolated_devices = set(self.isolated_devices)
         twin.links_down = None if self.links_down is None else set(self.links_down)
         twin.faults = None if self.faults is None else deque(self.faults, maxlen=HISTORY)
         twin.device_faults = {d: deque(times, maxlen=HISTORY) for d, times in self.device_faults.items()}

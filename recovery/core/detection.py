@@ -22,7 +22,7 @@ from recovery.core.incidents import Incidents
 from recovery.core.job import Attempt, Incident, Job
 from recovery.core.placement import Placement
 from recovery.core.record import RecordEffects, ask, expect
-from recovery.core.timers import Timekeeper
+from recovery.core.timers import Timekeeper, TimerRequest
 
 G = Granularity
 _PROCESS_FAULTS = (FaultClass.PROCESS, FaultClass.HANG, None)
@@ -54,7 +54,14 @@ class Detection:
         if verdict.isolate == "node":
             self.cluster.node(verdict.node).isolated = True
         if verdict.needs_move and verdict.device is not None:
-            self.cluster.node(verdict.node).bad_devices.add(verdict.device)
+            node = self.cluster.node(verdict.node)
+            node.bad_devices.add(verdict.device)
+            if verdict.reset_clears and verdict.isolate is None:
+                node.resettable.add(verdict.device)
+            else:
+                node.resettable.discard(verdict.device)  # isolated, or worse than a reset clears
+            if verdict.isolate == "device":
+                node.isolated_devices.add(verdict.device)
 
     def verdict(self, out: RecordEffects, job: Job, verdict: Verdict, type_: str) -> None:
         policy = job.policies.labels["detection"]
@@ -114,9 +121,43 @@ class Detection:
                           started=out.ts)
         self.incidents.start(out, job, attempt, 900 * NS, None, nodes)
 
+    def release_due(self, out: RecordEffects, job: Job, timer_id: str) -> bool:
+        """An isolation's expiry fired (`<job>/release/<node>/<device or ->/<seq>`): the node or device is usable
+        again unless a repair or a replacement released it already. False if `timer_id` is no expiry."""
+        prefix = f"{job.id}/{TimerPurpose.RELEASE}/"
+        if not timer_id.startswith(prefix):
+            return False
+        name, device_text, _ = timer_id[len(prefix):].rsplit("/", 2)  # a node id may hold a slash
+        node = self.cluster.nodes.get(name)
+        if node is None:
+            return True
+        if device_text == "-":
+            if not node.isolated:
+                return True
+            node.isolated = False
+            what = f"node {name}"
+        else:
+            device = int(device_text)
+            if device not in node.isolated_devices:
+                return True
+            node.isolated_devices.discard(device)
+            node.bad_devices.discard(device)
+            what = f"{name} device {device}"
+        out.decide(job, DecisionKind.HARDWARE_RELEASED, f"the isolation of {what} set by "
+                   f"{job.policies.labels['detection']} expired: usable again",
+                   detail={"node": name, "device": None if device_text == "-" else int(device_text),
+                           "by": "expiry"})
+        return True
+
     def fault(self, out: RecordEffects, job: Job, verdict: Fault, policy: str, plan: bool = True) -> None:
         """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch)."""
         commands: list[Any] = []
+        timers: list[TimerRequest] = []
+        if verdict.isolate is not None and verdict.node is not None and verdict.isolate_for_ns is not None:
+            # The policy bounds the isolation: a timer in the log ends it, and its release is a decision.
+            which = "-" if verdict.isolate == "node" else str(verdict.device or 0)
+            timers.append(self.timekeeper.request(out, job, f"{TimerPurpose.RELEASE}/{verdict.node}/{which}",
+                                                  verdict.isolate_for_ns))
         if verdict.isolate is not None and verdict.node is not None:
             if verdict.isolate == "node":
                 commands.append(IsolateNode(id=out.command_id(job.id), job=job.id, attempt=job.generation,
@@ -129,7 +170,7 @@ class Detection:
         if not verdict.ranks and verdict.scope != "job":
             # Hardware none of the job's ranks uses: marked out of service, and the job goes on.
             out.decide(job, DecisionKind.HARDWARE_MARKED, verdict.reason, policy=policy, commands=commands,
-                       detail={"node": verdict.node, "device": verdict.device, "code": verdict.code})
+                       timers=timers, detail={"node": verdict.node, "device": verdict.device, "code": verdict.code})
             return
         if verdict.lost:
             for rank in verdict.ranks:
@@ -144,7 +185,8 @@ class Detection:
             self._note_dead_hosts(job, incident, verdict)
             attempt = incident.attempt
             if incident.phase == "waiting" or attempt is None:
-                out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands)
+                out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands,
+                           timers=timers)
                 if plan and incident.settle_timer is None:  # a settle window decides when it closes
                     self.incidents.plan(out, job)
                 return
@@ -152,15 +194,17 @@ class Detection:
                     attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
                 # The restarted (or retried) processes themselves crashed or hung: this attempt did not work. New
                 # hardware under them (a device, a node, a link) is a new fault instead: it widens the incident.
-                out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands)
+                out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands,
+                           timers=timers)
                 why = f"attempt {attempt.number} ({attempt.granularity.value}) failed: {verdict.reason}"
                 self.incidents.end_attempt(out, job, attempt, AttemptOutcome.FAILED, why, plan=plan)
                 return
             if self._covered(job, attempt, verdict):
                 out.decide(job, DecisionKind.FAULT_ABSORBED, verdict.reason, policy=policy, commands=commands,
-                           detail={"attempt": attempt.number})
+                           timers=timers, detail={"attempt": attempt.number})
                 return
-            out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands)
+            out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands,
+                       timers=timers)
             incident.widened = True
             self.incidents.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, f"new fault outside attempt "
                                        f"{attempt.number}: {verdict.reason}", plan=plan)
@@ -174,7 +218,7 @@ class Detection:
         self._note_exiting(job.incident, verdict)
         self._note_dead_hosts(job, job.incident, verdict)
         out.decide(job, DecisionKind.FAULT_CONFIRMED, verdict.reason, trigger="recover", policy=policy,
-                   commands=commands, cancelled=cancelled, detail={"fault": fault, "step": job.step})
+                   commands=commands, timers=timers, cancelled=cancelled, detail={"fault": fault, "step": job.step})
         if plan:
             self.incidents.plan(out, job)
 

@@ -468,10 +468,18 @@ class Engine:
         node = self.cluster.node(name)
         device_times: tuple[int, ...] = ()
         node_times: tuple[int, ...] = ()
+        released = None  # an isolation this event ends: a repaired device, a node replaced or rebooted
+        if isinstance(data, kinds.DeviceRecovered) and data.device in node.isolated_devices:
+            node.isolated_devices.discard(data.device)
+            released = f"{name} device {data.device} recovered"
+        elif isinstance(data, kinds.NodeJoined) and (node.isolated or node.isolated_devices):
+            node.isolated_devices.clear()
+            released = f"{name} joined again (repaired or replaced)"
         if isinstance(data, kinds.DeviceFault):
             device_times, node_times = self.cluster.record_device_fault(name, data.device, out.ts)
         elif isinstance(data, kinds.DeviceRecovered):
             node.bad_devices.discard(data.device)
+            node.resettable.discard(data.device)
         elif isinstance(data, kinds.NodeNotReady):
             node.ready = False
         elif isinstance(data, kinds.NodeReady):
@@ -490,6 +498,7 @@ class Engine:
             node.devices = data.devices
             node.ready, node.drained, node.isolated = True, False, False
             node.bad_devices.clear()
+            node.resettable.clear()
             node.links_down = None
             # A node that (re)joins has been booted: whatever it held in host memory is gone.
             for other in self.jobs.values():
@@ -499,14 +508,23 @@ class Engine:
         job = self.jobs.get(node.job) if node.job is not None else None
         if job is not None:
             self.touch(job)
+        if released is not None and job is not None and job.state not in FINAL:
+            out.decide(job, DecisionKind.HARDWARE_RELEASED, f"isolation ended: {released}",
+                       detail={"node": name, "device": getattr(data, "device", None), "by": "repair"})
         if job is not None and job.state not in FINAL and name in job.nodes:
             on_node = job.ranks_on(name)
+            spares: int | None = None
+            shrink = False
             if isinstance(data, kinds.DeviceFault | kinds.DeviceRecovered):
                 ranks: tuple[int, ...] = (on_node[data.device],) if data.device < job.rpn else ()
+                if isinstance(data, kinds.DeviceFault):
+                    # What could replace the device's node, for a policy deciding whether to isolate a lemon.
+                    spares = len(self.placement.spares_for(job))
+                    shrink = self.placement.scale_in_dp(job, [name]) is not None
             else:
                 ranks = tuple(on_node)
             self.detection.signal(out, job, Signal(type_, data, out.ts, name, ranks, device_times, node_times,
-                                  job.step_time, job.world, tuple(on_node)))
+                                  job.step_time, job.world, tuple(on_node), spares, shrink))
         elif isinstance(data, kinds.DeviceFault):
             # No job runs here (an idle spare, a node between jobs): its hardware health still decides where the next
             # job or move may go. No job's policy applies, so the built-in detection judges it.
@@ -522,6 +540,8 @@ class Engine:
             return  # stale or cancelled: harmless, and kept in the log
         if timer_id == job.watchdog:
             self.detection.watchdog(out, job)
+        elif self.detection.release_due(out, job, timer_id):
+            self._capacity_returned(out)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):
             self.incidents.timer_fired(out, job, timer_id)
 

@@ -56,6 +56,9 @@ G = Granularity
 MAX_PLANS_PER_RECORD = 16
 """a record that would ask the rescheduling policy more often than this (each answer superseded at once) makes the
 job wait instead: a policy and a cluster that keep refusing each other must not loop"""
+MAX_WAIT_NS = 4 * 3600 * NS
+"""the deadline of a wait the policy set none for, or that the engine made because it could not place the policy's
+choice: then the policy is asked for its fallback, and a fallback the engine cannot place either fails the job"""
 RESTARTS = (G.IN_PLACE, G.MIGRATE, G.RESTART_JOB, G.SCALE_IN, G.SCALE_OUT)
 """granularities that count against the job's `max_restarts`"""
 
@@ -82,7 +85,9 @@ class Incidents:
             nodes_to_replace=len(vacate), nodes_to_migrate=len(migrate), spares_available=len(spares),
             dp=job.layout.dp,
             scale_in_dp=self.placement.scale_in_dp(job, vacate), forced=forced,
-            widened=incident.widened, step_time_ns=job.step_time,
+            widened=incident.widened, step_time_ns=job.step_time, wait_expired=incident.wait_expired,
+            waited_ns=0 if incident.waiting_since is None else out.ts - incident.waiting_since,
+            reset_clears=self.placement.reset_clears(job, vacate),
         )
         answer = ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
         expect(job, "rescheduling", answer, (StartRung, Wait, Settle, Fail))
@@ -90,16 +95,21 @@ class Incidents:
         out.plans += 1
         short = None
         if isinstance(answer, StartRung):
-            short = self._unplaceable(job, answer.granularity, vacate, migrate, len(spares), forced)
+            short = self._unplaceable(job, answer, vacate, migrate, len(spares), forced)
         if short is None and out.plans > MAX_PLANS_PER_RECORD:
             short = f"asked {out.plans} times within one record"
         if short is not None:
+            chose = answer.granularity.value if isinstance(answer, StartRung) else "nothing"
+            if incident.wait_expired:
+                # The wait has run out and the fallback cannot be placed either: waiting again would have no end.
+                self.fail_job(out, job, f"waited for nodes until the deadline; then {policy} chose {chose}, which "
+                                        f"cannot be placed: {short}", policy)
+                return
             # The policy chose what the cluster cannot carry out now. Asking again at once would get the same answer
             # (a policy is a pure function of the same context): wait until nodes come back, and say why.
-            incident.move("wait", out.ts)
-            chose = answer.granularity.value if isinstance(answer, StartRung) else "nothing"
+            timers = self._wait(out, job, MAX_WAIT_NS)
             out.decide(job, DecisionKind.ATTEMPT_WAITING, f"{policy} chose {chose}, which cannot be placed: {short}; "
-                       f"wait for nodes", policy=policy,
+                       f"wait for nodes", policy=policy, timers=timers,
                        detail={"vacate": vacate, "spares": len(spares), "refused": answer.reason})
             return
         if isinstance(answer, Settle):
@@ -111,8 +121,8 @@ class Incidents:
                        timers=[timer], detail={"faults": len(incident.faults)})
             return
         if isinstance(answer, Wait):
-            incident.move("wait", out.ts)
-            out.decide(job, DecisionKind.ATTEMPT_WAITING, answer.reason, policy=policy,
+            timers = self._wait(out, job, MAX_WAIT_NS if answer.deadline_ns is None else answer.deadline_ns)
+            out.decide(job, DecisionKind.ATTEMPT_WAITING, answer.reason, policy=policy, timers=timers,
                        detail={"vacate": vacate, "spares": len(spares)})
             return
         if isinstance(answer, Fail) or answer.granularity is G.FAIL:
@@ -122,6 +132,9 @@ class Incidents:
         attempt = Attempt(number=len(incident.attempts) + 1, granularity=g, rung=answer.rung,
                           purpose=AttemptPurpose.DUMP if g is G.DUMP else AttemptPurpose.RECOVER,
                           reason=answer.reason, started=out.ts)
+        if answer.reset_devices:
+            attempt.reset = self.placement.resettable(job, vacate)
+            vacate = []  # the reset makes them usable: the ranks restart where they are
         keys = (f"{fault_class.value}/{g.value}", g.value)
         attempt.budget_keys = keys
         for key in keys:
@@ -130,11 +143,39 @@ class Incidents:
             job.restarts_used += 1
         self.start(out, job, attempt, answer.deadline_ns, policy, vacate)
 
-    def _unplaceable(self, job: Job, g: Granularity, vacate: list[str], migrate: list[str], spares: int,
+    def _wait(self, out: RecordEffects, job: Job, deadline_ns: int) -> list[TimerRequest]:
+        """The job waits for nodes. The first wait of a stretch arms its deadline; a job asked again while it waits
+        (a fault joins, a node returns) keeps the deadline it has, so that no stretch of waiting outlasts it."""
+        incident = job.incident
+        assert incident is not None
+        incident.move("wait", out.ts)
+        if incident.waiting_since is None:
+            incident.waiting_since = out.ts
+        if incident.wait_timer is not None:
+            return []
+        purpose = f"{TimerPurpose.WAIT}/{incident.id}/{len(incident.attempts)}"
+        timer = self.timekeeper.request(out, job, purpose, max(1, deadline_ns - (out.ts - incident.waiting_since)))
+        incident.wait_timer = timer.id
+        return [timer]
+
+    def _end_wait(self, incident: Incident) -> list[str]:
+        """The stretch of waiting is over (an attempt starts): its deadline goes, and the next wait starts afresh."""
+        incident.waiting_since = None
+        incident.wait_expired = False
+        cancelled = self.timekeeper.cancel(incident.wait_timer)
+        incident.wait_timer = None
+        return cancelled
+
+    def _unplaceable(self, job: Job, answer: StartRung, vacate: list[str], migrate: list[str], spares: int,
                      forced: Granularity | None) -> str | None:
         """Why an attempt of granularity `g` cannot be carried out on the cluster as it is, or None if it can.
         The engine checks every policy's answer: a third-party ladder that picks a restart the cluster cannot
         place must not make the engine supersede, refund and ask again without end."""
+        g = answer.granularity
+        if answer.reset_devices and (g is not G.IN_PLACE or not self.placement.reset_clears(job, vacate)):
+            return "a device reset does not make the nodes usable"
+        if g is G.IN_PLACE and answer.reset_devices:
+            return None
         if g is G.MIGRATE and len(migrate) > spares:
             return f"{len(migrate)} node(s) to move, {spares} spare(s)"
         if g in (G.RESTART_JOB, G.DUMP) and len(vacate) > spares:
@@ -158,8 +199,12 @@ class Incidents:
         if incident.phase != "planning":
             incident.move("plan", out.ts)  # a resume from `paused`
         # An operator's order can start an attempt while a settle window is open: the window has no more to say.
-        settle = self.timekeeper.cancel(incident.settle_timer)
+        settle = self.timekeeper.cancel(incident.settle_timer) + self._end_wait(incident)
         incident.settle_timer = None
+        for name, devices in attempt.reset.items():
+            # The restart resets these devices first: the cluster counts them usable from now on, as a repair would.
+            self.cluster.node(name).bad_devices.difference_update(devices)
+            self.cluster.node(name).resettable.difference_update(devices)
         incident.widened = False
         incident.attempts.append(attempt)
         g = attempt.granularity
@@ -323,7 +368,8 @@ class Incidents:
             gen = job.generation
             if g is G.IN_PLACE:
                 commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
-                                             ranks=list(attempt.ranks), plan=plan))
+                                             ranks=list(attempt.ranks), plan=plan,
+                                             reset_devices={n: list(d) for n, d in attempt.reset.items()}))
             elif g is G.MIGRATE:
                 spares = self.placement.spares_for(job)
                 if len(spares) < len(attempt.vacate):
@@ -336,9 +382,11 @@ class Incidents:
                     self.cluster.release(name, job.id)
                     self.cluster.assign(target, job.id)
                     job.nodes[job.nodes.index(name)] = target
-                    commands.append(MigrateRanks(id=cid if index == 0 else out.command_id(job.id), job=job.id,
-                                                 attempt=gen, deadline_s=300, ranks=ranks, from_node=name,
-                                                 to_node=target, plan=plan))
+                    move = MigrateRanks(id=cid if index == 0 else out.command_id(job.id), job=job.id,
+                                        attempt=gen, deadline_s=300, ranks=ranks, from_node=name,
+                                        to_node=target, plan=plan)
+                    attempt.moves[move.id] = (name, target)
+                    commands.append(move)
                 moved = {r for c in commands for r in c.ranks}  # type: ignore[attr-defined]
                 staying = [r for r in attempt.ranks if r not in moved]
                 if staying:
@@ -382,6 +430,8 @@ class Incidents:
 
     def ack(self, out: RecordEffects, job: Job, data: kinds.CommandAck) -> None:
         incident = job.incident
+        if incident is not None and data.status != "accepted":
+            self._settle_move(job, incident, data.command_id, data.status == "done")
         attempt = incident.attempt if incident is not None else None
         if attempt is None or data.command_id not in attempt.pending or attempt.awaiting is not None:
             return  # an ack for a finished or superseded attempt, or for isolate commands: kept in the log
@@ -424,6 +474,25 @@ class Incidents:
             out.decide(job, DecisionKind.RANKS_RESTORING, "executors done: waiting for progress past step "
                        f"{self._resume_step(job, attempt)}",
                          cancelled=cancelled)
+
+    def _settle_move(self, job: Job, incident: Incident, command_id: str, done: bool) -> None:
+        """A migration's outcome is known: done, it stays; failed or unanswered, the ranks never left their node, so
+        the placement goes back and the target returns to the spare pool. Without this the job's placement and the
+        cluster's drift apart: the next move names a node the job is not on, and the target is lost to the pool."""
+        for attempt in reversed(incident.attempts):  # a superseded attempt's move may still be under way
+            move = attempt.moves.pop(command_id, None)
+            if move is None:
+                continue
+            if done:
+                return
+            source, target = move
+            owner = self.cluster.nodes[source].job if source in self.cluster.nodes else None
+            if target in job.nodes and source not in job.nodes and owner is None:
+                job.nodes[job.nodes.index(target)] = source
+                self.cluster.release(target, job.id)
+                self.cluster.node(target).spare = True
+                self.cluster.assign(source, job.id)
+            return
 
     def _resume_step(self, job: Job, attempt: Attempt) -> int:
         if attempt.granularity is G.RETRY:
@@ -538,6 +607,14 @@ class Incidents:
         """One of the open incident's timers fired: its settle window, its attempt's deadline, or the time an
         acknowledgement (or a dying checkpoint) was due."""
         incident = job.incident
+        if incident is not None and timer_id == incident.wait_timer:
+            incident.wait_timer = None
+            incident.wait_expired = True
+            waited = out.ts - (incident.waiting_since or out.ts)
+            out.decide(job, DecisionKind.WAIT_EXPIRED, f"waited {waited / NS:.0f} s for nodes: ask the policy for its "
+                       f"fallback", detail={"waited_s": waited / NS})
+            self.plan(out, job)
+            return
         if incident is not None and timer_id == incident.settle_timer:
             incident.settle_timer = None
             incident.widened = False
@@ -561,6 +638,8 @@ class Incidents:
                     out.decide(job, DecisionKind.CHECKPOINT_DYING_FAILED, why)
                     self.checkpoint(out, job, attempt)
                 else:
+                    assert incident is not None
+                    self._settle_move(job, incident, cid, done=False)
                     self.end_attempt(out, job, attempt, AttemptOutcome.TIMED_OUT, f"no ack for {kind} {cid} in time")
                 return
 

@@ -38,10 +38,16 @@ class Attempt:
     budget_keys: tuple[str, ...] = ()
     covered: frozenset[int] | None = None  # ranks + stopping, built on first use
     awaiting: int | None = None  # the step of a dying checkpoint the restart is held for
+    reset: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """devices the restart resets first, by node (a fallback when no spare came for a fault a reset clears)"""
+    moves: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """migrations sent and not yet done: command id -> (from node, to node). The placement is changed when the
+    command is sent; one that fails or never answers did not move the ranks, and is undone."""
 
     def copy(self) -> Attempt:
         twin = replace(self)
         twin.pending = dict(self.pending)
+        twin.moves = dict(self.moves)
         return twin
 
     def summary(self) -> dict[str, Any]:
@@ -72,6 +78,9 @@ class Incident:
     exiting: frozenset[int] = frozenset()  # ranks stopped by SIGTERM: saving a dying checkpoint on the way out
     awaited: bool = False  # an attempt held its restart for their dying checkpoint already
     dead_hosts: frozenset[str] = frozenset()  # hosts a node fault declared gone: no source of state
+    waiting_since: int | None = None  # log time the incident began to wait for nodes; None: not waiting
+    wait_timer: str | None = None  # the wait's deadline: when it fires the policy is asked to fall back
+    wait_expired: bool = False  # the wait ran out: the next answer is the policy's fallback
     closed: int | None = None
     outcome: IncidentOutcome | None = None
     lost_steps: int | None = None

@@ -21,6 +21,21 @@ class Placement:
     def vacate(self, job: Job) -> list[str]:
         return [name for name in job.nodes if not self.cluster.usable_by(name, job.rpn)]
 
+    def resettable(self, job: Job, vacate: list[str]) -> dict[str, tuple[int, ...]]:
+        """The devices a reset would clear on each node to vacate, if a reset makes every one of them usable again
+        (only bad devices that a reset clears keep it out); else empty."""
+        found: dict[str, tuple[int, ...]] = {}
+        for name in vacate:
+            node = self.cluster.nodes.get(name)
+            if (node is None or not node.bad_devices or not node.ready or node.drained or node.isolated
+                    or node.links_down or not node.bad_devices <= node.resettable):
+                return {}
+            found[name] = tuple(sorted(node.bad_devices))
+        return found
+
+    def reset_clears(self, job: Job, vacate: list[str]) -> bool:
+        return bool(vacate) and bool(self.resettable(job, vacate))
+
     def fault_nodes(self, job: Job) -> list[str]:
         """Nodes of the faulty or dead ranks: what a migration moves when no node is unusable."""
         assert job.incident is not None

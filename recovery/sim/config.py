@@ -84,6 +84,8 @@ class Costs:
     stop_graceful_s: float = 10.0
     retry_step_s: float = 10.0
     restart_in_place_s: float = 30.0
+    device_reset_s: float = 60.0
+    """a GPU reset before an in-place restart (nvidia-smi -r, or the driver's recovery), added to it"""
     migrate_s: float = 70.0
     restart_job_small_s: float = 70.0
     restart_job_large_s: float = 300.0

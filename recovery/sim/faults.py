@@ -53,6 +53,8 @@ DEVICE_CODES: dict[str, tuple[tuple[str, int], ...]] = {
     "GPU SRAM Memory": (("95", 6), ("48", 4)),
     "GPU System Processor": (("119", 6), ("120", 4)),
     "GPU Thermal Interface + Sensor": (("79", 1),),
+    "GPU DBE": (("48", 1),),
+    "GPU Off The Bus": (("79", 1),),
 }
 GENERIC_DEVICE_CODES: tuple[tuple[str, int], ...] = (("79", 1), ("48", 1), ("94", 1))
 """XIDs for a device row whose component the table above does not name (another mix)."""
@@ -78,6 +80,9 @@ class MixRow:
     count: int
     signal: str
     scope: str
+    repeat: float = 0.0
+    """the share of this row's faults that strike a device this row struck before (a lemon: a GPU whose memory
+    keeps raising double-bit errors until it is replaced); the optional `repeat` column, 0 when absent"""
 
 
 @dataclass(frozen=True)
@@ -107,12 +112,13 @@ class FaultMix:
             for line, raw in enumerate(csv.DictReader(fh), 2):
                 try:
                     row = MixRow(raw["component"].strip(), raw["category"].strip(), int(raw["count"]),
-                                 raw["signal"].strip(), raw["scope"].strip())
+                                 raw["signal"].strip(), raw["scope"].strip(), float(raw.get("repeat") or 0.0))
                 except (KeyError, ValueError, AttributeError) as exc:
                     raise ValueError(f"{where}:{line}: not a mix row ({exc})") from exc
-                if row.signal not in SIGNALS or row.scope not in SCOPES or row.count < 0:
+                if (row.signal not in SIGNALS or row.scope not in SCOPES or row.count < 0
+                        or not 0.0 <= row.repeat <= 1.0):
                     raise ValueError(f"{where}:{line}: signal must be one of {SIGNALS}, scope one of {SCOPES}, "
-                                     f"count >= 0; got {row}")
+                                     f"count >= 0, repeat within [0, 1]; got {row}")
                 rows.append(row)
         if not rows or sum(r.count for r in rows) == 0:
             raise ValueError(f"{where}: the mix has no faults")
@@ -143,7 +149,10 @@ class Fault:
     repair_ns: int = 0
     """how long the broken hardware takes to come back (repair, replacement, reboot)"""
     node: str | None = None
-    """a trace can name the node instead of a position"""
+    """a trace can name the node instead of a position; a repeating mix row names it too (the lemon is the
+    physical device, wherever the job has moved)"""
+    repeat: bool = False
+    """the fault strikes a device struck before: it does not happen once that device has been replaced"""
 
     @property
     def fault_class(self) -> str:
@@ -160,17 +169,35 @@ def _weighted(rng: random.Random, choices: Sequence[tuple[T, int]]) -> T:
     return choices[-1][0]
 
 
+def node_name(index: int) -> str:
+    """The simulated cluster's name of its node `index` (the job's initial placement first, then the spares)."""
+    return f"n{index:05d}"
+
+
 @dataclass
 class FaultDraw:
-    """Draws faults from a mix; every draw consumes the same random numbers whatever the outcome."""
+    """Draws faults from a mix; every draw consumes the same random numbers whatever the outcome (a mix with
+    repeating rows draws one more per fault, so a mix without them keeps the stream it always had)."""
 
     mix: FaultMix
     durations: Durations = field(default_factory=Durations)
+    struck: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """per repeating row: the (position, device) pairs it struck, in order"""
 
     def one(self, rng: random.Random, index: int, at_ns: int, positions: int, devices: int) -> Fault:
         row = _weighted(rng, [(row, row.count) for row in self.mix.rows])
         position = rng.randrange(positions)
         device = rng.randrange(devices)
+        repeat = False
+        if any(r.repeat > 0 for r in self.mix.rows):
+            u_repeat = rng.random()
+            earlier = self.struck.setdefault(row.component, []) if row.repeat > 0 else None
+            if earlier is not None:
+                if earlier and u_repeat < row.repeat:
+                    position, device = earlier[int(u_repeat / row.repeat * len(earlier)) % len(earlier)]
+                    repeat = True
+                else:
+                    earlier.append((position, device))
         xid = _weighted(rng, DEVICE_CODES.get(row.component, GENERIC_DEVICE_CODES))
         exit_code, exit_signal, _ = EXITS[_weighted(rng, [(i, weight) for i, (_, _, weight) in enumerate(EXITS)])]
         low, high = self.durations.switch_outage_s
@@ -185,7 +212,8 @@ class FaultDraw:
                      position=position, device=device, code=xid if signal == "device" else None,
                      exit_code=exit_code, exit_signal=exit_signal,
                      outage_ns=int(outage * NS) if scope == "switch" else 0,
-                     repair_ns=max(NS, int(repair * NS)))
+                     repair_ns=max(NS, int(repair * NS)),
+                     node=node_name(position) if row.repeat > 0 else None, repeat=repeat)
 
 
 def draw_faults(mix: FaultMix, *, gpus: int, positions: int, devices: int, horizon_ns: int, seed: int,

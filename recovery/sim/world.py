@@ -27,7 +27,7 @@ from events.envelope import EnvelopeBase, make_envelope
 from events.values import MAX_WATCHDOG_S, STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
 from policies.codes import Action, nvidia_xid
 from recovery.sim.config import NS, SimConfig
-from recovery.sim.faults import FOLLOW_UPS, Fault
+from recovery.sim.faults import FOLLOW_UPS, Fault, node_name
 
 Sink = Callable[[str, EnvelopeBase], None]
 _RESTARTS = ("restart_ranks", "migrate_ranks", "restart_job", "scale_job")
@@ -90,7 +90,7 @@ class World:
         self.tp, self.pp, self.dp = cl.tp, cl.pp, cl.dp
         self.shards = cl.shards
         self.shard_bytes = config.training.shard_bytes(cl)
-        names = [f"n{i:05d}" for i in range(cl.nodes + cl.spares)]
+        names = [node_name(i) for i in range(cl.nodes + cl.spares)]
         self.hw: dict[str, Hardware] = {n: Hardware(n, f"leaf{i // cl.nodes_per_switch:03d}")
                                         for i, n in enumerate(names)}
         self.by_switch: dict[str, list[str]] = {}
@@ -135,6 +135,8 @@ class World:
         self.retried = False
         self._n = 0
         self.stats: dict[str, int] = {}
+        self.replaced: set[tuple[str, int]] = set()
+        """devices swapped for new ones after an isolation: a lemon's repeated faults stop there"""
 
     @property
     def busy_label(self) -> str | None:
@@ -343,6 +345,9 @@ class World:
     def inject(self, fault: Fault) -> bool:
         """Apply a fault and emit its events. Returns whether it struck the job (its nodes or processes)."""
         node = fault.node if fault.node in self.hw else self.placement[fault.position % len(self.placement)]
+        if fault.repeat and (node, fault.device) in self.replaced:
+            self._count("repeats_on_replaced_devices")
+            return False
         hw = self.hw[node]
         switch = fault.signal == "network" and fault.scope == "switch"
         nodes = list(self.by_switch[hw.switch]) if switch else [node]
@@ -472,7 +477,8 @@ class World:
         hw = self.hw[node]
         was_not_ready, link = hw.not_ready, hw.link_down
         bad = sorted(hw.bad)
-        rebooted = hw.down or hw.gpu_lost is not None
+        # An isolated node comes back repaired or replaced, and booted: it joins afresh, which ends its isolation.
+        rebooted = hw.down or hw.gpu_lost is not None or hw.isolated
         if rebooted:
             self.mem_step.pop(node, None)  # a power cycle empties host memory; a GPU reset does not
         hw.down = hw.link_down = hw.not_ready = hw.isolated = hw.repairing = False
@@ -535,7 +541,7 @@ class World:
         if kind == "retry_step":
             return c.retry_step_s
         if kind == "restart_ranks":
-            return c.restart_in_place_s
+            return c.restart_in_place_s + (c.device_reset_s if data.reset_devices else 0.0)
         if kind == "migrate_ranks":
             return c.migrate_s
         if kind in ("restart_job", "scale_job"):
@@ -701,6 +707,9 @@ class World:
         return ""
 
     def _do_restart_ranks(self, command: Any) -> str:
+        for name, devices in command.reset_devices.items():
+            if name in self.hw:  # a reset clears what needs one (an XID 48); a lemon may fault again
+                self.hw[name].bad.difference_update(devices)
         nodes = sorted({self.node_of(r) for r in command.ranks})
         why = (self._unhealthy(nodes) or self._others_blocked(set(command.ranks), command.attempt)
                or self._plan_missing(command.plan, self._restarting(command)))
@@ -756,12 +765,14 @@ class World:
     def _do_isolate_node(self, command: Any) -> str:
         hw = self.hw[command.node]
         hw.isolated = True
+        self.replaced.update((command.node, device) for device in range(self.rpn))
         self._repair_later(command.node, int(self.cfg.durations.node_repair_mean_s * NS))
         return ""
 
     def _do_isolate_device(self, command: Any) -> str:
         hw = self.hw[command.node]
         hw.bad.add(command.device)
+        self.replaced.add((command.node, command.device))
         self._repair_later(command.node, int(self.cfg.durations.device_repair_mean_s * NS))
         return ""
 
