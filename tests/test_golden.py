@@ -239,3 +239,41 @@ def test_exhausted_restart_budget_fails_the_job_naming_it() -> None:
     assert "max_restarts" in failed.reason
     assert result.engine.jobs["flaky"].state == "failed"
     assert len(commands(result, "restart_ranks")) == 2
+
+
+def test_a_wait_for_nodes_ends_when_the_lost_host_joins_again() -> None:
+    result = load("wait_ends_on_rejoin")
+    [first, *_] = kinds(result, "attempt.waiting")
+    [deadline] = first.timers
+    assert deadline.id.startswith("host/wait/") and "at most 14400 s" in first.reason
+    [started] = kinds(result, "attempt.started")
+    assert deadline.id in started.cancelled_timers  # the rejoin ended the wait before its deadline
+    assert not kinds(result, "attempt.wait_expired")
+    [restart] = commands(result, "restart_job")
+    assert restart.nodes == ["h0", "h1"]
+    assert closed(result).detail["granularity"] == "restart_job"
+
+
+def test_a_wait_that_runs_out_resets_the_device_and_restarts_in_place() -> None:
+    result = load("wait_deadline_reset")
+    [waiting, *_] = kinds(result, "attempt.waiting")
+    [expired] = kinds(result, "attempt.wait_expired")
+    assert expired.cause_seq > waiting.cause_seq and "300 s" in expired.reason
+    [restart] = commands(result, "restart_ranks")
+    assert isinstance(restart, RestartRanks) and restart.ranks == [5] and restart.reset_devices == {"d1": [1]}
+    assert not commands(result, "migrate_ranks") and not kinds(result, "job.failed")
+    assert closed(result).detail["granularity"] == "in_place"
+
+
+def test_a_lemon_gpu_is_isolated_only_once_a_spare_can_replace_it() -> None:
+    result = load("lemon_isolated_with_spare")
+    no_spare = [d for d in result.decisions if "not isolated: no spare" in d.reason]
+    assert no_spare and all(d.job == "lem" for d in no_spare)  # the third error counts the earlier job's too
+    isolations = [c for d in result.decisions for c in d.commands if c.kind == "isolate_device"]
+    assert len(isolations) == 1 and (isolations[0].node, isolations[0].device) == ("l1", 2)
+    [isolating] = [d for d in result.decisions if any(c.kind == "isolate_device" for c in d.commands)]
+    assert "1 spare(s) can replace it" in isolating.reason
+    assert [t.id for t in isolating.timers] == [f"lem/release/l1/2/{isolating.cause_seq}"]  # it expires
+    assert isolating.cause_seq > no_spare[-1].cause_seq
+    [move] = commands(result, "migrate_ranks")
+    assert (move.from_node, move.to_node) == ("l1", "s0")

@@ -391,6 +391,77 @@ def move_skips_broken_spare() -> Scenario:
     return s
 
 
+@scenario
+def wait_ends_on_rejoin() -> Scenario:
+    """A host of a job without spares goes down: the job waits for nodes, with a deadline in the log. The host is
+    repaired and joins again before the deadline: the wait ends there, its deadline timer is cancelled and the job
+    restarts on its own nodes."""
+    s = Scenario()
+    s.submit("host", ["h0", "h1"], ranks_per_node=4, dp=2, tp=4)
+    s.train("host", 10)
+    s.checkpoint("host", 10, "storage", "storage")
+    s.train("host", 2)
+    s.node_event("h1", "node.not_ready", reason="kernel panic")
+    s.idle("host", 25, ranks=range(4))
+    s.advance(600)
+    s.node_event("h1", "node.joined", spare=False, devices=8)
+    s.ack_all()
+    s.advance(30)
+    s.train("host", 2)
+    return s
+
+
+@scenario
+def wait_deadline_reset() -> Scenario:
+    """A double-bit ECC error (XID 48) on a job without spares: the ranks must leave the GPU, nowhere to go. The
+    ladder waits at most `reset_after_s` (300 s) for a spare; none comes, the wait's deadline fires and it falls back
+    to what clears an XID 48: reset the GPU and restart the rank in place."""
+    s = Scenario()
+    s.submit("dbe", ["d0", "d1"], ranks_per_node=4, dp=8)
+    s.train("dbe", 10)
+    s.checkpoint("dbe", 10, "storage", "storage")
+    s.train("dbe", 2)
+    s.node_event("d1", "device.fault", device=1, vendor="nvidia", code="48")
+    s.advance(0.5)
+    s.job_event("dbe", "process.exited", rank=5, exit_code=None, signal=6)
+    s.ack_all()
+    s.advance(301)
+    s.ack_all()
+    s.advance(5)
+    s.train("dbe", 2)
+    return s
+
+
+@scenario
+def lemon_isolated_with_spare() -> Scenario:
+    """A GPU that keeps raising double-bit ECC errors, across jobs: the cluster's history, not one job's, makes it a
+    lemon. With no spare the job would lose a node by isolating it: it is reset and used again, and the decision
+    says why it was not isolated. Once a spare has joined, its next error isolates it (with an expiry timer) and the
+    ranks move to the spare."""
+    s = Scenario()
+    s.submit("prev", ["l1"], ranks_per_node=4, dp=4)  # an earlier job on the node sees its first error
+    s.train("prev", 3)
+    s.node_event("l1", "device.fault", device=2, vendor="nvidia", code="48")
+    s.job_event("prev", "job.completed")
+    s.node_event("l1", "device.recovered", device=2)
+    s.submit("lem", ["l0", "l1"], ranks_per_node=4, dp=8)
+    s.train("lem", 10)
+    s.checkpoint("lem", 10, "storage", "storage")
+    s.node_event("l1", "device.fault", device=2, vendor="nvidia", code="48")  # second: an ordinary fault
+    s.node_event("l1", "device.fault", device=2, vendor="nvidia", code="63")  # its row remap: the third
+    s.ack_all()
+    s.advance(301)
+    s.ack_all()
+    s.advance(5)
+    s.train("lem", 5)
+    s.spare("s0")
+    s.node_event("l1", "device.fault", device=2, vendor="nvidia", code="48")  # with a spare: isolated
+    s.ack_all()
+    s.advance(5)
+    s.train("lem", 2)
+    return s
+
+
 def path(name: str) -> Path:
     return HERE / f"{name}.jsonl"
 
