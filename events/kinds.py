@@ -211,6 +211,14 @@ class OperatorForce(Frozen):
     reason: Text = ""
 
 
+class OperatorRelease(Frozen):
+    """End the isolation of a node (or of one of its devices) now: an operator checked it, or replaced it."""
+
+    node: Token
+    device: Device | None = None
+    reason: Text = ""
+
+
 JOB_EVENTS: dict[str, type[Frozen]] = {
     "process.started": ProcessStarted,
     "process.exited": ProcessExited,
@@ -231,6 +239,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "operator.resume": OperatorResume,
     "operator.cancel": OperatorCancel,
     "operator.force": OperatorForce,
+    "operator.release": OperatorRelease,
 }
 """Event types that concern one job: the envelope carries `job`."""
 

@@ -149,11 +149,12 @@ class DefaultDetection(DetectionPolicyBase):
         if lemon is not None:
             # Isolating a lemon takes it away for good (until a repair, a replacement or the expiry): worth it only
             # if the job loses nothing by it: a spare takes its place, the job can shrink, or no rank of it is there.
-            replaceable = (not signal.ranks and not signal.node_ranks) or signal.can_shrink or (
+            scope: Any = "node" if on_node >= p.node_frequency_threshold else "device"
+            unused = not (signal.node_ranks if scope == "node" else signal.ranks)
+            replaceable = unused or signal.can_shrink or (
                 signal.spares_available is None or signal.spares_available > 0)
             if replaceable:
-                scope: Any = "node" if on_node >= p.node_frequency_threshold else "device"
-                because = ("no rank of the job on it" if not signal.ranks and not signal.node_ranks else
+                because = ("no rank of the job on it" if unused else
                            f"{signal.spares_available} spare(s) can replace it" if signal.spares_available else
                            "the job can shrink without it" if signal.can_shrink else "spares unknown")
                 return Fault(f"{code} on {where}: {lemon}: isolate {scope} ({because})", FaultClass.DEVICE, scope,

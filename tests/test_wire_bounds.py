@@ -73,6 +73,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "operator.resume": {},
     "operator.cancel": {"reason": "budget"},
     "operator.force": {"granularity": "restart_job", "reason": "operator"},
+    "operator.release": {"node": "n0", "device": 3, "reason": "replaced the GPU"},
 }
 
 

@@ -339,6 +339,9 @@ class Engine:
         elif type_ == "job.cancelled":
             self._finish(out, job, "cancel", DecisionKind.JOB_CANCELLED,
                          data.reason or "cancelled by the scheduler")
+        elif type_ == "operator.release":
+            if self.operators.release(out, job, data):
+                self._capacity_returned(out)
         elif type_.startswith("operator."):
             self.operators.handle(out, job, type_, data)
         else:  # process.exited, process.hang, network.collective_timeout

@@ -26,6 +26,28 @@ class Operators:
         self.placement = placement
         self.incidents = incidents
 
+    def release(self, out: RecordEffects, job: Job, data: Any) -> bool:
+        """An operator ends an isolation; True if something was isolated (nodes may have come back)."""
+        node = self.cluster.nodes.get(data.node)
+        if node is None:
+            raise Rejected("invalid_request", f"node {data.node} was never seen")
+        if data.device is None:
+            if not node.isolated:
+                raise Rejected("invalid_state", f"node {data.node} is not isolated")
+            self.cluster.node(data.node).isolated = False
+            what = f"node {data.node}"
+        else:
+            if data.device not in node.isolated_devices:
+                raise Rejected("invalid_state", f"device {data.device} of {data.node} is not isolated")
+            changed = self.cluster.node(data.node)
+            changed.isolated_devices.discard(data.device)
+            changed.bad_devices.discard(data.device)
+            what = f"{data.node} device {data.device}"
+        out.decide(job, DecisionKind.HARDWARE_RELEASED, f"an operator released {what}"
+                   + (f": {data.reason}" if data.reason else ""),
+                   detail={"node": data.node, "device": data.device, "by": "operator"})
+        return True
+
     def handle(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
         if type_ == "operator.cancel":
             stopping = [r for r in range(job.world) if job.alive[r]]

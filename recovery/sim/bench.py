@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -63,9 +64,13 @@ class Outcome:
     sim_seconds: float
     engine_seconds: float
     events: int
+    cpu_seconds: float = 0.0
+    """the run's process CPU time: what it costs on a machine shared with other work, where wall time says more
+    about the neighbours"""
 
 
 def one(run: Run) -> Outcome:
+    cpu = time.process_time()
     llama = FaultMix.load().rate_per_gpu_hour
     mix = MIXES[run.mix]
     result = simulate(SimConfig(cluster=Cluster(gpus=run.gpus), days=run.days, seed=run.seed,
@@ -73,7 +78,7 @@ def one(run: Run) -> Outcome:
                                 rate_per_gpu_hour=None if run.rate == 1.0 and mix is None else run.rate * llama))
     return Outcome(run, result.ettr, result.lost_gpu_hours, result.job_state == "failed",
                    "waiting" in result.job_state, len(result.faults), result.sim_seconds, result.engine_seconds,
-                   result.events)
+                   result.events, time.process_time() - cpu)
 
 
 def runs(profiles: Sequence[str], scales: Sequence[int], seeds: Sequence[int], days: float,
@@ -97,7 +102,8 @@ def execute(todo: list[Run], workers: int, note: Callable[[str], None]) -> list[
         end = ", job FAILED" if outcome.failed else ", job WAITING at the end" if outcome.waiting else ""
         note(f"  {r.profile:>19} {r.case:>14} seed {r.seed}: ETTR {outcome.ettr:.4f}, lost "
              f"{outcome.lost_gpu_hours:,.0f} GPU-h, {outcome.faults} faults{end}"
-             f" ({outcome.sim_seconds:.1f} s, {outcome.engine_seconds:.1f} s in the engine)")
+             f" ({outcome.sim_seconds:.1f} s, {outcome.engine_seconds:.1f} s in the engine, "
+             f"{outcome.cpu_seconds:.1f} s CPU)")
         done.append(outcome)
 
     if workers <= 1:
@@ -143,6 +149,8 @@ def metrics(outcomes: list[Outcome], days: float) -> Iterator[tuple[str, float, 
         yield (f"sim.{case}.{days:g}d.seconds", _sig(statistics.median(o.sim_seconds for o in timed)),
                "s (median wall time of a run over the whole horizon, any profile)")
         yield f"sim.{case}.{days:g}d.seconds_max", _sig(max(o.sim_seconds for o in timed)), "s (slowest run)"
+        yield (f"sim.{case}.{days:g}d.cpu_seconds", _sig(sum(o.cpu_seconds for o in at)),
+               "s (CPU time of every run of the case, summed)")
         yield (f"sim.{case}.{days:g}d.seconds_outside_engine",
                _sig(statistics.median(o.sim_seconds - o.engine_seconds for o in timed)),
                "s (median: the simulator itself, without Recorder.feed)")

@@ -1,0 +1,141 @@
+"""No wait without an exit: under any stream of faults and repairs, a stretch of `waiting` for nodes ends by the
+deadline its first `attempt.waiting` decision armed, and that deadline is never later than the shipped ladder's
+longest wait. What ends it (a node back, a spare, the fallback, a failure) is up to the stream; that it ends is not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies.base import NS
+from policies.rescheduling import DEFAULT_LADDERS
+from recovery.core.incidents import MAX_WAIT_NS
+from recovery.testing.scenario import Scenario
+
+JOB = "w"
+NODES = ["w0", "w1", "w2", "w3"]
+XIDS = ["48", "48", "79", "46", "62", "94", "13", "119"]
+ADVANCE_S = [1.0, 15.0, 30.0, 120.0, 301.0, 900.0, 3600.0, 4 * 3600.0 + 1]
+LONGEST_WAIT_NS = max(MAX_WAIT_NS, *(int(r.wait_s * NS) for rungs in DEFAULT_LADDERS.values() for r in rungs))
+
+_fault = st.one_of(st.tuples(st.just("xid"), st.integers(0, 3), st.integers(0, 1), st.sampled_from(XIDS)),
+                   st.tuples(st.just("host_down"), st.integers(0, 3)))
+_time = st.tuples(st.just("advance"), st.sampled_from(ADVANCE_S))
+ops = st.lists(st.one_of(  # faults and time weigh more: they are what makes a job wait, and what ends a wait
+    _fault, _fault, _time, _time,
+    st.tuples(st.just("repair"), st.integers(0, 3)),
+    st.tuples(st.just("device_ok"), st.integers(0, 3), st.integers(0, 1)),
+    st.tuples(st.just("link_down"), st.integers(0, 3)),
+    st.tuples(st.just("link_up"), st.integers(0, 3)),
+    st.tuples(st.just("exit"), st.integers(0, 7)),
+    st.tuples(st.just("spare")),
+    st.tuples(st.just("executors")),
+    st.tuples(st.just("advance"), st.sampled_from(ADVANCE_S)),
+    st.tuples(st.just("train"), st.integers(1, 3)),
+), min_size=1, max_size=40)
+
+
+def play(stream: list[tuple[Any, ...]], spares: int, elastic: bool) -> Scenario:
+    s = Scenario()
+    for index in range(spares):
+        s.spare(f"s{index}")
+    s.submit(JOB, list(NODES), ranks_per_node=2, dp=4, tp=2,
+             elastic={"min_dp": 2, "max_dp": 4} if elastic else None)
+    s.train(JOB, 3)
+    s.checkpoint(JOB, 3, "storage", "storage")
+    joined = spares
+    for op in stream:
+        job = s.engine.jobs[JOB]
+        if job.state in ("failed", "completed", "cancelled"):
+            break
+        kind = op[0]
+        nodes = list(job.nodes)
+        if kind == "xid":
+            s.node_event(nodes[op[1] % len(nodes)], "device.fault", device=op[2], vendor="nvidia", code=op[3])
+        elif kind == "host_down":
+            s.node_event(nodes[op[1] % len(nodes)], "node.not_ready", reason="host down")
+        elif kind == "repair":
+            name = sorted(s.engine.cluster.nodes)[op[1] % len(s.engine.cluster.nodes)]
+            owner = s.engine.cluster.nodes[name].job
+            s.node_event(name, "node.joined", spare=owner is None, devices=8)
+        elif kind == "device_ok":
+            s.node_event(nodes[op[1] % len(nodes)], "device.recovered", device=op[2])
+        elif kind == "link_down":
+            s.node_event(nodes[op[1] % len(nodes)], "network.link_down", link="ib0")
+        elif kind == "link_up":
+            s.node_event(nodes[op[1] % len(nodes)], "network.link_up", link="ib0")
+        elif kind == "exit":
+            s.job_event(JOB, "process.exited", rank=op[1] % job.world, exit_code=1, signal=None,
+                        attempt=job.rank_gen[op[1] % job.world])
+        elif kind == "spare":
+            s.spare(f"s{joined}")
+            joined += 1
+        elif kind == "executors":
+            s.ack_all()
+        elif kind == "advance":
+            s.advance(op[1])
+        elif job.state == "running":
+            s.train(JOB, op[1])
+    return s
+
+
+def waiting_stretches(s: Scenario) -> list[tuple[int, int | None, int | None]]:
+    """(start, end or None if still waiting, deadline armed at the start) of every stretch of `waiting`."""
+    stretches: list[tuple[int, int | None, int | None]] = []
+    start: int | None = None
+    deadline: int | None = None
+    for record in s.log.records():
+        envelope = record.envelope  # type: ignore[union-attr]
+        if envelope.type != "decision":
+            continue
+        decision = envelope.data
+        if decision.job != JOB:
+            continue
+        if decision.phase == "waiting" and start is None:
+            start = record.ts
+            due = [t.due for t in decision.timers if "/wait/" in t.id]
+            deadline = due[0] if due else None
+        elif decision.phase != "waiting" and start is not None:
+            stretches.append((start, record.ts, deadline))
+            start = None
+    if start is not None:
+        stretches.append((start, None, deadline))
+    return stretches
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.integers(0, 2), st.booleans())
+def test_no_stretch_of_waiting_outlasts_the_deadline_its_wait_armed(stream: list[tuple[Any, ...]], spares: int,
+                                                                    elastic: bool) -> None:
+    s = play(stream, spares, elastic)
+    assert not [r for r in s.rejections if r.code == "internal_error"]
+    now = s.now
+    for start, end, deadline in waiting_stretches(s):
+        assert deadline is not None, "a wait for nodes without a deadline in the log"
+        assert deadline - start <= LONGEST_WAIT_NS
+        assert (end if end is not None else now) <= deadline, orjson.dumps(stream).decode()
+
+
+def test_a_crash_while_a_link_is_being_debounced_waits_instead_of_failing() -> None:
+    """A job whose only rung is an in-place restart: a rank crashes while another node's link is down and its
+    debounce runs. The restart cannot be placed now; the job waits (bounded) and restarts once the link is up."""
+    s = Scenario()
+    only_in_place = {"rescheduling": {"name": "ladder", "params": {"ladders": {
+        "process": [{"granularity": "in_place", "budget": 3, "deadline_s": 120}]}}}}
+    s.submit(JOB, ["w0", "w1"], ranks_per_node=2, dp=4, policies=only_in_place)
+    s.train(JOB, 3)
+    s.checkpoint(JOB, 3, "storage", "storage")
+    s.node_event("w1", "network.link_down", link="ib0")
+    s.job_event(JOB, "process.exited", rank=0, exit_code=1, signal=None, attempt=0)
+    assert s.phase(JOB) == "waiting" and s.state(JOB) != "failed"
+    [waiting] = s.find("attempt.waiting", JOB)
+    assert "cannot run processes now" in waiting.reason and any("/wait/" in t.id for t in waiting.timers)
+    s.advance(3)
+    s.node_event("w1", "network.link_up", link="ib0")
+    s.ack_all()
+    assert [d.detail["granularity"] for d in s.find("attempt.started", JOB)] == ["in_place"]
+    assert not s.find("job.failed", JOB)
