@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from events import kinds
-from events.values import Count, FaultClass, Flag, Granularity, Interval, Tier
+from events.values import MAX_SECONDS, Count, FaultClass, Flag, Granularity, Interval, Tier
 from policies.base import (
     NS,
     DetectionPolicyBase,
@@ -148,7 +148,8 @@ class MindClusterLikeDetection(DefaultDetection):
     watchdog, with the same code tables and debouncing as our default detection."""
 
     name: ClassVar[str] = "mindcluster-like-detection"
-    version: ClassVar[str] = "3"  # 2: sub-health drains at the next checkpoint; 3: unused devices (default@4)
+    version: ClassVar[str] = "4"  # 2: sub-health drains at the next checkpoint; 3: unused devices (default@4);
+    # 4: lemons isolated only when replaceable, for isolation_s (default@6)
 
 
 STRATEGY_ORDER: tuple[tuple[Granularity, float], ...] = (
@@ -171,14 +172,18 @@ class MindClusterLikeRescheduling(LadderRescheduling):
     process is gone, an in-place restart when the node must be left, elastic training for a fixed-size job)."""
 
     name: ClassVar[str] = "mindcluster-like-rescheduling"
-    version: ClassVar[str] = "3"  # 2: the ladder's settle window (ClusterD gathers a job's faults first); 3: ladder@4
+    version: ClassVar[str] = "4"  # 2: the ladder's settle window (ClusterD gathers a job's faults first); 3: ladder@4;
+    # 4: ladder@5, its waits left as long as the ladder allows (a job without resources stays pending)
     parameters = MindClusterReschedulingParams  # what a job may set; the policy runs the ladder's built from them
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         own = MindClusterReschedulingParams.model_validate(dict(params or {}))
-        ladder = [Rung(granularity=g, budget=None, deadline_s=own.deadlines_s.get(g, d))
+        # A job MindCluster cannot place stays pending until resources return: no deadline, no reset fallback of
+        # ours (the longest wait the ladder takes, 30 days, is past any run).
+        ladder = [Rung(granularity=g, budget=None, deadline_s=own.deadlines_s.get(g, d), wait_s=MAX_SECONDS)
                   for g, d in STRATEGY_ORDER for _ in range(own.job_level_tries if g is G.RESTART_JOB else 1)]
-        super().__init__({"ladders": {fc: ladder for fc in FaultClass}, "elastic": True, "wait": True})
+        super().__init__({"ladders": {fc: ladder for fc in FaultClass}, "elastic": True, "wait": True,
+                          "reset_after_s": MAX_SECONDS})
 
 
 class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):

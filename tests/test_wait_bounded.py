@@ -139,3 +139,19 @@ def test_a_crash_while_a_link_is_being_debounced_waits_instead_of_failing() -> N
     s.ack_all()
     assert [d.detail["granularity"] for d in s.find("attempt.started", JOB)] == ["in_place"]
     assert not s.find("job.failed", JOB)
+
+
+def test_a_policy_that_waits_again_after_its_deadline_gets_a_new_deadline_not_a_loop() -> None:
+    """torchelastic-like waits for nodes whatever happens: after the engine's deadline it is asked again and waits
+    again; that second wait has a deadline of its own, a full one later."""
+    s = Scenario()
+    baseline = {"rescheduling": {"name": "torchelastic-like-rescheduling"}}
+    s.submit(JOB, ["w0", "w1"], ranks_per_node=2, dp=4, policies=baseline)
+    s.train(JOB, 3)
+    s.checkpoint(JOB, 3, "storage", "storage")
+    s.node_event("w1", "device.fault", device=0, vendor="nvidia", code="79")
+    s.ack_all()
+    s.advance(MAX_WAIT_NS / NS + 1)
+    assert len(s.find("attempt.wait_expired", JOB)) == 1
+    [first, again] = [t for d in s.find("attempt.waiting", JOB) for t in d.timers if "/wait/" in t.id]
+    assert again.due - first.due == MAX_WAIT_NS

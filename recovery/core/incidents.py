@@ -149,6 +149,11 @@ class Incidents:
         incident = job.incident
         assert incident is not None
         incident.move("wait", out.ts)
+        if incident.wait_expired:
+            # The policy chose to wait again after its deadline: a new stretch with a deadline of its own (a deadline
+            # already past would fire at once, and again, without end).
+            incident.wait_expired = False
+            incident.waiting_since = None
         if incident.waiting_since is None:
             incident.waiting_since = out.ts
         if incident.wait_timer is not None:
