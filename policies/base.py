@@ -210,6 +210,9 @@ class RescheduleContext:
     reset_clears: bool = False
     """every node the job must leave is unusable only for devices a reset clears (XID 48 and its kind): a restart in
     place that resets them first (`StartRung(..., reset_devices=True)`) can run without a spare"""
+    nodes_after_reset: int = 0
+    """the nodes the job must still leave once the devices a reset clears are reset: a pod-level move of only
+    these, resetting the others (`StartRung(MIGRATE, ..., reset_devices=True)`), needs this many spares"""
 
 
 # The rescheduling decision: one of four small variants (`Reschedule` is their union).
@@ -223,8 +226,9 @@ class StartRung:
     deadline_ns: int = 300 * NS
     rung: int = 0
     reset_devices: bool = False
-    """for an in-place restart: reset the devices that keep the ranks' nodes unusable first, and restart there
-    (only when `RescheduleContext.reset_clears`)"""
+    """reset first the devices a reset clears on the nodes the job would leave, and restart those ranks there: an
+    in-place restart (when `RescheduleContext.reset_clears`), or a pod-level move of only the other nodes (needs
+    `RescheduleContext.nodes_after_reset` spares)"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,19 +154,26 @@ class LadderRescheduling(ReschedulingPolicyBase):
 
     def _wait_or_fall_back(self, ctx: RescheduleContext, short: str, wait_s: float, deadline: int, rung: int
                            ) -> Reschedule:
-        """The job cannot have the nodes it needs now: wait for them, bounded; once the wait has run out, restart in
-        place after a device reset if that clears the fault, else fail and say why."""
-        reset = ctx.reset_clears
+        """The job cannot have the nodes it needs now: wait for them, bounded. Once the wait has run out: reset the
+        devices a reset clears and restart those ranks where they are (moving only the ranks of the other nodes, if
+        the spares cover them), else fail and say why."""
+        in_place = ctx.reset_clears
+        partly = (not in_place and ctx.nodes_after_reset < ctx.nodes_to_replace
+                  and ctx.nodes_after_reset <= ctx.spares_available)
         if ctx.wait_expired:
             waited = f"waited {ctx.waited_ns / NS:.0f} s: "
-            if reset:
-                in_place = max(deadline, int(self.ladders[ctx.fault_class][0].deadline_s * NS))
+            first = max(deadline, int(self.ladders[ctx.fault_class][0].deadline_s * NS))
+            if in_place:
                 return StartRung(G.IN_PLACE, f"{short}: {waited}reset the faulty device(s) and restart in place",
-                                 in_place, rung, reset_devices=True)
+                                 first, rung, reset_devices=True)
+            if partly:
+                return StartRung(G.MIGRATE, f"{short}: {waited}reset the device(s) a reset clears, restart those "
+                                            f"ranks in place and move the ranks of {ctx.nodes_after_reset} node(s)",
+                                 max(deadline, first), rung, reset_devices=True)
             return Fail(f"{short}: {waited}no fallback: the job is not elastic and no device reset clears the fault")
-        wait = min(wait_s, self.params.reset_after_s) if reset else wait_s
-        then = "reset the device(s) and restart in place" if reset else (
-            "scale in" if self.params.elastic and ctx.scale_in_dp is not None else "fail")
+        wait = min(wait_s, self.params.reset_after_s) if in_place or partly else wait_s
+        then = ("reset the device(s) and restart in place" if in_place else
+                "reset what a reset clears and move the rest" if partly else "fail")
         return Wait(f"{short}: wait for nodes, at most {wait:g} s, then {then}", int(wait * NS))
 
 

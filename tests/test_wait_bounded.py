@@ -155,3 +155,25 @@ def test_a_policy_that_waits_again_after_its_deadline_gets_a_new_deadline_not_a_
     assert len(s.find("attempt.wait_expired", JOB)) == 1
     [first, again] = [t for d in s.find("attempt.waiting", JOB) for t in d.timers if "/wait/" in t.id]
     assert again.due - first.due == MAX_WAIT_NS
+
+
+def test_a_lost_host_and_a_reset_class_gpu_with_one_spare_move_one_node_and_reset_the_other() -> None:
+    """Two nodes to leave, one spare: all or nothing would wait for a second spare (or a repair, hours away). After
+    `reset_after_s` the ladder takes the one spare for the host that is gone and resets the GPU of the other."""
+    s = Scenario()
+    s.spare("s0")
+    s.submit(JOB, ["w0", "w1", "w2"], ranks_per_node=2, dp=6)
+    s.train(JOB, 3)
+    s.checkpoint(JOB, 3, "storage", "storage")
+    s.node_event("w2", "device.fault", device=1, vendor="nvidia", code="48")
+    s.node_event("w1", "device.fault", device=0, vendor="nvidia", code="79")  # the whole node must be left
+    s.advance(3)  # the settle window after the second fault widened the incident
+    s.ack_all()
+    assert s.phase(JOB) == "waiting"
+    s.advance(301)
+    s.ack_all()
+    [move] = s.commands_of("migrate_ranks")
+    assert (move.from_node, move.to_node) == ("w1", "s0")
+    [restart] = [c for c in s.commands_of("restart_ranks") if c.reset_devices]
+    assert restart.reset_devices == {"w2": [1]} and 5 in restart.ranks
+    assert s.phase(JOB) == "restoring" and not s.find("job.failed", JOB)

@@ -87,7 +87,8 @@ class Incidents:
             scale_in_dp=self.placement.scale_in_dp(job, vacate), forced=forced,
             widened=incident.widened, step_time_ns=job.step_time, wait_expired=incident.wait_expired,
             waited_ns=0 if incident.waiting_since is None else out.ts - incident.waiting_since,
-            reset_clears=self.placement.reset_clears(job, vacate),
+            reset_clears=self.placement.reset_clears(vacate),
+            nodes_after_reset=len(self.placement.split_by_reset(vacate)[0]),
         )
         answer = ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
         expect(job, "rescheduling", answer, (StartRung, Wait, Settle, Fail))
@@ -133,8 +134,8 @@ class Incidents:
                           purpose=AttemptPurpose.DUMP if g is G.DUMP else AttemptPurpose.RECOVER,
                           reason=answer.reason, started=out.ts)
         if answer.reset_devices:
-            attempt.reset = self.placement.resettable(job, vacate)
-            vacate = []  # the reset makes them usable: the ranks restart where they are
+            # The reset makes those nodes usable: their ranks restart where they are, only the rest move.
+            vacate, attempt.reset = self.placement.split_by_reset(vacate)
         keys = (f"{fault_class.value}/{g.value}", g.value)
         attempt.budget_keys = keys
         for key in keys:
@@ -177,9 +178,16 @@ class Incidents:
         The engine checks every policy's answer: a third-party ladder that picks a restart the cluster cannot
         place must not make the engine supersede, refund and ask again without end."""
         g = answer.granularity
-        if answer.reset_devices and (g is not G.IN_PLACE or not self.placement.reset_clears(job, vacate)):
-            return "a device reset does not make the nodes usable"
-        if g is G.IN_PLACE and answer.reset_devices:
+        if answer.reset_devices:
+            must_move, reset = self.placement.split_by_reset(vacate)
+            if not reset or g not in (G.IN_PLACE, G.MIGRATE):
+                return "no device a reset clears keeps the ranks off their nodes"
+            if g is G.IN_PLACE and must_move:
+                return f"a device reset leaves {len(must_move)} node(s) unusable"
+            if g is G.MIGRATE and not must_move:
+                return "nothing to move once the devices are reset"
+            if g is G.MIGRATE and len(must_move) > spares:
+                return f"{len(must_move)} node(s) to move after the reset, {spares} spare(s)"
             return None
         if g is G.MIGRATE and len(migrate) > spares:
             return f"{len(migrate)} node(s) to move, {spares} spare(s)"
@@ -396,7 +404,8 @@ class Incidents:
                 staying = [r for r in attempt.ranks if r not in moved]
                 if staying:
                     commands.append(RestartRanks(id=out.command_id(job.id), job=job.id, attempt=gen,
-                                                 deadline_s=120, ranks=staying, plan=plan))
+                                                 deadline_s=120, ranks=staying, plan=plan,
+                                                 reset_devices={n: list(d) for n, d in attempt.reset.items()}))
             else:
                 placement = self.placement.place(job, attempt)
                 if placement is None:

@@ -21,20 +21,24 @@ class Placement:
     def vacate(self, job: Job) -> list[str]:
         return [name for name in job.nodes if not self.cluster.usable_by(name, job.rpn)]
 
-    def resettable(self, job: Job, vacate: list[str]) -> dict[str, tuple[int, ...]]:
-        """The devices a reset would clear on each node to vacate, if a reset makes every one of them usable again
-        (only bad devices that a reset clears keep it out); else empty."""
-        found: dict[str, tuple[int, ...]] = {}
+    def split_by_reset(self, vacate: list[str]) -> tuple[list[str], dict[str, tuple[int, ...]]]:
+        """The nodes to vacate that a device reset would make usable again (only bad devices a reset clears keep them
+        out), with those devices, and the rest, which must be left."""
+        reset: dict[str, tuple[int, ...]] = {}
+        must_move: list[str] = []
         for name in vacate:
             node = self.cluster.nodes.get(name)
             if (node is None or not node.bad_devices or not node.ready or node.drained or node.isolated
                     or node.links_down or not node.bad_devices <= node.resettable):
-                return {}
-            found[name] = tuple(sorted(node.bad_devices))
-        return found
+                must_move.append(name)
+            else:
+                reset[name] = tuple(sorted(node.bad_devices))
+        return must_move, reset
 
-    def reset_clears(self, job: Job, vacate: list[str]) -> bool:
-        return bool(vacate) and bool(self.resettable(job, vacate))
+    def reset_clears(self, vacate: list[str]) -> bool:
+        """Would a device reset make every node to vacate usable?"""
+        must_move, reset = self.split_by_reset(vacate)
+        return bool(reset) and not must_move
 
     def fault_nodes(self, job: Job) -> list[str]:
         """Nodes of the faulty or dead ranks: what a migration moves when no node is unusable."""

@@ -89,8 +89,10 @@ def runs(profiles: Sequence[str], scales: Sequence[int], seeds: Sequence[int], d
     cases: list[tuple[int, float, str]] = []
     if "llama3" in mixes:
         cases += [(g, 1.0, "llama3") for g in sorted(scales, reverse=True) if g != base]
-        cases += [(base, r, "llama3") for r in sorted(rates, reverse=True)]
+        cases += [(base, r, "llama3") for r in sorted(rates, reverse=True) if r > DBE_RATE]
     cases += [(base, DBE_RATE, m) for m in mixes if m != "llama3"]
+    if "llama3" in mixes:
+        cases += [(base, r, "llama3") for r in sorted(rates, reverse=True) if r <= DBE_RATE]
     return [Run(p, g, s, days, r, m) for g, r, m in cases for s in seeds for p in profiles]
 
 
