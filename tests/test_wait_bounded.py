@@ -1,6 +1,7 @@
 """No wait without an exit: under any stream of faults and repairs, a stretch of `waiting` for nodes ends by the
-deadline its first `attempt.waiting` decision armed, and that deadline is never later than the shipped ladder's
-longest wait. What ends it (a node back, a spare, the fallback, a failure) is up to the stream; that it ends is not.
+deadline of the policy's latest answer (armed in the log), and that deadline is never later than the shipped
+ladder's longest wait after the stretch began. What ends it (a node back, a spare, the fallback, a failure) is up
+to the stream; that it ends is not.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def play(stream: list[tuple[Any, ...]], spares: int, elastic: bool) -> Scenario:
 
 
 def waiting_stretches(s: Scenario) -> list[tuple[int, int | None, int | None]]:
-    """(start, end or None if still waiting, deadline armed at the start) of every stretch of `waiting`."""
+    """(start, end or None if still waiting, the deadline armed last) of every stretch of `waiting`."""
     stretches: list[tuple[int, int | None, int | None]] = []
     start: int | None = None
     deadline: int | None = None
@@ -99,7 +100,10 @@ def waiting_stretches(s: Scenario) -> list[tuple[int, int | None, int | None]]:
             start = record.ts
             due = [t.due for t in decision.timers if "/wait/" in t.id]
             deadline = due[0] if due else None
-        elif decision.phase != "waiting" and start is not None:
+        elif decision.phase == "waiting":
+            # a later answer of the policy may move the stretch's deadline: the one armed last is the one that holds
+            deadline = next((t.due for t in decision.timers if "/wait/" in t.id), deadline)
+        elif start is not None:
             stretches.append((start, record.ts, deadline))
             start = None
     if start is not None:
@@ -177,3 +181,21 @@ def test_a_lost_host_and_a_reset_class_gpu_with_one_spare_move_one_node_and_rese
     [restart] = [c for c in s.commands_of("restart_ranks") if c.reset_devices]
     assert restart.reset_devices == {"w2": [1]} and 5 in restart.ranks
     assert s.phase(JOB) == "restoring" and not s.find("job.failed", JOB)
+
+
+def test_a_lost_node_joining_a_short_reset_wait_moves_its_deadline_out() -> None:
+    """An XID 48 alone waits 300 s for a spare before resetting; a GPU off the bus on another node joins, which no
+    reset fixes: the stretch's deadline moves to the ladder's 4 h (from the start of the stretch), and nothing fails
+    at 300 s."""
+    s = Scenario()
+    s.submit(JOB, ["w0", "w1", "w2"], ranks_per_node=2, dp=6)
+    s.train(JOB, 3)
+    s.checkpoint(JOB, 3, "storage", "storage")
+    s.node_event("w2", "device.fault", device=1, vendor="nvidia", code="48")
+    [short] = [t for t in s.find("attempt.waiting", JOB)[0].timers if "/wait/" in t.id]
+    s.advance(10)
+    s.node_event("w1", "device.fault", device=0, vendor="nvidia", code="79")
+    [longer] = [t for d in s.find("attempt.waiting", JOB) for t in d.timers if "/wait/" in t.id and t.id != short.id]
+    assert longer.due - short.due == 4 * 3600 * NS - 300 * NS
+    s.advance(301)
+    assert s.phase(JOB) == "waiting" and not s.find("attempt.wait_expired", JOB) and not s.find("job.failed", JOB)

@@ -108,9 +108,9 @@ class Incidents:
                 return
             # The policy chose what the cluster cannot carry out now. Asking again at once would get the same answer
             # (a policy is a pure function of the same context): wait until nodes come back, and say why.
-            timers = self._wait(out, job, MAX_WAIT_NS)
+            timers, cancelled = self._wait(out, job, MAX_WAIT_NS)
             out.decide(job, DecisionKind.ATTEMPT_WAITING, f"{policy} chose {chose}, which cannot be placed: {short}; "
-                       f"wait for nodes", policy=policy, timers=timers,
+                       f"wait for nodes", policy=policy, timers=timers, cancelled=cancelled,
                        detail={"vacate": vacate, "spares": len(spares), "refused": answer.reason})
             return
         if isinstance(answer, Settle):
@@ -122,9 +122,10 @@ class Incidents:
                        timers=[timer], detail={"faults": len(incident.faults)})
             return
         if isinstance(answer, Wait):
-            timers = self._wait(out, job, MAX_WAIT_NS if answer.deadline_ns is None else answer.deadline_ns)
+            deadline = MAX_WAIT_NS if answer.deadline_ns is None else answer.deadline_ns
+            timers, cancelled = self._wait(out, job, deadline)
             out.decide(job, DecisionKind.ATTEMPT_WAITING, answer.reason, policy=policy, timers=timers,
-                       detail={"vacate": vacate, "spares": len(spares)})
+                       cancelled=cancelled, detail={"vacate": vacate, "spares": len(spares)})
             return
         if isinstance(answer, Fail) or answer.granularity is G.FAIL:
             self.fail_job(out, job, answer.reason, policy)
@@ -144,9 +145,11 @@ class Incidents:
             job.restarts_used += 1
         self.start(out, job, attempt, answer.deadline_ns, policy, vacate)
 
-    def _wait(self, out: RecordEffects, job: Job, deadline_ns: int) -> list[TimerRequest]:
-        """The job waits for nodes. The first wait of a stretch arms its deadline; a job asked again while it waits
-        (a fault joins, a node returns) keeps the deadline it has, so that no stretch of waiting outlasts it."""
+    def _wait(self, out: RecordEffects, job: Job, deadline_ns: int) -> tuple[list[TimerRequest], list[str]]:
+        """The job waits for nodes, until `deadline_ns` after the stretch of waiting began: a job asked again while
+        it waits (a fault joins, a node returns) keeps the start of its stretch, so that no stretch outlasts the
+        deadline of the policy's latest answer. The timer is armed again only when that deadline moves (an XID 48
+        alone waits minutes for a spare, a lost host joining it hours). Returns the timers armed and cancelled."""
         incident = job.incident
         assert incident is not None
         incident.move("wait", out.ts)
@@ -157,12 +160,15 @@ class Incidents:
             incident.waiting_since = None
         if incident.waiting_since is None:
             incident.waiting_since = out.ts
-        if incident.wait_timer is not None:
-            return []
+        due = incident.waiting_since + deadline_ns
+        armed = self.timekeeper.table.get(incident.wait_timer) if incident.wait_timer is not None else None
+        if armed is not None and armed[1] == max(due, out.ts + 1):
+            return [], []
+        cancelled = self.timekeeper.cancel(incident.wait_timer)
         purpose = f"{TimerPurpose.WAIT}/{incident.id}/{len(incident.attempts)}"
-        timer = self.timekeeper.request(out, job, purpose, max(1, deadline_ns - (out.ts - incident.waiting_since)))
+        timer = self.timekeeper.request(out, job, purpose, max(1, due - out.ts))
         incident.wait_timer = timer.id
-        return [timer]
+        return [timer], cancelled
 
     def _end_wait(self, incident: Incident) -> list[str]:
         """The stretch of waiting is over (an attempt starts): its deadline goes, and the next wait starts afresh."""
