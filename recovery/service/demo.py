@@ -367,6 +367,12 @@ class BuiltinCluster:
                 job.nodes[job.nodes.index(command.from_node)] = command.to_node
                 if command.to_node in self.spares:
                     self.spares.remove(command.to_node)
+                # The node left behind is repaired and rejoins the pool, isolated or not: the engine isolates a
+                # lemon only when a spare can replace it, so isolation alone cannot be what brings nodes back.
+                left = command.from_node
+                if left not in self.repairing:
+                    self.repairing.add(left)
+                    self.later(8.0, lambda: self._repaired(left))
             elif kind in ("restart_job", "scale_job"):
                 job.nodes = list(command.nodes)
             job.generation = command.attempt
