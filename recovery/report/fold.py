@@ -1,0 +1,552 @@
+"""The postmortem report, folded from a log one record at a time.
+
+The report reads what the log recorded (inputs and the engine's decisions); it re-derives nothing, so it reads logs
+whose policies are not installed and runs at the speed of JSON decoding. Its state is per job and per incident,
+never per record: a job's step line is thinned to at most `STEP_POINTS` points, and each decision's cause is looked
+up among the last `RECENT_INPUTS` inputs (a decision follows its cause closely in the log). Memory therefore grows
+with jobs and incidents, not with the length of the log.
+
+Definitions (also in README.md, "Postmortems"):
+
+- an incident opens at its first decision with a phase (the fault's confirmation) and closes at `incident.closed`
+  (or at the decision that ended the job). Its *first signal* is the earliest of the confirmed fault's own signal
+  and any suspicion still open for the job; *detection latency* is first signal to confirmation; *decision latency*
+  is confirmation to the first command of the incident; *time to recovery* is first signal to close (the job's first
+  step past its resume point: what `python -m recovery.sim` calls TTR).
+- each phase lasts from the decision that entered it to the decision that left it; `detection` is the time before
+  the confirmation. Lost GPU-hours of an incident: its time by phase times the job's GPUs (one rank per GPU; the
+  whole job waits while part of it recovers), plus `recompute`: lost steps times the job's measured step time.
+- ETTR of a job: 1 - lost time / its wall time (from `job.started` to its end, or to the last record read).
+- a restart loop: an incident that opened before the job advanced past the step it had reached when the
+  incident before it closed.
+- lemon candidates: nodes (and devices) implicated in faults of two or more incidents, across jobs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from recovery.report.source import RawDict
+from recovery.sim.accounting import percentile
+
+REPORT_VERSION = 1
+"""The version of the `--json` shape; a change that removes or renames a field increments it."""
+
+NS = 1_000_000_000
+STEP_POINTS = 2048
+RECENT_INPUTS = 512
+LOOSE_DECISIONS = 200
+"""decisions outside incidents listed per job (the rest are counted by kind)"""
+
+_OPENING = frozenset({"fault.confirmed", "faults.confirmed_together", "node.drain_planned"})
+_FAULT_KINDS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added"})
+_ENDS = {"job.completed": "completed", "job.failed": "failed", "job.cancelled": "cancelled"}
+_ATTEMPT_ENDS = {"attempt.failed": "failed", "attempt.timed_out": "timed_out", "attempt.superseded": "superseded"}
+_QUIET_INPUTS = frozenset({"process.heartbeat"})
+
+
+def _s(ns: int | float) -> float:
+    return round(ns / NS, 3)
+
+
+@dataclass
+class Phase:
+    name: str
+    start: int
+    end: int | None = None
+
+
+@dataclass
+class Incident:
+    id: str
+    job: str
+    opened: int
+    opened_seq: int
+    cause: str = "fault"
+    first_signal: int | None = None
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: dict[str, Any] = field(default_factory=dict)
+    dying: dict[str, Any] | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    first_command: int | None = None
+    closed: int | None = None
+    outcome: str | None = None
+    lost_steps: int = 0
+    step_at_open: int = 0
+    restart_loop: bool = False
+    before_window: bool = False
+    """opened before --since: its start is not in what was read"""
+
+
+@dataclass
+class JobFold:
+    id: str
+    nodes: list[str] = field(default_factory=list)
+    rpn: int = 1
+    gpus: int = 0
+    policies: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    started: int | None = None
+    ended: int | None = None
+    end_state: str | None = None
+    first_seen: int | None = None
+    last_seen: int | None = None
+    state: str = "submitted"
+    step: int = 0
+    step_points: list[tuple[int, int]] = field(default_factory=list)
+    thin: int = 1
+    """keep every `thin`-th step point: doubled each time the line reaches STEP_POINTS"""
+    seen_points: int = 0
+    step_ns: float | None = None
+    last_step: tuple[int, int] | None = None
+    suspected: dict[str, int] = field(default_factory=dict)
+    """open suspicions: key -> log time of their signal"""
+    incident: Incident | None = None
+    incidents: list[Incident] = field(default_factory=list)
+    incident_count: int = 0
+    step_after_close: int | None = None
+    decision_counts: dict[str, int] = field(default_factory=dict)
+    loose: list[dict[str, Any]] = field(default_factory=list)
+    loose_omitted: int = 0
+
+    def node_of(self, rank: int) -> str | None:
+        index = rank // self.rpn if self.rpn else -1
+        return self.nodes[index] if 0 <= index < len(self.nodes) else None
+
+
+class ReportFold:
+    """Feed records with `add`, one at a time; `result()` gives the report as a dict of the documented shape."""
+
+    def __init__(self, job: str | None = None, since: int | None = None, until: int | None = None) -> None:
+        self.job_filter = job
+        self.since = since
+        self.until = until
+        self.jobs: dict[str, JobFold] = {}
+        self.recent: dict[int, RawDict] = {}
+        self.records = 0
+        self.read = 0
+        self.first_ts: int | None = None
+        self.last_ts: int | None = None
+        self.rejections: dict[str, int] = {}
+        self.notes: list[str] = []
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def add_all(self, records: Iterable[RawDict]) -> ReportFold:
+        for record in records:
+            self.add(record)
+        return self
+
+    def add(self, record: RawDict) -> None:
+        self.read += 1
+        ts = record["ts"]
+        if self.since is not None and ts < self.since:
+            return
+        if self.until is not None and ts > self.until:
+            return
+        self.records += 1
+        if self.first_ts is None:
+            self.first_ts = ts
+        self.last_ts = ts
+        subject: str = record["subject"]
+        env = record["envelope"]
+        type_ = env.get("type")
+        if subject.startswith("recovery.dec."):
+            if type_ == "decision":
+                self._decision(record, env["data"], ts)
+            return
+        if subject.startswith("recovery.dlq."):
+            if type_ == "rejection":
+                code = str(env["data"].get("code"))
+                self.rejections[code] = self.rejections.get(code, 0) + 1
+            return
+        job_id = env.get("job")
+        if self.job_filter is not None and job_id is not None and job_id != self.job_filter:
+            return
+        if type_ in _QUIET_INPUTS:
+            return
+        recent = self.recent
+        recent[record["seq"]] = record
+        if len(recent) > RECENT_INPUTS:
+            del recent[next(iter(recent))]
+        if job_id is None:
+            return
+        if type_ == "progress.step":
+            job = self.jobs.get(job_id)
+            if job is not None:
+                self._progress(job, int(env["data"]["step"]), ts)
+        elif type_ == "job.submitted":
+            self._submitted(job_id, env["data"]["spec"], ts)
+
+    def _job(self, job_id: str, ts: int) -> JobFold:
+        job = self.jobs.get(job_id)
+        if job is None:
+            job = self.jobs[job_id] = JobFold(job_id, first_seen=ts)
+        job.last_seen = ts
+        return job
+
+    def _submitted(self, job_id: str, spec: dict[str, Any], ts: int) -> None:
+        job = self._job(job_id, ts)
+        job.nodes = list(spec.get("nodes", []))
+        job.rpn = int(spec.get("ranks_per_node", 1))
+        job.gpus = len(job.nodes) * job.rpn
+        job.params = {family: ref.get("params", {}) for family, ref in (spec.get("policies") or {}).items()}
+
+    def _progress(self, job: JobFold, step: int, ts: int) -> None:
+        job.last_seen = ts
+        if step <= job.step:
+            return
+        if job.incident is None and job.last_step is not None and job.last_step[1] < step:
+            per_step = (ts - job.last_step[0]) / (step - job.last_step[1])
+            # a running mean that forgets slowly: the pace of recent training, not of the start
+            job.step_ns = per_step if job.step_ns is None else 0.9 * job.step_ns + 0.1 * per_step
+        job.last_step = (ts, step)
+        job.step = step
+        job.seen_points += 1
+        if job.seen_points % job.thin == 0:
+            job.step_points.append((ts, step))
+            if len(job.step_points) >= STEP_POINTS:
+                job.step_points = job.step_points[::2]
+                job.thin *= 2
+
+    # -- decisions ----------------------------------------------------------------------------------------
+    def _decision(self, record: RawDict, d: dict[str, Any], ts: int) -> None:
+        job_id: str = d["job"]
+        if self.job_filter is not None and job_id != self.job_filter:
+            return
+        job = self._job(job_id, ts)
+        kind: str = d["kind"]
+        job.decision_counts[kind] = job.decision_counts.get(kind, 0) + 1
+        job.state = d.get("state", job.state)
+        detail: dict[str, Any] = d.get("detail") or {}
+        if kind == "job.accepted":
+            job.policies = dict(detail.get("policies", {}))
+        elif kind == "job.started" and job.started is None:
+            job.started = ts
+        elif kind == "fault.suspected":
+            job.suspected[str(detail.get("key"))] = self._signal_ts(d, ts)
+        elif kind == "fault.cleared":
+            for key in [str(detail.get("key", ""))] + [str(k) for k in detail.get("keys", [])]:
+                job.suspected.pop(key, None)
+        elif kind == "progress.corrected":
+            job.step = min(job.step, int(detail.get("step", job.step)))
+        phase = d.get("phase")
+        incident = job.incident
+        if incident is None and phase is not None:
+            incident = self._open(job, d, ts, kind)
+        if incident is not None:
+            self._incident_decision(job, incident, record, d, ts, kind, detail)
+            if phase is None or kind == "incident.closed":
+                self._close(job, incident, ts, kind, detail)
+            elif not incident.phases or incident.phases[-1].name != phase:
+                if incident.phases:
+                    incident.phases[-1].end = ts
+                incident.phases.append(Phase(phase, ts))
+        else:
+            self._loose(job, record, d, ts)
+        if kind in _ENDS:
+            job.ended, job.end_state = ts, _ENDS[kind]
+
+    def _signal_ts(self, d: dict[str, Any], ts: int) -> int:
+        cause = self.recent.get(d["cause_seq"])
+        return int(cause["ts"]) if cause is not None else ts
+
+    def _open(self, job: JobFold, d: dict[str, Any], ts: int, kind: str) -> Incident:
+        job.incident_count += 1
+        incident_id = d.get("incident") or f"{job.id}#{job.incident_count}"
+        cause = "fault" if kind in _FAULT_KINDS else ("drain" if kind.startswith("node.drain") else "operator")
+        incident = Incident(id=incident_id, job=job.id, opened=ts, opened_seq=d["cause_seq"], cause=cause,
+                            step_at_open=job.step,
+                            before_window=self.since is not None and kind not in _OPENING)
+        if job.step_after_close is not None and job.step <= job.step_after_close and job.incidents:
+            incident.restart_loop = True  # the recovery before this one did not get the job going
+        signals = list(job.suspected.values())
+        fault = (d.get("detail") or {}).get("fault")
+        if isinstance(fault, dict) and isinstance(fault.get("ts"), int):
+            signals.append(fault["ts"])
+        elif kind in _FAULT_KINDS:
+            signals.append(self._signal_ts(d, ts))
+        incident.first_signal = min(signals) if signals else ts
+        job.suspected.clear()
+        job.incident = incident
+        return incident
+
+    def _incident_decision(self, job: JobFold, incident: Incident, record: RawDict, d: dict[str, Any], ts: int,
+                           kind: str, detail: dict[str, Any]) -> None:
+        commands = d.get("commands") or []
+        if commands and incident.first_command is None:
+            incident.first_command = ts
+        incident.decisions.append(self._why(record, d, ts))
+        if kind in _FAULT_KINDS:
+            incident.faults.append(self._fault(job, d, ts, detail))
+        elif kind == "attempt.started":
+            incident.attempts.append({"attempt": detail.get("attempt"), "granularity": detail.get("granularity"),
+                                      "rung": detail.get("rung"), "ranks": len(detail.get("ranks", [])),
+                                      "vacate": detail.get("vacate", []), "policy": d.get("policy"),
+                                      "reason": d.get("reason", ""), "started_s": _s(ts - incident.opened),
+                                      "outcome": None, "outcome_reason": None})
+        elif kind in _ATTEMPT_ENDS and incident.attempts:
+            attempt = incident.attempts[-1]
+            attempt["outcome"], attempt["outcome_reason"] = _ATTEMPT_ENDS[kind], d.get("reason", "")
+        elif kind == "checkpoint.plan":
+            incident.checkpoint = {"checkpoint_step": detail.get("checkpoint_step"),
+                                   "next_step": detail.get("next_step"), "tiers": detail.get("tiers", {}),
+                                   "policy": d.get("policy"), "reason": d.get("reason", "")}
+        elif kind in ("checkpoint.dying", "checkpoint.awaiting"):
+            incident.dying = {"step": detail.get("step"), "how": "saved by replicas" if kind == "checkpoint.dying"
+                              else "written by exiting ranks", "outcome": None}
+        elif kind in ("checkpoint.dying_done", "checkpoint.dying_failed") and incident.dying is not None:
+            incident.dying["outcome"] = "done" if kind.endswith("done") else "failed"
+        elif kind == "ranks.rescheduling" and detail.get("nodes"):
+            job.nodes = list(detail["nodes"])  # the job's placement from here on: ranks map to these nodes
+
+    def _fault(self, job: JobFold, d: dict[str, Any], ts: int, detail: dict[str, Any]) -> dict[str, Any]:
+        fault = detail.get("fault")
+        if isinstance(fault, dict):
+            ranks = list(fault.get("ranks") or [])
+            node = fault.get("node")
+            nodes = [node] if node else sorted({n for n in (job.node_of(r) for r in ranks[:64]) if n})
+            return {"class": fault.get("class"), "scope": fault.get("scope"), "code": fault.get("code"),
+                    "ranks": ranks[:64], "rank_count": len(ranks), "nodes": nodes, "device": fault.get("device"),
+                    "signal_seq": fault.get("seq"), "at_s": _s(int(fault.get("ts", ts)) - (job.started or ts)),
+                    "ts": int(fault.get("ts", ts)), "reason": fault.get("reason", d.get("reason", ""))}
+        cause = self.recent.get(d["cause_seq"])
+        env = cause["envelope"] if cause is not None else {}
+        data = env.get("data") or {}
+        nodes = list(detail.get("nodes", []))
+        if env.get("node"):
+            nodes = [env["node"]]
+        rank = data.get("rank")
+        if not nodes and isinstance(rank, int):
+            node = job.node_of(rank)
+            nodes = [node] if node else []
+        return {"class": "node" if d["kind"] == "faults.confirmed_together" else None, "scope": None,
+                "code": data.get("code"), "ranks": [rank] if isinstance(rank, int) else [],
+                "rank_count": 1 if isinstance(rank, int) else 0, "nodes": nodes, "device": data.get("device"),
+                "signal_seq": d["cause_seq"], "at_s": _s(ts - (job.started or ts)), "ts": ts,
+                "reason": d.get("reason", "")}
+
+    def _why(self, record: RawDict, d: dict[str, Any], ts: int) -> dict[str, Any]:
+        """Why the engine took a decision: the policy (name@version, or the engine's own rule), the rule that fired
+        (the decision's recorded reason), and its inputs: the record that caused it and what the decision noted."""
+        cause = self.recent.get(d["cause_seq"])
+        inputs: dict[str, Any] = {"cause_seq": d["cause_seq"]}
+        if cause is not None:
+            env = cause["envelope"]
+            inputs["cause"] = {"type": env.get("type"), "job": env.get("job"), "node": env.get("node"),
+                               "data": env.get("data")}
+        detail = d.get("detail") or {}
+        if detail:
+            inputs["detail"] = detail
+        return {"seq": record["seq"], "ts": ts, "kind": d["kind"], "phase": d.get("phase"),
+                "policy": d.get("policy") or "engine", "rule": d.get("reason", ""), "inputs": inputs,
+                "commands": [c.get("kind") for c in d.get("commands") or []]}
+
+    def _loose(self, job: JobFold, record: RawDict, d: dict[str, Any], ts: int) -> None:
+        if len(job.loose) < LOOSE_DECISIONS:
+            job.loose.append(self._why(record, d, ts))
+        else:
+            job.loose_omitted += 1
+
+    def _close(self, job: JobFold, incident: Incident, ts: int, kind: str, detail: dict[str, Any]) -> None:
+        if incident.phases and incident.phases[-1].end is None:
+            incident.phases[-1].end = ts
+        incident.closed = ts
+        incident.outcome = "recovered" if kind == "incident.closed" else _ENDS.get(kind, kind)
+        incident.lost_steps = int(detail.get("lost_steps", 0)) if kind == "incident.closed" else 0
+        job.incident = None
+        job.incidents.append(incident)
+        resumed = incident.checkpoint.get("next_step")
+        if incident.outcome == "recovered" and isinstance(resumed, int) and resumed < job.step:
+            # the job rolled back to its resume point: the step line goes down with it, and later reports count
+            job.step = resumed
+            job.last_step = (ts, resumed)
+            job.step_points.append((ts, resumed))
+        job.step_after_close = job.step
+
+    # -- the result ---------------------------------------------------------------------------------------
+    def result(self) -> dict[str, Any]:
+        """The report (documented in README.md, "Postmortems": `--json` prints exactly this)."""
+        end = self.last_ts if self.last_ts is not None else 0
+        jobs = [self._job_report(job, end) for job in sorted(self.jobs.values(), key=lambda j: j.id)]
+        incidents = [inc for j in jobs for inc in j["incidents"]]
+        wall = sum(j["wall_s"] for j in jobs)
+        lost = sum(j["lost_s"] for j in jobs)
+        gpu_wall = sum(j["wall_s"] * j["gpus"] for j in jobs)
+        gpu_lost = sum(j["lost_gpu_hours"] for j in jobs) * 3600
+        notes = list(self.notes)
+        if self.since is not None or any(i["before_window"] for i in incidents):
+            notes.append("records before --since were not read: an incident open then starts where the window does")
+        return {
+            "report": REPORT_VERSION,
+            "filters": {"job": self.job_filter, "since_ns": self.since, "until_ns": self.until},
+            "records": self.records,
+            "span": {"first_ns": self.first_ts, "last_ns": self.last_ts,
+                     "seconds": _s(end - self.first_ts) if self.first_ts is not None else 0.0},
+            "summary": {
+                "jobs": len(jobs), "incidents": len(incidents),
+                "ettr": round(1 - gpu_lost / gpu_wall, 6) if gpu_wall else None,
+                "wall_s": round(wall, 3), "lost_s": round(lost, 3),
+                "lost_gpu_hours": round(gpu_lost / 3600, 3),
+                "lost_gpu_hours_by_cause": _sum_dicts(j["lost_gpu_hours_by_cause"] for j in jobs),
+                "mttr_by_fault_class": _mttr(incidents),
+                "restarts_by_granularity": _restarts(incidents),
+                "restart_loops": sum(j["restart_loops"] for j in jobs),
+                "rejections": dict(sorted(self.rejections.items())),
+            },
+            "jobs": jobs,
+            "lemons": self._lemons(incidents),
+            "notes": notes,
+        }
+
+    def _job_report(self, job: JobFold, end: int) -> dict[str, Any]:
+        incidents = list(job.incidents)
+        if job.incident is not None:
+            incidents.append(job.incident)
+        start = job.started if job.started is not None else (job.first_seen or end)
+        stop = job.ended if job.ended is not None else end
+        wall = max(0, stop - start)
+        step_ns = job.step_ns or 0.0
+        reports = [self._incident_report(job, inc, end, step_ns) for inc in incidents]
+        lost_by_cause = _sum_dicts(r["lost_s_by_phase"] for r in reports)
+        lost_s = sum(lost_by_cause.values())
+        by_cause = {k: round(v * job.gpus / 3600, 3) for k, v in lost_by_cause.items()}
+        lost_gpu_hours = lost_s * job.gpus / 3600
+        points = list(job.step_points)
+        if job.last_step is not None and (not points or points[-1] != job.last_step):
+            points.append(job.last_step)
+        return {
+            "job": job.id, "gpus": job.gpus, "nodes": len(job.nodes), "policies": job.policies,
+            "policy_params": job.params,
+            "state": job.end_state or job.state, "started_ns": job.started, "ended_ns": job.ended,
+            "wall_s": _s(wall), "step": job.step,
+            "step_time_s": round(step_ns / NS, 3) if step_ns else None,
+            "ettr": round(max(0.0, 1 - lost_s / (wall / NS)), 6) if wall else None,
+            "lost_s": round(lost_s, 3), "lost_gpu_hours": round(lost_gpu_hours, 3),
+            "lost_s_by_cause": lost_by_cause, "lost_gpu_hours_by_cause": by_cause,
+            "mttr_by_fault_class": _mttr(reports), "restarts_by_granularity": _restarts(reports),
+            "restart_loops": sum(1 for r in reports if r["restart_loop"]),
+            "decisions_by_kind": dict(sorted(job.decision_counts.items())),
+            "incidents": reports,
+            "steps": [[_s(ts - start), step] for ts, step in points],
+            "other_decisions": job.loose, "other_decisions_omitted": job.loose_omitted,
+        }
+
+    def _incident_report(self, job: JobFold, inc: Incident, end: int, step_ns: float) -> dict[str, Any]:
+        start = job.started if job.started is not None else (job.first_seen or inc.opened)
+        first = inc.first_signal if inc.first_signal is not None else inc.opened
+        closed = inc.closed
+        stop = closed if closed is not None else end
+        phases = [{"phase": "detection", "start_s": _s(first - start), "seconds": _s(inc.opened - first)}]
+        phases += [{"phase": p.name, "start_s": _s(p.start - start), "seconds": _s((p.end or stop) - p.start)}
+                   for p in inc.phases]
+        seconds_by_phase: dict[str, float] = {}
+        for p in phases:
+            seconds_by_phase[p["phase"]] = seconds_by_phase.get(p["phase"], 0.0) + p["seconds"]
+        recompute_s = inc.lost_steps * step_ns / NS
+        if recompute_s:
+            seconds_by_phase["recompute"] = recompute_s
+        seconds_by_phase = {k: round(v, 3) for k, v in seconds_by_phase.items() if v}
+        gpu_hours = {k: round(v * job.gpus / 3600, 3) for k, v in seconds_by_phase.items()}
+        grans = [a["granularity"] for a in inc.attempts]
+        escalations = [{"from": a["granularity"], "to": b["granularity"], "after": a["outcome"],
+                        "reason": a["outcome_reason"]}
+                       for a, b in zip(inc.attempts, inc.attempts[1:], strict=False)]
+        root = inc.faults[0] if inc.faults else None
+        roots = [f for f in inc.faults if root is not None and f["ts"] == root["ts"]]
+        first_rank = min((f["ranks"][0] for f in roots if f["ranks"]), default=None)
+        return {
+            "id": inc.id, "job": job.id, "cause": inc.cause,
+            "fault_class": (root["class"] if root is not None else None) or inc.cause,
+            "root_faults": roots, "faults": inc.faults, "first_failing_rank": first_rank,
+            "opened_s": _s(inc.opened - start), "first_signal_s": _s(first - start),
+            "closed_s": _s(closed - start) if closed is not None else None,
+            "outcome": inc.outcome or "open",
+            "detection_latency_s": _s(inc.opened - first),
+            "decision_latency_s": _s(inc.first_command - inc.opened) if inc.first_command is not None else None,
+            "recovery_s": _s(stop - inc.opened), "ttr_s": _s(closed - first) if closed is not None else None,
+            "open_s": _s(stop - first),
+            "phases": phases, "granularity": grans[-1] if grans else None, "attempts": inc.attempts,
+            "escalations": escalations,
+            "checkpoint": inc.checkpoint or None, "dying_checkpoint": inc.dying,
+            "lost_steps": inc.lost_steps, "step_at_fault": inc.step_at_open,
+            "lost_s_by_phase": seconds_by_phase, "lost_gpu_hours_by_phase": gpu_hours, "lost_gpu_hours": round(sum(gpu_hours.values()), 3),
+            "restart_loop": inc.restart_loop, "before_window": inc.before_window,
+            "decisions": inc.decisions,
+        }
+
+    @staticmethod
+    def _lemons(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        nodes: dict[str, list[dict[str, Any]]] = {}
+        devices: dict[tuple[str, int], set[str]] = {}
+        for inc in incidents:
+            for fault in inc["faults"]:
+                for node in fault["nodes"]:
+                    history = nodes.setdefault(node, [])
+                    entry = {"incident": inc["id"], "job": inc["job"], "class": fault["class"], "code": fault["code"],
+                             "device": fault["device"], "ts": fault["ts"]}
+                    if not history or history[-1]["incident"] != inc["id"] or history[-1]["code"] != fault["code"]:
+                        history.append(entry)
+                    if fault["device"] is not None:
+                        devices.setdefault((node, int(fault["device"])), set()).add(inc["id"])
+        lemons = []
+        for node, history in nodes.items():
+            distinct = sorted({h["incident"] for h in history})
+            if len(distinct) < 2:
+                continue
+            repeat = sorted(d for (n, d), incs in devices.items() if n == node and len(incs) >= 2)
+            lemons.append({"node": node, "incidents": len(distinct), "jobs": sorted({h["job"] for h in history}),
+                           "devices_repeating": repeat, "history": sorted(history, key=lambda h: h["ts"])})
+        lemons.sort(key=lambda lemon: (-lemon["incidents"], lemon["node"]))
+        return lemons
+
+
+def _sum_dicts(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0.0) + v
+    return {k: round(v, 3) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+
+
+def _mttr(incidents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per fault class: incidents, how many recovered, time to recovery p50/p95 (s), and the mean seconds in each
+    phase (the breakdown the HTML chart draws)."""
+    out: dict[str, dict[str, Any]] = {}
+    for cls in sorted({str(i["fault_class"]) for i in incidents}):
+        of = [i for i in incidents if str(i["fault_class"]) == cls]
+        ttr = [i["ttr_s"] for i in of if i["ttr_s"] is not None]
+        phases: dict[str, float] = {}
+        for inc in of:
+            for p in inc["phases"]:
+                phases[p["phase"]] = phases.get(p["phase"], 0.0) + p["seconds"]
+        p50, p95 = percentile(ttr, 50), percentile(ttr, 95)
+        out[cls] = {"incidents": len(of), "recovered": len(ttr),
+                    "p50_s": None if math.isnan(p50) else round(p50, 3),
+                    "p95_s": None if math.isnan(p95) else round(p95, 3),
+                    "mean_phase_s": {k: round(v / len(of), 3) for k, v in phases.items()}}
+    return out
+
+
+def _restarts(incidents: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for inc in incidents:
+        for attempt in inc["attempts"]:
+            counts = out.setdefault(str(attempt["granularity"]), {})
+            counts["started"] = counts.get("started", 0) + 1
+            outcome = attempt["outcome"]
+            if outcome is None and attempt is inc["attempts"][-1]:
+                outcome = "recovered" if inc["outcome"] == "recovered" else None
+            if outcome is not None:
+                counts[outcome] = counts.get(outcome, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def build_report(records: Iterable[RawDict], job: str | None = None, since: int | None = None,
+                 until: int | None = None) -> dict[str, Any]:
+    """The report over `records` (dicts, see `recovery.report.source`), folded one at a time."""
+    return ReportFold(job, since, until).add_all(records).result()
