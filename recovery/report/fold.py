@@ -377,7 +377,7 @@ class ReportFold:
         wall = sum(j["wall_s"] for j in jobs)
         lost = sum(j["lost_s"] for j in jobs)
         gpu_wall = sum(j["wall_s"] * j["gpus"] for j in jobs)
-        gpu_lost = sum(j["lost_gpu_hours"] for j in jobs) * 3600
+        gpu_lost = sum(j["lost_s"] * j["gpus"] for j in jobs)
         notes = list(self.notes)
         if self.since is not None or any(i["before_window"] for i in incidents):
             notes.append("records before --since were not read: an incident open then starts where the window does")
