@@ -47,9 +47,6 @@ from events.codec import encode_record
 from events.envelope import RawRecord, Record
 from events.subjects import is_output
 from recovery.log import ExportHeader, export_filter, iter_numbered, read_header, rejection_jobs
-from recovery.report import source as report_source
-from recovery.report.fold import build_report
-from recovery.report.html import write_html
 from recovery.log.verify import (
     DEAD_LETTER_SUBJECTS,
     DECISION_SUBJECTS,
@@ -65,6 +62,9 @@ from recovery.log.verify import (
     rejection_in_scope,
     replay_log,
 )
+from recovery.report import source as report_source
+from recovery.report.fold import build_report
+from recovery.report.html import write_html
 
 NS = 1_000_000_000
 

@@ -40,12 +40,19 @@ STEP_POINTS = 2048
 RECENT_INPUTS = 512
 LOOSE_DECISIONS = 200
 """decisions outside incidents listed per job (the rest are counted by kind)"""
+INCIDENT_DECISIONS = 500
+INCIDENT_FAULTS = 64
+"""an incident's decisions and faults listed in full (a job-wide crash reported as thousands of exits is one
+incident of thousands of faults: the rest are counted)"""
 
 _OPENING = frozenset({"fault.confirmed", "faults.confirmed_together", "node.drain_planned"})
 _FAULT_KINDS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added"})
 _ENDS = {"job.completed": "completed", "job.failed": "failed", "job.cancelled": "cancelled"}
 _ATTEMPT_ENDS = {"attempt.failed": "failed", "attempt.timed_out": "timed_out", "attempt.superseded": "superseded"}
 _QUIET_INPUTS = frozenset({"process.heartbeat"})
+_CLASS_OF_SIGNAL = {"process.exited": "process", "process.hang": "hang", "device.fault": "device",
+                    "network.link_down": "network", "network.collective_timeout": "hang", "node.not_ready": "node"}
+"""the fault class of a fault that joined an incident, from its signal (only a confirmation records its class)"""
 
 
 def _s(ns: int | float) -> float:
@@ -73,6 +80,8 @@ class Incident:
     checkpoint: dict[str, Any] = field(default_factory=dict)
     dying: dict[str, Any] | None = None
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    decisions_omitted: int = 0
+    fault_count: int = 0
     first_command: int | None = None
     closed: int | None = None
     outcome: str | None = None
@@ -280,9 +289,14 @@ class ReportFold:
         commands = d.get("commands") or []
         if commands and incident.first_command is None:
             incident.first_command = ts
-        incident.decisions.append(self._why(record, d, ts))
+        if len(incident.decisions) < INCIDENT_DECISIONS:
+            incident.decisions.append(self._why(record, d, ts))
+        else:
+            incident.decisions_omitted += 1
         if kind in _FAULT_KINDS:
-            incident.faults.append(self._fault(job, d, ts, detail))
+            incident.fault_count += 1
+            if len(incident.faults) < INCIDENT_FAULTS:
+                incident.faults.append(self._fault(job, d, ts, detail))
         elif kind == "attempt.started":
             incident.attempts.append({"attempt": detail.get("attempt"), "granularity": detail.get("granularity"),
                                       "rung": detail.get("rung"), "ranks": len(detail.get("ranks", [])),
@@ -309,7 +323,9 @@ class ReportFold:
         if isinstance(fault, dict):
             ranks = list(fault.get("ranks") or [])
             node = fault.get("node")
-            nodes = [node] if node else sorted({n for n in (job.node_of(r) for r in ranks[:64]) if n})
+            # a job-wide fault (every rank exited: a dependency they share) implicates no node of its own
+            few = fault.get("scope") != "job" and len(ranks) <= max(job.rpn, 1)
+            nodes = [node] if node else sorted({n for n in (job.node_of(r) for r in ranks) if n}) if few else []
             return {"class": fault.get("class"), "scope": fault.get("scope"), "code": fault.get("code"),
                     "ranks": ranks[:64], "rank_count": len(ranks), "nodes": nodes, "device": fault.get("device"),
                     "signal_seq": fault.get("seq"), "at_s": _s(int(fault.get("ts", ts)) - (job.started or ts)),
@@ -324,7 +340,8 @@ class ReportFold:
         if not nodes and isinstance(rank, int):
             node = job.node_of(rank)
             nodes = [node] if node else []
-        return {"class": "node" if d["kind"] == "faults.confirmed_together" else None, "scope": None,
+        kind_class = "node" if d["kind"] == "faults.confirmed_together" else _CLASS_OF_SIGNAL.get(str(env.get("type")))
+        return {"class": kind_class, "scope": None,
                 "code": data.get("code"), "ranks": [rank] if isinstance(rank, int) else [],
                 "rank_count": 1 if isinstance(rank, int) else 0, "nodes": nodes, "device": data.get("device"),
                 "signal_seq": d["cause_seq"], "at_s": _s(ts - (job.started or ts)), "ts": ts,
@@ -462,7 +479,8 @@ class ReportFold:
         return {
             "id": inc.id, "job": job.id, "cause": inc.cause,
             "fault_class": (root["class"] if root is not None else None) or inc.cause,
-            "root_faults": roots, "faults": inc.faults, "first_failing_rank": first_rank,
+            "root_faults": roots, "faults": inc.faults, "fault_count": inc.fault_count,
+            "first_failing_rank": first_rank,
             "opened_s": _s(inc.opened - start), "first_signal_s": _s(first - start),
             "closed_s": _s(closed - start) if closed is not None else None,
             "outcome": inc.outcome or "open",
@@ -474,9 +492,10 @@ class ReportFold:
             "escalations": escalations,
             "checkpoint": inc.checkpoint or None, "dying_checkpoint": inc.dying,
             "lost_steps": inc.lost_steps, "step_at_fault": inc.step_at_open,
-            "lost_s_by_phase": seconds_by_phase, "lost_gpu_hours_by_phase": gpu_hours, "lost_gpu_hours": round(sum(gpu_hours.values()), 3),
+            "lost_s_by_phase": seconds_by_phase, "lost_gpu_hours_by_phase": gpu_hours,
+            "lost_gpu_hours": round(sum(gpu_hours.values()), 3),
             "restart_loop": inc.restart_loop, "before_window": inc.before_window,
-            "decisions": inc.decisions,
+            "decisions": inc.decisions, "decisions_omitted": inc.decisions_omitted,
         }
 
     @staticmethod

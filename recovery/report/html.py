@@ -87,8 +87,12 @@ def _timeline(job: dict[str, Any], index: int) -> str:
                 parts.append(f'<rect x="{x(p["start_s"]):.1f}" y="{y}" width="{w:.1f}" height="{LANE - 4}" '
                              f'fill="{PHASE_COLORS.get(p["phase"], "#607d8b")}"/>')
         parts.append("</g>")
+        marked: set[int] = set()
         for fault in inc["faults"]:
             fx = x(fault["at_s"])
+            if round(fx) in marked:  # faults a pixel apart are one marker
+                continue
+            marked.add(round(fx))
             parts.append(f'<path class="fault-marker" d="M{fx:.1f},{y - 1} l-5,-8 h10 z" fill="#c62828">'
                          f'<title>{_e(fault["reason"])}</title></path>')
     axis_y = gantt_top + LANE * len(classes) + 16
@@ -190,17 +194,20 @@ def render_html(report: dict[str, Any]) -> str:
                f'<tr><td>lost GPU-hours</td><td>{s["lost_gpu_hours"]:,.2f} ('
                + _e(", ".join(f"{k} {v:,.2f}" for k, v in s["lost_gpu_hours_by_cause"].items())) + ')</td></tr>'
                f'<tr><td>restart loops</td><td>{s["restart_loops"]}</td></tr></table>')
-    jobs = []
+    jobs, tables = [], []
     for index, job in enumerate(report["jobs"]):
         jobs.append(f'<h2>job {_e(job["job"])}: {job["gpus"]} GPUs, {_e(job["state"])} at step {job["step"]:,}, '
-                    f'ETTR {"-" if job["ettr"] is None else format(job["ettr"], ".4f")}</h2>'
-                    f'{_timeline(job, index)}{_incident_table(job)}')
+                    f'ETTR {"-" if job["ettr"] is None else format(job["ettr"], ".4f")}</h2>{_timeline(job, index)}')
+        opened = " open" if len(job["incidents"]) <= 30 else ""
+        tables.append(f'<details{opened}><summary>incidents of job {_e(job["job"])} ({len(job["incidents"])})'
+                      f'</summary>{_incident_table(job)}</details>')
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>recovery postmortem</title>'
             f'<meta name="report-version" content="{REPORT_VERSION}"><style>{_CSS}</style></head><body>'
             f'<h1>Postmortem</h1>{summary}{_legend()}{"".join(jobs)}'
             f'<h2>Time to recovery by phase and fault class (mean seconds per incident)</h2>'
             f'{_mttr_chart(s["mttr_by_fault_class"])}'
             f'<h2>Lemon candidates: nodes in two or more incidents</h2>{_lemons(report["lemons"])}'
+            f'<h2>Incidents</h2>{"".join(tables)}'
             f'<script>{_LAYOUT_SCRIPT}</script></body></html>')
 
 

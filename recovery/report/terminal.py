@@ -81,7 +81,8 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
                                                   else "-"),
                       _num(inc["detection_latency_s"], digits=2), _num(inc["decision_latency_s"], digits=2),
                       grans, Text(source), str(inc["lost_steps"]), _num(inc["ttr_s"]),
-                      _num(inc["lost_gpu_hours"], digits=3), inc["outcome"] + (" (loop)" if inc["restart_loop"] else ""))
+                      _num(inc["lost_gpu_hours"], digits=3),
+                      inc["outcome"] + (" (loop)" if inc["restart_loop"] else ""))
     console.print(table)
     if len(job["incidents"]) > MAX_INCIDENTS:
         console.print(f"... and {len(job['incidents']) - MAX_INCIDENTS} more incidents (see --json or --html)")
