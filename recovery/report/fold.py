@@ -17,8 +17,8 @@ Definitions (also in README.md, "Postmortems"):
   the confirmation. Lost GPU-hours of an incident: its time by phase times the job's GPUs (one rank per GPU; the
   whole job waits while part of it recovers), plus `recompute`: lost steps times the job's measured step time.
 - ETTR of a job: 1 - lost time / its wall time (from `job.started` to its end, or to the last record read).
-- a restart loop: an incident that opened before the job advanced past the step it had reached when the
-  incident before it closed.
+- a restart loop: an incident that opened before the job got past the step at which the incident before it
+  struck (the recovery brought the job back, and it failed again without new progress).
 - lemon candidates: nodes (and devices) implicated in faults of two or more incidents, across jobs.
 """
 
@@ -119,6 +119,7 @@ class JobFold:
     incidents: list[Incident] = field(default_factory=list)
     incident_count: int = 0
     step_after_close: int | None = None
+    """the step at which the last closed incident struck: the next one is a restart loop unless the job got past it"""
     decision_counts: dict[str, int] = field(default_factory=dict)
     loose: list[dict[str, Any]] = field(default_factory=list)
     loose_omitted: int = 0
@@ -383,7 +384,7 @@ class ReportFold:
             job.step = resumed
             job.last_step = (ts, resumed)
             job.step_points.append((ts, resumed))
-        job.step_after_close = job.step
+        job.step_after_close = incident.step_at_open
 
     # -- the result ---------------------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
