@@ -3,15 +3,22 @@ own timestamps (each golden's job starts at log time 1767225600 s; the arithmeti
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from recovery.cli.replay import main
+from recovery.log import iter_numbered
+from recovery.log.jetstream import JetStreamLog
 from recovery.report import REPORT_VERSION, build_report, iter_file
+from recovery.testing.nats import NatsServer
 
+ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
 
 
@@ -180,3 +187,27 @@ def test_unreadable_log_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     log.write_text((GOLDEN / "restart_budget.jsonl").read_text()[:500])
     assert main(["report", str(log)]) == 2
     assert "broken.jsonl:" in capsys.readouterr().err
+
+
+async def test_report_streams_the_live_jetstream_log(nats_server: NatsServer) -> None:
+    """The same report from the live stream: a golden log published record by record (so its sequences are the
+    stream's), then read by `report --nats` as it arrives from the pull reader."""
+    log = await JetStreamLog.connect(nats_server.url)
+    try:
+        for record in iter_numbered(GOLDEN / "restart_budget.jsonl"):
+            await log.append(record[1].subject, record[1].envelope)
+    finally:
+        await log.close()
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "recovery.cli.replay", "report", "--nats", nats_server.url, "--json"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    live = json.loads(done.stdout)
+    from_file = report_of("restart_budget")
+    assert live["records"] == from_file["records"]
+    [job] = live["jobs"]
+    assert [i["step_at_fault"] for i in job["incidents"]] == [7, 8, 8]
+    assert [i["restart_loop"] for i in job["incidents"]] == [False, False, True]
+    assert [lemon["node"] for lemon in live["lemons"]] == ["k0"]
+    # the stream's own clock stamped the records: what holds is the order, and each phase's sign
+    assert all(p["seconds"] >= 0 for i in job["incidents"] for p in i["phases"])
