@@ -63,6 +63,7 @@ from recovery.log.verify import (
     replay_log,
 )
 from recovery.report import source as report_source
+from recovery.report.diff import diff_logs
 from recovery.report.fold import build_report
 from recovery.report.html import write_html
 
@@ -386,6 +387,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    diff = diff_logs(report_source.iter_file(args.a), report_source.iter_file(args.b), job=args.job,
+                     labels=(args.a, args.b) if args.a != args.b else ("A", "B"))
+    if args.json:
+        sys.stdout.buffer.write(_json(diff) + b"\n")
+    else:
+        from rich.console import Console
+
+        from recovery.report.terminal import render_diff
+
+        console = Console()
+        render_diff(diff, Console(width=console.width if console.is_terminal else 200), limit=args.limit)
+    return 0 if diff["same"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recovery-replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -421,6 +437,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE", help="also write one self-contained HTML file with the charts")
     p.add_argument("--brief", action="store_true", help="terminal: leave out each decision's why")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("diff", help="the decisions that differ between two logs of the same inputs, side by side",
+                       description="The first and every decision that differ between two logs, side by side with "
+                                   "their causes, the policies (names, versions, parameters) that differ, and the "
+                                   "first input that differs. Exit 0: the same decisions, 1: they differ.")
+    p.add_argument("a", help="JSONL export of the first log")
+    p.add_argument("b", help="JSONL export of the second log")
+    p.add_argument("--job", help="only this job's decisions")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--limit", type=int, default=40, help="rows of differing decisions shown (default 40)")
+    p.set_defaults(func=cmd_diff)
     p = sub.add_parser("export", help="write the JetStream log as JSONL",
                        description="Write the JetStream log as JSONL. A per-job export starts with a header line "
                                    "naming the job and its filters, which verify reads.")

@@ -132,3 +132,65 @@ def _restarts_table(restarts: dict[str, dict[str, int]]) -> Table:
     for granularity, counts in restarts.items():
         table.add_row(granularity, *(str(counts.get(o, 0)) for o in outcomes))
     return table
+
+
+def _side(row: dict[str, Any] | None) -> Text:
+    if row is None:
+        return Text("-", style="dim")
+    text = Text()
+    text.append(f"#{row['seq']} +{row['at_s']:.1f}s {row['kind']}", style="bold")
+    text.append(f" [{row['policy']}]\n{row['rule']}")
+    if row["commands"]:
+        text.append(f"\ncommands: {', '.join(row['commands'])}")
+    text.append(f"\ncause: {row['cause']}", style="dim")
+    return text
+
+
+def render_diff(diff: dict[str, Any], console: Console | None = None, limit: int = 40) -> None:
+    """Print a diff of two logs' decisions: policies that differ, the first differing input and decision, then
+    every differing hunk side by side (the first `limit` rows)."""
+    console = console or Console()
+    a, b = diff["labels"]
+    if diff["same"]:
+        console.print(f"same decisions: {a} and {b} decided alike ({diff['records'][0]:,} and "
+                      f"{diff['records'][1]:,} records)")
+    for p in diff["policies"]:
+        console.print(Text(f"job {p['job']} {p['family']} policy differs ({', '.join(p['changed'])}): "
+                           f"{a} {p[a]} / {b} {p[b]}", style="yellow"))
+    first_input = diff["first_input_difference"]
+    if first_input is not None:
+        sides = " / ".join(f"{k} {first_input[k]['input'] if first_input[k] else 'ends'}" for k in (a, b))
+        console.print(Text(f"inputs differ from input #{first_input['index']}: {sides}"))
+    first = diff["first_decision_difference"]
+    if first is None:
+        return
+    console.print(Text(f"first differing decision (job {first['job']}, decision #{first['index']}):", style="bold"))
+    table = Table(show_lines=True)
+    table.add_column(a, overflow="fold", ratio=1)
+    table.add_column(b, overflow="fold", ratio=1)
+    table.add_row(_side(first[a]), _side(first[b]))
+    console.print(table)
+    rows = 0
+    for job in diff["jobs"]:
+        if job["same"]:
+            continue
+        table = Table(title=f"job {job['job']}: decisions that differ ({job['decisions'][0]} and "
+                            f"{job['decisions'][1]} decisions)", show_lines=True)
+        table.add_column("change")
+        table.add_column(a, overflow="fold", ratio=1)
+        table.add_column(b, overflow="fold", ratio=1)
+        for hunk in job["hunks"]:
+            for left, right in _pairs(hunk[a], hunk[b]):
+                if rows >= limit:
+                    break
+                table.add_row(hunk["change"], _side(left), _side(right))
+                rows += 1
+        console.print(table)
+    total = sum(max(len(h[a]), len(h[b])) for job in diff["jobs"] for h in job["hunks"])
+    if total > rows:
+        console.print(f"... {total - rows} more rows (--json has them all)")
+
+
+def _pairs(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
+    return [(left[i] if i < len(left) else None, right[i] if i < len(right) else None)
+            for i in range(max(len(left), len(right)))]
