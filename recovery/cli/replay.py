@@ -65,6 +65,7 @@ from recovery.log.verify import (
 from recovery.report import source as report_source
 from recovery.report.diff import diff_logs
 from recovery.report.fold import build_report
+from recovery.report.whatif import whatif
 from recovery.report.html import write_html
 
 NS = 1_000_000_000
@@ -402,6 +403,21 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0 if diff["same"] else 1
 
 
+def cmd_whatif(args: argparse.Namespace) -> int:
+    result = whatif(args.log, args.policy, job=args.job, model_params=args.model_params,
+                    executor_failures=args.executor_failures, keep_logs=args.keep_logs, tail_s=args.tail_s)
+    if args.json:
+        sys.stdout.buffer.write(_json(result) + b"\n")
+    else:
+        from rich.console import Console
+
+        from recovery.report.terminal import render_whatif
+
+        console = Console()
+        render_whatif(result, Console(width=console.width if console.is_terminal else 200), limit=args.limit)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recovery-replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -437,6 +453,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE", help="also write one self-contained HTML file with the charts")
     p.add_argument("--brief", action="store_true", help="terminal: leave out each decision's why")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("whatif", help="the log's faults under other policies, the cluster's answers simulated",
+                       description="Keep the recorded job, cluster and faults; let the simulator (recovery.sim: its "
+                                   "executors, training, checkpoints and cost model) play every answer of the cluster, "
+                                   "once under the recorded policies and once under --policy; print which inputs "
+                                   "were kept and which re-simulated, the decisions that differ, and the difference "
+                                   "in ETTR, MTTR and lost GPU-hours.")
+    p.add_argument("log", help="JSONL export of the log")
+    p.add_argument("--policy", action="append", default=[], metavar="FAMILY=NAME[:key=value,...]", required=True,
+                   help="replace one family's policy, e.g. rescheduling=torchelastic-like-rescheduling or "
+                        "checkpoint=newest-complete:peer=false (repeatable)")
+    p.add_argument("--job", help="the job to replay (default: the log's first job)")
+    p.add_argument("--model-params", type=float, help="model parameters for the cost of moving state (default: the "
+                                                      "simulator's, Llama 3 405B)")
+    p.add_argument("--executor-failures", action="store_true",
+                   help="executors fail and time out with the cost model's probabilities (default: never)")
+    p.add_argument("--tail-s", type=float, default=3600.0,
+                   help="simulate this long past the log's end, with no new faults, so that recoveries under way "
+                        "finish (default 3600)")
+    p.add_argument("--keep-logs", metavar="DIR", help="keep both simulated logs in DIR (for report, diff, verify)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--limit", type=int, default=40, help="rows of differing decisions shown (default 40)")
+    p.set_defaults(func=cmd_whatif)
     p = sub.add_parser("diff", help="the decisions that differ between two logs of the same inputs, side by side",
                        description="The first and every decision that differ between two logs, side by side with "
                                    "their causes, the policies (names, versions, parameters) that differ, and the "

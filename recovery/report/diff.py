@@ -102,7 +102,7 @@ def _inputs(records: Iterable[RawDict], side: LogSide, job: str | None) -> Itera
 def _decision(side: LogSide, record: RawDict, d: dict[str, Any]) -> None:
     detail = {k: v for k, v in (d.get("detail") or {}).items() if k not in _VOLATILE_DETAIL}
     if d["kind"] == "job.accepted":
-        labels = detail.get("policies", {})
+        labels = detail.pop("policies", {})  # compared on their own, with the spec's parameters
         for family, label in labels.items():
             side.policies.setdefault(d["job"], {}).setdefault(family, {})["version"] = label
     commands = tuple(c.get("kind", "?") for c in d.get("commands") or [])

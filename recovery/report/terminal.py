@@ -194,3 +194,41 @@ def render_diff(diff: dict[str, Any], console: Console | None = None, limit: int
 def _pairs(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
     return [(left[i] if i < len(left) else None, right[i] if i < len(right) else None)
             for i in range(max(len(left), len(right)))]
+
+
+def render_whatif(result: dict[str, Any], console: Console | None = None, limit: int = 40) -> None:
+    """Print a what-if: what was kept and re-simulated, the figures of both simulated runs, the decisions that
+    differ."""
+    console = console or Console()
+    recorded, chosen = result["policies"]["recorded"], result["policies"]["what-if"]
+    changed = [f"{f}: {recorded[f]['name']} -> {chosen[f]['name']}"
+               + (f" {chosen[f]['params']}" if chosen[f]["params"] else "")
+               for f in chosen if chosen[f] != recorded[f]]
+    console.print(Text.assemble(("what-if ", "bold"), f"of {result['log']} (job {result['job']}): ",
+                                "; ".join(changed) or "the recorded policies"))
+    c = result["cluster"]
+    console.print(f"the simulated cluster: {c['nodes']} nodes of {c['ranks_per_node']} ranks, {c['spares']} spares, "
+                  f"layout {c['layout']}, {c['step_time_s']} s a step (measured), storage checkpoint every "
+                  f"{c['storage_every_s'] or '-'} s, {c['days'] * 86_400:,.0f} s (the log's span and {c['tail_s']:,.0f} s "
+                  f"more with no faults); executors "
+                  f"{'fail as the cost model says' if c['executor_failures'] else 'never fail'}")
+    inputs = result["inputs"]
+    console.print(Text(f"kept from the log ({inputs['faults']} faults): "
+                       + ", ".join(f"{k} {v}" for k, v in inputs["kept"].items())))
+    console.print(Text("re-simulated (answers to the recorded decisions, training, timers): "
+                       + ", ".join(f"{k} {v}" for k, v in inputs["resimulated"].items()), style="dim"))
+    table = Table(title="figures (both columns simulated on the same faults; the log's own for reference)")
+    for column in ("", "recorded log", "recorded policies", "what-if", "difference"):
+        table.add_column(column, justify="right" if column else "left")
+    base, what, delta = result["simulated"]["recorded policies"], result["simulated"]["what-if"], result["delta"]
+    table.add_row("ETTR", _num(result["recorded"]["ettr"], digits=4), _num(base["ettr"], digits=4),
+                  _num(what["ettr"], digits=4), f"{delta['ettr']:+.4f}")
+    table.add_row("lost GPU-hours", _num(result["recorded"]["lost_gpu_hours"], digits=3),
+                  _num(base["lost_gpu_hours"], digits=3), _num(what["lost_gpu_hours"], digits=3),
+                  f"{delta['lost_gpu_hours']:+.3f}")
+    for cls, d in delta["mttr_p50_s"].items():
+        table.add_row(f"MTTR p50 {cls} (s)", _num(result["recorded"]["mttr_by_fault_class"].get(cls, {}).get("p50_s")),
+                      _num(base["mttr_by_fault_class"].get(cls, {}).get("p50_s")),
+                      _num(what["mttr_by_fault_class"].get(cls, {}).get("p50_s")), "-" if d is None else f"{d:+.1f}")
+    console.print(table)
+    render_diff(result["diff"], console, limit)
