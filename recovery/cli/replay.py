@@ -65,8 +65,8 @@ from recovery.log.verify import (
 from recovery.report import source as report_source
 from recovery.report.diff import diff_logs
 from recovery.report.fold import build_report
-from recovery.report.whatif import whatif
 from recovery.report.html import write_html
+from recovery.report.whatif import whatif
 
 NS = 1_000_000_000
 

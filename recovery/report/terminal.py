@@ -209,8 +209,8 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
     c = result["cluster"]
     console.print(f"the simulated cluster: {c['nodes']} nodes of {c['ranks_per_node']} ranks, {c['spares']} spares, "
                   f"layout {c['layout']}, {c['step_time_s']} s a step (measured), storage checkpoint every "
-                  f"{c['storage_every_s'] or '-'} s, {c['days'] * 86_400:,.0f} s (the log's span and {c['tail_s']:,.0f} s "
-                  f"more with no faults); executors "
+                  f"{c['storage_every_s'] or '-'} s, {c['days'] * 86_400:,.0f} s (the log's span and "
+                  f"{c['tail_s']:,.0f} s more with no faults); executors "
                   f"{'fail as the cost model says' if c['executor_failures'] else 'never fail'}")
     inputs = result["inputs"]
     console.print(Text(f"kept from the log ({inputs['faults']} faults): "

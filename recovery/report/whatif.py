@@ -13,6 +13,7 @@ inputs it kept and which it left for the simulator to re-create.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -122,7 +123,7 @@ class _Reader:
             self.input(record)
         if self.cluster is None:
             raise ValueError("the log holds no job.submitted" + (f" of job {self.job}" if self.job else ""))
-        for draft, kind in self.pending.values():
+        for _, kind in self.pending.values():
             self.count("resimulated", kind)
         self.cluster.end = self.last_ts
         return self.cluster
@@ -327,7 +328,7 @@ def config_for(cluster: RecordedCluster, selection: PolicySelection, model_param
 
 
 def _every(steps: list[int]) -> int | None:
-    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    gaps = [b - a for a, b in itertools.pairwise(steps) if b > a]
     if gaps:
         return int(statistics.median(gaps))
     return steps[0] if steps and steps[0] > 0 else None
@@ -379,8 +380,8 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     for cls in classes:
         x, y = p50(a, cls), p50(b, cls)
         mttr[cls] = None if x is None or y is None else round(y - x, 3)
-    return {"ettr": round(b["ettr"] - a["ettr"], 6), "lost_gpu_hours": round(b["lost_gpu_hours"] - a["lost_gpu_hours"], 3),
-            "mttr_p50_s": mttr}
+    return {"ettr": round(b["ettr"] - a["ettr"], 6),
+            "lost_gpu_hours": round(b["lost_gpu_hours"] - a["lost_gpu_hours"], 3), "mttr_p50_s": mttr}
 
 
 def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | None = None,
