@@ -40,6 +40,7 @@ STEP_POINTS = 2048
 RECENT_INPUTS = 512
 LOOSE_DECISIONS = 200
 """decisions outside incidents listed per job (the rest are counted by kind)"""
+WIDESPREAD_FAULTS = 8
 INCIDENT_DECISIONS = 500
 INCIDENT_FAULTS = 64
 """an incident's decisions and faults listed in full (a job-wide crash reported as thousands of exits is one
@@ -504,7 +505,11 @@ class ReportFold:
         nodes: dict[str, list[dict[str, Any]]] = {}
         devices: dict[tuple[str, int], set[str]] = {}
         for inc in incidents:
+            # a crash reported by many ranks at once (a job-wide failure) implicates none of their nodes
+            widespread = inc["fault_count"] > WIDESPREAD_FAULTS
             for fault in inc["faults"]:
+                if widespread and fault["class"] in ("process", "preemption"):
+                    continue
                 for node in fault["nodes"]:
                     history = nodes.setdefault(node, [])
                     entry = {"incident": inc["id"], "job": inc["job"], "class": fault["class"], "code": fault["code"],
