@@ -182,8 +182,10 @@ class ReportFold:
             return
         recent = self.recent
         recent[record["seq"]] = record
-        if len(recent) > RECENT_INPUTS:
-            del recent[next(iter(recent))]
+        if len(recent) > 2 * RECENT_INPUTS:
+            # keep the newest half: amortised constant time (deleting the oldest one by one makes a dict's
+            # iteration skip ever more holes)
+            self.recent = dict(list(recent.items())[-RECENT_INPUTS:])
         if job_id is None:
             return
         if type_ == "progress.step":
