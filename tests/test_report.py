@@ -211,3 +211,16 @@ async def test_report_streams_the_live_jetstream_log(nats_server: NatsServer) ->
     assert [lemon["node"] for lemon in live["lemons"]] == ["k0"]
     # the stream's own clock stamped the records: what holds is the order, and each phase's sign
     assert all(p["seconds"] >= 0 for i in job["incidents"] for p in i["phases"])
+
+
+def test_malformed_and_undecodable_inputs_are_skipped_not_fatal(tmp_path: Path) -> None:
+    lines = (GOLDEN / "pod_level_reschedule.jsonl").read_text().splitlines()
+    bad_step = json.loads(lines[10])
+    bad_step["envelope"]["data"]["step"] = "eleven"  # the engine dead-letters this; the report skips it
+    raw = {"seq": bad_step["seq"], "ts": bad_step["ts"], "subject": bad_step["subject"], "headers": {},
+           "raw": "{not json"}
+    log = tmp_path / "hostile.jsonl"
+    log.write_text("\n".join([*lines[:10], json.dumps(bad_step), json.dumps(raw), *lines[11:]]) + "\n")
+    report = build_report(iter_file(log))
+    assert report["summary"]["incidents"] == 1 and report["jobs"][0]["incidents"][0]["ttr_s"] == 21.0
+    assert any("malformed" in note for note in report["notes"])

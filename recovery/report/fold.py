@@ -145,6 +145,7 @@ class ReportFold:
         self.last_ts: int | None = None
         self.rejections: dict[str, int] = {}
         self.notes: list[str] = []
+        self.malformed = 0
 
     # -- reading ------------------------------------------------------------------------------------------
     def add_all(self, records: Iterable[RawDict]) -> ReportFold:
@@ -153,6 +154,14 @@ class ReportFold:
         return self
 
     def add(self, record: RawDict) -> None:
+        try:
+            self._add(record)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            # an input the engine rejected for its shape (a step that is not a number, a field missing): its dead
+            # letter is counted; the record itself says nothing the report can use
+            self.malformed += 1
+
+    def _add(self, record: RawDict) -> None:
         self.read += 1
         ts = record["ts"]
         if self.since is not None and ts < self.since:
@@ -400,6 +409,8 @@ class ReportFold:
         gpu_wall = sum(j["wall_s"] * j["gpus"] for j in jobs)
         gpu_lost = sum(j["lost_s"] * j["gpus"] for j in jobs)
         notes = list(self.notes)
+        if self.malformed:
+            notes.append(f"{self.malformed} records were malformed inputs (rejected by the engine) and were skipped")
         if self.since is not None or any(i["before_window"] for i in incidents):
             notes.append("records before --since were not read: an incident open then starts where the window does")
         return {

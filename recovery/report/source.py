@@ -38,8 +38,13 @@ def iter_file(path: str | os.PathLike[str]) -> Iterator[RawDict]:
                 raise ValueError(f"{path}:{number}: not a log record: a JSON {type(obj).__name__}")
             if "seq" not in obj and "export" in obj:
                 continue  # a per-job export's header: what its filters kept, which the report does not need
-            if not isinstance(obj.get("envelope"), dict) or not isinstance(obj.get("ts"), int):
-                raise ValueError(f"{path}:{number}: not a log record (no envelope or log time)")
+            if not isinstance(obj.get("ts"), int) or not isinstance(obj.get("seq"), int) or not isinstance(
+                    obj.get("subject"), str):
+                raise ValueError(f"{path}:{number}: not a log record (no sequence, log time or subject)")
+            if not isinstance(obj.get("envelope"), dict):
+                # input kept as received because it could not be decoded ("raw"): the engine rejected it, and its
+                # dead letter is what the reports count
+                continue
             yield obj
 
 
