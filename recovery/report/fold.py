@@ -41,6 +41,7 @@ RECENT_INPUTS = 512
 LOOSE_DECISIONS = 200
 """decisions outside incidents listed per job (the rest are counted by kind)"""
 WIDESPREAD_FAULTS = 8
+LIST_ITEMS = 16
 INCIDENT_DECISIONS = 500
 INCIDENT_FAULTS = 64
 """an incident's decisions and faults listed in full (a job-wide crash reported as thousands of exits is one
@@ -368,10 +369,10 @@ class ReportFold:
         if cause is not None:
             env = cause["envelope"]
             inputs["cause"] = {"type": env.get("type"), "job": env.get("job"), "node": env.get("node"),
-                               "data": env.get("data")}
+                               "data": _bounded(env.get("data"))}
         detail = d.get("detail") or {}
         if detail:
-            inputs["detail"] = detail
+            inputs["detail"] = _bounded(detail)
         return {"seq": record["seq"], "ts": ts, "kind": d["kind"], "phase": d.get("phase"),
                 "policy": d.get("policy") or "engine", "rule": d.get("reason", ""), "inputs": inputs,
                 "commands": [c.get("kind") for c in d.get("commands") or []]}
@@ -541,6 +542,16 @@ class ReportFold:
                            "devices_repeating": repeat, "history": sorted(history, key=lambda h: h["ts"])})
         lemons.sort(key=lambda lemon: (-lemon["incidents"], lemon["node"]))
         return lemons
+
+
+def _bounded(value: Any, depth: int = 0) -> Any:
+    """A decision's inputs as the report keeps them: a list longer than `LIST_ITEMS` (the 16,384 ranks of a job-wide
+    fault, a collective's members) is cut to its first items and a count, so that an incident's whys stay small."""
+    if isinstance(value, dict):
+        return {k: _bounded(v, depth + 1) for k, v in value.items()} if depth < 4 else value
+    if isinstance(value, list) and len(value) > LIST_ITEMS:
+        return [*value[:LIST_ITEMS], f"... {len(value) - LIST_ITEMS} more"]
+    return value
 
 
 def _sum_dicts(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
