@@ -96,12 +96,12 @@ def test_timer_service_fires_what_the_engine_still_holds() -> None:
     engine.timers = {"a/watchdog/3": ("a", 10, 5), "a/confirm/x/4": ("a", 20, None), "b/ack/b:1:0/9": ("b", 15, None)}
     assert router.timers.load(engine.timers) == 3
     assert timers.due(9) == []
-    assert timers.due(15) == [("a/watchdog/3", "a", 10, 5), ("b/ack/b:1:0/9", "b", 15, None)]
+    assert timers.due(15) == [Firing("a/watchdog/3", "a", 10, 5), Firing("b/ack/b:1:0/9", "b", 15, None)]
     engine.timers["a/watchdog/3"] = ("a", 15, 5)  # the engine applied the firing: the period moved on
     router.timers.fired("a/watchdog/3", "a", 10, 12)
     del engine.timers["a/confirm/x/4"]  # cancelled by a decision
     router.timers.cancel("a/confirm/x/4")
-    assert timers.due(100) == [("a/watchdog/3", "a", 15, 5)]
+    assert timers.due(100) == [Firing("a/watchdog/3", "a", 15, 5)]
     router.timers.arm("gone", "a", 1)  # armed but not in the engine's table: never fired, and forgotten
     assert timers.due(200) == [] and "gone" not in router.timers and fired == []
 
