@@ -105,6 +105,7 @@ class _Reader:
         self.last_ts = 0
         self.others: set[str] = set()
         self.started = False
+        self.recovering = False
 
     def count(self, table: str, kind: str) -> None:
         assert self.cluster is not None
@@ -156,7 +157,8 @@ class _Reader:
             self.count("resimulated", kind)
         elif kind == "progress.step":
             step = int(data["step"])
-            if self.last_step is not None and step > self.last_step[1]:
+            # the pace of training only: a gap that spans a recovery is not a step time
+            if self.last_step is not None and step > self.last_step[1] and not self.recovering:
                 cluster.step_times.append((ts - self.last_step[0]) / NS / (step - self.last_step[1]))
                 del cluster.step_times[:-1000]
             if self.last_step is None or step > self.last_step[1]:
@@ -265,6 +267,12 @@ class _Reader:
             return
         kind = d["kind"]
         detail = d.get("detail") or {}
+        phase = d.get("phase")
+        if phase is not None and not self.recovering:
+            self.recovering = True
+        elif phase is None and self.recovering:
+            self.recovering = False
+            self.last_step = None  # the next report after a recovery starts a new stretch of training
         if kind == "ranks.rescheduling" and detail.get("nodes"):
             self.placement = list(detail["nodes"])
         pending = self.pending.pop(d["cause_seq"], None)
