@@ -153,7 +153,9 @@ def diff_logs(a: Iterable[RawDict], b: Iterable[RawDict], job: str | None = None
             hunks.append(hunk)
             candidate = {"job": name, "index": i1, **{k: (v[0] if v else None) for k, v in hunk.items()
                                                        if k in labels}}
-            ts = min((r.ts - (left.origin or 0) for r in da[i1:i2]), default=None)
+            # when it happened, on A's clock, or on B's for decisions only B took
+            ts = min([r.ts - (left.origin or 0) for r in da[i1:i2]] or
+                     [r.ts - (right.origin or 0) for r in db[j1:j2]] or [None])
             if first is None or (ts is not None and ts < first["_ts"]):
                 first = {**candidate, "_ts": ts if ts is not None else 1 << 62}
         jobs.append({"job": name, "decisions": [len(da), len(db)], "same": len(hunks) == 0, "hunks": hunks})

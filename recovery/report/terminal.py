@@ -213,6 +213,10 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                   f"{c['tail_s']:,.0f} s more with no faults); executors "
                   f"{'fail as the cost model says' if c['executor_failures'] else 'never fail'}")
     inputs = result["inputs"]
+    if result["other_jobs"]:
+        others = ", ".join(result["other_jobs"])
+        console.print(Text(f"left out: the simulator runs one job; the log's other jobs ({others}) and their inputs "
+                           f"are not simulated", style="yellow"))
     console.print(Text(f"kept from the log ({inputs['faults']} faults): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["kept"].items())))
     console.print(Text("re-simulated (answers to the recorded decisions, training, timers): "

@@ -81,6 +81,8 @@ class RecordedCluster:
     drafts: list[Draft] = field(default_factory=list)
     kept: dict[str, int] = field(default_factory=dict)
     resimulated: dict[str, int] = field(default_factory=dict)
+    other_jobs: set[str] = field(default_factory=set)
+    """jobs of the log the what-if leaves out: the simulator runs one job (their nodes are not in its cluster)"""
 
     @property
     def rpn(self) -> int:
@@ -127,6 +129,7 @@ class _Reader:
         for _, kind in self.pending.values():
             self.count("resimulated", kind)
         self.cluster.end = self.last_ts
+        self.cluster.other_jobs = set(self.others)
         return self.cluster
 
     def input(self, record: RawDict) -> None:
@@ -423,6 +426,7 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
                     "memory_every_steps": base_config.training.memory_every_steps,
                     "model_params": base_config.training.params, "days": round(base_config.days, 6),
                     "executor_failures": executor_failures, "tail_s": tail_s},
+        "other_jobs": sorted(cluster.other_jobs),
         "inputs": {"faults": len(faults), "kept": dict(sorted(cluster.kept.items())),
                    "resimulated": dict(sorted(cluster.resimulated.items())),
                    "fault_list": [{"at_s": round(f.at_ns / NS, 3), "signal": f.signal, "from": f.component}
