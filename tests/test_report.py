@@ -224,3 +224,14 @@ def test_malformed_and_undecodable_inputs_are_skipped_not_fatal(tmp_path: Path) 
     report = build_report(iter_file(log))
     assert report["summary"]["incidents"] == 1 and report["jobs"][0]["incidents"][0]["ttr_s"] == 21.0
     assert any("malformed" in note for note in report["notes"])
+
+
+def test_silence_is_detected_from_when_the_rank_was_last_heard() -> None:
+    """watchdog_heartbeat: rank 5 reports step 20 at +20 s and then nothing; the others heartbeat; the watchdog's
+    tick at +32 s confirms the silence (more than 10 s): detection took 32 - 20 = 12 s."""
+    inc = only_incident(report_of("watchdog_heartbeat"))
+    assert inc["fault_class"] == "hang" and inc["first_failing_rank"] == 5
+    assert inc["first_signal_s"] == 20.0 and inc["opened_s"] == 32.0
+    assert inc["detection_latency_s"] == 12.0
+    assert inc["phases"][0] == {"phase": "detection", "start_s": 20.0, "seconds": 12.0}
+    assert inc["ttr_s"] == 23.0  # first step past 20 at 1767225643 - silent since 1767225620

@@ -52,6 +52,8 @@ _FAULT_KINDS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault
 _ENDS = {"job.completed": "completed", "job.failed": "failed", "job.cancelled": "cancelled"}
 _ATTEMPT_ENDS = {"attempt.failed": "failed", "attempt.timed_out": "timed_out", "attempt.superseded": "superseded"}
 _QUIET_INPUTS = frozenset({"process.heartbeat"})
+_REPORTS = frozenset({"process.heartbeat", "progress.step"})
+_SILENCE_CLASSES = frozenset({"hang", "node"})
 _CLASS_OF_SIGNAL = {"process.exited": "process", "process.hang": "hang", "device.fault": "device",
                     "network.link_down": "network", "network.collective_timeout": "hang", "node.not_ready": "node"}
 """the fault class of a fault that joined an incident, from its signal (only a confirmation records its class)"""
@@ -120,6 +122,8 @@ class JobFold:
     incident: Incident | None = None
     incidents: list[Incident] = field(default_factory=list)
     incident_count: int = 0
+    last_heard: dict[int, int] = field(default_factory=dict)
+    """rank -> log time of its last heartbeat or step: when a rank found silent went silent"""
     step_after_close: int | None = None
     """the step at which the last closed incident struck: the next one is a restart loop unless the job got past it"""
     decision_counts: dict[str, int] = field(default_factory=dict)
@@ -188,6 +192,11 @@ class ReportFold:
         job_id = env.get("job")
         if self.job_filter is not None and job_id is not None and job_id != self.job_filter:
             return
+        if type_ in _REPORTS and job_id is not None:
+            job = self.jobs.get(job_id)
+            rank = env["data"].get("rank")
+            if job is not None and isinstance(rank, int):
+                job.last_heard[rank] = ts
         if type_ in _QUIET_INPUTS:
             return
         recent = self.recent
@@ -291,6 +300,13 @@ class ReportFold:
         fault = (d.get("detail") or {}).get("fault")
         if isinstance(fault, dict) and isinstance(fault.get("ts"), int):
             signals.append(fault["ts"])
+            cause = self.recent.get(d["cause_seq"])
+            if fault.get("class") in _SILENCE_CLASSES and cause is not None and \
+                    cause["envelope"].get("type") == "timer.fired":
+                # found by its silence (the watchdog's tick): the signal began when the rank was last heard from
+                heard = [job.last_heard[r] for r in (fault.get("ranks") or [])[:4096] if r in job.last_heard]
+                if heard:
+                    signals.append(min(heard))
         elif kind in _FAULT_KINDS:
             signals.append(self._signal_ts(d, ts))
         incident.first_signal = min(signals) if signals else ts
