@@ -11,8 +11,10 @@
                                          the log's faults under other policies, the cluster simulated
     recovery-replay diff A B             the decisions that differ between two logs, side by side
 
-Each of run, verify and timeline reads a JSONL export (LOG) or, with `--nats URL`, the live JetStream
-stream (`--stream`, default RECOVERY). Each takes `--json` for machine-readable output. Exit status: 0
+Each of run, verify, timeline and report reads a JSONL export (LOG) or, with `--nats URL`, the live JetStream
+stream (`--stream`, default RECOVERY); whatif and diff read exports. Each takes `--json` for machine-readable
+output (report's shape is versioned and documented in README.md, "Postmortems"); diff exits 1 when the decisions
+differ. Exit status: 0
 fine, 1 divergence, 2 bad usage or unreadable log (a line that is not a record, a last line cut short, a
 recorded decision of a schema this version cannot read: each named with its line).
 
