@@ -9,11 +9,12 @@ An unknown key or a bad value stops the agent at start with an error that names 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from events.subjects import check_token
 from recovery import settings
@@ -42,7 +43,38 @@ class AgentConfig(FileSettings):
     store_host: str = Field("0.0.0.0", description="address a rendezvous store this agent hosts listens on")
     kill_grace_s: float = Field(5.0, ge=0, le=3600, description="how long a killed process may take to be reaped "
                                                                  "before a command fails")
+    links: Annotated[list[str], NoDecode] = Field([], description="network interfaces whose link state is "
+                                                                  "reported (comma-separated), read from "
+                                                                  "sysfs_net/<interface>/operstate")
+    link_poll_s: float = Field(1.0, gt=0, le=60, description="how often the links' state is read")
+    sysfs_net: Path = Field(Path("/sys/class/net"), description="where the interfaces' sysfs directories are: the "
+                                                                "agent's own network namespace's")
+    kernel_log: Path | None = Field(None, description="follow this kernel log for NVIDIA XIDs (/dev/kmsg on a node, "
+                                                      "or a file); unset: no XID probe")
+    gpu_bus_ids: dict[str, int] = Field({}, description="PCI address -> device index of the node's GPUs, for XIDs "
+                                                        "(JSON or a TOML table); empty: asked of nvidia-smi")
+    xid_poll_s: float = Field(0.5, gt=0, le=60, description="how often the kernel log is read for XIDs")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+
+    @field_validator("links", mode="before")
+    @classmethod
+    def _interfaces(cls, value: object) -> object:
+        # A flag or an environment variable lists them comma-separated (as the NATS URLs are) or as JSON.
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("gpu_bus_ids", mode="before")
+    @classmethod
+    def _bus_ids(cls, value: object) -> object:
+        if isinstance(value, str):  # a flag: JSON, as the environment variable is
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not a JSON object of PCI address -> device index: {exc}") from None
+        return value
 
     @field_validator("node")
     @classmethod
