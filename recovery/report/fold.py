@@ -10,9 +10,10 @@ Definitions (also in README.md, "Postmortems"):
 
 - an incident opens at its first decision with a phase (the fault's confirmation) and closes at `incident.closed`
   (or at the decision that ended the job). Its *first signal* is the earliest of the confirmed fault's own signal,
-  any suspicion still open for the job and, for ranks found by their silence, when they were last heard from; *detection latency* is first signal to confirmation; *decision latency*
-  is confirmation to the first command of the incident; *time to recovery* is first signal to close (the job's first
-  step past its resume point: what `python -m recovery.sim` calls TTR).
+  any suspicion still open for the job and, for ranks found by their silence, when they were last heard from;
+  *detection latency* is first signal to confirmation; *decision latency* is confirmation to the first command of
+  the incident; *time to recovery* is first signal to close (the job's first step past its resume point: what
+  `python -m recovery.sim` calls TTR).
 - each phase lasts from the decision that entered it to the decision that left it; `detection` is the time before
   the confirmation. Lost GPU-hours of an incident: its time by phase times the job's GPUs (one rank per GPU; the
   whole job waits while part of it recovers), plus `recompute`: lost steps times the job's measured step time.
