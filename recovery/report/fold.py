@@ -303,8 +303,10 @@ class ReportFold:
             signals.append(fault["ts"])
             cause = self.recent.get(d["cause_seq"])
             if fault.get("class") in _SILENCE_CLASSES and cause is not None and \
-                    cause["envelope"].get("type") == "timer.fired":
-                # found by its silence (the watchdog's tick): the signal began when the rank was last heard from
+                    cause["envelope"].get("type") == "timer.fired" and \
+                    "/watchdog/" in str((cause["envelope"].get("data") or {}).get("timer_id", "")):
+                # found by its silence (the watchdog's tick, not a suspicion's confirmation timer): the signal began
+                # when the rank was last heard from
                 heard = [job.last_heard[r] for r in (fault.get("ranks") or [])[:4096] if r in job.last_heard]
                 if heard:
                     signals.append(min(heard))
