@@ -19,6 +19,8 @@ from events.codec import encode_record
 from events.envelope import RawRecord, Record
 
 RawDict = dict[str, Any]
+CHUNK = 256
+"""records handed from the JetStream reader's thread to the fold at once"""
 
 
 def iter_file(path: str | os.PathLike[str]) -> Iterator[RawDict]:
@@ -58,21 +60,27 @@ def as_dict(record: Record | RawRecord) -> RawDict | None:
 
 def iter_nats(url: str, stream: str, connect: Any) -> Iterator[RawDict]:
     """The records of the live JetStream log, streamed: a reader thread runs the async pull reader and hands records
-    over through a small queue, so the fold runs as records arrive and at most 1,000 wait in memory. `connect` is
-    `async (url, stream) -> log` (the CLI's read-only connection)."""
-    queue: Queue[RawDict | BaseException | None] = Queue(maxsize=1000)
+    over through a small queue in chunks, so the fold runs as records arrive and at most `4 * CHUNK` wait in memory.
+    `connect` is `async (url, stream) -> log` (the CLI's read-only connection)."""
+    queue: Queue[list[RawDict] | BaseException | None] = Queue(maxsize=4)
     stop = threading.Event()
 
     async def pump() -> None:
         log = await connect(url, stream)
         try:
             records: AsyncIterator[Record | RawRecord] = log.read()
+            chunk: list[RawDict] = []
             async for record in records:
                 if stop.is_set():
                     return
                 obj = as_dict(record)
                 if obj is not None:
-                    await asyncio.to_thread(queue.put, obj)
+                    chunk.append(obj)
+                if len(chunk) >= CHUNK:  # one hand-over per chunk: a thread hop per record would cost more
+                    await asyncio.to_thread(queue.put, chunk)
+                    chunk = []
+            if chunk:
+                await asyncio.to_thread(queue.put, chunk)
         finally:
             await log.close()
 
@@ -93,7 +101,7 @@ def iter_nats(url: str, stream: str, connect: Any) -> Iterator[RawDict]:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            yield from item
     finally:
         stop.set()
         while reader.is_alive():  # unblock a reader waiting on a full queue, then let it finish
