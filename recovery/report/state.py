@@ -10,11 +10,14 @@ NS = 1_000_000_000
 
 
 def seconds(ns: int | float) -> float:
+    """Nanoseconds of log time as seconds, to the millisecond (the report's unit)."""
     return round(ns / NS, 3)
 
 
 @dataclass
 class Phase:
+    """One phase of an incident: from the decision that entered it to the one that left it (None: still in it)."""
+
     name: str
     start: int
     end: int | None = None
@@ -22,6 +25,8 @@ class Phase:
 
 @dataclass
 class Incident:
+    """An incident as read so far."""
+
     id: str
     job: str
     opened: int
@@ -48,6 +53,8 @@ class Incident:
 
 @dataclass
 class JobFold:
+    """A job as read so far: its shape and policies, its step line, its open and closed incidents."""
+
     id: str
     nodes: list[str] = field(default_factory=list)
     rpn: int = 1
