@@ -24,6 +24,7 @@ from tests.daemon_support import DaemonProcess
 from tests.e2e_support import (
     AgentProcess,
     JobWatch,
+    RendezvousProcess,
     connect,
     free_port,
     job_spec,
@@ -46,6 +47,10 @@ class Cluster:
     agents: list[AgentProcess]
     workdir: Path
     started: list[int]
+    store: RendezvousProcess
+
+    def agent(self, node: str) -> AgentProcess:
+        return next(a for a in self.agents if a.node == node)
 
     def explain(self) -> str:
         return "\n".join(f"--- agent {a.node}:\n{a.log_tail()}" for a in self.agents) + \
@@ -59,10 +64,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     server.start()
     daemon = DaemonProcess(workdir / "daemon", server.url, lease_ttl_s=0, snapshot_fork=False)
     agents: list[AgentProcess] = []
-    state = Cluster(server, daemon, agents, workdir, [])
+    store = RendezvousProcess(workdir / "rendezvous")
+    state = Cluster(server, daemon, agents, workdir, [], store)
     try:
         daemon.start(PYTHONPATH=str(Path(__file__).resolve().parent.parent))
         daemon.wait_ready()
+        store.wait_ready()
 
         async def start_agents() -> None:
             nc = await connect(server.url)
@@ -73,9 +80,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
             await nc.subscribe("recovery.ev.node.>", cb=on_node)
             agents.extend([AgentProcess(workdir, "n0", server.url), AgentProcess(workdir, "n1", server.url),
-                           AgentProcess(workdir, "spare0", server.url, spare=True)])
-            await wait_until(lambda: ready >= {"n0", "n1", "spare0"}, 30, "the agents to report their nodes",
-                             state.explain)
+                           AgentProcess(workdir, "spare0", server.url, spare=True),
+                           AgentProcess(workdir, "spare1", server.url, spare=True)])
+            await wait_until(lambda: ready >= {"n0", "n1", "spare0", "spare1"}, 30,
+                             "the agents to report their nodes", state.explain)
             await nc.close()
 
         asyncio.run(start_agents())
@@ -84,11 +92,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for agent in agents:
             agent.stop()
         kill_leftovers(state.started)
+        store.stop()
         daemon.close()
         server.stop()
 
 
-async def run_job(cluster: Cluster, job: str, fault: Any = None) -> tuple[JobWatch, dict[str, Any]]:
+async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str] = NODES,
+                  rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None
+                  ) -> tuple[JobWatch, dict[str, Any]]:
     """Submit the job, let `fault(watch)` strike once every rank passed FAULT_AT_STEP, wait for the job to
     complete; returns what was seen and the final parameters."""
     import torch
@@ -102,7 +113,8 @@ async def run_job(cluster: Cluster, job: str, fault: Any = None) -> tuple[JobWat
             decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
             return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
 
-        await submit(nc, job, job_spec(out, STEPS, STEP_TIME_S, NODES, free_port()))
+        port = cluster.store.port if rendezvous == "external" else free_port()
+        await submit(nc, job, job_spec(out, STEPS, STEP_TIME_S, nodes, port, rendezvous, checkpoint))
         try:
             await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), 60,
                              f"{job} to train {FAULT_AT_STEP} steps", explain)
@@ -182,3 +194,46 @@ async def test_a_stopped_rank_is_found_by_its_silence_within_10s_and_recovered_a
     assert "silent" in w.decided("fault.confirmed")[0]["data"]["reason"]
     assert_bitwise_equal(params, fault_free)
     print(f"SIGSTOP of rank {victim}: detected {measured['detected_s']:.2f}s, recovered {measured['recovered_s']:.2f}s")
+
+
+def sources(w: JobWatch, rank: int) -> list[str]:
+    """The agent that started each process of `rank`, in order."""
+    return [e["source"] for e in w.of("process.started") if e["data"]["rank"] == rank]
+
+
+async def test_a_lost_node_moves_its_ranks_to_a_spare_and_the_other_node_keeps_its_processes(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+    """An agent and its ranks SIGKILLed together (the host is gone). Its heartbeat stops, so the engine moves the
+    node's ranks to a spare; the rendezvous store runs off the training nodes, so the survivors re-form the process
+    group with the newcomers and hand them their state. Last in the module: n0 does not come back."""
+    measured: dict[str, float] = {}
+
+    async def node_loss(w: JobWatch, explain: Callable[[], str]) -> None:
+        lost = cluster.agent("n0")
+        ranks = [w.pids()[r][-1] for r in (0, 1)]
+        step = max(w.step(r) for r in range(4))
+        killed = time.monotonic()
+        lost.proc.kill()
+        kill_leftovers(ranks)
+
+        def recovered() -> bool:
+            return all(any(e["data"]["rank"] == r and e["data"]["attempt"] >= 1 and e["data"]["step"] > step
+                           and e["_seen"] > killed for e in w.of("progress.step")) for r in (0, 1))
+
+        await wait_until(lambda: bool(w.decided("fault.confirmed")), 15, "the lost node to be a fault", explain)
+        measured["detected_s"] = w.decided("fault.confirmed")[0]["_seen"] - killed
+        await wait_until(recovered, 60, "n0's ranks to train again on a spare", explain)
+        measured["recovered_s"] = time.monotonic() - killed
+
+    w, params = await run_job(cluster, "node-loss", node_loss, rendezvous="external")
+    pids = w.pids()
+    assert all(len(pids[r]) == 1 for r in (2, 3)), pids  # n1's processes were not restarted
+    assert all(len(pids[r]) == 2 for r in (0, 1)), pids
+    moved_to = {sources(w, r)[-1] for r in (0, 1)}
+    assert len(moved_to) == 1 and moved_to <= {"agent@spare0", "agent@spare1"}, moved_to
+    confirmed = w.decided("fault.confirmed")[0]["data"]["reason"]
+    assert "agent of n0 silent" in confirmed, confirmed
+    assert "migrate" in [d["data"].get("detail", {}).get("granularity") for d in w.decided("attempt.started")]
+    assert w.kinds().count("incident.closed") == 1
+    assert_bitwise_equal(params, fault_free)
+    print(f"node loss: detected {measured['detected_s']:.2f}s, recovered {measured['recovered_s']:.2f}s; {pids}")

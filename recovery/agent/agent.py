@@ -99,12 +99,21 @@ class Agent:
     def job_event(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None = None) -> None:
         envelope = make_envelope(type_, data, id=event_id or self._next_id(), job=job, source=self.source)
         assert self.outbox is not None
-        self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id)
+        self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id,
+                        heartbeat=type_ == "process.heartbeat")
 
     def node_event(self, type_: str, data: dict[str, Any], event_id: str | None = None) -> None:
         envelope = make_envelope(type_, data, id=event_id or self._next_id(), node=self.node, source=self.source)
         assert self.outbox is not None
-        self.outbox.put(subjects.node_event(self.node, type_), encode_envelope(envelope), envelope.id)
+        self.outbox.put(subjects.node_event(self.node, type_), encode_envelope(envelope), envelope.id,
+                        heartbeat=type_ == "node.heartbeat")
+
+    async def _beat(self) -> None:
+        """The agent's own heartbeat: its absence is how the engine tells a dead agent or host (whose ranks' reports
+        stop with it) from ranks that stopped reporting."""
+        while True:
+            self.node_event("node.heartbeat", {"interval_s": self.cfg.node_heartbeat_s})
+            await anyio.sleep(self.cfg.node_heartbeat_s)  # the heartbeat's period
 
     def ack(self, command: Command, status: str, reason: str = "", **result: Any) -> None:
         self.job_event(command.job, "command.ack",
@@ -130,6 +139,7 @@ class Agent:
                 tg.start_soon(self.outbox.run)
                 tg.start_soon(self._follow_jobs, log, log_start)
                 tg.start_soon(self._follow_commands, commands, command_start)
+                tg.start_soon(self._beat)
                 if self.cfg.spare:
                     self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices})
                 else:
@@ -193,7 +203,7 @@ class Agent:
         self.jobs[job_id] = job
         assert self._tg is not None
         await self._tg.start(job.channel.serve)
-        if spec.nodes[0] == self.node:
+        if spec.nodes[0] == self.node and spec.entrypoint.rendezvous == "agent":
             await self._host_store(job)
         for rank in job.ranks_on(self.node):
             await self._launch(job, rank, 0, None)

@@ -41,6 +41,8 @@ class AgentConfig(BaseSettings):
     devices: int = Field(8, ge=1, le=1024, description="accelerators (rank slots) of this node")
     runtime_dir: Path = Field(Path("recovery-agent"), description="the SDK's sockets and the ranks' output")
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the SDK in every rank sends a heartbeat")
+    node_heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the agent says it is alive "
+                                                                  "(`node.heartbeat`)")
     outbox_capacity: int = Field(100_000, ge=1, description="events kept while NATS is away; beyond, the oldest "
                                                              "are dropped and counted")
     store_host: str = Field("0.0.0.0", description="address a rendezvous store this agent hosts listens on")

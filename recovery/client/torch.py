@@ -20,9 +20,10 @@ A partial restart replaces only the dead ranks. The survivors notice on gloo (a 
         step += 1
         client.report_step(step)
 
-Generations live on the rendezvous store the agent hosts (never in a training process, so rank 0 may die like any
-other): each generation's process group uses its own key prefix (`gen<g>/`), and a process started in a new
-generation announces it under `recovery/generation`, which the survivors wait for. Where a survivor cannot notice
+Generations live on the job's rendezvous store (never in a training process, so rank 0 may die like any other: the
+agent of the job's first node serves it, or the platform off the training nodes, see `recovery.agent.rendezvous`),
+under the job's run id: each generation's process group uses its own key prefix (`gen<g>/`), and a process started in
+a new generation announces it under `recovery/generation`, which the survivors wait for. Where a survivor cannot notice
 (blocked in a collective with a peer that is stopped rather than dead, or stuck in C++), the agent kills the
 stuck peer, which turns it into the case above, or the process group's timeout ends the wait.
 """
@@ -66,8 +67,11 @@ class ProcessGroupRecovery:
         if self._store is None:
             import torch.distributed as dist
 
-            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                        is_master=False, timeout=self.timeout, wait_for_workers=False)
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=self.timeout, wait_for_workers=False)
+            # Every key under the job's run id: a store the platform runs off the training nodes serves many jobs.
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+            self._store = dist.PrefixStore(f"{run_id}/", store) if run_id else store
         return self._store
 
     def _announced(self) -> int:

@@ -231,9 +231,22 @@ class Detection:
     def watchdog(self, out: RecordEffects, job: Job) -> None:
         if job.state != "running":
             return
+        if out.ts - job.heard >= int(job.spec.watchdog_interval_s * NS) and job.heard != job.quiet_heard:
+            # Nothing at all was heard of the job for a watchdog period: every node of it fell silent at once, which
+            # is what the control plane's own outage looks like (NATS away, the agents' events waiting in their
+            # outboxes, this tick overdue). Silence counts from now, once: the agents' flushed events arrive, or the
+            # next ticks find a real silence a silence window later.
+            job.quiet_heard = job.heard
+            job.last_seen = [out.ts] * job.world  # whole, not rank by rank: the journal restores the old list
+            for name in job.nodes:
+                if self.cluster.nodes.get(name) is not None and self.cluster.nodes[name].heard is not None:
+                    self.cluster.node(name).heard = out.ts
+            return
+        agents = self.cluster.nodes
         view = WatchdogView(out.ts, job.step_time, tuple(
             RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
-            tuple(job.nodes), job.rpn)
+            tuple(job.nodes), job.rpn,
+            tuple(agents[n].heard if n in agents else None for n in job.nodes))
         verdicts = ask(job, "detection", job.policies.detection.check, view)
         for verdict in verdicts:
             if job.state != "running" or job.incident is not None:
