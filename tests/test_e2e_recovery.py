@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
+from events.envelope import Record
 from recovery.testing.nats import NatsServer
-from tests.daemon_support import DaemonProcess
+from tests.daemon_support import DaemonProcess, read_stream
 from tests.e2e_support import (
     AgentProcess,
     JobWatch,
@@ -98,8 +99,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str] = NODES,
-                  rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None
-                  ) -> tuple[JobWatch, dict[str, Any]]:
+                  rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None,
+                  step_time: float = STEP_TIME_S) -> tuple[JobWatch, dict[str, Any]]:
     """Submit the job, let `fault(watch)` strike once every rank passed FAULT_AT_STEP, wait for the job to
     complete; returns what was seen and the final parameters."""
     import torch
@@ -114,7 +115,7 @@ async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str
             return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
 
         port = cluster.store.port if rendezvous == "external" else free_port()
-        await submit(nc, job, job_spec(out, STEPS, STEP_TIME_S, nodes, port, rendezvous, checkpoint))
+        await submit(nc, job, job_spec(out, STEPS, step_time, nodes, port, rendezvous, checkpoint))
         try:
             await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), 60,
                              f"{job} to train {FAULT_AT_STEP} steps", explain)
@@ -194,6 +195,33 @@ async def test_a_stopped_rank_is_found_by_its_silence_within_10s_and_recovered_a
     assert "silent" in w.decided("fault.confirmed")[0]["data"]["reason"]
     assert_bitwise_equal(params, fault_free)
     print(f"SIGSTOP of rank {victim}: detected {measured['detected_s']:.2f}s, recovered {measured['recovered_s']:.2f}s")
+
+
+async def test_nats_away_for_10s_restarts_nothing_and_loses_no_event_and_no_step(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+    """The control plane's bus restarts mid-training: the SDK keeps training, the agents keep every event in their
+    outboxes and publish them in order on its return, and the engine, which heard nothing of the job meanwhile, does
+    not take that for silence."""
+    outage_s = 10.0
+    steps_at: dict[str, int] = {}
+
+    async def nats_restart(w: JobWatch, explain: Callable[[], str]) -> None:
+        steps_at["stop"] = min(w.step(r) for r in range(4))
+        cluster.nats.stop()
+        await asyncio.sleep(outage_s)  # the outage itself: how long the bus stays away, not a wait for anything
+        cluster.nats.start()
+
+    # Slow steps (the parameters do not depend on the pace): the job still trains when the bus returns.
+    w, params = await run_job(cluster, "nats-restart", nats_restart, step_time=0.5)
+    assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
+    assert "fault.confirmed" not in w.kinds() and "incident.opened" not in w.kinds(), w.kinds()
+    records = [r for r in await read_stream(cluster.nats.url) if isinstance(r, Record)
+               and r.envelope.job == "nats-restart" and r.envelope.type == "progress.step"]
+    for rank in range(4):
+        reported = [r.envelope.data.step for r in records if r.envelope.data.rank == rank]  # type: ignore[union-attr]
+        assert reported == list(range(1, STEPS + 1)), f"rank {rank}: {reported}"  # every step, in order, once
+    assert steps_at["stop"] < STEPS - outage_s / 0.5 / 2, "the job was nearly done before the bus went away"
+    assert_bitwise_equal(params, fault_free)
 
 
 def sources(w: JobWatch, rank: int) -> list[str]:

@@ -228,15 +228,16 @@ class Detection:
             ranks = tuple(on_node[r % job.rpn] for r in verdict.ranks)
         return replace(verdict, reason=f"confirmed: {verdict.reason}", ranks=ranks)
 
-    def watchdog(self, out: RecordEffects, job: Job) -> None:
+    def watchdog(self, out: RecordEffects, job: Job, late_ns: int = 0) -> None:
+        """A tick of the job's watchdog, logged `late_ns` after it was due."""
         if job.state != "running":
             return
-        if out.ts - job.heard >= int(job.spec.watchdog_interval_s * NS) and job.heard != job.quiet_heard:
-            # Nothing at all was heard of the job for a watchdog period: every node of it fell silent at once, which
-            # is what the control plane's own outage looks like (NATS away, the agents' events waiting in their
-            # outboxes, this tick overdue). Silence counts from now, once: the agents' flushed events arrive, or the
-            # next ticks find a real silence a silence window later.
-            job.quiet_heard = job.heard
+        if late_ns >= int(job.spec.watchdog_interval_s * NS):
+            # The tick could not be logged on time: the control plane itself was away (NATS restarting, the daemon
+            # down), and so were the events the agents kept in their outboxes meanwhile; some may land just before
+            # this tick, the rest just after. The silence up to now is the control plane's, not the job's: count it
+            # from now, and the agents' flushed events arrive within the window, or a real silence is found a window
+            # later.
             job.last_seen = [out.ts] * job.world  # whole, not rank by rank: the journal restores the old list
             for name in job.nodes:
                 if self.cluster.nodes.get(name) is not None and self.cluster.nodes[name].heard is not None:

@@ -227,12 +227,9 @@ class Engine:
                 if incident is not None and incident.phase == "restoring":
                     self.guard(job)  # progress past the resume point closes the incident
                 self._progress(out, job, env.data)
-                job.heard = out.ts
             else:
                 self.guard(job)
                 self._job_event(out, job, type_, env.data)
-                if type_ != "timer.fired" and not type_.startswith("operator."):
-                    job.heard = out.ts  # from the job's processes or their agents, not the control plane's own
             if self.journal is None:  # the hot path: Engine._remember without the journal
                 seen[env.id] = None
                 if len(seen) > DEDUPE_WINDOW:
@@ -472,12 +469,7 @@ class Engine:
         device_times: tuple[int, ...] = ()
         node_times: tuple[int, ...] = ()
         if isinstance(data, kinds.NodeHeartbeat):
-            # The agent's sign of life: kept for the watchdog of the job on the node, no signal of its own.
-            node.heard = out.ts
-            owner = self.jobs.get(node.job) if node.job is not None else None
-            if owner is not None and name in owner.nodes:
-                self.touch(owner)
-                owner.heard = out.ts
+            node.heard = out.ts  # the agent's sign of life: for the watchdog of the job on the node, no signal itself
             return
         if isinstance(data, kinds.DeviceFault):
             device_times, node_times = self.cluster.record_device_fault(name, data.device, out.ts)
@@ -510,7 +502,6 @@ class Engine:
         job = self.jobs.get(node.job) if node.job is not None else None
         if job is not None:
             self.touch(job)
-            job.heard = out.ts
         if job is not None and job.state not in FINAL and name in job.nodes:
             on_node = job.ranks_on(name)
             if isinstance(data, kinds.DeviceFault | kinds.DeviceRecovered):
@@ -533,7 +524,7 @@ class Engine:
         if not self.timekeeper.fired(out, job, timer_id, data.due):
             return  # stale or cancelled: harmless, and kept in the log
         if timer_id == job.watchdog:
-            self.detection.watchdog(out, job)
+            self.detection.watchdog(out, job, late_ns=out.ts - data.due)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):
             self.incidents.timer_fired(out, job, timer_id)
 

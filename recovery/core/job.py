@@ -132,7 +132,6 @@ class Job:
         "closed",
         "drains",
         "generation",
-        "heard",
         "id",
         "incident",
         "incidents_opened",
@@ -142,7 +141,6 @@ class Job:
         "nodes",
         "own_nodes",
         "policies",
-        "quiet_heard",
         "rank_gen",
         "rank_log",
         "restarts_used",
@@ -191,8 +189,6 @@ class Job:
         self.drains: dict[str, str] = {}  # node -> why: sub-health to leave at the next complete checkpoint
         self.suspects: dict[str, tuple[Fault, str]] = {}  # key -> (the fault to confirm, timer id), in log order
         self.watchdog: str | None = None
-        self.heard = 0  # log time of the newest record concerning the job (its events, its nodes' agents')
-        self.quiet_heard = -1  # `heard` when the watchdog last found nothing heard of the job for a whole period
         self.used: dict[str, int] = {}
         self.restarts_used = 0
         self.seen: dict[str, None] = {}  # in insertion order: the oldest id is next(iter(seen))
@@ -339,8 +335,7 @@ class Job:
 
 
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
-                 "watchdog", "restarts_used", "alive", "steps", "rank_gen", "last_seen", "last_progress", "heard",
-                 "quiet_heard")
+                 "watchdog", "restarts_used", "alive", "steps", "rank_gen", "last_seen", "last_progress")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
 _SCALARS = attrgetter(*_SCALAR_NAMES)
