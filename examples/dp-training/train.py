@@ -88,7 +88,7 @@ def main() -> None:
         os.replace(args.out + ".tmp", args.out)
     dist.barrier()
     group.close()
-    client.close()
+    client.close(keep_heartbeats=True)  # alive to the agent until the interpreter has ended
 
 
 if __name__ == "__main__":

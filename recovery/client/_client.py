@@ -101,7 +101,12 @@ class Client:
         """The agent asked this process to stop (a graceful stop): finish the step and exit."""
         return self._stop_requested.is_set()
 
-    def close(self) -> None:
+    def close(self, keep_heartbeats: bool = False) -> None:
+        """The script is done with the client. With `keep_heartbeats` (a script about to exit), heartbeats go on
+        from their daemon thread until the process has exited: an interpreter that takes seconds to end (torch's
+        teardown on a loaded host) is not taken for a hung rank, and the agent reports the exit it sees."""
+        if keep_heartbeats:
+            return
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self._heartbeat_s)
