@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import Any
 
@@ -88,8 +89,13 @@ def main() -> None:
         os.replace(args.out + ".tmp", args.out)
     dist.barrier()
     group.close()
-    client.close(keep_heartbeats=True)  # alive to the agent until the interpreter has ended
+    client.close(keep_heartbeats=True)  # alive to the agent until the process has ended
 
 
 if __name__ == "__main__":
     main()
+    # Everything is saved: skip the interpreter's teardown of torch, which takes 1-3 s alone and 10-20 s with four
+    # ranks on two busy cores, all that time a finished rank that the agent cannot tell from a hung one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
