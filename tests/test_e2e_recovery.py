@@ -80,11 +80,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 ready.add(msg.subject.split(".")[3])
 
             await nc.subscribe("recovery.ev.node.>", cb=on_node)
-            agents.extend([AgentProcess(workdir, "n0", server.url), AgentProcess(workdir, "n1", server.url),
-                           AgentProcess(workdir, "spare0", server.url, spare=True),
-                           AgentProcess(workdir, "spare1", server.url, spare=True)])
-            await wait_until(lambda: ready >= {"n0", "n1", "spare0", "spare1"}, 30,
-                             "the agents to report their nodes", state.explain)
+            # n2 and three spares for the scenarios that move ranks: a preemption moves both nodes of its job, a
+            # node loss one
+            agents.extend([AgentProcess(workdir, name, server.url) for name in ("n0", "n1", "n2")])
+            agents.extend([AgentProcess(workdir, name, server.url, spare=True)
+                           for name in ("spare0", "spare1", "spare2")])
+            await wait_until(lambda: ready >= {a.node for a in agents}, 30, "the agents to report their nodes",
+                             state.explain)
             await nc.close()
 
         asyncio.run(start_agents())
@@ -224,6 +226,60 @@ async def test_nats_away_for_10s_restarts_nothing_and_loses_no_event_and_no_step
     assert_bitwise_equal(params, fault_free)
 
 
+def resumed_from(cluster: Cluster, job: str, step: int) -> list[str]:
+    """The logs of the job's restarted processes that say they loaded the saved checkpoint of `step`."""
+    said = f"resumed from the dying checkpoint of step {step}:"
+    return sorted(str(p.relative_to(cluster.workdir)) for p in cluster.workdir.glob(f"*/{job}.rank*.gen*.log")
+                  if not p.name.endswith(".gen0.log") and said in p.read_text(errors="replace"))
+
+
+async def test_the_power_off_checkpoint_of_a_healthy_replica_resumes_a_restarted_rank_at_the_next_step(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+    """Without the peer tier (`peer: false`), a rank's death makes a healthy replica write a dying checkpoint while
+    it waits for the next generation (MindIO TTP's power-off checkpoint); the restarted rank loads it and the job
+    resumes at the step after it, losing none."""
+    victim = 2
+
+    async def sigkill(w: JobWatch, explain: Callable[[], str]) -> None:
+        os.kill(w.pids()[victim][-1], signal.SIGKILL)
+        await wait_until(lambda: w.kinds().count("incident.closed") == 1, 60, f"rank {victim} to be recovered",
+                         explain)
+
+    w, params = await run_job(cluster, "power-off", sigkill, checkpoint={"peer": False})
+    pids = w.pids()
+    assert len(pids[victim]) == 2 and all(len(pids[r]) == 1 for r in range(4) if r != victim), pids
+    [dying] = w.decided("checkpoint.dying")
+    savers, step = dying["data"]["detail"]["savers"], dying["data"]["detail"]["step"]
+    assert victim not in savers and "checkpoint.dying_done" in w.kinds(), w.kinds()
+    assert [e["data"]["step"] for e in w.of("checkpoint.saved") if e["data"]["tier"] == "dying"] == [step]
+    assert resumed_from(cluster, "power-off", step) == [f"n1/power-off.rank{victim}.gen1.log"]
+    assert w.decided("incident.closed")[0]["data"]["detail"]["lost_steps"] == 0
+    assert_bitwise_equal(params, fault_free)
+
+
+async def test_a_preempted_node_saves_a_dying_checkpoint_and_the_job_resumes_at_the_next_step(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+    """SIGTERM to a node's agent, as a preemption sends it: its ranks save a dying checkpoint at their step
+    boundary and wait there, then get SIGTERM; the job restarts on spares from that checkpoint, every new process
+    loading it, and resumes at the step after it with none lost. n1's agent is gone afterwards."""
+
+    async def preempt(w: JobWatch, explain: Callable[[], str]) -> None:
+        cluster.agent("n1").proc.send_signal(signal.SIGTERM)
+        await wait_until(lambda: w.kinds().count("incident.closed") == 1, 90, "the job to resume", explain)
+
+    w, params = await run_job(cluster, "preempted", preempt)
+    saved = [e["data"] for e in w.of("checkpoint.saved") if e["data"]["tier"] == "dying"]
+    assert saved and {s["holder"] for s in saved} == {"n1"}, saved  # n1's own ranks wrote it
+    step = saved[0]["data"]["step"] if "data" in saved[0] else saved[0]["step"]
+    exited = [e["data"] for e in w.of("process.exited") if e["data"]["rank"] in (2, 3)]
+    assert exited and all(e.get("signal") == signal.SIGTERM for e in exited[:2]), exited
+    plans = [d["data"]["detail"] for d in w.decisions if d["data"]["kind"] == "checkpoint.plan"]
+    assert plans[-1]["checkpoint_step"] == step and plans[-1]["tiers"] == {"dying": 1}, plans
+    assert len(resumed_from(cluster, "preempted", step)) == 4  # every new process loaded it
+    assert w.decided("incident.closed")[0]["data"]["detail"]["lost_steps"] == 0
+    assert_bitwise_equal(params, fault_free)
+
+
 def sources(w: JobWatch, rank: int) -> list[str]:
     """The agent that started each process of `rank`, in order."""
     return [e["source"] for e in w.of("process.started") if e["data"]["rank"] == rank]
@@ -253,12 +309,12 @@ async def test_a_lost_node_moves_its_ranks_to_a_spare_and_the_other_node_keeps_i
         await wait_until(recovered, 60, "n0's ranks to train again on a spare", explain)
         measured["recovered_s"] = time.monotonic() - killed
 
-    w, params = await run_job(cluster, "node-loss", node_loss, rendezvous="external")
+    w, params = await run_job(cluster, "node-loss", node_loss, nodes=["n0", "n2"], rendezvous="external")
     pids = w.pids()
-    assert all(len(pids[r]) == 1 for r in (2, 3)), pids  # n1's processes were not restarted
+    assert all(len(pids[r]) == 1 for r in (2, 3)), pids  # n2's processes were not restarted
     assert all(len(pids[r]) == 2 for r in (0, 1)), pids
     moved_to = {sources(w, r)[-1] for r in (0, 1)}
-    assert len(moved_to) == 1 and moved_to <= {"agent@spare0", "agent@spare1"}, moved_to
+    assert len(moved_to) == 1 and moved_to <= {"agent@spare0", "agent@spare1", "agent@spare2"}, moved_to
     confirmed = w.decided("fault.confirmed")[0]["data"]["reason"]
     assert "agent of n0 silent" in confirmed, confirmed
     assert "migrate" in [d["data"].get("detail", {}).get("granularity") for d in w.decided("attempt.started")]

@@ -48,6 +48,13 @@ class AgentConfig(BaseSettings):
     store_host: str = Field("0.0.0.0", description="address a rendezvous store this agent hosts listens on")
     kill_grace_s: float = Field(5.0, ge=0, le=3600, description="how long a killed process may take to be reaped "
                                                                  "before a command fails")
+    preempt_grace_s: float = Field(30.0, ge=0, le=3600, description="on SIGTERM (a preemption): how long the ranks "
+                                                                    "have to save a dying checkpoint at their step "
+                                                                    "boundary and then to end after SIGTERM, before "
+                                                                    "SIGKILL")
+    preempt_linger_s: float = Field(10.0, ge=0, le=3600, description="after stopping its ranks on SIGTERM, how long "
+                                                                      "the agent stays to carry out the commands the "
+                                                                      "engine sends about them")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
     @field_validator("node")

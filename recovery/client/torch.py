@@ -102,6 +102,9 @@ class ProcessGroupRecovery:
             if time.monotonic() > deadline:
                 raise RecoveryTimeout(f"no generation after {self.client.generation} within "
                                       f"{self.wait_for_generation_s:g}s")
+            # A dying checkpoint asked of this survivor (a healthy replica, MindIO TTP's power-off checkpoint) is
+            # written while it waits: its state is that of its last reported step, and the restart may wait for it.
+            self.client.at_boundary()
             time.sleep(POLL_S)  # polling the agent's store, within the deadline above
         self.client.generation = generation
         self.form()
@@ -125,7 +128,7 @@ class ProcessGroupRecovery:
         if best < 0:
             raise RuntimeError("no replica holds live state: restart from a checkpoint instead")
         source = values.index(best)
-        if len(set(values)) > 1 or self.client.generation > 0:
+        if len(set(values)) > 1:  # every replica at one step holds one state (a restart from a checkpoint)
             state = _broadcast(get_state() if self.rank == source else None, source, self.rank)
             if self.rank != source:
                 set_state(state)
