@@ -270,7 +270,7 @@ async def test_a_preempted_node_saves_a_dying_checkpoint_and_the_job_resumes_at_
     w, params = await run_job(cluster, "preempted", preempt)
     saved = [e["data"] for e in w.of("checkpoint.saved") if e["data"]["tier"] == "dying"]
     assert saved and {s["holder"] for s in saved} == {"n1"}, saved  # n1's own ranks wrote it
-    step = saved[0]["data"]["step"] if "data" in saved[0] else saved[0]["step"]
+    step = saved[0]["step"]
     exited = [e["data"] for e in w.of("process.exited") if e["data"]["rank"] in (2, 3)]
     assert exited and all(e.get("signal") == signal.SIGTERM for e in exited[:2]), exited
     plans = [d["data"]["detail"] for d in w.decisions if d["data"]["kind"] == "checkpoint.plan"]
