@@ -372,8 +372,13 @@ class Agent:
                 await self._kill(job, list(job.processes))
                 return {}
             case RetryStep():
-                raise CommandFailed("a step retry is not carried out by the agent: the collective is re-run by "
-                                    "the process group's own recovery")
+                # Not possible in-process on gloo: a process group whose collective failed has its pairs closed and
+                # is unusable, so re-running the step means forming the group again, in a new generation; a retry
+                # keeps the job's generation (no process restarts), so the ranks' reports from a re-formed group
+                # would be rejected as ahead of it. The survivors' own re-forming after a peer's death, with the
+                # dead rank restarted (in_place), is the retry that works; the ladder goes on to it.
+                raise CommandFailed("a step retry is not possible in-process: a gloo process group whose collective "
+                                    "failed must be formed again in a new generation, which a retry does not make")
             case IsolateNode() | IsolateDevice():
                 return {}
         raise CommandFailed(f"unknown command {command.kind}")
