@@ -235,6 +235,14 @@ class Entrypoint(Frozen):
                              "off the training nodes (`python -m recovery.agent.rendezvous --serve`), which outlives "
                              "the loss of any node")
 
+    @model_serializer(mode="wrap")
+    def _without_default_rendezvous(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An entrypoint with the default store is written as before the field existed, so logs stay byte for byte.
+        data: dict[str, Any] = handler(self)
+        if data.get("rendezvous") == "agent":
+            del data["rendezvous"]
+        return data
+
 
 class JobSpec(Frozen):
     nodes: list[Token] = Field(min_length=1, description="placement: rank r runs on nodes[r // ranks_per_node]")
