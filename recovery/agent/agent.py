@@ -134,7 +134,8 @@ class Agent:
         self.outbox = Outbox(js, self.cfg.outbox_capacity)
         log = JetStreamLog(self.nc, js, self.cfg.stream, owns_connection=False)
         commands = JetStreamLog(self.nc, js, self.cfg.command_stream, owns_connection=False)
-        # Only what comes after the agent starts: earlier jobs and commands are another run's.
+        # Commands from before the agent started are another run's; jobs submitted before are read back (see
+        # _follow_jobs), launching only what comes after.
         log_start = await _next_seq(log)
         command_start = await _next_seq(commands)
         try:
@@ -210,12 +211,15 @@ class Agent:
                 await self.nc.close()
 
     async def _follow_jobs(self, log: JetStreamLog, start: int) -> None:
-        async for record in log.follow(start, SUBMITTED):
+        """Every job submitted with an entrypoint. Those submitted before `start` (this agent was restarted) are known
+        again without launching anything, so that their commands are carried out and their processes that outlived
+        the old agent reach this one through the job's socket (the SDK connects again by itself)."""
+        async for record in log.follow(1, SUBMITTED):
             if not isinstance(record, Record) or record.envelope.job is None:
                 continue
             data = record.envelope.data
             if isinstance(data, JobSubmitted) and data.spec.entrypoint is not None:
-                await self._submitted(record.envelope.job, data.spec)
+                await self._submitted(record.envelope.job, data.spec, launch=record.seq >= start)
 
     async def _follow_commands(self, log: JetStreamLog, start: int) -> None:
         async for record in log.follow(start, subjects.node_commands(self.node)):
@@ -234,7 +238,7 @@ class Agent:
             self._tg.start_soon(self._carry_out, command)
 
     # -- jobs ------------------------------------------------------------------------------------------
-    async def _submitted(self, job_id: str, spec: JobSpec) -> None:
+    async def _submitted(self, job_id: str, spec: JobSpec, launch: bool = True) -> None:
         if job_id in self.jobs:
             return
         assert spec.entrypoint is not None
@@ -245,6 +249,8 @@ class Agent:
         self.jobs[job_id] = job
         assert self._tg is not None
         await self._tg.start(job.channel.serve)
+        if not launch:
+            return  # a job from before this agent: its processes are not this agent's children to start or reap
         if spec.nodes[0] == self.node and spec.entrypoint.rendezvous == "agent":
             await self._host_store(job)
         for rank in job.ranks_on(self.node):
