@@ -19,6 +19,7 @@ class NodeState:
         "devices",
         "drained",
         "faults",
+        "heard",
         "isolated",
         "job",
         "links_down",
@@ -35,6 +36,7 @@ class NodeState:
         self.drained = False
         self.isolated = False
         self.job: str | None = None
+        self.heard: int | None = None  # log time of its agent's last heartbeat; None: it sends none
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
         self.links_down: set[str] | None = None  # made at the node's first link down: most nodes never have one
         self.faults: deque[int] | None = None  # made at the node's first fault: most nodes never have one

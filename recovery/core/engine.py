@@ -468,6 +468,9 @@ class Engine:
         node = self.cluster.node(name)
         device_times: tuple[int, ...] = ()
         node_times: tuple[int, ...] = ()
+        if isinstance(data, kinds.NodeHeartbeat):
+            node.heard = out.ts  # the agent's sign of life: for the watchdog of the job on the node, no signal itself
+            return
         if isinstance(data, kinds.DeviceFault):
             device_times, node_times = self.cluster.record_device_fault(name, data.device, out.ts)
         elif isinstance(data, kinds.DeviceRecovered):
@@ -521,7 +524,7 @@ class Engine:
         if not self.timekeeper.fired(out, job, timer_id, data.due):
             return  # stale or cancelled: harmless, and kept in the log
         if timer_id == job.watchdog:
-            self.detection.watchdog(out, job)
+            self.detection.watchdog(out, job, late_ns=out.ts - data.due)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):
             self.incidents.timer_fired(out, job, timer_id)
 
