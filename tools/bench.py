@@ -37,7 +37,7 @@ spare pool. The log is generated once by running the engine itself through a `Re
 inputs and recorded decisions exactly as the daemon writes them; the benches then apply it to fresh
 engines and check they derive the same number of effects.
 
-New benches (`policies`, `daemon`) register a parser and a runner in `BENCHES` below.
+New benches (`policies`, `daemon`, `e2e`) register a parser and a runner in `BENCHES` below.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_daemon  # beside this script (`python tools/bench.py` puts tools/ on the path)
+import bench_e2e
 import orjson
 
 from events import subjects
@@ -672,6 +673,13 @@ def run_daemon(args: argparse.Namespace) -> None:
     bench_daemon.run(args, emit)
 
 
+# -- e2e: a rank's fault on real processes, our stack against torchrun (tools/bench_e2e.py) ----------------------
+def run_e2e(args: argparse.Namespace) -> None:
+    """SIGKILL of a rank to the job's step completed again, by phase, cold, warm and under torchrun; SIGSTOP
+    detection; the SDK's overhead."""
+    bench_e2e.run(args, emit)
+
+
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
     "engine": ("Engine.apply over a prebuilt in-memory mix; bytes per tracked rank",
                lambda p: _workload_args(p, Sizes(1000, 12, 5), Sizes(10, 8, 2)), run_engine),
@@ -681,8 +689,10 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                  _policies_args, run_policies),
     "daemon": ("recovery-daemon on nats-server: throughput, fault-to-command latency, restart-to-ready, RSS",
                bench_daemon.add_arguments, run_daemon),
+    "e2e": ("a rank's SIGKILL to the job's step completed again, by phase, against torchrun; SIGSTOP detection; "
+            "SDK overhead", bench_e2e.add_arguments, run_e2e),
 }
-"""name -> (help, add arguments, run). `policies` and `daemon` are added here."""
+"""name -> (help, add arguments, run). `policies`, `daemon` and `e2e` are added here."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """A minimal data-parallel PyTorch training loop that a `recovery-agent` supervises (gloo, CPU).
 
     python train.py --steps 80 --out final.pt
+    python train.py --steps 80 --checkpoint-every 20 --checkpoint-dir ckpt   # also periodic checkpoints
 
 Each rank trains the same small MLP on its own batches, seeded by (seed, step, rank) so that the data order does
 not depend on which process computes a step; gradients are averaged with one all_reduce per parameter. When a peer
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import recovery.client as recovery
@@ -38,6 +40,11 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a bigger model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="where rank 0 writes the final parameters")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="rank 0 saves the state every N steps to --checkpoint-dir; a process started without a "
+                             "resume plan resumes from the newest one there (how a job restarted whole, as torchrun "
+                             "restarts it, loses only the steps since)")
+    parser.add_argument("--checkpoint-dir", default="checkpoints")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -59,10 +66,25 @@ def main() -> None:
         torch.save(get_state(), path)
         return {"tier": "dying", "shards": [0], "location": path}
 
+    def save_periodic(step: int) -> None:
+        directory = Path(args.checkpoint_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"step{step:09d}.pt"
+        torch.save({"step": step, **get_state()}, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)  # a checkpoint is either whole or absent
+        client.checkpoint_saved(step, "storage", [0], str(path))
+
     client.on_save(save)
     plan = client.resume_plan()
+    start = 0
+    if plan is None and args.checkpoint_every:
+        saved = sorted(Path(args.checkpoint_dir).glob("step*.pt"))
+        if saved:
+            checkpoint = torch.load(saved[-1], weights_only=False)
+            set_state(checkpoint)
+            start = checkpoint["step"]
     # A restarted rank takes its state, and the step, from a live replica (the plan's `peer` tier).
-    step = group.synchronize(0, get_state, set_state, live=plan is None)
+    step = group.synchronize(start, get_state, set_state, live=plan is None)
     while step < args.steps:
         failed = False
         try:
@@ -80,6 +102,8 @@ def main() -> None:
             step = group.synchronize(step, get_state, set_state)
             continue
         step += 1
+        if args.checkpoint_every and step % args.checkpoint_every == 0 and group.rank == 0:
+            save_periodic(step)
         if args.step_time:
             time.sleep(args.step_time)  # stands in for the compute of a larger model
         client.report_step(step)
