@@ -306,8 +306,8 @@ async def run_ours(stack_: Stack, job: str, shape: JobShape, warm: bool, fault: 
 
 def _standby_ready(workdir: Path, job: str) -> bool:
     """Each node's agent keeps one standby per warm job; it says `ready` in its log once its imports are done."""
-    return all(any(p.read_text(errors="replace").startswith("ready") for p in (workdir / node).glob(
-        f"{job}.standby*.log")) for node in NODES)
+    return all(any(line.startswith("ready") for p in (workdir / node).glob(f"{job}.standby*.log")
+                   for line in p.read_text(errors="replace").splitlines()) for node in NODES)
 
 
 def _async(fn: Callable[[Msg], None]) -> Callable[[Msg], Any]:
