@@ -21,7 +21,7 @@ steps, the same seed everywhere. The fault is a SIGKILL of rank 2 once the job h
   stops every worker and starts four new ones, which resume from the newest periodic checkpoint. The workers run
   the same script through `tools/torchrun_rank.py`, and their SDK reports to a socket this bench serves.
 - `sigstop`: rank 1 of a `cold` job SIGSTOPped: until the engine's `fault.confirmed` (the job's spec: watchdog
-  every 1 s, `hang_min_silence_s` 5 s, heartbeats every 0.5 s).
+  every 1 s, `hang_min_silence_s` 5 s, heartbeats every 0.5 s); once recovered the job is cancelled.
 - `overhead`: the SDK's cost in a loop of 100 ms steps (single-threaded torch matmuls), measured in blocks of
   ten steps with the SDK (a client connected to a socket, heartbeats every second, `report_step` every step)
   alternating with blocks without it; CPU time of the process (its heartbeat thread included), so that other
@@ -97,6 +97,9 @@ MAX_RESTARTS = 3
 TORCHRUN_SETTING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 HEARTBEAT_S = 0.5
 HANG_MIN_SILENCE_S = 5.0
+ENDING_SILENCE_S = 15.0
+"""the SIGKILL jobs' `hang_min_silence_s`: their ranks fall silent when their SDK closes, and on a loaded machine an
+interpreter with torch loaded can take more than 5 s to exit after that (the SIGSTOPped job is cancelled instead)"""
 WATCHDOG_S = 1.0
 POLL_S = 0.01
 CASES = ("cold", "warm", "torchrun", "sigstop", "overhead")
@@ -219,14 +222,15 @@ async def _start_agents(state: Stack) -> None:
         await nc.close()
 
 
-def job_spec(shape: JobShape, out: Path, checkpoints: Path, master_port: int, warm: bool) -> dict[str, Any]:
+def job_spec(shape: JobShape, out: Path, checkpoints: Path, master_port: int, warm: bool,
+             hang_min_silence_s: float) -> dict[str, Any]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "PYTHONPATH": environment()["PYTHONPATH"],
            "OMP_NUM_THREADS": "1"}  # what torchrun sets for its workers: the same job on both
     if warm:
         env["RECOVERY_STANDBY"] = "1"
     return {
         "nodes": NODES, "ranks_per_node": 2, "layout": {"dp": WORLD}, "watchdog_interval_s": WATCHDOG_S,
-        "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": HANG_MIN_SILENCE_S}}},
+        "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": hang_min_silence_s}}},
         "entrypoint": {"command": sys.executable, "args": [str(TRAIN), *shape.args(out, checkpoints)],
                        "cwd": str(ROOT), "env": env},
     }
@@ -241,7 +245,8 @@ class Watch:
     kinds: list[str] = field(default_factory=list)
     recovered_at: int | None = None  # the first report past `target` from a restarted process (time.time_ns)
     target: int | None = None
-    generation_seen: dict[int, int] = field(default_factory=dict)
+    generations: dict[int, int] = field(default_factory=dict)  # the generation each rank's newest process started in
+    exited: set[tuple[int, int]] = field(default_factory=set)  # (rank, generation)
 
     def on_event(self, msg: Msg) -> None:
         envelope = json.loads(msg.data)
@@ -254,6 +259,12 @@ class Watch:
                 self.recovered_at = time.time_ns()
         elif envelope["type"] == "process.started":
             self.pids.setdefault(data["rank"], []).append(data["pid"])
+            self.generations[data["rank"]] = data["attempt"]
+        elif envelope["type"] == "process.exited":
+            self.exited.add((data["rank"], data["attempt"]))
+
+    def all_exited(self) -> bool:
+        return all((rank, attempt) in self.exited for rank, attempt in self.generations.items())
 
     def on_decision(self, msg: Msg) -> None:
         self.kinds.append(json.loads(msg.data)["data"]["kind"])
@@ -276,7 +287,8 @@ async def run_ours(stack_: Stack, job: str, shape: JobShape, warm: bool, fault: 
         w = Watch()
         await nc.subscribe(f"{subjects.PREFIX}.ev.job.{job}.>", cb=_async(w.on_event))
         await nc.subscribe(subjects.decision(job), cb=_async(w.on_decision))
-        spec = job_spec(shape, out, workdir / "checkpoints", free_port(), warm)
+        spec = job_spec(shape, out, workdir / "checkpoints", free_port(), warm,
+                        HANG_MIN_SILENCE_S if fault == "stop" else ENDING_SILENCE_S)
         envelope = make_envelope("job.submitted", {"spec": spec}, id=f"{job}:submitted", job=job, source="bench")
         await js.publish(subjects.job_event(job, "job.submitted"), encode_envelope(envelope),
                          headers={"Nats-Msg-Id": envelope.id})
@@ -291,7 +303,14 @@ async def run_ours(stack_: Stack, job: str, shape: JobShape, warm: bool, fault: 
             struck = time.time_ns()
             os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             await wait_until(lambda: w.recovered_at is not None, 120, f"{job} to recover")
-            await wait_until(lambda: "job.completed" in w.kinds and out.exists(), 180, f"{job} to complete")
+            if fault == "stop":
+                cancel = make_envelope("operator.cancel", {"reason": "measured"}, id=f"{job}:cancel", job=job,
+                                       source="bench")
+                await js.publish(subjects.job_event(job, "operator.cancel"), encode_envelope(cancel),
+                                 headers={"Nats-Msg-Id": cancel.id})
+                await wait_until(w.all_exited, 120, f"{job}'s processes to end after its cancellation")
+            else:
+                await wait_until(lambda: "job.completed" in w.kinds and out.exists(), 180, f"{job} to complete")
         finally:
             stack_.rank_pids.update(pid for pids in w.pids.values() for pid in pids)
         records = [r async for r in log.read(start_seq) if isinstance(r, Record) and r.envelope.job == job]
