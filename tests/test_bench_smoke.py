@@ -50,7 +50,7 @@ def test_e2e_bench_quick_recovers_a_killed_rank_and_measures_the_sdk() -> None:
     rows = [orjson.loads(line) for line in done.stdout.splitlines()]
     assert all(isinstance(row, dict) and set(row) == KEYS and row["bench"] == "e2e" for row in rows), rows
     values = {row["metric"]: row["value"] for row in rows}
-    assert E2E_REQUIRED <= set(values), values
+    assert set(values) >= E2E_REQUIRED, values
     assert values["cold_processes_restarted"] == 1, values
     assert 0 < values["cold_detect_s"] < values["cold_recovered_s"], values
     assert values["sdk_report_step_us"] > 0, values

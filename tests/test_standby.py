@@ -22,8 +22,30 @@ print("cwd", os.getcwd())
 print("rank", os.environ.get("RANK"), "agent-only", os.environ.get("ONLY_IN_THE_STANDBY"))
 print("name", __name__)
 print("interpreter-stdin", sys.stdin.read() == "")
+print("warmed", getattr(sys.modules.get("tests.test_standby"), "WARMED", False))
 sys.exit(int(os.environ["EXIT_WITH"]))
 """
+
+
+WARMED = False
+
+
+def mark_warm() -> None:
+    """A warm-up the standby of a test calls (`tests.test_standby:mark_warm`)."""
+    global WARMED
+    WARMED = True
+
+
+def test_the_torch_warm_up_leaves_the_random_state_as_it_was() -> None:
+    import torch
+
+    from recovery.client.torch import warm_up
+
+    torch.manual_seed(0)
+    cold = torch.rand(4)
+    torch.manual_seed(0)
+    warm_up()
+    assert torch.equal(torch.rand(4), cold)
 
 
 @pytest.mark.parametrize(("command", "args", "expected"), [
@@ -61,7 +83,7 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("ONLY_IN_THE_STANDBY", "yes")  # the agent's environment when the standby started
     entrypoint = Entrypoint(command=sys.executable, args=[str(scripts / "job.py"), "--flag"], cwd=str(workdir),
-                            env={"RECOVERY_STANDBY_PRELOAD": "json,argparse"})
+                            env={"RECOVERY_STANDBY_PRELOAD": "json, argparse,tests.test_standby:mark_warm"})
     pool = StandbyPool(tmp_path / "runtime", enabled=True, preload="torch", delay_s=0)
     (tmp_path / "runtime").mkdir()
     async with anyio.create_task_group() as tg:
@@ -90,6 +112,7 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
     assert "rank 2 agent-only None" in lines  # the rank's environment, not the standby's
     assert "name __main__" in lines
     assert "interpreter-stdin True" in lines
+    assert "warmed True" in lines  # `module:function` in the preload: imported and called before the hand-over
 
 
 async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:

@@ -33,12 +33,14 @@ step past the one the job had completed when it struck (a process restarted afte
 that recomputed steps count. Its phases, each ending where the next begins:
 
 - ours (times are the log's: JetStream timestamps of the records, the SIGKILL on the same host's clock):
-  `detect` until the agent's `process.exited` of the rank (waitpid); `decide` until the engine's decision that
-  carries the restart command; `stop` until the replacement's `process.started` (the command reaches the agent,
-  which makes sure the rank's session is gone and starts the replacement); `restart` until the process group of
-  the new generation is formed (the last survivor's first report in it: the replacement's interpreter, imports,
-  model, rendezvous); `catch_up` the steps trained after that until the recovered step, times the job's median
-  step time before the fault; `load_state` the rest (agreeing on the step and receiving a live replica's state).
+  `detect` until the agent's `process.exited` of the rank (waitpid); `decide` until the restart command is in
+  the command stream the agents read (the engine decided, the daemon published it); `stop` until the
+  replacement's `process.started` (the command reaches the agent, which makes sure the rank's session is gone and
+  starts the replacement or hands the rank to the standby); `restart` until the process group of the new
+  generation is formed (the last survivor's first report in it: the replacement's interpreter, imports, model,
+  rendezvous); `catch_up` the steps trained after that until the recovered step, times the job's median step
+  time before the fault; `load_state` the rest (agreeing on the step, receiving a live replica's state, and what
+  the replacement's first step costs beyond a step: its first backward pass, for one).
 - torchrun (times are this bench's, when the SDK's messages and disconnections reach its socket): `stop` until
   the last worker of the failed group is gone (torchrun notices the exit, SIGTERMs the others, they exit:
   detection and decision are inside); `restart` until the first worker of the new group says hello (the
@@ -283,7 +285,9 @@ async def run_ours(stack_: Stack, job: str, shape: JobShape, warm: bool, fault: 
     try:
         js = nc.jetstream(timeout=10.0)
         log = JetStreamLog(nc, js, "RECOVERY", owns_connection=False)
+        commands = JetStreamLog(nc, js, "RECOVERY_CMD", owns_connection=False)
         start_seq = await log.last_seq() + 1
+        command_seq = await commands.last_seq() + 1
         w = Watch()
         await nc.subscribe(f"{subjects.PREFIX}.ev.job.{job}.>", cb=_async(w.on_event))
         await nc.subscribe(subjects.decision(job), cb=_async(w.on_decision))
@@ -314,13 +318,16 @@ async def run_ours(stack_: Stack, job: str, shape: JobShape, warm: bool, fault: 
         finally:
             stack_.rank_pids.update(pid for pids in w.pids.values() for pid in pids)
         records = [r async for r in log.read(start_seq) if isinstance(r, Record) and r.envelope.job == job]
+        # When each command reached the stream the agents read (`recovery.cmd.<node>.<job>.<kind>`).
+        sent = [(r.ts, r.subject.split(".")[-1]) async for r in commands.read(command_seq)
+                if r.subject.split(".")[3] == job]
     finally:
         await nc.close()
     confirmed = _confirmed_after(records, struck)
     if fault == "stop":  # its phases are not this bench's subject: how soon the silence is a fault is
         assert w.recovered_at is not None
         return Outcome((w.recovered_at - struck) / 1e9, {}, 0, 0, out), confirmed
-    return _phases_of_ours(records, struck, w.target, victim, out), confirmed
+    return _phases_of_ours(records, sent, struck, w.target, victim, out), confirmed
 
 
 def _standby_ready(workdir: Path, job: str) -> bool:
@@ -336,7 +343,8 @@ def _async(fn: Callable[[Msg], None]) -> Callable[[Msg], Any]:
     return cb
 
 
-def _phases_of_ours(records: list[Record], struck: int, target: int, victim: int, out: Path) -> Outcome:
+def _phases_of_ours(records: list[Record], sent: list[tuple[int, str]], struck: int, target: int, victim: int,
+                    out: Path) -> Outcome:
     def data(r: Record) -> Any:
         return r.envelope.data
 
@@ -344,8 +352,7 @@ def _phases_of_ours(records: list[Record], struck: int, target: int, victim: int
         return next(r for r in records if r.ts >= struck and pred(r))
 
     exited = first(lambda r: r.envelope.type == "process.exited" and data(r).rank == victim)
-    decided = first(lambda r: r.envelope.type == "decision" and any(
-        c.kind in ("restart_ranks", "migrate_ranks", "restart_job") for c in data(r).commands))
+    decided = min(ts for ts, kind in sent if ts >= struck and kind in ("restart_ranks", "migrate_ranks", "restart_job"))
     started = [r for r in records if r.ts >= struck and r.envelope.type == "process.started"]
     replacement = started[0]
     new_generation = data(replacement).attempt
@@ -361,7 +368,7 @@ def _phases_of_ours(records: list[Record], struck: int, target: int, victim: int
     step_s = _median_step_s(records, struck)
     catch_up = recomputed * step_s
     phases = {
-        "detect": exited.ts - struck, "decide": decided.ts - exited.ts, "stop": replacement.ts - decided.ts,
+        "detect": exited.ts - struck, "decide": decided - exited.ts, "stop": replacement.ts - decided,
         "restart": formed - replacement.ts,
         "load_state": max(0.0, recovered.ts - formed - catch_up * 1e9), "catch_up": catch_up * 1e9,
     }

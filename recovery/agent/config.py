@@ -49,9 +49,10 @@ class AgentConfig(BaseSettings):
     standby: bool = Field(False, description="keep a warm standby interpreter per job on this node (torch imported) "
                                              "that a restarted rank is handed to; a job's entrypoint environment "
                                              "RECOVERY_STANDBY=1 or 0 overrides this for the job")
-    standby_preload: str = Field("torch,torch.distributed,torch._dynamo",
-                                 description="modules a standby imports before it waits, comma-separated (a job's "
-                                             "RECOVERY_STANDBY_PRELOAD overrides this)")
+    standby_preload: str = Field("torch,torch.distributed,torch._dynamo,recovery.client.torch:warm_up",
+                                 description="modules a standby imports before it waits, comma-separated, and "
+                                             "`module:function` warm-ups it calls (a job's RECOVERY_STANDBY_PRELOAD "
+                                             "overrides this)")
     standby_delay_s: float = Field(5.0, ge=0, le=3600, description="how long after a job's start or a hand-over "
                                                                     "the next standby starts (its imports would "
                                                                     "compete for the CPU with the ranks')")

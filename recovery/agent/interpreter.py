@@ -2,9 +2,11 @@
 ranks will import, says so, and waits for the agent to hand it a rank. Standard library only: whatever this module
 imports stays in the rank's process.
 
-    python -m recovery.agent.interpreter torch torch.distributed torch._dynamo
+    python -m recovery.agent.interpreter torch torch.distributed torch._dynamo recovery.client.torch:warm_up
 
-It writes `ready <seconds the imports took>` on its standard output once the modules are imported, then reads one
+Each argument is a module to import, or `module:function` to import and call with no arguments (a warm-up: what a
+new process pays once, paid before the rank needs it). It writes `ready <seconds it took>` on its standard output
+once they are done, then reads one
 JSON line on its standard input: `{"argv": [script, *args] or ["-m", module, *args], "cwd": ..., "env": {...},
 "output": path}`. It then becomes the rank: its output goes to `output`, its standard input to /dev/null, its
 environment and working directory are the rank's, and the script runs as `__main__` with the `sys.argv` and
@@ -24,8 +26,11 @@ import time
 
 def main() -> None:
     started = time.monotonic()
-    for module in sys.argv[1:]:
-        importlib.import_module(module)
+    for preload in sys.argv[1:]:
+        module, _, function = preload.partition(":")
+        loaded = importlib.import_module(module)
+        if function:
+            getattr(loaded, function)()
     ready = f"ready {time.monotonic() - started:.3f}\n"
     sys.stderr.write(ready)  # for whoever reads the standby's log
     sys.stdout.write(ready)
