@@ -72,6 +72,23 @@ class Record(BaseModel):
     envelope: AnyEnvelope
 
 
+_RECORD_FIELDS = frozenset(Record.model_fields)
+_new_record = Record.__new__
+_set = object.__setattr__
+
+
+def stored_record(seq: int, ts: int, subject: str, headers: dict[str, str], envelope: EnvelopeBase) -> Record:
+    """A Record of parts already checked (an envelope just validated, framing read from the log), built without
+    validating them again: what `Record.model_construct` makes, without its generic path, which a daemon would
+    pay on every event it reads."""
+    record = _new_record(Record)
+    _set(record, "__dict__", {"seq": seq, "ts": ts, "subject": subject, "headers": headers, "envelope": envelope})
+    _set(record, "__pydantic_fields_set__", set(_RECORD_FIELDS))
+    _set(record, "__pydantic_extra__", None)
+    _set(record, "__pydantic_private__", None)
+    return record
+
+
 class RawRecord(BaseModel):
     """A log entry whose envelope has not been decoded, or could not be: bytes exactly as received."""
 

@@ -73,6 +73,15 @@ def command(node: str, job: str, kind: str) -> str:
     return f"{PREFIX}.cmd.{node}.{job}.{kind}"
 
 
+def command_parts(subject: str) -> tuple[str, str, str]:
+    """(node, job, kind) of a command subject made by `command`; ValueError for any other subject."""
+    head = f"{PREFIX}.cmd."
+    parts = subject[len(head):].split(".", 2) if subject.startswith(head) else []
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"not a command subject: {subject!r}")
+    return parts[0], parts[1], parts[2]
+
+
 def node_commands(node: str) -> str:
     """The filter an agent reads its node's commands with."""
     return f"{PREFIX}.cmd.{node}.>"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from events import subjects
 from events.commands import FailJob, MigrateRanks, RestartJob, RestartRanks, SaveCheckpoint, StopRanks
 from events.values import JobSpec, ResumePlan
@@ -37,6 +39,13 @@ def test_command_subjects_start_with_the_node_and_copies_have_their_own_ids() ->
     assert subjects.command("n1", "j", "restart_ranks") == "recovery.cmd.n1.j.restart_ranks"
     assert subjects.node_commands("n1") == "recovery.cmd.n1.>"
     assert subjects.command_msg_id("j:7:0", "n1") != subjects.command_msg_id("j:7:0", "n2")
+
+
+def test_a_command_subject_reads_back_as_its_node_job_and_kind() -> None:
+    assert subjects.command_parts(subjects.command("n1", "job-7", "restart_ranks")) == ("n1", "job-7", "restart_ranks")
+    for subject in ("recovery.dec.job-7", "recovery.cmd.n1.job-7", "recovery.cmd..j.k", "other.cmd.n1.j.k"):
+        with pytest.raises(ValueError, match="not a command subject"):
+            subjects.command_parts(subject)
 
 
 def test_a_spec_without_an_entrypoint_is_written_as_before_the_field_existed() -> None:

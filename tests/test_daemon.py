@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from events import subjects
 from events.codec import encode_envelope
@@ -96,14 +98,24 @@ def test_timer_service_fires_what_the_engine_still_holds() -> None:
     engine.timers = {"a/watchdog/3": ("a", 10, 5), "a/confirm/x/4": ("a", 20, None), "b/ack/b:1:0/9": ("b", 15, None)}
     assert router.timers.load(engine.timers) == 3
     assert timers.due(9) == []
-    assert timers.due(15) == [("a/watchdog/3", "a", 10, 5), ("b/ack/b:1:0/9", "b", 15, None)]
+    assert timers.due(15) == [Firing("a/watchdog/3", "a", 10, 5), Firing("b/ack/b:1:0/9", "b", 15, None)]
     engine.timers["a/watchdog/3"] = ("a", 15, 5)  # the engine applied the firing: the period moved on
     router.timers.fired("a/watchdog/3", "a", 10, 12)
     del engine.timers["a/confirm/x/4"]  # cancelled by a decision
     router.timers.cancel("a/confirm/x/4")
-    assert timers.due(100) == [("a/watchdog/3", "a", 15, 5)]
+    assert timers.due(100) == [Firing("a/watchdog/3", "a", 15, 5)]
     router.timers.arm("gone", "a", 1)  # armed but not in the engine's table: never fired, and forgotten
     assert timers.due(200) == [] and "gone" not in router.timers and fired == []
+
+
+@given(st.integers(min_value=1, max_value=16),
+       st.lists(st.integers(min_value=-90 * NS, max_value=90 * NS), min_size=1, max_size=80))
+def test_the_server_clock_offset_is_the_largest_sample_of_its_window(window: int, samples: list[int]) -> None:
+    clock = ServerClock(window=window, local=lambda: 0)
+    for i, sample in enumerate(samples):
+        clock.observe(sample)
+        best = max(samples[max(i + 1 - window, 0): i + 1])
+        assert clock.offset_ns == max(-ServerClock.LIMIT_NS, min(ServerClock.LIMIT_NS, best))
 
 
 def test_the_server_clock_follows_the_least_delayed_sample_and_ignores_old_backlog() -> None:

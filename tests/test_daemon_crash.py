@@ -41,6 +41,21 @@ def incident_open(cluster: BuiltinCluster) -> bool:
     return any(not job.progressing and not job.failed for job in cluster.jobs.values())
 
 
+async def still_open(cluster: BuiltinCluster, url: str) -> str:
+    """What the jobs whose incident did not close were doing, for the failure message: the cluster's view and the
+    job's last decisions in the log."""
+    records = await read_stream(url)
+    lines = []
+    for job in cluster.jobs.values():
+        if job.progressing or job.failed:
+            continue
+        decisions = [r.envelope.data for r in records if isinstance(r, Record) and r.envelope.type == "decision"
+                     and r.envelope.job == job.id]
+        last = [f"{d.kind} ({d.state}/{d.phase}): {d.reason}" for d in decisions[-6:]]
+        lines.append(f"{job.id}: step {job.step}, alive {sorted(job.alive)}, hung {job.hung}; last decisions: {last}")
+    return "incidents still open after the cluster calmed down:\n" + "\n".join(lines)
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_sigkill_during_incidents_loses_and_doubles_nothing(seed: int, nats_server: NatsServer,
                                                                   tmp_path: Path) -> None:
@@ -68,7 +83,10 @@ async def test_sigkill_during_incidents_loses_and_doubles_nothing(seed: int, nat
             await asyncio.to_thread(daemon.wait_ready)
         await async_wait_for(lambda: cluster.recovered >= 4, 60, "a few recoveries")
         cluster.calm()
-        await async_wait_for(lambda: not incident_open(cluster), 30, "the last incidents to close")
+        try:
+            await async_wait_for(lambda: not incident_open(cluster), 30, "the last incidents to close")
+        except TimeoutError as exc:
+            raise AssertionError(await still_open(cluster, nats_server.url)) from exc
         cluster.stop()
         await bus.flush()
         code, _ = daemon.terminate()

@@ -10,10 +10,11 @@ from events.outputs import Decision, Rejection
 from policies.base import NS
 from recovery.core.engine import Engine
 from recovery.core.router import EffectRouter
-from recovery.core.timers import Firing, TimerTable, next_due
+from recovery.core.timers import REFUSED_RETRY_NS, Firing, TimerTable, next_due
 from recovery.log import MemoryLog, Recorder
 from recovery.sim import Simulator
 from recovery.testing import Scenario
+from tests.test_poison import Flaky
 from tests.test_sim import config
 
 
@@ -111,3 +112,48 @@ def test_every_driver_fires_timers_from_a_router_table() -> None:
     assert isinstance(Recorder(MemoryLog()), EffectRouter)
     sim = Simulator(config(days=0.01))
     assert isinstance(sim.recorder, EffectRouter) and sim.timers is sim.recorder.timers
+
+
+def test_a_refused_periodic_firing_comes_back_at_the_next_period_for_the_due_the_engine_holds() -> None:
+    table = TimerTable()
+    table.arm("w", "j", 10 * NS, every=10 * NS)
+    assert table.due(10 * NS) == [Firing("w", "j", 10 * NS, 10 * NS)]
+    table.refused("w", "j", 10 * NS, 11 * NS)  # a policy raised: the engine still holds the timer due at 10 s
+    assert table.get("w") == ("j", 10 * NS, 10 * NS)
+    assert table.due(19 * NS) == []
+    [again] = table.due(20 * NS)
+    assert again == Firing("w", "j", 10 * NS, 10 * NS, refired_at=20 * NS)
+    table.retry(again)  # not delivered: sent again, still as the refused firing's repeat
+    assert table.due(20 * NS) == [again]
+    table.fired("w", "j", 10 * NS, 20 * NS)  # accepted this time: the engine moves it on, and so does the table
+    assert table.get("w") == ("j", 30 * NS, 10 * NS) and table.due(30 * NS) == [Firing("w", "j", 30 * NS, 10 * NS)]
+
+
+def test_a_refused_one_shot_firing_comes_back_after_the_retry_delay_unless_cancelled() -> None:
+    table = TimerTable()
+    table.arm("d", "j", 5 * NS)
+    table.arm("e", "j", 5 * NS)
+    assert len(table.due(5 * NS)) == 2
+    table.refused("d", "j", 5 * NS, 6 * NS)
+    table.refused("e", "j", 5 * NS, 6 * NS)
+    table.refused("d", "other", 5 * NS, 6 * NS)  # not its job: nothing
+    table.cancel("e")  # a later decision ended what it guarded
+    assert table.due(6 * NS + REFUSED_RETRY_NS - 1) == []
+    again = 6 * NS + REFUSED_RETRY_NS
+    assert table.due(again) == [Firing("d", "j", 5 * NS, None, refired_at=again)]
+
+
+def test_a_watchdog_tick_a_policy_raised_on_does_not_stop_the_watchdog() -> None:
+    """The engine rejects the firing and keeps its timer; the driver fires it again at the next period, so a hang
+    after the policy recovers is still found (before, the table waited forever for a firing it had taken)."""
+    s = Scenario()
+    s.submit("j", ["a"], ranks_per_node=2, dp=2, watchdog_interval_s=5)
+    s.train("j", 3)
+    real = s.engine.jobs["j"].policies
+    flaky = Flaky(real, fail_at=1)
+    s.engine.jobs["j"].policies = flaky.policy_set()
+    s.advance(5)  # the next watchdog tick meets the raising policy
+    assert [r.code for r in s.rejections] == ["policy_error"]
+    s.engine.jobs["j"].policies = real
+    s.advance(120)  # silence: no step, no heartbeat
+    assert s.find("fault.suspected", "j") or s.find("fault.confirmed", "j"), s.kinds("j")

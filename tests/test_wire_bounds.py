@@ -4,6 +4,7 @@ id, every integer and duration within its documented bounds, and no schema-valid
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from events import DecodeError, decode_envelope, decode_record_line, make_envelope
+from events.codec import decode_envelope_checked
 from events.commands import Command
 from events.envelope import ALL_EVENTS, RECORD, Record
 from events.kinds import JOB_EVENTS, NODE_EVENTS
@@ -412,3 +414,42 @@ def test_the_engine_derives_only_encodable_due_times_at_the_end_of_log_time(raw:
         assert timer.every is None or 0 < timer.every <= MAX_INT64
         make_envelope("timer.fired", {"timer_id": timer.id, "due": timer.due}, id=f"timer:{timer.id}:{timer.due}",
                       job="j")
+
+
+ODD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6),
+    st.sampled_from(["NaN", "Infinity", "1e999", "\x00", "j/k", "a.b", "", "*", ">"]),
+    st.lists(st.integers(min_value=-3, max_value=3), max_size=3), st.just({"x": 1}),
+)
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> bytes:
+    """A valid sample of some input type, then perhaps one field of its data, or of the envelope, replaced by an
+    odd value, its schema version dropped or made old, an unknown key added, or a raw NaN spliced in."""
+    type_ = draw(st.sampled_from(sorted(SAMPLES)))
+    data = dict(SAMPLES[type_])
+    obj = envelope(type_, data, schema=draw(st.sampled_from([None, 0, 1, 2, 3])))
+    if obj["schema"] is None:
+        del obj["schema"]
+    where = draw(st.sampled_from(["none", "data", "envelope", "extra"]))
+    if where == "data" and data:
+        data[draw(st.sampled_from(sorted(data)))] = draw(ODD_VALUES)
+    elif where == "envelope":
+        obj[draw(st.sampled_from(["id", "type", "job", "node", "source", "time", "schema"]))] = draw(ODD_VALUES)
+    elif where == "extra":
+        obj["extra" if draw(st.booleans()) else "data"] = {**data, "unexpected": 1}
+    raw = json.dumps(obj, separators=(",", ":")).encode()  # the standard library writes integers of any size
+    if draw(st.booleans()) and data:
+        key = json.dumps(sorted(data)[0]).encode() + b":"
+        raw = raw.replace(key, key + b'NaN,"_":', 1)
+    return raw
+
+
+@settings(max_examples=400, deadline=None)
+@given(payloads())
+def test_the_one_pass_decoding_agrees_with_the_checked_path_on_any_payload(payload: bytes) -> None:
+    """`decode_envelope` validates a current envelope straight from its JSON; whatever it accepts or refuses must
+    be exactly what parsing, upcasting and validating separately decides, or a daemon and a replay could differ."""
+    assert decode_envelope(payload) == decode_envelope_checked(payload)

@@ -12,6 +12,8 @@ Figures (JSON lines on stdout, `{"bench": "daemon", "metric", "value", "unit"}`)
 - `events_per_s`: sustained publish -> acknowledged processing. A publisher pipelines progress reports of
   running jobs as fast as nats-py goes while the daemon applies them; from the first publish to the daemon's
   acknowledgement of the last (its published sequence). `ratio_to_nats_consume` puts it against the ceiling.
+- `daemon_cpu_us_per_event`: the daemon process's CPU time (user + system) over the same run, per event: what
+  the daemon costs, nearly independent of other load on the machine (a rate is not).
 - `fault_to_command_p50_ms` / `_p99_ms`: a fault published (process exit) to its first command received by a
   subscriber on `recovery.cmd.>`, with `--heartbeat-rate` heartbeats/s of background load from other jobs.
 - `restart_to_ready_s`: a SIGTERMed daemon started again over the stream holding `--events` events, from the
@@ -132,6 +134,14 @@ class Daemon:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the daemon process has used: unlike a rate, barely moved by other load on
+        a shared machine, so it compares two builds run minutes apart."""
+        assert self.proc is not None
+        # /proc/<pid>/stat: fields after the command's closing parenthesis; utime and stime are the 12th and 13th.
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self, kill: bool = False) -> float:
         assert self.proc is not None
@@ -329,21 +339,22 @@ async def raw_rates(url: str, count: int) -> tuple[float, float, float]:
     return publish_rate, blast_rate, consume_rate
 
 
-async def throughput(url: str, daemon: Daemon, jobs: int, events: int) -> tuple[float, float, int]:
-    """(events/s applied and acknowledged, events/s offered, last sequence) for `events` progress reports
-    published as fast as nats-py goes while the daemon runs."""
+async def throughput(url: str, daemon: Daemon, jobs: int, events: int) -> tuple[float, float, int, float]:
+    """(events/s applied and acknowledged, events/s offered, last sequence, the daemon's CPU microseconds per
+    event) for `events` progress reports published as fast as nats-py goes while the daemon runs."""
     nc, js = await connect(url)
     last = await publish_all(js, job_setup(jobs, "tp"))
     await asyncio.to_thread(wait_seq, daemon, last)
     items = progress(jobs, "tp", events)
     marker = items.pop()
+    cpu0 = daemon.cpu_s()
     t0 = time.monotonic()
     await blast(nc, js, "RECOVERY", items)
     last = (await publish_with_retry(js, marker[0], marker[1], {MSG_ID: marker[2]})).seq  # after all the others
     offered = time.monotonic()
     await nc.close()
     end = await asyncio.to_thread(wait_seq, daemon, last)
-    return events / (end - t0), events / (offered - t0), last
+    return events / (end - t0), events / (offered - t0), last, (daemon.cpu_s() - cpu0) * 1e6 / events
 
 
 async def latency(url: str, daemon: Daemon, faults: int, rate: float) -> tuple[list[float], float]:
@@ -358,7 +369,7 @@ async def latency(url: str, daemon: Daemon, faults: int, rate: float) -> tuple[l
     got: dict[str, float] = {}
 
     async def on_command(msg: Msg) -> None:
-        job = msg.subject.split(".")[2]
+        _, job, _ = subjects.command_parts(msg.subject)
         if job in sent and job not in got:
             got[job] = time.perf_counter()
 
@@ -465,10 +476,11 @@ def _throughput_and_restart_with(daemon: Daemon, url: str, args: argparse.Namesp
                                  consume_rate: float | None, emit: Emit) -> None:
     daemon.start()
     daemon.wait_ready()
-    rate, offered, last = asyncio.run(throughput(url, daemon, args.jobs, events))
+    rate, offered, last, cpu_us = asyncio.run(throughput(url, daemon, args.jobs, events))
     note(f"throughput: {rate:,.0f} events/s applied and acknowledged ({offered:,.0f}/s offered), "
-         f"{events:,} events over {args.jobs} jobs of {RANKS} ranks")
+         f"{events:,} events over {args.jobs} jobs of {RANKS} ranks, {cpu_us:.1f} us of daemon CPU per event")
     emit("daemon", "events_per_s", _sig(rate), "events/s")
+    emit("daemon", "daemon_cpu_us_per_event", _sig(cpu_us), "us")
     emit("daemon", "offered_per_s", _sig(offered), "events/s")
     if consume_rate:
         emit("daemon", "ratio_to_nats_consume", _sig(rate / consume_rate), "x")

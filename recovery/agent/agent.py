@@ -38,6 +38,7 @@ from recovery.agent import ranks
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
 from recovery.agent.outbox import Outbox
+from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
 from recovery.agent.standby import StandbyPool
 from recovery.log.jetstream import JetStreamLog
 
@@ -91,6 +92,9 @@ class Agent:
         self._boot = time.time_ns()  # event ids of this run of the agent: unique, and stable across retries
         self._counter = 0
         self.runtime_dir = cfg.runtime_dir.resolve()
+        # Opened here, so that a probe that cannot work stops the agent at start with the key to fix.
+        self.link_watcher = open_link_watcher(cfg.links, cfg.sysfs_net)
+        self.xid_follower = open_xid_follower(cfg.kernel_log, cfg.gpu_bus_ids)
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
 
     # -- events ----------------------------------------------------------------------------------------
@@ -136,6 +140,10 @@ class Agent:
                     self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices})
                 else:
                     self.node_event("node.ready", {})
+                if self.link_watcher is not None:
+                    tg.start_soon(watch_links, self.link_watcher, self.node_event, self.cfg.link_poll_s)
+                if self.xid_follower is not None:
+                    tg.start_soon(watch_xids, self.xid_follower, self.node_event, self.cfg.xid_poll_s)
                 logger.info("agent ready", extra={"fields": {"node": self.node}})
                 task_status.started()
         finally:
@@ -154,6 +162,8 @@ class Agent:
             if job.store is not None:
                 with contextlib.suppress(Exception):
                     await job.store.aclose()
+        if self.xid_follower is not None:
+            self.xid_follower.close()
         if self.outbox is not None:
             await self.outbox.flush(2.0)
         if self.nc is not None:

@@ -18,7 +18,7 @@ import anyio
 
 from recovery.agent import config as config_mod
 from recovery.agent.agent import Agent
-from recovery.agent.config import AgentConfig, ConfigError
+from recovery.agent.config import ConfigError
 from recovery.service import jsonlog
 
 
@@ -32,8 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(cfg: AgentConfig) -> None:
-    agent = Agent(cfg)
+async def serve(agent: Agent) -> None:
     async with anyio.create_task_group() as tg:
         await tg.start(agent.run)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -46,11 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_mod.load(args)
+        agent = Agent(cfg)
     except ConfigError as exc:
         print(f"recovery-agent: {exc}", file=sys.stderr)
         return 2
     jsonlog.setup(cfg.log_level, "json", None)
-    anyio.run(serve, cfg)
+    anyio.run(serve, agent)
     return 0
 
 

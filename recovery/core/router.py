@@ -39,11 +39,13 @@ class EffectRouter:
 
     def route(self, record: Record | RawRecord, encoded: list[Encoded]) -> None:
         """Route the effects the engine made of `record` (for a driver that applies records itself)."""
-        # A rejected firing changed nothing in the engine, so it changes nothing here either.
-        if (type(record) is Record and record.envelope.type == TIMER_FIRED
-                and not (encoded and type(encoded[0][0]) is Rejection)):
+        if type(record) is Record and record.envelope.type == TIMER_FIRED:
             data = record.envelope.data
-            self.timers.fired(data.timer_id, record.envelope.job or "", data.due, record.ts)
+            if encoded and type(encoded[0][0]) is Rejection:
+                # The engine changed nothing, so the timer is still due there: fire it again later, not never.
+                self.timers.refused(data.timer_id, record.envelope.job or "", data.due, record.ts)
+            else:
+                self.timers.fired(data.timer_id, record.envelope.job or "", data.due, record.ts)
         if not encoded:
             return  # most records: heartbeats and steps
         timers = self.timers

@@ -34,6 +34,10 @@ def next_due(due: int, every: int, now: int) -> int:
 TimerEntry = tuple[str, int, int | None]
 """(job, due, every) of one outstanding timer"""
 
+REFUSED_RETRY_NS = 60 * NS
+"""a one-shot timer whose firing the engine rejected is fired again this long after (a periodic one at its next
+period): the engine still holds it, and a timer nobody fires again would never end what it guards"""
+
 
 def after_firing(entry: TimerEntry | None, job: str, due: int, now: int) -> tuple[bool, TimerEntry | None]:
     """What a `timer.fired` event of `job` for `due`, applied at log time `now`, does to its timer's outstanding
@@ -144,6 +148,8 @@ class Firing(NamedTuple):
     job: str
     due: int
     every: int | None = None
+    refired_at: int | None = None
+    """when a firing the engine refused is sent again (`TimerTable.refused`); None for one at its due time"""
 
 
 class TimerTable:
@@ -156,15 +162,17 @@ class TimerTable:
     driver that interleaves timers with a scheduler of its own).
 
     A timer taken to be fired stays in the table until its firing is applied, but is not due again: a driver
-    that could not deliver the event puts it back with `retry`. Timers due at the same time come out in the order
-    they were armed; `order` numbers them (a simulator shares its scheduler's counter, so that its actions and
-    its timers keep one order)."""
+    that could not deliver the event puts it back with `retry`; one whose firing the engine rejected (a policy
+    that raised) comes back by itself (`refused`), still for the due time the engine holds. Timers due at the same
+    time come out in the order they were armed; `order` numbers them (a simulator shares its scheduler's counter,
+    so that its actions and its timers keep one order)."""
 
-    __slots__ = ("_heap", "_order", "_timers")
+    __slots__ = ("_heap", "_late", "_order", "_timers")
 
     def __init__(self, order: Iterator[int] | None = None) -> None:
         self._timers: dict[str, TimerEntry] = {}  # id -> (job, due, every), as the engine's
-        self._heap: list[tuple[int, int, str]] = []  # (due, order, id); entries of moved or cancelled timers stay
+        self._heap: list[tuple[int, int, str]] = []  # (fire at, order, id); entries of moved or cancelled timers stay
+        self._late: dict[str, int] = {}  # id -> when a refused firing is sent again (its due stays the engine's)
         self._order = order if order is not None else itertools.count(1)
 
     def __len__(self) -> int:
@@ -179,16 +187,19 @@ class TimerTable:
 
     def arm(self, timer_id: str, job: str, due: int, every: int | None = None) -> None:
         self._timers[timer_id] = (job, due, every)
+        self._late.pop(timer_id, None)
         heapq.heappush(self._heap, (due, next(self._order), timer_id))
 
     def cancel(self, timer_id: str) -> None:
         self._timers.pop(timer_id, None)
+        self._late.pop(timer_id, None)
         if len(self._heap) > 2 * len(self._timers) + 4096:
             self._compact()  # cancelled deadlines may be due in years: do not keep their entries that long
 
     def _compact(self) -> None:
-        timers = self._timers
-        self._heap = [e for e in self._heap if (entry := timers.get(e[2])) is not None and entry[1] == e[0]]
+        timers, late = self._timers, self._late
+        self._heap = [e for e in self._heap
+                      if (entry := timers.get(e[2])) is not None and (entry[1] == e[0] or late.get(e[2]) == e[0])]
         heapq.heapify(self._heap)  # the entries keep their order numbers: ties still come out as armed
 
     def load(self, timers: Mapping[str, TimerEntry]) -> int:
@@ -205,8 +216,21 @@ class TimerTable:
             return  # stale or cancelled: the engine ignored it
         if after is None:
             del self._timers[timer_id]
+            self._late.pop(timer_id, None)
         else:
             self.arm(timer_id, *after)
+
+    def refused(self, timer_id: str, job: str, due: int, ts: int) -> None:
+        """The engine rejected the `timer.fired` event for `timer_id` and `due` at log time `ts`: its own table is
+        unchanged, so the timer is still due there. Fire it again later, for the same due time: a periodic timer
+        at its next period (the watchdog goes on), a one-shot one `REFUSED_RETRY_NS` after the refusal."""
+        entry = self._timers.get(timer_id)
+        if entry is None or entry[0] != job or entry[1] != due:
+            return
+        every = entry[2]
+        at = next_due(due, every, ts) if every is not None else ts + REFUSED_RETRY_NS
+        self._late[timer_id] = at
+        heapq.heappush(self._heap, (at, next(self._order), timer_id))
 
     def peek(self) -> tuple[int, int, str] | None:
         """(due, order, timer id) of the next timer to take, or None; it may turn out cancelled or moved when
@@ -215,11 +239,16 @@ class TimerTable:
 
     def take(self) -> Firing | None:
         """Take the next timer: the firing to send, or None if it was cancelled or has moved since it was armed."""
-        due, _, timer_id = heapq.heappop(self._heap)
+        at, _, timer_id = heapq.heappop(self._heap)
         entry = self._timers.get(timer_id)
-        if entry is None or entry[1] != due:
+        if entry is None:
             return None
-        return Firing(timer_id, entry[0], due, entry[2])
+        if entry[1] == at:
+            return Firing(timer_id, entry[0], at, entry[2])
+        if self._late.get(timer_id) != at:
+            return None  # moved since this entry was pushed
+        del self._late[timer_id]
+        return Firing(timer_id, entry[0], entry[1], entry[2], refired_at=at)
 
     def due(self, now: int) -> list[Firing]:
         """Take every timer due at or before `now`, in due order."""
@@ -232,14 +261,17 @@ class TimerTable:
         return out
 
     def next_at(self) -> int | None:
-        """The earliest due time still to take (perhaps of a timer since cancelled: taking it finds out)."""
+        """The earliest time a timer is to be taken (perhaps of a timer since cancelled: taking it finds out)."""
         return self._heap[0][0] if self._heap else None
 
     def retry(self, firing: Firing) -> None:
         """Make a taken timer due again (its event was not delivered), unless it has been cancelled or moved."""
         entry = self._timers.get(firing.timer_id)
         if entry is not None and entry[1] == firing.due:
-            heapq.heappush(self._heap, (firing.due, next(self._order), firing.timer_id))
+            at = firing.due if firing.refired_at is None else firing.refired_at
+            if firing.refired_at is not None:
+                self._late[firing.timer_id] = at
+            heapq.heappush(self._heap, (at, next(self._order), firing.timer_id))
 
     def describe(self) -> dict[str, object]:
         return {"armed": len(self._timers), "heap": len(self._heap), "next_due": self.next_at()}

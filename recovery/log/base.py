@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from events import RawRecord, Record
 from events.codec import decode_envelope, encode_envelope
-from events.envelope import EnvelopeBase
+from events.envelope import EnvelopeBase, stored_record
 from events.subjects import is_output
 from policies.base import NS
 
@@ -68,7 +68,7 @@ def to_record(seq: int, ts: int, subject: str, headers: dict[str, str], data: by
     """Decode a stored message for the engine: a Record, or a RawRecord that the engine will reject."""
     envelope = decode_envelope(data)
     if isinstance(envelope, EnvelopeBase):
-        return Record.model_construct(seq=seq, ts=ts, subject=subject, headers=headers, envelope=envelope)
+        return stored_record(seq, ts, subject, headers, envelope)
     return RawRecord(seq=seq, ts=ts, subject=subject, headers=headers, data=data)
 
 
@@ -105,5 +105,5 @@ def stored(seq: int, ts: int, subject: str, headers: dict[str, str], payload: En
     """The record as read back. The engine's own outputs are kept as the envelope it made (decoding the bytes just
     written would give it again); inputs are decoded from their bytes, as the daemon receives them."""
     if isinstance(payload, EnvelopeBase) and is_output(subject):
-        return Record.model_construct(seq=seq, ts=ts, subject=subject, headers=headers, envelope=payload)
+        return stored_record(seq, ts, subject, headers, payload)
     return to_record(seq, ts, subject, headers, data)

@@ -287,59 +287,33 @@ class JetStreamLog:
         next_seq = max(start_seq, int(state.first_seq), 1)
         if next_seq > end:
             return
-        # Memory storage and no acks: a read holds no state worth keeping, and the server none worth writing.
-        consumer = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
-                                  inactive_threshold=max(self.stall_timeout, 5.0))
-        reader = PullReader(self.nc, self.js, self.stream, consumer, batch=self.read_batch,
-                            pull_expires_s=self.pull_expires, end_seq=end)
-        self._readers.add(reader)
-        opened = False
-        progress = time.monotonic()
-        delay = 0.05
-        try:
-            while next_seq <= end and not reader.done:
-                try:
-                    if not opened:
-                        await reader.open(next_seq)
-                        opened = True
-                    batch = await reader.next_batch(reader.stall_s)
-                except TRANSIENT as exc:
-                    opened = False
-                    await reader.close()
-                    if time.monotonic() - progress > self.stall_timeout:
-                        raise TimeoutError(
-                            f"reading {self.stream} stalled at sequence {next_seq} for {self.stall_timeout}s"
-                        ) from exc
-                    logger.warning("reading %s at %d: %s; resuming", self.stream, next_seq, describe_error(exc))
-                    await asyncio.sleep(delay)  # retry backoff during an outage
-                    delay = min(delay * 2, 1.0)
-                    continue
-                if batch:
-                    progress = time.monotonic()
-                    delay = 0.05
-                for d in batch:
-                    if d.seq < next_seq:
-                        continue  # delivered before the reader was opened again
-                    yield to_record(d.seq, d.ts, d.subject, d.headers or {}, d.data)
-                    next_seq = d.seq + 1
-        finally:
-            self._readers.discard(reader)
-            await reader.close()
+        async for record in self._records(next_seq, end, None):
+            yield record
 
     async def follow(self, start_seq: int, filter_subject: str | None = None) -> AsyncIterator[Record | RawRecord]:
         """Every record from `start_seq` on (those on `filter_subject` only, when given), in order, waiting for new
         ones forever: the same reader as `read` with no end, opened again at the next sequence it needs after an
         outage."""
-        next_seq = max(start_seq, 1)
+        async for record in self._records(max(start_seq, 1), None, filter_subject):
+            yield record
+
+    async def _records(self, next_seq: int, end: int | None,
+                       filter_subject: str | None) -> AsyncIterator[Record | RawRecord]:
+        """The records from `next_seq` through `end` (None: forever), through one pull reader opened again at the
+        next sequence needed after an outage. With an end, an outage longer than `stall_timeout` is an error; a
+        follower waits for NATS to come back however long it takes."""
+        # Memory storage and no acks: a read holds no state worth keeping, and the server none worth writing.
         consumer = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
                                   inactive_threshold=max(self.stall_timeout, 5.0), filter_subject=filter_subject)
         reader = PullReader(self.nc, self.js, self.stream, consumer, batch=self.read_batch,
-                            pull_expires_s=self.pull_expires)
+                            pull_expires_s=self.pull_expires, end_seq=end)
+        what = "reading" if end is not None else "following"
         self._readers.add(reader)
         opened = False
+        progress = time.monotonic()
         delay = 0.05
         try:
-            while True:
+            while (end is None or next_seq <= end) and not reader.done:
                 try:
                     if not opened:
                         await reader.open(next_seq)
@@ -348,11 +322,17 @@ class JetStreamLog:
                 except TRANSIENT as exc:
                     opened = False
                     await reader.close()
-                    logger.warning("following %s at %d: %s; resuming", self.stream, next_seq, describe_error(exc))
+                    if end is not None and time.monotonic() - progress > self.stall_timeout:
+                        raise TimeoutError(
+                            f"reading {self.stream} stalled at sequence {next_seq} for {self.stall_timeout}s"
+                        ) from exc
+                    logger.warning("%s %s at %d: %s; resuming", what, self.stream, next_seq, describe_error(exc))
                     await asyncio.sleep(delay)  # retry backoff during an outage
                     delay = min(delay * 2, 1.0)
                     continue
-                delay = 0.05
+                delay = 0.05  # the reader answers again
+                if batch:
+                    progress = time.monotonic()
                 for d in batch:
                     if d.seq < next_seq:
                         continue  # delivered before the reader was opened again

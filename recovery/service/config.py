@@ -11,24 +11,21 @@ the key and where it came from.
 from __future__ import annotations
 
 import argparse
-import os
-import tomllib
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from recovery import settings
+from recovery.settings import ConfigError, FileSettings
+
+__all__ = ["ENV_PREFIX", "ConfigError", "DaemonConfig", "add_arguments", "load"]
 
 ENV_PREFIX = "RECOVERY_"
-_TOML: ContextVar[Path | None] = ContextVar("recovery_config_toml", default=None)
 
 
-class ConfigError(Exception):
-    """A configuration that cannot run: the message names the key, the value's origin and the problem."""
-
-
-class DaemonConfig(BaseSettings):
+class DaemonConfig(FileSettings):
     """Every setting of `recovery-daemon`. Descriptions double as `--help` text."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
@@ -85,21 +82,6 @@ class DaemonConfig(BaseSettings):
                                                  "module:attribute of a driver factory")
     demo_seed: int = Field(1, description="seed of the demo cluster's faults")
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        toml = _TOML.get()
-        if toml is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml))
-        return tuple(sources)
-
     @field_validator("stream", "command_stream", "snapshot_bucket", "consumer", "lease_bucket")
     @classmethod
     def _name(cls, value: str) -> str:
@@ -124,69 +106,14 @@ class DaemonConfig(BaseSettings):
         return self
 
 
-FIELDS = DaemonConfig.model_fields
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per key, `--config FILE`, and `--print-config`. Flags keep strings: pydantic parses them."""
-    parser.add_argument("--config", metavar="FILE", default=os.environ.get(ENV_PREFIX + "CONFIG"),
-                        help="TOML configuration file (also RECOVERY_CONFIG)")
+    """One flag per key, `--config FILE`, and `--print-config`."""
+    settings.add_arguments(parser, DaemonConfig)
     parser.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
-    for name, info in FIELDS.items():
-        if info.annotation is bool:
-            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=info.description)
-        else:
-            parser.add_argument(_flag(name), dest=name, default=None, metavar=name.upper(), help=info.description)
     parser.add_argument("--duration", dest="duration_s", default=None, metavar="SECONDS",
                         help="alias of --duration-s")
 
 
 def load(args: argparse.Namespace | None = None, **overrides: Any) -> DaemonConfig:
     """The effective configuration; raises ConfigError naming the bad key and where its value came from."""
-    flags: dict[str, Any] = {}
-    toml_path: Path | None = None
-    if args is not None:
-        toml_path = Path(args.config) if getattr(args, "config", None) else None
-        flags = {k: v for k, v in vars(args).items() if k in FIELDS and v is not None}
-    flags.update({k: v for k, v in overrides.items() if v is not None})
-    if toml_path is not None:
-        if not toml_path.is_file():
-            raise ConfigError(f"configuration file {toml_path} does not exist")
-        try:
-            with toml_path.open("rb") as fh:
-                tomllib.load(fh)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"configuration file {toml_path} is not valid TOML: {exc}") from exc
-    token = _TOML.set(toml_path)
-    try:
-        return DaemonConfig(**flags)
-    except ValidationError as exc:
-        raise ConfigError(_explain(exc, flags, toml_path)) from None
-    finally:
-        _TOML.reset(token)
-
-
-def _explain(exc: ValidationError, flags: dict[str, Any], toml_path: Path | None) -> str:
-    lines = []
-    for err in exc.errors(include_url=False):
-        key = ".".join(str(p) for p in err["loc"]) or "(configuration)"
-        if key in flags:
-            origin = f"flag {_flag(key)}"
-        elif key in FIELDS and (ENV_PREFIX + key.upper()) in os.environ:
-            origin = f"environment variable {ENV_PREFIX}{key.upper()}"
-        elif toml_path is not None:
-            origin = f"{toml_path}"
-        else:
-            origin = "default"
-        if err["type"] == "extra_forbidden":
-            known = ", ".join(sorted(FIELDS))
-            lines.append(f"unknown key {key!r} (in {origin}); known keys: {known}")
-        else:
-            value = f" (got {err['input']!r})" if err["loc"] and not isinstance(err["input"], dict) else ""
-            lines.append(f"{key}: {err['msg']}{value} (from {origin})")
-    return "invalid configuration: " + "; ".join(lines)
+    return settings.load(DaemonConfig, args, **overrides)

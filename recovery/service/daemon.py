@@ -36,12 +36,9 @@ every input takes effect once and no command id is stored twice.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import os
 import signal
-import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -51,10 +48,7 @@ from functools import partial
 from typing import Any
 
 import anyio
-import nats
-import nats.errors
-from anyio.abc import TaskGroup, TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.abc import TaskStatus
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -67,16 +61,17 @@ from recovery.core.timers import Firing
 from recovery.log.jetstream import ensure_stream, is_transient, stream_config
 from recovery.log.pull import Delivery
 from recovery.log.snapshot import open_snapshot
-from recovery.service import speedups
+from recovery.service import connection, speedups
 from recovery.service.config import DaemonConfig
 from recovery.service.consumer import InputReader, scan_ids
 from recovery.service.control import ControlService
 from recovery.service.embedded import EmbeddedNats
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost, default_instance
+from recovery.service.parts import Parts
 from recovery.service.processor import Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
-from recovery.service.snapshots import Capture, SnapshotStore, capture, packed
+from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.timers import ServerClock, TimerService
 
 logger = logging.getLogger("recovery.daemon")
@@ -97,35 +92,6 @@ def _fields(**kwargs: Any) -> dict[str, Any]:
 
 class DaemonFailed(Exception):
     """A part of the daemon failed (the error is the cause, logged where it happened); every part was stopped."""
-
-
-class Part:
-    """One long-running piece of the daemon, in a cancel scope of its own, so that the daemon ends its parts one at
-    a time, in order: it asks first (`stop_requested`; the processor finishes its batch) and cancels a part that
-    does not end in time."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.scope = anyio.CancelScope()
-        self.stop_requested = anyio.Event()
-        self.ended = anyio.Event()
-
-    @property
-    def stopping(self) -> bool:
-        return self.stop_requested.is_set()
-
-    async def end(self, grace: float = 0.0) -> bool:
-        """Ask the part to end, give it `grace` seconds, then cancel it; return once it has ended, True if it
-        ended by itself."""
-        self.stop_requested.set()
-        if grace > 0 and not self.ended.is_set():
-            with anyio.move_on_after(grace):
-                await self.ended.wait()
-        if self.ended.is_set():
-            return True
-        self.scope.cancel()
-        await self.ended.wait()
-        return False
 
 
 class Daemon:
@@ -156,10 +122,7 @@ class Daemon:
         self.replayed = -1  # set when the consumer first opens
         self.clean_seq = 0  # last input whose effects are all acknowledged: what a snapshot may cover
         self.last_ts = 0  # log time of that input
-        self.snapshot_seq = 0
-        self.snapshot_written: float | None = None
-        self.snapshot_manifest: dict[str, Any] | None = None
-        self.records_since_snapshot = 0
+        self.snapshotter: Snapshotter | None = None
         self.failed = False
         self.failure: BaseException | None = None
         self._failed_part = ""
@@ -167,11 +130,8 @@ class Daemon:
         self._stop: anyio.Event | None = None
         self._starting: anyio.CancelScope | None = None
         self._deadline: float | None = None  # of the shutdown, once it has begun
-        self._group: TaskGroup | None = None
-        self._parts: dict[str, Part] = {}
+        self._parts = Parts(self._fail)
         self._waiting: list[tuple[int, anyio.Event]] = []  # wait_applied: (input sequence, set once applied)
-        self._uploads: MemoryObjectSendStream[Capture] | None = None
-        self._uploading = False
         self._reader_ok = False
         self._caught_up_logged = False
         self._start_wall = time.monotonic()
@@ -195,6 +155,15 @@ class Daemon:
     @property
     def stopping(self) -> bool:
         return self._stop_requested
+
+    @property
+    def snapshot_seq(self) -> int:
+        """The input sequence the newest snapshot covers (written or restored)."""
+        return self.snapshotter.seq if self.snapshotter is not None else 0
+
+    @property
+    def snapshot_written(self) -> float | None:
+        return self.snapshotter.written if self.snapshotter is not None else None
 
     # -- lifecycle --------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -229,7 +198,7 @@ class Daemon:
         started = False
         try:
             async with anyio.create_task_group() as group:
-                self._group = group
+                self._parts.group = group
                 try:
                     async with AsyncExitStack() as teardown:
                         with anyio.CancelScope() as self._starting:
@@ -243,10 +212,10 @@ class Daemon:
                         await self._stop_parts()
                 except Exception as exc:
                     self._fail("stop" if started else "start", exc)
-                for part in reversed(self._parts.values()):
+                for part in reversed(list(self._parts)):
                     await part.end()  # every part has ended by now; this is for one the start left behind
         finally:
-            self._group = None
+            self._parts.group = None
             if not started:
                 task_status.started(self)
             logger.info("stopped", extra=_fields(last_seq=self.engine.last_seq, snapshot_seq=self.snapshot_seq))
@@ -277,7 +246,7 @@ class Daemon:
                                    self._refresh_gauges, self.status)
             self.http_port = await self.http.listen()
             logger.info("http listening", extra=_fields(host=cfg.http_host, port=self.http_port))
-            teardown.push_async_callback(self._start_part("http", self.http.serve).end)
+            teardown.push_async_callback(self._parts.start("http", self.http.serve).end)
         if not self.url:
             self.embedded = EmbeddedNats(cfg.data_dir, port=cfg.embedded_port)
             teardown.push_async_callback(self._stop_embedded)
@@ -295,7 +264,7 @@ class Daemon:
             teardown.push_async_callback(self._release_lease)
             await self._retry(lease.acquire, "lease")
             logger.info("lease acquired: active", extra=_fields(partition=cfg.partition, instance=lease.instance))
-            self._start_part("lease", self._hold_lease)
+            self._parts.start("lease", self._hold_lease)
         self.role = "active"
         await self._restore()
         assert self.nc is not None and self.js is not None
@@ -304,18 +273,18 @@ class Daemon:
         teardown.push_async_callback(self.reader.close)
         if cfg.timers_enabled:
             logger.info("timers re-armed", extra=_fields(timers=len(self.processor.timers)))
-        self._uploads, captures = anyio.create_memory_object_stream[Capture](1)
-        self._start_part("snapshots", partial(self._upload_snapshots, captures))
+        assert self.snapshotter is not None
+        self._parts.start("snapshots", self.snapshotter.uploads)
         if cfg.ctl_enabled:
             self.control = ControlService(self)
             teardown.push_async_callback(self._close_control)
             await self.control.subscribe(self.nc)
-            self._start_part("control", self.control.serve)
-        self._start_part("processor", self._process_inputs)
+            self._parts.start("control", self.control.serve)
+        self._parts.start("processor", self._process_inputs)
         if cfg.timers_enabled:
-            self._start_part("timers", self.timer_service.run)
+            self._parts.start("timers", self.timer_service.run)
         if companion is not None:
-            self._start_part("companion", partial(self._accompany, companion))
+            self._parts.start("companion", partial(self._accompany, companion))
 
     async def _stop_parts(self) -> None:
         """Stop the parts in order (the teardown of what the start set up follows)."""
@@ -331,14 +300,14 @@ class Daemon:
         for name in ("lease", "control"):
             if name in parts:
                 await parts[name].end()
-        if "snapshots" in parts:
+        if "snapshots" in parts and self.snapshotter is not None:
             parts["snapshots"].stop_requested.set()
-            if self._uploads is not None:
-                self._uploads.close()  # the upload under way finishes, then the part ends
+            self.snapshotter.close()  # the upload under way finishes, then the part ends
             if not await parts["snapshots"].end(self._until(1.0)):
                 logger.warning("snapshot upload not finished in time")
         with anyio.move_on_after(self._until(1.0)) as scope:
-            await self._final_snapshot()
+            if self.snapshotter is not None:
+                await self.snapshotter.final(self.engine, self.clean_seq, self.last_ts, self.role == "active")
         if scope.cancelled_caught:
             logger.warning("final snapshot not written in time: the next start replays a longer tail")
 
@@ -349,25 +318,6 @@ class Daemon:
         return max(self._deadline - time.monotonic() - spare, 0.1)
 
     # -- parts --------------------------------------------------------------------------------------------
-    def _start_part(self, name: str, body: Callable[[], Awaitable[None]]) -> Part:
-        assert self._group is not None
-        part = self._parts[name] = Part(name)
-        self._group.start_soon(self._run_part, part, body, name=f"recovery-{name}")
-        return part
-
-    async def _run_part(self, part: Part, body: Callable[[], Awaitable[None]]) -> None:
-        try:
-            with part.scope:
-                await body()
-        except Exception as exc:
-            self._fail(part.name, exc)
-        else:
-            if not part.stopping:
-                self._fail(part.name, RuntimeError(f"{part.name} ended by itself"))
-        finally:
-            part.ended.set()
-            logger.info("part stopped", extra=_fields(part=part.name))
-
     def _fail(self, what: str, exc: BaseException) -> None:
         """A part (or the start) failed: the daemon stops, every part in order, and exits 1."""
         logger.error(f"{what} failed: stopping", exc_info=exc)
@@ -403,25 +353,8 @@ class Daemon:
                 logger.info("lease released")
 
     async def _close_nats(self) -> None:
-        nc = self.nc
-        if nc is None:
-            return
-        tasks = _client_tasks(nc)
-        with anyio.move_on_after(self._until(0.5), shield=True):
-            try:
-                if not nc.is_closed:
-                    await nc.drain()
-            except Exception:
-                with contextlib.suppress(Exception):
-                    await nc.close()
-        if not nc.is_closed:
-            with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
-                await nc.close()
-        # The client cancels its own tasks as it closes but does not wait for them: they end here, with the daemon.
-        pending = [task for task in tasks if not task.done()]
-        if pending:
-            with anyio.move_on_after(1.0, shield=True):
-                await asyncio.wait(pending)
+        if self.nc is not None:
+            await connection.close(self.nc, self._until(0.5))
 
     async def _stop_embedded(self) -> None:
         if self.embedded is not None:
@@ -431,23 +364,7 @@ class Daemon:
 
     # -- NATS ---------------------------------------------------------------------------------------------
     async def _connect(self) -> None:
-        servers = [s.strip() for s in self.url.split(",") if s.strip()]
-        delay = 0.1
-        while True:
-            try:
-                self.nc = await nats.connect(
-                    servers, name=f"recovery-daemon-{os.getpid()}", max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.25, connect_timeout=2, allow_reconnect=True, ping_interval=5,
-                    max_outstanding_pings=2, pending_size=64 * 1024 * 1024,
-                    disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
-                    error_cb=self._on_error,
-                )
-                break
-            except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
-                reraise_cancel(exc)
-                logger.warning("cannot reach NATS yet, retrying", extra=_fields(url=self.url, error=repr(exc)))
-                await anyio.sleep(delay)  # connect retry backoff; a stop request cancels it
-                delay = min(delay * 2, 2.0)
+        self.nc = await connection.connect(self.url, self._on_disconnected, self._on_reconnected, self._on_error)
         self.connected = True
         self.js = self.nc.jetstream(timeout=5.0, publish_async_max_pending=20_000)
         self.publisher = Publisher(self.js)
@@ -484,6 +401,8 @@ class Daemon:
         self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, cfg.partition, cfg.snapshot_chunk_bytes,
                                        cfg.replicas)
         await self._retry(self.snapshots.ensure, "snapshot bucket")
+        self.snapshotter = Snapshotter(self.snapshots, cfg.snapshot_every_records, cfg.snapshot_every_s,
+                                       cfg.snapshot_fork, self.metrics, self._retry, self._start_wall)
 
     async def _retry(self, op: Callable[[], Awaitable[Any]], what: str, limit_s: float = float("inf")) -> Any:
         deadline = time.monotonic() + limit_s
@@ -516,13 +435,10 @@ class Daemon:
                                extra=_fields(seq=manifest.get("seq"), reason=opened))
             else:
                 self.processor.engine = opened
-                self.restored_seq = self.snapshot_seq = self.clean_seq = opened.last_seq
+                self.restored_seq = self.clean_seq = opened.last_seq
                 self.last_ts = int(manifest.get("ts", 0))
-                self.snapshot_manifest = manifest
-                self.snapshot_written = time.monotonic() - max(0.0, (time.time_ns() - int(
-                    manifest.get("written_ns", time.time_ns()))) / 1e9)
-                self.metrics.snapshot_seq.set(opened.last_seq)
-                self.metrics.snapshot_bytes.set(int(manifest.get("bytes", 0)))
+                assert self.snapshotter is not None
+                self.snapshotter.restored(opened.last_seq, manifest)
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
         self.processor.skip_ids = await self._retry(
@@ -578,7 +494,8 @@ class Daemon:
             if batch:
                 await self._process(batch)
             self._check_caught_up()
-            self._maybe_snapshot()
+            if self.snapshotter is not None:
+                self.snapshotter.maybe(self.engine, self.clean_seq, self.last_ts, self.role == "active")
 
     def _check_caught_up(self) -> None:
         if self.reader is not None and self.reader.caught_up and not self._caught_up_logged:
@@ -602,7 +519,8 @@ class Daemon:
             self.last_ts = max(self.last_ts, done.last.ts)
         engine = self.engine
         self.clean_seq = engine.last_seq
-        self.records_since_snapshot += done.applied
+        assert self.snapshotter is not None
+        self.snapshotter.records_since += done.applied
         now = time.time_ns()
         m = self.metrics
         for ts in done.timed:
@@ -652,6 +570,8 @@ class Daemon:
         out = []
         for firing in fired:
             ident = f"timer:{firing.timer_id}:{firing.due}"
+            if firing.refired_at is not None:
+                ident += f":{firing.refired_at}"  # not the refused firing's id, or the duplicate window drops it
             try:
                 envelope = make_envelope("timer.fired", {"timer_id": firing.timer_id, "due": firing.due}, id=ident,
                                          job=firing.job, source="recovery-daemon/timers")
@@ -667,62 +587,6 @@ class Daemon:
                 self.processor.timers.retry(firing)  # try again: the id makes a repeat harmless
             return
         self.metrics.timers_fired.inc(len(out))
-
-    # -- snapshots ----------------------------------------------------------------------------------------
-    def _maybe_snapshot(self) -> None:
-        if self.records_since_snapshot == 0 or self.clean_seq <= self.snapshot_seq or self._uploading:
-            return
-        age = time.monotonic() - (self.snapshot_written or self._start_wall)
-        if self.records_since_snapshot >= self.cfg.snapshot_every_records or age >= self.cfg.snapshot_every_s:
-            captured = self._capture(fork=self.cfg.snapshot_fork)
-            if captured is not None and self._uploads is not None:
-                self._uploading = True
-                self._uploads.send_nowait(captured)
-
-    def _capture(self, fork: bool) -> Capture | None:
-        """The state now, between two batches with every effect acknowledged; None if there is nothing new to
-        save, or if this daemon is not the one that saves (a standby, or one that lost its lease)."""
-        engine = self.engine
-        if self.snapshots is None or self.clean_seq != engine.last_seq or engine.last_seq <= self.snapshot_seq:
-            return None
-        if self.role != "active":
-            return None
-        self.records_since_snapshot = 0
-        return capture(engine, engine.last_seq, self.last_ts, fork)
-
-    async def _upload_snapshots(self, captures: MemoryObjectReceiveStream[Capture]) -> None:
-        async with captures:
-            async for captured in captures:
-                try:
-                    await self._upload(captured, final=False)
-                finally:
-                    self._uploading = False
-
-    async def _final_snapshot(self) -> None:
-        captured = self._capture(fork=False)  # nothing else runs now: the loop may as well pickle
-        if captured is not None:
-            await self._upload(captured, final=True)
-
-    async def _upload(self, captured: Capture, final: bool) -> None:
-        store = self.snapshots
-        assert store is not None
-        t0 = time.monotonic() - captured.blocked_s
-        try:
-            snapshot = await packed(captured)
-            manifest = await self._retry(lambda: store.save(snapshot, captured.seq, captured.ts), "snapshot")
-        except Exception:
-            logger.exception("snapshot failed")
-            return
-        self.snapshot_seq = max(self.snapshot_seq, captured.seq)
-        self.snapshot_written = time.monotonic()
-        self.snapshot_manifest = manifest
-        self.metrics.snapshots.inc()
-        self.metrics.snapshot_seq.set(captured.seq)
-        self.metrics.snapshot_bytes.set(snapshot.blob_bytes)
-        logger.info("snapshot written", extra=_fields(
-            seq=captured.seq, bytes=snapshot.blob_bytes, stored_bytes=manifest["stored_bytes"],
-            chunks=manifest["chunks"], forked=captured.forked, loop_blocked_s=round(captured.blocked_s, 4),
-            total_s=round(time.monotonic() - t0, 3), final=final))
 
     # -- views --------------------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, object]]:
@@ -766,40 +630,6 @@ class Daemon:
                 "duplicates_dropped": self.publisher.duplicates if self.publisher else 0}
 
 
-def _client_tasks(nc: Client) -> list[asyncio.Task[Any]]:
-    """The tasks nats-py runs for a connection (checked on nats-py 2.16): reading, pinging, flushing,
-    reconnecting, and one per subscription with a callback."""
-    candidates = [getattr(nc, name, None) for name in
-                  ("_reading_task", "_ping_interval_task", "_flusher_task", "_reconnection_task")]
-    candidates += [getattr(sub, "_wait_for_msgs_task", None) for sub in getattr(nc, "_subs", {}).values()]
-    return [task for task in candidates if isinstance(task, asyncio.Task)]
-
-
-class _ShortLivedThreads(concurrent.futures.ThreadPoolExecutor):
-    """The event loop's executor for what it must hand to a thread (looking up a host name): each call runs in a
-    thread of its own that ends with it, so that between calls the daemon runs no thread but its own and a
-    snapshot may fork (`recovery.service.snapshots`). A pool's idle workers would stay forever."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def work() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-        threading.Thread(target=work, name="recovery-lookup", daemon=True).start()
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        pass  # its threads end with their calls
-
-
 async def _stop_on_signals(daemon: Daemon) -> None:
     try:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -817,7 +647,7 @@ async def _stop_after(daemon: Daemon, seconds: float) -> None:
 async def run(cfg: DaemonConfig, companion: Companion | None = None) -> int:
     """Run a daemon until SIGTERM/SIGINT (or `duration_s`); 0 on a clean stop, 1 if it failed."""
     tuned = speedups.apply()
-    asyncio.get_running_loop().set_default_executor(_ShortLivedThreads())
+    asyncio.get_running_loop().set_default_executor(connection.ShortLivedThreads())
     daemon = Daemon(cfg)
 
     async def serve(*, task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED) -> None:

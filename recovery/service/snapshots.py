@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from nats.js.kv import KeyValue
 
 from recovery.core.engine import Engine
 from recovery.log.snapshot import dump_snapshot
+from recovery.service.http import Metrics
 
 logger = logging.getLogger("recovery.daemon")
 
@@ -256,3 +258,99 @@ class SnapshotStore:
                     "compression": "zlib", "sha256": done.sha256, "written_ns": time.time_ns(), "pid": os.getpid()}
         await self.kv.put(self.partition, orjson.dumps(manifest))
         return manifest
+
+
+Retry = Callable[[Callable[[], Awaitable[Any]], str], Awaitable[Any]]
+"""how the daemon retries a NATS operation through an outage: `retry(op, what)`"""
+
+
+class Snapshotter:
+    """When the daemon takes a snapshot, and the upload beside the processing.
+
+    The processor asks `maybe` between two batches; a snapshot is due after `every_records` inputs or
+    `every_s` seconds. It is captured there (with every effect acknowledged, by the active daemon only) and
+    handed to the `uploads` part, one at a time: while one uploads, none is captured. `final` writes the last
+    one at shutdown, in the loop, since nothing else runs then."""
+
+    def __init__(self, store: SnapshotStore, every_records: int, every_s: float, fork: bool, metrics: Metrics,
+                 retry: Retry, started: float) -> None:
+        self.store = store
+        self.every_records = every_records
+        self.every_s = every_s
+        self.fork = fork
+        self.metrics = metrics
+        self.retry = retry
+        self.started = started
+        self.seq = 0
+        """the input sequence the newest snapshot covers"""
+        self.written: float | None = None
+        """monotonic time the newest snapshot was written (for a restored one, as long ago as it was written)"""
+        self.manifest: dict[str, Any] | None = None
+        self.records_since = 0
+        self._send, self._receive = anyio.create_memory_object_stream[Capture](1)
+        self._uploading = False
+
+    def restored(self, seq: int, manifest: dict[str, Any]) -> None:
+        self.seq = seq
+        self.manifest = manifest
+        self.written = time.monotonic() - max(0.0, (time.time_ns() - int(
+            manifest.get("written_ns", time.time_ns()))) / 1e9)
+        self.metrics.snapshot_seq.set(seq)
+        self.metrics.snapshot_bytes.set(int(manifest.get("bytes", 0)))
+
+    def maybe(self, engine: Engine, clean_seq: int, last_ts: int, active: bool) -> None:
+        """Capture a snapshot now if one is due and none is uploading."""
+        if self.records_since == 0 or clean_seq <= self.seq or self._uploading:
+            return
+        age = time.monotonic() - (self.written or self.started)
+        if self.records_since >= self.every_records or age >= self.every_s:
+            captured = self._capture(engine, clean_seq, last_ts, active, self.fork)
+            if captured is not None:
+                self._uploading = True
+                self._send.send_nowait(captured)
+
+    def _capture(self, engine: Engine, clean_seq: int, last_ts: int, active: bool, fork: bool) -> Capture | None:
+        """The state now, between two batches with every effect acknowledged; None if there is nothing new to
+        save, or if this daemon is not the one that saves (a standby, or one that lost its lease)."""
+        if clean_seq != engine.last_seq or engine.last_seq <= self.seq or not active:
+            return None
+        self.records_since = 0
+        return capture(engine, engine.last_seq, last_ts, fork)
+
+    async def uploads(self) -> None:
+        """The part that uploads what `maybe` captured, until `close`."""
+        async with self._receive:
+            async for captured in self._receive:
+                try:
+                    await self._upload(captured, final=False)
+                finally:
+                    self._uploading = False
+
+    def close(self) -> None:
+        """No more captures: the upload under way finishes, then `uploads` returns."""
+        self._send.close()
+
+    async def final(self, engine: Engine, clean_seq: int, last_ts: int, active: bool) -> None:
+        captured = self._capture(engine, clean_seq, last_ts, active, fork=False)  # nothing else runs now
+        if captured is not None:
+            await self._upload(captured, final=True)
+
+    async def _upload(self, captured: Capture, final: bool) -> None:
+        store = self.store
+        t0 = time.monotonic() - captured.blocked_s
+        try:
+            snapshot = await packed(captured)
+            manifest = await self.retry(lambda: store.save(snapshot, captured.seq, captured.ts), "snapshot")
+        except Exception:
+            logger.exception("snapshot failed")
+            return
+        self.seq = max(self.seq, captured.seq)
+        self.written = time.monotonic()
+        self.manifest = manifest
+        self.metrics.snapshots.inc()
+        self.metrics.snapshot_seq.set(captured.seq)
+        self.metrics.snapshot_bytes.set(snapshot.blob_bytes)
+        logger.info("snapshot written", extra={"fields": {
+            "seq": captured.seq, "bytes": snapshot.blob_bytes, "stored_bytes": manifest["stored_bytes"],
+            "chunks": manifest["chunks"], "forked": captured.forked, "loop_blocked_s": round(captured.blocked_s, 4),
+            "total_s": round(time.monotonic() - t0, 3), "final": final}})

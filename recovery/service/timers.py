@@ -33,21 +33,26 @@ class ServerClock:
     outage must not hold every timer back by its age"""
 
     def __init__(self, window: int = 512, local: Callable[[], int] = time.time_ns) -> None:
-        self._samples: deque[int] = deque(maxlen=window)
+        self._window = window
         self._local = local
-        self._best: int | None = None
+        self._count = 0
+        # (index, sample) of the samples that may still become the window's largest, largest first: each sample
+        # enters and leaves once, so a live daemon pays O(1) per delivery, not a scan of the window whenever the
+        # largest leaves it (which, with a growing backlog, is every delivery).
+        self._candidates: deque[tuple[int, int]] = deque()
         self.offset_ns = 0
 
     def observe(self, server_ts: int) -> None:
-        samples = self._samples
-        dropped = samples[0] if len(samples) == samples.maxlen else None
+        index = self._count
+        self._count = index + 1
         sample = server_ts - self._local()
-        samples.append(sample)
-        if self._best is None or sample >= self._best:
-            self._best = sample
-        elif dropped == self._best:
-            self._best = max(samples)  # the largest sample left the window: look again
-        self.offset_ns = max(-self.LIMIT_NS, min(self.LIMIT_NS, self._best))
+        candidates = self._candidates
+        while candidates and candidates[-1][1] <= sample:
+            candidates.pop()
+        candidates.append((index, sample))
+        if candidates[0][0] <= index - self._window:
+            candidates.popleft()
+        self.offset_ns = max(-self.LIMIT_NS, min(self.LIMIT_NS, candidates[0][1]))
 
     def __call__(self) -> int:
         return self._local() + self.offset_ns

@@ -233,14 +233,19 @@ class EventLogContract:
         assert list(iter_file(path)) == []
 
     async def test_a_reopened_log_keeps_records_and_duplicate_ids(self, make_log: LogFactory) -> None:
-        if not self.persistent:
-            pytest.skip("this log does not persist")
+        """A persistent log opened again holds what it held, and still knows the ids it stored; one that is not
+        (`persistent = False`, the memory log) starts empty, and an id it had is new to it."""
         log = await make_log()
         for i in range(1, 4):
             await log.append(HEARTBEAT, heartbeat(i))
         before = await read_all(log)
         await log.close()
         reopened = await make_log()
+        if not self.persistent:
+            assert await reopened.last_seq() == 0 and await read_all(reopened) == []
+            again = await reopened.append(HEARTBEAT, heartbeat(2))
+            assert (again.seq, again.duplicate) == (1, False)
+            return
         assert await reopened.last_seq() == 3
         assert await read_all(reopened) == before
         dup = await reopened.append(HEARTBEAT, heartbeat(2))

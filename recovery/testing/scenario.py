@@ -169,7 +169,7 @@ class Scenario:
             firing = timers.take()
             if firing is None:
                 continue  # cancelled, or a period already fired
-            self.now = max(self.now, firing.due)
+            self.now = max(self.now, next_at)  # its due time, or when a refused firing is sent again
             if firing.every is not None:
                 self._counter += 1  # a periodic timer is armed again: counted in the ids, as it always was
             effects += self.job_event(firing.job, "timer.fired", timer_id=firing.timer_id, due=firing.due)
