@@ -38,7 +38,7 @@ spare pool. The log is generated once by running the engine itself through a `Re
 inputs and recorded decisions exactly as the daemon writes them; the benches then apply it to fresh
 engines and check they derive the same number of effects.
 
-New benches (`policies`, `daemon`) register a parser and a runner in `BENCHES` below.
+New benches (`policies`, `daemon`, `report`, `e2e`) register a parser and a runner in `BENCHES` below.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_daemon  # beside this script (`python tools/bench.py` puts tools/ on the path)
+import bench_e2e
 import bench_report
 import orjson
 
@@ -680,6 +681,13 @@ def run_report(args: argparse.Namespace) -> None:
     bench_report.run(args, emit, note, generate)
 
 
+# -- e2e: a rank's fault on real processes, our stack against torchrun (tools/bench_e2e.py) ----------------------
+def run_e2e(args: argparse.Namespace) -> None:
+    """SIGKILL of a rank to the job's step completed again, by phase, cold, warm and under torchrun; SIGSTOP
+    detection; the SDK's overhead."""
+    bench_e2e.run(args, emit)
+
+
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
     "engine": ("Engine.apply over a prebuilt in-memory mix; bytes per tracked rank",
                lambda p: _workload_args(p, Sizes(1000, 12, 5), Sizes(10, 8, 2)), run_engine),
@@ -691,8 +699,10 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                bench_daemon.add_arguments, run_daemon),
     "report": ("recovery-replay report over 1,000,000 records and the 54-day 16,384-GPU simulated log: time, memory",
                bench_report.add_arguments, run_report),
+    "e2e": ("a rank's SIGKILL to the job's step completed again, by phase, against torchrun; SIGSTOP detection; "
+            "SDK overhead", bench_e2e.add_arguments, run_e2e),
 }
-"""name -> (help, add arguments, run). `policies` and `daemon` are added here."""
+"""name -> (help, add arguments, run). `policies`, `daemon`, `report` and `e2e` are added here."""
 
 
 def build_parser() -> argparse.ArgumentParser:

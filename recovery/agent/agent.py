@@ -39,6 +39,7 @@ from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
+from recovery.agent.standby import StandbyPool
 from recovery.log.jetstream import JetStreamLog
 
 logger = logging.getLogger("recovery.agent")
@@ -94,6 +95,7 @@ class Agent:
         # Opened here, so that a probe that cannot work stops the agent at start with the key to fix.
         self.link_watcher = open_link_watcher(cfg.links, cfg.sysfs_net)
         self.xid_follower = open_xid_follower(cfg.kernel_log, cfg.gpu_bus_ids)
+        self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
 
     # -- events ----------------------------------------------------------------------------------------
     def _next_id(self) -> str:
@@ -193,7 +195,8 @@ class Agent:
 
     async def _shutdown(self) -> None:
         """The agent stops: its ranks get SIGTERM and the kill grace to end (a platform stopping the node), then
-        SIGKILL; the stores go with the agent."""
+        SIGKILL; the stores and the standbys go with the agent."""
+        await self.standbys.close()
         async with anyio.create_task_group() as tg:
             for job in self.jobs.values():
                 for proc in job.processes.values():
@@ -257,6 +260,8 @@ class Agent:
             await self._launch(job, rank, 0, None)
         if spec.nodes[0] == self.node:
             self.job_event(job_id, "job.started", {}, event_id=f"{job_id}:started")
+        if self.standbys.wanted(spec.entrypoint):
+            self._tg.start_soon(self.standbys.keep, job_id, spec.entrypoint)
 
     async def _host_store(self, job: JobOnNode) -> None:
         """Start the job's rendezvous store beside the agent and wait until it listens."""
@@ -278,8 +283,13 @@ class Agent:
                                 master_port=job.master_port, socket=job.channel.path,
                                 heartbeat_s=self.cfg.heartbeat_s)
         output = self.runtime_dir / f"{job.id}.rank{rank}.gen{attempt}.log"
-        proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt)
+        standby = self.standbys.take(job.id)
+        proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
+                                 standby=standby)
         job.processes[rank] = proc
+        if standby is not None:
+            assert self._tg is not None
+            self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint)
         self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt})
         assert self._tg is not None
         self._tg.start_soon(self._watch, job, proc)
@@ -293,6 +303,8 @@ class Agent:
         else:
             data["exit_code"] = exit_code
         self.job_event(job.id, "process.exited", data)
+        if all(not p.alive and p.returncode == 0 for p in job.processes.values()):
+            await self.standbys.discard(job.id, for_good=True)  # the job is done here: no rank to hand over
         if exit_code == 0 and job.nodes and job.nodes[0] == self.node and not job.finished:
             here = [job.processes.get(r) for r in job.ranks_on(self.node)]
             if all(p is not None and not p.alive and p.returncode == 0 for p in here):

@@ -161,3 +161,20 @@ def _broadcast(state: Any, source: int, rank: int) -> Any:
     if rank == source:
         return state
     return torch.load(io.BytesIO(bytes(payload.untyped_storage())), weights_only=False)
+
+
+def warm_up() -> None:
+    """Pay now what a new process pays on its first step: autograd's first backward pass, an optimizer's first step
+    (`torch._dynamo`'s import among it), a state's serialisation both ways. A warm standby calls it before it waits
+    (`recovery.client.torch:warm_up` in the agent's `standby_preload`); the global random state is left as it was,
+    so a rank handed to the standby draws the numbers a cold start would."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        model = torch.nn.Linear(8, 8)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        buffer = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
