@@ -135,6 +135,13 @@ class NodeJoined(Frozen):
     devices: Devices = 8
 
 
+class NodeHeartbeat(Frozen):
+    """The node's agent is alive and can reach the control plane: sent every `interval_s`, so that its absence
+    tells a dead agent or host from processes that merely stopped reporting."""
+
+    interval_s: Seconds = Field(1.0, description="how often the agent sends it, 0 .. 30 days")
+
+
 # --- job lifecycle ----------------------------------------------------------------------------------
 class JobSubmitted(Frozen):
     spec: JobSpec
@@ -253,5 +260,6 @@ NODE_EVENTS: dict[str, type[Frozen]] = {
     "node.ready": NodeReady,
     "node.drained": NodeDrained,
     "node.joined": NodeJoined,
+    "node.heartbeat": NodeHeartbeat,
 }
 """Event types that concern one node: the envelope carries `node`."""

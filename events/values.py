@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le
 from pydantic import (
@@ -229,6 +229,19 @@ class Entrypoint(Frozen):
     env: dict[EnvName, Arg] = Field(default_factory=dict, max_length=MAX_ARGS,
                                     description="added to the agent's environment, beneath the variables the "
                                                 "agent sets for the rank")
+    rendezvous: Literal["agent", "external"] = Field(
+        "agent", description="who serves the job's rendezvous store at MASTER_ADDR:MASTER_PORT: 'agent', the agent "
+                             "of the job's first node (lost with that node); 'external', a store the platform runs "
+                             "off the training nodes (`python -m recovery.agent.rendezvous --serve`), which outlives "
+                             "the loss of any node")
+
+    @model_serializer(mode="wrap")
+    def _without_default_rendezvous(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An entrypoint with the default store is written as before the field existed, so logs stay byte for byte.
+        data: dict[str, Any] = handler(self)
+        if data.get("rendezvous") == "agent":
+            del data["rendezvous"]
+        return data
 
 
 class JobSpec(Frozen):

@@ -145,6 +145,8 @@ class WatchdogView:
     nodes: tuple[str, ...] = ()
     """the job's placement: rank r runs on nodes[r // ranks_per_node] (empty: unknown)"""
     ranks_per_node: int = 1
+    agents_heard: tuple[int | None, ...] = ()
+    """per node of `nodes`, log time of its agent's last heartbeat (None: its agent sends none); empty: unknown"""
 
 
 @runtime_checkable

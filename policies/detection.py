@@ -44,6 +44,8 @@ class DefaultDetectionParams(Params):
                                                        "(0 .. 30 days; 0: at once)")
     not_ready_grace_s: Seconds = Field(20.0, description="a node not ready this long is a fault (0 .. 30 days)")
     nic_error_threshold: PositiveCount = 100
+    agent_silence_s: Interval = Field(5.0, description="a node whose agent sent heartbeats and then none for this "
+                                                      "long is gone, with its ranks: 1 ms .. 30 days")
     hang_min_silence_s: Interval = Field(10.0, description="a rank silent this long at least hangs: 1 ms .. 30 days")
     hang_silence_factor: Factor = Field(5.0, description="... or this many step times if longer: (0, 1000]")
     stall_min_s: Interval = Field(60.0, description="no rank advancing this long at least is a stall: 1 ms .. 30 days")
@@ -222,6 +224,15 @@ class DefaultDetection(DetectionPolicyBase):
         silence = max(int(p.hang_min_silence_s * NS), int(p.hang_silence_factor * step_time))
         stall = (max(int(p.stall_min_s * NS), int(p.stall_factor * step_time)) if view.step_time_ns
                  else int(p.first_steps_s * NS))
+        lost = _silent_agents(view, int(p.agent_silence_s * NS))
+        if lost:
+            # Everything a node's ranks say goes through its agent: with the agent silent they are as good as gone,
+            # whether the host died or only the agent did. Move them now.
+            names = [view.nodes[i] for i in lost]
+            rpn = view.ranks_per_node
+            ranks = tuple(r for i in lost for r in range(i * rpn, (i + 1) * rpn) if r < len(view.ranks))
+            return [Fault(f"agent of {', '.join(names)} silent for more than {p.agent_silence_s:g}s: the host or "
+                          f"its agent is gone", FaultClass.NODE, "node", ranks, names[0] if len(names) == 1 else None)]
         silent = tuple(a.rank for a in view.ranks if view.now - a.last_seen > silence)
         if silent:
             gone = _silent_nodes(view, set(silent))
@@ -244,6 +255,13 @@ class DefaultDetection(DetectionPolicyBase):
             return [Fault(f"ranks {list(behind)} stuck behind step {top} for more than "
                           f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
         return []
+
+
+def _silent_agents(view: WatchdogView, silence: int) -> list[int]:
+    """Indices of the nodes whose agent sent heartbeats and has been silent longer than `silence`."""
+    if len(view.agents_heard) != len(view.nodes):
+        return []
+    return [i for i, heard in enumerate(view.agents_heard) if heard is not None and view.now - heard > silence]
 
 
 def _silent_nodes(view: WatchdogView, silent: set[int]) -> set[int]:

@@ -39,7 +39,7 @@ def environment() -> dict[str, str]:
 class AgentProcess:
     """`python -m recovery.cli.agent` for one node."""
 
-    def __init__(self, workdir: Path, node: str, nats_url: str, spare: bool = False) -> None:
+    def __init__(self, workdir: Path, node: str, nats_url: str, spare: bool = False, *extra: str) -> None:
         self.node = node
         self.workdir = workdir / node
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -48,6 +48,7 @@ class AgentProcess:
                 "--runtime-dir", str(self.workdir), "--heartbeat-s", "0.5", "--kill-grace-s", "3"]
         if spare:
             args.append("--spare")
+        args.extend(extra)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          cwd=ROOT, env=environment())
@@ -63,6 +64,36 @@ class AgentProcess:
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class RendezvousProcess:
+    """A rendezvous store run off the training nodes (`python -m recovery.agent.rendezvous --serve`), as a platform
+    runs it for jobs that must survive the loss of any node."""
+
+    def __init__(self, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.log_path = workdir / "rendezvous.log"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "recovery.agent.rendezvous", "--host", "127.0.0.1",
+                                          "--port", str(self.port), "--serve"], stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=environment())
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while "ready" not in self.log_path.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the rendezvous store did not start:\n{self.log_path.read_text()}")
+            time.sleep(POLL_S)  # polling interval of a deadline-bounded wait
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
 
 
 @dataclass
@@ -128,13 +159,18 @@ async def watch(nc: Client, job: str) -> JobWatch:
     return w
 
 
-def job_spec(out: Path, steps: int, step_time: float, nodes: list[str], master_port: int) -> dict[str, Any]:
+def job_spec(out: Path, steps: int, step_time: float, nodes: list[str], master_port: int,
+             rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
+    policies: dict[str, Any] = {"detection": {"name": "default", "params": {"hang_min_silence_s": 5.0,
+                                                                            "agent_silence_s": 3.0}}}
+    if checkpoint is not None:
+        policies["checkpoint"] = {"name": "newest-complete", "params": checkpoint}
     return {
         "nodes": nodes, "ranks_per_node": 2, "layout": {"dp": 4}, "watchdog_interval_s": 1.0,
-        "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": 5.0}}},
+        "policies": policies,
         "entrypoint": {"command": sys.executable,
                        "args": [str(TRAIN), "--steps", str(steps), "--step-time", str(step_time), "--out", str(out)],
-                       "cwd": str(ROOT),
+                       "cwd": str(ROOT), "rendezvous": rendezvous,
                        "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
                                "PYTHONPATH": environment()["PYTHONPATH"]}},
     }
@@ -157,5 +193,5 @@ def kill_leftovers(pids: list[int]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-__all__ = ["AgentProcess", "JobWatch", "connect", "free_port", "job_spec", "kill_leftovers", "submit", "wait_until",
-           "watch"]
+__all__ = ["AgentProcess", "JobWatch", "RendezvousProcess", "connect", "free_port", "job_spec", "kill_leftovers",
+           "submit", "wait_until", "watch"]

@@ -133,3 +133,36 @@ async def test_the_agent_runs_its_ranks_relays_them_and_carries_out_its_commands
         agent.stop()
         kill_leftovers([pid for pids in w.pids().values() for pid in pids])
         await nc.close()
+
+
+async def test_an_agent_started_after_a_job_was_submitted_knows_it_and_carries_out_its_commands(
+        streams: NatsServer, tmp_path: Path) -> None:
+    """As a restarted agent does: the job is read back from the stream, nothing is launched for it, and a restart
+    addressed to the node starts the rank."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    nc = await connect(streams.url)
+    w = await watch(nc, "old")
+    spec = {"nodes": ["elsewhere", "n4"], "ranks_per_node": 1, "layout": {"dp": 2},
+            "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
+                           "env": {"MASTER_PORT": "1"}}}
+    await submit(nc, "old", spec)
+    ready: list[str] = []
+
+    async def on_node(msg: Any) -> None:
+        ready.append(msg.subject)
+
+    await nc.subscribe("recovery.ev.node.n4.>", cb=on_node)
+    agent = AgentProcess(tmp_path, "n4", streams.url)
+    try:
+        await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
+        plan = {"checkpoint_step": None, "next_step": 0, "shards": []}
+        await command(nc, "n4", {"id": "old:5:0", "job": "old", "attempt": 1, "deadline_s": 60.0,
+                                 "kind": "restart_ranks", "ranks": [1], "plan": plan})
+        await wait_until(lambda: acks(w, "old:5:0") == ["accepted", "done"], 30, "the restart's acks",
+                         agent.log_tail)
+        assert [(e["data"]["rank"], e["data"]["attempt"]) for e in w.of("process.started")] == [(1, 1)]
+    finally:
+        agent.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()

@@ -50,3 +50,18 @@ async def test_past_its_capacity_the_outbox_drops_the_oldest_and_counts_them(nat
         put(outbox, i)
     assert [p.msg_id for p in outbox.queue] == ["hb-2", "hb-3", "hb-4"] and outbox.dropped == 2
     await nc.close()
+
+
+async def test_a_full_outbox_drops_heartbeats_before_exits_and_steps(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
+    outbox = Outbox(nc.jetstream(), capacity=3)
+    exited = make_envelope("process.exited", {"rank": 0, "exit_code": 1}, id="exit-0", job="j")
+    outbox.put(subjects.job_event("j", "process.exited"), encode_envelope(exited), exited.id)
+    for i in range(3):
+        envelope = make_envelope("process.heartbeat", {"rank": 1, "step": i}, id=f"hb-{i}", job="j")
+        outbox.put(subjects.job_event("j", "process.heartbeat"), encode_envelope(envelope), envelope.id,
+                   heartbeat=True)
+    step = make_envelope("progress.step", {"rank": 1, "step": 3}, id="step-3", job="j")
+    outbox.put(subjects.job_event("j", "progress.step"), encode_envelope(step), step.id)
+    assert [p.msg_id for p in outbox.queue] == ["exit-0", "hb-2", "step-3"] and outbox.dropped == 2
+    await nc.close()

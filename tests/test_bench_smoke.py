@@ -35,3 +35,22 @@ def test_bench_quick_prints_json_metrics(bench: str) -> None:
         assert isinstance(value, int | float) and not isinstance(value, bool) and value > 0, line
         metrics.add(row["metric"])
     assert REQUIRED[bench] <= metrics, metrics
+
+
+E2E_REQUIRED = {"cold_recovered_s", "cold_detect_s", "cold_restart_s", "cold_processes_restarted", "sdk_overhead_pct",
+                "sdk_report_step_us"}
+
+
+def test_e2e_bench_quick_recovers_a_killed_rank_and_measures_the_sdk() -> None:
+    """The stack's case and the SDK's overhead only: torchrun's and the standby's take a minute more each, and
+    the end-to-end tests run those paths already."""
+    done = subprocess.run([sys.executable, str(BENCH), "e2e", "--quick", "--only", "cold", "overhead"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [orjson.loads(line) for line in done.stdout.splitlines()]
+    assert all(isinstance(row, dict) and set(row) == KEYS and row["bench"] == "e2e" for row in rows), rows
+    values = {row["metric"]: row["value"] for row in rows}
+    assert set(values) >= E2E_REQUIRED, values
+    assert values["cold_processes_restarted"] == 1, values
+    assert 0 < values["cold_detect_s"] < values["cold_recovered_s"], values
+    assert values["sdk_report_step_us"] > 0, values

@@ -8,6 +8,7 @@ diagnostics (workload summary, profiles) go to stderr.
     python tools/bench.py replay            # recorder.replay(log.iter_file(path)) end to end: events/s
     python tools/bench.py engine --quick    # small sizes (the smoke test)
     python tools/bench.py engine --profile  # also a cProfile of one steady pass and a tracemalloc top, on stderr
+    python tools/bench.py report            # recovery-replay report: 1,000,000 records and the 54-day simulation
 
 The machine is shared (two cores, other work on them), so rates are timed by this process's CPU time
 (`--clock wall` for elapsed time): the share of the cores the scheduler gives to other processes is not
@@ -37,7 +38,7 @@ spare pool. The log is generated once by running the engine itself through a `Re
 inputs and recorded decisions exactly as the daemon writes them; the benches then apply it to fresh
 engines and check they derive the same number of effects.
 
-New benches (`policies`, `daemon`) register a parser and a runner in `BENCHES` below.
+New benches (`policies`, `daemon`, `report`, `e2e`) register a parser and a runner in `BENCHES` below.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from pathlib import Path
 from typing import Any
 
 import bench_daemon  # beside this script (`python tools/bench.py` puts tools/ on the path)
+import bench_e2e
+import bench_report
 import orjson
 
 from events import subjects
@@ -680,6 +683,19 @@ def run_daemon(args: argparse.Namespace) -> None:
     bench_daemon.run(args, emit)
 
 
+# -- report: recovery-replay report over a million records and the 54-day simulated run (tools/bench_report.py) ---
+def run_report(args: argparse.Namespace) -> None:
+    """CPU and wall seconds and peak memory of the postmortem report, each log in a process of its own."""
+    bench_report.run(args, emit, note, generate)
+
+
+# -- e2e: a rank's fault on real processes, our stack against torchrun (tools/bench_e2e.py) ----------------------
+def run_e2e(args: argparse.Namespace) -> None:
+    """SIGKILL of a rank to the job's step completed again, by phase, cold, warm and under torchrun; SIGSTOP
+    detection; the SDK's overhead."""
+    bench_e2e.run(args, emit)
+
+
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
     "engine": ("Engine.apply over a prebuilt in-memory mix; bytes per tracked rank",
                lambda p: _workload_args(p, Sizes(1000, 12, 5), Sizes(10, 8, 2)), run_engine),
@@ -690,8 +706,12 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                  _policies_args, run_policies),
     "daemon": ("recovery-daemon on nats-server: throughput, fault-to-command latency, restart-to-ready, RSS",
                bench_daemon.add_arguments, run_daemon),
+    "report": ("recovery-replay report over 1,000,000 records and the 54-day 16,384-GPU simulated log: time, memory",
+               bench_report.add_arguments, run_report),
+    "e2e": ("a rank's SIGKILL to the job's step completed again, by phase, against torchrun; SIGSTOP detection; "
+            "SDK overhead", bench_e2e.add_arguments, run_e2e),
 }
-"""name -> (help, add arguments, run). `policies` and `daemon` are added here."""
+"""name -> (help, add arguments, run). `policies`, `daemon`, `report` and `e2e` are added here."""
 
 
 def build_parser() -> argparse.ArgumentParser:

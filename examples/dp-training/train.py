@@ -1,6 +1,7 @@
 """A minimal data-parallel PyTorch training loop that a `recovery-agent` supervises (gloo, CPU).
 
     python train.py --steps 80 --out final.pt
+    python train.py --steps 80 --checkpoint-every 20 --checkpoint-dir ckpt   # also periodic checkpoints
 
 Each rank trains the same small MLP on its own batches, seeded by (seed, step, rank) so that the data order does
 not depend on which process computes a step; gradients are averaged with one all_reduce per parameter. When a peer
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import recovery.client as recovery
@@ -38,6 +41,11 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a bigger model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="where rank 0 writes the final parameters")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="rank 0 saves the state every N steps to --checkpoint-dir; a process started without a "
+                             "resume plan resumes from the newest one there (how a job restarted whole, as torchrun "
+                             "restarts it, loses only the steps since)")
+    parser.add_argument("--checkpoint-dir", default="checkpoints")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -54,15 +62,53 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
+    def checkpoint_path(step: int) -> str:
+        # One shard (pure data parallelism), on storage every node reads: any replica's save is the checkpoint.
+        return f"{args.out or 'checkpoint'}.ckpt{step}"
+
     def save(step: int) -> dict[str, Any]:
-        path = f"{args.out or 'checkpoint'}.step{step}.rank{group.rank}"
-        torch.save(get_state(), path)
+        path = checkpoint_path(step)
+        torch.save(get_state(), f"{path}.rank{group.rank}.tmp")
+        os.replace(f"{path}.rank{group.rank}.tmp", path)  # whole or not at all, whichever replica writes last
         return {"tier": "dying", "shards": [0], "location": path}
+
+    def save_periodic(step: int) -> None:
+        directory = Path(args.checkpoint_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"step{step:09d}.pt"
+        torch.save({"step": step, **get_state()}, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)  # a checkpoint is either whole or absent
+        client.checkpoint_saved(step, "storage", [0], str(path))
+
+    def saved_checkpoint(step: int) -> str | None:
+        """The file of the checkpoint of `step`: a dying one, or a periodic one."""
+        for path in (checkpoint_path(step), str(Path(args.checkpoint_dir) / f"step{step:09d}.pt")):
+            if os.path.exists(path):
+                return path
+        return None
 
     client.on_save(save)
     plan = client.resume_plan()
-    # A restarted rank takes its state, and the step, from a live replica (the plan's `peer` tier).
-    step = group.synchronize(0, get_state, set_state, live=plan is None)
+    source = plan.source_of(group.rank) if plan is not None else None
+    step, live = 0, source is None or source.tier != "peer"  # a plan with no checkpoint starts over from step 0
+    if plan is not None and plan.checkpoint_step is not None and source is not None and source.tier != "peer":
+        # The plan names a saved checkpoint (a dying one, or a periodic one on storage): load it, resume after it.
+        path = saved_checkpoint(plan.checkpoint_step)
+        if path is None:
+            raise SystemExit(f"the resume plan names the {source.tier} checkpoint of step {plan.checkpoint_step}, "
+                             "which is nowhere on storage")
+        set_state(torch.load(path, weights_only=False))
+        step, live = plan.checkpoint_step, True
+        print(f"resumed from the {source.tier} checkpoint of step {step}: {path}", flush=True)
+    elif plan is None and args.checkpoint_every:
+        # Started without a plan (as torchrun restarts every process): resume from the newest periodic checkpoint.
+        periodic = sorted(Path(args.checkpoint_dir).glob("step*.pt"))
+        if periodic:
+            checkpoint = torch.load(periodic[-1], weights_only=False)
+            set_state(checkpoint)
+            step = checkpoint["step"]
+    # A restarted rank whose plan names the `peer` tier takes its state, and the step, from a live replica.
+    step = group.synchronize(step, get_state, set_state, live=live)
     while step < args.steps:
         failed = False
         try:
@@ -80,6 +126,8 @@ def main() -> None:
             step = group.synchronize(step, get_state, set_state)
             continue
         step += 1
+        if args.checkpoint_every and step % args.checkpoint_every == 0 and group.rank == 0:
+            save_periodic(step)
         if args.step_time:
             time.sleep(args.step_time)  # stands in for the compute of a larger model
         client.report_step(step)
@@ -88,8 +136,13 @@ def main() -> None:
         os.replace(args.out + ".tmp", args.out)
     dist.barrier()
     group.close()
-    client.close()
+    client.close(keep_heartbeats=True)  # alive to the agent until the process has ended
 
 
 if __name__ == "__main__":
     main()
+    # Everything is saved: skip the interpreter's teardown of torch, which takes 1-3 s alone and 10-20 s with four
+    # ranks on two busy cores, all that time a finished rank that the agent cannot tell from a hung one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -8,6 +8,8 @@ wait status), and carries out the commands addressed to its node, acknowledging 
 - `channel.py`: the local Unix socket the SDK talks to.
 - `ranks.py`: the rank processes: environment, start, signals, wait status.
 - `rendezvous.py`: the rendezvous store process.
+- `standby.py`: warm standbys, pre-started interpreters a restarted rank is handed to (opt-in); `interpreter.py` is
+  what such an interpreter runs.
 - `agent.py`: the agent itself: jobs, commands, acks.
 - `probes/`: the node's hardware facts: NVIDIA XIDs from the kernel log, links' operstate.
 """

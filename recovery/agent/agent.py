@@ -39,6 +39,7 @@ from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
+from recovery.agent.standby import StandbyPool
 from recovery.log.jetstream import JetStreamLog
 
 logger = logging.getLogger("recovery.agent")
@@ -94,6 +95,7 @@ class Agent:
         # Opened here, so that a probe that cannot work stops the agent at start with the key to fix.
         self.link_watcher = open_link_watcher(cfg.links, cfg.sysfs_net)
         self.xid_follower = open_xid_follower(cfg.kernel_log, cfg.gpu_bus_ids)
+        self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
 
     # -- events ----------------------------------------------------------------------------------------
     def _next_id(self) -> str:
@@ -103,12 +105,21 @@ class Agent:
     def job_event(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None = None) -> None:
         envelope = make_envelope(type_, data, id=event_id or self._next_id(), job=job, source=self.source)
         assert self.outbox is not None
-        self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id)
+        self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id,
+                        heartbeat=type_ == "process.heartbeat")
 
     def node_event(self, type_: str, data: dict[str, Any], event_id: str | None = None) -> None:
         envelope = make_envelope(type_, data, id=event_id or self._next_id(), node=self.node, source=self.source)
         assert self.outbox is not None
-        self.outbox.put(subjects.node_event(self.node, type_), encode_envelope(envelope), envelope.id)
+        self.outbox.put(subjects.node_event(self.node, type_), encode_envelope(envelope), envelope.id,
+                        heartbeat=type_ == "node.heartbeat")
+
+    async def _beat(self) -> None:
+        """The agent's own heartbeat: its absence is how the engine tells a dead agent or host (whose ranks' reports
+        stop with it) from ranks that stopped reporting."""
+        while True:
+            self.node_event("node.heartbeat", {"interval_s": self.cfg.node_heartbeat_s})
+            await anyio.sleep(self.cfg.node_heartbeat_s)  # the heartbeat's period
 
     def ack(self, command: Command, status: str, reason: str = "", **result: Any) -> None:
         self.job_event(command.job, "command.ack",
@@ -125,7 +136,8 @@ class Agent:
         self.outbox = Outbox(js, self.cfg.outbox_capacity)
         log = JetStreamLog(self.nc, js, self.cfg.stream, owns_connection=False)
         commands = JetStreamLog(self.nc, js, self.cfg.command_stream, owns_connection=False)
-        # Only what comes after the agent starts: earlier jobs and commands are another run's.
+        # Commands from before the agent started are another run's; jobs submitted before are read back (see
+        # _follow_jobs), launching only what comes after.
         log_start = await _next_seq(log)
         command_start = await _next_seq(commands)
         try:
@@ -134,6 +146,7 @@ class Agent:
                 tg.start_soon(self.outbox.run)
                 tg.start_soon(self._follow_jobs, log, log_start)
                 tg.start_soon(self._follow_commands, commands, command_start)
+                tg.start_soon(self._beat)
                 if self.cfg.spare:
                     self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices})
                 else:
@@ -148,9 +161,42 @@ class Agent:
             with anyio.CancelScope(shield=True):
                 await self._shutdown()
 
+    async def preempt(self) -> None:
+        """SIGTERM from the platform (a preemption, a node taken away): every live rank saves a dying checkpoint at
+        its next step boundary and waits there (the SDK's part), then gets SIGTERM, then SIGKILL, within
+        `preempt_grace_s`; the exits report the preemption. The agent then stays `preempt_linger_s` to acknowledge
+        what the engine decides about its ranks (it waits for every addressed node), and stops."""
+        grace = self.cfg.preempt_grace_s
+        stopped = False
+        async with anyio.create_task_group() as tg:
+            for job in self.jobs.values():
+                live = [p for p in job.processes.values() if p.alive]
+                if live:
+                    stopped = True
+                    tg.start_soon(self._stop_saving, job, live, grace)
+        if stopped:
+            await anyio.sleep(self.cfg.preempt_linger_s)  # commands about the stopped ranks are still to come
+
+    async def _stop_saving(self, job: JobOnNode, procs: list[ranks.RankProcess], grace_s: float) -> None:
+        saved: list[anyio.Event] = []
+        for proc in procs:
+            request = f"preempt:{self.node}:{proc.rank}:{proc.attempt}"
+            job.saves[request] = anyio.Event()
+            if await job.channel.send(proc.rank, {"op": "save", "id": request, "hold": True}):
+                saved.append(job.saves[request])
+            else:
+                logger.info("rank %d of %s has no SDK connection: stopped by signals only", proc.rank, job.id)
+        with anyio.move_on_after(grace_s / 2):
+            for event in saved:
+                await event.wait()
+        async with anyio.create_task_group() as tg:
+            for proc in procs:
+                tg.start_soon(ranks.stop, proc, grace_s / 2, self.cfg.kill_grace_s)
+
     async def _shutdown(self) -> None:
         """The agent stops: its ranks get SIGTERM and the kill grace to end (a platform stopping the node), then
-        SIGKILL; the stores go with the agent."""
+        SIGKILL; the stores and the standbys go with the agent."""
+        await self.standbys.close()
         async with anyio.create_task_group() as tg:
             for job in self.jobs.values():
                 for proc in job.processes.values():
@@ -168,12 +214,15 @@ class Agent:
                 await self.nc.close()
 
     async def _follow_jobs(self, log: JetStreamLog, start: int) -> None:
-        async for record in log.follow(start, SUBMITTED):
+        """Every job submitted with an entrypoint. Those submitted before `start` (this agent was restarted) are known
+        again without launching anything, so that their commands are carried out and their processes that outlived
+        the old agent reach this one through the job's socket (the SDK connects again by itself)."""
+        async for record in log.follow(1, SUBMITTED):
             if not isinstance(record, Record) or record.envelope.job is None:
                 continue
             data = record.envelope.data
             if isinstance(data, JobSubmitted) and data.spec.entrypoint is not None:
-                await self._submitted(record.envelope.job, data.spec)
+                await self._submitted(record.envelope.job, data.spec, launch=record.seq >= start)
 
     async def _follow_commands(self, log: JetStreamLog, start: int) -> None:
         async for record in log.follow(start, subjects.node_commands(self.node)):
@@ -192,7 +241,7 @@ class Agent:
             self._tg.start_soon(self._carry_out, command)
 
     # -- jobs ------------------------------------------------------------------------------------------
-    async def _submitted(self, job_id: str, spec: JobSpec) -> None:
+    async def _submitted(self, job_id: str, spec: JobSpec, launch: bool = True) -> None:
         if job_id in self.jobs:
             return
         assert spec.entrypoint is not None
@@ -203,12 +252,16 @@ class Agent:
         self.jobs[job_id] = job
         assert self._tg is not None
         await self._tg.start(job.channel.serve)
-        if spec.nodes[0] == self.node:
+        if not launch:
+            return  # a job from before this agent: its processes are not this agent's children to start or reap
+        if spec.nodes[0] == self.node and spec.entrypoint.rendezvous == "agent":
             await self._host_store(job)
         for rank in job.ranks_on(self.node):
             await self._launch(job, rank, 0, None)
         if spec.nodes[0] == self.node:
             self.job_event(job_id, "job.started", {}, event_id=f"{job_id}:started")
+        if self.standbys.wanted(spec.entrypoint):
+            self._tg.start_soon(self.standbys.keep, job_id, spec.entrypoint)
 
     async def _host_store(self, job: JobOnNode) -> None:
         """Start the job's rendezvous store beside the agent and wait until it listens."""
@@ -230,8 +283,13 @@ class Agent:
                                 master_port=job.master_port, socket=job.channel.path,
                                 heartbeat_s=self.cfg.heartbeat_s)
         output = self.runtime_dir / f"{job.id}.rank{rank}.gen{attempt}.log"
-        proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt)
+        standby = self.standbys.take(job.id)
+        proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
+                                 standby=standby)
         job.processes[rank] = proc
+        if standby is not None:
+            assert self._tg is not None
+            self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint)
         self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt})
         assert self._tg is not None
         self._tg.start_soon(self._watch, job, proc)
@@ -245,6 +303,8 @@ class Agent:
         else:
             data["exit_code"] = exit_code
         self.job_event(job.id, "process.exited", data)
+        if all(not p.alive and p.returncode == 0 for p in job.processes.values()):
+            await self.standbys.discard(job.id, for_good=True)  # the job is done here: no rank to hand over
         if exit_code == 0 and job.nodes and job.nodes[0] == self.node and not job.finished:
             here = [job.processes.get(r) for r in job.ranks_on(self.node)]
             if all(p is not None and not p.alive and p.returncode == 0 for p in here):
@@ -340,8 +400,13 @@ class Agent:
                 await self._kill(job, list(job.processes))
                 return {}
             case RetryStep():
-                raise CommandFailed("a step retry is not carried out by the agent: the collective is re-run by "
-                                    "the process group's own recovery")
+                # Not possible in-process on gloo: a process group whose collective failed has its pairs closed and
+                # is unusable, so re-running the step means forming the group again, in a new generation; a retry
+                # keeps the job's generation (no process restarts), so the ranks' reports from a re-formed group
+                # would be rejected as ahead of it. The survivors' own re-forming after a peer's death, with the
+                # dead rank restarted (in_place), is the retry that works; the ladder goes on to it.
+                raise CommandFailed("a step retry is not possible in-process: a gloo process group whose collective "
+                                    "failed must be formed again in a new generation, which a retry does not make")
             case IsolateNode() | IsolateDevice():
                 return {}
         raise CommandFailed(f"unknown command {command.kind}")

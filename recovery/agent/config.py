@@ -38,11 +38,20 @@ class AgentConfig(FileSettings):
     devices: int = Field(8, ge=1, le=1024, description="accelerators (rank slots) of this node")
     runtime_dir: Path = Field(Path("recovery-agent"), description="the SDK's sockets and the ranks' output")
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the SDK in every rank sends a heartbeat")
+    node_heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the agent says it is alive "
+                                                                  "(`node.heartbeat`)")
     outbox_capacity: int = Field(100_000, ge=1, description="events kept while NATS is away; beyond, the oldest "
                                                              "are dropped and counted")
     store_host: str = Field("0.0.0.0", description="address a rendezvous store this agent hosts listens on")
     kill_grace_s: float = Field(5.0, ge=0, le=3600, description="how long a killed process may take to be reaped "
                                                                  "before a command fails")
+    preempt_grace_s: float = Field(30.0, ge=0, le=3600, description="on SIGTERM (a preemption): how long the ranks "
+                                                                    "have to save a dying checkpoint at their step "
+                                                                    "boundary and then to end after SIGTERM, before "
+                                                                    "SIGKILL")
+    preempt_linger_s: float = Field(10.0, ge=0, le=3600, description="after stopping its ranks on SIGTERM, how long "
+                                                                      "the agent stays to carry out the commands the "
+                                                                      "engine sends about them")
     links: Annotated[list[str], NoDecode] = Field([], description="network interfaces whose link state is "
                                                                   "reported (comma-separated), read from "
                                                                   "sysfs_net/<interface>/operstate")
@@ -54,6 +63,16 @@ class AgentConfig(FileSettings):
     gpu_bus_ids: dict[str, int] = Field({}, description="PCI address -> device index of the node's GPUs, for XIDs "
                                                         "(JSON or a TOML table); empty: asked of nvidia-smi")
     xid_poll_s: float = Field(0.5, gt=0, le=60, description="how often the kernel log is read for XIDs")
+    standby: bool = Field(False, description="keep a warm standby interpreter per job on this node (torch imported) "
+                                             "that a restarted rank is handed to; a job's entrypoint environment "
+                                             "RECOVERY_STANDBY=1 or 0 overrides this for the job")
+    standby_preload: str = Field("torch,torch.distributed,torch._dynamo,recovery.client.torch:warm_up",
+                                 description="modules a standby imports before it waits, comma-separated, and "
+                                             "`module:function` warm-ups it calls (a job's RECOVERY_STANDBY_PRELOAD "
+                                             "overrides this)")
+    standby_delay_s: float = Field(5.0, ge=0, le=3600, description="how long after a job's start or a hand-over "
+                                                                    "the next standby starts (its imports would "
+                                                                    "compete for the CPU with the ranks')")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
     @field_validator("links", mode="before")

@@ -2,7 +2,9 @@
 
 Training never waits for the control plane: `put` only appends to a bounded queue, and one task publishes from its
 head, each event with its own id as `Nats-Msg-Id` (so a retry after a lost acknowledgement is stored once), taking
-the next only when JetStream has acknowledged it. Past the capacity the oldest event is dropped and counted.
+the next only when JetStream has acknowledged it. Past the capacity an event is dropped and counted: the oldest
+heartbeat while one is waiting (the next heartbeat says the same, newer), else the oldest event. A process's exit, a
+step or a checkpoint is what the engine decides from; a heartbeat only refreshes what the next one will refresh again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Pending:
     subject: str
     data: bytes
     msg_id: str
+    heartbeat: bool = False
 
 
 class Outbox:
@@ -37,14 +40,26 @@ class Outbox:
         self.queue: deque[Pending] = deque()
         self.dropped = 0
         self.published = 0
+        self._heartbeats = 0  # heartbeats in the queue: none to look for when it is 0
         self._arrived = anyio.Event()
 
-    def put(self, subject: str, data: bytes, msg_id: str) -> None:
+    def put(self, subject: str, data: bytes, msg_id: str, heartbeat: bool = False) -> None:
         if len(self.queue) >= self.capacity:
-            self.queue.popleft()
-            self.dropped += 1
-        self.queue.append(Pending(subject, data, msg_id))
+            self._drop_one()
+        self.queue.append(Pending(subject, data, msg_id, heartbeat))
+        self._heartbeats += heartbeat
         self._arrived.set()
+
+    def _drop_one(self) -> None:
+        """Make room: the oldest heartbeat but the head (being published now), else the oldest event."""
+        self.dropped += 1
+        if self._heartbeats:
+            for index in range(1, len(self.queue)):
+                if self.queue[index].heartbeat:
+                    del self.queue[index]
+                    self._heartbeats -= 1
+                    return
+        self._heartbeats -= self.queue.popleft().heartbeat
 
     async def run(self) -> None:
         backoff = Backoff()
@@ -65,7 +80,7 @@ class Outbox:
                 continue
             backoff.reset()
             if self.queue and self.queue[0] is head:
-                self.queue.popleft()
+                self._heartbeats -= self.queue.popleft().heartbeat
             self.published += 1
 
     async def flush(self, timeout: float) -> bool:

@@ -14,6 +14,7 @@ import anyio
 from anyio.abc import Process
 
 from events.values import Entrypoint, ResumePlan
+from recovery.agent.standby import Standby
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +87,13 @@ def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node:
 
 
 async def start(entrypoint: Entrypoint, env: dict[str, str], output: Path, *, job: str, rank: int,
-                attempt: int) -> RankProcess:
+                attempt: int, standby: Standby | None = None) -> RankProcess:
     """Start the rank in a new session (so that a signal reaches everything it starts, and the agent's own
-    terminal signals do not), its output appended to `output`."""
+    terminal signals do not), its output appended to `output`; with a ready `standby`, hand the rank to it (a
+    warm interpreter already in a session of its own) instead."""
+    if standby is not None:
+        process = await standby.hand_over(entrypoint, env, output)
+        return RankProcess(job, rank, attempt, process, process.pid)
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("ab") as log:
         process = await anyio.open_process([entrypoint.command, *entrypoint.args], cwd=entrypoint.cwd, env=env,

@@ -4,7 +4,9 @@ report, and carries out the commands addressed to its node.
     recovery-agent --node gpu-17 --nats-url nats://nats-0:4222
     recovery-agent --config /etc/recovery/agent.toml
 
-SIGTERM or SIGINT stops it: its ranks get SIGTERM, then SIGKILL after `kill_grace_s`.
+SIGTERM or SIGINT stops it as a platform stops a node it takes away: each live rank saves a dying checkpoint at
+its step boundary and waits there, then gets SIGTERM, then SIGKILL (`preempt_grace_s` in all); the agent stays
+`preempt_linger_s` to acknowledge the engine's commands about them, then exits.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ async def serve(agent: Agent) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break
+        await agent.preempt()
         tg.cancel_scope.cancel()
 
 

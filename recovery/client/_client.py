@@ -61,6 +61,7 @@ class Client:
         self._step: int | None = None
         self._save: Callable[[int], dict[str, Any] | None] | None = None
         self._save_requested: str | None = None  # the request's id, until the step boundary runs it
+        self._hold_after_save = False  # the request's: after saving, wait at the boundary to be stopped
         self._stop_requested = threading.Event()
         self._closed = threading.Event()
         self._channel = AgentChannel(socket_path, self._on_message) if socket_path else None
@@ -79,8 +80,20 @@ class Client:
         """`step` steps are complete. At this boundary a dying checkpoint the agent asked for is written."""
         self._step = step
         self._send({"op": "step", "step": step})
-        if self._save_requested is not None:
-            self._run_save()
+        self.at_boundary()
+
+    def at_boundary(self) -> None:
+        """The state is that of a completed step (`report_step` calls it; so does a survivor waiting for the next
+        generation, whose state is that of its last reported step): write a dying checkpoint the agent asked for.
+        If the agent asked this process to stop after saving (its node is being taken away), it waits here for the
+        agent's SIGTERM, so that no step is trained past the checkpoint."""
+        if self._save_requested is None:
+            return
+        hold = self._hold_after_save
+        self._run_save()
+        if hold:
+            self._stop_requested.set()
+            threading.Event().wait()  # until the agent's SIGTERM ends the process
 
     def checkpoint_saved(self, step: int, tier: str, shards: list[int], location: str | None = None) -> None:
         """A checkpoint of `shards` at `step` is complete in `tier` (memory, local, dying, storage); `location`
@@ -101,7 +114,12 @@ class Client:
         """The agent asked this process to stop (a graceful stop): finish the step and exit."""
         return self._stop_requested.is_set()
 
-    def close(self) -> None:
+    def close(self, keep_heartbeats: bool = False) -> None:
+        """The script is done with the client. With `keep_heartbeats` (a script about to exit), heartbeats go on
+        from their daemon thread until the process has exited: an interpreter that takes seconds to end (torch's
+        teardown on a loaded host) is not taken for a hung rank, and the agent reports the exit it sees."""
+        if keep_heartbeats:
+            return
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self._heartbeat_s)
@@ -123,12 +141,14 @@ class Client:
     def _on_message(self, message: dict[str, Any]) -> None:
         op = message.get("op")
         if op == "save":
+            self._hold_after_save = bool(message.get("hold", False))
             self._save_requested = str(message.get("id", ""))
         elif op == "stop":
             self._stop_requested.set()
 
     def _run_save(self) -> None:
         request, self._save_requested = self._save_requested, None
+        self._hold_after_save = False
         step = self._step if self._step is not None else 0
         if self._save is None:
             self._send({"op": "save_failed", "id": request, "reason": "no save function registered"})

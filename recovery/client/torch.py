@@ -20,9 +20,10 @@ A partial restart replaces only the dead ranks. The survivors notice on gloo (a 
         step += 1
         client.report_step(step)
 
-Generations live on the rendezvous store the agent hosts (never in a training process, so rank 0 may die like any
-other): each generation's process group uses its own key prefix (`gen<g>/`), and a process started in a new
-generation announces it under `recovery/generation`, which the survivors wait for. Where a survivor cannot notice
+Generations live on the job's rendezvous store (never in a training process, so rank 0 may die like any other: the
+agent of the job's first node serves it, or the platform off the training nodes, see `recovery.agent.rendezvous`),
+under the job's run id: each generation's process group uses its own key prefix (`gen<g>/`), and a process started in
+a new generation announces it under `recovery/generation`, which the survivors wait for. Where a survivor cannot notice
 (blocked in a collective with a peer that is stopped rather than dead, or stuck in C++), the agent kills the
 stuck peer, which turns it into the case above, or the process group's timeout ends the wait.
 """
@@ -66,8 +67,11 @@ class ProcessGroupRecovery:
         if self._store is None:
             import torch.distributed as dist
 
-            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                        is_master=False, timeout=self.timeout, wait_for_workers=False)
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=self.timeout, wait_for_workers=False)
+            # Every key under the job's run id: a store the platform runs off the training nodes serves many jobs.
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+            self._store = dist.PrefixStore(f"{run_id}/", store) if run_id else store
         return self._store
 
     def _announced(self) -> int:
@@ -98,6 +102,9 @@ class ProcessGroupRecovery:
             if time.monotonic() > deadline:
                 raise RecoveryTimeout(f"no generation after {self.client.generation} within "
                                       f"{self.wait_for_generation_s:g}s")
+            # A dying checkpoint asked of this survivor (a healthy replica, MindIO TTP's power-off checkpoint) is
+            # written while it waits: its state is that of its last reported step, and the restart may wait for it.
+            self.client.at_boundary()
             time.sleep(POLL_S)  # polling the agent's store, within the deadline above
         self.client.generation = generation
         self.form()
@@ -121,7 +128,7 @@ class ProcessGroupRecovery:
         if best < 0:
             raise RuntimeError("no replica holds live state: restart from a checkpoint instead")
         source = values.index(best)
-        if len(set(values)) > 1 or self.client.generation > 0:
+        if len(set(values)) > 1:  # every replica at one step holds one state (a restart from a checkpoint)
             state = _broadcast(get_state() if self.rank == source else None, source, self.rank)
             if self.rank != source:
                 set_state(state)
@@ -154,3 +161,20 @@ def _broadcast(state: Any, source: int, rank: int) -> Any:
     if rank == source:
         return state
     return torch.load(io.BytesIO(bytes(payload.untyped_storage())), weights_only=False)
+
+
+def warm_up() -> None:
+    """Pay now what a new process pays on its first step: autograd's first backward pass, an optimizer's first step
+    (`torch._dynamo`'s import among it), a state's serialisation both ways. A warm standby calls it before it waits
+    (`recovery.client.torch:warm_up` in the agent's `standby_preload`); the global random state is left as it was,
+    so a rank handed to the standby draws the numbers a cold start would."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        model = torch.nn.Linear(8, 8)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        buffer = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)

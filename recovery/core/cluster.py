@@ -19,6 +19,7 @@ class NodeState:
         "devices",
         "drained",
         "faults",
+        "heard",
         "isolated",
         "isolated_devices",
         "job",
@@ -37,6 +38,7 @@ class NodeState:
         self.drained = False
         self.isolated = False
         self.job: str | None = None
+        self.heard: int | None = None  # log time of its agent's last heartbeat; None: it sends none
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
         self.resettable: set[int] = set()  # bad devices a reset clears (XID 48): sorted when read
         self.isolated_devices: set[int] = set()  # bad devices a policy isolated (lemons): released by a decision

@@ -272,12 +272,26 @@ class Detection:
             ranks = tuple(on_node[r % job.rpn] for r in verdict.ranks)
         return replace(verdict, reason=f"confirmed: {verdict.reason}", ranks=ranks)
 
-    def watchdog(self, out: RecordEffects, job: Job) -> None:
+    def watchdog(self, out: RecordEffects, job: Job, late_ns: int = 0) -> None:
+        """A tick of the job's watchdog, logged `late_ns` after it was due."""
         if job.state != "running":
             return
+        if late_ns >= int(job.spec.watchdog_interval_s * NS):
+            # The tick could not be logged on time: the control plane itself was away (NATS restarting, the daemon
+            # down), and so were the events the agents kept in their outboxes meanwhile; some may land just before
+            # this tick, the rest just after. The silence up to now is the control plane's, not the job's: count it
+            # from now, and the agents' flushed events arrive within the window, or a real silence is found a window
+            # later.
+            job.last_seen = [out.ts] * job.world  # whole, not rank by rank: the journal restores the old list
+            for name in job.nodes:
+                if self.cluster.nodes.get(name) is not None and self.cluster.nodes[name].heard is not None:
+                    self.cluster.node(name).heard = out.ts
+            return
+        agents = self.cluster.nodes
         view = WatchdogView(out.ts, job.step_time, tuple(
             RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
-            tuple(job.nodes), job.rpn)
+            tuple(job.nodes), job.rpn,
+            tuple(agents[n].heard if n in agents else None for n in job.nodes))
         verdicts = ask(job, "detection", job.policies.detection.check, view)
         for verdict in verdicts:
             if job.state != "running" or job.incident is not None:

@@ -471,6 +471,9 @@ class Engine:
         node = self.cluster.node(name)
         device_times: tuple[int, ...] = ()
         node_times: tuple[int, ...] = ()
+        if isinstance(data, kinds.NodeHeartbeat):
+            node.heard = out.ts  # the agent's sign of life: for the watchdog of the job on the node, no signal itself
+            return
         released = None  # an isolation this event ends: a repaired device, a node replaced or rebooted
         if isinstance(data, kinds.DeviceRecovered) and data.device in node.isolated_devices:
             node.isolated_devices.discard(data.device)
@@ -542,7 +545,7 @@ class Engine:
         if not self.timekeeper.fired(out, job, timer_id, data.due):
             return  # stale or cancelled: harmless, and kept in the log
         if timer_id == job.watchdog:
-            self.detection.watchdog(out, job)
+            self.detection.watchdog(out, job, late_ns=out.ts - data.due)
         elif self.detection.release_due(out, job, timer_id):
             self._capacity_returned(out)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):

@@ -45,6 +45,7 @@ from policies.base import (
     StartRung,
     Wait,
 )
+from recovery.core.addressing import command_nodes
 from recovery.core.cluster import ClusterView
 from recovery.core.job import CLOSED_INCIDENTS, Attempt, Incident, Job
 from recovery.core.machine import fire
@@ -309,6 +310,7 @@ class Incidents:
                                      deadline_s=60, ranks=list(save.ranks), step=save.step)
             timer = self._ack_timer(out, job, command.id, command.deadline_s)
             attempt.pending = {command.id: (command.kind, timer.id)}
+            attempt.acks_due = self._acks_due(job, [command])
             out.decide(job, DecisionKind.CHECKPOINT_DYING, answer.reason, policy=policy,
                        commands=[command], timers=[timer],
                        detail={"step": save.step, "savers": list(save.ranks)})
@@ -334,6 +336,22 @@ class Incidents:
                            "tiers": _tier_counts(resume)})
         self._stop(out, job, attempt)
 
+    def _acks_due(self, job: Job, commands: list[Any]) -> dict[str, tuple[str, ...]]:
+        """Per command, the nodes whose agents must each report it done: every node it is addressed to (as the
+        daemon addresses it, from the placement after this record) except hosts this incident declared gone or the
+        cluster sees unreachable, whose agents cannot answer (a migration away from a lost node is done when the
+        node joined says so). Acting on the first node's `done` would restart a job while another node still stops
+        or saves its part."""
+        incident = job.incident
+        gone = incident.dead_hosts if incident is not None else frozenset()
+        due: dict[str, tuple[str, ...]] = {}
+        for command in commands:
+            nodes = tuple(n for n in command_nodes(command, job.node_of, job.nodes)
+                          if n not in gone and self.cluster.reachable(n))
+            if len(nodes) > 1:
+                due[command.id] = nodes
+        return due
+
     def _ack_timer(self, out: RecordEffects, job: Job, command_id: str, deadline_s: float) -> TimerRequest:
         return self.timekeeper.request(out, job, f"{TimerPurpose.ACK}/{command_id}", int(deadline_s * NS))
 
@@ -355,6 +373,7 @@ class Incidents:
                             ranks=stopping, mode=mode, grace_s=30.0)
         timer = self._ack_timer(out, job, command.id, command.deadline_s)
         attempt.pending = {command.id: (command.kind, timer.id)}
+        attempt.acks_due = self._acks_due(job, [command])
         out.decide(job, DecisionKind.RANKS_STOPPING, f"stop {len(stopping)} rank(s) ({mode})",
                    commands=[command], timers=[timer])
 
@@ -443,6 +462,7 @@ class Incidents:
             job.step_ts = None
         timers = [self._ack_timer(out, job, c.id, c.deadline_s) for c in commands]
         attempt.pending = {c.id: (c.kind, t.id) for c, t in zip(commands, timers, strict=True)}
+        attempt.acks_due = self._acks_due(job, commands)
         out.decide(job, DecisionKind.RANKS_RESCHEDULING, f"{g.value}: {len(commands)} command(s)",
                    commands=commands, timers=timers,
                    detail={"attempt": attempt.number, "generation": job.generation,
@@ -457,6 +477,16 @@ class Incidents:
             return  # an ack for a finished or superseded attempt, or for isolate commands: kept in the log
         if data.status == "accepted":
             return
+        due = attempt.acks_due.get(data.command_id)
+        if data.status == "done" and due is not None:
+            # An ack that names no node (an executor that answers once per command) completes the command, as
+            # before acks named their node.
+            node = data.result.get("node")
+            left = tuple(n for n in due if n != node) if isinstance(node, str) else ()
+            if left:
+                attempt.acks_due[data.command_id] = left
+                return
+            del attempt.acks_due[data.command_id]
         kind, ack_timer = attempt.pending.pop(data.command_id)
         cancelled = self.timekeeper.cancel(ack_timer)
         if data.status == "failed":
@@ -559,6 +589,7 @@ class Incidents:
         gone = list(cancelled or [])
         gone += self.timekeeper.cancel(attempt.deadline_timer, *(timer for _, timer in attempt.pending.values()))
         attempt.pending.clear()
+        attempt.acks_due.clear()
         if outcome is AttemptOutcome.SUPERSEDED:
             # A fault that widened the incident is not the attempt's failure: give back its budget.
             for key in attempt.budget_keys:

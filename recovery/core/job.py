@@ -28,6 +28,9 @@ class Attempt:
     started: int
     deadline_timer: str | None = None
     pending: dict[str, tuple[str, str]] = field(default_factory=dict)  # command id -> (kind, ack timer id)
+    acks_due: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """command id -> the nodes whose agents have yet to report it done (a command addressed to several nodes is
+    done when each of them says so); a command with none listed is done at its first `done`"""
     ranks: tuple[int, ...] = ()  # ranks whose processes restart (all of them for job-level)
     stopping: tuple[int, ...] = ()
     vacate: tuple[str, ...] = ()
@@ -48,6 +51,7 @@ class Attempt:
         twin = replace(self)
         twin.pending = dict(self.pending)
         twin.moves = dict(self.moves)
+        twin.acks_due = dict(self.acks_due)
         return twin
 
     def summary(self) -> dict[str, Any]:

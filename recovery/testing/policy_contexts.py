@@ -42,8 +42,9 @@ RANKS_PER_NODE = 4
 
 JOB_SIGNALS = ("process.exited", "process.hang", "network.collective_timeout")
 """job events the engine hands to `classify` (the others it handles itself)"""
-NODE_SIGNALS = tuple(kinds.NODE_EVENTS)
-"""node events: every one reaches the detection policy of the job on the node"""
+NODE_SIGNALS = tuple(t for t in kinds.NODE_EVENTS if t != "node.heartbeat")
+"""node events: every one reaches the detection policy of the job on the node, but the agent's heartbeat, which the
+engine keeps for the watchdog (`WatchdogView.agents_heard`)"""
 SIGNAL_TYPES = JOB_SIGNALS + NODE_SIGNALS
 
 PAYLOADS: dict[str, dict[str, Any]] = {
@@ -123,15 +124,17 @@ def _per_rank(value: int | Sequence[int] | Mapping[int, int], world: int, defaul
 def make_watchdog_view(*, now: int = NOW, nodes: Sequence[str] = NODES, ranks_per_node: int = RANKS_PER_NODE,
                        step_time_ns: int | None = NS, last_seen: int | Sequence[int] | Mapping[int, int] | None = None,
                        last_progress: int | Sequence[int] | Mapping[int, int] | None = None,
-                       steps: int | Sequence[int] | Mapping[int, int] = 100) -> WatchdogView:
+                       steps: int | Sequence[int] | Mapping[int, int] = 100,
+                       agents_heard: Sequence[int | None] = ()) -> WatchdogView:
     """What the watchdog sees of a job on `nodes` at `now`. Per-rank values are one number for every rank, one per
-    rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100."""
+    rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100. `agents_heard`
+    is per node the last heartbeat of its agent (None: it sends none; empty: unknown)."""
     world = len(nodes) * ranks_per_node
     seen = _per_rank(now if last_seen is None else last_seen, world, now)
     progress = _per_rank(now if last_progress is None else last_progress, world, now)
     at = _per_rank(steps, world, 100)
     return WatchdogView(now, step_time_ns, tuple(RankActivity(r, seen[r], progress[r], at[r]) for r in range(world)),
-                        tuple(nodes), ranks_per_node)
+                        tuple(nodes), ranks_per_node, tuple(agents_heard))
 
 
 def incident_usage(fault_class: FaultClass, previous: Iterable[AttemptSummary]) -> dict[str, int]:
@@ -289,8 +292,11 @@ def watchdog_views(draw: st.DrawFn) -> WatchdogView:
     progress = [s - draw(st.integers(0, 2 * NS) | ago) for s in seen]
     base = draw(st.integers(0, 10**6))
     steps = [base + draw(st.integers(-3, 0)) if base >= 3 else base for _ in range(world)]
+    # Agents that send heartbeats (heard no later than now), that send none, or a placement whose agents are unknown.
+    agents: list[int | None] = [draw(st.none() | st.integers(0, 2 * NS).map(lambda d: now - d) | ago.map(
+        lambda d: now - d)) for _ in nodes] if draw(st.booleans()) else []
     return make_watchdog_view(now=now, nodes=nodes, ranks_per_node=rpn, step_time_ns=draw(_STEP_TIMES),
-                              last_seen=seen, last_progress=progress, steps=steps)
+                              last_seen=seen, last_progress=progress, steps=steps, agents_heard=agents)
 
 
 _LADDER = [Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE, Granularity.RESTART_JOB,

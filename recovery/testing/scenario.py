@@ -134,9 +134,13 @@ class Scenario:
                 pending += [self.commands[c] for c in attempt.pending if c in self.commands]
         return [c for c in pending if kind is None or getattr(c, "kind", None) == kind]
 
-    def ack(self, command: CommandBase | str, status: str = "done", reason: str = "") -> list[Effect]:
+    def ack(self, command: CommandBase | str, status: str = "done", reason: str = "", node: str | None = None
+            ) -> list[Effect]:
+        """Acknowledge `command`: as one executor for the whole command, or (with `node`) as that node's agent,
+        one of several the command is addressed to."""
         cmd = self.commands[command] if isinstance(command, str) else command
-        return self.job_event(cmd.job, "command.ack", command_id=cmd.id, status=status, reason=reason)
+        result = {} if node is None else {"node": node}
+        return self.job_event(cmd.job, "command.ack", command_id=cmd.id, status=status, reason=reason, result=result)
 
     def complete(self, command: CommandBase) -> list[Effect]:
         """Play a well-behaved executor: a dying checkpoint is saved (to storage) before its ack."""

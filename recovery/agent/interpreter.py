@@ -1,0 +1,72 @@
+"""The warm interpreter of a standby (`recovery/agent/standby.py`): a Python process that imports what the job's
+ranks will import, says so, and waits for the agent to hand it a rank. Standard library only: whatever this module
+imports stays in the rank's process.
+
+    python -m recovery.agent.interpreter torch torch.distributed torch._dynamo recovery.client.torch:warm_up
+
+Each argument is a module to import, or `module:function` to import and call with no arguments (a warm-up: what a
+new process pays once, paid before the rank needs it). It writes `ready <seconds it took>` on its standard output
+once they are done, then reads one
+JSON line on its standard input: `{"argv": [script, *args] or ["-m", module, *args], "cwd": ..., "env": {...},
+"output": path}`. It then becomes the rank: its output goes to `output`, its standard input to /dev/null, its
+environment and working directory are the rank's, and the script runs as `__main__` with the `sys.argv` and
+`sys.path[0]` that `python script.py` (or `python -m module`) would have given it. The end of its standard input
+before a hand-over (the agent is gone) ends it quietly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import sys
+import time
+
+
+def main() -> None:
+    started = time.monotonic()
+    for preload in sys.argv[1:]:
+        module, _, function = preload.partition(":")
+        loaded = importlib.import_module(module)
+        if function:
+            getattr(loaded, function)()
+    ready = f"ready {time.monotonic() - started:.3f}\n"
+    sys.stderr.write(ready)  # for whoever reads the standby's log
+    sys.stdout.write(ready)
+    sys.stdout.flush()
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return
+    become(json.loads(line))
+
+
+def become(rank: dict[str, object]) -> None:
+    argv = [str(a) for a in rank["argv"]]  # type: ignore[attr-defined]
+    env = {str(k): str(v) for k, v in rank["env"].items()}  # type: ignore[attr-defined]
+    output = os.open(str(rank["output"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(devnull, 0)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(devnull)
+    os.close(output)
+    os.environ.clear()  # through unsetenv/putenv: the C library (and torch's C++) sees the rank's environment too
+    os.environ.update(env)
+    cwd = rank.get("cwd")
+    if cwd:
+        os.chdir(str(cwd))
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Warm standbys: per job on this node, one pre-started interpreter that has imported what the job's ranks import
+(torch, by default) and waits. A rank the agent (re)starts is handed to it instead of a new interpreter, which saves
+the restarted rank its own start-up (about a second of `import torch` and `torch._dynamo` on a small machine, more
+under load); then the agent starts the next standby, after `standby_delay_s`, so that its imports do not compete
+for the CPU with the recovery under way.
+
+Opt-in: the agent's `standby` setting for every job, or the job's own entrypoint environment
+`RECOVERY_STANDBY=1` (`0` opts a job out); `RECOVERY_STANDBY_PRELOAD` (comma-separated modules) overrides the
+agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...` or
+`python -m module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a
+standby. The standby runs `recovery.agent.interpreter` (see there what a hand-over changes) in a session of its own,
+started with the job's environment and working directory, so that what the imports read is what a cold start would
+have read; a standby that is not ready when a rank is needed is not waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import orjson
+from anyio.abc import Process
+
+from events.values import Entrypoint
+
+logger = logging.getLogger("recovery.agent")
+
+STANDBY_ENV = "RECOVERY_STANDBY"
+PRELOAD_ENV = "RECOVERY_STANDBY_PRELOAD"
+INTERPRETER = "recovery.agent.interpreter"
+READY_TIMEOUT_S = 600.0
+
+
+def can_hand_over(entrypoint: Entrypoint) -> bool:
+    """A Python interpreter running a script or a module, with no interpreter options before it."""
+    if not Path(entrypoint.command).name.startswith("python") or not entrypoint.args:
+        return False
+    first = entrypoint.args[0]
+    return (first == "-m" and len(entrypoint.args) > 1) or not first.startswith("-")
+
+
+@dataclass(slots=True)
+class Standby:
+    """One warm interpreter of a job, ready once its imports are done."""
+
+    job: str
+    process: Process
+    ready: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def hand_over(self, entrypoint: Entrypoint, env: dict[str, str], output: Path) -> Process:
+        """Make the standby the rank: its command line, environment, working directory and output."""
+        assert self.process.stdin is not None
+        output.parent.mkdir(parents=True, exist_ok=True)
+        rank = {"argv": list(entrypoint.args), "cwd": entrypoint.cwd, "env": env, "output": str(output)}
+        await self.process.stdin.send(orjson.dumps(rank) + b"\n")
+        await self.process.stdin.aclose()
+        if self.process.stdout is not None:
+            await self.process.stdout.aclose()  # it said `ready` there; now its output is the rank's
+        return self.process
+
+    async def close(self) -> None:
+        """An idle standby ends when its standard input closes; the kill is for one still importing."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            await self.process.aclose()
+
+
+class StandbyPool:
+    """The agent's standbys, one per job that wants one."""
+
+    def __init__(self, runtime_dir: Path, enabled: bool, preload: str, delay_s: float) -> None:
+        self.runtime_dir = runtime_dir
+        self.enabled = enabled
+        self.preload = preload
+        self.delay_s = delay_s
+        self._standbys: dict[str, Standby] = {}
+        self._closed: set[str] = set()
+        self._count = 0
+
+    def wanted(self, entrypoint: Entrypoint) -> bool:
+        choice = entrypoint.env.get(STANDBY_ENV)
+        enabled = self.enabled if choice is None else choice not in ("", "0", "false", "no")
+        return enabled and can_hand_over(entrypoint)
+
+    def take(self, job: str) -> Standby | None:
+        """The job's standby if it is ready (it is then the caller's), else None: a cold start."""
+        standby = self._standbys.get(job)
+        if standby is None or not standby.ready.is_set() or standby.process.returncode is not None:
+            return None
+        del self._standbys[job]
+        return standby
+
+    async def keep(self, job: str, entrypoint: Entrypoint) -> None:
+        """Start the job's next standby after the delay, and wait for it to be ready (a task of the agent)."""
+        await anyio.sleep(self.delay_s)  # the recovery or the job's start first: they want the CPU now
+        if job in self._closed or job in self._standbys:
+            return
+        preload = entrypoint.env.get(PRELOAD_ENV, self.preload)
+        modules = [m.strip() for m in preload.split(",") if m.strip()]
+        self._count += 1
+        log = self.runtime_dir / f"{job}.standby{self._count}.log"
+        env = {**os.environ, **entrypoint.env}
+        with log.open("ab") as errors:
+            process = await anyio.open_process([entrypoint.command, "-m", INTERPRETER, *modules], cwd=entrypoint.cwd,
+                                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               stderr=errors, start_new_session=True)
+        standby = Standby(job, process)
+        self._standbys[job] = standby
+        assert process.stdout is not None
+        line = b""
+        with anyio.move_on_after(READY_TIMEOUT_S):
+            with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                while not line.endswith(b"\n"):
+                    line += await process.stdout.receive(64)
+        if line.startswith(b"ready"):
+            standby.ready.set()
+            logger.info("standby of %s ready (pid %d, imports %ss)", job, process.pid, line.split()[1].decode())
+        else:
+            logger.warning("standby of %s did not start (see %s): its ranks start cold", job, log)
+            await self.discard(job)
+
+    async def discard(self, job: str, for_good: bool = False) -> None:
+        """Stop the job's standby; `for_good`: the job is over here, start no other."""
+        if for_good:
+            self._closed.add(job)
+        standby = self._standbys.pop(job, None)
+        if standby is not None:
+            await standby.close()
+
+    async def close(self) -> None:
+        for job in list(self._standbys):
+            await self.discard(job, for_good=True)

@@ -1,0 +1,238 @@
+"""The report in a terminal, with rich: the whole log, each job, each incident with its phases, attempts and the why
+of every decision, and the lemon candidates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+MAX_INCIDENTS = 50
+"""incidents shown in full per job in the terminal; --json and --html have all of them"""
+
+
+def _num(value: float | None, unit: str = "", digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def _cause_text(inputs: dict[str, Any]) -> str:
+    cause = inputs.get("cause")
+    if cause is None:
+        return f"seq {inputs['cause_seq']}"
+    data = cause.get("data") or {}
+    brief = " ".join(f"{k}={v}" for k, v in data.items() if k != "spec" and v not in (None, "", [], {}))
+    where = cause.get("node") or cause.get("job") or ""
+    return f"seq {inputs['cause_seq']} {cause['type']}@{where} {brief}"[:160]
+
+
+def render(report: dict[str, Any], console: Console | None = None, decisions: bool = True) -> None:
+    """Print the report. `decisions`: each incident's decisions with their why (policy, rule, inputs)."""
+    console = console or Console()
+    s = report["summary"]
+    span = report["span"]
+    console.print(Text.assemble(
+        ("postmortem ", "bold"), f"of {report['records']:,} records over {span['seconds']:,.1f} s: ",
+        f"{s['jobs']} job(s), {s['incidents']} incident(s), ETTR ", (_num(s["ettr"], digits=4), "bold"),
+        f", lost {s['lost_gpu_hours']:,.2f} GPU-hours, {s['restart_loops']} restart loop(s)"))
+    console.print(_mttr_table(s["mttr_by_fault_class"], "time to recovery by fault class (whole log)"))
+    console.print(_restarts_table(s["restarts_by_granularity"]))
+    if s["lost_gpu_hours_by_cause"]:
+        lost = Table(title="lost GPU-hours by cause (whole log)")
+        lost.add_column("cause")
+        lost.add_column("GPU-hours", justify="right")
+        for cause, hours in s["lost_gpu_hours_by_cause"].items():
+            lost.add_row(cause, f"{hours:,.3f}")
+        console.print(lost)
+    for job in report["jobs"]:
+        _job(console, job, decisions)
+    lemons = Table(title="lemon candidates: nodes in two or more incidents")
+    for column in ("node", "incidents", "jobs", "devices repeating", "history"):
+        lemons.add_column(column, overflow="fold")
+    for lemon in report["lemons"]:
+        history = "; ".join(f"{h['incident']} {h['class'] or ''} {h['code'] or ''}".strip() for h in lemon["history"])
+        lemons.add_row(lemon["node"], str(lemon["incidents"]), ", ".join(lemon["jobs"]),
+                       ", ".join(map(str, lemon["devices_repeating"])) or "-", Text(history))
+    console.print(lemons if report["lemons"] else Text("no lemon candidates: no node is in two incidents"))
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+
+
+def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
+    policies = ", ".join(job["policies"].values()) or "?"
+    console.rule(Text(f"job {job['job']}", style="bold"))
+    console.print(f"{job['gpus']} GPUs on {job['nodes']} nodes, {policies}; {job['state']} at step {job['step']:,}; "
+                  f"wall {job['wall_s']:,.1f} s, ETTR {_num(job['ettr'], digits=4)}, lost "
+                  f"{job['lost_gpu_hours']:,.3f} GPU-hours, step time {_num(job['step_time_s'], ' s', 3)}, "
+                  f"{job['restart_loops']} restart loop(s)")
+    table = Table(title=f"incidents of {job['job']}")
+    for column in ("incident", "fault", "first rank", "detect s", "decide s", "granularity", "checkpoint",
+                   "lost steps", "TTR s", "GPU-h", "outcome"):
+        table.add_column(column, overflow="fold", justify="right" if column.endswith(("s", "GPU-h")) else "left")
+    for inc in job["incidents"][:MAX_INCIDENTS]:
+        root = inc["root_faults"][0] if inc["root_faults"] else {}
+        fault = f"{inc['fault_class']} {root.get('code') or ''}".strip()
+        grans = " -> ".join(a["granularity"] for a in inc["attempts"]) or "-"
+        ckpt = inc["checkpoint"]
+        source = "-" if not ckpt else f"step {ckpt['checkpoint_step']} " + ",".join(ckpt["tiers"])
+        table.add_row(inc["id"], Text(fault), str(inc["first_failing_rank"] if inc["first_failing_rank"] is not None
+                                                  else "-"),
+                      _num(inc["detection_latency_s"], digits=2), _num(inc["decision_latency_s"], digits=2),
+                      grans, Text(source), str(inc["lost_steps"]), _num(inc["ttr_s"]),
+                      _num(inc["lost_gpu_hours"], digits=3),
+                      inc["outcome"] + (" (loop)" if inc["restart_loop"] else ""))
+    console.print(table)
+    if len(job["incidents"]) > MAX_INCIDENTS:
+        console.print(f"... and {len(job['incidents']) - MAX_INCIDENTS} more incidents (see --json or --html)")
+    if not decisions:
+        return
+    for inc in job["incidents"][:MAX_INCIDENTS]:
+        console.print(_incident_panel(inc))
+
+
+def _incident_panel(inc: dict[str, Any]) -> Panel:
+    phases = "  ".join(f"{p['phase']} {p['seconds']:.1f}s" for p in inc["phases"] if p["seconds"] or
+                       p["phase"] != "detection")
+    lines: list[Any] = [Text(f"phases: {phases}")]
+    for esc in inc["escalations"]:
+        lines.append(Text(f"escalated {esc['from']} -> {esc['to']} ({esc['after']}): {esc['reason']}",
+                          style="yellow"))
+    if inc["dying_checkpoint"]:
+        d = inc["dying_checkpoint"]
+        lines.append(Text(f"dying checkpoint at step {d['step']} {d['how']}: {d['outcome'] or 'pending'}"))
+    if inc["lost_gpu_hours_by_phase"]:
+        lines.append(Text("GPU-hours lost: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                         inc["lost_gpu_hours_by_phase"].items())))
+    why = Table(show_header=True, box=None, pad_edge=False)
+    for column in ("seq", "decision", "policy", "rule", "inputs"):
+        why.add_column(column, overflow="fold")
+    for d in inc["decisions"]:
+        why.add_row(str(d["seq"]), d["kind"], d["policy"], Text(d["rule"]), Text(_cause_text(d["inputs"])))
+    lines.append(why)
+    return Panel(Group(*lines), title=f"{inc['id']}: {inc['fault_class']}, {inc['outcome']}", title_align="left")
+
+
+def _mttr_table(mttr: dict[str, dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("class", "incidents", "recovered", "p50 s", "p95 s"):
+        table.add_column(column, justify="left" if column == "class" else "right")
+    for cls, m in mttr.items():
+        table.add_row(cls, str(m["incidents"]), str(m["recovered"]), _num(m["p50_s"]), _num(m["p95_s"]))
+    return table
+
+
+def _restarts_table(restarts: dict[str, dict[str, int]]) -> Table:
+    outcomes = ("started", "recovered", "failed", "timed_out", "superseded")
+    table = Table(title="recovery attempts by granularity")
+    table.add_column("granularity")
+    for column in outcomes:
+        table.add_column(column, justify="right")
+    for granularity, counts in restarts.items():
+        table.add_row(granularity, *(str(counts.get(o, 0)) for o in outcomes))
+    return table
+
+
+def _side(row: dict[str, Any] | None) -> Text:
+    if row is None:
+        return Text("-", style="dim")
+    text = Text()
+    text.append(f"#{row['seq']} +{row['at_s']:.1f}s {row['kind']}", style="bold")
+    text.append(f" [{row['policy']}]\n{row['rule']}")
+    if row["commands"]:
+        text.append(f"\ncommands: {', '.join(row['commands'])}")
+    text.append(f"\ncause: {row['cause']}", style="dim")
+    return text
+
+
+def render_diff(diff: dict[str, Any], console: Console | None = None, limit: int = 40) -> None:
+    """Print a diff of two logs' decisions: policies that differ, the first differing input and decision, then
+    every differing hunk side by side (the first `limit` rows)."""
+    console = console or Console()
+    a, b = diff["labels"]
+    if diff["same"]:
+        console.print(f"same decisions: {a} and {b} decided alike ({diff['records'][0]:,} and "
+                      f"{diff['records'][1]:,} records)")
+    for p in diff["policies"]:
+        console.print(Text(f"job {p['job']} {p['family']} policy differs ({', '.join(p['changed'])}): "
+                           f"{a} {p[a]} / {b} {p[b]}", style="yellow"))
+    first_input = diff["first_input_difference"]
+    if first_input is not None:
+        sides = " / ".join(f"{k} {first_input[k]['input'] if first_input[k] else 'ends'}" for k in (a, b))
+        console.print(Text(f"inputs differ from input #{first_input['index']}: {sides}"))
+    first = diff["first_decision_difference"]
+    if first is None:
+        return
+    console.print(Text(f"first differing decision (job {first['job']}, decision #{first['index']}):", style="bold"))
+    table = Table(show_lines=True)
+    table.add_column(a, overflow="fold", ratio=1)
+    table.add_column(b, overflow="fold", ratio=1)
+    table.add_row(_side(first[a]), _side(first[b]))
+    console.print(table)
+    rows = 0
+    for job in diff["jobs"]:
+        if job["same"]:
+            continue
+        table = Table(title=f"job {job['job']}: decisions that differ ({job['decisions'][0]} and "
+                            f"{job['decisions'][1]} decisions)", show_lines=True)
+        table.add_column("change")
+        table.add_column(a, overflow="fold", ratio=1)
+        table.add_column(b, overflow="fold", ratio=1)
+        for hunk in job["hunks"]:
+            for left, right in _pairs(hunk[a], hunk[b]):
+                if rows >= limit:
+                    break
+                table.add_row(hunk["change"], _side(left), _side(right))
+                rows += 1
+        console.print(table)
+    total = sum(max(len(h[a]), len(h[b])) for job in diff["jobs"] for h in job["hunks"])
+    if total > rows:
+        console.print(f"... {total - rows} more rows (--json has them all)")
+
+
+def _pairs(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
+    return [(left[i] if i < len(left) else None, right[i] if i < len(right) else None)
+            for i in range(max(len(left), len(right)))]
+
+
+def render_whatif(result: dict[str, Any], console: Console | None = None, limit: int = 40) -> None:
+    """Print a what-if: what was kept and re-simulated, the figures of both simulated runs, the decisions that
+    differ."""
+    console = console or Console()
+    recorded, chosen = result["policies"]["recorded"], result["policies"]["what-if"]
+    changed = [f"{f}: {recorded[f]['name']} -> {chosen[f]['name']}"
+               + (f" {chosen[f]['params']}" if chosen[f]["params"] else "")
+               for f in chosen if chosen[f] != recorded[f]]
+    console.print(Text.assemble(("what-if ", "bold"), f"of {result['log']} (job {result['job']}): ",
+                                "; ".join(changed) or "the recorded policies"))
+    c = result["cluster"]
+    console.print(f"the simulated cluster: {c['nodes']} nodes of {c['ranks_per_node']} ranks, {c['spares']} spares, "
+                  f"layout {c['layout']}, {c['step_time_s']} s a step (measured), storage checkpoint every "
+                  f"{c['storage_every_s'] or '-'} s, {c['days'] * 86_400:,.0f} s (the log's span and "
+                  f"{c['tail_s']:,.0f} s more with no faults); executors "
+                  f"{'fail as the cost model says' if c['executor_failures'] else 'never fail'}")
+    inputs = result["inputs"]
+    if result["other_jobs"]:
+        others = ", ".join(result["other_jobs"])
+        console.print(Text(f"left out: the simulator runs one job; the log's other jobs ({others}) and their inputs "
+                           f"are not simulated", style="yellow"))
+    console.print(Text(f"kept from the log ({inputs['faults']} faults): "
+                       + ", ".join(f"{k} {v}" for k, v in inputs["kept"].items())))
+    console.print(Text("re-simulated (answers to the recorded decisions, training, timers): "
+                       + ", ".join(f"{k} {v}" for k, v in inputs["resimulated"].items()), style="dim"))
+    table = Table(title="figures (both columns simulated on the same faults; the log's own for reference)")
+    for column in ("", "recorded log", "recorded policies", "what-if", "difference"):
+        table.add_column(column, justify="right" if column else "left")
+    base, what, delta = result["simulated"]["recorded policies"], result["simulated"]["what-if"], result["delta"]
+    table.add_row("ETTR", _num(result["recorded"]["ettr"], digits=4), _num(base["ettr"], digits=4),
+                  _num(what["ettr"], digits=4), f"{delta['ettr']:+.4f}")
+    table.add_row("lost GPU-hours", _num(result["recorded"]["lost_gpu_hours"], digits=3),
+                  _num(base["lost_gpu_hours"], digits=3), _num(what["lost_gpu_hours"], digits=3),
+                  f"{delta['lost_gpu_hours']:+.3f}")
+    for cls, d in delta["mttr_p50_s"].items():
+        table.add_row(f"MTTR p50 {cls} (s)", _num(result["recorded"]["mttr_by_fault_class"].get(cls, {}).get("p50_s")),
+                      _num(base["mttr_by_fault_class"].get(cls, {}).get("p50_s")),
+                      _num(what["mttr_by_fault_class"].get(cls, {}).get("p50_s")), "-" if d is None else f"{d:+.1f}")
+    console.print(table)
+    render_diff(result["diff"], console, limit)

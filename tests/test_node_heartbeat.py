@@ -1,0 +1,72 @@
+"""The agent's heartbeat (`node.heartbeat`): its absence is a node fault that moves the node's ranks; the heartbeats
+themselves decide nothing. A watchdog tick logged late (the control plane's own outage) is not taken for every rank's
+and agent's silence."""
+
+from __future__ import annotations
+
+from recovery.testing.scenario import Scenario
+
+
+def beat(s: Scenario, nodes: list[str]) -> None:
+    for node in nodes:
+        s.node_event(node, "node.heartbeat", interval_s=1.0)
+
+
+def test_an_agent_that_falls_silent_moves_its_nodes_ranks_to_a_spare() -> None:
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4)
+    s.spare("s0")
+    s.train("j", 5)
+    decided = len(s.kinds("j"))
+    for _ in range(4):
+        s.advance(1)
+        beat(s, ["n0", "n1"])
+        s.steps("j", s.engine.jobs["j"].step + 1)
+    assert len(s.kinds("j")) == decided, "heartbeats decided something"
+    for _ in range(30):  # n0's agent is gone; n1's goes on, and (relayed from elsewhere) every rank still reports
+        s.advance(1)
+        beat(s, ["n1"])
+        s.steps("j", s.engine.jobs["j"].step + 1)
+    [confirmed] = s.find("fault.confirmed", "j")
+    assert confirmed.reason.startswith("agent of n0 silent") and confirmed.detail["fault"]["class"] == "node"
+    [migrate] = s.outstanding("migrate_ranks")
+    assert migrate.from_node == "n0" and migrate.to_node == "s0"  # type: ignore[attr-defined]
+
+
+def test_a_control_plane_outage_is_not_taken_for_the_silence_of_every_rank_and_agent() -> None:
+    """NATS away for 10 s: no event and no timer is logged. On its return the overdue watchdog tick lands with some
+    agents' buffered events before it and the rest after: nobody is silent."""
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, policies={
+        "detection": {"name": "default", "params": {"hang_min_silence_s": 5.0, "agent_silence_s": 3.0}}})
+    for _ in range(5):
+        s.advance(1)
+        beat(s, ["n0", "n1"])
+        s.steps("j", s.engine.jobs["j"].step + 1)
+    s.now += 10 * 10**9
+    beat(s, ["n1"])  # n1's agent flushed first
+    s.steps("j", s.engine.jobs["j"].step + 1, ranks=[2, 3])
+    s.run_until(s.now)  # the tick, 10 s late
+    s.advance(0.5)
+    beat(s, ["n0"])  # n0's agent flushed after it
+    s.steps("j", s.engine.jobs["j"].step, ranks=[0, 1])
+    for _ in range(4):
+        s.advance(1)
+        beat(s, ["n0", "n1"])
+        s.steps("j", s.engine.jobs["j"].step + 1)
+    assert not s.find("fault.confirmed", "j"), [d.reason for d in s.find("fault.confirmed", "j")]
+
+
+def test_a_job_that_stays_silent_after_an_outage_is_found_a_silence_window_later() -> None:
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, policies={
+        "detection": {"name": "default", "params": {"hang_min_silence_s": 5.0}}})
+    s.train("j", 5)
+    s.now += 10 * 10**9
+    s.run_until(s.now)  # the overdue tick: the silence counts from here
+    assert not s.find("fault.confirmed", "j")
+    s.advance(4)
+    assert not s.find("fault.confirmed", "j")
+    s.advance(4)  # past the window: a real silence, not an outage
+    [confirmed] = s.find("fault.confirmed", "j")
+    assert "silent" in confirmed.reason

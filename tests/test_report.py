@@ -1,0 +1,259 @@
+"""`recovery-replay report` on golden logs: every field checked against numbers worked out by hand from the log's
+own timestamps (each golden's job starts at log time 1767225600 s; the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recovery.cli.replay import main
+from recovery.log import iter_numbered
+from recovery.log.jetstream import JetStreamLog
+from recovery.report import REPORT_VERSION, build_report, iter_file
+from recovery.sim.config import Cluster, SimConfig
+from recovery.sim.sim import simulate
+from recovery.testing.nats import NatsServer
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def report_of(name: str, **filters: Any) -> dict[str, Any]:
+    return build_report(iter_file(GOLDEN / f"{name}.jsonl"), **filters)
+
+
+def only_incident(report: dict[str, Any]) -> dict[str, Any]:
+    [job] = report["jobs"]
+    [incident] = job["incidents"]
+    return incident
+
+
+def phase_seconds(incident: dict[str, Any]) -> list[tuple[str, float]]:
+    return [(p["phase"], p["seconds"]) for p in incident["phases"]]
+
+
+def test_migration_with_peer_plan_by_hand() -> None:
+    """pod_level_reschedule: XID 79 on n2 device 1 (seq 134 at +15 s) is confirmed by the same record (seq 135,
+    +15 s); its ranks move to spare0 with state from live replicas; the first step past 15 arrives at +36 s."""
+    report = report_of("pod_level_reschedule")
+    inc = only_incident(report)
+    assert inc["fault_class"] == "node" and inc["cause"] == "fault"
+    assert [f["code"] for f in inc["root_faults"]] == ["XID 79"]
+    assert inc["root_faults"][0]["nodes"] == ["n2"] and inc["root_faults"][0]["device"] == 1
+    assert inc["first_failing_rank"] == 5  # n2 holds ranks 4 and 5 (2 per node); device 1 is rank 5
+    assert inc["first_signal_s"] == 15.0  # 1767225615 - 1767225600
+    assert inc["detection_latency_s"] == 0.0  # confirmed at 1767225615 (seq 135) - signal 1767225615 (seq 134)
+    assert inc["decision_latency_s"] == 0.0  # stop_ranks (seq 138) sent at 1767225615, the confirmation's time
+    # planning, stopping and rescheduling all at 1767225615 (seqs 135-141); restoring 1767225615 (seq 143) until the
+    # close at 1767225636 (seq 149): 36 - 15 = 21 s
+    assert phase_seconds(inc) == [("detection", 0.0), ("planning", 0.0), ("stopping", 0.0), ("rescheduling", 0.0),
+                                  ("restoring", 21.0)]
+    assert inc["granularity"] == "migrate" and inc["escalations"] == []
+    assert inc["attempts"][0]["vacate"] == ["n2"] and inc["attempts"][0]["policy"] == "ladder@4"
+    assert inc["checkpoint"]["tiers"] == {"peer": 2} and inc["checkpoint"]["checkpoint_step"] == 15
+    assert inc["checkpoint"]["next_step"] == 16 and inc["lost_steps"] == 0
+    assert inc["ttr_s"] == 21.0 and inc["recovery_s"] == 21.0  # 1767225636 - 1767225615
+    assert inc["lost_gpu_hours_by_phase"] == {"restoring": 0.047}  # 21 s x 8 GPUs / 3600 = 0.04667
+    job = report["jobs"][0]
+    assert job["gpus"] == 8 and job["wall_s"] == 37.0  # job.started 1767225600 to the last record 1767225637
+    assert job["ettr"] == pytest.approx(1 - 21 / 37, abs=1e-6)  # 0.432432
+    assert job["step_time_s"] == 1.0  # one step a second
+    assert job["mttr_by_fault_class"]["node"]["p50_s"] == 21.0
+    assert job["restarts_by_granularity"] == {"migrate": {"started": 1, "recovered": 1}}
+
+
+def test_escalation_from_in_place_to_job_level_by_hand() -> None:
+    """recover_in_place_fallback: rank 3 segfaults at +13 s at step 13; the in-place restart's command fails at once,
+    the migration (sent at +13 s) misses its 300 s deadline at +313 s, the job-level restart stops the job by +314 s
+    and the first step past the storage checkpoint of step 10 arrives at +345 s."""
+    inc = only_incident(report_of("recover_in_place_fallback"))
+    assert inc["fault_class"] == "process" and inc["first_failing_rank"] == 3
+    assert inc["root_faults"][0]["nodes"] == ["n0"]  # ranks 0-3 run on n0
+    assert [a["granularity"] for a in inc["attempts"]] == ["in_place", "migrate", "restart_job"]
+    assert inc["escalations"] == [
+        {"from": "in_place", "to": "migrate", "after": "failed",
+         "reason": "restart_ranks failed: CUDA context creation failed"},
+        {"from": "migrate", "to": "restart_job", "after": "timed_out",
+         "reason": "attempt 2 (migrate) missed its deadline"}]
+    # rescheduling from the migration's command (seq 129, 1767225613) to its deadline (seq 131, 1767225913): 300 s;
+    # stopping from seq 134 (1767225913) to the stop's ack (seq 136, 1767225914): 1 s; restoring from seq 139
+    # (1767225914) to the close (seq 141, 1767225945): 31 s
+    assert phase_seconds(inc) == [("detection", 0.0), ("planning", 0.0), ("rescheduling", 0.0), ("planning", 0.0),
+                                  ("stopping", 0.0), ("rescheduling", 300.0), ("planning", 0.0), ("stopping", 1.0),
+                                  ("rescheduling", 0.0), ("restoring", 31.0)]
+    assert inc["ttr_s"] == 332.0  # 1767225945 - 1767225613
+    assert inc["checkpoint"]["tiers"] == {"storage": 1} and inc["checkpoint"]["checkpoint_step"] == 10
+    assert inc["lost_steps"] == 3  # struck at step 13, resumed after step 10
+    # by phase, x 8 GPUs / 3600: rescheduling 300 s -> 0.667, restoring 31 s -> 0.069, stopping 1 s -> 0.002,
+    # recompute 3 lost steps x 1 s -> 0.007; in all (300 + 31 + 1 + 3) x 8 / 3600 = 0.744
+    assert inc["lost_gpu_hours_by_phase"] == {"rescheduling": 0.667, "stopping": 0.002, "restoring": 0.069,
+                                              "recompute": 0.007}
+    report = report_of("recover_in_place_fallback")
+    job = report["jobs"][0]
+    assert job["lost_s"] == 335.0 and job["wall_s"] == 346.0  # started 1767225600, last record 1767225946
+    assert job["ettr"] == pytest.approx(1 - 335 / 346, abs=1e-6)  # 0.031792
+    assert report["summary"]["restarts_by_granularity"] == {
+        "in_place": {"started": 1, "failed": 1}, "migrate": {"started": 1, "timed_out": 1},
+        "restart_job": {"started": 1, "recovered": 1}}
+
+
+def test_dying_checkpoint_from_a_replica_by_hand() -> None:
+    """power_off_checkpoint: rank 2 is SIGKILLed at +17 s (step 17); replica 0 saves a dying checkpoint of step 17
+    (seq 85-88, all at +17 s); rank 2 restarts in place and the job makes step 18 at +23 s."""
+    report = report_of("power_off_checkpoint")
+    inc = only_incident(report)
+    assert inc["first_failing_rank"] == 2 and inc["root_faults"][0]["nodes"] == ["ttp-n2"]
+    assert inc["dying_checkpoint"] == {"step": 17, "how": "saved by replicas", "outcome": "done"}
+    assert inc["checkpoint"]["tiers"] == {"dying": 1} and inc["checkpoint"]["next_step"] == 18
+    assert phase_seconds(inc) == [("detection", 0.0), ("planning", 0.0), ("saving", 0.0), ("rescheduling", 0.0),
+                                  ("restoring", 6.0)]  # restoring: 1767225623 - 1767225617
+    assert inc["lost_steps"] == 0 and inc["granularity"] == "in_place"
+    assert inc["lost_gpu_hours_by_phase"] == {"restoring": 0.007}  # 6 s x 4 GPUs / 3600 = 0.00667
+    assert report["jobs"][0]["ettr"] == pytest.approx(1 - 6 / 24, abs=1e-6)  # wall 1767225600..1767225624
+
+
+def test_dying_checkpoint_awaited_from_sigterm_by_hand() -> None:
+    """sigterm_storm: every rank is SIGTERMed at +12 s; their handlers' dying checkpoint of step 12 lands at +12.5 s;
+    the whole job restarts from it and makes step 13 at +33.5 s."""
+    inc = only_incident(report_of("sigterm_storm"))
+    assert inc["fault_class"] == "preemption" and inc["first_failing_rank"] == 0
+    assert inc["root_faults"][0]["rank_count"] == 8
+    assert inc["dying_checkpoint"] == {"step": 12, "how": "written by exiting ranks", "outcome": "done"}
+    # saving from checkpoint.awaiting (seq 110, 1767225612.0) to checkpoint.dying_done (seq 120, 1767225612.5);
+    # restoring from seq 124 (1767225612.5) to the close (seq 126, 1767225633.5)
+    assert phase_seconds(inc) == [("detection", 0.0), ("planning", 0.0), ("saving", 0.5), ("rescheduling", 0.0),
+                                  ("restoring", 21.0)]
+    assert inc["ttr_s"] == 21.5 and inc["lost_steps"] == 0 and inc["granularity"] == "restart_job"
+
+
+def test_every_decision_says_why() -> None:
+    inc = only_incident(report_of("recover_in_place_fallback"))
+    by_seq = {d["seq"]: d for d in inc["decisions"]}
+    started = by_seq[124]  # the ladder's second rung, chosen because the in-place restart's command failed
+    assert started["policy"] == "ladder@4" and started["rule"] == "process fault, rung 1: migrate"
+    assert started["inputs"]["cause"]["type"] == "command.ack"
+    assert started["inputs"]["cause"]["data"]["reason"] == "CUDA context creation failed"
+    assert started["inputs"]["detail"]["vacate"] == ["n0"]
+    plan = by_seq[120]
+    assert plan["policy"] == "newest-complete@3" and plan["inputs"]["detail"]["tiers"] == {"storage": 1}
+    assert by_seq[131]["policy"] == "engine" and by_seq[131]["inputs"]["cause"]["type"] == "timer.fired"
+
+
+def test_restart_loop_and_lemon_of_a_crashing_rank() -> None:
+    """restart_budget: rank 1 on k0 exits at steps 7, 8 and 8: the third incident struck before the job got past the
+    step of the second (a loop), and k0 is in three incidents."""
+    report = report_of("restart_budget")
+    [job] = report["jobs"]
+    assert [i["step_at_fault"] for i in job["incidents"]] == [7, 8, 8]
+    assert [i["restart_loop"] for i in job["incidents"]] == [False, False, True]
+    assert [i["outcome"] for i in job["incidents"]] == ["recovered", "recovered", "failed"]
+    assert job["restart_loops"] == 1 and job["state"] == "failed"
+    [lemon] = report["lemons"]
+    assert lemon["node"] == "k0" and lemon["incidents"] == 3
+    assert [h["incident"] for h in lemon["history"]] == ["flaky#1", "flaky#2", "flaky#3"]
+
+
+def test_filters_by_job_and_time() -> None:
+    full = report_of("restart_budget")
+    assert report_of("restart_budget", job="other")["summary"]["incidents"] == 0
+    # until 1767225625 s keeps the first two incidents (struck at +7 s and +20 s), not the third (+33 s)
+    cut = report_of("restart_budget", until=1767225625 * 10**9)
+    assert cut["summary"]["incidents"] == 2 and full["summary"]["incidents"] == 3
+    late = report_of("restart_budget", since=1767225630 * 10**9)
+    assert late["summary"]["incidents"] == 1 and late["notes"]
+
+
+def test_json_output_is_the_versioned_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(GOLDEN / "pod_level_reschedule.jsonl"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["report"] == REPORT_VERSION == 1
+    assert set(out) == {"report", "filters", "records", "span", "summary", "jobs", "lemons", "notes"}
+    assert out["jobs"][0]["incidents"][0]["id"] == "llm#1"
+
+
+def test_terminal_output_names_incidents_and_causes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(GOLDEN / "recover_in_place_fallback.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "llm#1" in out and "escalated in_place -> migrate (failed)" in out
+    assert "CUDA context creation failed" in out
+
+
+def test_unreadable_log_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "broken.jsonl"
+    log.write_text((GOLDEN / "restart_budget.jsonl").read_text()[:500])
+    assert main(["report", str(log)]) == 2
+    assert "broken.jsonl:" in capsys.readouterr().err
+
+
+async def test_report_streams_the_live_jetstream_log(nats_server: NatsServer) -> None:
+    """The same report from the live stream: a golden log published record by record (so its sequences are the
+    stream's), then read by `report --nats` as it arrives from the pull reader."""
+    log = await JetStreamLog.connect(nats_server.url)
+    try:
+        for record in iter_numbered(GOLDEN / "restart_budget.jsonl"):
+            await log.append(record[1].subject, record[1].envelope)
+    finally:
+        await log.close()
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "recovery.cli.replay", "report", "--nats", nats_server.url, "--json"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    live = json.loads(done.stdout)
+    from_file = report_of("restart_budget")
+    assert live["records"] == from_file["records"]
+    [job] = live["jobs"]
+    assert [i["step_at_fault"] for i in job["incidents"]] == [7, 8, 8]
+    assert [i["restart_loop"] for i in job["incidents"]] == [False, False, True]
+    assert [lemon["node"] for lemon in live["lemons"]] == ["k0"]
+    # the stream's own clock stamped the records: what holds is the order, and each phase's sign
+    assert all(p["seconds"] >= 0 for i in job["incidents"] for p in i["phases"])
+
+
+def test_malformed_and_undecodable_inputs_are_skipped_not_fatal(tmp_path: Path) -> None:
+    lines = (GOLDEN / "pod_level_reschedule.jsonl").read_text().splitlines()
+    bad_step = json.loads(lines[10])
+    bad_step["envelope"]["data"]["step"] = "eleven"  # the engine dead-letters this; the report skips it
+    raw = {"seq": bad_step["seq"], "ts": bad_step["ts"], "subject": bad_step["subject"], "headers": {},
+           "raw": "{not json"}
+    log = tmp_path / "hostile.jsonl"
+    log.write_text("\n".join([*lines[:10], json.dumps(bad_step), json.dumps(raw), *lines[11:]]) + "\n")
+    report = build_report(iter_file(log))
+    assert report["summary"]["incidents"] == 1 and report["jobs"][0]["incidents"][0]["ttr_s"] == 21.0
+    assert any("malformed" in note for note in report["notes"])
+
+
+def test_silence_is_detected_from_when_the_rank_was_last_heard() -> None:
+    """watchdog_heartbeat: rank 5 reports step 20 at +20 s and then nothing; the others heartbeat; the watchdog's
+    tick at +32 s confirms the silence (more than 10 s): detection took 32 - 20 = 12 s."""
+    inc = only_incident(report_of("watchdog_heartbeat"))
+    assert inc["fault_class"] == "hang" and inc["first_failing_rank"] == 5
+    assert inc["first_signal_s"] == 20.0 and inc["opened_s"] == 32.0
+    assert inc["detection_latency_s"] == 12.0
+    assert inc["phases"][0] == {"phase": "detection", "start_s": 20.0, "seconds": 12.0}
+    assert inc["ttr_s"] == 23.0  # first step past 20 at 1767225643 - silent since 1767225620
+
+
+def test_report_of_a_simulated_week_matches_the_simulator(tmp_path: Path) -> None:
+    """A week of the Llama 3 mix on 1,024 GPUs (seed 1): a host that went away is confirmed by its suspicion's timer,
+    not found by silence (the simulated ranks report only at faults), so its detection is the platform's 40 s, and
+    each incident's time to recovery is what the simulator itself measured from the fault's first signal."""
+    log = tmp_path / "week.jsonl"
+    result = simulate(SimConfig(cluster=Cluster(gpus=1024), days=7, seed=1), log_path=log)
+    report = build_report(iter_file(log))
+    [job] = report["jobs"]
+    incidents = job["incidents"]
+    assert len(incidents) == len(result.faults) == 3
+    assert all(i["outcome"] == "recovered" for i in incidents)
+    assert all(0 <= i["detection_latency_s"] <= 60 for i in incidents)
+    assert job["step_time_s"] == pytest.approx(6.0, abs=0.05)  # Training().step_time_s, with checkpoint stalls
+    # the simulator counts from the fault, the report from its first signal: equal unless the platform noticed late
+    for inc, fault in zip(incidents, result.faults, strict=True):
+        assert fault.ttr_s is not None
+        assert inc["ttr_s"] <= fault.ttr_s + 0.001
+        assert fault.ttr_s - inc["ttr_s"] <= 40.001  # a host's not-ready grace period at most

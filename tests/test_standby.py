@@ -1,0 +1,128 @@
+"""Warm standbys (`recovery/agent/standby.py`): a real interpreter that waits, then becomes the rank handed to it
+with the command line, environment, working directory, output and exit status a cold start would have given it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from events.values import Entrypoint
+from recovery.agent import ranks
+from recovery.agent.standby import StandbyPool, can_hand_over
+from tests.e2e_support import environment
+
+SCRIPT = """
+import os, sys
+print("argv", sys.argv)
+print("path0", sys.path[0])
+print("cwd", os.getcwd())
+print("rank", os.environ.get("RANK"), "agent-only", os.environ.get("ONLY_IN_THE_STANDBY"))
+print("name", __name__)
+print("interpreter-stdin", sys.stdin.read() == "")
+print("warmed", getattr(sys.modules.get("tests.test_standby"), "WARMED", False))
+sys.exit(int(os.environ["EXIT_WITH"]))
+"""
+
+
+WARMED = False
+
+
+def mark_warm() -> None:
+    """A warm-up the standby of a test calls (`tests.test_standby:mark_warm`)."""
+    global WARMED
+    WARMED = True
+
+
+def test_the_torch_warm_up_leaves_the_random_state_as_it_was() -> None:
+    import torch
+
+    from recovery.client.torch import warm_up
+
+    torch.manual_seed(0)
+    cold = torch.rand(4)
+    torch.manual_seed(0)
+    warm_up()
+    assert torch.equal(torch.rand(4), cold)
+
+
+@pytest.mark.parametrize(("command", "args", "expected"), [
+    (sys.executable, ["train.py", "--steps", "3"], True),
+    (sys.executable, ["-m", "pkg.train"], True),
+    ("/usr/bin/python3.11", ["train.py"], True),
+    (sys.executable, ["-u", "train.py"], False),  # interpreter options were read at its start: not ours to fake
+    (sys.executable, ["-m"], False),
+    (sys.executable, [], False),
+    ("/usr/bin/bash", ["train.sh"], False),
+])
+def test_only_a_python_script_or_module_can_be_handed_over(command: str, args: list[str], expected: bool) -> None:
+    assert can_hand_over(Entrypoint(command=command, args=args)) is expected
+
+
+def test_a_job_opts_in_or_out_whatever_the_agent_says(tmp_path: Path) -> None:
+    script = Entrypoint(command=sys.executable, args=["train.py"])
+    opted_in = Entrypoint(command=sys.executable, args=["train.py"], env={"RECOVERY_STANDBY": "1"})
+    opted_out = Entrypoint(command=sys.executable, args=["train.py"], env={"RECOVERY_STANDBY": "0"})
+    off = StandbyPool(tmp_path, enabled=False, preload="", delay_s=0)
+    on = StandbyPool(tmp_path, enabled=True, preload="", delay_s=0)
+    assert (off.wanted(script), off.wanted(opted_in), off.wanted(opted_out)) == (False, True, False)
+    assert (on.wanted(script), on.wanted(opted_in), on.wanted(opted_out)) == (True, True, False)
+
+
+@pytest.mark.parametrize("exit_with", [0, 3])
+async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_path: Path, exit_with: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "job.py").write_text(SCRIPT)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    for key, value in environment().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("ONLY_IN_THE_STANDBY", "yes")  # the agent's environment when the standby started
+    entrypoint = Entrypoint(command=sys.executable, args=[str(scripts / "job.py"), "--flag"], cwd=str(workdir),
+                            env={"RECOVERY_STANDBY_PRELOAD": "json, argparse,tests.test_standby:mark_warm"})
+    pool = StandbyPool(tmp_path / "runtime", enabled=True, preload="torch", delay_s=0)
+    (tmp_path / "runtime").mkdir()
+    async with anyio.create_task_group() as tg:
+        try:
+            with anyio.fail_after(60):
+                await pool.keep("job", entrypoint)
+            standby = pool.take("job")
+            assert standby is not None
+            assert pool.take("job") is None  # taken: the next one is the agent's to start
+            assert "ready" in (tmp_path / "runtime" / "job.standby1.log").read_text()
+            env = {k: v for k, v in environment().items() if k != "ONLY_IN_THE_STANDBY"}
+            env.update({"RANK": "2", "EXIT_WITH": str(exit_with)})
+            output = tmp_path / "runtime" / "job.rank2.gen1.log"
+            proc = await ranks.start(entrypoint, env, output, job="job", rank=2, attempt=1, standby=standby)
+            assert proc.pid == standby.pid
+            tg.start_soon(ranks.reap, proc)
+            with anyio.fail_after(60):
+                await proc.ended.wait()
+        finally:
+            await pool.close()
+    assert proc.status() == (exit_with, None)
+    lines = output.read_text().splitlines()
+    assert f"argv {[str(scripts / 'job.py'), '--flag']}" in lines
+    assert f"path0 {scripts}" in lines
+    assert f"cwd {workdir}" in lines
+    assert "rank 2 agent-only None" in lines  # the rank's environment, not the standby's
+    assert "name __main__" in lines
+    assert "interpreter-stdin True" in lines
+    assert "warmed True" in lines  # `module:function` in the preload: imported and called before the hand-over
+
+
+async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:
+    entrypoint = Entrypoint(command=sys.executable, args=["job.py"], env={"PYTHONPATH": environment()["PYTHONPATH"]})
+    pool = StandbyPool(tmp_path, enabled=True, preload="json", delay_s=0)
+    with anyio.fail_after(60):
+        await pool.keep("job", entrypoint)
+    standby = pool._standbys["job"]
+    await pool.close()
+    assert standby.process.returncode is not None
+    assert pool.take("job") is None
+    await pool.keep("job", entrypoint)  # closed for good: no other standby starts
+    assert pool.take("job") is None and "job" not in pool._standbys
