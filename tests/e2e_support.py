@@ -37,9 +37,10 @@ def environment() -> dict[str, str]:
 
 
 class AgentProcess:
-    """`python -m recovery.cli.agent` for one node."""
+    """`python -m recovery.cli.agent` for one node (inside network namespace `namespace`, when given)."""
 
-    def __init__(self, workdir: Path, node: str, nats_url: str, spare: bool = False, *extra: str) -> None:
+    def __init__(self, workdir: Path, node: str, nats_url: str, spare: bool = False, *extra: str,
+                 namespace: str | None = None) -> None:
         self.node = node
         self.workdir = workdir / node
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -49,6 +50,8 @@ class AgentProcess:
         if spare:
             args.append("--spare")
         args.extend(extra)
+        if namespace is not None:
+            args = ["ip", "netns", "exec", namespace, *args]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          cwd=ROOT, env=environment())

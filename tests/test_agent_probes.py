@@ -11,9 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,41 +25,14 @@ from events.envelope import make_envelope
 from recovery.cli.agent import main as agent_main
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import DaemonProcess
-from tests.e2e_support import ROOT, connect, environment, submit, wait_until
+from tests.e2e_support import AgentProcess, connect, submit, wait_until
 from tests.test_probes import network_namespace, operstate_in, run_ip
 
 XID_79 = "NVRM: Xid (PCI:0000:05:00): 79, pid=1173, GPU has fallen off the bus.\n"
 
 
-class Agent:
-    """`python -m recovery.cli.agent` with extra flags, perhaps inside a network namespace."""
-
-    def __init__(self, workdir: Path, node: str, nats_url: str, *flags: str, namespace: str | None = None) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log_path = workdir / f"agent-{node}.log"
-        args = [sys.executable, "-m", "recovery.cli.agent", "--node", node, "--nats-url", nats_url,
-                "--runtime-dir", str(workdir / node), *flags]
-        if namespace is not None:
-            args = ["ip", "netns", "exec", namespace, *args]
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=ROOT, env=environment())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
-
-
 @contextlib.contextmanager
-def running(agent: Agent) -> Iterator[Agent]:
+def running(agent: AgentProcess) -> Iterator[AgentProcess]:
     try:
         yield agent
     finally:
@@ -123,7 +93,7 @@ async def test_the_agent_reports_link_transitions_and_xids_as_its_nodes_events(
              "--xid-poll-s", "0.05"]
     try:
         await asyncio.to_thread(daemon.wait_ready)
-        with running(Agent(tmp_path / "agent", "gpu-3", nats_server.url, *flags)) as agent:
+        with running(AgentProcess(tmp_path / "agent", "gpu-3", nats_server.url, False, *flags)) as agent:
             # the first poll reports the link that is down, and nothing of the one that is up
             await wait_until(lambda: bool(of(seen, "network.link_down")), 30, "ib1 reported down",
                              agent.log_tail)
@@ -182,8 +152,8 @@ async def test_a_veth_taken_down_in_the_agents_namespace_is_published_and_decide
             started = make_envelope("job.started", {}, id="linked:started", job="linked", source="test")
             await nc.jetstream().publish(subjects.job_event("linked", "job.started"), encode_envelope(started),
                                          headers={"Nats-Msg-Id": started.id})
-            with running(Agent(tmp_path / "agent", "n-link", server.url, "--links", "va", "--link-poll-s", "0.05",
-                               namespace=netns)) as agent:
+            with running(AgentProcess(tmp_path / "agent", "n-link", server.url, False, "--links", "va",
+                                      "--link-poll-s", "0.05", namespace=netns)) as agent:
                 await wait_until(lambda: bool(of(seen, "node.ready")), 60, "the agent in the namespace ready",
                                  agent.log_tail)
                 await wait_until(lambda: any(d["kind"] == "job.started" for d in decisions), 60, "the job running",
