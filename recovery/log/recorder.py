@@ -54,6 +54,21 @@ class Replay:
     inputs: int
 
 
+def decision_order(decisions: list[Decision]) -> list[Decision]:
+    """Recorded decisions in the order the engine made them: by the seq of their cause, then their index.
+
+    The log usually stores them in that order, but not always: the daemon publishes one batch's outputs pipelined,
+    and when the connection drops mid-batch the messages written into the dead socket are sent again after the
+    ones that were still buffered, so a batch's outputs can be stored permuted (never across batches: the next
+    batch's are published only once all of these are stored). Their `(cause_seq, index)` is their true order."""
+    return sorted(decisions, key=lambda d: (d.cause_seq, d.index))
+
+
+def rejection_order(rejections: list[Rejection]) -> list[Rejection]:
+    """Recorded dead letters in the order of the inputs they refused (see `decision_order`); stable within one."""
+    return sorted(rejections, key=lambda r: r.seq)
+
+
 def replay(records: Iterable[Record | RawRecord], engine: Engine | None = None) -> Replay:
     """Apply every input record to a fresh engine; collect derived and recorded outputs separately."""
     engine = engine or Engine()
@@ -74,4 +89,4 @@ def replay(records: Iterable[Record | RawRecord], engine: Engine | None = None) 
         inputs += 1
         for effect, _, _, _ in apply_encoded(engine, record):
             (decisions if isinstance(effect, Decision) else rejections).append(effect)  # type: ignore[arg-type]
-    return Replay(engine, decisions, rejections, recorded, recorded_rej, inputs)
+    return Replay(engine, decisions, rejections, decision_order(recorded), rejection_order(recorded_rej), inputs)

@@ -20,7 +20,7 @@ from policies import registry
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Engine
 from recovery.log.export import ExportHeader, rejection_jobs
-from recovery.log.recorder import Replay
+from recovery.log.recorder import Replay, decision_order, rejection_order
 
 DECISION_SUBJECTS = f"{PREFIX}.dec."
 DEAD_LETTER_SUBJECTS = f"{PREFIX}.dlq."
@@ -127,6 +127,8 @@ def replay_log(located: Iterable[Located], engine: Engine | None = None, job: st
                     chosen = record.envelope.data.spec.policies
                     result.refused_policies[seq] = {family: getattr(chosen, family).name
                                                     for family in ("detection", "rescheduling", "checkpoint")}
+    result.recorded_decisions = decision_order(result.recorded_decisions)
+    result.recorded_rejections = rejection_order(result.recorded_rejections)
     return result
 
 

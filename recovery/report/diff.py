@@ -29,6 +29,7 @@ class DecisionRow:
     """One decision as compared: `key` is what must be equal; the rest says where it is and why it was taken."""
 
     key: tuple[Any, ...]
+    order: tuple[int, int]  # (cause_seq, index): the order it was made in, whatever order it was stored in
     seq: int
     ts: int
     job: str
@@ -112,7 +113,8 @@ def _decision(side: LogSide, record: RawDict, d: dict[str, Any]) -> None:
     key = (d["kind"], d.get("policy"), _NUMBERED.sub("#", d.get("reason", "")), d.get("phase"), d.get("state"),
            commands, repr(sorted(detail.items())))
     side.decisions.setdefault(d["job"], []).append(DecisionRow(
-        key=key, seq=record["seq"], ts=record["ts"], job=d["job"], kind=d["kind"], policy=d.get("policy"),
+        key=key, order=(int(d["cause_seq"]), int(d.get("index", 0))), seq=record["seq"], ts=record["ts"],
+        job=d["job"], kind=d["kind"], policy=d.get("policy"),
         reason=d.get("reason", ""), phase=d.get("phase"), commands=commands, detail=detail,
         cause=f"seq {d['cause_seq']} " + side.recent.get(d["cause_seq"], "(an input not in view)")))
 
@@ -142,7 +144,9 @@ def diff_logs(a: Iterable[RawDict], b: Iterable[RawDict], job: str | None = None
     jobs = []
     first: dict[str, Any] | None = None
     for name in sorted(set(left.decisions) | set(right.decisions)):
-        da, db = left.decisions.get(name, []), right.decisions.get(name, [])
+        # a batch's decisions may be stored permuted (`recovery.log.recorder.decision_order`)
+        da = sorted(left.decisions.get(name, []), key=lambda r: r.order)
+        db = sorted(right.decisions.get(name, []), key=lambda r: r.order)
         matcher = difflib.SequenceMatcher(None, [r.key for r in da], [r.key for r in db], autojunk=False)
         hunks = []
         for tag, i1, i2, j1, j2 in matcher.get_opcodes():

@@ -38,6 +38,9 @@ REPORT_VERSION = 1
 
 STEP_POINTS = 2048
 RECENT_INPUTS = 512
+MAX_HELD = 10_000
+"""decisions held for an earlier sibling at most; past it (a sibling that never comes: cut by --since, lost with
+the stream's head) every held one is folded"""
 LOOSE_DECISIONS = 200
 """decisions outside incidents listed per job (the rest are counted by kind)"""
 LIST_ITEMS = 16
@@ -74,6 +77,11 @@ class ReportFold:
         self.rejections: dict[str, int] = {}
         self.notes: list[str] = []
         self.malformed = 0
+        # A batch's decisions can be stored permuted when the daemon's connection dropped mid-batch
+        # (`recovery.log.recorder.decision_order`): a decision whose earlier siblings (same cause, lower index) are
+        # not in yet waits for them here, so an incident is never seen planned before it was confirmed.
+        self.next_index: dict[int, int] = {}  # cause seq -> the index of the next decision expected from it
+        self.held: dict[tuple[int, int], tuple[RawDict, int]] = {}
 
     # -- reading ------------------------------------------------------------------------------------------
     def add_all(self, records: Iterable[RawDict]) -> ReportFold:
@@ -105,7 +113,7 @@ class ReportFold:
         type_ = env.get("type")
         if subject.startswith("recovery.dec."):
             if type_ == "decision":
-                self._decision(record, env["data"], ts)
+                self._in_order(record, env["data"], ts)
             return
         if subject.startswith("recovery.dlq."):
             if type_ == "rejection":
@@ -136,6 +144,36 @@ class ReportFold:
                 self._progress(job, int(env["data"]["step"]), ts)
         elif type_ == "job.submitted":
             self._submitted(job_id, env["data"]["spec"], ts)
+
+    def _in_order(self, record: RawDict, d: dict[str, Any], ts: int) -> None:
+        """Fold `d` now if the decisions of its cause before it are folded, else hold it until they are."""
+        cause, index = int(d["cause_seq"]), int(d["index"])
+        expected = self.next_index.get(cause, 0)
+        if index > expected:
+            self.held[(cause, index)] = (record, ts)
+            if len(self.held) > MAX_HELD:  # a sibling that never comes (cut by --since): stop waiting for it
+                self._release_held()
+            return
+        self._fold(record, ts)
+        index += 1
+        while (cause, index) in self.held:
+            self._fold(*self.held.pop((cause, index)))
+            index += 1
+        self.next_index[cause] = max(expected, index)
+        if len(self.next_index) > 2 * RECENT_INPUTS:
+            self.next_index = dict(list(self.next_index.items())[-RECENT_INPUTS:])
+
+    def _release_held(self) -> None:
+        """Fold every held decision, in their causes' order: the ones before them are not coming."""
+        held, self.held = self.held, {}
+        for key in sorted(held):
+            self._fold(*held[key])
+
+    def _fold(self, record: RawDict, ts: int) -> None:
+        try:
+            self._decision(record, record["envelope"]["data"], ts)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            self.malformed += 1
 
     def _job(self, job_id: str, ts: int) -> JobFold:
         job = self.jobs.get(job_id)
@@ -343,6 +381,7 @@ class ReportFold:
     # -- the result ---------------------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
         """The report (documented in README.md, "Postmortems": `--json` prints exactly this)."""
+        self._release_held()
         end = self.last_ts if self.last_ts is not None else 0
         jobs = [job_report(job, end) for job in sorted(self.jobs.values(), key=lambda j: j.id)]
         incidents = [inc for j in jobs for inc in j["incidents"]]
