@@ -18,6 +18,7 @@ import pytest
 from events import subjects
 from events.envelope import make_envelope
 from recovery.agent.config import ConfigError, load
+from recovery.agent.reset import ResetFailed, reset_device
 from recovery.log.jetstream import JetStreamLog, ensure_stream, stream_config
 from recovery.testing.nats import NatsServer
 from tests.e2e_support import AgentProcess, JobWatch, connect, kill_leftovers, submit, wait_until, watch
@@ -166,3 +167,82 @@ async def test_an_agent_started_after_a_job_was_submitted_knows_it_and_carries_o
         agent.stop()
         kill_leftovers([pid for pids in w.pids().values() for pid in pids])
         await nc.close()
+
+
+RESET = '''
+import os, sys
+device, marker, pids = sys.argv[1], sys.argv[2], sys.argv[3]
+alive = []
+for pid in open(pids).read().split():
+    try:
+        os.kill(int(pid), 0)
+        alive.append(pid)
+    except ProcessLookupError:
+        pass
+with open(marker, "a") as out:
+    out.write(f"{device} alive={','.join(alive) or 'none'}\\n")
+if device == "3":
+    print("Unable to reset GPU 00000000:3B:00.0: it is in use by another client")
+    sys.exit(3)
+'''
+
+
+async def test_a_restart_in_place_resets_its_devices_between_the_kill_and_the_start(
+        streams: NatsServer, tmp_path: Path) -> None:
+    script, reset = tmp_path / "stand_in.py", tmp_path / "reset.py"
+    script.write_text(STAND_IN)
+    reset.write_text(RESET)
+    marker, pids = tmp_path / "resets.txt", tmp_path / "pids.txt"
+    agent = AgentProcess(tmp_path, "n1", streams.url, False, "--device-reset-command",
+                         f"{sys.executable} {reset} {{device}} {marker} {pids}")
+    nc = await connect(streams.url)
+    w = await watch(nc, "r")
+    ready: list[str] = []
+
+    async def on_node(msg: Any) -> None:
+        ready.append(msg.subject)
+
+    await nc.subscribe("recovery.ev.node.n1.>", cb=on_node)
+    try:
+        await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
+        spec = {"nodes": ["elsewhere", "n1"], "ranks_per_node": 2, "layout": {"dp": 4},
+                "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
+                               "env": {"MASTER_PORT": "1"}}}
+        await submit(nc, "r", spec)
+        await wait_until(lambda: set(w.pids()) == {2, 3} and w.step(2) >= 2 and w.step(3) >= 2, 30,
+                         "ranks 2 and 3 to run", agent.log_tail)
+        old = w.pids()[2][0]
+        pids.write_text(f"{old}\n")
+        plan = {"checkpoint_step": None, "next_step": 0, "shards": []}
+        await command(nc, "n1", {"id": "r:7:0", "job": "r", "attempt": 1, "deadline_s": 60.0,
+                                 "kind": "restart_ranks", "ranks": [2], "plan": plan,
+                                 "reset_devices": {"n1": [0], "elsewhere": [5]}})
+        await wait_until(lambda: acks(w, "r:7:0") == ["accepted", "done"], 30, "the restart's acks", agent.log_tail)
+        done = [e["data"] for e in w.of("command.ack") if e["data"]["command_id"] == "r:7:0"][-1]
+        assert done["result"]["reset"] == [0]  # only this node's devices
+        assert marker.read_text() == "0 alive=none\n"  # reset once the rank was gone, and before its new start
+        await wait_until(lambda: len(w.pids().get(2, [])) == 2, 30, "rank 2 started again", agent.log_tail)
+
+        pids.write_text(f"{w.pids()[3][0]}\n")
+        await command(nc, "n1", {"id": "r:8:0", "job": "r", "attempt": 2, "deadline_s": 60.0,
+                                 "kind": "restart_ranks", "ranks": [3], "plan": plan, "reset_devices": {"n1": [3]}})
+        await wait_until(lambda: acks(w, "r:8:0") == ["accepted", "failed"], 30, "the failed reset's acks",
+                         agent.log_tail)
+        failed = [e["data"] for e in w.of("command.ack") if e["data"]["command_id"] == "r:8:0"][-1]
+        assert "resetting GPU 3 failed" in failed["reason"] and "exit status 3" in failed["reason"]
+        assert "in use by another client" in failed["reason"]
+        assert len(w.pids()[3]) == 1  # not started again on a GPU that was not reset: the policy moves it instead
+    finally:
+        agent.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+
+
+async def test_a_reset_that_hangs_or_cannot_run_fails_with_why() -> None:
+    with pytest.raises(ResetFailed, match=r"took more than 0.2 s"):
+        await reset_device(f"{sys.executable} -c 'import time; time.sleep(30)' {{device}}", 1, 0.2)
+    with pytest.raises(ResetFailed, match="no-such-smi not found"):
+        await reset_device("no-such-smi -r -i {device}", 1, 5)
+    with pytest.raises(ResetFailed, match="empty"):
+        await reset_device("  ", 1, 5)
+    await reset_device(f"{sys.executable} -c 'import sys; sys.exit(int(sys.argv[1]))' {{device}}", 0, 10)

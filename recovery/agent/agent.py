@@ -39,6 +39,7 @@ from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
+from recovery.agent.reset import ResetFailed, reset_device
 from recovery.agent.standby import StandbyPool
 from recovery.log.jetstream import JetStreamLog
 
@@ -362,9 +363,16 @@ class Agent:
                 assert job is not None
                 mine = [r for r in command.ranks if r in job.ranks_on(self.node)]
                 await self._kill(job, mine)
+                reset = sorted(command.reset_devices.get(self.node, []))
+                for device in reset:  # after the ranks are gone (a GPU in use cannot be reset), before they start
+                    try:
+                        await reset_device(self.cfg.device_reset_command, device, self.cfg.device_reset_timeout_s)
+                    except ResetFailed as exc:
+                        raise CommandFailed(str(exc)) from None
+                    logger.info("reset GPU %d for job %s", device, job.id)
                 for rank in mine:
                     await self._launch(job, rank, command.attempt, command.plan)
-                return {"restarted": mine}
+                return {"restarted": mine, "reset": reset} if reset else {"restarted": mine}
             case StopRanks():
                 assert job is not None
                 mine = [r for r in command.ranks if r in job.ranks_on(self.node)]

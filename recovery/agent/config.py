@@ -18,6 +18,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from events.subjects import check_token
 from recovery import settings
+from recovery.agent.reset import DEFAULT_COMMAND as DEFAULT_RESET_COMMAND
 from recovery.settings import ConfigError, FileSettings
 
 __all__ = ["ENV_PREFIX", "AgentConfig", "ConfigError", "add_arguments", "load"]
@@ -73,6 +74,13 @@ class AgentConfig(FileSettings):
     standby_delay_s: float = Field(5.0, ge=0, le=3600, description="how long after a job's start or a hand-over "
                                                                     "the next standby starts (its imports would "
                                                                     "compete for the CPU with the ranks')")
+    device_reset_command: str = Field(DEFAULT_RESET_COMMAND, description="how a GPU is reset before its ranks "
+                                                                        "restart in place (an XID 48): a command "
+                                                                        "line, `{device}` the device index; empty: "
+                                                                        "this node does not reset, such a restart "
+                                                                        "fails and the policy moves the ranks")
+    device_reset_timeout_s: float = Field(120.0, gt=0, le=3600, description="how long a reset may take before the "
+                                                                             "restart fails")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
     @field_validator("links", mode="before")
