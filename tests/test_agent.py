@@ -231,6 +231,7 @@ async def test_a_restart_in_place_resets_its_devices_between_the_kill_and_the_st
         failed = [e["data"] for e in w.of("command.ack") if e["data"]["command_id"] == "r:8:0"][-1]
         assert "resetting GPU 3 failed" in failed["reason"] and "exit status 3" in failed["reason"]
         assert "in use by another client" in failed["reason"]
+        assert failed["result"] == {"node": "n1", "reset_failed": [3]}  # what the engine counts bad again
         assert len(w.pids()[3]) == 1  # not started again on a GPU that was not reset: the policy moves it instead
     finally:
         agent.stop()

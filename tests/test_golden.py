@@ -265,6 +265,21 @@ def test_a_wait_that_runs_out_resets_the_device_and_restarts_in_place() -> None:
     assert closed(result).detail["granularity"] == "in_place"
 
 
+def test_a_reset_that_fails_counts_the_device_bad_again_and_the_rank_moves() -> None:
+    result = load("reset_fails_then_moves")
+    [restart] = commands(result, "restart_ranks")
+    assert restart.reset_devices == {"d1": [1]}
+    [failed] = kinds(result, "attempt.failed")
+    assert "resetting GPU 1 failed" in failed.reason
+    # not restarted onto the GPU that failed its reset: the job waits for a node instead, and the spare takes d1's
+    waiting = kinds(result, "attempt.waiting")[-1]
+    assert not commands(result, "restart_job") and (waiting.cause_seq, waiting.index) > (failed.cause_seq, failed.index)
+    [move] = commands(result, "migrate_ranks")
+    assert (move.from_node, move.to_node) == ("d1", "s0")
+    assert closed(result).detail["granularity"] == "migrate" and not kinds(result, "job.failed")
+    assert result.engine.cluster.node("d1").bad_devices == {1}
+
+
 def test_a_lemon_gpu_is_isolated_only_once_a_spare_can_replace_it() -> None:
     result = load("lemon_isolated_with_spare")
     no_spare = [d for d in result.decisions if "not isolated: no spare" in d.reason]

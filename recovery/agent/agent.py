@@ -353,7 +353,7 @@ class Agent:
             result = await self._execute(command, job)
         except CommandFailed as exc:
             logger.warning("command %s failed: %s", command.id, exc)
-            self.ack(command, "failed", str(exc))
+            self.ack(command, "failed", str(exc), **exc.result)
             return
         self.ack(command, "done", **result)
 
@@ -368,7 +368,8 @@ class Agent:
                     try:
                         await reset_device(self.cfg.device_reset_command, device, self.cfg.device_reset_timeout_s)
                     except ResetFailed as exc:
-                        raise CommandFailed(str(exc)) from None
+                        # named in the ack, so that the engine counts the device bad again and moves the ranks
+                        raise CommandFailed(str(exc), reset_failed=[device]) from None
                     logger.info("reset GPU %d for job %s", device, job.id)
                 for rank in mine:
                     await self._launch(job, rank, command.attempt, command.plan)
@@ -464,7 +465,11 @@ class Agent:
 
 
 class CommandFailed(Exception):
-    """A command that could not be carried out: its ack says why."""
+    """A command that could not be carried out: its ack says why, and `result` what the engine may act on."""
+
+    def __init__(self, reason: str, **result: Any) -> None:
+        super().__init__(reason)
+        self.result = result
 
 
 async def _next_seq(log: JetStreamLog) -> int:

@@ -496,6 +496,8 @@ class Incidents:
                 attempt.pending.clear()
                 self.checkpoint(out, job, attempt)
                 return
+            if kind == "restart_ranks":
+                self._reset_failed(attempt, data)
             self.end_attempt(out, job, attempt, AttemptOutcome.FAILED, f"{kind} failed: {data.reason}".rstrip(": "),
                               cancelled)
             return
@@ -524,6 +526,19 @@ class Incidents:
             out.decide(job, DecisionKind.RANKS_RESTORING, "executors done: waiting for progress past step "
                        f"{self._resume_step(job, attempt)}",
                          cancelled=cancelled)
+
+    def _reset_failed(self, attempt: Attempt, data: kinds.CommandAck) -> None:
+        """The devices an agent could not reset (`result.reset_failed`, on its node `result.node`) are bad again:
+        the attempt counted them usable when it started (`start`), and a restart on them would fail the same way.
+        They stay out of `resettable`, so the ladder moves their ranks rather than trying the reset again. Anything
+        else in the result (a device the attempt did not reset, not a list) is an agent's mistake: ignored."""
+        node, devices = data.result.get("node"), data.result.get("reset_failed")
+        if not isinstance(node, str) or not isinstance(devices, list):
+            return
+        meant = attempt.reset.get(node, ())
+        failed = {d for d in devices if isinstance(d, int) and not isinstance(d, bool) and d in meant}
+        if failed and node in self.cluster.nodes:
+            self.cluster.node(node).bad_devices.update(failed)
 
     def _settle_move(self, job: Job, incident: Incident, command_id: str, done: bool) -> None:
         """A migration's outcome is known: done, it stays; failed or unanswered, the ranks never left their node, so

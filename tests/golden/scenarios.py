@@ -433,6 +433,34 @@ def wait_deadline_reset() -> Scenario:
 
 
 @scenario
+def reset_fails_then_moves() -> Scenario:
+    """The reset fallback of `wait_deadline_reset`, on a GPU the reset cannot clear: the node's agent says which
+    device it could not reset, the engine counts it bad again (it had counted it usable when the restart began), so
+    the ladder does not restart the job onto it; the job waits, bounded, and the next spare takes the rank's node."""
+    s = Scenario()
+    s.submit("dbe", ["d0", "d1"], ranks_per_node=4, dp=8)
+    s.train("dbe", 10)
+    s.checkpoint("dbe", 10, "storage", "storage")
+    s.train("dbe", 2)
+    s.node_event("d1", "device.fault", device=1, vendor="nvidia", code="48")
+    s.advance(0.5)
+    s.job_event("dbe", "process.exited", rank=5, exit_code=None, signal=6)
+    s.ack_all()
+    s.advance(301)
+    [restart] = s.outstanding()
+    s.job_event("dbe", "command.ack", command_id=restart.id, status="accepted", result={"node": "d1"})
+    s.job_event("dbe", "command.ack", command_id=restart.id, status="failed",
+                reason="resetting GPU 1 failed (nvidia-smi --gpu-reset -i 1: exit status 3)",
+                result={"node": "d1", "reset_failed": [1]})
+    s.advance(60)
+    s.node_event("s0", "node.joined", spare=True, devices=8)
+    s.ack_all()
+    s.advance(5)
+    s.train("dbe", 2)
+    return s
+
+
+@scenario
 def lemon_isolated_with_spare() -> Scenario:
     """A GPU that keeps raising double-bit ECC errors, across jobs: the cluster's history, not one job's, makes it a
     lemon. With no spare the job would lose a node by isolating it: it is reset and used again, and the decision
