@@ -236,6 +236,12 @@ async def test_ctl_verbs_and_the_cli(daemon: Daemon, nats_server: NatsServer, tm
     refused_cli = await asyncio.to_thread(subprocess.run, [*cli, "cancel", "nope"], capture_output=True, text=True,
                                           cwd=ROOT, check=False)
     assert refused_cli.returncode == 1 and "no job 'nope'" in refused_cli.stderr
+    release = await asyncio.to_thread(subprocess.run, [*cli, "release", "train", "t1", "--device", "1", "--reason",
+                                                       "swapped"], capture_output=True, text=True, cwd=ROOT,
+                                      check=False, env={**os.environ, "COLUMNS": "200"})
+    # the node and device reach the engine, which says they are not isolated (it releases only what is)
+    assert release.returncode == 1 and "device 1 of t1 is not isolated" in release.stdout, release.stdout
+    assert "operator.release" in release.stdout
 
 
 async def test_http_endpoints_and_metrics(daemon: Daemon, nats_server: NatsServer) -> None:

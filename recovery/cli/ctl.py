@@ -133,7 +133,7 @@ def load_spec(path: str) -> dict[str, Any]:
 def build_body(args: argparse.Namespace) -> dict[str, Any]:
     verb = args.verb
     body: dict[str, Any] = {}
-    if verb in ("submit", "inject", "scale", "pause", "resume", "cancel", "force"):
+    if verb in ("submit", "inject", "scale", "pause", "resume", "cancel", "force", "release"):
         body["id"] = args.id or f"ctl-{verb}-{secrets.token_hex(6)}"
     if verb == "submit":
         data = load_spec(args.spec)
@@ -152,12 +152,16 @@ def build_body(args: argparse.Namespace) -> dict[str, Any]:
             body["data"] = orjson.loads(args.data) if args.data else {}
         except orjson.JSONDecodeError as exc:
             raise CtlFailure(f"--data is not JSON: {exc}") from None
-    elif verb in ("job", "scale", "pause", "resume", "cancel", "force"):
+    elif verb in ("job", "scale", "pause", "resume", "cancel", "force", "release"):
         body["job"] = args.job
         if verb == "scale":
             body["dp"] = args.dp
         if verb == "force":
             body["granularity"] = args.granularity
+        if verb == "release":
+            body["node"] = args.node
+            if args.device is not None:
+                body["device"] = args.device
         if getattr(args, "reason", None):
             body["reason"] = args.reason
     elif verb == "incidents":
@@ -267,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("force", help="start a recovery attempt of this granularity now")
     p.add_argument("job")
     p.add_argument("granularity")
+    p.add_argument("--reason", default="")
+    p.add_argument("--id")
+    p = sub.add_parser("release", help="end a node's (or one device's) isolation now: it was checked or replaced")
+    p.add_argument("job", help="the job whose incident isolated it")
+    p.add_argument("node")
+    p.add_argument("--device", type=int, help="only this device of the node")
     p.add_argument("--reason", default="")
     p.add_argument("--id")
     return parser

@@ -1,7 +1,7 @@
 """The daemon's side of `recovery-ctl`: a NATS request/reply service on `recovery.ctl.<verb>`.
 
 Requests and replies are JSON objects; a reply has `ok` and either the answer or `error`. Verbs that change
-something (submit, inject, scale, pause, resume, cancel, force) publish an input event into the log, like
+something (submit, inject, scale, pause, resume, cancel, force, release) publish an input event into the log, like
 any other source, with the request's id as its dedupe id (a retried request is the same event), wait until
 the engine has applied it and answer with the decisions or the rejection it caused. Queries (status, jobs,
 job, incidents) read the engine's state between two records.
@@ -37,7 +37,8 @@ logger = logging.getLogger("recovery.control")
 SUBJECT = f"{subjects.PREFIX}.ctl"
 SOURCE = "recovery-ctl"
 QUEUE = "recovery-daemon"
-VERBS = ("status", "jobs", "job", "incidents", "submit", "inject", "scale", "pause", "resume", "cancel", "force")
+VERBS = ("status", "jobs", "job", "incidents", "submit", "inject", "scale", "pause", "resume", "cancel", "force",
+         "release")
 
 
 class CtlError(Exception):
@@ -107,6 +108,7 @@ class ControlService:
             "status": self._status, "jobs": self._jobs, "job": self._job, "incidents": self._incidents,
             "submit": self._submit, "inject": self._inject, "scale": self._operator, "pause": self._operator,
             "resume": self._operator, "cancel": self._operator, "force": self._operator,
+            "release": self._operator,
         }
 
     async def subscribe(self, nc: Client) -> None:
@@ -210,7 +212,11 @@ class ControlService:
             data["dp"] = body.get("dp")
         if verb == "force":
             data["granularity"] = body.get("granularity")
-        if verb in ("pause", "cancel", "force") and body.get("reason"):
+        if verb == "release":
+            data["node"] = body.get("node")
+            if body.get("device") is not None:
+                data["device"] = body.get("device")
+        if verb in ("pause", "cancel", "force", "release") and body.get("reason"):
             data["reason"] = str(body["reason"])
         return await self._publish(f"operator.{verb}", data, body, job=job)
 
