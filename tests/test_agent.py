@@ -18,6 +18,7 @@ import pytest
 from events import subjects
 from events.envelope import make_envelope
 from recovery.agent.config import ConfigError, load
+from recovery.agent.ranks import start_time
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.log.jetstream import JetStreamLog, ensure_stream, stream_config
 from recovery.testing.nats import NatsServer
@@ -247,3 +248,64 @@ async def test_a_reset_that_hangs_or_cannot_run_fails_with_why() -> None:
     with pytest.raises(ResetFailed, match="empty"):
         await reset_device("  ", 1, 5)
     await reset_device(f"{sys.executable} -c 'import sys; sys.exit(int(sys.argv[1]))' {{device}}", 0, 10)
+
+
+async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(streams: NatsServer,
+                                                                            tmp_path: Path) -> None:
+    """An agent upgraded or crashed under running training: the new one finds the ranks the old one started (by
+    the records it left, checked against the processes' start times), reports their exits and, told to restart one,
+    replaces it rather than starting a second copy beside it."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    nc = await connect(streams.url)
+    w = await watch(nc, "ad")
+    ready: list[str] = []
+
+    async def on_node(msg: Any) -> None:
+        ready.append(msg.subject)
+
+    await nc.subscribe("recovery.ev.node.n6.node.ready", cb=on_node)
+    old = AgentProcess(tmp_path, "n6", streams.url)
+    new: AgentProcess | None = None
+    try:
+        await wait_until(lambda: bool(ready), 30, "the agent's node.ready", old.log_tail)
+        spec = {"nodes": ["n6"], "ranks_per_node": 3, "layout": {"dp": 3},
+                "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
+                               "env": {"MASTER_PORT": "1"}}}
+        await submit(nc, "ad", spec)
+        await wait_until(lambda: set(w.pids()) == {0, 1, 2} and min(w.step(r) for r in range(3)) >= 2, 30,
+                         "three ranks to run", old.log_tail)
+        pids = {rank: p[0] for rank, p in w.pids().items()}
+        old.proc.kill()  # the agent alone: its ranks run in sessions of their own and go on
+        old.proc.wait(timeout=10)
+        assert all(os.kill(pid, 0) is None for pid in pids.values())
+        ready.clear()
+        new = AgentProcess(tmp_path, "n6", streams.url)
+        await wait_until(lambda: bool(ready), 30, "the new agent's node.ready", new.log_tail)
+        await wait_until(lambda: new.log_tail(50).count("adopted rank") == 3, 30, "the three adoptions",
+                         new.log_tail)
+        assert not w.of("process.exited")
+
+        os.kill(pids[0], signal.SIGKILL)  # a crash the new agent did not see start
+        await wait_until(lambda: bool(w.of("process.exited")), 15, "rank 0's exit", new.log_tail)
+        # not its child: the status is unknown, which the engine takes as a process fault
+        assert w.of("process.exited")[0]["data"] == {"rank": 0, "exit_code": None, "signal": None, "attempt": 0}
+
+        plan = {"checkpoint_step": None, "next_step": 0, "shards": []}
+        await command(nc, "n6", {"id": "ad:9:0", "job": "ad", "attempt": 1, "deadline_s": 60.0,
+                                 "kind": "restart_ranks", "ranks": [1], "plan": plan})
+        await wait_until(lambda: acks(w, "ad:9:0") == ["accepted", "done"], 30, "the restart's acks", new.log_tail)
+        assert start_time(pids[1]) is None  # replaced, not doubled (ended; a zombie where nothing reaps orphans)
+        assert [(e["data"]["rank"], e["data"]["attempt"]) for e in w.of("process.started")][-1] == (1, 1)
+
+        await command(nc, "n6", {"id": "ad:10:0", "job": "ad", "attempt": 1, "deadline_s": 60.0,
+                                 "kind": "stop_ranks", "ranks": [2], "mode": "graceful", "grace_s": 10.0})
+        await wait_until(lambda: acks(w, "ad:10:0") == ["accepted", "done"], 30, "the stop's acks", new.log_tail)
+        exits = {e["data"]["rank"]: e["data"] for e in w.of("process.exited")}
+        assert exits[2]["exit_code"] == 0  # its SDK said it was closing: the script's own end
+    finally:
+        old.stop()
+        if new is not None:
+            new.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()

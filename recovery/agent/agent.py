@@ -254,7 +254,10 @@ class Agent:
         assert self._tg is not None
         await self._tg.start(job.channel.serve)
         if not launch:
-            return  # a job from before this agent: its processes are not this agent's children to start or reap
+            # A job from before this agent: nothing is started for it, and its ranks that outlived the old agent
+            # are adopted, so that their exits are reported and a restart replaces them instead of doubling them.
+            self._adopt(job)
+            return
         if spec.nodes[0] == self.node and spec.entrypoint.rendezvous == "agent":
             await self._host_store(job)
         for rank in job.ranks_on(self.node):
@@ -263,6 +266,21 @@ class Agent:
             self.job_event(job_id, "job.started", {}, event_id=f"{job_id}:started")
         if self.standbys.wanted(spec.entrypoint):
             self._tg.start_soon(self.standbys.keep, job_id, spec.entrypoint)
+
+    def _adopt(self, job: JobOnNode) -> None:
+        prefix = f"{job.id}.rank"
+        for path in sorted(self.runtime_dir.glob("*.json")):
+            rank = path.name[len(prefix):-len(".json")]
+            if not path.name.startswith(prefix) or not rank.isdigit():
+                continue
+            proc = ranks.adopt(self.runtime_dir, job.id, int(rank))
+            if proc is None:
+                continue
+            job.processes[proc.rank] = proc
+            logger.info("adopted rank %d of %s (pid %d, generation %d), which outlived the previous agent",
+                        proc.rank, job.id, proc.pid, proc.attempt)
+            assert self._tg is not None
+            self._tg.start_soon(self._watch, job, proc)
 
     async def _host_store(self, job: JobOnNode) -> None:
         """Start the job's rendezvous store beside the agent and wait until it listens."""
@@ -288,6 +306,7 @@ class Agent:
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
                                  standby=standby)
         job.processes[rank] = proc
+        ranks.write_record(self.runtime_dir, proc)
         if standby is not None:
             assert self._tg is not None
             self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint)
@@ -297,6 +316,7 @@ class Agent:
 
     async def _watch(self, job: JobOnNode, proc: ranks.RankProcess) -> None:
         await ranks.reap(proc)
+        ranks.forget_record(self.runtime_dir, proc)
         exit_code, signal = proc.status()
         data: dict[str, Any] = {"rank": proc.rank, "attempt": proc.attempt}
         if signal is not None:
@@ -336,6 +356,10 @@ class Agent:
                     done = job.saves.get(str(message.get("id")))
                     if done is not None:
                         done.set()
+            elif op == "closing":
+                proc = job.processes.get(rank)
+                if proc is not None and proc.alive:  # the rank's process now (a survivor's generation moves on)
+                    proc.closing = True
             elif op == "save_failed":
                 done = job.saves.get(str(message.get("id")))
                 if done is not None:

@@ -4,6 +4,7 @@ their start in a session of their own, signals to that session, and how each end
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -33,10 +34,11 @@ class RankProcess:
     job: str
     rank: int
     attempt: int
-    process: Process
+    process: Process | None  # None: adopted, a rank that outlived the agent that started it (not our child)
     pid: int
     ended: anyio.Event = field(default_factory=anyio.Event)
     returncode: int | None = None
+    closing: bool = False  # its SDK said the script is done (the exit of an adopted rank counts as clean)
 
     @property
     def alive(self) -> bool:
@@ -103,9 +105,72 @@ async def start(entrypoint: Entrypoint, env: dict[str, str], output: Path, *, jo
 
 
 async def reap(proc: RankProcess) -> None:
-    """Wait for the process to end and keep its return code."""
-    proc.returncode = await proc.process.wait()
+    """Wait for the process to end and keep its return code. An adopted rank is not our child: its end is seen
+    through a pidfd (readable once it has exited) and its status is unknown, unless its SDK said it was closing,
+    which counts as a clean exit (0)."""
+    if proc.process is not None:
+        proc.returncode = await proc.process.wait()
+    else:
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:
+            fd = None  # gone already
+        if fd is not None:
+            try:
+                await anyio.wait_readable(fd)
+            finally:
+                os.close(fd)
+        proc.returncode = 0 if proc.closing else None
     proc.ended.set()
+
+
+# -- ranks that outlive their agent --------------------------------------------------------------------
+# The agent keeps a record per running rank in its runtime directory: pid, generation and the kernel's start time of
+# the process (which tells the rank from a later process that reused its pid). An agent restarted on the node (an
+# upgrade, a crash) adopts the ranks whose records still match a live process: it sees them exit and can stop or
+# replace them, instead of starting a second copy of a rank that is still running.
+
+def record_path(runtime_dir: Path, job: str, rank: int) -> Path:
+    return runtime_dir / f"{job}.rank{rank}.json"
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces and parentheses
+    return int(fields[19]) if len(fields) > 19 and fields[0] != "Z" else None
+
+
+def write_record(runtime_dir: Path, proc: RankProcess) -> None:
+    started = start_time(proc.pid)
+    if started is None:
+        return
+    path = record_path(runtime_dir, proc.job, proc.rank)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"pid": proc.pid, "attempt": proc.attempt, "start": started}))
+    temporary.replace(path)  # whole or not at all: an agent killed mid-write leaves the older record
+
+
+def forget_record(runtime_dir: Path, proc: RankProcess) -> None:
+    path = record_path(runtime_dir, proc.job, proc.rank)
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(path.read_text()).get("pid") == proc.pid:
+            path.unlink()
+
+
+def adopt(runtime_dir: Path, job: str, rank: int) -> RankProcess | None:
+    """The rank's process from the record an earlier agent left, if that process still runs."""
+    try:
+        record = json.loads(record_path(runtime_dir, job, rank).read_text())
+        pid, attempt, started = int(record["pid"]), int(record["attempt"]), int(record["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if start_time(pid) != started:
+        return None  # ended (its pid maybe reused): nothing to adopt
+    return RankProcess(job, rank, attempt, None, pid)
 
 
 async def stop(proc: RankProcess, grace_s: float, kill_after_s: float) -> bool:

@@ -118,6 +118,9 @@ class Client:
         """The script is done with the client. With `keep_heartbeats` (a script about to exit), heartbeats go on
         from their daemon thread until the process has exited: an interpreter that takes seconds to end (torch's
         teardown on a loaded host) is not taken for a hung rank, and the agent reports the exit it sees."""
+        # An agent that did not start this process (it was restarted meanwhile) cannot read its exit status: this
+        # tells it that the exit to come is the script's own end.
+        self._send({"op": "closing"})
         if keep_heartbeats:
             return
         self._closed.set()
