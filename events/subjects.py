@@ -87,6 +87,11 @@ def node_commands(node: str) -> str:
     return f"{PREFIX}.cmd.{node}.>"
 
 
+def job_commands(node: str, job: str) -> str:
+    """The filter of one job's commands to one node."""
+    return f"{PREFIX}.cmd.{node}.{job}.>"
+
+
 def command_msg_id(command_id: str, node: str) -> str:
     """The `Nats-Msg-Id` of a command's copy for one node: one command reaches several agents, and JetStream
     would drop every copy after the first if they shared the command's id."""

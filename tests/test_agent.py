@@ -253,8 +253,8 @@ async def test_a_reset_that_hangs_or_cannot_run_fails_with_why() -> None:
 async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(streams: NatsServer,
                                                                             tmp_path: Path) -> None:
     """An agent upgraded or crashed under running training: the new one finds the ranks the old one started (by
-    the records it left, checked against the processes' start times), reports their exits and, told to restart one,
-    replaces it rather than starting a second copy beside it."""
+    the records it left, checked against the processes' start times), ends those a command it missed would have
+    ended, reports their exits and, told to restart one, replaces it rather than starting a second copy beside it."""
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     nc = await connect(streams.url)
@@ -267,31 +267,39 @@ async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(stre
     await nc.subscribe("recovery.ev.node.n6.node.ready", cb=on_node)
     old = AgentProcess(tmp_path, "n6", streams.url)
     new: AgentProcess | None = None
+    plan = {"checkpoint_step": None, "next_step": 0, "shards": []}
     try:
         await wait_until(lambda: bool(ready), 30, "the agent's node.ready", old.log_tail)
-        spec = {"nodes": ["n6"], "ranks_per_node": 3, "layout": {"dp": 3},
+        spec = {"nodes": ["n6"], "ranks_per_node": 4, "layout": {"dp": 4},
                 "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
                                "env": {"MASTER_PORT": "1"}}}
         await submit(nc, "ad", spec)
-        await wait_until(lambda: set(w.pids()) == {0, 1, 2} and min(w.step(r) for r in range(3)) >= 2, 30,
-                         "three ranks to run", old.log_tail)
+        await wait_until(lambda: set(w.pids()) == {0, 1, 2, 3} and min(w.step(r) for r in range(4)) >= 2, 30,
+                         "four ranks to run", old.log_tail)
         pids = {rank: p[0] for rank, p in w.pids().items()}
         old.proc.kill()  # the agent alone: its ranks run in sessions of their own and go on
         old.proc.wait(timeout=10)
-        assert all(os.kill(pid, 0) is None for pid in pids.values())
+        assert all(start_time(pid) is not None for pid in pids.values())
+        # the engine restarts rank 2 while no agent runs here: no ack comes, it gives up on the command
+        await command(nc, "n6", {"id": "ad:5:0", "job": "ad", "attempt": 1, "deadline_s": 60.0,
+                                 "kind": "restart_ranks", "ranks": [2], "plan": plan})
         ready.clear()
         new = AgentProcess(tmp_path, "n6", streams.url)
         await wait_until(lambda: bool(ready), 30, "the new agent's node.ready", new.log_tail)
-        await wait_until(lambda: new.log_tail(50).count("adopted rank") == 3, 30, "the three adoptions",
+        await wait_until(lambda: new.log_tail(50).count("adopted rank") == 4, 30, "the four adoptions",
                          new.log_tail)
-        assert not w.of("process.exited")
+        # the missed restart ends rank 2's old process (a replacement may run elsewhere) and starts nothing
+        await wait_until(lambda: start_time(pids[2]) is None, 15, "the missed restart to end rank 2", new.log_tail)
+        assert acks(w, "ad:5:0") == [] and len(w.of("process.started")) == 4
+        assert start_time(pids[0]) is not None and start_time(pids[1]) is not None
 
         os.kill(pids[0], signal.SIGKILL)  # a crash the new agent did not see start
-        await wait_until(lambda: bool(w.of("process.exited")), 15, "rank 0's exit", new.log_tail)
+        await wait_until(lambda: {e["data"]["rank"] for e in w.of("process.exited")} == {0, 2}, 15,
+                         "the exits of ranks 0 and 2", new.log_tail)
         # not its child: the status is unknown, which the engine takes as a process fault
-        assert w.of("process.exited")[0]["data"] == {"rank": 0, "exit_code": None, "signal": None, "attempt": 0}
+        exits = {e["data"]["rank"]: e["data"] for e in w.of("process.exited")}
+        assert exits[0] == {"rank": 0, "exit_code": None, "signal": None, "attempt": 0}
 
-        plan = {"checkpoint_step": None, "next_step": 0, "shards": []}
         await command(nc, "n6", {"id": "ad:9:0", "job": "ad", "attempt": 1, "deadline_s": 60.0,
                                  "kind": "restart_ranks", "ranks": [1], "plan": plan})
         await wait_until(lambda: acks(w, "ad:9:0") == ["accepted", "done"], 30, "the restart's acks", new.log_tail)
@@ -299,10 +307,10 @@ async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(stre
         assert [(e["data"]["rank"], e["data"]["attempt"]) for e in w.of("process.started")][-1] == (1, 1)
 
         await command(nc, "n6", {"id": "ad:10:0", "job": "ad", "attempt": 1, "deadline_s": 60.0,
-                                 "kind": "stop_ranks", "ranks": [2], "mode": "graceful", "grace_s": 10.0})
+                                 "kind": "stop_ranks", "ranks": [3], "mode": "graceful", "grace_s": 10.0})
         await wait_until(lambda: acks(w, "ad:10:0") == ["accepted", "done"], 30, "the stop's acks", new.log_tail)
         exits = {e["data"]["rank"]: e["data"] for e in w.of("process.exited")}
-        assert exits[2]["exit_code"] == 0  # its SDK said it was closing: the script's own end
+        assert exits[3]["exit_code"] == 0  # its SDK said it was closing: the script's own end
     finally:
         old.stop()
         if new is not None:

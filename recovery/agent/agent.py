@@ -87,6 +87,10 @@ class Agent:
         self.source = f"agent@{cfg.node}"
         self.jobs: dict[str, JobOnNode] = {}
         self.seen_commands: set[str] = set()
+        self.command_seq = 0  # the last command read (RECOVERY_CMD sequence)
+        self._command_seqs: dict[str, int] = {}  # command id -> its sequence, while it is carried out
+        self._commands: JetStreamLog | None = None
+        self._command_start = 1  # the first command of this run of the agent: those before were missed or done
         self.nc: Client | None = None
         self.outbox: Outbox | None = None
         self._tg: TaskGroup | None = None
@@ -141,6 +145,7 @@ class Agent:
         # _follow_jobs), launching only what comes after.
         log_start = await _next_seq(log)
         command_start = await _next_seq(commands)
+        self._commands, self._command_start, self.command_seq = commands, command_start, command_start - 1
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -238,6 +243,8 @@ class Agent:
             if command.id in self.seen_commands:
                 continue  # a command is carried out once, however often it arrives
             self.seen_commands.add(command.id)
+            self.command_seq = record.seq
+            self._command_seqs[command.id] = record.seq
             assert self._tg is not None
             self._tg.start_soon(self._carry_out, command)
 
@@ -257,6 +264,7 @@ class Agent:
             # A job from before this agent: nothing is started for it, and its ranks that outlived the old agent
             # are adopted, so that their exits are reported and a restart replaces them instead of doubling them.
             self._adopt(job)
+            self._tg.start_soon(self._fence, job)
             return
         if spec.nodes[0] == self.node and spec.entrypoint.rendezvous == "agent":
             await self._host_store(job)
@@ -282,6 +290,60 @@ class Agent:
             assert self._tg is not None
             self._tg.start_soon(self._watch, job, proc)
 
+    async def _fence(self, job: JobOnNode) -> None:
+        """Catch up with the commands for this job that reached the node before this agent started: the placement
+        they made (a migration here or away, a job restart or scale on other nodes: the spec's is stale), and, for
+        the ranks adopted from the old agent, what they ended. A rank that a restart, stop, migration away, job
+        restart, scale or failure sent after its process started would have ended is ended now (the engine has moved
+        on without it: a copy may already run elsewhere, in a newer generation). Nothing a missed command would have
+        started is started, and none is acknowledged (the engine gave up on them when their acks were due)."""
+        assert self._commands is not None
+        ending: set[int] = set()
+        try:
+            async for record in self._commands.read(1, self._command_start - 1,
+                                                    subjects.job_commands(self.node, job.id)):
+                raw = getattr(record, "data", None)
+                try:
+                    command = COMMANDS.validate_json(raw) if raw is not None else None
+                except ValidationError:
+                    continue
+                if command is None:
+                    continue
+                for rank in self._ended_by(job, command):
+                    proc = job.processes.get(rank)
+                    if proc is not None and proc.process is None and proc.command_seq < record.seq:
+                        ending.add(rank)
+                self._place(job, command)
+            if ending:
+                logger.warning("ending adopted ranks %s of %s: commands this node missed while no agent ran ended "
+                               "them", sorted(ending), job.id)
+                await self._kill(job, sorted(ending))
+        except Exception:  # catching up must not stop the agent: the ranks it could not end are still watched
+            logger.exception("could not catch up with the commands %s missed for %s", self.node, job.id)
+
+    @staticmethod
+    def _place(job: JobOnNode, command: Command) -> None:
+        """The job's placement after `command`, as carrying it out changes it."""
+        match command:
+            case MigrateRanks():
+                if command.from_node in job.nodes:
+                    job.nodes[job.nodes.index(command.from_node)] = command.to_node
+            case RestartJob() | ScaleJob():
+                job.nodes = list(command.nodes)
+                if isinstance(command, ScaleJob):
+                    job.layout = Layout(dp=command.dp, tp=job.layout.tp, pp=job.layout.pp)
+
+    def _ended_by(self, job: JobOnNode, command: Command) -> list[int]:
+        """The ranks here whose processes `command` ends."""
+        match command:
+            case RestartRanks() | StopRanks():
+                return list(command.ranks)
+            case MigrateRanks() if command.from_node == self.node:
+                return list(command.ranks)
+            case RestartJob() | ScaleJob() | FailJob():
+                return list(job.processes)
+        return []
+
     async def _host_store(self, job: JobOnNode) -> None:
         """Start the job's rendezvous store beside the agent and wait until it listens."""
         job.store = await anyio.open_process(
@@ -295,7 +357,8 @@ class Agent:
                 line += await job.store.stdout.receive(1)
         logger.info("rendezvous store of %s: %s", job.id, line.decode().strip())
 
-    async def _launch(self, job: JobOnNode, rank: int, attempt: int, plan: ResumePlan | None) -> None:
+    async def _launch(self, job: JobOnNode, rank: int, attempt: int, plan: ResumePlan | None,
+                      command_id: str | None = None) -> None:
         assert job.spec.entrypoint is not None
         env = ranks.environment(job.spec.entrypoint, job.placement(rank), job=job.id, node=self.node,
                                 attempt=attempt, plan=plan, master_addr=job.master_addr,
@@ -305,6 +368,7 @@ class Agent:
         standby = self.standbys.take(job.id)
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
                                  standby=standby)
+        proc.command_seq = self._command_seqs.get(command_id, self.command_seq) if command_id else self.command_seq
         job.processes[rank] = proc
         ranks.write_record(self.runtime_dir, proc)
         if standby is not None:
@@ -369,6 +433,12 @@ class Agent:
 
     # -- commands --------------------------------------------------------------------------------------
     async def _carry_out(self, command: Command) -> None:
+        try:
+            await self._carry_out_once(command)
+        finally:
+            self._command_seqs.pop(command.id, None)
+
+    async def _carry_out_once(self, command: Command) -> None:
         job = self.jobs.get(command.job)
         self.ack(command, "accepted")
         try:
@@ -396,7 +466,7 @@ class Agent:
                         raise CommandFailed(str(exc), reset_failed=[device]) from None
                     logger.info("reset GPU %d for job %s", device, job.id)
                 for rank in mine:
-                    await self._launch(job, rank, command.attempt, command.plan)
+                    await self._launch(job, rank, command.attempt, command.plan, command.id)
                 return {"restarted": mine, "reset": reset} if reset else {"restarted": mine}
             case StopRanks():
                 assert job is not None
@@ -410,20 +480,17 @@ class Agent:
                 assert job is not None
                 if command.from_node == self.node:
                     await self._kill(job, [r for r in command.ranks if r in job.processes])
-                if command.from_node in job.nodes:
-                    job.nodes[job.nodes.index(command.from_node)] = command.to_node
+                self._place(job, command)
                 if command.to_node == self.node:
                     for rank in command.ranks:
-                        await self._launch(job, rank, command.attempt, command.plan)
+                        await self._launch(job, rank, command.attempt, command.plan, command.id)
                 return {"ranks": command.ranks}
             case RestartJob() | ScaleJob():
                 assert job is not None
                 await self._kill(job, list(job.processes))
-                job.nodes = list(command.nodes)
-                if isinstance(command, ScaleJob):
-                    job.layout = Layout(dp=command.dp, tp=job.layout.tp, pp=job.layout.pp)
+                self._place(job, command)
                 for rank in job.ranks_on(self.node):
-                    await self._launch(job, rank, command.attempt, command.plan)
+                    await self._launch(job, rank, command.attempt, command.plan, command.id)
                 return {"started": job.ranks_on(self.node)}
             case SaveCheckpoint():
                 assert job is not None

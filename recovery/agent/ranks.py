@@ -39,6 +39,7 @@ class RankProcess:
     ended: anyio.Event = field(default_factory=anyio.Event)
     returncode: int | None = None
     closing: bool = False  # its SDK said the script is done (the exit of an adopted rank counts as clean)
+    command_seq: int = 0  # the last command (RECOVERY_CMD sequence) the agent had read when it started this process
 
     @property
     def alive(self) -> bool:
@@ -150,7 +151,8 @@ def write_record(runtime_dir: Path, proc: RankProcess) -> None:
         return
     path = record_path(runtime_dir, proc.job, proc.rank)
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"pid": proc.pid, "attempt": proc.attempt, "start": started}))
+    temporary.write_text(json.dumps({"pid": proc.pid, "attempt": proc.attempt, "start": started,
+                                     "command_seq": proc.command_seq}))
     temporary.replace(path)  # whole or not at all: an agent killed mid-write leaves the older record
 
 
@@ -166,11 +168,12 @@ def adopt(runtime_dir: Path, job: str, rank: int) -> RankProcess | None:
     try:
         record = json.loads(record_path(runtime_dir, job, rank).read_text())
         pid, attempt, started = int(record["pid"]), int(record["attempt"]), int(record["start"])
-    except (OSError, ValueError, KeyError, TypeError):
+        command_seq = int(record.get("command_seq", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if start_time(pid) != started:
         return None  # ended (its pid maybe reused): nothing to adopt
-    return RankProcess(job, rank, attempt, None, pid)
+    return RankProcess(job, rank, attempt, None, pid, command_seq=command_seq)
 
 
 async def stop(proc: RankProcess, grace_s: float, kill_after_s: float) -> bool:

@@ -280,14 +280,16 @@ class JetStreamLog:
         info = await self.stream_info()
         return int(info.state.last_seq)
 
-    async def read(self, start_seq: int = 1) -> AsyncIterator[Record | RawRecord]:
-        """Every record from `start_seq` to the stream's last sequence when iteration starts, in order."""
+    async def read(self, start_seq: int = 1, end_seq: int | None = None,
+                   filter_subject: str | None = None) -> AsyncIterator[Record | RawRecord]:
+        """Every record from `start_seq` to `end_seq` (default: the stream's last sequence when iteration starts),
+        in order; only those on `filter_subject`, when given."""
         state = (await self.stream_info()).state
-        end = int(state.last_seq)
+        end = int(state.last_seq) if end_seq is None else min(end_seq, int(state.last_seq))
         next_seq = max(start_seq, int(state.first_seq), 1)
         if next_seq > end:
             return
-        async for record in self._records(next_seq, end, None):
+        async for record in self._records(next_seq, end, filter_subject):
             yield record
 
     async def follow(self, start_seq: int, filter_subject: str | None = None) -> AsyncIterator[Record | RawRecord]:
