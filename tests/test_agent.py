@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +23,16 @@ from recovery.agent.ranks import start_time
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.log.jetstream import JetStreamLog, ensure_stream, stream_config
 from recovery.testing.nats import NatsServer
-from tests.e2e_support import AgentProcess, JobWatch, connect, kill_leftovers, submit, wait_until, watch
+from tests.e2e_support import (
+    AgentProcess,
+    JobWatch,
+    connect,
+    environment,
+    kill_leftovers,
+    submit,
+    wait_until,
+    watch,
+)
 
 STAND_IN = '''
 import signal, sys, time
@@ -311,6 +321,14 @@ async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(stre
         await wait_until(lambda: acks(w, "ad:10:0") == ["accepted", "done"], 30, "the stop's acks", new.log_tail)
         exits = {e["data"]["rank"]: e["data"] for e in w.of("process.exited")}
         assert exits[3]["exit_code"] == 0  # its SDK said it was closing: the script's own end
+
+        # a process claiming rank 1 that the agent does not run (its replacement does) may not join a generation
+        ask = "import recovery.client as r; print(r.connect().may_join(2, 10))"
+        asked = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", ask], capture_output=True, text=True, timeout=30, check=True,
+            env={**environment(), "RECOVERY_AGENT_SOCKET": str(new.workdir / "ad.sock"), "RANK": "1",
+                 "RECOVERY_GENERATION": "1"})
+        assert asked.stdout.strip() == "False", asked.stderr
     finally:
         old.stop()
         if new is not None:

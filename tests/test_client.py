@@ -129,3 +129,27 @@ def test_the_resume_plan_comes_from_the_environment(monkeypatch: pytest.MonkeyPa
     plan = client.resume_plan()
     assert isinstance(plan, ResumePlan) and plan.next_step == 16 and plan.source_of(2).tier == "peer"  # type: ignore[union-attr]
     assert (client.rank, client.generation) == (2, 1)
+
+
+def test_may_join_asks_the_agent_and_waits_for_its_answer(agent: StandInAgent, tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "agent.sock"), rank=2, generation=1, heartbeat_s=0.05)
+    answers: list[bool | None] = []
+    asking = threading.Thread(target=lambda: answers.append(client.may_join(2, 10.0)))
+    asking.start()
+    wait_for(lambda: agent.ops("join"))
+    assert agent.ops("join")[0]["generation"] == 2 and agent.ops("join")[0]["pid"] > 0
+    assert not answers  # it waits for the agent
+    agent.send({"op": "join_refused", "generation": 2})
+    asking.join(5)
+    assert answers == [False]
+    agent.send({"op": "join_ok", "generation": 3})
+    assert client.may_join(3, 5.0) is True
+    client.close()
+
+
+def test_may_join_without_an_answer_is_none_and_without_an_agent_true(tmp_path: Path) -> None:
+    # a socket path where no agent listens any more: the agent died, the process lives on
+    orphan = Client(str(tmp_path / "gone.sock"), rank=1, generation=4, heartbeat_s=0.05)
+    assert orphan.may_join(5, 0.3) is None
+    orphan.close()
+    assert Client(None, rank=1).may_join(5, 0.3) is True

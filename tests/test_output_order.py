@@ -6,19 +6,23 @@ their `(cause_seq, index)` order, so such a log is neither a divergence nor a di
 from __future__ import annotations
 
 from pathlib import Path
+from random import Random
 from typing import Any
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from recovery.cli.replay import main
 from recovery.log import iter_file
-from recovery.log.recorder import replay
+from recovery.log.recorder import decision_order, replay
 from recovery.report import build_report
 from recovery.report import iter_file as report_records
 from recovery.report.diff import diff_logs
 from tests.daemon_support import check_log
 from tests.golden.scenarios import SCENARIOS, path
+from tests.test_properties import Plan, dumped, plans, run_plan
 
 RUN_NAMES = sorted(SCENARIOS)
 
@@ -91,3 +95,40 @@ def test_a_permuted_batch_is_no_difference(name: str, tmp_path: Path) -> None:
     moved = tmp_path / f"{name}.jsonl"
     permuted(path(name), moved)
     assert diff_logs(report_records(path(name)), report_records(moved))["same"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(plans(), st.randoms(use_true_random=False))
+def test_any_permutation_of_a_causes_outputs_replays_to_the_recorded_order(plan: Plan, rng: Random) -> None:
+    """Several jobs' decisions from one input (a node's fault), each job's indexed on its own, shuffled as a
+    reconnect may store them: the replay puts them back in the order the engine made them."""
+    scenario = run_plan(plan).scenario
+    records = list(scenario.log.records())
+    runs, start = [], None
+    for i, record in enumerate([*records, None]):
+        out = record is not None and record.subject.startswith(("recovery.dec.", "recovery.dlq."))
+        if out and start is None:
+            start = i
+        elif not out and start is not None:
+            runs.append((start, i))
+            start = None
+    for a, b in runs:
+        block = records[a:b]
+        rng.shuffle(block)
+        records[a:b] = block
+    replayed = replay(records)
+    assert dumped(replayed.recorded_decisions) == dumped(replayed.decisions) == dumped(scenario.decisions)
+    assert dumped(replayed.recorded_rejections) == dumped(replayed.rejections)
+
+
+def test_the_engines_order_across_jobs_is_kept_whatever_the_stored_one() -> None:
+    """One cause, two jobs, each indexed on its own, made in the order b0, a0, b1 (not sorted by job): a stored
+    permutation is put back in that order, and a log stored in order is left as it is."""
+    [template, *_] = replay(iter_file(path("pod_level_reschedule"))).decisions
+    b0, a0, b1 = (template.model_copy(update={"job": job, "cause_seq": 9, "index": index})
+                  for job, index in (("b", 0), ("a", 0), ("b", 1)))
+    made = [b0, a0, b1]
+    assert decision_order([a0, b1, b0], made) == made
+    assert decision_order([b1, b0], made) == [b0, b1]  # a0 not recorded: the others keep their order
+    late = template.model_copy(update={"job": "c", "cause_seq": 9, "index": 0})  # the replay did not make it
+    assert decision_order([late, *made], made) == [*made, late]

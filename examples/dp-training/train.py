@@ -112,6 +112,7 @@ def main() -> None:
     while step < args.steps:
         failed = False
         try:
+            group.check()  # a newer generation announced: peers were replaced while this group still works
             x, y = batch(args.seed, step, group.rank, 64)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()

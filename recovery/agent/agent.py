@@ -65,6 +65,7 @@ class JobOnNode:
     saves: dict[str, anyio.Event] = field(default_factory=dict)  # save request id -> answered
     store: Process | None = None
     finished: bool = False
+    caught_up: anyio.Event = field(default_factory=anyio.Event)  # with the commands missed before this agent ran
 
     @property
     def rpn(self) -> int:
@@ -266,6 +267,7 @@ class Agent:
             self._adopt(job)
             self._tg.start_soon(self._fence, job)
             return
+        job.caught_up.set()  # a job that starts under this agent missed nothing
         if spec.nodes[0] == self.node and spec.entrypoint.rendezvous == "agent":
             await self._host_store(job)
         for rank in job.ranks_on(self.node):
@@ -320,6 +322,8 @@ class Agent:
                 await self._kill(job, sorted(ending))
         except Exception:  # catching up must not stop the agent: the ranks it could not end are still watched
             logger.exception("could not catch up with the commands %s missed for %s", self.node, job.id)
+        finally:
+            job.caught_up.set()
 
     @staticmethod
     def _place(job: JobOnNode, command: Command) -> None:
@@ -420,6 +424,18 @@ class Agent:
                     done = job.saves.get(str(message.get("id")))
                     if done is not None:
                         done.set()
+            elif op == "join":
+                # Only a process this agent runs for the rank may join a new generation: one it does not know (it
+                # outlived an agent and was not adopted) or that a replacement superseded would join beside the
+                # rank's real process. Answered once the missed commands are caught up with (`_fence`).
+                proc = job.processes.get(rank)
+                if job.caught_up.is_set():
+                    ok = proc is not None and proc.alive and proc.pid == message.get("pid")
+                    await job.channel.send(rank, {"op": "join_ok" if ok else "join_refused",
+                                                  "generation": message.get("generation")})
+                    if not ok:
+                        logger.warning("rank %s of %s (pid %s) may not join generation %s: the agent does not run "
+                                       "it", rank, job_id, message.get("pid"), message.get("generation"))
             elif op == "closing":
                 proc = job.processes.get(rank)
                 if proc is not None and proc.alive:  # the rank's process now (a survivor's generation moves on)

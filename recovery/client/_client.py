@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ JOB_ENV = "RECOVERY_JOB"
 NODE_ENV = "RECOVERY_NODE"
 HEARTBEAT_ENV = "RECOVERY_HEARTBEAT_S"
 DEFAULT_HEARTBEAT_S = 1.0
+JOIN_ASK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class Client:
         self._save_requested: str | None = None  # the request's id, until the step boundary runs it
         self._hold_after_save = False  # the request's: after saving, wait at the boundary to be stopped
         self._stop_requested = threading.Event()
+        self._join_answers: dict[int, bool] = {}  # generation -> the agent's answer to joining it
+        self._join_answered = threading.Condition()
         self._closed = threading.Event()
         self._channel = AgentChannel(socket_path, self._on_message) if socket_path else None
         self._thread: threading.Thread | None = None
@@ -110,6 +114,25 @@ class Client:
         self.generation = generation
         self._send({"op": "joined"})
 
+    def may_join(self, generation: int, timeout_s: float) -> bool | None:
+        """Ask the agent whether this process may join `generation`'s process group: True, False (the agent does
+        not run it: a replacement of its rank may run elsewhere, or here), or None when no answer came within
+        `timeout_s` (no agent: it died with the process still running, which must then not join). Without an agent
+        socket at all (a script run by hand), True."""
+        if self._channel is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        with self._join_answered:
+            while generation not in self._join_answers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._send({"op": "join", "generation": generation, "pid": os.getpid()})
+                # the heartbeat thread hands over the answer; asked again every half second (an agent restarted
+                # meanwhile, a message dropped on a reconnect)
+                self._join_answered.wait(min(left, JOIN_ASK_S))
+            return self._join_answers[generation]
+
     def should_stop(self) -> bool:
         """The agent asked this process to stop (a graceful stop): finish the step and exit."""
         return self._stop_requested.is_set()
@@ -148,6 +171,10 @@ class Client:
             self._save_requested = str(message.get("id", ""))
         elif op == "stop":
             self._stop_requested.set()
+        elif op in ("join_ok", "join_refused"):
+            with self._join_answered:
+                self._join_answers[int(message.get("generation", -1))] = op == "join_ok"
+                self._join_answered.notify_all()
 
     def _run_save(self) -> None:
         request, self._save_requested = self._save_requested, None

@@ -10,6 +10,7 @@ A partial restart replaces only the dead ranks. The survivors notice on gloo (a 
     while step < steps:
         failed = False
         try:
+            group.check()                           # a newer generation: peers replaced behind a live group
             train_one_step(step)                    # its collectives raise RuntimeError when a peer dies
         except RuntimeError:
             failed = True                           # leave the except block first: see `recover`
@@ -25,7 +26,10 @@ agent of the job's first node serves it, or the platform off the training nodes,
 under the job's run id: each generation's process group uses its own key prefix (`gen<g>/`), and a process started in
 a new generation announces it under `recovery/generation`, which the survivors wait for. Where a survivor cannot notice
 (blocked in a collective with a peer that is stopped rather than dead, or stuck in C++), the agent kills the
-stuck peer, which turns it into the case above, or the process group's timeout ends the wait.
+stuck peer, which turns it into the case above, or the process group's timeout ends the wait. Where the peers were
+replaced while their processes live on (their node's agent died, so the engine moved them), `check` sees the newer
+generation at the next step boundary; the old processes ask their agent before joining (`Client.may_join`), find
+none or are refused, and exit instead of joining beside their replacements.
 """
 
 from __future__ import annotations
@@ -45,15 +49,29 @@ POLL_S = 0.01
 
 
 class RecoveryTimeout(TimeoutError):
-    """No new generation came in time: the process exits, and the agent's report of it escalates."""
+    """No new generation came in time, or no agent answered whether to join it: the process exits, and the agent's
+    report of it escalates."""
+
+
+class RecoveryFenced(RuntimeError):
+    """The agent does not run this process any more (its rank was replaced while the process outlived the agent
+    that started it): it must not join the new generation beside its replacement, and exits."""
+
+
+class GenerationChanged(RuntimeError):
+    """A newer generation was announced while this process's collectives still worked: peers were replaced without
+    this process noticing a failure (their node's agent died, not their processes). Handled as a failed collective:
+    `recover`."""
 
 
 class ProcessGroupRecovery:
     """The default process group of one rank, formed again in every generation. Not thread-safe."""
 
     def __init__(self, client: Client, backend: str = "gloo", timeout_s: float = 30.0,
-                 wait_for_generation_s: float = 300.0) -> None:
+                 wait_for_generation_s: float = 300.0, check_every_s: float = 1.0) -> None:
         self.client = client
+        self.check_every_s = check_every_s
+        self._checked = 0.0
         self.backend = backend
         self.timeout = timedelta(seconds=timeout_s)
         self.wait_for_generation_s = wait_for_generation_s
@@ -88,6 +106,19 @@ class ProcessGroupRecovery:
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/", self.store),
                                 rank=self.rank, world_size=self.world_size, timeout=self.timeout)
 
+    def check(self) -> None:
+        """At a step boundary, before the step's collectives: raise `GenerationChanged` if a newer generation was
+        announced (read at most every `check_every_s`, one store read). Ranks replaced while their processes kept
+        running (the agent of their node died) are otherwise never noticed: the survivors would train on with those
+        processes while the replacements wait to form the new group."""
+        now = time.monotonic()
+        if now - self._checked < self.check_every_s:
+            return
+        self._checked = now
+        if self._announced() > self.client.generation:
+            raise GenerationChanged(f"generation {self._announced()} announced; this process is in "
+                                    f"{self.client.generation}")
+
     def recover(self) -> None:
         """After a collective failed: tear the group down, wait for the next generation, form it.
 
@@ -106,6 +137,14 @@ class ProcessGroupRecovery:
             # written while it waits: its state is that of its last reported step, and the restart may wait for it.
             self.client.at_boundary()
             time.sleep(POLL_S)  # polling the agent's store, within the deadline above
+        # Only a process the node's agent runs may join: one that outlived its agent may have been replaced.
+        answer = self.client.may_join(generation, max(0.0, deadline - time.monotonic()))
+        if answer is None:
+            raise RecoveryTimeout(f"no agent answered whether this process may join generation {generation} within "
+                                  f"{self.wait_for_generation_s:g}s")
+        if not answer:
+            raise RecoveryFenced(f"the agent does not run this process any more: not joining generation "
+                                 f"{generation}")
         self.client.generation = generation
         self.form()
         self.recoveries += 1

@@ -54,14 +54,23 @@ class Replay:
     inputs: int
 
 
-def decision_order(decisions: list[Decision]) -> list[Decision]:
-    """Recorded decisions in the order the engine made them: by the seq of their cause, then their index.
+def decision_order(recorded: list[Decision], derived: list[Decision] | None = None) -> list[Decision]:
+    """Recorded decisions in the order the engine made them.
 
     The log usually stores them in that order, but not always: the daemon publishes one batch's outputs pipelined,
     and when the connection drops mid-batch the messages written into the dead socket are sent again after the
     ones that were still buffered, so a batch's outputs can be stored permuted (never across batches: the next
-    batch's are published only once all of these are stored). Their `(cause_seq, index)` is their true order."""
-    return sorted(decisions, key=lambda d: (d.cause_seq, d.index))
+    batch's are published only once all of these are stored). A decision's `(job, cause_seq, index)` names it; its
+    place is its cause's seq, then, among the decisions of one cause (which may concern several jobs), the place
+    the replay's `derived` decision of that name has (the engine's own order), then job and index for those the
+    replay did not make. Stable: a log stored in order keeps it."""
+    place = {(d.job, d.cause_seq, d.index): i for i, d in enumerate(derived or ())}
+    last = len(place)
+
+    def key(d: Decision) -> tuple[int, int, str, int]:
+        return d.cause_seq, place.get((d.job, d.cause_seq, d.index), last), d.job, d.index
+
+    return sorted(recorded, key=key)
 
 
 def rejection_order(rejections: list[Rejection]) -> list[Rejection]:
@@ -89,4 +98,5 @@ def replay(records: Iterable[Record | RawRecord], engine: Engine | None = None) 
         inputs += 1
         for effect, _, _, _ in apply_encoded(engine, record):
             (decisions if isinstance(effect, Decision) else rejections).append(effect)  # type: ignore[arg-type]
-    return Replay(engine, decisions, rejections, decision_order(recorded), rejection_order(recorded_rej), inputs)
+    return Replay(engine, decisions, rejections, decision_order(recorded, decisions), rejection_order(recorded_rej),
+                  inputs)

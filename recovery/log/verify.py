@@ -127,7 +127,7 @@ def replay_log(located: Iterable[Located], engine: Engine | None = None, job: st
                     chosen = record.envelope.data.spec.policies
                     result.refused_policies[seq] = {family: getattr(chosen, family).name
                                                     for family in ("detection", "rescheduling", "checkpoint")}
-    result.recorded_decisions = decision_order(result.recorded_decisions)
+    result.recorded_decisions = decision_order(result.recorded_decisions, result.decisions)
     result.recorded_rejections = rejection_order(result.recorded_rejections)
     return result
 

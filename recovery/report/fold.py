@@ -78,10 +78,11 @@ class ReportFold:
         self.notes: list[str] = []
         self.malformed = 0
         # A batch's decisions can be stored permuted when the daemon's connection dropped mid-batch
-        # (`recovery.log.recorder.decision_order`): a decision whose earlier siblings (same cause, lower index) are
-        # not in yet waits for them here, so an incident is never seen planned before it was confirmed.
-        self.next_index: dict[int, int] = {}  # cause seq -> the index of the next decision expected from it
-        self.held: dict[tuple[int, int], tuple[RawDict, int]] = {}
+        # (`recovery.log.recorder.decision_order`): a decision whose earlier siblings (same cause and job, lower
+        # index) are not in yet waits for them here, so an incident is never seen planned before it was confirmed.
+        # (cause seq, job) -> the index of the next decision expected: a decision's index counts within its job
+        self.next_index: dict[tuple[int, str], int] = {}
+        self.held: dict[tuple[int, str, int], tuple[RawDict, int]] = {}
 
     # -- reading ------------------------------------------------------------------------------------------
     def add_all(self, records: Iterable[RawDict]) -> ReportFold:
@@ -146,18 +147,19 @@ class ReportFold:
             self._submitted(job_id, env["data"]["spec"], ts)
 
     def _in_order(self, record: RawDict, d: dict[str, Any], ts: int) -> None:
-        """Fold `d` now if the decisions of its cause before it are folded, else hold it until they are."""
-        cause, index = int(d["cause_seq"]), int(d["index"])
+        """Fold `d` now if the decisions of its cause and job before it are folded, else hold it until they are."""
+        cause = (int(d["cause_seq"]), str(d["job"]))
+        index = int(d["index"])
         expected = self.next_index.get(cause, 0)
         if index > expected:
-            self.held[(cause, index)] = (record, ts)
+            self.held[(*cause, index)] = (record, ts)
             if len(self.held) > MAX_HELD:  # a sibling that never comes (cut by --since): stop waiting for it
                 self._release_held()
             return
         self._fold(record, ts)
         index += 1
-        while (cause, index) in self.held:
-            self._fold(*self.held.pop((cause, index)))
+        while (*cause, index) in self.held:
+            self._fold(*self.held.pop((*cause, index)))
             index += 1
         self.next_index[cause] = max(expected, index)
         if len(self.next_index) > 2 * RECENT_INPUTS:
