@@ -338,7 +338,9 @@ async def test_an_agent_lost_alone_is_fenced_its_ranks_move_and_the_old_processe
         cluster.agent("n1").proc.kill()
         await wait_until(lambda: bool(w.decided("fault.confirmed")), 20, "the silent agent to be a fault", explain)
 
-    w, params = await run_job(cluster, "agent-loss", agent_loss, nodes=["n1", "n2"], rendezvous="external")
+    # slower steps: the old group trains on until the engine has found the silent agent (3 s), and must not finish
+    w, params = await run_job(cluster, "agent-loss", agent_loss, nodes=["n1", "n2"], rendezvous="external",
+                              step_time=0.3)
     pids = w.pids()
     assert all(len(pids[r]) == 1 for r in (2, 3)), pids  # n2's processes re-formed the group, not restarted
     assert all(len(pids[r]) == 2 for r in (0, 1)), pids
