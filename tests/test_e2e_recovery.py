@@ -40,6 +40,7 @@ NODES = ["n0", "n1"]
 STEPS = 40
 STEP_TIME_S = 0.05
 FAULT_AT_STEP = 10
+SPARES = {f"agent@spare{i}" for i in range(4)}
 
 
 @dataclass
@@ -81,9 +82,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 ready.add(msg.subject.split(".")[3])
 
             await nc.subscribe("recovery.ev.node.>", cb=on_node)
-            # n2 and four spares for the scenarios that move ranks: a preemption moves both nodes of its job, a
-            # node loss one, an agent's loss one
-            agents.extend([AgentProcess(workdir, name, server.url) for name in ("n0", "n1", "n2")])
+            # n2, n3 and four spares for the scenarios that move ranks: a preemption moves both nodes of its job
+            # (n1's agent stops), a node loss one (n0), an agent's loss one (n3)
+            agents.extend([AgentProcess(workdir, name, server.url) for name in ("n0", "n1", "n2", "n3")])
             agents.extend([AgentProcess(workdir, name, server.url, spare=True)
                            for name in ("spare0", "spare1", "spare2", "spare3")])
             await wait_until(lambda: ready >= {a.node for a in agents}, 30, "the agents to report their nodes",
@@ -315,7 +316,7 @@ async def test_a_lost_node_moves_its_ranks_to_a_spare_and_the_other_node_keeps_i
     assert all(len(pids[r]) == 1 for r in (2, 3)), pids  # n2's processes were not restarted
     assert all(len(pids[r]) == 2 for r in (0, 1)), pids
     moved_to = {sources(w, r)[-1] for r in (0, 1)}
-    assert len(moved_to) == 1 and moved_to <= {"agent@spare0", "agent@spare1", "agent@spare2"}, moved_to
+    assert len(moved_to) == 1 and moved_to <= SPARES, moved_to
     confirmed = w.decided("fault.confirmed")[0]["data"]["reason"]
     assert "agent of n0 silent" in confirmed, confirmed
     assert "migrate" in [d["data"].get("detail", {}).get("granularity") for d in w.decided("attempt.started")]
@@ -326,28 +327,28 @@ async def test_a_lost_node_moves_its_ranks_to_a_spare_and_the_other_node_keeps_i
 
 async def test_an_agent_lost_alone_is_fenced_its_ranks_move_and_the_old_processes_never_join(
         cluster: Cluster, fault_free: dict[str, Any]) -> None:
-    """Only n1's agent is SIGKILLed: its two ranks live on and keep training with n2's, but nothing reports them, so
+    """Only n3's agent is SIGKILLed: its two ranks live on and keep training with n2's, but nothing reports them, so
     the engine takes the node for lost and starts its ranks on a spare in generation 1. n2's survivors see the new
     generation at their next step boundary (`group.check`) and re-form with the newcomers; the old processes see it
-    too, but no agent answers their `join`, so they never join beside their replacements. Last in the module: n1's
+    too, but no agent answers their `join`, so they never join beside their replacements. Last in the module: n3's
     agent does not come back."""
     orphans: list[int] = []
 
     async def agent_loss(w: JobWatch, explain: Callable[[], str]) -> None:
         orphans.extend(w.pids()[r][-1] for r in (0, 1))
-        cluster.agent("n1").proc.kill()
+        cluster.agent("n3").proc.kill()
         await wait_until(lambda: bool(w.decided("fault.confirmed")), 20, "the silent agent to be a fault", explain)
 
     # slower steps: the old group trains on until the engine has found the silent agent (3 s), and must not finish
-    w, params = await run_job(cluster, "agent-loss", agent_loss, nodes=["n1", "n2"], rendezvous="external",
+    w, params = await run_job(cluster, "agent-loss", agent_loss, nodes=["n3", "n2"], rendezvous="external",
                               step_time=0.3)
     pids = w.pids()
     assert all(len(pids[r]) == 1 for r in (2, 3)), pids  # n2's processes re-formed the group, not restarted
     assert all(len(pids[r]) == 2 for r in (0, 1)), pids
-    assert {sources(w, r)[-1] for r in (0, 1)} <= {f"agent@spare{i}" for i in range(4)}
-    assert "agent of n1 silent" in w.decided("fault.confirmed")[0]["data"]["reason"]
+    assert {sources(w, r)[-1] for r in (0, 1)} <= SPARES
+    assert "agent of n3 silent" in w.decided("fault.confirmed")[0]["data"]["reason"]
     # the old processes still run (nothing stopped them: their agent is gone) but trained no step in generation 1
     assert all(start_time(pid) is not None for pid in orphans)
     joined = [e for e in w.of("progress.step") if e["data"]["rank"] in (0, 1) and e["data"]["attempt"] >= 1]
-    assert {e["source"] for e in joined} <= {f"agent@spare{i}" for i in range(4)}
+    assert {e["source"] for e in joined} <= SPARES
     assert_bitwise_equal(params, fault_free)

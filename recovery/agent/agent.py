@@ -31,7 +31,7 @@ from events.commands import (
     ScaleJob,
     StopRanks,
 )
-from events.envelope import Record, make_envelope
+from events.envelope import RawRecord, Record, make_envelope
 from events.kinds import JobSubmitted
 from events.values import STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
 from recovery.agent import ranks
@@ -151,6 +151,8 @@ class Agent:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self.outbox.run)
+                # The jobs from before come first: a command for one of them must find it known.
+                await self._known_jobs(log, log_start)
                 tg.start_soon(self._follow_jobs, log, log_start)
                 tg.start_soon(self._follow_commands, commands, command_start)
                 tg.start_soon(self._beat)
@@ -220,16 +222,24 @@ class Agent:
             with contextlib.suppress(Exception):
                 await self.nc.close()
 
+    async def _known_jobs(self, log: JetStreamLog, start: int) -> None:
+        """The jobs submitted with an entrypoint before `start` (this agent was restarted): known again without
+        launching anything, so that their commands are carried out, their ranks that outlived the old agent are
+        adopted, and those reach this one through the job's socket (the SDK connects again by itself)."""
+        async for record in log.read(1, start - 1, SUBMITTED):
+            await self._job_record(record, launch=False)
+
     async def _follow_jobs(self, log: JetStreamLog, start: int) -> None:
-        """Every job submitted with an entrypoint. Those submitted before `start` (this agent was restarted) are known
-        again without launching anything, so that their commands are carried out and their processes that outlived
-        the old agent reach this one through the job's socket (the SDK connects again by itself)."""
-        async for record in log.follow(1, SUBMITTED):
-            if not isinstance(record, Record) or record.envelope.job is None:
-                continue
-            data = record.envelope.data
-            if isinstance(data, JobSubmitted) and data.spec.entrypoint is not None:
-                await self._submitted(record.envelope.job, data.spec, launch=record.seq >= start)
+        """Every job submitted with an entrypoint from `start` on: its ranks placed here are launched."""
+        async for record in log.follow(start, SUBMITTED):
+            await self._job_record(record, launch=True)
+
+    async def _job_record(self, record: Record | RawRecord, launch: bool) -> None:
+        if not isinstance(record, Record) or record.envelope.job is None:
+            return
+        data = record.envelope.data
+        if isinstance(data, JobSubmitted) and data.spec.entrypoint is not None:
+            await self._submitted(record.envelope.job, data.spec, launch=launch)
 
     async def _follow_commands(self, log: JetStreamLog, start: int) -> None:
         async for record in log.follow(start, subjects.node_commands(self.node)):

@@ -411,11 +411,9 @@ def wait_ends_on_rejoin() -> Scenario:
     return s
 
 
-@scenario
-def wait_deadline_reset() -> Scenario:
-    """A double-bit ECC error (XID 48) on a job without spares: the ranks must leave the GPU, nowhere to go. The
-    ladder waits at most `reset_after_s` (300 s) for a spare; none comes, the wait's deadline fires and it falls back
-    to what clears an XID 48: reset the GPU and restart the rank in place."""
+def dbe_until_reset() -> Scenario:
+    """An XID 48 on d1 kills rank 5 of a job without spares; 301 s later the wait for a spare has run out and the
+    ladder's reset-and-restart is outstanding."""
     s = Scenario()
     s.submit("dbe", ["d0", "d1"], ranks_per_node=4, dp=8)
     s.train("dbe", 10)
@@ -426,6 +424,15 @@ def wait_deadline_reset() -> Scenario:
     s.job_event("dbe", "process.exited", rank=5, exit_code=None, signal=6)
     s.ack_all()
     s.advance(301)
+    return s
+
+
+@scenario
+def wait_deadline_reset() -> Scenario:
+    """A double-bit ECC error (XID 48) on a job without spares: the ranks must leave the GPU, nowhere to go. The
+    ladder waits at most `reset_after_s` (300 s) for a spare; none comes, the wait's deadline fires and it falls back
+    to what clears an XID 48: reset the GPU and restart the rank in place."""
+    s = dbe_until_reset()
     s.ack_all()
     s.advance(5)
     s.train("dbe", 2)
@@ -437,16 +444,7 @@ def reset_fails_then_moves() -> Scenario:
     """The reset fallback of `wait_deadline_reset`, on a GPU the reset cannot clear: the node's agent says which
     device it could not reset, the engine counts it bad again (it had counted it usable when the restart began), so
     the ladder does not restart the job onto it; the job waits, bounded, and the next spare takes the rank's node."""
-    s = Scenario()
-    s.submit("dbe", ["d0", "d1"], ranks_per_node=4, dp=8)
-    s.train("dbe", 10)
-    s.checkpoint("dbe", 10, "storage", "storage")
-    s.train("dbe", 2)
-    s.node_event("d1", "device.fault", device=1, vendor="nvidia", code="48")
-    s.advance(0.5)
-    s.job_event("dbe", "process.exited", rank=5, exit_code=None, signal=6)
-    s.ack_all()
-    s.advance(301)
+    s = dbe_until_reset()
     [restart] = s.outstanding()
     s.job_event("dbe", "command.ack", command_id=restart.id, status="accepted", result={"node": "d1"})
     s.job_event("dbe", "command.ack", command_id=restart.id, status="failed",
