@@ -138,7 +138,9 @@ class Timekeeper:
             else:
                 table[timer_id] = entry
         if order is not None:
-            self.table = {timer_id: table[timer_id] for timer_id in order}
+            # The order was taken at the record's first removal: a timer the record requested before that is in
+            # it, and is gone again now.
+            self.table = {timer_id: table[timer_id] for timer_id in order if timer_id in table}
 
 
 class Firing(NamedTuple):
