@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from events import subjects
 from events.envelope import make_envelope
 from recovery.agent.config import ConfigError, load
-from recovery.agent.ranks import start_time
+from recovery.agent.ranks import RankProcess, in_session, start_time
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.log.jetstream import JetStreamLog, ensure_stream, stream_config
 from recovery.testing.nats import NatsServer
@@ -320,3 +321,23 @@ async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(stre
             new.stop()
         kill_leftovers([pid for pids in w.pids().values() for pid in pids])
         await nc.close()
+
+
+def test_a_process_a_launcher_started_in_the_ranks_session_counts_as_the_rank() -> None:
+    """An entrypoint that is a shell script running python: the SDK's pid is the launcher's child, in the session
+    the agent started the rank in; a process outside that session is not the rank."""
+    launcher = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(60)' & wait"],
+                                start_new_session=True)
+    try:
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+        deadline = time.monotonic() + 10
+        while not children.read_text().split():
+            assert time.monotonic() < deadline, "the launcher started no child"
+            time.sleep(0.01)  # polling for the child within the deadline above
+        child = int(children.read_text().split()[0])
+        rank = RankProcess("j", 0, 0, None, launcher.pid)
+        assert in_session(launcher.pid, rank) and in_session(child, rank)
+        assert not in_session(os.getpid(), rank) and not in_session(None, rank) and not in_session(True, rank)
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)

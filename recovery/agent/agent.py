@@ -440,7 +440,7 @@ class Agent:
                 # rank's real process. Answered once the missed commands are caught up with (`_fence`).
                 proc = job.processes.get(rank)
                 if job.caught_up.is_set():
-                    ok = proc is not None and proc.alive and proc.pid == message.get("pid")
+                    ok = proc is not None and proc.alive and ranks.in_session(message.get("pid"), proc)
                     await job.channel.send(rank, {"op": "join_ok" if ok else "join_refused",
                                                   "generation": message.get("generation")})
                     if not ok:

@@ -131,6 +131,19 @@ async def reap(proc: RankProcess) -> None:
 # upgrade, a crash) adopts the ranks whose records still match a live process: it sees them exit and can stop or
 # replace them, instead of starting a second copy of a rank that is still running.
 
+def in_session(pid: object, proc: RankProcess) -> bool:
+    """Is `pid` the rank's process or one it started? The entrypoint may be a launcher (a shell script that runs
+    python): the SDK then runs in a child, in the session the rank was started in, whose id is the rank's pid."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if pid == proc.pid:
+        return True
+    try:
+        return os.getsid(pid) == proc.pid
+    except OSError:
+        return False
+
+
 def record_path(runtime_dir: Path, job: str, rank: int) -> Path:
     return runtime_dir / f"{job}.rank{rank}.json"
 
