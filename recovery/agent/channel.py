@@ -60,6 +60,10 @@ class ProcessChannel:
                 if rank is not None and self._streams.get(rank) is stream:
                     del self._streams[rank]
 
+    def connected(self, rank: int) -> bool:
+        """Does a connection of `rank` stay open (whose lines may not all have been handled yet)?"""
+        return rank in self._streams
+
     async def send(self, rank: int, message: dict[str, Any]) -> bool:
         stream = self._streams.get(rank)
         if stream is None:
