@@ -395,8 +395,8 @@ class Agent:
     async def _watch(self, job: JobOnNode, proc: ranks.RankProcess) -> None:
         await ranks.reap(proc)
         if proc.process is None:
-            # Not our child: whether it ended on its own is what its SDK said before it went (`closing`), and that
-            # line may still be in its connection, read until the connection ends (bounded: a dead SDK sends none).
+            # Not our child: it ended on its own if its SDK said `closing`, a line that may still be unread until
+            # the connection ends (bounded: a dead SDK sends none).
             with anyio.move_on_after(2.0):
                 while job.channel.connected(proc.rank):
                     await anyio.sleep(0.01)  # polling the connection's end, within the bound above

@@ -107,8 +107,8 @@ async def start(entrypoint: Entrypoint, env: dict[str, str], output: Path, *, jo
 
 async def reap(proc: RankProcess) -> None:
     """Wait for the process to end and keep its return code. An adopted rank is not our child: its end is seen
-    through a pidfd (readable once it has exited) and its status is unknown, unless its SDK said it was closing,
-    which counts as a clean exit (0)."""
+    through a pidfd (readable once it has exited) and its return code stays unknown (None) here: the agent decides
+    it from what the rank's SDK said before it went (`closing`)."""
     if proc.process is not None:
         proc.returncode = await proc.process.wait()
     else:
@@ -121,15 +121,8 @@ async def reap(proc: RankProcess) -> None:
                 await anyio.wait_readable(fd)
             finally:
                 os.close(fd)
-        proc.returncode = 0 if proc.closing else None
     proc.ended.set()
 
-
-# -- ranks that outlive their agent --------------------------------------------------------------------
-# The agent keeps a record per running rank in its runtime directory: pid, generation and the kernel's start time of
-# the process (which tells the rank from a later process that reused its pid). An agent restarted on the node (an
-# upgrade, a crash) adopts the ranks whose records still match a live process: it sees them exit and can stop or
-# replace them, instead of starting a second copy of a rank that is still running.
 
 def in_session(pid: object, proc: RankProcess) -> bool:
     """Is `pid` the rank's process or one it started? The entrypoint may be a launcher (a shell script that runs
@@ -143,6 +136,12 @@ def in_session(pid: object, proc: RankProcess) -> bool:
     except OSError:
         return False
 
+
+# -- ranks that outlive their agent --------------------------------------------------------------------
+# The agent keeps a record per running rank in its runtime directory: pid, generation and the kernel's start time of
+# the process (which tells the rank from a later process that reused its pid). An agent restarted on the node (an
+# upgrade, a crash) adopts the ranks whose records still match a live process: it sees them exit and can stop or
+# replace them, instead of starting a second copy of a rank that is still running.
 
 def record_path(runtime_dir: Path, job: str, rank: int) -> Path:
     return runtime_dir / f"{job}.rank{rank}.json"
