@@ -74,3 +74,18 @@ def test_unreadable_log_exits_2(tmp_path: Path) -> None:
     bad.write_text("not json\n")
     result = run_cli("run", str(bad))
     assert result.returncode == 2 and "bad.jsonl:1" in result.stderr
+
+
+def test_verify_of_an_empty_log_or_an_unknown_job_fails_instead_of_saying_ok(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    result = run_cli("verify", str(empty))
+    assert result.returncode == 1
+    assert result.stdout.startswith("EMPTY: nothing to verify")
+    result = run_cli("verify", str(empty), "--json")
+    assert result.returncode == 1
+    assert orjson.loads(result.stdout)["empty"] is True
+    result = run_cli("verify", str(path("pod_level_reschedule")), "--job", "no-such-job")
+    assert result.returncode == 1
+    assert "job no-such-job was never submitted" in result.stdout
+    assert run_cli("verify", str(path("pod_level_reschedule")), "--job", "llm").returncode == 0

@@ -257,8 +257,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
                      f"(first: seq {rejected[0].seq} [{rejected[0].code}]); not compared")
     compared = [d for d in result.decisions if in_scope(d, job)]
     recorded = [d for d in result.recorded_decisions if in_scope(d, job)]
+    # A log with nothing in it (an empty file, a stream read before anything came, a job name mistyped) proves
+    # nothing: "ok" there would pass a check that never ran.
+    empty = (not result.inputs and not recorded and not result.recorded_rejections) or \
+        (job is not None and job not in result.engine.jobs and not limits)  # a cut export may start after it
+    if empty:
+        ok = False
+        notes.insert(0, "nothing to verify: the log holds no input event" if job is None else
+                     f"nothing to verify: job {job} was never submitted in this log")
     if args.json:
-        out = {"ok": ok, "job": job, "exact": not limits, "caveats": limits, "notes": notes,
+        out = {"ok": ok, "empty": empty, "job": job, "exact": not limits, "caveats": limits, "notes": notes,
                "inputs": result.inputs, "decisions": len(compared), "recorded": len(recorded),
                "divergence": None if divergence is None else divergence.as_dict(),
                "rejections_match": letters is None,
@@ -274,6 +282,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"  replayed: {canonical(divergence.derived).decode()}")
     elif letters is not None:
         print(f"DIVERGENCE in rejections: {letters.verdict}")
+    elif empty:
+        print(f"EMPTY: {notes.pop(0)}")
     else:
         which = "" if job is None else f" (job {job}'s and every job's acceptance)"
         print(f"ok: {len(compared)} decisions{which} from {result.inputs} inputs match the {len(recorded)} recorded")
