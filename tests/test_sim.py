@@ -432,3 +432,31 @@ def test_policies_bench_prints_json_metrics() -> None:
     assert 0.9 < metrics["default.1024gpu.ettr"] <= 1 and 0.9 < metrics["torchelastic-like.1024gpu.ettr"] <= 1
     assert metrics["default.1024gpu.lost_gpu_hours"] > 0 and "sim.1024gpu.7d.seconds" in metrics
     assert "default.1024gpu.lost_vs_torchelastic-like" in metrics
+
+
+@pytest.mark.parametrize(("args", "flag", "says"), [
+    (["--days", "-1"], "--days", "outside"),
+    (["--days", "nan"], "--days", "outside"),
+    (["--gpus", "0"], "--gpus", "outside 1 .. 131,072"),
+    (["--gpus", "1000000000"], "--gpus", "outside"),
+    (["--gpus", "many"], "--gpus", "not an integer"),
+    (["--fail-p", "2"], "--fail-p", "outside 0 .. 1"),
+    (["--gpus", "1000"], "--gpus 1000", "whole number of 8-GPU nodes"),
+])
+def test_sim_cli_refuses_a_bad_flag_naming_it_without_a_traceback(
+        args: list[str], flag: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = sim_main(["run", *args])
+    except SystemExit as exc:  # argparse's own error exit
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert flag in err and says in err
+    assert "Traceback" not in err
+
+
+def test_sim_cli_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        sim_main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 16384)" in out and "(default: 54.0)" in out

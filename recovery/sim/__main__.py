@@ -27,6 +27,29 @@ from recovery.sim.sim import simulate
 from recovery.sim.titan import import_titan, summarize
 
 FAMILIES = ("detection", "rescheduling", "checkpoint")
+MAX_GPUS = 131_072
+"""the largest job the engine is measured at (tests/test_engine_at_scale.py); beyond it memory is not bounded"""
+MAX_DAYS = 3_650.0
+
+
+def _number(kind: type[int] | type[float], low: float, high: float, what: str) -> Any:
+    """An argparse type: a number of `kind` in [low, high], or an error that says which range (argparse names the
+    flag in its message)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") \
+                from None
+        if not low <= value <= high or value != value:  # NaN compares false everywhere
+            raise argparse.ArgumentTypeError(f"{text} is outside {what}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" wording, when it uses it
+    return parse
+
+
+def _positive(kind: type[int] | type[float], high: float) -> Any:
+    return _number(kind, 1 if kind is int else 1e-9, high, f"1 .. {high:,g}" if kind is int else f"(0, {high:,g}]")
 
 
 def parse_policy(text: str) -> tuple[str, PolicyRef]:
@@ -82,6 +105,9 @@ def chosen_profile(base: str, overrides: Sequence[str]) -> Profile:
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
+    if args.gpus % (args.tp * args.pp) or args.gpus % Cluster.gpus_per_node:
+        raise ValueError(f"--gpus {args.gpus} is not a whole number of {Cluster.gpus_per_node}-GPU nodes and of "
+                         f"--tp x --pp = {args.tp * args.pp}-GPU model replicas")
     cluster = Cluster(gpus=args.gpus, tp=args.tp, pp=args.pp, spare_nodes=args.spares)
     costs = replace(Costs(), fail_probability=args.fail_p, timeout_probability=args.timeout_p)
     training = replace(Training(), storage_every_s=args.storage_every_s, memory_every_steps=args.memory_every)
@@ -113,25 +139,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m recovery.sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="simulate one job and print where its time went")
-    run.add_argument("--gpus", type=int, default=16_384)
-    run.add_argument("--tp", type=int, default=8)
-    run.add_argument("--pp", type=int, default=16)
-    run.add_argument("--spares", type=int, default=None, help="spare nodes (default: 1/64 of the job's, at least 4)")
-    run.add_argument("--days", type=float, default=54.0)
-    run.add_argument("--seed", type=int, default=0)
+    run = sub.add_parser("run", help="simulate one job and print where its time went",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    run.add_argument("--gpus", type=_positive(int, MAX_GPUS), default=16_384,
+                     help=f"the job's GPUs, one rank each: whole 8-GPU nodes and tp*pp replicas, at most {MAX_GPUS:,}")
+    run.add_argument("--tp", type=_positive(int, 1024), default=8, help="tensor-parallel degree")
+    run.add_argument("--pp", type=_positive(int, 1024), default=16, help="pipeline-parallel degree")
+    run.add_argument("--spares", type=_number(int, 0, MAX_GPUS, f"0 .. {MAX_GPUS:,}"), default=None,
+                     help="spare nodes (%(default)s: 1/64 of the job's, at least 4)")
+    run.add_argument("--days", type=_positive(float, MAX_DAYS), default=54.0, help="simulated time")
+    run.add_argument("--seed", type=_number(int, 0, 2**63 - 1, "0 .. 2**63-1"), default=0)
     run.add_argument("--profile", choices=sorted(PROFILES), default="default",
                      help="the policies to run (and whether the job writes in-memory checkpoints)")
     run.add_argument("--policy", action="append", default=[], metavar="FAMILY=NAME[:key=value,...]",
                      help="replace one family of the profile by any installed policy, plugins included, for example "
                           "rescheduling=ladder:settle_s=5 or checkpoint=newest-complete:dying_wait_s=10 (repeatable)")
     run.add_argument("--mix", help="fault mix CSV (default: the Llama 3 405B mix)")
-    run.add_argument("--rate", type=float, help="faults per GPU-hour (default: the mix's own)")
+    run.add_argument("--rate", type=_positive(float, 1.0), help="faults per GPU-hour (default: the mix's own)")
     run.add_argument("--trace", help="fault trace CSV instead of the mix (see `titan`)")
-    run.add_argument("--storage-every-s", type=float, default=Training().storage_every_s)
-    run.add_argument("--memory-every", type=int, default=Training().memory_every_steps)
-    run.add_argument("--fail-p", type=float, default=Costs().fail_probability, help="executor failure probability")
-    run.add_argument("--timeout-p", type=float, default=Costs().timeout_probability,
+    run.add_argument("--storage-every-s", type=_positive(float, MAX_DAYS * 86_400),
+                     default=Training().storage_every_s, help="seconds between checkpoints to storage")
+    run.add_argument("--memory-every", type=_positive(int, 10**9), default=Training().memory_every_steps,
+                     help="steps between in-memory checkpoints")
+    probability = _number(float, 0.0, 1.0, "0 .. 1")
+    run.add_argument("--fail-p", type=probability, default=Costs().fail_probability,
+                     help="executor failure probability")
+    run.add_argument("--timeout-p", type=probability, default=Costs().timeout_probability,
                      help="probability that an executor never answers")
     run.add_argument("--log", help="write the run's log here (JSONL replay format)")
     run.add_argument("--json", action="store_true", help="the result as JSON")
