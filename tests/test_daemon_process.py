@@ -177,6 +177,32 @@ def test_embedded_nats_server_starts_and_stops_with_the_daemon(how: str, tmp_pat
         daemon.close()
 
 
+def test_a_second_daemon_on_the_same_data_directory_is_refused_and_the_first_keeps_it(tmp_path: Path) -> None:
+    first = DaemonProcess(tmp_path / "a", "", embedded_port=0)
+    second = DaemonProcess(tmp_path / "b", "", embedded_port=0, data_dir=first.settings["data_dir"])
+    first.start()
+    try:
+        first.wait_ready()
+        url_file = Path(first.settings["data_dir"]) / "nats.url"
+        url = url_file.read_text()
+        second.start()
+        assert second.proc is not None
+        code = second.proc.wait(timeout=30)
+        assert code != 0
+        refusal = [e for e in second.logs() if e.get("level") == "error"]
+        assert refusal and "is in use by another recovery-daemon" in refusal[0]["msg"], second.log_tail()
+        assert f"pid {first.pid}" in refusal[0]["msg"]
+        assert "exc" not in refusal[0]  # the refusal says it all: no traceback
+        assert not any(e.get("msg") == "embedded nats-server ready" for e in second.logs())
+        assert url_file.read_text() == url and first.ready()
+        first.kill()  # the kernel drops a SIGKILLed holder's lock: the directory is free again at once
+        second.start()
+        second.wait_ready()
+    finally:
+        first.close()
+        second.close()
+
+
 def test_demo_runs_a_cluster_live_and_stops_by_itself(tmp_path: Path) -> None:
     """The README's first command, shortened: daemon, embedded JetStream and simulated cluster, then a verified
     export of the log."""

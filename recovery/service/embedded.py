@@ -14,6 +14,7 @@ the daemon: the signal follows the thread that forked, so a worker thread that e
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import sys
@@ -24,6 +25,44 @@ from recovery.log.nats_server import NatsProcess, free_port, port_free
 
 logger = logging.getLogger("recovery.embedded")  # the name operators filter on: kept since it moved
 URL_FILE = "nats.url"
+LOCK_FILE = "daemon.lock"
+
+
+class DataDirInUse(RuntimeError):
+    """Another process holds the data directory: two embedded nats-servers on one JetStream store would corrupt
+    it, and the second would overwrite the first's `nats.url`."""
+
+
+class DataDirLock:
+    """A daemon's hold on its data directory: an advisory `flock` on `daemon.lock`, which the kernel drops when the
+    process ends, however it ends, so a SIGKILLed daemon never leaves a stale lock behind."""
+
+    def __init__(self, data_dir: str | Path) -> None:
+        self.data_dir = Path(data_dir)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the directory, or raise `DataDirInUse` naming the holder's pid."""
+        if self._fd is not None:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUse(f"data directory {self.data_dir} is in use by another recovery-daemon (pid "
+                               f"{holder}), whose embedded nats-server owns the JetStream store there: give each "
+                               f"daemon its own --data-dir, or point them all at one NATS with --nats-url") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
 
 _DIE_WITH_PARENT = """\
 import ctypes, os, signal, sys
