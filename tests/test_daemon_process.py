@@ -21,7 +21,7 @@ from events.values import JobSpec
 from recovery.log import MSG_ID, iter_file
 from recovery.log.jetstream import JetStreamLog
 from recovery.service.demo import BuiltinCluster, Bus
-from recovery.testing.nats import NatsServer
+from recovery.testing.nats import NatsServer, free_port
 from tests.daemon_support import (
     ROOT,
     DaemonProcess,
@@ -201,6 +201,24 @@ def test_a_second_daemon_on_the_same_data_directory_is_refused_and_the_first_kee
     finally:
         first.close()
         second.close()
+
+
+def test_a_daemon_waiting_for_nats_says_so_at_info_with_its_attempts_then_starts(tmp_path: Path) -> None:
+    port = free_port()
+    daemon = DaemonProcess(tmp_path, f"nats://127.0.0.1:{port}", timers_enabled=False)
+    daemon.start()
+    try:
+        def waits(at_least: int) -> bool:
+            return any(e.get("level") == "info" and e.get("msg", "").startswith("waiting for NATS")
+                       and e.get("attempts", 0) >= at_least and e.get("url") == f"nats://127.0.0.1:{port}"
+                       for e in daemon.logs())
+
+        wait_for(lambda: waits(2), 30, "the daemon to say it waits for NATS")
+        with NatsServer(tmp_path / "nats", port=port):
+            daemon.wait_ready(60)
+            assert any(e.get("msg") == "NATS reached" and e.get("attempts", 0) >= 3 for e in daemon.logs())
+    finally:
+        daemon.close()
 
 
 def test_demo_runs_a_cluster_live_and_stops_by_itself(tmp_path: Path) -> None:
