@@ -175,33 +175,63 @@ def _when(ns: int | None) -> str:
     return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%H:%M:%S")
 
 
-def render(verb: str, reply: dict[str, Any]) -> None:
+JOB_COLUMNS = ("job", "state", "phase", "step", "alive", "incident", "attempt", "generation", "restarts_used", "dp",
+               "nodes", "incidents_closed")
+"""`jobs`' columns, the most wanted first: a narrow terminal shows a prefix of them"""
+INCIDENT_COLUMNS = ("job", "incident", "cause", "phase", "outcome", "opened", "fault_class", "lost_steps", "faults",
+                    "attempts")
+
+
+def _column_width(column: str, rows: Sequence[dict[str, str]]) -> int:
+    """A column's characters in a box table: its widest cell or header, and 3 for padding and border."""
+    return max([len(column), *(len(row[column]) for row in rows)]) + 3
+
+
+def table_width(columns: Sequence[str], rows: Sequence[dict[str, str]]) -> int:
+    return 1 + sum(_column_width(column, rows) for column in columns)
+
+
+def fitting_columns(columns: Sequence[str], rows: Sequence[dict[str, str]], width: int) -> tuple[str, ...]:
+    """The longest prefix of `columns` whose table fits in `width` characters; the first two always (a job and
+    its state say something; three letters of twelve columns say nothing)."""
+    used = 1
+    shown: list[str] = []
+    for column in columns:
+        need = _column_width(column, rows)
+        if len(shown) >= 2 and used + need > width:
+            break
+        shown.append(column)
+        used += need
+    return tuple(shown)
+
+
+def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
     # Imported here for start-up time (rich takes 40 ms): --json does without it.
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     console = Console()
-    if verb == "jobs":
-        table = Table(title=f"{len(reply['jobs'])} job(s)")
-        columns = ("job", "state", "phase", "step", "generation", "alive", "dp", "nodes", "incident", "attempt",
-                   "incidents_closed", "restarts_used")
-        for column in columns:
-            table.add_column(column.replace("_", " "))
-        for row in reply["jobs"]:
-            alive = f"{row['alive']}/{row['world']}"
-            table.add_row(*(Text(str(alive if c == "alive" else ("-" if row[c] is None else row[c])))
-                            for c in columns))
-        console.print(table)
-    elif verb == "incidents":
-        table = Table(title=f"{len(reply['incidents'])} incident(s)")
-        incident_columns = ("job", "incident", "cause", "fault_class", "opened", "phase", "faults", "attempts",
-                            "outcome", "lost_steps")
-        for column in incident_columns:
-            table.add_column(column.replace("_", " "))
-        for row in reply["incidents"]:
-            cells = {**row, "opened": _when(row["opened"]), "attempts": " -> ".join(row["attempts"])}
-            table.add_row(*(Text("-" if cells[c] is None else str(cells[c])) for c in incident_columns))
+    if verb in ("jobs", "incidents"):
+        if verb == "jobs":
+            rows = [{c: str(row["alive"]) + f"/{row['world']}" if c == "alive" else
+                     ("-" if row[c] is None else str(row[c])) for c in JOB_COLUMNS} for row in reply["jobs"]]
+            columns = JOB_COLUMNS
+        else:
+            rows = [{c: "-" if cells[c] is None else str(cells[c]) for c in INCIDENT_COLUMNS}
+                    for cells in ({**row, "opened": _when(row["opened"]), "attempts": " -> ".join(row["attempts"])}
+                                  for row in reply["incidents"])]
+            columns = INCIDENT_COLUMNS
+        shown = columns if wide else fitting_columns(columns, rows, console.width)
+        if wide:  # every column whole: wider than the terminal if need be, never cut to a few letters
+            console = Console(width=max(console.width, table_width(columns, rows)))
+        hidden = len(columns) - len(shown)
+        table = Table(title=f"{len(rows)} {'job' if verb == 'jobs' else 'incident'}(s)",
+                      caption=f"{hidden} more column(s): --wide, or --json" if hidden else None)
+        for column in shown:
+            table.add_column(column.replace("_", " "), no_wrap=column in ("job", "state"), overflow="fold")
+        for row in rows:
+            table.add_row(*(Text(row[c]) for c in shown))
         console.print(table)
     elif verb == "status":
         table = Table(title="recovery-daemon", show_header=False)
@@ -243,9 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
                              f"exit {EXIT_NO_NATS} if NATS cannot be reached, {EXIT_NO_DAEMON} if no daemon answers")
     sub = parser.add_subparsers(dest="verb", required=True)
     sub.add_parser("status", help="the daemon's state")
-    sub.add_parser("jobs", help="live job states")
-    p = sub.add_parser("incidents", help="open incidents")
+    p = sub.add_parser("jobs", help="live job states (the columns that fit the terminal; --wide for all)")
+    p.add_argument("--wide", action="store_true", help="every column, however wide the terminal")
+    p = sub.add_parser("incidents", help="open incidents (the columns that fit the terminal; --wide for all)")
     p.add_argument("--all", action="store_true", help="closed incidents too")
+    p.add_argument("--wide", action="store_true", help="every column, however wide the terminal")
     p = sub.add_parser("job", help="one job in full")
     p.add_argument("job")
     p = sub.add_parser("submit", help="submit a job spec (JSON or TOML)")
@@ -299,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not reply.get("ok"):
         print(f"recovery-ctl: {reply.get('error')}", file=sys.stderr)
     else:
-        render(args.verb, reply)
+        render(args.verb, reply, wide=getattr(args, "wide", False))
     if not reply.get("ok") or reply.get("rejections"):
         return EXIT_REFUSED
     return EXIT_OK
