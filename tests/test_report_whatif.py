@@ -80,3 +80,17 @@ def test_diff_of_a_log_with_itself_is_the_same(capsys: pytest.CaptureFixture[str
     log = str(GOLDEN / "recover_in_place_fallback.jsonl")
     assert main(["diff", log, log]) == 0
     assert "same decisions" in capsys.readouterr().out
+
+
+def test_whatif_takes_the_model_size_from_the_recorded_layout_not_a_405b_default() -> None:
+    """pod_level_reschedule is an 8-GPU job at tp 2: a 10B-parameter model at most, whose state moves in seconds;
+    a 405B default made its simulated MTTR 188.5 s where the log has 21 s."""
+    result = whatif(GOLDEN / "pod_level_reschedule.jsonl", ["rescheduling=torchelastic-like-rescheduling"])
+    assert result["cluster"]["model_params"] == pytest.approx(2 * 80e9 / 16)
+    assert result["cluster"]["model_params_from"] == "layout"
+    mttr = result["simulated"]["recorded policies"]["mttr_by_fault_class"]["device"]["p50_s"]
+    assert mttr < 120
+    given = whatif(GOLDEN / "pod_level_reschedule.jsonl", ["rescheduling=torchelastic-like-rescheduling"],
+                   model_params=405e9)
+    assert given["cluster"]["model_params_from"] == "--model-params"
+    assert given["simulated"]["recorded policies"]["mttr_by_fault_class"]["device"]["p50_s"] > mttr

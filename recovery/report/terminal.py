@@ -208,7 +208,9 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                                 "; ".join(changed) or "the recorded policies"))
     c = result["cluster"]
     console.print(f"the simulated cluster: {c['nodes']} nodes of {c['ranks_per_node']} ranks, {c['spares']} spares, "
-                  f"layout {c['layout']}, {c['step_time_s']} s a step (measured), storage checkpoint every "
+                  f"layout {c['layout']}, a {c['model_params'] / 1e9:,.3g}B-parameter model ("
+                  f"{'as given' if c.get('model_params_from') == '--model-params' else 'the most one replica holds'}"
+                  f"), {c['step_time_s']} s a step (measured), storage checkpoint every "
                   f"{c['storage_every_s'] or '-'} s, {c['days'] * 86_400:,.0f} s (the log's span and "
                   f"{c['tail_s']:,.0f} s more with no faults); executors "
                   f"{'fail as the cost model says' if c['executor_failures'] else 'never fail'}")

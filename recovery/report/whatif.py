@@ -314,6 +314,21 @@ def _faults(cluster: RecordedCluster, durations: Any) -> list[Fault]:
     return faults
 
 
+DEVICE_MEMORY_BYTES = 80e9
+"""one accelerator's memory (an H100's or an Ascend 910B's 64-80 GB, the larger)"""
+TRAINING_BYTES_PER_PARAM = 16.0
+"""what training holds per parameter: bf16 weights and gradients (4), fp32 master weights and Adam's m and v (12)"""
+
+
+def layout_params(layout: dict[str, int]) -> float:
+    """The model size a recorded job is taken to train when the log does not say: the largest one replica of its
+    layout holds (tp x pp devices of `DEVICE_MEMORY_BYTES`, `TRAINING_BYTES_PER_PARAM` each), never more than the
+    simulator's Llama 3 405B. The cost of moving state follows the job's own scale instead of a 405B model's: an
+    8-GPU job at dp 4 x tp 2 is a 10B-parameter job, not one that reloads 5.7 TB."""
+    replica = layout.get("tp", 1) * layout.get("pp", 1)
+    return min(Training().params, replica * DEVICE_MEMORY_BYTES / TRAINING_BYTES_PER_PARAM)
+
+
 def config_for(cluster: RecordedCluster, selection: PolicySelection, model_params: float | None = None,
                executor_failures: bool = False, tail_s: float = 0.0) -> SimConfig:
     """The simulator's configuration for the recorded job: its shape, its measured pace and checkpoint cadence, the
@@ -329,7 +344,7 @@ def config_for(cluster: RecordedCluster, selection: PolicySelection, model_param
     memory = _every(cluster.memory_steps)
     training = replace(Training(), step_time_s=step_s, storage_every_s=storage * step_s if storage else None,
                        memory_every_steps=memory,
-                       **({"params": model_params} if model_params else {}))
+                       params=model_params or layout_params(layout))
     costs = Costs() if executor_failures else replace(Costs(), fail_probability=0.0, timeout_probability=0.0)
     return SimConfig(cluster=Cluster(gpus=gpus, gpus_per_node=cluster.rpn, tp=layout["tp"], pp=layout["pp"],
                                      spare_nodes=len(cluster.spares)),
@@ -424,7 +439,9 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
                     "layout": cluster.spec["layout"], "step_time_s": round(base_config.training.step_time_s, 3),
                     "storage_every_s": base_config.training.storage_every_s,
                     "memory_every_steps": base_config.training.memory_every_steps,
-                    "model_params": base_config.training.params, "days": round(base_config.days, 6),
+                    "model_params": base_config.training.params,
+                    "model_params_from": "--model-params" if model_params else "layout",
+                    "days": round(base_config.days, 6),
                     "executor_failures": executor_failures, "tail_s": tail_s},
         "other_jobs": sorted(cluster.other_jobs),
         "inputs": {"faults": len(faults), "kept": dict(sorted(cluster.kept.items())),
