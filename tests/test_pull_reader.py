@@ -10,6 +10,7 @@ import nats
 import orjson
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -178,3 +179,42 @@ async def test_a_durable_ack_all_reader_resumes_after_its_acks(js: Js) -> None:
         assert (await js.js.consumer_info(STREAM, "resumes")).ack_floor.consumer_seq == 0  # a new consumer
     finally:
         await second.close()
+
+
+async def test_pulls_are_bounded_by_bytes_and_bring_a_backlog_of_large_messages_in_order(
+        nats_server: NatsServer, js: Js) -> None:
+    """Pulls of 1,000 messages with no byte limit ask the server for a whole backlog of large inputs at once (1 GB
+    of 1 MB inputs), more than the client's inbox holds before it drops deliveries as a slow consumer. Every pull
+    request now names a byte bound, and a backlog of 24 MB in 400 kB messages arrives whole and in order through
+    pulls of 1 MB."""
+    body = b"x" * 400_000
+    for i in range(60):
+        await js.js.publish(SUBJECT, orjson.dumps({"i": i}) + body)
+    requests: list[dict[str, int]] = []
+
+    async def on_request(msg: Msg) -> None:
+        requests.append(orjson.loads(msg.data))
+
+    monitor = await nats.connect(nats_server.url)
+    await monitor.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.>", cb=on_request)
+    await monitor.flush()
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=100, max_bytes=1024 * 1024,
+                        pending_bytes_limit=4 * 1024 * 1024)
+    try:
+        await reader.open(1)
+        got = await read_count(reader, 60)
+        assert [orjson.loads(d.data[: d.data.index(b"}") + 1])["i"] for d in got] == list(range(60))
+        await monitor.flush()
+        assert requests and all(r["max_bytes"] == 1024 * 1024 for r in requests)
+        assert len(requests) >= 24  # 1 MB a pull: at least 24 MB / 1 MB of them
+    finally:
+        await reader.close()
+        await monitor.close()
+
+
+def test_a_byte_bound_below_the_largest_message_is_raised_to_it() -> None:
+    class Connection:
+        max_payload = 8 * 1024 * 1024
+
+    reader = PullReader(Connection(), None, STREAM, no_ack(), max_bytes=1024)  # type: ignore[arg-type]
+    assert reader.max_bytes == 8 * 1024 * 1024  # or a message that size could never be delivered

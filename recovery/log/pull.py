@@ -72,6 +72,12 @@ def parse_reply(reply: str) -> tuple[int, int, int, int, int]:
     raise ValueError(f"not a JetStream delivery reply subject: {reply!r}")
 
 
+PENDING_BYTES_LIMIT = 64 * 1024 * 1024
+"""what the inbox's subscription holds before the client drops deliveries as a slow consumer (nats-py's default)"""
+PULL_MAX_BYTES = 8 * 1024 * 1024
+"""bytes one pull request may bring: two in flight stay well under `PENDING_BYTES_LIMIT`"""
+
+
 class PullReader:
     """A pull consumer of `stream` configured by `consumer`, read in stream order with up to two batches of pull
     requests outstanding on one inbox.
@@ -93,6 +99,8 @@ class PullReader:
         batch: int = 1000,
         pull_expires_s: float = 2.0,
         end_seq: int | None = None,
+        max_bytes: int = PULL_MAX_BYTES,
+        pending_bytes_limit: int = PENDING_BYTES_LIMIT,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -111,7 +119,12 @@ class PullReader:
         """the reader has reached the end of what its consumer matches at least once since it was made"""
         self.done = False
         """with `end_seq`: everything up to it was delivered (or nothing more is pending)"""
-        self._request = orjson.dumps({"batch": batch, "expires": int(pull_expires_s * 1e9)})
+        # Bounded by bytes as well as by count: 1,000 inputs of 1 MB each asked for at once are more than the
+        # client's pending limit holds, and a slow-consumer drop then resets the connection again and again. Never
+        # below the largest message the server takes, or one such message could never be delivered.
+        self.max_bytes = max(max_bytes, int(getattr(nc, "max_payload", 0) or 0))
+        self.pending_bytes_limit = pending_bytes_limit
+        self._request = self._pull_request(batch)
         self._next_subject = ""
         self._inbox = ""
         self._sub: Subscription | None = None
@@ -143,7 +156,7 @@ class PullReader:
                 config.inactive_threshold = max(self.stall_s, 5.0)
         self._reconnects = self.nc.stats["reconnects"]
         inbox = self.nc.new_inbox()
-        self._sub = await self.nc.subscribe(inbox, cb=self._on_msg)
+        self._sub = await self.nc.subscribe(inbox, cb=self._on_msg, pending_bytes_limit=self.pending_bytes_limit)
         self._inbox = inbox
         info = await self.js.add_consumer(self.stream, config=config)
         self._ephemeral = "" if config.durable_name else self.name
@@ -187,6 +200,9 @@ class PullReader:
         if self._arrived is not None:
             self._arrived.set()
 
+    def _pull_request(self, count: int) -> bytes:
+        return orjson.dumps({"batch": count, "expires": int(self.pull_expires_s * 1e9), "max_bytes": self.max_bytes})
+
     async def _pull(self) -> None:
         # Two batches asked for keep the server sending while the caller works on one; with an end, never more
         # than the range still needs (it is contiguous unless filtered: a short count only means one more pull).
@@ -197,7 +213,7 @@ class PullReader:
                 count, request = self.batch, self._request
             else:
                 count = int(needed)
-                request = orjson.dumps({"batch": count, "expires": int(self.pull_expires_s * 1e9)})
+                request = self._pull_request(count)
             await self.nc.publish(self._next_subject, request, reply=self._inbox)
             self._outstanding += count
             needed -= count
@@ -259,8 +275,9 @@ class PullReader:
         status = headers.get("Status", "")
         if status == "409" and "Consumer Deleted" in headers.get("Description", ""):
             raise ReaderLost("consumer deleted")
-        if status == "408" and "Nats-Pending-Messages" in headers:
-            # An expired request says how much of it was left undelivered: exactly what no longer comes.
+        if status in ("408", "409") and "Nats-Pending-Messages" in headers:
+            # An expired request, or one that reached its byte limit, says how much of it was left undelivered:
+            # exactly what no longer comes.
             self._outstanding = max(self._outstanding - int(headers["Nats-Pending-Messages"]), 0)
         elif status in ("404", "408", "409"):
             self._outstanding = 0
