@@ -71,6 +71,7 @@ from recovery.service.lease import Lease, LeaseLost, default_instance
 from recovery.service.parts import Parts
 from recovery.service.processor import Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
+from recovery.service.seal import load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.timers import ServerClock, TimerService
 
@@ -409,6 +410,7 @@ class Daemon:
         self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, cfg.partition, cfg.snapshot_chunk_bytes,
                                        cfg.replicas)
         await self._retry(self.snapshots.ensure, "snapshot bucket")
+        self.processor.seal = await self._retry(lambda: load_seal(js, cfg.snapshot_bucket), "seal")
         self.snapshotter = Snapshotter(self.snapshots, cfg.snapshot_every_records, cfg.snapshot_every_s,
                                        cfg.snapshot_fork, self.metrics, self._retry, self._start_wall)
 
@@ -586,8 +588,8 @@ class Daemon:
             except ValueError:  # pydantic's ValidationError: an id the envelope cannot carry; never fires
                 logger.exception("cannot fire timer", extra=_fields(timer_id=firing.timer_id, job=firing.job))
                 continue
-            out.append(Outgoing(subjects.job_event(firing.job, "timer.fired"), encode_envelope(envelope), ident,
-                                "timer"))
+            out.append(Outgoing(subjects.job_event(firing.job, "timer.fired"), encode_envelope(envelope),
+                                self.processor.seal(ident), "timer"))
         try:
             await publisher.publish(out, deadline=time.monotonic() + 30)
         except TimeoutError:

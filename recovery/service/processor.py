@@ -59,6 +59,8 @@ class Processor(EffectRouter):
         super().__init__(engine, timers)
         self.skip_ids: set[str] = set()
         """ids of effects stored before a restart, found by scanning the streams: routed, not published again"""
+        self.seal: Callable[[str], str] = str
+        """the message id a decision or dead letter is published under (`recovery.service.seal`)"""
         self.recent: OrderedDict[int, list[Effect]] = OrderedDict()
         """the effects of the control service's inputs, by sequence, for its answers"""
         self.listeners: list[Listener] = []
@@ -105,18 +107,24 @@ class Processor(EffectRouter):
         self._batch.commands[command.kind] += 1
         self._batch.out.extend(o for o in addressed(self.engine, command) if o.msg_id not in self.skip_ids)
 
+    def _stored(self, ident: str, msg_id: str) -> bool:
+        # Either form: outputs stored before seals carry their plain id.
+        return bool(self.skip_ids) and (msg_id in self.skip_ids or ident in self.skip_ids)
+
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         self._batch.decisions[decision.kind] += 1
-        if envelope.id not in self.skip_ids:
-            self._batch.out.append(Outgoing(subject, data, envelope.id, "decision"))
+        msg_id = self.seal(envelope.id)
+        if not self._stored(envelope.id, msg_id):
+            self._batch.out.append(Outgoing(subject, data, msg_id, "decision"))
 
     def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         self._batch.rejections[rejection.code] += 1
         logger.info("rejected", extra={"fields": {"seq": rejection.seq, "subject": rejection.subject,
                                                   "code": rejection.code, "reason": rejection.reason,
                                                   "event_id": rejection.event_id}})
-        if envelope.id not in self.skip_ids:
-            self._batch.out.append(Outgoing(subject, data, envelope.id, "rejection"))
+        msg_id = self.seal(envelope.id)
+        if not self._stored(envelope.id, msg_id):
+            self._batch.out.append(Outgoing(subject, data, msg_id, "rejection"))
 
 
 def addressed(engine: Engine, command: Command) -> list[Outgoing]:

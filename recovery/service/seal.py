@@ -1,0 +1,47 @@
+"""Message ids that only the daemon can make, for what it writes into the log beside its inputs.
+
+Decisions, dead letters and timer firings share the log stream, and so its duplicate window, with the inputs any
+publisher sends; their ids are deterministic (`dec:<job>:<seq>:<i>`, `rej:<seq>`, `timer:<id>:<due>`), so that a
+restarted daemon publishing them again is deduplicated. Deterministic ids are also predictable: a publisher of
+inputs could store a message under a future decision's id first, and the real one would be dropped as its
+duplicate. The `Nats-Msg-Id` of each of these is therefore the id followed by an HMAC of it under a secret kept in
+the daemon's KV bucket: still the same on every republish by any daemon of the deployment, never guessable by a
+publisher. The envelope's own id is unchanged, so logs, replays and reports are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyWrongLastSequenceError
+
+SEAL_KEY = "_seal.secret"
+"""the secret's key in the snapshot bucket (a partition's keys are `<partition>` and `<partition>.<slot>.<n>`)"""
+DIGEST_CHARS = 24
+"""96 bits of the HMAC: no publisher guesses that"""
+
+
+class Seal:
+    """`seal(id)`: the message id under which the daemon publishes the output or timer firing `id`."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def __call__(self, ident: str) -> str:
+        digest = hmac.new(self._secret, ident.encode(), hashlib.sha256).hexdigest()[:DIGEST_CHARS]
+        return f"{ident}~{digest}"
+
+
+async def load_seal(js: JetStreamContext, bucket: str) -> Seal:
+    """The deployment's seal: its secret read from `bucket`, or made and stored there by the first daemon (a
+    create, so that two daemons starting at once agree on one)."""
+    kv = await js.key_value(bucket)
+    with contextlib.suppress(KeyWrongLastSequenceError):  # another daemon made it first: use that one
+        await kv.create(SEAL_KEY, os.urandom(32))
+    entry = await kv.get(SEAL_KEY)
+    assert entry.value is not None
+    return Seal(bytes(entry.value))
