@@ -89,3 +89,27 @@ def test_verify_of_an_empty_log_or_an_unknown_job_fails_instead_of_saying_ok(tmp
     assert result.returncode == 1
     assert "job no-such-job was never submitted" in result.stdout
     assert run_cli("verify", str(path("pod_level_reschedule")), "--job", "llm").returncode == 0
+
+
+def test_verify_fails_on_a_timer_the_daemon_never_fired(tmp_path: Path) -> None:
+    """The daemon wrote into the log 5 minutes after the job's watchdog was due and never fired it (a timer
+    service that lost it, or a firing dropped as the duplicate of a squatted id): the decisions still match, and
+    verify says what is wrong instead of 'ok'."""
+    from recovery.log import write_file
+    from recovery.testing.scenario import Scenario
+
+    scenario = Scenario()
+    scenario.submit("w", ["a"], ranks_per_node=2, dp=2)
+    scenario.job_event("w", "job.started")
+    scenario.advance(10)  # fired as due: nothing to say
+    log = tmp_path / "fired.jsonl"
+    write_file(log, scenario.log.records())
+    assert run_cli("verify", str(log)).returncode == 0
+    scenario.now += 300 * 1_000_000_000  # time passes and nothing fires the watchdog
+    scenario.send("recovery.ev.job.w.progress.step", b"{garbage")  # the daemon writes its dead letter
+    write_file(log, scenario.log.records())
+    result = run_cli("verify", str(log))
+    assert result.returncode == 1
+    assert result.stdout.startswith("TIMERS NEVER FIRED: 1")
+    assert "w/watchdog" in result.stdout and "never fired" in result.stdout
+    assert orjson.loads(run_cli("verify", str(log), "--json").stdout)["unfired_timers"]

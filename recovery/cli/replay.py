@@ -63,6 +63,7 @@ from recovery.log.verify import (
     rejection_divergence,
     rejection_in_scope,
     replay_log,
+    unfired_timers,
 )
 from recovery.report import source as report_source
 from recovery.report.diff import diff_logs
@@ -259,6 +260,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     recorded = [d for d in result.recorded_decisions if in_scope(d, job)]
     # A log with nothing in it (an empty file, a stream read before anything came, a job name mistyped) proves
     # nothing: "ok" there would pass a check that never ran.
+    unfired = unfired_timers(result, job) if isinstance(result, LogReplay) else []
+    if unfired:
+        ok = False
     empty = (not result.inputs and not recorded and not result.recorded_rejections) or \
         (job is not None and job not in result.engine.jobs and not limits)  # a cut export may start after it
     if empty:
@@ -266,7 +270,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         notes.insert(0, "nothing to verify: the log holds no input event" if job is None else
                      f"nothing to verify: job {job} was never submitted in this log")
     if args.json:
-        out = {"ok": ok, "empty": empty, "job": job, "exact": not limits, "caveats": limits, "notes": notes,
+        out = {"ok": ok, "empty": empty, "unfired_timers": unfired, "job": job, "exact": not limits,
+               "caveats": limits, "notes": notes,
                "inputs": result.inputs, "decisions": len(compared), "recorded": len(recorded),
                "divergence": None if divergence is None else divergence.as_dict(),
                "rejections_match": letters is None,
@@ -284,6 +289,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"DIVERGENCE in rejections: {letters.verdict}")
     elif empty:
         print(f"EMPTY: {notes.pop(0)}")
+    elif unfired:
+        print(f"TIMERS NEVER FIRED: {len(unfired)}; decisions match otherwise")
+        for line in unfired[:20]:
+            print(f"  {line}")
     else:
         which = "" if job is None else f" (job {job}'s and every job's acceptance)"
         print(f"ok: {len(compared)} decisions{which} from {result.inputs} inputs match the {len(recorded)} recorded")

@@ -77,6 +77,8 @@ class LogReplay(Replay):
     """where records sit on output subjects that the engine never writes (not a decision or a dead letter)"""
     unreadable: list[str] = field(default_factory=list)
     """recorded outputs this version cannot read (a newer schema): where, and why"""
+    daemon_ts: int = 0
+    """the log time of the last record the daemon itself wrote (an output or a timer firing): it was alive then"""
     refused_policies: dict[int, dict[str, str]] = field(default_factory=dict)
     """seq of a job.submitted the replay rejected as invalid_policy -> the policy names it chose, by family"""
 
@@ -106,8 +108,11 @@ def replay_log(located: Iterable[Located], engine: Engine | None = None, job: st
         previous = seq
         subject = record.subject
         if is_output(subject):
+            result.daemon_ts = max(result.daemon_ts, record.ts)
             _recorded_output(result, where, record)
             continue
+        if isinstance(record, Record) and record.envelope.type == "timer.fired":
+            result.daemon_ts = max(result.daemon_ts, record.ts)
         result.inputs += 1
         try:
             effects = [effect for effect, _, _, _ in apply_encoded(engine, record)]
@@ -178,6 +183,23 @@ def rejection_in_scope(rejection: Rejection, job: str | None) -> bool:
         return True
     jobs = rejection_jobs(rejection)
     return not jobs or job in jobs
+
+
+TIMER_SLACK_NS = 60 * 1_000_000_000
+"""how late a timer may fire (a daemon busy or restarting) before verify calls it never fired"""
+
+
+def unfired_timers(result: LogReplay, job: str | None = None) -> list[str]:
+    """Timers the engine still holds after the replay although they were due well before the daemon last wrote
+    into the log: the daemon was alive and never fired them (a timer service that lost them, or a firing dropped
+    as the duplicate of another message). One line each, the most overdue first."""
+    if not result.daemon_ts:
+        return []
+    overdue = sorted((due, timer_id, owner) for timer_id, entry in result.engine.timers.items() if entry is not None
+                     for owner, due, _ in (entry,) if due + TIMER_SLACK_NS < result.daemon_ts
+                     and (job is None or owner == job))
+    return [f"timer {timer_id} of job {owner} was due {(result.daemon_ts - due) / 1e9:,.1f}s before the daemon's "
+            f"last record and never fired" for due, timer_id, owner in overdue]
 
 
 def caveats(result: Replay) -> list[str]:
