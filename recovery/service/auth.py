@@ -1,0 +1,153 @@
+"""NATS users with subject permissions, one per role: what each part of the control plane may publish and read.
+
+    python -m recovery.service.auth --nodes n0,n1,n2 --out auth.conf --urls urls.json [--host nats.example:4222]
+
+writes the `authorization` block a `nats-server` configuration includes (`include auth.conf`), with a random
+password per user, and the URL each role connects with (`nats://user:password@host`). The roles:
+
+- `daemon`: everything (it alone writes decisions, dead letters, timer firings and commands, and answers
+  `recovery-ctl`).
+- `agent-<node>`, one per node: publishes its node's events (`recovery.ev.node.<node>.>`) and job events (the ranks it
+  runs report through it, for jobs it does not know in advance); reads the log's job submissions and its own node's
+  commands (`recovery.cmd.<node>.>`, through a JetStream consumer filtered on them, the only one it may create on
+  the command stream); receives replies only on its own inbox prefix (`_INBOX_<node>`: the agent's
+  `nats_inbox_prefix`), so that it cannot watch another node's deliveries.
+- `operator`: `recovery-ctl` (its requests to the daemon, which publishes what they ask for) and every read of the
+  log (`recovery-replay --nats`).
+- `auditor`: reads the log and the command stream; publishes nothing the control plane takes as input.
+
+The engine also checks that a node event's node matches the subject it came on (`subject_mismatch`), so a node's
+events cannot be forged under another's name even by a client this file does not confine.
+
+For fleets of thousands of nodes, the same permissions map to NATS decentralized auth (JWT users signed per node by
+an account key), where a user's permissions are written once with `{{name()}}` templates instead of one block per
+node; this module writes the static form, which `nats-server --reload` picks up when nodes are added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from events import subjects
+
+LOG_STREAM = "RECOVERY"
+COMMAND_STREAM = "RECOVERY_CMD"
+API = "$JS.API"
+
+
+@dataclass(frozen=True)
+class User:
+    """One NATS user: its name, password, and the subjects it may publish to and subscribe to."""
+
+    name: str
+    password: str
+    publish: list[str]
+    subscribe: list[str]
+    inbox_prefix: str = "_INBOX"
+    notes: list[str] = field(default_factory=list)
+
+    def block(self) -> str:
+        def quoted(items: list[str]) -> str:
+            return ", ".join(json.dumps(item) for item in items)
+
+        return (f"    {{user: {json.dumps(self.name)}, password: {json.dumps(self.password)}, permissions: {{\n"
+                f"      publish: {{allow: [{quoted(self.publish)}]}}\n"
+                f"      subscribe: {{allow: [{quoted(self.subscribe)}]}}\n"
+                f"    }}}}")
+
+
+def _readers(stream: str) -> list[str]:
+    """What reading `stream` through the project's pull reader asks of the JetStream API."""
+    return [f"{API}.STREAM.INFO.{stream}", f"{API}.CONSUMER.CREATE.{stream}.>", f"{API}.CONSUMER.MSG.NEXT.{stream}.*",
+            f"{API}.CONSUMER.DELETE.{stream}.*", f"{API}.CONSUMER.INFO.{stream}.*"]
+
+
+def agent_inbox(node: str) -> str:
+    return f"_INBOX_{node}"
+
+
+def daemon_user(password: str) -> User:
+    return User("daemon", password, [">"], [">"])
+
+
+def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_stream: str = COMMAND_STREAM) -> User:
+    subjects.check_token(node)
+    own_commands = subjects.node_commands(node)
+    publish = [
+        f"{subjects.PREFIX}.ev.node.{node}.>",
+        f"{subjects.PREFIX}.ev.job.>",
+        f"{API}.INFO",
+        f"{API}.STREAM.INFO.{log_stream}",
+        f"{API}.STREAM.INFO.{command_stream}",
+        # The log: job submissions (a consumer filtered on them) and whatever else it reads back.
+        f"{API}.CONSUMER.CREATE.{log_stream}.>",
+        f"{API}.CONSUMER.MSG.NEXT.{log_stream}.*",
+        f"{API}.CONSUMER.DELETE.{log_stream}.*",
+        # The command stream: a consumer may be created only filtered on this node's commands (the filter is
+        # part of the API subject when a consumer is created by name, as the pull reader does).
+        f"{API}.CONSUMER.CREATE.{command_stream}.*.{own_commands}",
+        f"{API}.CONSUMER.MSG.NEXT.{command_stream}.*",
+        f"{API}.CONSUMER.DELETE.{command_stream}.*",
+    ]
+    return User(f"agent-{node}", password, publish, [f"{agent_inbox(node)}.>"], inbox_prefix=agent_inbox(node))
+
+
+def operator_user(password: str) -> User:
+    # The default inbox: no agent receives on it (each has its own prefix), and what the daemon receives there is
+    # the log, which an operator reads anyway.
+    publish = [f"{subjects.PREFIX}.ctl.>", f"{API}.INFO", *_readers(LOG_STREAM), *_readers(COMMAND_STREAM)]
+    return User("operator", password, publish, ["_INBOX.>"])
+
+
+def auditor_user(password: str) -> User:
+    return User("auditor", password, [f"{API}.INFO", *_readers(LOG_STREAM), *_readers(COMMAND_STREAM)],
+                ["_INBOX.>"])
+
+
+def users(nodes: Sequence[str], password: str | None = None) -> list[User]:
+    """Every role's user; a random password each unless `password` is given (tests)."""
+    def pw() -> str:
+        return password or secrets.token_urlsafe(24)
+
+    return [daemon_user(pw()), operator_user(pw()), auditor_user(pw()), *(agent_user(n, pw()) for n in nodes)]
+
+
+def authorization(all_users: Sequence[User]) -> str:
+    """The `authorization { users = [...] }` block of a nats-server configuration."""
+    return "authorization {\n  users = [\n" + "\n".join(u.block() for u in all_users) + "\n  ]\n}\n"
+
+
+def urls(all_users: Sequence[User], host: str) -> dict[str, dict[str, str]]:
+    """Per user, the URL to connect with and the inbox prefix to use (`nats_inbox_prefix` of the agent)."""
+    return {u.name: {"url": f"nats://{u.name}:{u.password}@{host}", "inbox_prefix": u.inbox_prefix}
+            for u in all_users}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recovery.service.auth", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", required=True, help="comma-separated node names (one agent user each)")
+    parser.add_argument("--out", required=True, help="where to write the authorization block")
+    parser.add_argument("--urls", required=True, help="where to write each user's URL and inbox prefix (JSON)")
+    parser.add_argument("--host", default="127.0.0.1:4222", help="host:port the URLs name")
+    args = parser.parse_args(argv)
+    try:
+        made = users([n.strip() for n in args.nodes.split(",") if n.strip()])
+    except ValueError as exc:
+        print(f"python -m recovery.service.auth: {exc}", file=sys.stderr)
+        return 2
+    Path(args.out).write_text(authorization(made))
+    secrets_path = Path(args.urls)
+    secrets_path.write_text(json.dumps(urls(made, args.host), indent=2) + "\n")
+    secrets_path.chmod(0o600)  # passwords
+    print(f"{len(made)} users written to {args.out}; their URLs to {args.urls}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
