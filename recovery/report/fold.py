@@ -61,6 +61,11 @@ _CLASS_OF_SIGNAL = {"process.exited": "process", "process.hang": "hang", "device
 """the fault class of a fault that joined an incident, from its signal (only a confirmation records its class)"""
 
 
+JOB_EVENTS = "recovery.ev.job."
+FIRST_DEAD_LETTERS = 5
+"""a job's first dead letters kept with their reasons (the counts cover all of them)"""
+
+
 class ReportFold:
     """Feed records with `add`, one at a time; `result()` gives the report as a dict of the documented shape."""
 
@@ -118,8 +123,7 @@ class ReportFold:
             return
         if subject.startswith("recovery.dlq."):
             if type_ == "rejection":
-                code = str(env["data"].get("code"))
-                self.rejections[code] = self.rejections.get(code, 0) + 1
+                self._dead_letter(env["data"], ts)
             return
         job_id = env.get("job")
         if self.job_filter is not None and job_id is not None and job_id != self.job_filter:
@@ -380,6 +384,26 @@ class ReportFold:
             job.step_points.append((ts, resumed))
         job.step_after_close = incident.step_at_open
 
+    def _dead_letter(self, data: RawDict, ts: int) -> None:
+        """A dead letter counts for the whole log and, when the rejected input was a job's (its subject names the
+        job), against that job: a policy that errs on every record leaves the job's state as it was, and only its
+        dead letters say the job is not being recovered."""
+        code = str(data.get("code"))
+        self.rejections[code] = self.rejections.get(code, 0) + 1
+        rejected = str(data.get("subject") or "")
+        if not rejected.startswith(JOB_EVENTS):
+            return
+        job_id = rejected[len(JOB_EVENTS):].split(".", 1)[0]
+        if self.job_filter is not None and job_id != self.job_filter:
+            return
+        job = self.jobs.get(job_id)
+        if job is None:
+            return  # the job was never accepted: the whole log's count has it
+        job.dead_letters[code] = job.dead_letters.get(code, 0) + 1
+        if len(job.first_dead_letters) < FIRST_DEAD_LETTERS:
+            job.first_dead_letters.append({"seq": data.get("seq"), "ts": ts, "code": code,
+                                           "reason": str(data.get("reason", ""))[:300]})
+
     # -- the result ---------------------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
         """The report (documented in README.md, "Postmortems": `--json` prints exactly this)."""
@@ -412,6 +436,8 @@ class ReportFold:
                 "restarts_by_granularity": restarts(incidents),
                 "restart_loops": sum(j["restart_loops"] for j in jobs),
                 "rejections": dict(sorted(self.rejections.items())),
+                "dead_letters": sum(self.rejections.values()),
+                "policy_errors": self.rejections.get("policy_error", 0),
             },
             "jobs": jobs,
             "lemons": lemons(incidents),

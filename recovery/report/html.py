@@ -170,6 +170,7 @@ def _incident_table(job: dict[str, Any]) -> str:
 _CSS = """
 body{font:13px system-ui,sans-serif;margin:20px;width:1200px;color:#222;background:#fff}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}
+.bad{color:#c62828}
 .axis{font:11px system-ui,sans-serif;fill:#555}
 .legend{margin:6px 0}.key{margin-right:14px}.key i{display:inline-block;width:12px;height:12px;margin-right:4px;
 vertical-align:middle}.marker{color:#c62828;margin-right:4px}
@@ -185,6 +186,16 @@ document.body.dataset.layout = JSON.stringify(Array.from(document.querySelectorA
 """
 
 
+def _job_dead_letters(job: dict[str, Any]) -> str:
+    if not job["dead_letters"]:
+        return ""
+    items = "".join(f'<li>seq {_e(str(d["seq"]))} [{_e(d["code"])}] {_e(d["reason"])}</li>'
+                    for d in job["first_dead_letters"])
+    policy = f'; a policy raised {job["policy_errors"]:,} time(s)' if job["policy_errors"] else ""
+    return (f'<p class="bad">{job["dead_letters"]:,} of this job\'s inputs were dead-lettered{policy}:</p>'
+            f'<ul class="bad">{items}</ul>')
+
+
 def render_html(report: dict[str, Any]) -> str:
     s = report["summary"]
     ettr = "-" if s["ettr"] is None else f'{s["ettr"]:.4f}'
@@ -193,11 +204,17 @@ def render_html(report: dict[str, Any]) -> str:
                f'<tr><td>ETTR</td><td>{ettr}</td></tr>'
                f'<tr><td>lost GPU-hours</td><td>{s["lost_gpu_hours"]:,.2f} ('
                + _e(", ".join(f"{k} {v:,.2f}" for k, v in s["lost_gpu_hours_by_cause"].items())) + ')</td></tr>'
-               f'<tr><td>restart loops</td><td>{s["restart_loops"]}</td></tr></table>')
+               f'<tr><td>restart loops</td><td>{s["restart_loops"]}</td></tr>'
+               f'<tr><td>dead letters</td><td class="{"bad" if s["dead_letters"] else ""}">{s["dead_letters"]:,}'
+               + (f' ({_e(", ".join(f"{k} {v:,}" for k, v in s["rejections"].items()))})' if s["dead_letters"]
+                  else "")
+               + (f'; a policy raised {s["policy_errors"]:,} time(s)' if s["policy_errors"] else "")
+               + '</td></tr></table>')
     jobs, tables = [], []
     for index, job in enumerate(report["jobs"]):
         jobs.append(f'<h2>job {_e(job["job"])}: {job["gpus"]} GPUs, {_e(job["state"])} at step {job["step"]:,}, '
-                    f'ETTR {"-" if job["ettr"] is None else format(job["ettr"], ".4f")}</h2>{_timeline(job, index)}')
+                    f'ETTR {"-" if job["ettr"] is None else format(job["ettr"], ".4f")}</h2>'
+                    + _job_dead_letters(job) + _timeline(job, index))
         opened = " open" if len(job["incidents"]) <= 30 else ""
         tables.append(f'<details{opened}><summary>incidents of job {_e(job["job"])} ({len(job["incidents"])})'
                       f'</summary>{_incident_table(job)}</details>')

@@ -81,6 +81,9 @@ class JobFold:
     incident_count: int = 0
     last_heard: dict[int, int] = field(default_factory=dict)
     """rank -> log time of its last heartbeat or step: when a rank found silent went silent"""
+    dead_letters: dict[str, int] = field(default_factory=dict)
+    """code -> how many of the job's inputs were dead-lettered (a policy error among them)"""
+    first_dead_letters: list[dict[str, Any]] = field(default_factory=list)
     step_after_close: int | None = None
     """the step at which the last closed incident struck: the next one is a restart loop unless the job got past it"""
     decision_counts: dict[str, int] = field(default_factory=dict)

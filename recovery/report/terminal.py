@@ -36,7 +36,8 @@ def render(report: dict[str, Any], console: Console | None = None, decisions: bo
     console.print(Text.assemble(
         ("postmortem ", "bold"), f"of {report['records']:,} records over {span['seconds']:,.1f} s: ",
         f"{s['jobs']} job(s), {s['incidents']} incident(s), ETTR ", (_num(s["ettr"], digits=4), "bold"),
-        f", lost {s['lost_gpu_hours']:,.2f} GPU-hours, {s['restart_loops']} restart loop(s)"))
+        f", lost {s['lost_gpu_hours']:,.2f} GPU-hours, {s['restart_loops']} restart loop(s)",
+        *_dead_letters(s["dead_letters"], s["policy_errors"], s["rejections"])))
     console.print(_mttr_table(s["mttr_by_fault_class"], "time to recovery by fault class (whole log)"))
     console.print(_restarts_table(s["restarts_by_granularity"]))
     if s["lost_gpu_hours_by_cause"]:
@@ -60,6 +61,17 @@ def render(report: dict[str, Any], console: Console | None = None, decisions: bo
         console.print(f"note: {note}")
 
 
+def _dead_letters(count: int, policy_errors: int, by_code: dict[str, int]) -> list[str | tuple[str, str]]:
+    """What went wrong that no incident shows: inputs the engine refused, a policy that raised among them."""
+    if not count:
+        return []
+    codes = ", ".join(f"{code} {n:,}" for code, n in by_code.items())
+    out: list[str | tuple[str, str]] = [", ", (f"{count:,} dead letter(s)", "bold red"), f" ({codes})"]
+    if policy_errors:
+        out += [": ", (f"a policy raised {policy_errors:,} time(s)", "bold red")]
+    return out
+
+
 def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
     policies = ", ".join(job["policies"].values()) or "?"
     console.rule(Text(f"job {job['job']}", style="bold"))
@@ -67,6 +79,11 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
                   f"wall {job['wall_s']:,.1f} s, ETTR {_num(job['ettr'], digits=4)}, lost "
                   f"{job['lost_gpu_hours']:,.3f} GPU-hours, step time {_num(job['step_time_s'], ' s', 3)}, "
                   f"{job['restart_loops']} restart loop(s)")
+    if job["dead_letters"]:
+        console.print(Text.assemble(*_dead_letters(job["dead_letters"], job["policy_errors"],
+                                                   job["dead_letters_by_code"])))
+        for letter in job["first_dead_letters"]:
+            console.print(Text(f"  seq {letter['seq']} [{letter['code']}] {letter['reason']}", style="red"))
     table = Table(title=f"incidents of {job['job']}")
     for column in ("incident", "fault", "first rank", "detect s", "decide s", "granularity", "checkpoint",
                    "lost steps", "TTR s", "GPU-h", "outcome"):
