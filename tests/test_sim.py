@@ -460,3 +460,20 @@ def test_sim_cli_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> 
         sim_main(["run", "--help"])
     out = capsys.readouterr().out
     assert "(default: 16384)" in out and "(default: 54.0)" in out
+
+
+def test_the_summary_says_when_a_policy_raised_and_inputs_were_dead_lettered() -> None:
+    from dataclasses import replace as replaced
+
+    from rich.console import Console
+
+    result = Simulator(config(days=0.05, seed=1)).run()
+    quiet = Console(record=True, width=200)
+    result.render(quiet)
+    assert "dead letter" not in quiet.export_text()
+    broken = replaced(result, rejections={"policy_error": 597, "schema_violation": 2})
+    loud = Console(record=True, width=200)
+    broken.render(loud)
+    text = loud.export_text()
+    assert "599 dead letter(s) (policy_error 597, schema_violation 2)" in text
+    assert "a policy raised 597 time(s)" in text

@@ -174,6 +174,14 @@ class Result:
                       f"{self.decisions:,} decisions)")
         console.print(f"ETTR [bold]{self.ettr:.4f}[/bold]: productive {self.productive_s / 3600:,.1f} h of "
                       f"{self.wall_s / 3600:,.1f} h; lost {self.lost_gpu_hours:,.0f} GPU-hours")
+        if self.rejections:
+            # A policy that raises, or inputs the engine refuses, leave no incident behind: say so up front.
+            letters = sum(self.rejections.values())
+            errors = self.rejections.get("policy_error", 0)
+            codes = ", ".join(f"{code} {n:,}" for code, n in self.rejections.items())
+            console.print(f"[bold red]{letters:,} dead letter(s)[/bold red] ({codes})"
+                          + (f": [bold red]a policy raised {errors:,} time(s)[/bold red], and each record it was "
+                             f"asked about changed nothing" if errors else ""))
         lost = Table(title="lost time by cause")
         for col in ("cause", "hours", "GPU-hours", "share of wall"):
             lost.add_column(col, justify="left" if col == "cause" else "right")
