@@ -122,7 +122,8 @@ def main() -> None:
                 results[name].append(seconds)
                 print(f"repeat {repeat}: {name} regained the step {seconds:.2f}s after the SIGKILL", flush=True)
     for name, values in results.items():
-        print(f"{name}: median {statistics.median(values):.2f}s over {len(values)} ({', '.join(f'{v:.2f}' for v in values)})")
+        each = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{name}: median {statistics.median(values):.2f}s over {len(values)} ({each})")
 
 
 if __name__ == "__main__":
