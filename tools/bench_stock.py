@@ -2,6 +2,7 @@
 
     python tools/bench_stock.py                 # 3 repeats of each, medians
     python tools/bench_stock.py --repeat 5 --nproc 4
+    python tools/bench_stock.py --job-level     # recovery-run restarts the job whole at once, as torchrun does
 
 The script is `examples/ddp-tutorial/stock.py` (DDP, gloo, rank 0's snapshot every epoch, nothing of `recovery`),
 `--nproc` ranks on this host: `recovery-run --standalone --nproc-per-node N --max-restarts 3` and `torchrun
@@ -48,7 +49,14 @@ def rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int) -> float:
+JOB_LEVEL_SPEC = """{"policies": {"rescheduling": {"name": "ladder", "params": {"ladders": {"process": [
+    {"granularity": "restart_job", "budget": 3, "deadline_s": 900.0}]}}}}}"""
+"""`--job-level`: a process fault restarts the job at once, as torchrun does (a stock script's survivors cannot
+re-form their process group, so restarting the dead rank alone cannot work for it)"""
+
+
+def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int,
+             job_level: bool = False) -> float:
     snapshot = workdir / f"{launcher}-{time.monotonic_ns()}.pt"
     script = [str(STOCK), "--epochs", str(epochs), "--samples", str(64 * nproc), "--step-time", str(step_time),
               "--snapshot", str(snapshot)]
@@ -59,7 +67,12 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                    "--max-restarts", "3", *script]
     else:
         command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem), *script]
+                   "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem)]
+        if job_level:
+            spec = workdir / "job-level.json"
+            spec.write_text(JOB_LEVEL_SPEC)
+            command += ["--spec", str(spec)]
+        command += script
     lines: list[tuple[float, bytes]] = []
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                             start_new_session=True)
@@ -113,12 +126,16 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.1)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=["recovery-run", "torchrun"])
+    parser.add_argument("--job-level", action="store_true",
+                        help="recovery-run's job restarts whole at the first fault (the spec's ladder), without "
+                             "trying the dead rank alone first")
     args = parser.parse_args()
     results: dict[str, list[float]] = {name: [] for name in args.only}
     with tempfile.TemporaryDirectory(prefix="bench-stock-") as workdir:
         for repeat in range(args.repeat):
             for name in args.only:
-                seconds = run_once(name, Path(workdir), args.nproc, args.fault_at, args.step_time, args.epochs)
+                seconds = run_once(name, Path(workdir), args.nproc, args.fault_at, args.step_time, args.epochs,
+                                   args.job_level)
                 results[name].append(seconds)
                 print(f"repeat {repeat}: {name} regained the step {seconds:.2f}s after the SIGKILL", flush=True)
     for name, values in results.items():
