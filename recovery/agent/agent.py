@@ -510,15 +510,20 @@ class Agent:
             raise CommandFailed(f"ranks {[p.rank for p in procs if p.alive]} did not end after SIGKILL")
 
     async def _stop(self, job: JobOnNode, which: list[int], grace_s: float) -> None:
-        """The SDK's stop first (the step ends cleanly), then SIGTERM, then SIGKILL, within `grace_s`."""
+        """The SDK's stop first (the step ends cleanly), then SIGTERM, then SIGKILL, within `grace_s`; a rank with no
+        SDK connection (a stock script) gets SIGTERM at once, as torchrun sends it to a failed group's workers."""
         procs = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
+        asked: set[int] = set()
         for proc in procs:
-            if not await job.channel.send(proc.rank, {"op": "stop"}):
+            if await job.channel.send(proc.rank, {"op": "stop"}):
+                asked.add(proc.rank)
+            else:
                 logger.info("rank %d of %s has no SDK connection: stopped by signals only", proc.rank, job.id)
 
         async def one(proc: ranks.RankProcess) -> None:
-            with anyio.move_on_after(grace_s / 2):
-                await proc.ended.wait()
+            if proc.rank in asked:  # its SDK ends the step cleanly; a script without one gets SIGTERM at once
+                with anyio.move_on_after(grace_s / 2):
+                    await proc.ended.wait()
             await ranks.stop(proc, grace_s / 2, self.cfg.kill_grace_s)
 
         async with anyio.create_task_group() as tg:
