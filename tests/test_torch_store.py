@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from recovery.agent.jobs import torch_store_port
+from recovery.agent.jobs import end_torch_stores, torch_store_port
 from recovery.agent.tcpstore import StoreError, TorchStore
 from recovery.testing.nats import free_port
 
@@ -86,12 +86,20 @@ async def test_every_formation_gets_a_fresh_store_that_its_late_joiners_share_an
     store = TCPStore("127.0.0.1", fresh, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
     assert not store.check(["/default_pg/0//cpu//0/rank_0"])
     del dead, store
-    deadline = time.monotonic() + 10
-    while True:  # the old formation's store closes once the linger is over
-        try:
-            await TorchStore.connect("127.0.0.1", first, timeout_s=1.0)
-        except StoreError:
-            break
-        assert time.monotonic() < deadline, "the old formation's store is still open"
-        time.sleep(0.05)  # polling interval of a deadline-bounded wait
+    await closed(first)  # the old formation's, once the linger is over
     assert await torch_store_port("127.0.0.1", job_store, "job-b", 0, True, 10.0) == other_job
+    await end_torch_stores("127.0.0.1", job_store, "job-b")  # job-b ended: its last formation's store closes too
+    await closed(other_job)
+XX
+
+
+async def closed(port: int | None, timeout_s: float = 10.0) -> None:
+    assert port is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await TorchStore.connect("127.0.0.1", port, timeout_s=1.0)
+        except StoreError:
+            return
+        assert time.monotonic() < deadline, f"the store on {port} is still open"
+        time.sleep(0.05)  # polling interval of a deadline-bounded wait

@@ -34,7 +34,7 @@ from events.values import STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
 from recovery.agent import ranks
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
-from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, host_store
+from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
 from recovery.agent.reset import ResetFailed, reset_device
@@ -372,6 +372,7 @@ class Agent:
                 # Data-parallel ranks finish together: the first node's agent says so for the job.
                 job.finished = True
                 self.job_event(job.id, "job.completed", {}, event_id=f"{job.id}:completed")
+                await end_torch_stores(job.store_addr, job.store_port, job.id)
 
     async def _report(self, job_id: str, message: dict[str, Any]) -> None:
         """What a process says through the SDK, relayed as the job's events."""
@@ -488,6 +489,7 @@ class Agent:
             case FailJob():
                 assert job is not None
                 await self._kill(job, list(job.processes))
+                await end_torch_stores(job.store_addr, job.store_port, job.id)
                 return {}
             case RetryStep():
                 # Not possible in-process on gloo: a process group whose collective failed has its pairs closed and

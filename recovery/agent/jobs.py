@@ -104,6 +104,18 @@ async def torch_store_port(host: str, port: int, run_id: str, generation: int, w
         return None
 
 
+async def end_torch_stores(host: str, port: int, run_id: str) -> None:
+    """Tell the job store that `run_id` ended, so that it closes the job's torch stores (one store serves many jobs
+    for months: each job's last formation would otherwise stay open). Best effort: a store that is gone has none."""
+    try:
+        with anyio.fail_after(5.0):
+            async with await TorchStore.connect(host, port, timeout_s=2.0) as store:
+                if await store.check(SERVED):
+                    await store.queue_push(REQUESTS, f"end 0 {run_id}")
+    except (StoreError, TimeoutError) as exc:
+        logger.info("could not tell the job store that %s ended: %s", run_id, exc)
+
+
 async def host_store(job: JobOnNode, host: str) -> None:
     """Start the job's store beside the agent (`rendezvous: agent`) and wait until it listens."""
     job.store = await anyio.open_process(

@@ -27,7 +27,8 @@ pushing `whole <generation> <run id>` (its ranks start a new formation) or `join
 the running one: a partial restart) onto the queue `recovery/torch-store/requests` of this store, and reads the
 port under `<run id>/recovery/torch-store/<generation>`: every agent of the job gets the same answer without asking
 the engine, whichever asks first. A formation's store is closed `--torch-store-linger-s` after a newer formation of
-its job took over (its processes were stopped before the new ones started). The key `recovery/torch-store/served`
+its job took over (its processes were stopped before the new ones started), and every store of a job that long
+after `end 0 <run id>` (its agents say the job completed or failed). The key `recovery/torch-store/served`
 says that this store serves them.
 """
 
@@ -67,6 +68,10 @@ class TorchStores:
 
         with self._lock:
             stores = self.formations.setdefault(run_id, {})
+            if kind == "end":  # the job ended: none of its stores is needed any more
+                self.current.pop(run_id, None)
+                self._close_later(run_id, list(stores))
+                return 0
             if kind == "join" and run_id in self.current:
                 return int(stores[self.current[run_id]].port)  # a partial restart: the formation it joins
             if generation not in stores:
@@ -74,12 +79,14 @@ class TorchStores:
                                               timeout=self.timeout)
             if generation > self.current.get(run_id, -1):
                 self.current[run_id] = generation
-                older = [g for g in stores if g < generation]
-                if older:
-                    closing = threading.Timer(self.linger_s, self._close, (run_id, older))
-                    closing.daemon = True
-                    closing.start()
+                self._close_later(run_id, [g for g in stores if g < generation])
             return int(stores[generation].port)
+
+    def _close_later(self, run_id: str, generations: list[int]) -> None:
+        if generations:
+            closing = threading.Timer(self.linger_s, self._close, (run_id, generations))
+            closing.daemon = True
+            closing.start()
 
     def _close(self, run_id: str, generations: list[int]) -> None:
         with self._lock:
@@ -100,7 +107,8 @@ class TorchStores:
             except Exception as exc:  # a bad request must not stop the others' answers
                 print(f"bad torch-store request {request!r}: {exc}", file=sys.stderr, flush=True)
                 continue
-            store.set(torch_store_key(run_id, int(generation)), str(port))
+            if kind != "end":
+                store.set(torch_store_key(run_id, int(generation)), str(port))
 
 
 def main() -> None:
