@@ -90,7 +90,7 @@ async def test_every_formation_gets_a_fresh_store_that_its_late_joiners_share_an
     assert await torch_store_port("127.0.0.1", job_store, "job-b", 0, True, 10.0) == other_job
     await end_torch_stores("127.0.0.1", job_store, "job-b")  # job-b ended: its last formation's store closes too
     await closed(other_job)
-XX
+    await (await TorchStore.connect("127.0.0.1", fresh, timeout_s=1.0)).aclose()  # job-a's runs on
 
 
 async def closed(port: int | None, timeout_s: float = 10.0) -> None:
