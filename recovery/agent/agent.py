@@ -457,7 +457,8 @@ class Agent:
                         raise CommandFailed(str(exc), reset_failed=[device]) from None
                     logger.info("reset GPU %d for job %s", device, job.id)
                 for rank in mine:
-                    await self._launch(job, rank, command.attempt, command.plan, command.id, whole=False)
+                    await self._launch(job, rank, command.attempt, command.plan, command.id,
+                                       whole=job.restarts_all(command.ranks))
                 return {"restarted": mine, "reset": reset} if reset else {"restarted": mine}
             case StopRanks():
                 assert job is not None
@@ -474,7 +475,8 @@ class Agent:
                 self._place(job, command)
                 if command.to_node == self.node:
                     for rank in command.ranks:
-                        await self._launch(job, rank, command.attempt, command.plan, command.id, whole=False)
+                        await self._launch(job, rank, command.attempt, command.plan, command.id,
+                                           whole=job.restarts_all(command.ranks))
                 return {"ranks": command.ranks}
             case RestartJob() | ScaleJob():
                 assert job is not None

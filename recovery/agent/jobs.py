@@ -59,6 +59,11 @@ class JobOnNode:
         return ranks.Placement(rank, self.layout.world, rank % self.rpn, self.rpn, rank // self.rpn,
                                len(self.nodes))
 
+    def restarts_all(self, restarted: list[int]) -> bool:
+        """Does a restart of `restarted` start every rank of the job (a new formation, even if it came as a restart
+        of ranks: every other had ended), or do they join ranks that run on?"""
+        return set(restarted) >= set(range(self.layout.world))
+
     async def torch_port(self, generation: int, whole: bool, wait_s: float) -> int | None:
         """The port of the torch store of the ranks this node starts in `generation` (`whole`: every rank of the
         job starts in it; else they join the running formation), asked of the job store once per generation."""

@@ -174,7 +174,11 @@ def build_spec(args: argparse.Namespace, nodes: list[str], store: tuple[str, int
 
 
 async def _connect(url: str) -> Client:
-    return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="recovery-run")
+    async def quietly(exc: Exception) -> None:
+        del exc  # nats-py's default prints a traceback for every failed reconnection; it reconnects by itself
+
+    return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="recovery-run",
+                              error_cb=quietly)
 
 
 async def _job_state(url: str, job: str) -> str | None:
