@@ -204,6 +204,32 @@ async def test_a_dying_save_that_the_sdk_could_not_write_is_acked_failed_with_it
         await nc.close()
 
 
+async def test_a_graceful_stop_of_a_rank_without_the_sdk_sends_sigterm_at_once(
+        streams: NatsServer, tmp_path: Path) -> None:
+    """A stock script has no SDK connection to receive the stop: it gets SIGTERM at once, as torchrun sends it,
+    not after half the grace period spent waiting for a clean end of step that cannot come."""
+    agent = AgentProcess(tmp_path, "n8", streams.url)
+    nc = await connect(streams.url)
+    w = await watch(nc, "stock")
+    ready = await node_heard(nc, "recovery.ev.node.n8.>")
+    try:
+        await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
+        spec = stand_in_job(tmp_path, ["elsewhere", "n8"], 1, 2)
+        (tmp_path / "stand_in.py").write_text("import time\ntime.sleep(600)\n")
+        await submit(nc, "stock", spec)
+        await wait_until(lambda: 1 in w.pids(), 30, "rank 1 to start", agent.log_tail)
+        stopped = time.monotonic()
+        await command(nc, "n8", {"id": "stock:3:0", "job": "stock", "attempt": 0, "deadline_s": 60.0,
+                                 "kind": "stop_ranks", "ranks": [1], "mode": "graceful", "grace_s": 30.0})
+        await wait_until(lambda: acks(w, "stock:3:0") == ["accepted", "done"], 30, "the stop's acks", agent.log_tail)
+        assert time.monotonic() - stopped < 10.0  # not the 15 s of half the grace
+        assert w.of("process.exited")[0]["data"]["signal"] == signal.SIGTERM
+    finally:
+        agent.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+
+
 async def test_an_agent_started_after_a_job_was_submitted_knows_it_and_carries_out_its_commands(
         streams: NatsServer, tmp_path: Path) -> None:
     """As a restarted agent does: the job is read back from the stream, nothing is launched for it, and a restart
