@@ -44,6 +44,7 @@ from typing import Any
 REQUESTS = "recovery/torch-store/requests"
 SERVED = "recovery/torch-store/served"
 DEFAULT_LINGER_S = 60.0
+IDLE_POP = timedelta(hours=12)
 
 
 def torch_store_key(run_id: str, generation: int) -> str:
@@ -96,6 +97,9 @@ class TorchStores:
 
     def serve(self, store: Any) -> None:
         """Answer the requests queued on `store` (a client of the job store, for this thread alone), forever."""
+        # A blocking pop that times out logs two warnings of torch's: wait long (a poll timeout in milliseconds must
+        # stay within 32 bits), so that an idle store does not write them every 30 s.
+        store.set_timeout(IDLE_POP)
         while True:
             try:
                 request = store.queue_pop(REQUESTS, block=True).decode()
