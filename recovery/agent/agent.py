@@ -164,6 +164,8 @@ class Agent:
         with anyio.move_on_after(grace_s / 2):
             for event in saved:
                 await event.wait()
+        for proc in procs:  # a failed save is the engine's to learn from the missing checkpoint: no ack carries it
+            job.save_failures.pop(f"preempt:{self.node}:{proc.rank}:{proc.attempt}", None)
         async with anyio.create_task_group() as tg:
             for proc in procs:
                 tg.start_soon(ranks.stop, proc, grace_s / 2, self.cfg.kill_grace_s)
