@@ -49,6 +49,13 @@ client.close()
 '''
 
 
+@pytest.fixture(autouse=True)
+def no_job_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These jobs have no job store (MASTER_PORT 1): their ranks start with the job store's port after half a
+    second's wait for it, not the default minute."""
+    monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")
+
+
 def test_a_bad_setting_is_named_with_where_it_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RECOVERY_AGENT_HEARTBEAT_S", "-1")
     with pytest.raises(ConfigError, match=r"heartbeat_s.*environment variable RECOVERY_AGENT_HEARTBEAT_S"):
@@ -153,6 +160,70 @@ async def test_the_agent_runs_its_ranks_relays_them_and_carries_out_its_commands
         await wait_until(lambda: acks(w, "j:11:0") == ["accepted", "done"], 30, "the stop's acks", agent.log_tail)
         exits = {e["data"]["rank"]: e["data"] for e in w.of("process.exited")[1:]}
         assert exits[2]["exit_code"] == 0 and exits[3]["exit_code"] == 0  # the SDK's stop: a clean end of step
+    finally:
+        agent.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+
+
+SAVER = STAND_IN.replace("client = recovery.connect()\n", """client = recovery.connect()
+import os
+if os.environ["RANK"] == "3":
+    def save(step):
+        raise OSError(f"disk full at step {step}")
+    client.on_save(save)
+""")
+
+
+async def test_a_dying_save_that_the_sdk_could_not_write_is_acked_failed_with_its_reason(
+        streams: NatsServer, tmp_path: Path) -> None:
+    """Rank 2 registered no save function, rank 3's raises: the SDK answers `save_failed` for both, and the command
+    is acked failed with their reasons, never done (the engine would count a checkpoint that was never written)."""
+    agent = AgentProcess(tmp_path, "n7", streams.url)
+    nc = await connect(streams.url)
+    w = await watch(nc, "saves")
+    ready = await node_heard(nc, "recovery.ev.node.n7.>")
+    try:
+        await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
+        spec = stand_in_job(tmp_path, ["elsewhere", "n7"], 2, 4)
+        (tmp_path / "stand_in.py").write_text(SAVER)
+        await submit(nc, "saves", spec)
+        await wait_until(lambda: w.step(2) >= 3 and w.step(3) >= 3, 30, "both ranks to report steps", agent.log_tail)
+        await command(nc, "n7", {"id": "saves:9:0", "job": "saves", "attempt": 0, "deadline_s": 30.0,
+                                 "kind": "save_checkpoint", "ranks": [2, 3], "step": 3})
+        await wait_until(lambda: acks(w, "saves:9:0") == ["accepted", "failed"], 30, "the save's acks",
+                         agent.log_tail)
+        [ack] = [e["data"] for e in w.of("command.ack") if e["data"]["status"] == "failed"]
+        assert "rank 2: no save function registered" in ack["reason"], ack
+        assert "rank 3: OSError: disk full at step" in ack["reason"], ack
+        assert ack["result"]["failed"] == [2, 3] and ack["result"]["saved"] == [], ack
+        assert not w.of("checkpoint.saved")
+    finally:
+        agent.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+
+
+async def test_a_graceful_stop_of_a_rank_without_the_sdk_sends_sigterm_at_once(
+        streams: NatsServer, tmp_path: Path) -> None:
+    """A stock script has no SDK connection to receive the stop: it gets SIGTERM at once, as torchrun sends it,
+    not after half the grace period spent waiting for a clean end of step that cannot come."""
+    agent = AgentProcess(tmp_path, "n8", streams.url)
+    nc = await connect(streams.url)
+    w = await watch(nc, "stock")
+    ready = await node_heard(nc, "recovery.ev.node.n8.>")
+    try:
+        await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
+        spec = stand_in_job(tmp_path, ["elsewhere", "n8"], 1, 2)
+        (tmp_path / "stand_in.py").write_text("import time\ntime.sleep(600)\n")
+        await submit(nc, "stock", spec)
+        await wait_until(lambda: 1 in w.pids(), 30, "rank 1 to start", agent.log_tail)
+        stopped = time.monotonic()
+        await command(nc, "n8", {"id": "stock:3:0", "job": "stock", "attempt": 0, "deadline_s": 60.0,
+                                 "kind": "stop_ranks", "ranks": [1], "mode": "graceful", "grace_s": 30.0})
+        await wait_until(lambda: acks(w, "stock:3:0") == ["accepted", "done"], 30, "the stop's acks", agent.log_tail)
+        assert time.monotonic() - stopped < 10.0  # not the 15 s of half the grace
+        assert w.of("process.exited")[0]["data"]["signal"] == signal.SIGTERM
     finally:
         agent.stop()
         kill_leftovers([pid for pids in w.pids().values() for pid in pids])

@@ -25,3 +25,24 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     command = next(line for line in ci.splitlines() if line.startswith("python3 -m venv"))
     assert command in readme
+
+
+def test_exported_job_spec_schema_is_current() -> None:
+    from recovery.cli.jobspec import render as render_job_spec
+
+    path = ROOT / "docs" / "job-spec.schema.json"
+    assert path.read_bytes() == render_job_spec(), "run `python -m recovery.cli.jobspec > docs/job-spec.schema.json`"
+
+
+def test_the_example_job_spec_is_valid_with_its_policies_parameters() -> None:
+    import orjson
+
+    from events.values import JobSpec
+    from policies.registry import load_set
+
+    example = orjson.loads((ROOT / "docs" / "job.json").read_bytes())
+    spec = JobSpec.model_validate(example["spec"])
+    load_set(spec.policies)  # each policy's parameters, as the engine validates them when it accepts the job
+    documented = (ROOT / "docs" / "job-spec.md").read_text()
+    for field in JobSpec.model_fields:
+        assert f"**`{field}`**" in documented, f"docs/job-spec.md does not explain {field}"

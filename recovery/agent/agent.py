@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import nats
-from anyio.abc import Process, TaskGroup
+from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -37,6 +34,7 @@ from events.values import STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
 from recovery.agent import ranks
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
+from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
 from recovery.agent.reset import ResetFailed, reset_device
@@ -46,39 +44,7 @@ from recovery.log.jetstream import JetStreamLog
 logger = logging.getLogger("recovery.agent")
 
 COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
-DEFAULT_MASTER_PORT = 29500  # torchrun's
 SUBMITTED = "recovery.ev.job.*.job.submitted"
-
-
-@dataclass
-class JobOnNode:
-    """What the agent knows of a job: its spec, its current placement and its processes here."""
-
-    id: str
-    spec: JobSpec
-    nodes: list[str]
-    layout: Layout
-    master_addr: str
-    master_port: int
-    channel: ProcessChannel
-    processes: dict[int, ranks.RankProcess] = field(default_factory=dict)
-    saves: dict[str, anyio.Event] = field(default_factory=dict)  # save request id -> answered
-    store: Process | None = None
-    finished: bool = False
-    caught_up: anyio.Event = field(default_factory=anyio.Event)  # with the commands missed before this agent ran
-
-    @property
-    def rpn(self) -> int:
-        return self.spec.ranks_per_node
-
-    def ranks_on(self, node: str) -> list[int]:
-        if node not in self.nodes:
-            return []
-        index = self.nodes.index(node)
-        return [r for r in range(index * self.rpn, (index + 1) * self.rpn) if r < self.layout.world]
-
-    def placement(self, rank: int) -> ranks.Placement:
-        return ranks.Placement(rank, self.layout.world, rank % self.rpn, self.rpn, rank // self.rpn)
 
 
 class Agent:
@@ -198,6 +164,8 @@ class Agent:
         with anyio.move_on_after(grace_s / 2):
             for event in saved:
                 await event.wait()
+        for proc in procs:  # a failed save is the engine's to learn from the missing checkpoint: no ack carries it
+            job.save_failures.pop(f"preempt:{self.node}:{proc.rank}:{proc.attempt}", None)
         async with anyio.create_task_group() as tg:
             for proc in procs:
                 tg.start_soon(ranks.stop, proc, grace_s / 2, self.cfg.kill_grace_s)
@@ -266,7 +234,7 @@ class Agent:
         assert spec.entrypoint is not None
         env = spec.entrypoint.env
         job = JobOnNode(job_id, spec, list(spec.nodes), spec.layout, env.get("MASTER_ADDR", "127.0.0.1"),
-                        int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+                        int(env.get("MASTER_PORT", DEFAULT_STORE_PORT)),
                         ProcessChannel(self.runtime_dir / f"{job_id}.sock", lambda m, j=job_id: self._report(j, m)))
         self.jobs[job_id] = job
         assert self._tg is not None
@@ -279,9 +247,9 @@ class Agent:
             return
         job.caught_up.set()  # a job that starts under this agent missed nothing
         if spec.nodes[0] == self.node and spec.entrypoint.rendezvous == "agent":
-            await self._host_store(job)
+            await host_store(job, self.cfg.store_host)
         for rank in job.ranks_on(self.node):
-            await self._launch(job, rank, 0, None)
+            await self._launch(job, rank, 0, None, whole=True)
         if spec.nodes[0] == self.node:
             self.job_event(job_id, "job.started", {}, event_id=f"{job_id}:started")
         if self.standbys.wanted(spec.entrypoint):
@@ -358,26 +326,15 @@ class Agent:
                 return list(job.processes)
         return []
 
-    async def _host_store(self, job: JobOnNode) -> None:
-        """Start the job's rendezvous store beside the agent and wait until it listens."""
-        job.store = await anyio.open_process(
-            [sys.executable, "-m", "recovery.agent.rendezvous", "--host", self.cfg.store_host,
-             "--port", str(job.master_port)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
-        assert job.store.stdout is not None
-        with anyio.fail_after(60):
-            line = b""
-            while not line.endswith(b"\n"):
-                line += await job.store.stdout.receive(1)
-        logger.info("rendezvous store of %s: %s", job.id, line.decode().strip())
-
     async def _launch(self, job: JobOnNode, rank: int, attempt: int, plan: ResumePlan | None,
-                      command_id: str | None = None) -> None:
+                      command_id: str | None = None, *, whole: bool) -> None:
+        """Start `rank` in generation `attempt`; `whole`: every rank of the job starts in it (a new formation, with
+        a fresh torch store), else the rank joins the running ones (a partial restart)."""
         assert job.spec.entrypoint is not None
+        torch_port = await job.torch_port(attempt, whole, self.cfg.store_wait_s)
         env = ranks.environment(job.spec.entrypoint, job.placement(rank), job=job.id, node=self.node,
-                                attempt=attempt, plan=plan, master_addr=job.master_addr,
-                                master_port=job.master_port, socket=job.channel.path,
-                                heartbeat_s=self.cfg.heartbeat_s)
+                                attempt=attempt, plan=plan, store_addr=job.store_addr, store_port=job.store_port,
+                                torch_port=torch_port, socket=job.channel.path, heartbeat_s=self.cfg.heartbeat_s)
         output = self.runtime_dir / f"{job.id}.rank{rank}.gen{attempt}.log"
         standby = self.standbys.take(job.id)
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
@@ -417,6 +374,7 @@ class Agent:
                 # Data-parallel ranks finish together: the first node's agent says so for the job.
                 job.finished = True
                 self.job_event(job.id, "job.completed", {}, event_id=f"{job.id}:completed")
+                await end_torch_stores(job.store_addr, job.store_port, job.id)
 
     async def _report(self, job_id: str, message: dict[str, Any]) -> None:
         """What a process says through the SDK, relayed as the job's events."""
@@ -458,8 +416,10 @@ class Agent:
                 if proc is not None and proc.alive:  # the rank's process now (a survivor's generation moves on)
                     proc.closing = True
             elif op == "save_failed":
-                done = job.saves.get(str(message.get("id")))
+                request = str(message.get("id"))
+                done = job.saves.get(request)
                 if done is not None:
+                    job.save_failures[request] = str(message.get("reason") or "the save failed")
                     done.set()
         except (ValueError, KeyError, ValidationError) as exc:
             logger.warning("bad report from rank %s of %s: %s", rank, job_id, exc)
@@ -499,7 +459,8 @@ class Agent:
                         raise CommandFailed(str(exc), reset_failed=[device]) from None
                     logger.info("reset GPU %d for job %s", device, job.id)
                 for rank in mine:
-                    await self._launch(job, rank, command.attempt, command.plan, command.id)
+                    await self._launch(job, rank, command.attempt, command.plan, command.id,
+                                       whole=job.restarts_all(command.ranks))
                 return {"restarted": mine, "reset": reset} if reset else {"restarted": mine}
             case StopRanks():
                 assert job is not None
@@ -516,14 +477,15 @@ class Agent:
                 self._place(job, command)
                 if command.to_node == self.node:
                     for rank in command.ranks:
-                        await self._launch(job, rank, command.attempt, command.plan, command.id)
+                        await self._launch(job, rank, command.attempt, command.plan, command.id,
+                                           whole=job.restarts_all(command.ranks))
                 return {"ranks": command.ranks}
             case RestartJob() | ScaleJob():
                 assert job is not None
                 await self._kill(job, list(job.processes))
                 self._place(job, command)
                 for rank in job.ranks_on(self.node):
-                    await self._launch(job, rank, command.attempt, command.plan, command.id)
+                    await self._launch(job, rank, command.attempt, command.plan, command.id, whole=True)
                 return {"started": job.ranks_on(self.node)}
             case SaveCheckpoint():
                 assert job is not None
@@ -531,6 +493,7 @@ class Agent:
             case FailJob():
                 assert job is not None
                 await self._kill(job, list(job.processes))
+                await end_torch_stores(job.store_addr, job.store_port, job.id)
                 return {}
             case RetryStep():
                 # Not possible in-process on gloo: a process group whose collective failed has its pairs closed and
@@ -553,15 +516,20 @@ class Agent:
             raise CommandFailed(f"ranks {[p.rank for p in procs if p.alive]} did not end after SIGKILL")
 
     async def _stop(self, job: JobOnNode, which: list[int], grace_s: float) -> None:
-        """The SDK's stop first (the step ends cleanly), then SIGTERM, then SIGKILL, within `grace_s`."""
+        """The SDK's stop first (the step ends cleanly), then SIGTERM, then SIGKILL, within `grace_s`; a rank with no
+        SDK connection (a stock script) gets SIGTERM at once, as torchrun sends it to a failed group's workers."""
         procs = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
+        asked: set[int] = set()
         for proc in procs:
-            if not await job.channel.send(proc.rank, {"op": "stop"}):
+            if await job.channel.send(proc.rank, {"op": "stop"}):
+                asked.add(proc.rank)
+            else:
                 logger.info("rank %d of %s has no SDK connection: stopped by signals only", proc.rank, job.id)
 
         async def one(proc: ranks.RankProcess) -> None:
-            with anyio.move_on_after(grace_s / 2):
-                await proc.ended.wait()
+            if proc.rank in asked:  # its SDK ends the step cleanly; a script without one gets SIGTERM at once
+                with anyio.move_on_after(grace_s / 2):
+                    await proc.ended.wait()
             await ranks.stop(proc, grace_s / 2, self.cfg.kill_grace_s)
 
         async with anyio.create_task_group() as tg:
@@ -585,15 +553,14 @@ class Agent:
                 await event.wait()
         if not all(event.is_set() for event in waits):
             raise CommandFailed("the dying checkpoint was not saved before the command's deadline")
+        failed = {rank: job.save_failures.pop(f"{command.id}/{rank}") for rank in mine
+                  if f"{command.id}/{rank}" in job.save_failures}
+        if failed:
+            # named in the ack, so that the engine does not count a checkpoint that was never written
+            reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(failed.items()))
+            raise CommandFailed(f"the dying checkpoint failed: {reasons}", failed=sorted(failed),
+                                saved=[r for r in mine if r not in failed])
         return {"saved": mine}
-
-
-class CommandFailed(Exception):
-    """A command that could not be carried out: its ack says why, and `result` what the engine may act on."""
-
-    def __init__(self, reason: str, **result: Any) -> None:
-        super().__init__(reason)
-        self.result = result
 
 
 async def _next_seq(log: JetStreamLog) -> int:

@@ -44,6 +44,10 @@ class AgentConfig(FileSettings):
     outbox_capacity: int = Field(100_000, ge=1, description="events kept while NATS is away; beyond, the oldest "
                                                              "are dropped and counted")
     store_host: str = Field("0.0.0.0", description="address a rendezvous store this agent hosts listens on")
+    store_wait_s: float = Field(60.0, gt=0, le=3600, description="how long a rank's start waits for the job's "
+                                                                  "store (its process may still be starting) to "
+                                                                  "give the torch store of the rank's formation; "
+                                                                  "past it, MASTER_PORT is the job store's own")
     kill_grace_s: float = Field(5.0, ge=0, le=3600, description="how long a killed process may take to be reaped "
                                                                  "before a command fails")
     preempt_grace_s: float = Field(30.0, ge=0, le=3600, description="on SIGTERM (a preemption): how long the ranks "

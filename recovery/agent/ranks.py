@@ -27,6 +27,7 @@ class Placement:
     local_rank: int
     local_world_size: int
     group_rank: int
+    group_world_size: int  # nodes of the placement
 
 
 @dataclass(slots=True)
@@ -59,9 +60,13 @@ class RankProcess:
 
 
 def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node: str, attempt: int,
-                plan: ResumePlan | None, master_addr: str, master_port: int, socket: Path,
+                plan: ResumePlan | None, store_addr: str, store_port: int, torch_port: int | None, socket: Path,
                 heartbeat_s: float) -> dict[str, str]:
-    """The agent's environment, the job's, then what the agent sets for the rank (which wins)."""
+    """The agent's environment, the job's, then what the agent sets for the rank (which wins): torchrun's, with its
+    agent-store contract (`TORCHELASTIC_USE_AGENT_STORE=True`: every rank, rank 0 too, is a client of the store at
+    MASTER_ADDR:MASTER_PORT, which is the fresh torch store of the rank's formation, `torch_port`; the job store's
+    own port without one), and the job store itself as RECOVERY_STORE_ADDR/RECOVERY_STORE_PORT, where the SDK's
+    generations live across formations."""
     env = {**os.environ, **entrypoint.env}
     env.update({
         "RANK": str(placement.rank),
@@ -69,16 +74,22 @@ def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node:
         "WORLD_SIZE": str(placement.world_size),
         "LOCAL_WORLD_SIZE": str(placement.local_world_size),
         "GROUP_RANK": str(placement.group_rank),
+        "GROUP_WORLD_SIZE": str(placement.group_world_size),
+        "ROLE_NAME": "default",
         "ROLE_RANK": str(placement.rank),
         "ROLE_WORLD_SIZE": str(placement.world_size),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
+        "MASTER_ADDR": store_addr,
+        "MASTER_PORT": str(torch_port if torch_port is not None else store_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # torch compares with str(True)
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_RUN_ID": job,
         "TORCHELASTIC_MAX_RESTARTS": "0",  # restarts are the control plane's, never the script's own
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "RECOVERY_JOB": job,
         "RECOVERY_NODE": node,
         "RECOVERY_GENERATION": str(attempt),
+        "RECOVERY_STORE_ADDR": store_addr,
+        "RECOVERY_STORE_PORT": str(store_port),
         "RECOVERY_AGENT_SOCKET": str(socket),
         "RECOVERY_HEARTBEAT_S": str(heartbeat_s),
     })

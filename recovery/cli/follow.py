@@ -1,0 +1,161 @@
+"""Following one job as `recovery-run` shows it: its decisions and events as they are made (core NATS subscriptions
+beside the streams), a few lines per incident, its progress now and then, and its end; and, when its ranks run on
+this host, their output, each line prefixed with the rank as torchrun prefixes it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from events import subjects
+
+ENDED = ("completed", "failed", "cancelled")
+PROGRESS_EVERY_S = 10.0
+"""how often the job's step is printed while nothing else happens"""
+RANK_LOG = re.compile(r"\.rank(\d+)\.gen(\d+)\.log$")
+
+
+@dataclass
+class JobFollower:
+    """What `recovery-run` prints about a job, from its decisions and events; `ended` is set with its final state."""
+
+    job: str
+    out: TextIO = field(default_factory=lambda: sys.stderr)
+    started: float = field(default_factory=time.monotonic)
+    state: str = "submitted"
+    reason: str = ""
+    step: int = -1
+    incidents: int = 0
+    recovered_s: list[float] = field(default_factory=list)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    _printed_step: int = -1
+    _printed_at: float = 0.0
+
+    def say(self, message: str) -> None:
+        print(f"[recovery-run {time.monotonic() - self.started:6.1f}s] {message}", file=self.out, flush=True)
+
+    def on_decision(self, decision: dict[str, Any]) -> None:
+        kind, reason, detail = decision.get("kind"), decision.get("reason", ""), decision.get("detail") or {}
+        self.state = decision.get("state", self.state)
+        if kind == "job.started":
+            self.say(f"{self.job}: running")
+        elif kind == "fault.confirmed":
+            self.incidents += 1
+            self.say(f"fault: {reason}")
+        elif kind == "attempt.started":
+            self.say(f"recovery: {detail.get('granularity', '?')} ({reason})")
+        elif kind in ("attempt.failed", "attempt.timed_out", "checkpoint.dying_failed", "job.paused"):
+            self.say(f"{kind}: {reason}")
+        elif kind == "checkpoint.plan" and detail.get("checkpoint_step") is not None:
+            self.say(f"resuming from the checkpoint of step {detail['checkpoint_step']}")
+        elif kind == "incident.closed":
+            mttr = detail.get("mttr_ns")
+            if isinstance(mttr, int):
+                self.recovered_s.append(mttr / 1e9)
+            lost = detail.get("lost_steps")
+            self.say(f"recovered{f' in {mttr / 1e9:.1f}s' if isinstance(mttr, int) else ''}"
+                     f"{f', {lost} step(s) lost' if lost is not None else ''}")
+        if self.state in ENDED and not self.ended.is_set():
+            self.reason = reason
+            self.say(f"{self.job} {self.state}{f': {reason}' if reason else ''}")
+            self.ended.set()
+
+    def on_event(self, envelope: dict[str, Any]) -> None:
+        data = envelope.get("data") or {}
+        if envelope.get("type") == "progress.step" and isinstance(data.get("step"), int):
+            self.step = max(self.step, data["step"])
+        elif envelope.get("type") == "process.exited" and not self.ended.is_set():
+            if data.get("signal") is not None:
+                self.say(f"rank {data.get('rank')} (generation {data.get('attempt')}) killed by signal "
+                         f"{data['signal']}")
+            elif data.get("exit_code") not in (0, None):
+                self.say(f"rank {data.get('rank')} (generation {data.get('attempt')}) exited with "
+                         f"{data['exit_code']}")
+
+    def tick(self) -> None:
+        """Print the step now and then while the job runs."""
+        now = time.monotonic()
+        if self.step > self._printed_step and now - self._printed_at >= PROGRESS_EVERY_S and not self.ended.is_set():
+            self._printed_step, self._printed_at = self.step, now
+            self.say(f"step {self.step}")
+
+    async def subscribe(self, nc: Client) -> None:
+        """Before the job is submitted, so that nothing of it is missed."""
+
+        async def on_decision(msg: Msg) -> None:
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                self.on_decision(orjson.loads(msg.data).get("data") or {})
+
+        async def on_event(msg: Msg) -> None:
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                self.on_event(orjson.loads(msg.data))
+
+        await nc.subscribe(subjects.decision(self.job), cb=on_decision)
+        await nc.subscribe(f"{subjects.PREFIX}.ev.job.{self.job}.>", cb=on_event)
+
+
+class RankOutput:
+    """The output files the agents on this host write for the job's ranks (`<runtime dir>/<job>.rank<r>.gen<g>.log`),
+    followed and printed line by line as `[rank<r>]:` (`[rank<r>.<g>]:` from a restart of generation g)."""
+
+    def __init__(self, runtime_dirs: list[Path], job: str, out: TextIO | None = None) -> None:
+        self.runtime_dirs = runtime_dirs
+        self.job = job
+        self.out = out or sys.stdout
+        self._read: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    def poll(self, final: bool = False) -> None:
+        for directory in self.runtime_dirs:
+            for path in sorted(directory.glob(f"{self.job}.rank*.gen*.log")):
+                match = RANK_LOG.search(path.name)
+                if match is None:
+                    continue
+                rank, generation = int(match.group(1)), int(match.group(2))
+                prefix = f"[rank{rank}]" if generation == 0 else f"[rank{rank}.{generation}]"
+                try:
+                    with path.open("rb") as log:
+                        log.seek(self._read.get(path, 0))
+                        data = log.read()
+                except OSError:
+                    continue
+                self._read[path] = self._read.get(path, 0) + len(data)
+                lines = (self._partial.pop(path, b"") + data).split(b"\n")
+                if not final:
+                    self._partial[path], lines = lines[-1], lines[:-1]
+                for line in lines:
+                    if line or not final:
+                        print(f"{prefix}: {line.decode(errors='replace')}", file=self.out, flush=True)
+
+
+async def follow(follower: JobFollower, output: RankOutput | None = None,
+                 check: Callable[[], Awaitable[str | None]] | None = None, poll_s: float = 0.1,
+                 check_every_s: float = 5.0) -> str:
+    """Until the job ends: its final state. Prints the ranks' output and the progress meanwhile; `check` (the job's
+    state asked of the daemon) now and then, in case the deciding message was missed (a reconnection)."""
+    checked = time.monotonic()
+    while not follower.ended.is_set():
+        if output is not None:
+            output.poll()
+        follower.tick()
+        if check is not None and time.monotonic() - checked >= check_every_s:
+            checked = time.monotonic()
+            state = await check()
+            if state in ENDED and not follower.ended.is_set():
+                follower.on_decision({"state": state})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(follower.ended.wait(), poll_s)
+    if output is not None:
+        output.poll(final=True)
+    return follower.state

@@ -1,0 +1,292 @@
+"""`recovery-run`: run a torchrun script under the recovery control plane, with torchrun's flags.
+
+    recovery-run --standalone --nproc-per-node 4 train.py --epochs 10
+    recovery-run --standalone --nnodes 2 --nproc-per-node 2 --spares 1 --max-restarts 3 train.py
+    recovery-run --nats-url nats://nats-0:4222 --nodes gpu-1,gpu-2 --nproc-per-node 8 \\
+        --rdzv-endpoint store-0:29400 --rdzv-id llama-7b train.py
+
+`--standalone` starts everything on this host: a `recovery-daemon` on its embedded JetStream, a job store and one
+`recovery-agent` per node of `--nnodes` (plus `--spares`), all under `--data-dir`. With `--nats-url` it submits the
+job to the daemon of that cluster, whose agents run on `--nodes`. Either way it follows the job, printing its
+recoveries (and, standalone, its ranks' output, prefixed `[rank<r>]:`), and exits with the job's end: the exit
+status below. Ctrl-C or SIGTERM cancels the job and stops every process it started. docs/recovery-run.md has the
+details: every flag, the ranks' environment, and how torchrun's flags map to the job spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+
+from events.subjects import check_token
+from recovery.cli.ctl import CtlFailure, load_spec, request
+from recovery.cli.follow import JobFollower, RankOutput, follow
+from recovery.cli.local_stack import LocalStack, StackFailed
+
+EXIT_COMPLETED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2  # argparse's own code for a bad command line; also a spec the daemon refused
+EXIT_CANCELLED = 3
+EXIT_NO_CONTROL_PLANE = 4
+EXIT_SIGNAL_BASE = 128  # + the signal's number: 130 after Ctrl-C, 143 after SIGTERM
+DEFAULT_STORE_PORT = 29500
+CANCEL_WAIT_S = 20.0
+
+EXIT_CODES = f"""exit status:
+  {EXIT_COMPLETED}    the job completed
+  {EXIT_FAILED}    the job failed (its restarts used up, or nothing could recover it)
+  {EXIT_USAGE}    bad usage, or the daemon refused the job's spec
+  {EXIT_CANCELLED}    the job was cancelled (recovery-ctl cancel)
+  {EXIT_NO_CONTROL_PLANE}    the control plane could not be started (standalone) or reached (--nats-url)
+  130  interrupted by Ctrl-C (SIGINT), 143 by SIGTERM: the job was cancelled"""
+
+ENDS = {"completed": EXIT_COMPLETED, "failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED}
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
+    """A flag under torchrun's two spellings: `--a-b` and `--a_b`."""
+    names = [f"--{name}"] + ([f"--{name.replace('-', '_')}"] if "-" in name else [])
+    parser.add_argument(*names, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recovery-run", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    torchrun = parser.add_argument_group("torchrun's flags")
+    _flag(torchrun, "nnodes", default=None, help="number of nodes (an integer, or MIN:MAX with MIN = MAX); "
+                                                 "standalone: agents started on this host (default 1)")
+    _flag(torchrun, "nproc-per-node", default="1", help="ranks per node: an integer, or `cpu` (this host's CPUs)")
+    _flag(torchrun, "max-restarts", type=int, default=None,
+          help="the job's restart budget (the spec's max_restarts); default: the rescheduling policy's own")
+    _flag(torchrun, "rdzv-endpoint", default="", help="HOST:PORT of a job store the platform runs "
+                                                      "(`python -m recovery.agent.rendezvous --serve`): the job's "
+                                                      "rendezvous is `external`; ignored with --standalone")
+    _flag(torchrun, "rdzv-id", default="", help="the job's id (default: run-<random>)")
+    _flag(torchrun, "rdzv-backend", default="c10d", help="accepted for torchrun's command lines; ignored")
+    _flag(torchrun, "rdzv-conf", default="", help="accepted for torchrun's command lines; ignored")
+    _flag(torchrun, "standalone", action="store_true",
+          help="start a daemon (on an embedded JetStream), a job store and the agents on this host")
+    _flag(torchrun, "master-addr", default="", help="without --rdzv-endpoint: the address of the job's first "
+                                                    "node, whose agent serves the job store (default: that node's "
+                                                    "name)")
+    _flag(torchrun, "master-port", type=int, default=DEFAULT_STORE_PORT,
+          help=f"the job store's port there (default {DEFAULT_STORE_PORT})")
+    _flag(torchrun, "node-rank", type=int, default=0, help="accepted for torchrun's command lines; ignored: "
+                                                           "recovery-run runs once per job, not once per node")
+    _flag(torchrun, "monitor-interval", default="", help="accepted for torchrun's command lines; ignored")
+    torchrun.add_argument("-m", "--module", action="store_true", help="the script is a module: `python -m`")
+    _flag(torchrun, "no-python", action="store_true", help="run the script itself, not `python script`")
+    _flag(torchrun, "log-dir", default="", help="standalone: the data directory (--data-dir)")
+    ours = parser.add_argument_group("recovery-run's own")
+    _flag(ours, "nats-url", default="", help="the cluster's NATS: submit to its daemon instead of --standalone")
+    _flag(ours, "nodes", default="", help="with --nats-url: the job's nodes, comma-separated (their agents run)")
+    _flag(ours, "spares", type=int, default=0, help="standalone: spare agents to start beside the job's")
+    _flag(ours, "data-dir", default="", help="standalone: where the daemon, the agents and the ranks' output "
+                                             "live (default: a new temporary directory, kept)")
+    _flag(ours, "spec", default="", help="a job spec file (JSON or TOML) whose fields the flags complete: "
+                                         "policies, watchdog_interval_s, spares, layout's tp and pp...")
+    ours.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                      help="set in the ranks' environment (repeatable); standalone ranks also inherit this one")
+    ours.add_argument("--quiet", action="store_true", help="standalone: do not print the ranks' output")
+    parser.add_argument("script", help="the training script (or module, or program)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+class UsageError(Exception):
+    pass
+
+
+def nodes_count(args: argparse.Namespace) -> int | None:
+    if args.nnodes is None:
+        return None
+    low, _, high = str(args.nnodes).partition(":")
+    try:
+        count, top = int(low), int(high or low)
+    except ValueError:
+        raise UsageError(f"--nnodes {args.nnodes!r}: an integer, or MIN:MAX") from None
+    if count != top or count < 1:
+        raise UsageError(f"--nnodes {args.nnodes}: an elastic range is the spec's `elastic` (give it with --spec), "
+                         f"not a node count")
+    return count
+
+
+def ranks_per_node(args: argparse.Namespace) -> int:
+    value = str(args.nproc_per_node)
+    if value == "cpu":
+        return os.cpu_count() or 1
+    try:
+        count = int(value)
+    except ValueError:
+        raise UsageError(f"--nproc-per-node {value!r}: an integer or `cpu`") from None
+    if count < 1:
+        raise UsageError("--nproc-per-node must be at least 1")
+    return count
+
+
+def build_spec(args: argparse.Namespace, nodes: list[str], store: tuple[str, int], rendezvous: str
+               ) -> dict[str, Any]:
+    """The job spec: the --spec file's fields, completed by the flags (which win)."""
+    spec: dict[str, Any] = dict(load_spec(args.spec)) if args.spec else {}
+    spec.pop("job", None)
+    rpn = ranks_per_node(args)
+    layout = dict(spec.get("layout") or {})
+    shards = int(layout.get("tp", 1)) * int(layout.get("pp", 1))
+    world = len(nodes) * rpn
+    if world % shards:
+        raise UsageError(f"{world} ranks are not a multiple of the layout's tp x pp = {shards}")
+    layout["dp"] = world // shards
+    if args.no_python:
+        command, arguments = args.script, list(args.script_args)
+    elif args.module:
+        command, arguments = sys.executable, ["-m", args.script, *args.script_args]
+    else:
+        command, arguments = sys.executable, [args.script, *args.script_args]
+    entrypoint = dict(spec.get("entrypoint") or {})
+    env = dict(entrypoint.get("env") or {})
+    env.update({"MASTER_ADDR": store[0], "MASTER_PORT": str(store[1])})
+    if rpn > 1 and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for several ranks per node
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env {item!r}: KEY=VALUE")
+        env[key] = value
+    entrypoint.update(command=command, args=arguments, cwd=entrypoint.get("cwd") or os.getcwd(), env=env,
+                      rendezvous=rendezvous)
+    spec.update(nodes=nodes, ranks_per_node=rpn, layout=layout, entrypoint=entrypoint)
+    if args.max_restarts is not None:
+        spec["max_restarts"] = args.max_restarts
+    return spec
+
+
+async def _connect(url: str) -> Client:
+    async def quietly(exc: Exception) -> None:
+        del exc  # nats-py's default prints a traceback for every failed reconnection; it reconnects by itself
+
+    return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="recovery-run",
+                              error_cb=quietly)
+
+
+async def _job_state(url: str, job: str) -> str | None:
+    with contextlib.suppress(CtlFailure, KeyError):
+        reply = await request(url, "job", {"job": job}, 5.0)
+        if reply.get("ok"):
+            return str(reply["job"]["state"])
+    return None
+
+
+async def run(args: argparse.Namespace) -> int:
+    job = args.rdzv_id or f"run-{secrets.token_hex(4)}"
+    try:
+        check_token(job)
+    except ValueError as exc:
+        raise UsageError(f"--rdzv-id {job!r}: {exc}") from None
+    count = nodes_count(args)
+    stack: LocalStack | None = None
+    nc: Client | None = None
+    interrupted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(
+            signum, lambda s=signum: interrupted.done() or interrupted.set_result(s))
+    follower = JobFollower(job)
+    try:
+        if args.standalone:
+            data_dir = Path(args.data_dir or args.log_dir or tempfile.mkdtemp(prefix="recovery-run-")).resolve()
+            nodes = [f"node{i}" for i in range(count or 1)]
+            stack = LocalStack(data_dir, nodes, [f"spare{i}" for i in range(args.spares)], ranks_per_node(args))
+            follower.say(f"starting a daemon, a job store and {len(nodes) + args.spares} agent(s) in {data_dir}")
+            starting = asyncio.ensure_future(stack.start(_connect))
+            await asyncio.wait([starting, interrupted], return_when=asyncio.FIRST_COMPLETED)
+            if interrupted.done():
+                starting.cancel()
+                return EXIT_SIGNAL_BASE + interrupted.result()
+            nc = starting.result()
+            url = stack.url
+            spec = build_spec(args, nodes, ("127.0.0.1", stack.store_port), "external")
+            output = None if args.quiet else RankOutput([stack.runtime_dir(n) for n in [*nodes, *stack.spares]], job)
+        else:
+            if not args.nats_url:
+                raise UsageError("give --standalone, or --nats-url of a cluster (with --nodes)")
+            nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+            if not nodes:
+                raise UsageError("--nats-url needs --nodes: the nodes whose agents run the job")
+            if count is not None and count != len(nodes):
+                raise UsageError(f"--nnodes {count} but {len(nodes)} --nodes")
+            if args.rdzv_endpoint:
+                host, _, port = args.rdzv_endpoint.rpartition(":")
+                if not host or not port.isdigit():
+                    raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: HOST:PORT")
+                store, rendezvous = (host, int(port)), "external"
+            else:
+                store, rendezvous = (args.master_addr or nodes[0], args.master_port), "agent"
+            url = args.nats_url
+            spec = build_spec(args, nodes, store, rendezvous)
+            try:
+                nc = await asyncio.wait_for(_connect(url), 10.0)
+            except (OSError, TimeoutError, nats.errors.Error) as exc:
+                follower.say(f"cannot reach NATS at {url}: {exc or type(exc).__name__}")
+                return EXIT_NO_CONTROL_PLANE
+            output = None
+        await follower.subscribe(nc)
+        reply = await request(url, "submit", {"job": job, "spec": spec, "id": f"{job}:submitted"}, 10.0)
+        if not reply.get("ok") or reply.get("rejections"):
+            why = reply.get("error") or "; ".join(r["reason"] for r in reply.get("rejections", []))
+            follower.say(f"the daemon refused {job}: {why}")
+            return EXIT_USAGE
+        ranks = len(nodes) * spec["ranks_per_node"]
+        follower.say(f"submitted {job}: {ranks} rank(s) on {', '.join(nodes)}")
+        following = asyncio.ensure_future(follow(follower, output, lambda: _job_state(url, job)))
+        await asyncio.wait([following, interrupted], return_when=asyncio.FIRST_COMPLETED)
+        if not interrupted.done():
+            return ENDS.get(following.result(), EXIT_FAILED)
+        signum = interrupted.result()
+        follower.say(f"{signal.Signals(signum).name}: cancelling {job}")
+        with contextlib.suppress(CtlFailure):
+            await request(url, "cancel", {"job": job, "reason": f"recovery-run got {signal.Signals(signum).name}"},
+                          5.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(following), CANCEL_WAIT_S)
+        following.cancel()
+        return EXIT_SIGNAL_BASE + signum
+    except StackFailed as exc:
+        follower.say(f"the control plane did not start: {exc}")
+        return EXIT_NO_CONTROL_PLANE
+    except CtlFailure as exc:
+        follower.say(str(exc))
+        return EXIT_NO_CONTROL_PLANE
+    finally:
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 2.0)
+        if stack is not None:
+            follower.say("stopping the agents, the job store and the daemon")
+            await asyncio.to_thread(stack.stop)
+            follower.say(f"logs: {stack.data_dir}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(run(args))
+    except (UsageError, OSError, ValueError) as exc:
+        print(f"recovery-run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

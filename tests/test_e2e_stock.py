@@ -1,0 +1,260 @@
+"""A stock torchrun script (`examples/ddp-tutorial/stock.py`: DDP, a DistributedSampler, `init_process_group("gloo")`
+from env://, rank 0's snapshot every epoch; nothing of `recovery` in it) run unmodified under `recovery-run`, on
+this host (`--standalone`) and on a cluster's daemon (`--nats-url`, two agents of one rank each, the job store off
+the agents): it completes with the parameters of a run without faults, bit for bit, and a rank SIGKILLed mid-run
+makes the job restart whole from the script's own snapshot, each formation on a fresh torch store, and still end
+with those parameters. World size 2: gloo's sum of two gradients is the same whichever order DDP's buckets take."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recovery.testing.nats import NatsServer
+from tests.daemon_support import DaemonProcess
+from tests.e2e_support import (
+    AgentProcess,
+    JobWatch,
+    RendezvousProcess,
+    connect,
+    environment,
+    kill_leftovers,
+    wait_until,
+    watch,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+STOCK = ROOT / "examples" / "ddp-tutorial" / "stock.py"
+DOC = ROOT / "docs" / "recovery-run.md"
+EPOCHS = 6
+STEP_TIME_S = 0.15
+RUN_TIMEOUT_S = 180
+
+
+@dataclass
+class Cluster:
+    nats: NatsServer
+    daemon: DaemonProcess
+    store: RendezvousProcess
+    agents: list[AgentProcess]
+    workdir: Path
+
+    def explain(self) -> str:
+        return "\n".join(f"--- agent {a.node}:\n{a.log_tail()}" for a in self.agents) + \
+            f"\n--- daemon:\n{self.daemon.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("stock")
+    server = NatsServer(workdir / "nats")
+    server.start()
+    daemon = DaemonProcess(workdir / "daemon", server.url, lease_ttl_s=0, snapshot_fork=False)
+    store = RendezvousProcess(workdir / "rendezvous")
+    agents: list[AgentProcess] = []
+    state = Cluster(server, daemon, store, agents, workdir)
+    try:
+        daemon.start(PYTHONPATH=str(ROOT))
+        daemon.wait_ready()
+        store.wait_ready()
+
+        async def start_agents() -> None:
+            nc = await connect(server.url)
+            ready: set[str] = set()
+
+            async def on_node(msg: Any) -> None:
+                ready.add(msg.subject.split(".")[3])
+
+            await nc.subscribe("recovery.ev.node.>", cb=on_node)
+            agents.extend(AgentProcess(workdir, node, server.url) for node in ("n0", "n1"))
+            await wait_until(lambda: ready >= {"n0", "n1"}, 30, "the agents to report their nodes", state.explain)
+            await nc.close()
+
+        asyncio.run(start_agents())
+        yield state
+    finally:
+        for agent in agents:
+            agent.stop()
+        store.stop()
+        daemon.close()
+        server.stop()
+
+
+def recovery_run(args: list[str], cwd: Path) -> subprocess.Popen[bytes]:
+    out = (cwd / "recovery-run.out").open("ab")
+    return subprocess.Popen([sys.executable, "-m", "recovery.cli.run", *args], cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=out, stderr=subprocess.STDOUT, env=environment(), start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[bytes], cwd: Path, timeout: float = RUN_TIMEOUT_S) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # recovery-run stops what it started
+        proc.wait(timeout=60)
+        raise
+    return code, (cwd / "recovery-run.out").read_text(errors="replace")
+
+
+def cluster_args(cluster: Cluster, job: str, out: Path, snapshot: Path) -> list[str]:
+    return ["--nats-url", cluster.nats.url, "--nodes", "n0,n1", "--nproc-per-node", "1", "--max-restarts", "5",
+            "--rdzv-endpoint", f"127.0.0.1:{cluster.store.port}", "--rdzv-id", job, str(STOCK), "--epochs",
+            str(EPOCHS), "--step-time", str(STEP_TIME_S), "--snapshot", str(snapshot), "--out", str(out)]
+
+
+def params(path: Path) -> dict[str, Any]:
+    import torch
+
+    loaded: dict[str, Any] = torch.load(path)
+    return loaded
+
+
+def assert_bitwise_equal(found: dict[str, Any], reference: dict[str, Any]) -> None:
+    import torch
+
+    assert found.keys() == reference.keys()
+    for name in found:
+        assert torch.equal(found[name], reference[name]), f"{name} differs from the run without faults"
+
+
+def rank_logs(cluster: Cluster, job: str) -> dict[Path, str]:
+    return {p: p.read_text(errors="replace") for p in sorted(cluster.workdir.glob(f"n*/{job}.rank*.gen*.log"))}
+
+
+@pytest.fixture(scope="module")
+def fault_free(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The stock script on the cluster's two agents, nothing going wrong: the reference parameters."""
+    cwd = tmp_path_factory.mktemp("fault-free")
+    code, output = finish(recovery_run(cluster_args(cluster, "stock-ref", cwd / "final.pt", cwd / "snap.pt"), cwd),
+                          cwd)
+    assert code == 0, f"{output}\n{cluster.explain()}"
+    assert "stock-ref completed" in output
+    return params(cwd / "final.pt")
+
+
+ENV_DUMP = """
+import json, os, sys
+keep = [k for k in os.environ if k.startswith(("RANK", "LOCAL_", "WORLD", "GROUP_", "ROLE_", "MASTER_", "TORCH",
+                                                "RECOVERY_STORE", "OMP_"))]
+with open(f"{sys.argv[1]}.{os.environ['RANK']}.json", "w") as out:
+    json.dump({k: os.environ[k] for k in keep}, out)
+"""
+
+
+def test_the_ranks_get_torchruns_environment_and_a_torch_store_apart_from_the_job_store(
+        cluster: Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "env_dump.py"
+    script.write_text(ENV_DUMP)
+    proc = recovery_run(["--nats-url", cluster.nats.url, "--nodes", "n0,n1", "--nproc_per_node", "1",
+                         "--rdzv_endpoint", f"127.0.0.1:{cluster.store.port}", "--rdzv_id", "stock-env",
+                         str(script), str(tmp_path / "env")], tmp_path)
+    code, output = finish(proc, tmp_path)
+    assert code == 0, output
+    envs = [json.loads((tmp_path / f"env.{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, env in enumerate(envs):
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "0"
+        assert env["GROUP_RANK"] == str(rank) and env["GROUP_WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "1"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["TORCHELASTIC_RUN_ID"] == "stock-env"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert (env["RECOVERY_STORE_ADDR"], env["RECOVERY_STORE_PORT"]) == ("127.0.0.1", str(cluster.store.port))
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] != str(cluster.store.port)
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]  # both agents were given the same torch store
+
+
+def documented_standalone_command() -> list[str]:
+    """The first `recovery-run --standalone` command of docs/recovery-run.md."""
+    block = re.search(r"```\n(recovery-run --standalone [^\n]*)\n```", DOC.read_text())
+    assert block, "docs/recovery-run.md shows no standalone command"
+    return shlex.split(block.group(1))
+
+
+def test_the_documented_standalone_run_of_the_stock_script_completes_as_the_fault_free_run(
+        fault_free: dict[str, Any], tmp_path: Path) -> None:
+    command = documented_standalone_command()
+    assert command[:2] == ["recovery-run", "--standalone"] and "--nproc-per-node" in command
+    args = [str(ROOT / a) if a.startswith("examples/") else a for a in command[1:]]
+    code, output = finish(recovery_run(["--data-dir", str(tmp_path / "data"), *args], tmp_path), tmp_path)
+    assert code == 0, output
+    assert re.search(r"completed", output) and "[rank0]: [rank 0] Epoch 0" in output and "[rank1]:" in output
+    assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
+
+
+async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_and_ends_as_the_fault_free_run(
+        cluster: Cluster, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    job = "stock-kill"
+    nc = await connect(cluster.nats.url)
+    w: JobWatch = await watch(nc, job)
+    proc = recovery_run(cluster_args(cluster, job, tmp_path / "final.pt", tmp_path / "snap.pt"), tmp_path)
+    victim = cluster.workdir / "n1" / f"{job}.rank1.json"
+    try:
+        def at_epoch_2() -> bool:
+            return any("Epoch 2 | Batchsize" in text for text in rank_logs(cluster, job).values())
+
+        await wait_until(at_epoch_2, RUN_TIMEOUT_S, "the job to reach its third epoch", cluster.explain)
+        steps = [int(s) for text in rank_logs(cluster, job).values() for s in re.findall(r"\] step (\d+)", text)]
+        killed = time.monotonic()
+        os.kill(json.loads(victim.read_text())["pid"], signal.SIGKILL)
+
+        def regained() -> bool:
+            # a process of a later formation trained past the step the job was on
+            return any(".gen0." not in p.name and any(int(s) > max(steps) for s in re.findall(r"\] step (\d+)", t))
+                       for p, t in rank_logs(cluster, job).items())
+
+        await wait_until(regained, RUN_TIMEOUT_S, "the job to train past the step it was on", cluster.explain)
+        regained_s = time.monotonic() - killed
+        code, output = await asyncio.to_thread(finish, proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # recovery-run cancels the job and stops
+            proc.wait(timeout=60)
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+    assert code == 0, f"{output}\n{cluster.explain()}"
+    granularities = [d["data"]["detail"].get("granularity") for d in w.decided("attempt.started")]
+    last = max(e["data"]["attempt"] for e in w.of("process.started"))
+    # the job restarted whole: every rank of the last generation is a new process (whatever rung the engine chose:
+    # restart_job, or restarts in place that ended up restarting every rank), each on the fresh torch store
+    assert sorted(e["data"]["rank"] for e in w.of("process.started") if e["data"]["attempt"] == last) == [0, 1]
+    resumed = [p for p, text in rank_logs(cluster, job).items()
+               if p.name.endswith(f".gen{last}.log") and "Resuming training from snapshot at Epoch 2" in text]
+    assert len(resumed) == 2, rank_logs(cluster, job).keys()  # both ranks of the job-level restart loaded it
+    assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
+    print(f"stock script, SIGKILL of rank 1: trained past step {max(steps)} again {regained_s:.2f}s later; "
+          f"attempts {granularities}")
+
+
+def test_ctrl_c_cancels_the_job_and_stops_every_process_recovery_run_started(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = recovery_run(["--standalone", "--nproc-per-node", "2", "--data-dir", str(data), "--rdzv-id", "stock-int",
+                         str(STOCK), "--epochs", "40", "--step-time", str(STEP_TIME_S), "--snapshot",
+                         str(tmp_path / "snap.pt")], tmp_path)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while "Epoch 1 | Batchsize" not in (tmp_path / "recovery-run.out").read_text(errors="replace"):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "recovery-run.out").read_text()
+        time.sleep(0.05)  # polling interval of a deadline-bounded wait
+    proc.send_signal(signal.SIGINT)
+    code, output = finish(proc, tmp_path, 90)
+    assert code == 130, output
+    assert "cancelling stock-int" in output and "stock-int cancelled" in output, output
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(data).encode() in cmdline.read_bytes() or str(tmp_path / "snap.pt").encode() in \
+                    cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert not left, f"processes left running: {left}"

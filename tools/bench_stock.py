@@ -1,0 +1,147 @@
+"""A stock torchrun script's recovery from a rank's SIGKILL, under `recovery-run` and under torchrun.
+
+    python tools/bench_stock.py                 # 3 repeats of each, medians
+    python tools/bench_stock.py --repeat 5 --nproc 4
+    python tools/bench_stock.py --job-level     # recovery-run restarts the job whole at once, as torchrun does
+
+The script is `examples/ddp-tutorial/stock.py` (DDP, gloo, rank 0's snapshot every epoch, nothing of `recovery`),
+`--nproc` ranks on this host: `recovery-run --standalone --nproc-per-node N --max-restarts 3` and `torchrun
+--standalone --nproc-per-node N --max-restarts 3` with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (without which
+torchrun cannot restart a gloo job, pytorch/pytorch#135712). Once the job has printed step `--fault-at`, rank 1 is
+SIGKILLed; `regained_s` is the time from the kill until a process started after it (one that printed `Resuming
+training from snapshot`) prints a step past the last one printed before the kill: the restart, the imports, the
+rendezvous, the snapshot's load and the steps recomputed since it. Both launchers run the same command line; every
+process started is stopped by its session when a run ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STOCK = ROOT / "examples" / "ddp-tutorial" / "stock.py"
+STEP = re.compile(rb"\] step (\d+)")
+
+
+def rank_pid(marker: str, rank: int) -> int | None:
+    """The process of `rank` whose command line holds `marker` (the run's own snapshot path)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() not in (entry / "cmdline").read_bytes():
+                continue
+            if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+JOB_LEVEL_SPEC = """{"policies": {"rescheduling": {"name": "ladder", "params": {"ladders": {"process": [
+    {"granularity": "restart_job", "budget": 3, "deadline_s": 900.0}]}}}}}"""
+"""`--job-level`: a process fault restarts the job at once, as torchrun does (a stock script's survivors cannot
+re-form their process group, so restarting the dead rank alone cannot work for it)"""
+
+
+def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int,
+             job_level: bool = False) -> float:
+    snapshot = workdir / f"{launcher}-{time.monotonic_ns()}.pt"
+    script = [str(STOCK), "--epochs", str(epochs), "--samples", str(64 * nproc), "--step-time", str(step_time),
+              "--snapshot", str(snapshot)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    if launcher == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                   "--max-restarts", "3", *script]
+    else:
+        command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
+                   "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem)]
+        if job_level:
+            spec = workdir / "job-level.json"
+            spec.write_text(JOB_LEVEL_SPEC)
+            command += ["--spec", str(spec)]
+        command += script
+    lines: list[tuple[float, bytes]] = []
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout),  # type: ignore[union-attr]
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(int(m.group(1)) >= fault_at for _, line in list(lines) if (m := STEP.search(line))):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{launcher} did not reach step {fault_at}:\n"
+                                   + b"".join(line for _, line in lines[-30:]).decode(errors="replace"))
+            time.sleep(0.005)  # polling the output, within the deadline
+        victim = rank_pid(str(snapshot), 1)
+        assert victim is not None, "rank 1 not found"
+        seen = [int(m.group(1)) for _, line in list(lines) if (m := STEP.search(line))]
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        while True:
+            after = [(t, line) for t, line in list(lines) if t >= killed]
+            resumed = [t for t, line in after if b"Resuming training from snapshot" in line]
+            if resumed:
+                regained = [t for t, line in after if t >= resumed[0] and (m := STEP.search(line))
+                            and int(m.group(1)) > max(seen)]
+                if regained:
+                    return regained[0] - killed
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{launcher} did not regain step {max(seen)}:\n"
+                                   + b"".join(line for _, line in lines[-40:]).decode(errors="replace"))
+            time.sleep(0.005)  # polling the output, within the deadline
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # recovery-run stops what it started; torchrun its workers
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        leftover = rank_pid(str(snapshot), 0) or rank_pid(str(snapshot), 1)
+        if leftover is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(leftover, signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--fault-at", type=int, default=20, help="the step after which rank 1 is killed")
+    parser.add_argument("--step-time", type=float, default=0.1)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--only", nargs="*", default=["recovery-run", "torchrun"])
+    parser.add_argument("--job-level", action="store_true",
+                        help="recovery-run's job restarts whole at the first fault (the spec's ladder), without "
+                             "trying the dead rank alone first")
+    args = parser.parse_args()
+    results: dict[str, list[float]] = {name: [] for name in args.only}
+    with tempfile.TemporaryDirectory(prefix="bench-stock-") as workdir:
+        for repeat in range(args.repeat):
+            for name in args.only:
+                seconds = run_once(name, Path(workdir), args.nproc, args.fault_at, args.step_time, args.epochs,
+                                   args.job_level)
+                results[name].append(seconds)
+                print(f"repeat {repeat}: {name} regained the step {seconds:.2f}s after the SIGKILL", flush=True)
+    for name, values in results.items():
+        each = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{name}: median {statistics.median(values):.2f}s over {len(values)} ({each})")
+
+
+if __name__ == "__main__":
+    main()
