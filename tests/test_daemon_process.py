@@ -210,7 +210,7 @@ def test_a_daemon_waiting_for_nats_says_so_at_info_with_its_attempts_then_starts
     try:
         def waits(at_least: int) -> bool:
             return any(e.get("level") == "info" and e.get("msg", "").startswith("waiting for NATS")
-                       and e.get("attempts", 0) >= at_least and e.get("url") == f"nats://127.0.0.1:{port}"
+                       and e.get("attempts", 0) >= at_least and e.get("where") == f"nats://127.0.0.1:{port}"
                        for e in daemon.logs())
 
         wait_for(lambda: waits(2), 30, "the daemon to say it waits for NATS")

@@ -40,6 +40,7 @@ from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, wa
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.agent.standby import StandbyPool
 from recovery.log.jetstream import JetStreamLog
+from recovery.log.waiting import Attempts, until_streams_exist
 
 logger = logging.getLogger("recovery.agent")
 
@@ -102,16 +103,28 @@ class Agent:
     # -- running ---------------------------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        attempts = Attempts(logger, "NATS: the agent reports nothing until it connects", self.cfg.nats_url)
+
+        async def on_error(exc: Exception) -> None:
+            if self.nc is None:  # before the first connection: say what is waited for, not each failure's trace
+                attempts.failed(exc)
+            else:
+                logger.debug("nats error", extra={"fields": {"error": repr(exc)}})
+
         self.nc = await nats.connect(self.cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                     name=f"recovery-agent-{self.node}")
+                                     name=f"recovery-agent-{self.node}", error_cb=on_error,
+                                     inbox_prefix=self.cfg.nats_inbox_prefix)
+        attempts.succeeded("NATS reached")
         js = self.nc.jetstream(timeout=5.0)
         self.outbox = Outbox(js, self.cfg.outbox_capacity)
         log = JetStreamLog(self.nc, js, self.cfg.stream, owns_connection=False)
         commands = JetStreamLog(self.nc, js, self.cfg.command_stream, owns_connection=False)
         # Commands from before the agent started are another run's; jobs submitted before are read back (see
-        # _follow_jobs), launching only what comes after.
-        log_start = await _next_seq(log)
-        command_start = await _next_seq(commands)
+        # _follow_jobs), launching only what comes after. A daemon creates the streams: an agent started first
+        # waits for them.
+        streams = f"{self.cfg.stream}, {self.cfg.command_stream}"
+        log_start = await until_streams_exist(lambda: _next_seq(log), logger, streams)
+        command_start = await until_streams_exist(lambda: _next_seq(commands), logger, streams)
         self._commands, self._command_start, self.command_seq = commands, command_start, command_start - 1
         try:
             async with anyio.create_task_group() as tg:

@@ -33,6 +33,10 @@ class AgentConfig(FileSettings):
 
     node: str = Field(description="this node's id, as job specs name it (one subject token)")
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
+    nats_inbox_prefix: str = Field("_INBOX", pattern=r"^[A-Za-z0-9_\-]+$",
+                                   description="where replies reach this agent: `_INBOX_<node>` under the NATS "
+                                               "permissions of `python -m recovery.service.auth`, which confine "
+                                               "every agent to its own inbox")
     stream: str = Field("RECOVERY", description="the audit log stream the agent publishes events to")
     command_stream: str = Field("RECOVERY_CMD", description="the stream of the commands addressed to this node")
     spare: bool = Field(False, description="join the shared spare pool instead of reporting ready")

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
+from recovery.log.waiting import Attempts
 from recovery.service.publisher import reraise_cancel
 
 logger = logging.getLogger("recovery.daemon")
@@ -25,37 +25,12 @@ logger = logging.getLogger("recovery.daemon")
 Callback = Callable[[], Awaitable[None]]
 
 
-class ConnectAttempts:
-    """What an operator sees while the first connection is not made: nats-py retries a connect with
-    `max_reconnect_attempts=-1` inside `nats.connect`, reporting each failure only to the error callback, so
-    without this a daemon pointed at a dead address logs nothing at all. Logged at INFO: the first attempts, then
-    one line every `every_s` seconds of trying, each with the count so far."""
-
-    def __init__(self, log: logging.Logger, what: str, url: str, every_s: float = 10.0, first: int = 3) -> None:
-        self.log = log
-        self.what = what
-        self.url = url
-        self.every_s = every_s
-        self.first = first
-        self.count = 0
-        self._last_logged = -every_s
-        self._started = time.monotonic()
-
-    def failed(self, exc: BaseException) -> None:
-        self.count += 1
-        elapsed = time.monotonic() - self._started
-        if self.count <= self.first or elapsed - self._last_logged >= self.every_s:
-            self._last_logged = elapsed
-            self.log.info(f"waiting for NATS: {self.what}", extra={"fields": {
-                "url": self.url, "attempts": self.count, "waiting_s": round(elapsed, 1), "error": repr(exc)}})
-
-
 async def connect(url: str, on_disconnected: Callback, on_reconnected: Callback,
                   on_error: Callable[[Exception], Awaitable[None]]) -> Client:
     """A connection to the servers of `url` (comma-separated) that reconnects forever; until the first one
     succeeds, tried again with backoff (a stop request cancels the wait), saying so at INFO."""
     servers = [s.strip() for s in url.split(",") if s.strip()]
-    attempts = ConnectAttempts(logger, "the daemon cannot start without its log", url)
+    attempts = Attempts(logger, "NATS: the daemon cannot start without its log", url)
     connected = False
 
     async def error(exc: Exception) -> None:
@@ -73,8 +48,7 @@ async def connect(url: str, on_disconnected: Callback, on_reconnected: Callback,
                 disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=error,
             )
             connected = True
-            if attempts.count:
-                logger.info("NATS reached", extra={"fields": {"url": url, "attempts": attempts.count + 1}})
+            attempts.succeeded("NATS reached")
             return nc
         except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
             reraise_cancel(exc)
