@@ -11,7 +11,7 @@ import pytest
 
 from events.values import Entrypoint
 from recovery.agent import ranks
-from recovery.agent.standby import StandbyPool, can_hand_over
+from recovery.agent.standby import StandbyPool, can_hand_over, standbys_wanted
 from tests.e2e_support import environment
 
 SCRIPT = """
@@ -120,9 +120,36 @@ async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:
     pool = StandbyPool(tmp_path, enabled=True, preload="json", delay_s=0)
     with anyio.fail_after(60):
         await pool.keep("job", entrypoint)
-    standby = pool._standbys["job"]
+    [standby] = pool._standbys["job"]
     await pool.close()
     assert standby.process.returncode is not None
     assert pool.take("job") is None
     await pool.keep("job", entrypoint)  # closed for good: no other standby starts
     assert pool.take("job") is None and "job" not in pool._standbys
+
+
+def test_how_many_standbys_a_job_keeps() -> None:
+    assert [standbys_wanted(choice, enabled, 4) for choice, enabled in
+            ((None, False), (None, True), ("0", True), ("no", True), ("1", False), ("3", False), ("9", False),
+             ("all", False), ("yes", False))] == [0, 1, 0, 0, 1, 3, 4, 4, 1]
+
+
+async def test_a_job_that_wants_two_standbys_keeps_two_and_hands_them_over(tmp_path: Path) -> None:
+    entrypoint = Entrypoint(command=sys.executable, args=["job.py"],
+                            env={"PYTHONPATH": environment()["PYTHONPATH"], "RECOVERY_STANDBY": "all"})
+    pool = StandbyPool(tmp_path, enabled=False, preload="json", delay_s=0)
+    assert pool.wanted(entrypoint, local_ranks=2) == 2
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in range(2):
+                    tg.start_soon(pool.keep, "job", entrypoint, 2)
+            await pool.keep("job", entrypoint, 2)  # already two: no third
+        assert len(pool._standbys["job"]) == 2
+        first, second = pool.take("job"), pool.take("job")
+        assert first is not None and second is not None and first.pid != second.pid
+        assert pool.take("job") is None
+        for standby in (first, second):
+            await standby.close()
+    finally:
+        await pool.close()

@@ -22,6 +22,10 @@ steps, the same seed everywhere. The fault is a SIGKILL of rank 2 once the job h
   the same script through `tools/torchrun_rank.py`, and their SDK reports to a socket this bench serves.
 - `sigstop`: rank 1 of a `cold` job SIGSTOPped: until the engine's `fault.confirmed` (the job's spec: watchdog
   every 1 s, `hang_min_silence_s` 5 s, heartbeats every 0.5 s); once recovered the job is cancelled.
+- `stock`: an unmodified torchrun script (`examples/ddp-tutorial/stock.py`: DDP, rank 0's snapshot every epoch,
+  nothing of `recovery`) on 4 ranks of this host under `recovery-run --standalone` (cold, and with warm standbys:
+  `--env RECOVERY_STANDBY=1`) and under torchrun, rank 1 SIGKILLed after step 20 (`tools/bench_stock.py`):
+  `stock_ratio_to_torchrun`, `stock_warm_ratio_to_torchrun`.
 - `overhead`: the SDK's cost in a loop of 100 ms steps (single-threaded torch matmuls), in pairs of ten-step
   blocks, one with the SDK (a client connected to a socket, heartbeats every second, `report_step` every step)
   and one without, in alternating order; CPU time of the process (its heartbeat thread included), so that other
@@ -68,7 +72,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -79,8 +82,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bench_stock
 import nats
 from bench_daemon import Daemon, nats_server, sigterm_unwinds
+from bench_sdk_overhead import sdk_overhead
 from nats.aio.msg import Msg
 
 from events import subjects
@@ -106,7 +111,7 @@ ENDING_SILENCE_S = 15.0
 interpreter with torch loaded can take more than 5 s to exit after that (the SIGSTOPped job is cancelled instead)"""
 WATCHDOG_S = 1.0
 POLL_S = 0.01
-CASES = ("cold", "warm", "torchrun", "sigstop", "overhead")
+CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock")
 BENCH = "e2e"
 
 Emit = Callable[[str, str, float, str], None]
@@ -474,99 +479,6 @@ async def run_torchrun(workdir: Path, job: str, shape: JobShape, pids: set[int])
     return Outcome((done_ns - struck) / 1e9, {k: v / 1e9 for k, v in phases.items()}, restarted, recomputed, out)
 
 
-# -- the SDK's overhead ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Overhead:
-    loop_pct: float  # the loop with the SDK against without it, median of paired blocks
-    direct_pct: float  # what the SDK's own calls cost per step: report_step, and a heartbeat a second
-    report_step_us: float
-    step_s: float
-
-
-def sdk_overhead(pairs: int, workdir: Path) -> Overhead:
-    """The SDK's cost in a loop of ~100 ms steps of single-threaded torch matmuls, in CPU time of this process
-    (its heartbeat thread included, other processes' load not): `pairs` pairs of ten-step blocks, one with a
-    client connected (heartbeats every second, `report_step` every step) and one without, in alternating order;
-    the median of the pairs' ratios. And directly: the time of one `report_step` (a heartbeat is the same send)."""
-    import torch
-
-    import recovery.client as sdk
-
-    torch.set_num_threads(1)
-    a = torch.randn(256, 256)
-
-    def matmuls(n: int) -> None:
-        for _ in range(n):
-            torch.mm(a, a)
-
-    reps = 10
-    for _ in range(5):  # a step of about 100 ms of CPU, by successive corrections (the first runs are slower)
-        started = time.process_time()
-        matmuls(reps)
-        reps = max(1, round(reps * 0.1 / max(time.process_time() - started, 1e-4)))
-    path = workdir / "overhead.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(8)
-    # The agent's end in a process of its own: a reader that only drains, so it costs the loop nothing.
-    drain = subprocess.Popen([sys.executable, "-c", _DRAIN], stdin=subprocess.DEVNULL, pass_fds=(listener.fileno(),),
-                             env={**environment(), "DRAIN_FD": str(listener.fileno())}, start_new_session=True)
-    listener.close()
-
-    def block(with_sdk: bool) -> float:
-        client = sdk.Client(str(path), rank=0, heartbeat_s=1.0) if with_sdk else None
-        started = time.process_time()
-        for step in range(10):
-            matmuls(reps)
-            if client is not None:
-                client.report_step(step)
-        spent = (time.process_time() - started) / 10
-        if client is not None:
-            client.close()
-        return spent
-
-    try:
-        ratios: list[float] = []
-        steps: list[float] = []
-        for pair in range(pairs):
-            if pair % 2 == 0:
-                with_, without = block(True), block(False)
-            else:
-                without, with_ = block(False), block(True)
-            ratios.append(with_ / without)
-            steps.append(without)
-        client = sdk.Client(str(path), rank=0, heartbeat_s=1.0)
-        calls = 20_000
-        started = time.perf_counter()
-        for i in range(calls):
-            client.report_step(i)
-        report_s = (time.perf_counter() - started) / calls
-        client.close()
-    finally:
-        drain.kill()
-        drain.wait(timeout=30)
-    step_s = statistics.median(steps)
-    note(f"SDK overhead: per-pair ratios (with/without) {[round(r, 4) for r in ratios]}; step {step_s * 1000:.1f} ms")
-    return Overhead(100 * (statistics.median(ratios) - 1), 100 * report_s * (1 + step_s / 1.0) / step_s,
-                    report_s * 1e6, step_s)
-
-
-_DRAIN = """
-import os, selectors, socket
-listener = socket.socket(fileno=int(os.environ["DRAIN_FD"]))
-sel = selectors.DefaultSelector()
-sel.register(listener, selectors.EVENT_READ)
-while True:
-    for key, _ in sel.select():
-        if key.fileobj is listener:
-            conn, _ = listener.accept()
-            sel.register(conn, selectors.EVENT_READ)
-        elif not key.fileobj.recv(1 << 16):
-            sel.unregister(key.fileobj)
-            key.fileobj.close()
-"""
-
-
 # -- the bench -------------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="one repeat of a shorter job (the smoke test)")
@@ -619,7 +531,9 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
         finally:
             kill_sessions(torchrun_pids)
         if "overhead" in args.only:
-            overhead = sdk_overhead(4 if args.quick else 30, workdir)
+            overhead = sdk_overhead(4 if args.quick else 30, workdir, environment())
+        if "stock" in args.only:
+            bench_stock.measure(args.repeat, workdir, emit, quick=args.quick)
     _report(emit, outcomes, detections)
     if "overhead" in args.only:
         step_ms = f"{overhead.step_s * 1000:.0f} ms"

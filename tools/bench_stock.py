@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ re-form their process group, so restarting the dead rank alone cannot work for i
 
 
 def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int,
-             job_level: bool = False) -> float:
+             job_level: bool = False, warm: bool = False) -> float:
     snapshot = workdir / f"{launcher}-{time.monotonic_ns()}.pt"
     script = [str(STOCK), "--epochs", str(epochs), "--samples", str(64 * nproc), "--step-time", str(step_time),
               "--snapshot", str(snapshot)]
@@ -68,6 +69,8 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
     else:
         command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
                    "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem)]
+        if warm:  # a standby interpreter per rank, torch imported, that a restarted rank is handed to
+            command += ["--env", "RECOVERY_STANDBY=all"]
         if job_level:
             spec = workdir / "job-level.json"
             spec.write_text(JOB_LEVEL_SPEC)
@@ -87,6 +90,10 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                 raise RuntimeError(f"{launcher} did not reach step {fault_at}:\n"
                                    + b"".join(line for _, line in lines[-30:]).decode(errors="replace"))
             time.sleep(0.005)  # polling the output, within the deadline
+        while warm and _standbys_ready(workdir / snapshot.stem) < nproc:  # strike once they can take the ranks
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the standbys of {snapshot.stem} were not ready in time")
+            time.sleep(0.05)  # polling the agent's log, within the deadline
         victim = rank_pid(str(snapshot), 1)
         assert victim is not None, "rank 1 not found"
         seen = [int(m.group(1)) for _, line in list(lines) if (m := STEP.search(line))]
@@ -116,6 +123,30 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
         if leftover is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(leftover, signal.SIGKILL)
+
+
+def _standbys_ready(data_dir: Path) -> int:
+    """How many standbys the standalone run's agents have said are ready."""
+    return sum(log.read_text(errors="replace").count("ready (pid") for log in data_dir.glob("agent-*.log"))
+
+
+def measure(repeat: int, workdir: Path, emit: Callable[[str, str, float, str], None], quick: bool = False,
+            nproc: int = 4) -> None:
+    """The `stock` case of `python tools/bench.py e2e`: recovery-run cold and with warm standbys, and torchrun, on the
+    same kill, back to back in every repeat; the medians, and the medians of the per-repeat ratios to torchrun."""
+    fault_at, epochs = (12, 4) if quick else (20, 8)
+    runs: dict[str, list[float]] = {"cold": [], "warm": [], "torchrun": []}
+    for _ in range(repeat):
+        for case in runs:
+            launcher = "torchrun" if case == "torchrun" else "recovery-run"
+            runs[case].append(run_once(launcher, workdir, nproc, fault_at, 0.1, epochs, warm=case == "warm"))
+    for case, values in runs.items():
+        emit("e2e", f"stock_{case}_regained_s", round(statistics.median(values), 3),
+             "s from a rank's SIGKILL to a step past it, a stock torchrun script (examples/ddp-tutorial/stock.py)")
+    for case in ("cold", "warm"):
+        ratios = [ours / theirs for ours, theirs in zip(runs[case], runs["torchrun"], strict=True)]
+        name = "stock_ratio_to_torchrun" if case == "cold" else "stock_warm_ratio_to_torchrun"
+        emit("e2e", name, round(statistics.median(ratios), 3), "x (lower is faster; goal 1.0 cold, 0.5 warm)")
 
 
 def main() -> None:

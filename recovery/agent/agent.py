@@ -265,8 +265,9 @@ class Agent:
             await self._launch(job, rank, 0, None, whole=True)
         if spec.nodes[0] == self.node:
             self.job_event(job_id, "job.started", {}, event_id=f"{job_id}:started")
-        if self.standbys.wanted(spec.entrypoint):
-            self._tg.start_soon(self.standbys.keep, job_id, spec.entrypoint)
+        wanted = self.standbys.wanted(spec.entrypoint, len(job.ranks_on(self.node)))
+        for _ in range(wanted):  # one after the other: each waits its delay, then for its imports
+            self._tg.start_soon(self.standbys.keep, job_id, spec.entrypoint, wanted)
 
     def _adopt(self, job: JobOnNode) -> None:
         prefix = f"{job.id}.rank"
@@ -357,7 +358,8 @@ class Agent:
         ranks.write_record(self.runtime_dir, proc)
         if standby is not None:
             assert self._tg is not None
-            self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint)
+            self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint,
+                                self.standbys.wanted(job.spec.entrypoint, len(job.ranks_on(self.node))))
         self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt})
         assert self._tg is not None
         self._tg.start_soon(self._watch, job, proc)

@@ -4,13 +4,14 @@ the restarted rank its own start-up (about a second of `import torch` and `torch
 under load); then the agent starts the next standby, after `standby_delay_s`, so that its imports do not compete
 for the CPU with the recovery under way.
 
-Opt-in: the agent's `standby` setting for every job, or the job's own entrypoint environment
-`RECOVERY_STANDBY=1` (`0` opts a job out); `RECOVERY_STANDBY_PRELOAD` (comma-separated modules) overrides the
-agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...` or
-`python -m module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a
-standby. The standby runs `recovery.agent.interpreter` (see there what a hand-over changes) in a session of its own,
-started with the job's environment and working directory, so that what the imports read is what a cold start would
-have read; a standby that is not ready when a rank is needed is not waited for.
+Opt-in: the agent's `standby` setting for every job, or the job's own entrypoint environment `RECOVERY_STANDBY=1`
+(`0` opts a job out; a number N keeps N per node, `all` one per rank on the node: a job whose faults restart every
+rank, a script without the SDK, needs one for each); `RECOVERY_STANDBY_PRELOAD` (comma-separated modules) overrides
+the agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...` or `python -m
+module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a standby. The
+standby runs `recovery.agent.interpreter` (see there what a hand-over changes) in a session of its own, started with
+the job's environment and working directory, so that what the imports read is what a cold start would have read; a
+standby that is not ready when a rank is needed is not waited for.
 """
 
 from __future__ import annotations
@@ -76,35 +77,52 @@ class Standby:
             await self.process.aclose()
 
 
+def standbys_wanted(choice: str | None, enabled: bool, local_ranks: int) -> int:
+    """How many standbys a job keeps on a node: `RECOVERY_STANDBY` of its entrypoint (`0`/`false`/`no`/empty: none,
+    a number: that many, `all`: one per rank here, anything else: one), else one if the agent's `standby` is on."""
+    if choice is None:
+        return 1 if enabled else 0
+    choice = choice.strip().lower()
+    if choice in ("", "0", "false", "no"):
+        return 0
+    if choice == "all":
+        return max(1, local_ranks)
+    return max(1, min(int(choice), local_ranks)) if choice.isdigit() else 1
+
+
 class StandbyPool:
-    """The agent's standbys, one per job that wants one."""
+    """The agent's standbys: per job, as many as it wants (`standbys_wanted`)."""
 
     def __init__(self, runtime_dir: Path, enabled: bool, preload: str, delay_s: float) -> None:
         self.runtime_dir = runtime_dir
         self.enabled = enabled
         self.preload = preload
         self.delay_s = delay_s
-        self._standbys: dict[str, Standby] = {}
+        self._standbys: dict[str, list[Standby]] = {}
+        self._wanted: dict[str, int] = {}
         self._closed: set[str] = set()
         self._count = 0
 
-    def wanted(self, entrypoint: Entrypoint) -> bool:
-        choice = entrypoint.env.get(STANDBY_ENV)
-        enabled = self.enabled if choice is None else choice not in ("", "0", "false", "no")
-        return enabled and can_hand_over(entrypoint)
+    def wanted(self, entrypoint: Entrypoint, local_ranks: int = 1) -> int:
+        """How many standbys the job keeps here (0: none)."""
+        if not can_hand_over(entrypoint):
+            return 0
+        return standbys_wanted(entrypoint.env.get(STANDBY_ENV), self.enabled, local_ranks)
 
     def take(self, job: str) -> Standby | None:
-        """The job's standby if it is ready (it is then the caller's), else None: a cold start."""
-        standby = self._standbys.get(job)
-        if standby is None or not standby.ready.is_set() or standby.process.returncode is not None:
-            return None
-        del self._standbys[job]
-        return standby
+        """One of the job's ready standbys (it is then the caller's), else None: a cold start."""
+        for standby in self._standbys.get(job, []):
+            if standby.ready.is_set() and standby.process.returncode is None:
+                self._standbys[job].remove(standby)
+                return standby
+        return None
 
-    async def keep(self, job: str, entrypoint: Entrypoint) -> None:
-        """Start the job's next standby after the delay, and wait for it to be ready (a task of the agent)."""
+    async def keep(self, job: str, entrypoint: Entrypoint, count: int = 1) -> None:
+        """Start the job's next standby after the delay, unless it has `count` already, and wait for it to be ready
+        (a task of the agent)."""
+        self._wanted[job] = max(count, self._wanted.get(job, 0))
         await anyio.sleep(self.delay_s)  # the recovery or the job's start first: they want the CPU now
-        if job in self._closed or job in self._standbys:
+        if job in self._closed or len(self._standbys.get(job, [])) >= self._wanted[job]:
             return
         preload = entrypoint.env.get(PRELOAD_ENV, self.preload)
         modules = [m.strip() for m in preload.split(",") if m.strip()]
@@ -116,7 +134,7 @@ class StandbyPool:
                                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                stderr=errors, start_new_session=True)
         standby = Standby(job, process)
-        self._standbys[job] = standby
+        self._standbys.setdefault(job, []).append(standby)
         assert process.stdout is not None
         line = b""
         with anyio.move_on_after(READY_TIMEOUT_S):
@@ -128,14 +146,15 @@ class StandbyPool:
             logger.info("standby of %s ready (pid %d, imports %ss)", job, process.pid, line.split()[1].decode())
         else:
             logger.warning("standby of %s did not start (see %s): its ranks start cold", job, log)
-            await self.discard(job)
+            with contextlib.suppress(ValueError):
+                self._standbys.get(job, []).remove(standby)
+            await standby.close()
 
     async def discard(self, job: str, for_good: bool = False) -> None:
-        """Stop the job's standby; `for_good`: the job is over here, start no other."""
+        """Stop the job's standbys; `for_good`: the job is over here, start no other."""
         if for_good:
             self._closed.add(job)
-        standby = self._standbys.pop(job, None)
-        if standby is not None:
+        for standby in self._standbys.pop(job, []):
             await standby.close()
 
     async def close(self) -> None:
