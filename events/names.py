@@ -125,6 +125,7 @@ class TimerPurpose(StrEnum):
     AWAIT = "await"  # the wait for a dying checkpoint on its way: `await/<incident>/<number>`
     WAIT = "wait"  # the deadline of a wait for nodes: `wait/<incident>/<attempts>`
     RELEASE = "release"  # the expiry of an isolation the policy set: `release/<node>[/<device>]`
+    GRACE = "grace"  # a stock script's restarted processes have run long enough: `grace/<incident>/<number>`
 
 
 __all__ = ["ATTEMPT_ENDED", "AttemptOutcome", "AttemptPurpose", "DecisionKind", "IncidentCause", "IncidentOutcome",

@@ -147,6 +147,10 @@ class WatchdogView:
     ranks_per_node: int = 1
     agents_heard: tuple[int | None, ...] = ()
     """per node of `nodes`, log time of its agent's last heartbeat (None: its agent sends none); empty: unknown"""
+    sdk: bool = True
+    """the job's script reports through the SDK (some rank sent a heartbeat or a step): its ranks' silence and
+    stalls mean something. False: a stock script, which sends neither; only its processes' exits and its agents'
+    heartbeats tell of it, and no rank of it is ever silent for lacking heartbeats"""
 
 
 @runtime_checkable
@@ -176,6 +180,23 @@ class AttemptSummary:
         # The engine may hand the outcome over as its wire string: policies always see the member.
         if type(self.outcome) is not AttemptOutcome:
             object.__setattr__(self, "outcome", AttemptOutcome(self.outcome))
+
+
+@dataclass(frozen=True, slots=True)
+class PastIncident:
+    """One of the job's closed incidents, for a policy that looks for a pattern across recoveries (a crash loop)."""
+
+    fault_class: FaultClass | None
+    fault_step: int
+    """the job's step when the incident opened (0 for a script that reports none)"""
+    resume_step: int | None
+    """the step its last attempt resumed from (None: no restart)"""
+    opened_ns: int
+    closed_ns: int
+    outcome: str
+    """recovered, failed, cancelled, ..."""
+    ranks: tuple[int, ...]
+    """the ranks its faults named"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +236,21 @@ class RescheduleContext:
     nodes_after_reset: int = 0
     """the nodes the job must still leave once the devices a reset clears are reset: a pod-level move of only
     these, resetting the others (`StartRung(MIGRATE, ..., reset_devices=True)`), needs this many spares"""
+    sdk: bool = True
+    """the job's script reports through the SDK: its surviving processes can rejoin a partial restart (in place,
+    migrate, retry). False: a stock script that knows nothing of recovery; only a job-level restart (every process
+    anew, from the script's own checkpoint) recovers it"""
+    now_ns: int = 0
+    """log time of the record being applied"""
+    fault_step: int = 0
+    """the job's step when the open incident began"""
+    fault_ranks: tuple[int, ...] = ()
+    """the ranks the open incident's faults named, sorted"""
+    recent: tuple[PastIncident, ...] = ()
+    """the job's latest closed incidents, oldest first (at most 8)"""
+    restart_times: tuple[int, ...] = ()
+    """log times at which the job's restarts began (any granularity that starts processes), oldest first: at least
+    the last 256"""
 
 
 # The rescheduling decision: one of four small variants (`Reschedule` is their union).
@@ -231,6 +267,9 @@ class StartRung:
     """reset first the devices a reset clears on the nodes the job would leave, and restart those ranks there: an
     in-place restart (when `RescheduleContext.reset_clears`), or a pod-level move of only the other nodes (needs
     `RescheduleContext.nodes_after_reset` spares)"""
+    grace_ns: int = 30 * NS
+    """for a script that reports no steps (`RescheduleContext.sdk` false): the attempt has recovered the job once its
+    restarted processes have all run this long without exiting (at least 1 s)"""
 
 
 @dataclass(frozen=True, slots=True)

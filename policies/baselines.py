@@ -148,8 +148,8 @@ class MindClusterLikeDetection(DefaultDetection):
     watchdog, with the same code tables and debouncing as our default detection."""
 
     name: ClassVar[str] = "mindcluster-like-detection"
-    version: ClassVar[str] = "4"  # 2: sub-health drains at the next checkpoint; 3: unused devices (default@4);
-    # 4: lemons isolated only when replaceable, for isolation_s (default@6)
+    version: ClassVar[str] = "5"  # 2: sub-health drains at the next checkpoint; 3: unused devices (default@4);
+    # 4: lemons isolated only when replaceable, for isolation_s (default@6); 5: a stock script is never silent
 
 
 STRATEGY_ORDER: tuple[tuple[Granularity, float], ...] = (
@@ -172,8 +172,9 @@ class MindClusterLikeRescheduling(LadderRescheduling):
     process is gone, an in-place restart when the node must be left, elastic training for a fixed-size job)."""
 
     name: ClassVar[str] = "mindcluster-like-rescheduling"
-    version: ClassVar[str] = "4"  # 2: the ladder's settle window (ClusterD gathers a job's faults first); 3: ladder@4;
-    # 4: ladder@5, its waits left as long as the ladder allows (a job without resources stays pending)
+    version: ClassVar[str] = "5"  # 2: the ladder's settle window (ClusterD gathers a job's faults first); 3: ladder@4;
+    # 4: ladder@5, its waits left as long as the ladder allows (a job without resources stays pending); 5: ladder@6,
+    # a stock script restarted whole, without the ladder's restart budget over time or its crash-loop check
     parameters = MindClusterReschedulingParams  # what a job may set; the policy runs the ladder's built from them
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
@@ -183,7 +184,7 @@ class MindClusterLikeRescheduling(LadderRescheduling):
         ladder = [Rung(granularity=g, budget=None, deadline_s=own.deadlines_s.get(g, d), wait_s=MAX_SECONDS)
                   for g, d in STRATEGY_ORDER for _ in range(own.job_level_tries if g is G.RESTART_JOB else 1)]
         super().__init__({"ladders": {fc: ladder for fc in FaultClass}, "elastic": True, "wait": True,
-                          "reset_after_s": MAX_SECONDS})
+                          "reset_after_s": MAX_SECONDS, "restart_budget": None, "loop_after": None})
 
 
 class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):

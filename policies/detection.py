@@ -62,10 +62,10 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 
 class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "6"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    version: ClassVar[str] = "7"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s;
     # 6: a lemon is isolated only when a spare can replace it or the job can do without it, for isolation_s; a
-    # fault a device reset clears says so
+    # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -233,6 +233,10 @@ class DefaultDetection(DetectionPolicyBase):
             ranks = tuple(r for i in lost for r in range(i * rpn, (i + 1) * rpn) if r < len(view.ranks))
             return [Fault(f"agent of {', '.join(names)} silent for more than {p.agent_silence_s:g}s: the host or "
                           f"its agent is gone", FaultClass.NODE, "node", ranks, names[0] if len(names) == 1 else None)]
+        if not view.sdk:
+            # A stock script sends no heartbeats and reports no steps: its silence is no sign of a hang. Its exits
+            # and its agents' heartbeats are what tell of it.
+            return []
         silent = tuple(a.rank for a in view.ranks if view.now - a.last_seen > silence)
         if silent:
             gone = _silent_nodes(view, set(silent))

@@ -11,6 +11,7 @@ needs nodes the cluster does not have scales the job in if it is elastic, or wai
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -72,6 +73,21 @@ class LadderParams(Params):
                                                          "device a reset clears (XID 48), wait this long at most "
                                                          "for a spare, then reset it and restart in place: "
                                                          "1 ms .. 30 days")
+    restart_budget: Count | None = Field(48, description="restarts (any rung that starts processes) the job may "
+                                                          "begin within restart_window_s, across incidents; then the "
+                                                          "job fails and says so. None: unlimited")
+    restart_window_s: Interval = Field(24 * 3600.0, description="the window of restart_budget: 1 ms .. 30 days")
+    loop_after: PositiveCount | None = Field(2, description="a crash loop: the job crashes again where it crashed "
+                                                            "before, after this many recoveries in a row; the job "
+                                                            "fails and says so. None: never")
+    loop_steps: Count = Field(10, description="crashes this many steps apart or fewer are at the same step")
+    loop_time_ratio: Factor = Field(0.2, description="for a script that reports no steps: crashes whose run times "
+                                                     "since the last recovery differ by this fraction or less (and by "
+                                                     "5 s or less) recur at the same point; one more recovery in a "
+                                                     "row is needed to call it a loop")
+    running_grace_s: Interval = Field(30.0, description="for a script that reports no steps (no SDK): its restarted "
+                                                        "processes have recovered the job once they have run this "
+                                                        "long without exiting: 1 ms .. 30 days")
     settle_s: Seconds = Field(2.0, description="0 .. 30 days")
     """after an attempt is superseded by a fault outside it, collect further faults this long before the next
     attempt: a job-wide crash reports its thousands of exits one by one, and each would otherwise supersede the
@@ -80,8 +96,9 @@ class LadderParams(Params):
 
 class LadderRescheduling(ReschedulingPolicyBase):
     name: ClassVar[str] = "ladder"
-    version: ClassVar[str] = "5"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps;
-    # 5: every wait has a deadline and a fallback (a device reset in place, scale in, or fail with the reason)
+    version: ClassVar[str] = "6"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps;
+    # 5: every wait has a deadline and a fallback (a device reset in place, scale in, or fail with the reason);
+    # 6: a stock script (no SDK) restarts whole; a restart budget over a window; crash loops fail the job
 
     parameters = LadderParams
     params: LadderParams
@@ -93,10 +110,27 @@ class LadderRescheduling(ReschedulingPolicyBase):
         self.ladders = {**DEFAULT_LADDERS, **self.params.ladders}
 
     def decide(self, ctx: RescheduleContext) -> Reschedule:
+        answer = self._decide(ctx)
+        if isinstance(answer, StartRung):
+            return replace(answer, grace_ns=int(self.params.running_grace_s * NS))
+        return answer
+
+    def _decide(self, ctx: RescheduleContext) -> Reschedule:
         if ctx.forced is not None:
             return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=900 * NS)
         if ctx.max_restarts is not None and ctx.restarts_used >= ctx.max_restarts:
             return Fail(f"restart budget max_restarts exhausted: {ctx.restarts_used} of {ctx.max_restarts} used")
+        budget = self.params.restart_budget
+        if budget is not None:
+            window = int(self.params.restart_window_s * NS)
+            recent = sum(1 for ts in ctx.restart_times if ctx.now_ns - ts < window)
+            if recent >= budget:
+                return Fail(f"restart budget exhausted: {recent} restarts within {self.params.restart_window_s:g} s "
+                            f"(restart_budget {budget})")
+        if not ctx.previous:  # a loop shows at an incident's first fault; its own failed attempts are the ladder's
+            loop = self._loop(ctx)
+            if loop is not None:
+                return Fail(loop)
         if ctx.widened and self.params.settle_s > 0:
             return Settle(f"a fault outside the last attempt widened the incident: collect faults for "
                           f"{self.params.settle_s:g} s before the next attempt", int(self.params.settle_s * NS))
@@ -110,6 +144,7 @@ class LadderRescheduling(ReschedulingPolicyBase):
                 min(last.rung, len(ladder) - 1)].tries else last.rung + 1
         exhausted: list[str] = []
         blocked: list[str] = []  # rungs that cannot run on the job's nodes now, and why
+        stock = False
         order = list(range(start, len(ladder)))
         if ctx.previous and ctx.previous[-1].outcome != "superseded" and start == len(ladder):
             # The top rung failed: try it again while its budget lasts rather than give up at once.
@@ -123,6 +158,10 @@ class LadderRescheduling(ReschedulingPolicyBase):
             if g is G.FAIL:
                 return Fail(f"ladder for {ctx.fault_class.value} ends in fail")
             if g is G.RETRY and (ctx.any_lost or ctx.needs_move):
+                continue
+            if not ctx.sdk and g in (G.RETRY, G.IN_PLACE, G.MIGRATE):
+                # A stock script's surviving processes cannot join restarted peers: only a job-level restart helps.
+                stock = True
                 continue
             if g is G.IN_PLACE and ctx.needs_move:
                 blocked.append(f"{g.value}: {ctx.nodes_to_replace} node(s) cannot run processes now")
@@ -150,7 +189,45 @@ class LadderRescheduling(ReschedulingPolicyBase):
             # ready): a condition that often passes by itself. Wait for it, bounded, rather than fail at once.
             wait_s = max(ladder[i].wait_s for i in order)
             return self._wait_or_fall_back(ctx, "; ".join(blocked), wait_s, 0, max(order, default=0))
+        if stock:
+            return Fail(f"no rung of the {ctx.fault_class.value} ladder can recover this fault: the script does not "
+                        f"use the SDK, and only a job-level restart (restart_job) restarts every process")
         return Fail(f"no rung of the {ctx.fault_class.value} ladder can recover this fault")
+
+    def _loop(self, ctx: RescheduleContext) -> str | None:
+        """Why the open incident is a crash loop, or None: after each of the last `loop_after` recoveries the job
+        crashed again at the same step (within `loop_steps`) with the same class of fault. A script that reports no
+        steps is compared by how long it ran after each recovery (within `loop_time_ratio`), one recovery more."""
+        p = self.params
+        if p.loop_after is None:
+            return None
+        runs = list(ctx.recent)
+        if not ctx.sdk:
+            need = p.loop_after + 1
+            if len(runs) < need or any(r.outcome != "recovered" for r in runs[-need:]):
+                return None
+            # The run time after each recovery: from that incident's close to the next incident's open.
+            spans = [runs[i + 1].opened_ns - runs[i].closed_ns for i in range(len(runs) - need, len(runs) - 1)]
+            spans.append(ctx.now_ns - runs[-1].closed_ns)
+            low, high = min(spans), max(spans)
+            if high - low > min(p.loop_time_ratio * high, 5 * NS) or any(
+                    r.fault_class is not ctx.fault_class for r in runs[-need + 1:]):
+                return None
+            return (f"crash loop: the job crashed {high / NS:.0f} s or less after each of its last {need} recoveries "
+                    f"({ctx.fault_class.value} fault, ranks {list(ctx.fault_ranks)}); the script reports no steps, "
+                    f"so nothing tells the point apart: fix the script or its data, then submit it again")
+        need = p.loop_after
+        if len(runs) < need or ctx.fault_step == 0:
+            return None
+        for run in runs[-need:]:
+            if (run.outcome != "recovered" or run.fault_class is not ctx.fault_class
+                    or abs(run.fault_step - ctx.fault_step) > p.loop_steps):
+                return None
+            if run.resume_step is not None and run.resume_step >= ctx.fault_step:
+                return None  # it resumed past this point: the crash is not where it crashed before
+        return (f"crash loop: the job crashed at step {ctx.fault_step} ({ctx.fault_class.value} fault, ranks "
+                f"{list(ctx.fault_ranks)}) after each of its last {need} recoveries, at steps "
+                f"{[r.fault_step for r in runs[-need:]]}: recovering again would crash there again")
 
     def _wait_or_fall_back(self, ctx: RescheduleContext, short: str, wait_s: float, deadline: int, rung: int
                            ) -> Reschedule:

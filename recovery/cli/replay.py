@@ -230,7 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             mttr = "" if inc["closed"] is None else f", {(inc['closed'] - inc['opened']) / NS:.1f}s"
             grans = " -> ".join(f"{a['granularity']}({a['outcome']})" for a in inc["attempts"])
             print(f"  incident {inc['id']}: {inc['fault_class'] or inc['cause']}, {inc['outcome'] or 'open'}"
-                  f"{mttr}, lost steps {inc['lost_steps']}; {grans}")
+                  f"{mttr}, lost steps {'?' if inc['lost_steps'] is None else inc['lost_steps']}; {grans}")
     for rej in result.rejections:
         print(f"rejected seq {rej.seq} [{rej.code}]: {rej.reason}")
     for note in caveats(result):

@@ -291,7 +291,7 @@ class Detection:
         view = WatchdogView(out.ts, job.step_time, tuple(
             RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
             tuple(job.nodes), job.rpn,
-            tuple(agents[n].heard if n in agents else None for n in job.nodes))
+            tuple(agents[n].heard if n in agents else None for n in job.nodes), job.sdk)
         verdicts = ask(job, "detection", job.policies.detection.check, view)
         for verdict in verdicts:
             if job.state != "running" or job.incident is not None:

@@ -348,6 +348,11 @@ class Engine:
             if hasattr(data, "rank"):
                 stale = self._check_rank(job, data.rank, data.attempt, progress=False)
                 if stale:
+                    if isinstance(data, kinds.ProcessExited) and not _stop_like(data):
+                        out.decide(job, DecisionKind.SIGNAL_IGNORED, f"rank {data.rank}: the process of generation "
+                                   f"{data.attempt} exited ({_exit_text(data)}) after generation "
+                                   f"{job.rank_gen[data.rank]} replaced it: no fault of the running process",
+                                   detail={"signal": type_, "rank": data.rank, "attempt": data.attempt})
                     return
             if isinstance(data, kinds.CollectiveTimeout):
                 if data.attempt > job.generation:
@@ -360,8 +365,12 @@ class Engine:
                     return  # a timeout of a group whose processes an earlier attempt already replaced
             if isinstance(data, kinds.ProcessExited):
                 job.put(job.alive, data.rank, 0)
-                if job.incident is not None and data.rank in job.incident.exiting:
+                incident = job.incident
+                if incident is not None and data.rank in incident.exiting:
                     return  # the platform stopped the job: each rank's exit was expected, and is no news
+                if incident is not None and data.rank in incident.stopped and (
+                        incident.phase == "stopping" or _stop_like(data)):
+                    return  # the engine's own stop (RANKS_STOPPING): no fault, and never a preemption
             ranks = (data.rank,) if hasattr(data, "rank") else ()
             self.detection.signal(out, job, Signal(type_, data, out.ts, None, ranks, step_time_ns=job.step_time,
                                   world=job.world))
@@ -423,6 +432,10 @@ class Engine:
             job.put(job.last_seen, rank, ts)
         else:
             job.last_seen[rank] = ts
+        if not job.sdk:
+            # The first report through the SDK: the script is not a stock one, and its ranks' silence means something.
+            self.guard(job)
+            job.sdk = True
         if step is not None and job.incident is not None and job.incident.phase == "restoring":
             self.incidents.check_restored(out, job, rank, step)
 
@@ -590,6 +603,16 @@ class Journal:
         self.created: str | None = None
         self.submissions = engine._submissions
         self.seen: tuple[dict[str, None], str, str | None] | None = None
+
+
+def _stop_like(data: kinds.ProcessExited) -> bool:
+    """Did the process end as a stop ends one: cleanly, or by SIGTERM or SIGKILL (as a signal or as the shell's
+    128 + signal)?"""
+    return data.exit_code in (0, 128 + 9, 128 + 15) if data.signal is None else data.signal in (9, 15)
+
+
+def _exit_text(data: kinds.ProcessExited) -> str:
+    return f"signal {data.signal}" if data.signal is not None else f"exit code {data.exit_code}"
 
 
 def _hungry(job: Job) -> bool:

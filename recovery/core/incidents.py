@@ -9,19 +9,7 @@ a fault outside the attempt ends it and the policy is asked again.
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-from events import kinds
-from events.commands import (
-    FailJob,
-    MigrateRanks,
-    RestartJob,
-    RestartRanks,
-    RetryStep,
-    SaveCheckpoint,
-    ScaleJob,
-    StopRanks,
-)
+from events.commands import FailJob
 from events.names import (
     ATTEMPT_ENDED,
     AttemptOutcome,
@@ -31,26 +19,14 @@ from events.names import (
     IncidentOutcome,
     TimerPurpose,
 )
-from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
-from policies.base import (
-    NS,
-    AwaitDying,
-    CheckpointContext,
-    CheckpointPlan,
-    Fail,
-    RescheduleContext,
-    Resume,
-    SaveDying,
-    Settle,
-    StartRung,
-    Wait,
-)
-from recovery.core.addressing import command_nodes
+from events.values import FaultClass, Granularity
+from policies.base import NS, Fail, PastIncident, RescheduleContext, Settle, StartRung, Wait
 from recovery.core.cluster import ClusterView
-from recovery.core.job import CLOSED_INCIDENTS, Attempt, Incident, Job
+from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job
 from recovery.core.machine import fire
 from recovery.core.placement import Placement, fit_dp
 from recovery.core.record import RecordEffects, Rejected, ask, expect
+from recovery.core.restarts import Restarts
 from recovery.core.timers import Timekeeper, TimerRequest
 
 G = Granularity
@@ -60,11 +36,15 @@ job wait instead: a policy and a cluster that keep refusing each other must not 
 MAX_WAIT_NS = 4 * 3600 * NS
 """the deadline of a wait the policy set none for, or that the engine made because it could not place the policy's
 choice: then the policy is asked for its fallback, and a fallback the engine cannot place either fails the job"""
+MIN_GRACE_NS = 1 * NS
+DEFAULT_GRACE_NS = 30 * NS
+RECENT_INCIDENTS = 8
+"""the closed incidents a rescheduling policy sees"""
 RESTARTS = (G.IN_PLACE, G.MIGRATE, G.RESTART_JOB, G.SCALE_IN, G.SCALE_OUT)
 """granularities that count against the job's `max_restarts`"""
 
 
-class Incidents:
+class Incidents(Restarts):
     def __init__(self, cluster: ClusterView, timekeeper: Timekeeper, placement: Placement) -> None:
         self.cluster = cluster
         self.timekeeper = timekeeper
@@ -90,6 +70,9 @@ class Incidents:
             waited_ns=0 if incident.waiting_since is None else out.ts - incident.waiting_since,
             reset_clears=self.placement.reset_clears(vacate),
             nodes_after_reset=len(self.placement.split_by_reset(vacate)[0]),
+            sdk=job.sdk, now_ns=out.ts, fault_step=incident.fault_step,
+            fault_ranks=tuple(sorted({r for f in incident.faults for r in f["ranks"]})),
+            recent=_recent(job), restart_times=job.restart_times,
         )
         answer = ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
         expect(job, "rescheduling", answer, (StartRung, Wait, Settle, Fail))
@@ -144,6 +127,8 @@ class Incidents:
             job.used[key] = job.used.get(key, 0) + 1
         if g in RESTARTS:
             job.restarts_used += 1
+            job.restart_times = (*job.restart_times[-RESTART_TIMES + 1:], out.ts)
+        attempt.grace_ns = max(answer.grace_ns, MIN_GRACE_NS) if isinstance(answer.grace_ns, int) else DEFAULT_GRACE_NS
         self.start(out, job, attempt, answer.deadline_ns, policy, vacate)
 
     def _wait(self, out: RecordEffects, job: Job, deadline_ns: int) -> tuple[list[TimerRequest], list[str]]:
@@ -258,307 +243,6 @@ class Incidents:
         else:
             self.checkpoint(out, job, attempt)
 
-    def _checkpoint_ctx(self, job: Job, attempt: Attempt, dying_allowed: bool, peer_allowed: bool
-                        ) -> CheckpointContext:
-        incident = job.incident
-        assert incident is not None
-        saving_ranks = set(attempt.ranks) if attempt.granularity is G.IN_PLACE else set()
-        alive = tuple(bool(job.alive[r]) and r not in saving_ranks for r in range(job.world))
-        return CheckpointContext(
-            layout=job.layout, catalog=job.frozen_catalog(), placement=tuple(job.nodes[r // job.rpn]
-                                                                              for r in range(job.world)),
-            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)) | incident.dead_hosts,
-            alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
-            restarting=frozenset(attempt.ranks),
-            exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),
-        )
-
-    def _refresh_plan(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
-        """The plan a restart carries is made from what is known when the command is sent: while processes were
-        stopped, live replicas may have trained on, a newer checkpoint (a dying one written by SIGTERM handlers)
-        may have landed, or a holder may have gone. Ask again; a different answer replaces the plan."""
-        plan = attempt.plan
-        if plan is None:
-            return
-        peer = any(source.tier is Tier.PEER for source in plan.shards)
-        answer = ask(job, "checkpoint", job.policies.checkpoint.plan, self._checkpoint_ctx(job, attempt, False, peer))
-        expect(job, "checkpoint", answer, CHECKPOINT_ANSWERS)
-        fresh = _resume_of(answer) or plan
-        if fresh != plan:
-            attempt.plan = fresh
-            why = (f"{plan.checkpoint_step} is no longer where the live replicas are" if peer else
-                   f"step {plan.checkpoint_step} is no longer the newest complete, reachable checkpoint")
-            out.decide(job, DecisionKind.CHECKPOINT_PLAN, f"again before the restart: {why}",
-                       policy=job.policies.labels["checkpoint"],
-                       detail={"checkpoint_step": fresh.checkpoint_step, "next_step": fresh.next_step,
-                               "tiers": _tier_counts(fresh)})
-
-    def checkpoint(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
-        """Choose the resume point; first ask live replicas for a dying checkpoint if the policy says so."""
-        incident = job.incident
-        assert incident is not None
-        ctx = self._checkpoint_ctx(job, attempt, not incident.dying_tried, not incident.peer_tried)
-        answer = ask(job, "checkpoint", job.policies.checkpoint.plan, ctx)
-        expect(job, "checkpoint", answer, CHECKPOINT_ANSWERS)
-        policy = job.policies.labels["checkpoint"]
-        if isinstance(answer, SaveDying):
-            save = answer.save
-            incident.dying_tried = True
-            attempt.save = save
-            incident.move("save", out.ts)
-            command = SaveCheckpoint(id=out.command_id(job.id), job=job.id, attempt=job.generation,
-                                     deadline_s=60, ranks=list(save.ranks), step=save.step)
-            timer = self._ack_timer(out, job, command.id, command.deadline_s)
-            attempt.pending = {command.id: (command.kind, timer.id)}
-            attempt.acks_due = self._acks_due(job, [command])
-            out.decide(job, DecisionKind.CHECKPOINT_DYING, answer.reason, policy=policy,
-                       commands=[command], timers=[timer],
-                       detail={"step": save.step, "savers": list(save.ranks)})
-            return
-        resume = answer.plan if isinstance(answer, Resume) else answer.fallback
-        if any(source.tier is Tier.PEER for source in resume.shards):
-            incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
-        if isinstance(answer, AwaitDying) and answer.wait_ns > 0 and not incident.awaited:
-            incident.awaited = True  # once per incident: the next plan takes what has landed by then
-            attempt.plan = resume
-            attempt.awaiting = answer.step
-            incident.move("save", out.ts)
-            purpose = f"{TimerPurpose.AWAIT}/{incident.id}/{attempt.number}"
-            timer = self.timekeeper.request(out, job, purpose, answer.wait_ns)
-            attempt.pending = {f"await:{answer.step}": ("await_dying", timer.id)}
-            out.decide(job, DecisionKind.CHECKPOINT_AWAITING, answer.reason, policy=policy, timers=[timer],
-                       detail={"step": answer.step, "wait_s": answer.wait_ns / NS,
-                               "exiting": len(incident.exiting)})
-            return
-        attempt.plan = resume
-        out.decide(job, DecisionKind.CHECKPOINT_PLAN, answer.reason, policy=policy,
-                   detail={"checkpoint_step": resume.checkpoint_step, "next_step": resume.next_step,
-                           "tiers": _tier_counts(resume)})
-        self._stop(out, job, attempt)
-
-    def _acks_due(self, job: Job, commands: list[Any]) -> dict[str, tuple[str, ...]]:
-        """Per command, the nodes whose agents must each report it done: every node it is addressed to (as the
-        daemon addresses it, from the placement after this record) except hosts this incident declared gone or the
-        cluster sees unreachable, whose agents cannot answer (a migration away from a lost node is done when the
-        node joined says so). Acting on the first node's `done` would restart a job while another node still stops
-        or saves its part."""
-        incident = job.incident
-        gone = incident.dead_hosts if incident is not None else frozenset()
-        due: dict[str, tuple[str, ...]] = {}
-        for command in commands:
-            nodes = tuple(n for n in command_nodes(command, job.node_of, job.nodes)
-                          if n not in gone and self.cluster.reachable(n))
-            if len(nodes) > 1:
-                due[command.id] = nodes
-        return due
-
-    def _ack_timer(self, out: RecordEffects, job: Job, command_id: str, deadline_s: float) -> TimerRequest:
-        return self.timekeeper.request(out, job, f"{TimerPurpose.ACK}/{command_id}", int(deadline_s * NS))
-
-    def _stop(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
-        incident = job.incident
-        assert incident is not None
-        stopping = [r for r in attempt.stopping if job.alive[r]]
-        if not stopping:
-            self._reschedule(out, job, attempt)
-            return
-        incident.move("stop", out.ts)
-        # Hung or faulty processes are killed, and so are healthy ones on a node being vacated: the plan takes their
-        # state from elsewhere, so a grace period buys nothing. The rest of a job stopped whole gets SIGTERM and a
-        # grace period to exit cleanly.
-        faulty = {r for f in incident.faults for r in f["ranks"]}
-        kill = attempt.granularity in (G.IN_PLACE, G.MIGRATE) or all(r in faulty for r in stopping)
-        mode: Literal["graceful", "kill"] = "kill" if kill else "graceful"
-        command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
-                            ranks=stopping, mode=mode, grace_s=30.0)
-        timer = self._ack_timer(out, job, command.id, command.deadline_s)
-        attempt.pending = {command.id: (command.kind, timer.id)}
-        attempt.acks_due = self._acks_due(job, [command])
-        out.decide(job, DecisionKind.RANKS_STOPPING, f"stop {len(stopping)} rank(s) ({mode})",
-                   commands=[command], timers=[timer])
-
-    def _reschedule(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
-        incident = job.incident
-        assert incident is not None
-        g = attempt.granularity
-        incident.move("reschedule", out.ts)
-        if g is G.DUMP:
-            step = attempt.plan.checkpoint_step if attempt.plan else None
-            self.fail_job(out, job, f"dumped: checkpoint at step {step}; the job stops for an operator", None)
-            return
-        if attempt.purpose is AttemptPurpose.PAUSE:
-            self.timekeeper.cancel(attempt.deadline_timer)
-            attempt.outcome = AttemptOutcome.PAUSED
-            incident.move("pause", out.ts)
-            out.decide(job, DecisionKind.JOB_PAUSED, attempt.reason, trigger="pause",
-                       cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
-            return
-        self._refresh_plan(out, job, attempt)
-        cid = out.command_id(job.id)
-        commands: list[Any] = []
-        if g is G.RETRY:
-            commands.append(RetryStep(id=cid, job=job.id, attempt=job.generation, deadline_s=60,
-                                      step=incident.fault_step + 1))
-        else:
-            plan = attempt.plan
-            assert plan is not None
-            job.generation += 1
-            gen = job.generation
-            if g is G.IN_PLACE:
-                commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
-                                             ranks=list(attempt.ranks), plan=plan,
-                                             reset_devices={n: list(d) for n, d in attempt.reset.items()}))
-            elif g is G.MIGRATE:
-                spares = self.placement.spares_for(job)
-                if len(spares) < len(attempt.vacate):
-                    job.generation -= 1
-                    self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, "the spare nodes it needed are gone")
-                    return
-                for index, name in enumerate(attempt.vacate):
-                    target = spares[index]
-                    ranks = list(job.ranks_on(name))
-                    self.cluster.release(name, job.id)
-                    self.cluster.assign(target, job.id)
-                    job.nodes[job.nodes.index(name)] = target
-                    move = MigrateRanks(id=cid if index == 0 else out.command_id(job.id), job=job.id,
-                                        attempt=gen, deadline_s=300, ranks=ranks, from_node=name,
-                                        to_node=target, plan=plan)
-                    attempt.moves[move.id] = (name, target)
-                    commands.append(move)
-                moved = {r for c in commands for r in c.ranks}  # type: ignore[attr-defined]
-                staying = [r for r in attempt.ranks if r not in moved]
-                if staying:
-                    commands.append(RestartRanks(id=out.command_id(job.id), job=job.id, attempt=gen,
-                                                 deadline_s=120, ranks=staying, plan=plan,
-                                                 reset_devices={n: list(d) for n, d in attempt.reset.items()}))
-            else:
-                placement = self.placement.place(job, attempt)
-                if placement is None:
-                    job.generation -= 1
-                    self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, "not enough usable nodes left")
-                    return
-                nodes, dp = placement
-                for name in job.nodes:
-                    if name not in nodes:
-                        self.cluster.release(name, job.id)
-                for name in nodes:
-                    self.cluster.assign(name, job.id)
-                if dp != job.layout.dp:
-                    job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
-                    attempt.ranks = tuple(range(job.world))
-                    attempt.covered = None
-                    commands.append(ScaleJob(id=cid, job=job.id, attempt=gen, deadline_s=600, dp=dp,
-                                             nodes=nodes, plan=plan))
-                else:
-                    job.nodes = nodes
-                    commands.append(RestartJob(id=cid, job=job.id, attempt=gen, deadline_s=600, nodes=nodes,
-                                               plan=plan))
-            for rank in attempt.ranks:
-                job.put(job.rank_gen, rank, job.generation)  # these ranks get new processes
-            # Every rank rolls back to the resume point, restarted or not.
-            start = plan.checkpoint_step or 0
-            job.steps = [start] * job.world
-            job.step = start
-            job.step_ts = None
-        timers = [self._ack_timer(out, job, c.id, c.deadline_s) for c in commands]
-        attempt.pending = {c.id: (c.kind, t.id) for c, t in zip(commands, timers, strict=True)}
-        attempt.acks_due = self._acks_due(job, commands)
-        out.decide(job, DecisionKind.RANKS_RESCHEDULING, f"{g.value}: {len(commands)} command(s)",
-                   commands=commands, timers=timers,
-                   detail={"attempt": attempt.number, "generation": job.generation,
-                           "nodes": list(job.nodes)})
-
-    def ack(self, out: RecordEffects, job: Job, data: kinds.CommandAck) -> None:
-        incident = job.incident
-        if incident is not None and data.status != "accepted":
-            self._settle_move(job, incident, data.command_id, data.status == "done")
-        attempt = incident.attempt if incident is not None else None
-        if attempt is None or data.command_id not in attempt.pending or attempt.awaiting is not None:
-            return  # an ack for a finished or superseded attempt, or for isolate commands: kept in the log
-        if data.status == "accepted":
-            return
-        due = attempt.acks_due.get(data.command_id)
-        if data.status == "done" and due is not None:
-            # An ack that names no node (an executor that answers once per command) completes the command, as
-            # before acks named their node.
-            node = data.result.get("node")
-            left = tuple(n for n in due if n != node) if isinstance(node, str) else ()
-            if left:
-                attempt.acks_due[data.command_id] = left
-                return
-            del attempt.acks_due[data.command_id]
-        kind, ack_timer = attempt.pending.pop(data.command_id)
-        cancelled = self.timekeeper.cancel(ack_timer)
-        if data.status == "failed":
-            if kind == "save_checkpoint":
-                out.decide(job, DecisionKind.CHECKPOINT_DYING_FAILED, data.reason or "dying checkpoint failed",
-                           cancelled=cancelled)
-                attempt.pending.clear()
-                self.checkpoint(out, job, attempt)
-                return
-            if kind == "restart_ranks":
-                self._reset_failed(attempt, data)
-            self.end_attempt(out, job, attempt, AttemptOutcome.FAILED, f"{kind} failed: {data.reason}".rstrip(": "),
-                              cancelled)
-            return
-        if attempt.pending:
-            if cancelled:
-                out.decide(job, DecisionKind.COMMAND_DONE, f"{kind} done", cancelled=cancelled)
-            return
-        assert incident is not None
-        if incident.phase == "saving":
-            out.decide(job, DecisionKind.CHECKPOINT_DYING_DONE, f"dying checkpoint at step "
-                       f"{attempt.save.step if attempt.save else '?'} saved",
-                         cancelled=cancelled)
-            self.checkpoint(out, job, attempt)
-        elif incident.phase == "stopping":
-            for rank in attempt.stopping:
-                job.put(job.alive, rank, 0)
-            out.decide(job, DecisionKind.RANKS_STOPPED, f"{len(attempt.stopping)} rank(s) stopped",
-                       cancelled=cancelled)
-            self._reschedule(out, job, attempt)
-        elif incident.phase == "rescheduling":
-            incident.move("restore", out.ts)
-            for rank in attempt.ranks:
-                job.put(job.alive, rank, 1)
-            job.last_seen = [out.ts] * job.world
-            job.last_progress = [out.ts] * job.world
-            out.decide(job, DecisionKind.RANKS_RESTORING, "executors done: waiting for progress past step "
-                       f"{self._resume_step(job, attempt)}",
-                         cancelled=cancelled)
-
-    def _reset_failed(self, attempt: Attempt, data: kinds.CommandAck) -> None:
-        """The devices an agent could not reset (`result.reset_failed`, on its node `result.node`) are bad again:
-        the attempt counted them usable when it started (`start`), and a restart on them would fail the same way.
-        They stay out of `resettable`, so the ladder moves their ranks rather than trying the reset again. Anything
-        else in the result (a device the attempt did not reset, not a list) is an agent's mistake: ignored."""
-        node, devices = data.result.get("node"), data.result.get("reset_failed")
-        if not isinstance(node, str) or not isinstance(devices, list):
-            return
-        meant = attempt.reset.get(node, ())
-        failed = {d for d in devices if isinstance(d, int) and not isinstance(d, bool) and d in meant}
-        if failed and node in self.cluster.nodes:
-            self.cluster.node(node).bad_devices.update(failed)
-
-    def _settle_move(self, job: Job, incident: Incident, command_id: str, done: bool) -> None:
-        """A migration's outcome is known: done, it stays; failed or unanswered, the ranks never left their node, so
-        the placement goes back and the target returns to the spare pool. Without this the job's placement and the
-        cluster's drift apart: the next move names a node the job is not on, and the target is lost to the pool."""
-        for attempt in reversed(incident.attempts):  # a superseded attempt's move may still be under way
-            move = attempt.moves.pop(command_id, None)
-            if move is None:
-                continue
-            if done:
-                return
-            source, target = move
-            owner = self.cluster.nodes[source].job if source in self.cluster.nodes else None
-            if target in job.nodes and source not in job.nodes and owner is None:
-                job.nodes[job.nodes.index(target)] = source
-                self.cluster.release(target, job.id)
-                self.cluster.node(target).spare = True
-                self.cluster.assign(source, job.id)
-            return
-
     def _resume_step(self, job: Job, attempt: Attempt) -> int:
         if attempt.granularity is G.RETRY:
             assert job.incident is not None
@@ -576,16 +260,49 @@ class Incidents:
         if step <= resume:
             return
         assert incident is not None
-        attempt.outcome = AttemptOutcome.RECOVERED
-        cancelled = self.timekeeper.cancel(attempt.deadline_timer)
         lost = max(0, incident.fault_step - resume) if incident.cause is IncidentCause.FAULT else 0
+        self._recovered(out, job, attempt, f"progress to step {step} past resume point {resume}", lost)
+
+    def _recovered(self, out: RecordEffects, job: Job, attempt: Attempt, reason: str, lost: int | None) -> None:
+        """The attempt worked: close the incident (`lost`: the steps trained again, None when the script reports
+        none) and arm the watchdog again."""
+        incident = job.incident
+        assert incident is not None
+        attempt.outcome = AttemptOutcome.RECOVERED
+        cancelled = self.timekeeper.cancel(attempt.deadline_timer, attempt.grace_timer)
         incident.lost_steps = lost
         self.close(job, out.ts, IncidentOutcome.RECOVERED)
-        out.decide(job, DecisionKind.INCIDENT_CLOSED, f"progress to step {step} past resume point {resume}",
+        out.decide(job, DecisionKind.INCIDENT_CLOSED, reason,
                    trigger="recovered", cancelled=cancelled, timers=self.timekeeper.arm_watchdog(out, job),
                    detail={"incident": incident.id, "lost_steps": lost, "attempts": len(incident.attempts),
                            "granularity": attempt.granularity.value,
                            "mttr_ns": out.ts - incident.opened})
+
+    def restoring(self, out: RecordEffects, job: Job, attempt: Attempt, cancelled: list[str]) -> None:
+        incident = job.incident
+        assert incident is not None
+        incident.move("restore", out.ts)
+        for rank in attempt.ranks:
+            job.put(job.alive, rank, 1)
+        job.last_seen = [out.ts] * job.world
+        job.last_progress = [out.ts] * job.world
+        timers: list[TimerRequest] = []
+        if not job.sdk and attempt.granularity is not G.RETRY:
+            # A stock script reports no step: the processes running for the policy's grace period is the only
+            # sign that the restart worked (an exit within it fails the attempt).
+            timer = self.timekeeper.request(out, job, f"{TimerPurpose.GRACE}/{incident.id}/{attempt.number}",
+                                            attempt.grace_ns)
+            attempt.grace_timer = timer.id
+            timers.append(timer)
+            why = (f"executors done: the script reports no steps, so the restarted processes must run "
+                   f"{attempt.grace_ns / NS:g} s")
+        else:
+            why = f"executors done: waiting for progress past step {self._resume_step(job, attempt)}"
+        out.decide(job, DecisionKind.RANKS_RESTORING, why, cancelled=cancelled, timers=timers)
+
+    def _running(self, job: Job, attempt: Attempt) -> bool:
+        """Are the attempt's processes of a stock script all running (it reports no step to tell more)?"""
+        return not job.sdk and job.phase == "restoring" and all(job.alive[r] for r in attempt.ranks)
 
     def close(self, job: Job, ts: int, outcome: IncidentOutcome) -> None:
         incident = job.incident
@@ -611,6 +328,10 @@ class Incidents:
                 job.used[key] -= 1
             if attempt.granularity in RESTARTS:
                 job.restarts_used -= 1
+                if attempt.started in job.restart_times:
+                    times = list(job.restart_times)
+                    del times[len(times) - 1 - times[::-1].index(attempt.started)]
+                    job.restart_times = tuple(times)
         out.decide(job, ATTEMPT_ENDED[outcome], reason, cancelled=gone,
                    detail={"attempt": attempt.number, "granularity": attempt.granularity.value})
         if plan:
@@ -689,8 +410,19 @@ class Incidents:
         attempt = incident.attempt if incident is not None else None
         if attempt is None:
             return
+        if timer_id == attempt.grace_timer:
+            attempt.grace_timer = None
+            if self._running(job, attempt):
+                self._recovered(out, job, attempt, f"the {len(attempt.ranks)} restarted process(es) ran "
+                                f"{attempt.grace_ns / NS:g} s without exiting (the script reports no steps)", None)
+            return
         if timer_id == attempt.deadline_timer:
             attempt.deadline_timer = None
+            if self._running(job, attempt):
+                # Never kill a stock script that trains: its processes run, which is all it can show.
+                self._recovered(out, job, attempt, f"the {len(attempt.ranks)} restarted process(es) still run at "
+                                f"the attempt's deadline (the script reports no steps)", None)
+                return
             self.end_attempt(out, job, attempt, AttemptOutcome.TIMED_OUT, f"attempt {attempt.number} "
                                                              f"({attempt.granularity.value}) missed its deadline")
             return
@@ -710,14 +442,6 @@ class Incidents:
                 return
 
 
-CHECKPOINT_ANSWERS = (Resume, SaveDying, AwaitDying)
-
-
-def _resume_of(answer: CheckpointPlan) -> ResumePlan | None:
-    """The plan an answer would restart from (none for a dying checkpoint to save first)."""
-    if isinstance(answer, Resume):
-        return answer.plan
-    return answer.fallback if isinstance(answer, AwaitDying) else None
 
 
 def _incident_usage(incident: Incident) -> dict[str, int]:
@@ -732,9 +456,16 @@ def _incident_usage(incident: Incident) -> dict[str, int]:
     return used
 
 
-def _tier_counts(plan: ResumePlan) -> dict[str, int]:
-    """Shards per tier the plan reads from."""
-    counts: dict[str, int] = {}
-    for source in plan.shards:
-        counts[source.tier.value] = counts.get(source.tier.value, 0) + 1
-    return dict(sorted(counts.items()))
+def _recent(job: Job) -> tuple[PastIncident, ...]:
+    """The job's latest closed incidents as a policy sees them, oldest first."""
+    recent = []
+    for summary in job.closed[-RECENT_INCIDENTS:]:
+        fault_class = summary["fault_class"]
+        resumes = [a["resume_step"] for a in summary["attempts"] if a["resume_step"] is not None]
+        recent.append(PastIncident(
+            fault_class=None if fault_class is None else FaultClass(fault_class), fault_step=summary["fault_step"],
+            resume_step=resumes[-1] if resumes else None, opened_ns=summary["opened"],
+            closed_ns=summary["closed"] if summary["closed"] is not None else summary["opened"],
+            outcome=str(summary["outcome"]),
+            ranks=tuple(sorted({r for f in summary["faults"] for r in f["ranks"]}))))
+    return tuple(recent)

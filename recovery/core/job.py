@@ -8,7 +8,7 @@ from typing import Any
 
 from events.names import ATTEMPT_ENDED, AttemptOutcome, AttemptPurpose, IncidentCause, IncidentOutcome
 from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier
-from policies.base import AttemptSummary, Fault, PolicySet, SaveRequest
+from policies.base import NS, AttemptSummary, Fault, PolicySet, SaveRequest
 from recovery.core.machine import fire_phase
 
 DEDUPE_WINDOW = 256
@@ -16,6 +16,8 @@ DEDUPE_WINDOW = 256
 CATALOG_STEPS = 16
 """checkpoint steps kept in the catalog: older ones are never the newest complete"""
 CLOSED_INCIDENTS = 32
+RESTART_TIMES = 256
+"""restart start times kept per job, for a policy's restart budget over a window of time"""
 
 
 @dataclass(slots=True)
@@ -43,6 +45,9 @@ class Attempt:
     awaiting: int | None = None  # the step of a dying checkpoint the restart is held for
     reset: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """devices the restart resets first, by node (a fallback when no spare came for a fault a reset clears)"""
+    grace_ns: int = 30 * NS
+    """a stock script's attempt recovers once its restarted processes have run this long (StartRung.grace_ns)"""
+    grace_timer: str | None = None
     moves: dict[str, tuple[str, str]] = field(default_factory=dict)
     """migrations sent and not yet done: command id -> (from node, to node). The placement is changed when the
     command is sent; one that fails or never answers did not move the ranks, and is undone."""
@@ -80,6 +85,8 @@ class Incident:
     widened: bool = False  # a fault outside the attempt under way superseded it; no attempt since
     settle_timer: str | None = None  # armed while faults of a widening incident are collected
     exiting: frozenset[int] = frozenset()  # ranks stopped by SIGTERM: saving a dying checkpoint on the way out
+    stopped: frozenset[int] = frozenset()
+    """ranks the engine itself stopped and has not restarted yet: their exits are its own doing, no fault"""
     awaited: bool = False  # an attempt held its restart for their dying checkpoint already
     dead_hosts: frozenset[str] = frozenset()  # hosts a node fault declared gone: no source of state
     waiting_since: int | None = None  # log time the incident began to wait for nodes; None: not waiting
@@ -152,8 +159,10 @@ class Job:
         "policies",
         "rank_gen",
         "rank_log",
+        "restart_times",
         "restarts_used",
         "rpn",
+        "sdk",
         "seen",
         "spec",
         "state",
@@ -200,6 +209,8 @@ class Job:
         self.watchdog: str | None = None
         self.used: dict[str, int] = {}
         self.restarts_used = 0
+        self.restart_times: tuple[int, ...] = ()  # log times the job's restarts began, newest last (RESTART_TIMES kept)
+        self.sdk = False  # some rank reported through the SDK (a heartbeat, a step): not a stock script
         self.seen: dict[str, None] = {}  # in insertion order: the oldest id is next(iter(seen))
 
     def memento(self) -> Memento:
@@ -324,7 +335,7 @@ class Job:
             "step": self.step,
             "layout": self.layout.model_dump(), "nodes": list(self.nodes),
             "alive": sum(self.alive), "world": self.world, "step_time_ns": self.step_time,
-            "restarts_used": self.restarts_used, "used": dict(sorted(self.used.items())),
+            "restarts_used": self.restarts_used, "used": dict(sorted(self.used.items())), "sdk": self.sdk,
             "checkpoints": {str(step): {tier.value: sorted(shards) for tier, shards in by_tier.items()}
                             for step, by_tier in self.frozen_catalog().items()},
             "incident": None if self.incident is None else self.incident.summary(),
@@ -344,7 +355,8 @@ class Job:
 
 
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
-                 "watchdog", "restarts_used", "alive", "steps", "rank_gen", "last_seen", "last_progress")
+                 "watchdog", "restarts_used", "restart_times", "sdk", "alive", "steps", "rank_gen", "last_seen",
+                 "last_progress")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
 _SCALARS = attrgetter(*_SCALAR_NAMES)

@@ -36,7 +36,8 @@ def job_report(job: JobFold, end: int) -> dict[str, Any]:
     return {
         "job": job.id, "gpus": job.gpus, "nodes": len(job.nodes), "policies": job.policies,
         "policy_params": job.params,
-        "state": job.end_state or job.state, "started_ns": job.started, "ended_ns": job.ended,
+        "state": job.end_state or job.state, "end_reason": job.end_reason, "started_ns": job.started,
+        "ended_ns": job.ended,
         "wall_s": _s(wall), "step": job.step,
         "step_time_s": round(step_ns / NS, 3) if step_ns else None,
         "ettr": round(max(0.0, 1 - lost_s / (wall / NS)), 6) if wall else None,
@@ -65,7 +66,7 @@ def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> di
     seconds_by_phase: dict[str, float] = {}
     for p in phases:
         seconds_by_phase[p["phase"]] = seconds_by_phase.get(p["phase"], 0.0) + p["seconds"]
-    recompute_s = inc.lost_steps * step_ns / NS
+    recompute_s = (inc.lost_steps or 0) * step_ns / NS
     if recompute_s:
         seconds_by_phase["recompute"] = recompute_s
     seconds_by_phase = {k: round(v, 3) for k, v in seconds_by_phase.items() if v}

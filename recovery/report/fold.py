@@ -248,7 +248,7 @@ class ReportFold:
         else:
             self._loose(job, record, d, ts)
         if kind in _ENDS:
-            job.ended, job.end_state = ts, _ENDS[kind]
+            job.ended, job.end_state, job.end_reason = ts, _ENDS[kind], str(d.get("reason", ""))
 
     def _signal_ts(self, d: dict[str, Any], ts: int) -> int:
         cause = self.recent.get(d["cause_seq"])
@@ -373,7 +373,8 @@ class ReportFold:
             incident.phases[-1].end = ts
         incident.closed = ts
         incident.outcome = "recovered" if kind == "incident.closed" else _ENDS.get(kind, kind)
-        incident.lost_steps = int(detail.get("lost_steps", 0)) if kind == "incident.closed" else 0
+        lost = detail.get("lost_steps", 0) if kind == "incident.closed" else 0
+        incident.lost_steps = None if lost is None else int(lost)  # None: the script reports no steps
         job.incident = None
         job.incidents.append(incident)
         resumed = incident.checkpoint.get("next_step")

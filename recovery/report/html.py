@@ -160,7 +160,7 @@ def _incident_table(job: dict[str, Any]) -> str:
         ttr = "-" if inc["ttr_s"] is None else f'{inc["ttr_s"]:.1f}'
         rows.append(f'<tr><td>{_e(inc["id"])}</td><td>{_e(inc["fault_class"])}</td>'
                     f'<td>{inc["detection_latency_s"]:.1f}</td><td>{grans}</td><td>{source}</td>'
-                    f'<td>{inc["lost_steps"]}</td><td>{ttr}</td>'
+                    f'<td>{"?" if inc["lost_steps"] is None else inc["lost_steps"]}</td><td>{ttr}</td>'
                     f'<td>{inc["lost_gpu_hours"]:.2f}</td><td>{_e(inc["outcome"])}</td></tr>')
     return ('<table class="incidents"><thead><tr><th>incident</th><th>fault</th><th>detect s</th><th>granularity'
             '</th><th>checkpoint</th><th>lost steps</th><th>TTR s</th><th>GPU-h</th><th>outcome</th></tr></thead>'
@@ -214,7 +214,8 @@ def render_html(report: dict[str, Any]) -> str:
     for index, job in enumerate(report["jobs"]):
         jobs.append(f'<h2>job {_e(job["job"])}: {job["gpus"]} GPUs, {_e(job["state"])} at step {job["step"]:,}, '
                     f'ETTR {"-" if job["ettr"] is None else format(job["ettr"], ".4f")}</h2>'
-                    + _job_dead_letters(job) + _timeline(job, index))
+                    + (f'<p class="bad">failed: {_e(job["end_reason"])}</p>' if job["state"] == "failed"
+                       and job["end_reason"] else "") + _job_dead_letters(job) + _timeline(job, index))
         opened = " open" if len(job["incidents"]) <= 30 else ""
         tables.append(f'<details{opened}><summary>incidents of job {_e(job["job"])} ({len(job["incidents"])})'
                       f'</summary>{_incident_table(job)}</details>')

@@ -44,7 +44,8 @@ class Incident:
     first_command: int | None = None
     closed: int | None = None
     outcome: str | None = None
-    lost_steps: int = 0
+    lost_steps: int | None = 0
+    """None: unknown (a script that reports no steps)"""
     step_at_open: int = 0
     restart_loop: bool = False
     before_window: bool = False
@@ -64,6 +65,8 @@ class JobFold:
     started: int | None = None
     ended: int | None = None
     end_state: str | None = None
+    end_reason: str = ""
+    """why the job ended, as its final decision says (a crash loop, a budget run out)"""
     first_seen: int | None = None
     last_seen: int | None = None
     state: str = "submitted"

@@ -79,6 +79,8 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
                   f"wall {job['wall_s']:,.1f} s, ETTR {_num(job['ettr'], digits=4)}, lost "
                   f"{job['lost_gpu_hours']:,.3f} GPU-hours, step time {_num(job['step_time_s'], ' s', 3)}, "
                   f"{job['restart_loops']} restart loop(s)")
+    if job["state"] == "failed" and job["end_reason"]:
+        console.print(Text(f"failed: {job['end_reason']}", style="bold red"))
     if job["dead_letters"]:
         console.print(Text.assemble(*_dead_letters(job["dead_letters"], job["policy_errors"],
                                                    job["dead_letters_by_code"])))
@@ -97,7 +99,8 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
         table.add_row(inc["id"], Text(fault), str(inc["first_failing_rank"] if inc["first_failing_rank"] is not None
                                                   else "-"),
                       _num(inc["detection_latency_s"], digits=2), _num(inc["decision_latency_s"], digits=2),
-                      grans, Text(source), str(inc["lost_steps"]), _num(inc["ttr_s"]),
+                      grans, Text(source), "?" if inc["lost_steps"] is None else str(inc["lost_steps"]),
+                      _num(inc["ttr_s"]),
                       _num(inc["lost_gpu_hours"], digits=3),
                       inc["outcome"] + (" (loop)" if inc["restart_loop"] else ""))
     console.print(table)

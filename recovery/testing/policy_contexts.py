@@ -27,6 +27,7 @@ from policies import (
     AttemptSummary,
     Catalog,
     CheckpointContext,
+    PastIncident,
     RankActivity,
     RescheduleContext,
     Scope,
@@ -125,7 +126,7 @@ def make_watchdog_view(*, now: int = NOW, nodes: Sequence[str] = NODES, ranks_pe
                        step_time_ns: int | None = NS, last_seen: int | Sequence[int] | Mapping[int, int] | None = None,
                        last_progress: int | Sequence[int] | Mapping[int, int] | None = None,
                        steps: int | Sequence[int] | Mapping[int, int] = 100,
-                       agents_heard: Sequence[int | None] = ()) -> WatchdogView:
+                       agents_heard: Sequence[int | None] = (), sdk: bool = True) -> WatchdogView:
     """What the watchdog sees of a job on `nodes` at `now`. Per-rank values are one number for every rank, one per
     rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100. `agents_heard`
     is per node the last heartbeat of its agent (None: it sends none; empty: unknown)."""
@@ -134,7 +135,7 @@ def make_watchdog_view(*, now: int = NOW, nodes: Sequence[str] = NODES, ranks_pe
     progress = _per_rank(now if last_progress is None else last_progress, world, now)
     at = _per_rank(steps, world, 100)
     return WatchdogView(now, step_time_ns, tuple(RankActivity(r, seen[r], progress[r], at[r]) for r in range(world)),
-                        tuple(nodes), ranks_per_node, tuple(agents_heard))
+                        tuple(nodes), ranks_per_node, tuple(agents_heard), sdk)
 
 
 def incident_usage(fault_class: FaultClass, previous: Iterable[AttemptSummary]) -> dict[str, int]:
@@ -207,6 +208,7 @@ def make_checkpoint_context(*, layout: Layout | None = None, ranks_per_node: int
 # --- strategies -----------------------------------------------------------------------------------------------------
 _TIMES = st.integers(min_value=NOW - 86_400 * NS, max_value=NOW)
 _STEP_TIMES = st.none() | st.integers(min_value=NS // 100, max_value=600 * NS)
+_AGO = st.integers(min_value=0, max_value=2 * 86_400 * NS)
 _EXIT_CODES = st.none() | st.sampled_from([0, 1, 2, 6, 9, 11, 15, 126, 127, 130, 134, 137, 139, 143, -6, -9, -11, -15])
 _SIGNAL_NUMBERS = st.none() | st.sampled_from([1, 2, 6, 9, 11, 15, 64])
 _XIDS = st.sampled_from(sorted(codes.NVIDIA_XID)).map(str) | st.integers(min_value=0, max_value=200).map(str)
@@ -296,7 +298,8 @@ def watchdog_views(draw: st.DrawFn) -> WatchdogView:
     agents: list[int | None] = [draw(st.none() | st.integers(0, 2 * NS).map(lambda d: now - d) | ago.map(
         lambda d: now - d)) for _ in nodes] if draw(st.booleans()) else []
     return make_watchdog_view(now=now, nodes=nodes, ranks_per_node=rpn, step_time_ns=draw(_STEP_TIMES),
-                              last_seen=seen, last_progress=progress, steps=steps, agents_heard=agents)
+                              last_seen=seen, last_progress=progress, steps=steps, agents_heard=agents,
+                              sdk=draw(st.integers(0, 4)) > 0)
 
 
 _LADDER = [Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE, Granularity.RESTART_JOB,
@@ -318,6 +321,17 @@ def reschedule_contexts(draw: st.DrawFn) -> RescheduleContext:
     restarts_used = restarts + draw(st.integers(0, 5))  # the budget covers the job's life: earlier incidents too
     to_replace = draw(st.integers(0, 4))
     dp = draw(st.integers(1, 64))
+    now = draw(_TIMES)
+    fault_step = draw(st.integers(0, 10**6))
+    recent: list[PastIncident] = []
+    closed = now
+    for _ in range(draw(st.integers(0, 8))):  # closed incidents, newest drawn first, each before the next
+        opened = closed - draw(st.integers(1, 3600 * NS))
+        step = max(0, fault_step - draw(st.integers(0, 20)))
+        recent.insert(0, PastIncident(draw(st.sampled_from(list(FaultClass))), step,
+                                      draw(st.none() | st.integers(0, step)), opened, closed,
+                                      draw(st.sampled_from(["recovered", "failed"])), (0,)))
+        closed = opened - draw(st.integers(1, 3600 * NS))
     return RescheduleContext(
         fault_class=fault_class, scope=draw(st.sampled_from(get_args(Scope))), needs_move=to_replace > 0,
         any_lost=draw(st.booleans()), previous=previous, used=used, restarts_used=restarts_used,
@@ -328,6 +342,8 @@ def reschedule_contexts(draw: st.DrawFn) -> RescheduleContext:
         forced=draw(st.sampled_from(list(Granularity))) if draw(st.integers(0, 4)) == 0 else None,  # operators
         step_time_ns=draw(_STEP_TIMES),
         widened=bool(previous) and previous[-1].outcome == AttemptOutcome.SUPERSEDED and draw(st.booleans()),
+        sdk=draw(st.integers(0, 4)) > 0, now_ns=now, fault_step=fault_step,
+        recent=recent, restart_times=tuple(sorted(now - draw(_AGO) for _ in range(draw(st.integers(0, 60))))),
     )
 
 

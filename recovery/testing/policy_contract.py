@@ -51,6 +51,7 @@ from policies import (
     AttemptOutcome,
     CheckpointPlan,
     Family,
+    PastIncident,
     PolicyError,
     PolicyRef,
     Reschedule,
@@ -61,6 +62,7 @@ from policies import (
     load,
 )
 from recovery.testing.policy_contexts import (
+    NOW,
     SIGNAL_TYPES,
     checkpoint_contexts,
     make_checkpoint_context,
@@ -72,6 +74,8 @@ from recovery.testing.policy_contexts import (
     watchdog_views,
 )
 
+_PARTIAL = (Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE)
+"""restarts that keep some processes running: only for a script whose processes rejoin (`RescheduleContext.sdk`)"""
 Call = tuple[str, Any]
 """a method of the policy and the context it is called with: ("classify", signal)"""
 
@@ -384,6 +388,12 @@ class ReschedulingPolicyContract(PolicyContract):
             make_reschedule_context(max_restarts=3, restarts_used=3),
             make_reschedule_context(forced=Granularity.RESTART_JOB),
             make_reschedule_context(step_time_ns=120 * NS),
+            make_reschedule_context(sdk=False),  # a stock script: only a job-level restart recovers it
+            make_reschedule_context(sdk=False, nodes_to_replace=1),
+            make_reschedule_context(  # the same crash after two recoveries: a crash loop
+                now_ns=NOW, fault_step=2000, fault_ranks=(1,), restart_times=(NOW - 200 * NS, NOW - 100 * NS),
+                recent=tuple(PastIncident(FaultClass.PROCESS, 2000, 1000, NOW - t * NS, NOW - t * NS + 20 * NS,
+                                          "recovered", (1,)) for t in (200, 100))),
         ]
         contexts += [make_reschedule_context(fault_class=fault_class, nodes_to_replace=1) for fault_class in FaultClass]
         return [("decide", ctx) for ctx in contexts]
@@ -393,7 +403,14 @@ class ReschedulingPolicyContract(PolicyContract):
 
     def check_answer(self, call: Call, answer: Any) -> None:
         assert isinstance(answer, Reschedule), f"decide answered {answer!r}, not a Reschedule"
-        assert not isinstance(answer, StartRung) or isinstance(answer.granularity, Granularity)
+        if not isinstance(answer, StartRung):
+            return
+        assert isinstance(answer.granularity, Granularity)
+        assert isinstance(answer.grace_ns, int) and answer.grace_ns > 0, f"grace_ns {answer.grace_ns!r}: a positive int"
+        ctx = call[1]
+        assert ctx.sdk or ctx.forced is not None or answer.granularity not in _PARTIAL, (
+            f"{answer.granularity.value} for a stock script (ctx.sdk false): its surviving processes cannot join "
+            f"restarted peers; only a job-level restart (restart_job) recovers it")
 
 
 class CheckpointPolicyContract(PolicyContract):

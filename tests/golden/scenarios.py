@@ -13,6 +13,7 @@ from pathlib import Path
 
 from recovery.log import write_file
 from recovery.testing.scenario import Scenario
+from tests.golden import scenarios_scripts
 
 HERE = Path(__file__).parent
 SCENARIOS: dict[str, Callable[[], Scenario]] = {}
@@ -486,6 +487,10 @@ def lemon_isolated_with_spare() -> Scenario:
     s.advance(5)
     s.train("lem", 2)
     return s
+
+
+for _build in scenarios_scripts.ALL:
+    scenario(_build)
 
 
 def path(name: str) -> Path:

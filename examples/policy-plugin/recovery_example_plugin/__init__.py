@@ -33,6 +33,9 @@ class InPlaceFirst(ReschedulingPolicyBase):
         if ctx.previous:
             return StartRung(Granularity.RESTART_JOB, "the first attempt did not recover: restart the job", deadline,
                              rung=1)
+        if not ctx.sdk:
+            # A stock script (no SDK): its surviving processes cannot join restarted peers.
+            return StartRung(Granularity.RESTART_JOB, "the script does not use the SDK: restart the job", deadline)
         if ctx.needs_move:
             if ctx.nodes_to_migrate > ctx.spares_available:
                 return Wait("no spare for the node to leave: wait")

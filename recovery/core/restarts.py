@@ -1,0 +1,359 @@
+"""An attempt's way to its restart: where the state comes from (the checkpoint policy, a dying checkpoint saved or
+awaited), stopping the processes that must go, the restart, migrate or scale commands, and their acknowledgements.
+
+`Restarts` is the half of the incident lifecycle (`recovery.core.incidents.Incidents`, which derives from it) that
+talks to executors; planning, deadlines and closing are the other half.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from events import kinds
+from events.commands import MigrateRanks, RestartJob, RestartRanks, RetryStep, SaveCheckpoint, ScaleJob, StopRanks
+from events.names import AttemptOutcome, AttemptPurpose, DecisionKind, TimerPurpose
+from events.values import Granularity, Layout, ResumePlan, Tier
+from policies.base import NS, AwaitDying, CheckpointContext, CheckpointPlan, Resume, SaveDying
+from recovery.core.addressing import command_nodes
+from recovery.core.cluster import ClusterView
+from recovery.core.job import Attempt, Incident, Job
+from recovery.core.placement import Placement
+from recovery.core.record import RecordEffects, ask, expect
+from recovery.core.timers import Timekeeper, TimerRequest
+
+G = Granularity
+
+
+class Restarts:
+    cluster: ClusterView
+    timekeeper: Timekeeper
+    placement: Placement
+
+    # Provided by Incidents: an attempt that cannot go on ends (and the policy is asked again), or fails the job.
+    def end_attempt(self, out: RecordEffects, job: Job, attempt: Attempt, outcome: AttemptOutcome, reason: str,
+                    cancelled: list[str] | None = None, plan: bool = True) -> None:
+        raise NotImplementedError
+
+    def fail_job(self, out: RecordEffects, job: Job, reason: str, policy: str | None) -> None:
+        raise NotImplementedError
+
+    def restoring(self, out: RecordEffects, job: Job, attempt: Attempt, cancelled: list[str]) -> None:
+        """The executors have started the attempt's processes: wait for them to show it worked."""
+        raise NotImplementedError
+
+    def _checkpoint_ctx(self, job: Job, attempt: Attempt, dying_allowed: bool, peer_allowed: bool
+                        ) -> CheckpointContext:
+        incident = job.incident
+        assert incident is not None
+        saving_ranks = set(attempt.ranks) if attempt.granularity is G.IN_PLACE else set()
+        alive = tuple(bool(job.alive[r]) and r not in saving_ranks for r in range(job.world))
+        return CheckpointContext(
+            layout=job.layout, catalog=job.frozen_catalog(), placement=tuple(job.nodes[r // job.rpn]
+                                                                              for r in range(job.world)),
+            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)) | incident.dead_hosts,
+            alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
+            restarting=frozenset(attempt.ranks),
+            exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),
+        )
+
+    def _refresh_plan(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
+        """The plan a restart carries is made from what is known when the command is sent: while processes were
+        stopped, live replicas may have trained on, a newer checkpoint (a dying one written by SIGTERM handlers)
+        may have landed, or a holder may have gone. Ask again; a different answer replaces the plan."""
+        plan = attempt.plan
+        if plan is None:
+            return
+        peer = any(source.tier is Tier.PEER for source in plan.shards)
+        answer = ask(job, "checkpoint", job.policies.checkpoint.plan, self._checkpoint_ctx(job, attempt, False, peer))
+        expect(job, "checkpoint", answer, CHECKPOINT_ANSWERS)
+        fresh = _resume_of(answer) or plan
+        if fresh != plan:
+            attempt.plan = fresh
+            why = (f"{plan.checkpoint_step} is no longer where the live replicas are" if peer else
+                   f"step {plan.checkpoint_step} is no longer the newest complete, reachable checkpoint")
+            out.decide(job, DecisionKind.CHECKPOINT_PLAN, f"again before the restart: {why}",
+                       policy=job.policies.labels["checkpoint"],
+                       detail={"checkpoint_step": fresh.checkpoint_step, "next_step": fresh.next_step,
+                               "tiers": _tier_counts(fresh)})
+
+    def checkpoint(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
+        """Choose the resume point; first ask live replicas for a dying checkpoint if the policy says so."""
+        incident = job.incident
+        assert incident is not None
+        ctx = self._checkpoint_ctx(job, attempt, not incident.dying_tried, not incident.peer_tried)
+        answer = ask(job, "checkpoint", job.policies.checkpoint.plan, ctx)
+        expect(job, "checkpoint", answer, CHECKPOINT_ANSWERS)
+        policy = job.policies.labels["checkpoint"]
+        if isinstance(answer, SaveDying):
+            save = answer.save
+            incident.dying_tried = True
+            attempt.save = save
+            incident.move("save", out.ts)
+            command = SaveCheckpoint(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                     deadline_s=60, ranks=list(save.ranks), step=save.step)
+            timer = self._ack_timer(out, job, command.id, command.deadline_s)
+            attempt.pending = {command.id: (command.kind, timer.id)}
+            attempt.acks_due = self._acks_due(job, [command])
+            out.decide(job, DecisionKind.CHECKPOINT_DYING, answer.reason, policy=policy,
+                       commands=[command], timers=[timer],
+                       detail={"step": save.step, "savers": list(save.ranks)})
+            return
+        resume = answer.plan if isinstance(answer, Resume) else answer.fallback
+        if any(source.tier is Tier.PEER for source in resume.shards):
+            incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
+        if isinstance(answer, AwaitDying) and answer.wait_ns > 0 and not incident.awaited:
+            incident.awaited = True  # once per incident: the next plan takes what has landed by then
+            attempt.plan = resume
+            attempt.awaiting = answer.step
+            incident.move("save", out.ts)
+            purpose = f"{TimerPurpose.AWAIT}/{incident.id}/{attempt.number}"
+            timer = self.timekeeper.request(out, job, purpose, answer.wait_ns)
+            attempt.pending = {f"await:{answer.step}": ("await_dying", timer.id)}
+            out.decide(job, DecisionKind.CHECKPOINT_AWAITING, answer.reason, policy=policy, timers=[timer],
+                       detail={"step": answer.step, "wait_s": answer.wait_ns / NS,
+                               "exiting": len(incident.exiting)})
+            return
+        attempt.plan = resume
+        out.decide(job, DecisionKind.CHECKPOINT_PLAN, answer.reason, policy=policy,
+                   detail={"checkpoint_step": resume.checkpoint_step, "next_step": resume.next_step,
+                           "tiers": _tier_counts(resume)})
+        self._stop(out, job, attempt)
+
+    def _acks_due(self, job: Job, commands: list[Any]) -> dict[str, tuple[str, ...]]:
+        """Per command, the nodes whose agents must each report it done: every node it is addressed to (as the
+        daemon addresses it, from the placement after this record) except hosts this incident declared gone or the
+        cluster sees unreachable, whose agents cannot answer (a migration away from a lost node is done when the
+        node joined says so). Acting on the first node's `done` would restart a job while another node still stops
+        or saves its part."""
+        incident = job.incident
+        gone = incident.dead_hosts if incident is not None else frozenset()
+        due: dict[str, tuple[str, ...]] = {}
+        for command in commands:
+            nodes = tuple(n for n in command_nodes(command, job.node_of, job.nodes)
+                          if n not in gone and self.cluster.reachable(n))
+            if len(nodes) > 1:
+                due[command.id] = nodes
+        return due
+
+    def _ack_timer(self, out: RecordEffects, job: Job, command_id: str, deadline_s: float) -> TimerRequest:
+        return self.timekeeper.request(out, job, f"{TimerPurpose.ACK}/{command_id}", int(deadline_s * NS))
+
+    def _stop(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
+        incident = job.incident
+        assert incident is not None
+        stopping = [r for r in attempt.stopping if job.alive[r]]
+        if not stopping:
+            self._reschedule(out, job, attempt)
+            return
+        incident.move("stop", out.ts)
+        # Hung or faulty processes are killed, and so are healthy ones on a node being vacated: the plan takes their
+        # state from elsewhere, so a grace period buys nothing. The rest of a job stopped whole gets SIGTERM and a
+        # grace period to exit cleanly.
+        faulty = {r for f in incident.faults for r in f["ranks"]}
+        kill = attempt.granularity in (G.IN_PLACE, G.MIGRATE) or all(r in faulty for r in stopping)
+        mode: Literal["graceful", "kill"] = "kill" if kill else "graceful"
+        command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
+                            ranks=stopping, mode=mode, grace_s=30.0)
+        incident.stopped |= frozenset(stopping)
+        timer = self._ack_timer(out, job, command.id, command.deadline_s)
+        attempt.pending = {command.id: (command.kind, timer.id)}
+        attempt.acks_due = self._acks_due(job, [command])
+        out.decide(job, DecisionKind.RANKS_STOPPING, f"stop {len(stopping)} rank(s) ({mode})",
+                   commands=[command], timers=[timer])
+
+    def _reschedule(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
+        incident = job.incident
+        assert incident is not None
+        g = attempt.granularity
+        incident.move("reschedule", out.ts)
+        if g is G.DUMP:
+            step = attempt.plan.checkpoint_step if attempt.plan else None
+            self.fail_job(out, job, f"dumped: checkpoint at step {step}; the job stops for an operator", None)
+            return
+        if attempt.purpose is AttemptPurpose.PAUSE:
+            self.timekeeper.cancel(attempt.deadline_timer)
+            attempt.outcome = AttemptOutcome.PAUSED
+            incident.move("pause", out.ts)
+            out.decide(job, DecisionKind.JOB_PAUSED, attempt.reason, trigger="pause",
+                       cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
+            return
+        self._refresh_plan(out, job, attempt)
+        cid = out.command_id(job.id)
+        commands: list[Any] = []
+        if g is G.RETRY:
+            commands.append(RetryStep(id=cid, job=job.id, attempt=job.generation, deadline_s=60,
+                                      step=incident.fault_step + 1))
+        else:
+            plan = attempt.plan
+            assert plan is not None
+            job.generation += 1
+            gen = job.generation
+            if g is G.IN_PLACE:
+                commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
+                                             ranks=list(attempt.ranks), plan=plan,
+                                             reset_devices={n: list(d) for n, d in attempt.reset.items()}))
+            elif g is G.MIGRATE:
+                spares = self.placement.spares_for(job)
+                if len(spares) < len(attempt.vacate):
+                    job.generation -= 1
+                    self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, "the spare nodes it needed are gone")
+                    return
+                for index, name in enumerate(attempt.vacate):
+                    target = spares[index]
+                    ranks = list(job.ranks_on(name))
+                    self.cluster.release(name, job.id)
+                    self.cluster.assign(target, job.id)
+                    job.nodes[job.nodes.index(name)] = target
+                    move = MigrateRanks(id=cid if index == 0 else out.command_id(job.id), job=job.id,
+                                        attempt=gen, deadline_s=300, ranks=ranks, from_node=name,
+                                        to_node=target, plan=plan)
+                    attempt.moves[move.id] = (name, target)
+                    commands.append(move)
+                moved = {r for c in commands for r in c.ranks}  # type: ignore[attr-defined]
+                staying = [r for r in attempt.ranks if r not in moved]
+                if staying:
+                    commands.append(RestartRanks(id=out.command_id(job.id), job=job.id, attempt=gen,
+                                                 deadline_s=120, ranks=staying, plan=plan,
+                                                 reset_devices={n: list(d) for n, d in attempt.reset.items()}))
+            else:
+                placement = self.placement.place(job, attempt)
+                if placement is None:
+                    job.generation -= 1
+                    self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, "not enough usable nodes left")
+                    return
+                nodes, dp = placement
+                for name in job.nodes:
+                    if name not in nodes:
+                        self.cluster.release(name, job.id)
+                for name in nodes:
+                    self.cluster.assign(name, job.id)
+                if dp != job.layout.dp:
+                    job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
+                    attempt.ranks = tuple(range(job.world))
+                    attempt.covered = None
+                    commands.append(ScaleJob(id=cid, job=job.id, attempt=gen, deadline_s=600, dp=dp,
+                                             nodes=nodes, plan=plan))
+                else:
+                    job.nodes = nodes
+                    commands.append(RestartJob(id=cid, job=job.id, attempt=gen, deadline_s=600, nodes=nodes,
+                                               plan=plan))
+            for rank in attempt.ranks:
+                job.put(job.rank_gen, rank, job.generation)  # these ranks get new processes
+            restarted = frozenset(attempt.ranks)
+            # Their new processes are neither stopping nor exiting: an exit of theirs is news again.
+            incident.exiting -= restarted
+            incident.stopped -= restarted
+            # Every rank rolls back to the resume point, restarted or not.
+            start = plan.checkpoint_step or 0
+            job.steps = [start] * job.world
+            job.step = start
+            job.step_ts = None
+        timers = [self._ack_timer(out, job, c.id, c.deadline_s) for c in commands]
+        attempt.pending = {c.id: (c.kind, t.id) for c, t in zip(commands, timers, strict=True)}
+        attempt.acks_due = self._acks_due(job, commands)
+        out.decide(job, DecisionKind.RANKS_RESCHEDULING, f"{g.value}: {len(commands)} command(s)",
+                   commands=commands, timers=timers,
+                   detail={"attempt": attempt.number, "generation": job.generation,
+                           "nodes": list(job.nodes)})
+
+    def ack(self, out: RecordEffects, job: Job, data: kinds.CommandAck) -> None:
+        incident = job.incident
+        if incident is not None and data.status != "accepted":
+            self._settle_move(job, incident, data.command_id, data.status == "done")
+        attempt = incident.attempt if incident is not None else None
+        if attempt is None or data.command_id not in attempt.pending or attempt.awaiting is not None:
+            return  # an ack for a finished or superseded attempt, or for isolate commands: kept in the log
+        if data.status == "accepted":
+            return
+        due = attempt.acks_due.get(data.command_id)
+        if data.status == "done" and due is not None:
+            # An ack that names no node (an executor that answers once per command) completes the command, as
+            # before acks named their node.
+            node = data.result.get("node")
+            left = tuple(n for n in due if n != node) if isinstance(node, str) else ()
+            if left:
+                attempt.acks_due[data.command_id] = left
+                return
+            del attempt.acks_due[data.command_id]
+        kind, ack_timer = attempt.pending.pop(data.command_id)
+        cancelled = self.timekeeper.cancel(ack_timer)
+        if data.status == "failed":
+            if kind == "save_checkpoint":
+                out.decide(job, DecisionKind.CHECKPOINT_DYING_FAILED, data.reason or "dying checkpoint failed",
+                           cancelled=cancelled)
+                attempt.pending.clear()
+                self.checkpoint(out, job, attempt)
+                return
+            if kind == "restart_ranks":
+                self._reset_failed(attempt, data)
+            self.end_attempt(out, job, attempt, AttemptOutcome.FAILED, f"{kind} failed: {data.reason}".rstrip(": "),
+                              cancelled)
+            return
+        if attempt.pending:
+            if cancelled:
+                out.decide(job, DecisionKind.COMMAND_DONE, f"{kind} done", cancelled=cancelled)
+            return
+        assert incident is not None
+        if incident.phase == "saving":
+            out.decide(job, DecisionKind.CHECKPOINT_DYING_DONE, f"dying checkpoint at step "
+                       f"{attempt.save.step if attempt.save else '?'} saved",
+                         cancelled=cancelled)
+            self.checkpoint(out, job, attempt)
+        elif incident.phase == "stopping":
+            for rank in attempt.stopping:
+                job.put(job.alive, rank, 0)
+            out.decide(job, DecisionKind.RANKS_STOPPED, f"{len(attempt.stopping)} rank(s) stopped",
+                       cancelled=cancelled)
+            self._reschedule(out, job, attempt)
+        elif incident.phase == "rescheduling":
+            self.restoring(out, job, attempt, cancelled)
+
+    def _reset_failed(self, attempt: Attempt, data: kinds.CommandAck) -> None:
+        """The devices an agent could not reset (`result.reset_failed`, on its node `result.node`) are bad again:
+        the attempt counted them usable when it started (`start`), and a restart on them would fail the same way.
+        They stay out of `resettable`, so the ladder moves their ranks rather than trying the reset again. Anything
+        else in the result (a device the attempt did not reset, not a list) is an agent's mistake: ignored."""
+        node, devices = data.result.get("node"), data.result.get("reset_failed")
+        if not isinstance(node, str) or not isinstance(devices, list):
+            return
+        meant = attempt.reset.get(node, ())
+        failed = {d for d in devices if isinstance(d, int) and not isinstance(d, bool) and d in meant}
+        if failed and node in self.cluster.nodes:
+            self.cluster.node(node).bad_devices.update(failed)
+
+    def _settle_move(self, job: Job, incident: Incident, command_id: str, done: bool) -> None:
+        """A migration's outcome is known: done, it stays; failed or unanswered, the ranks never left their node, so
+        the placement goes back and the target returns to the spare pool. Without this the job's placement and the
+        cluster's drift apart: the next move names a node the job is not on, and the target is lost to the pool."""
+        for attempt in reversed(incident.attempts):  # a superseded attempt's move may still be under way
+            move = attempt.moves.pop(command_id, None)
+            if move is None:
+                continue
+            if done:
+                return
+            source, target = move
+            owner = self.cluster.nodes[source].job if source in self.cluster.nodes else None
+            if target in job.nodes and source not in job.nodes and owner is None:
+                job.nodes[job.nodes.index(target)] = source
+                self.cluster.release(target, job.id)
+                self.cluster.node(target).spare = True
+                self.cluster.assign(source, job.id)
+            return
+
+
+CHECKPOINT_ANSWERS = (Resume, SaveDying, AwaitDying)
+
+
+def _resume_of(answer: CheckpointPlan) -> ResumePlan | None:
+    """The plan an answer would restart from (none for a dying checkpoint to save first)."""
+    if isinstance(answer, Resume):
+        return answer.plan
+    return answer.fallback if isinstance(answer, AwaitDying) else None
+
+
+def _tier_counts(plan: ResumePlan) -> dict[str, int]:
+    """Shards per tier the plan reads from."""
+    counts: dict[str, int] = {}
+    for source in plan.shards:
+        counts[source.tier.value] = counts.get(source.tier.value, 0) + 1
+    return dict(sorted(counts.items()))

@@ -1,0 +1,98 @@
+"""Golden scenarios of real training scripts' ways: the engine's own stop, a crash of the generation it started, a
+stock script that reports nothing, a crash that recurs at the same step. Registered by `tests.golden.scenarios`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recovery.testing.scenario import Scenario
+
+NO_DYING: dict[str, Any] = {"checkpoint": {"name": "newest-complete", "params": {"dying": False}}}
+JOB_RESTARTS: dict[str, Any] = {
+    **NO_DYING,
+    "rescheduling": {"name": "ladder", "params": {"ladders": {
+        "process": [{"granularity": "restart_job", "budget": 3, "deadline_s": 900}]}}},
+}
+
+
+def stop_the_job_then_crash(s: Scenario, job: str) -> None:
+    """Rank 1 crashes; the job restarts whole: the engine stops ranks 0, 2 and 3 with SIGTERM, they exit by it, the
+    executors restart every rank, and rank 0 of the new generation crashes before any step."""
+    s.job_event(job, "process.exited", rank=1, exit_code=1, attempt=0)
+    [stop] = s.outstanding("stop_ranks")
+    s.advance(0.4)
+    for rank in stop.ranks:  # type: ignore[attr-defined]
+        s.job_event(job, "process.exited", rank=rank, exit_code=None, signal=15, attempt=0)
+    s.ack(stop)
+    [restart] = s.outstanding("restart_job")
+    s.advance(3)
+    s.ack(restart)
+    s.advance(2)
+    s.job_event(job, "process.exited", rank=0, exit_code=1, attempt=s.engine.jobs[job].generation)
+
+
+def engine_stop_not_preemption() -> Scenario:
+    """The engine's own SIGTERM before a whole-job restart is no preemption: the stopped ranks' exits are expected
+    and say nothing, and the new generation's crash (rank 0, exit code 1) fails the attempt and starts the next."""
+    s = Scenario()
+    s.submit("ddp", ["a0", "a1"], ranks_per_node=2, dp=4, policies=JOB_RESTARTS)
+    s.train("ddp", 10)
+    s.checkpoint("ddp", 10, "storage", "storage")
+    s.train("ddp", 3)
+    stop_the_job_then_crash(s, "ddp")
+    s.ack_all()
+    s.advance(5)
+    s.train("ddp", 2)
+    return s
+
+
+def stale_exit_explained() -> Scenario:
+    """A process of an older generation that exits after its replacement started (it outlived an agent that lost
+    track of it) is no fault of the running job, and a decision says so rather than dropping it unseen."""
+    s = Scenario()
+    s.spare("sp")
+    s.submit("old", ["o0", "o1"], ranks_per_node=2, dp=4, policies=NO_DYING)
+    s.train("old", 10)
+    s.checkpoint("old", 10, "storage", "storage")
+    s.train("old", 2)
+    s.node_event("o1", "device.fault", device=0, vendor="nvidia", code="79")  # ranks 2 and 3 move to the spare
+    s.ack_all()
+    s.advance(5)
+    s.train("old", 2)
+    s.job_event("old", "process.exited", rank=2, exit_code=1, attempt=0)  # the moved rank's old process, late
+    s.train("old", 2)
+    return s
+
+
+def stock_script_restarts_whole() -> Scenario:
+    """A stock torchrun script (no SDK): it sends no heartbeat and reports no step. It is never silent for that,
+    however long it trains; a crash restarts the whole job from the script's own checkpoint (its survivors cannot
+    join restarted peers); the incident closes once the restarted processes have run the ladder's grace period; and
+    the new generation crashing within it fails that attempt rather than being dropped."""
+    s = Scenario()
+    s.submit("stock", ["s0", "s1"], ranks_per_node=2, dp=4, policies=NO_DYING)
+    s.advance(120)  # two minutes of training with nothing reported: no fault
+    stop_the_job_then_crash(s, "stock")  # the first restart's processes crash within the grace period
+    s.ack_all()
+    s.advance(31)  # the second restart's processes run past the grace period: recovered
+    s.advance(600)  # and train on, unseen and unharmed: no attempt deadline kills them
+    return s
+
+
+def crash_loop() -> Scenario:
+    """A rank that raises at the same step on every run: each recovery resumes from the step-10 checkpoint and the
+    job crashes again at step 14. After two recoveries the third crash is a loop: the job fails and says so, where
+    the job-wide budgets would have restarted it dozens of times more."""
+    s = Scenario()
+    s.submit("loop", ["l0"], ranks_per_node=4, dp=4, policies=NO_DYING)
+    s.train("loop", 10)
+    s.checkpoint("loop", 10, "storage", "storage")
+    for _ in range(3):
+        s.train("loop", 4)
+        s.job_event("loop", "process.exited", rank=1, exit_code=1, attempt=s.engine.jobs["loop"].generation)
+        s.ack_all()
+        s.advance(3)
+    return s
+
+
+ALL = (engine_stop_not_preemption, stale_exit_explained, stock_script_restarts_whole, crash_loop)
