@@ -197,7 +197,14 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
     job = "stock-kill"
     nc = await connect(cluster.nats.url)
     w: JobWatch = await watch(nc, job)
-    proc = recovery_run(cluster_args(cluster, job, tmp_path / "final.pt", tmp_path / "snap.pt"), tmp_path)
+    # Watchdog thresholds a stock script would trip within a second if its lack of heartbeats counted, and a grace
+    # period short enough to see the incident close within the run.
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"watchdog_interval_s": 0.5, "policies": {
+        "detection": {"name": "default", "params": {"hang_min_silence_s": 1, "stall_min_s": 1, "first_steps_s": 1}},
+        "rescheduling": {"name": "ladder", "params": {"running_grace_s": 2}}}}))
+    proc = recovery_run(["--spec", str(spec), *cluster_args(cluster, job, tmp_path / "final.pt", tmp_path / "snap.pt")],
+                        tmp_path)
     victim = cluster.workdir / "n1" / f"{job}.rank1.json"
     try:
         def at_epoch_2() -> bool:
@@ -224,6 +231,12 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
         await nc.close()
     assert code == 0, f"{output}\n{cluster.explain()}"
     granularities = [d["data"]["detail"].get("granularity") for d in w.decided("attempt.started")]
+    # the one fault is the kill: the script's silence is none, and one job-level restart recovers it
+    [fault] = w.decided("fault.confirmed")
+    assert fault["data"]["reason"].startswith("rank 1: SIGKILL"), fault
+    assert granularities == ["restart_job"]
+    [closed] = w.decided("incident.closed")
+    assert "ran 2 s without exiting" in closed["data"]["reason"], closed
     last = max(e["data"]["attempt"] for e in w.of("process.started"))
     # the job restarted whole: every rank of the last generation is a new process (whatever rung the engine chose:
     # restart_job, or restarts in place that ended up restarting every rank), each on the fresh torch store
