@@ -85,3 +85,14 @@ def test_the_report_names_the_crash_loop_and_a_stock_scripts_unknown_lost_steps(
     [incident] = stock["jobs"][0]["incidents"]
     assert incident["lost_steps"] is None and incident["outcome"] == "recovered"
     assert main(["report", str(path("stock_script_restarts_whole"))]) == 0
+
+
+def test_a_widened_incident_is_planned_for_its_worst_fault() -> None:
+    result = load("widened_for_worst_fault")
+    started = kinds(result, "attempt.started")
+    assert [d.detail["granularity"] for d in started] == ["in_place", "migrate"]
+    assert started[1].reason.startswith("node fault"), started[1].reason
+    assert started[1].detail["vacate"] == ["w1"]
+    assert not kinds(result, "attempt.waiting")
+    assert len(kinds(result, "incident.closed")) == 1
+    assert result.engine.jobs["wide"].snapshot()["incidents"][0]["fault_class"] == "node"

@@ -26,6 +26,9 @@ from recovery.core.timers import Timekeeper, TimerRequest
 
 G = Granularity
 _PROCESS_FAULTS = (FaultClass.PROCESS, FaultClass.HANG, None)
+_SEVERITY = {FaultClass.PROCESS: 1, FaultClass.HANG: 2, FaultClass.NETWORK: 3, FaultClass.DEVICE: 4,
+             FaultClass.PREEMPTION: 5, FaultClass.NODE: 6}
+"""how much of the job a fault class's recovery must redo, least first: a widened incident takes the worst"""
 
 
 class Detection:
@@ -181,6 +184,10 @@ class Detection:
         incident = job.incident
         if incident is not None:
             incident.faults.append(fault)
+            if _SEVERITY.get(verdict.fault_class, 0) > _SEVERITY.get(incident.fault_class, 0):
+                # A widened incident is planned for the worst fault it holds: a crash joined by a GPU that fell off
+                # the bus needs the node ladder (move now), not the process ladder's restart in place.
+                incident.fault_class = verdict.fault_class
             self._note_exiting(incident, verdict)
             self._note_dead_hosts(job, incident, verdict)
             attempt = incident.attempt

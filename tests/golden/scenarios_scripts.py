@@ -1,5 +1,6 @@
 """Golden scenarios of real training scripts' ways: the engine's own stop, a crash of the generation it started, a
-stock script that reports nothing, a crash that recurs at the same step. Registered by `tests.golden.scenarios`."""
+stock script that reports nothing, a crash that recurs at the same step; and an incident widened by a worse fault.
+Registered by `tests.golden.scenarios`."""
 
 from __future__ import annotations
 
@@ -95,4 +96,26 @@ def crash_loop() -> Scenario:
     return s
 
 
-ALL = (engine_stop_not_preemption, stale_exit_explained, stock_script_restarts_whole, crash_loop)
+def widened_for_worst_fault() -> Scenario:
+    """A crash's in-place restart is under way when a GPU of the other node falls off the bus (XID 79): the incident
+    widens, and its next attempt is planned for the worst fault it holds, a node fault, by the node ladder: the
+    node's ranks move to a spare at once, rather than the process ladder waiting for the node to run processes."""
+    s = Scenario()
+    for node in ("sp0", "sp1", "sp2"):
+        s.spare(node)
+    s.submit("wide", ["w0", "w1"], ranks_per_node=4, dp=8, policies=NO_DYING)
+    s.train("wide", 10)
+    s.checkpoint("wide", 10, "storage", "storage")
+    s.train("wide", 2)
+    s.job_event("wide", "process.exited", rank=1, exit_code=1, attempt=0)
+    s.advance(0.5)
+    s.node_event("w1", "device.fault", device=2, vendor="nvidia", code="79")
+    s.advance(5)
+    s.ack_all()
+    s.advance(10)
+    s.train("wide", 2)
+    return s
+
+
+ALL = (engine_stop_not_preemption, stale_exit_explained, stock_script_restarts_whole, crash_loop,
+       widened_for_worst_fault)
