@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -33,10 +34,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STOCK = ROOT / "examples" / "ddp-tutorial" / "stock.py"
 STEP = re.compile(rb"\] step (\d+)")
+EPOCH_STEPS = re.compile(rb"\| Steps: (\d+)")
 
 
-def rank_pid(marker: str, rank: int) -> int | None:
-    """The process of `rank` whose command line holds `marker` (the run's own snapshot path)."""
+def rank_pid(marker: str, rank: int, data_dir: Path | None = None) -> int | None:
+    """The process of `rank`: as recovery-run's agents recorded it under `data_dir` (a rank handed to a standby runs
+    in the standby's interpreter, whose command line is not the script's), else the one whose command line holds
+    `marker` (the run's own snapshot path)."""
+    for record in sorted(data_dir.glob(f"agents/*/*.rank{rank}.json")) if data_dir is not None else ():
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            return int(json.loads(record.read_text())["pid"])
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -90,11 +97,21 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                 raise RuntimeError(f"{launcher} did not reach step {fault_at}:\n"
                                    + b"".join(line for _, line in lines[-30:]).decode(errors="replace"))
             time.sleep(0.005)  # polling the output, within the deadline
-        while warm and _standbys_ready(workdir / snapshot.stem) < nproc:  # strike once they can take the ranks
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the standbys of {snapshot.stem} were not ready in time")
-            time.sleep(0.05)  # polling the agent's log, within the deadline
-        victim = rank_pid(str(snapshot), 1)
+        if warm:
+            while _standbys_ready(workdir / snapshot.stem) < nproc:  # strike once they can take the ranks
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the standbys of {snapshot.stem} were not ready in time")
+                time.sleep(0.05)  # polling the standbys' output, within the deadline
+            # Strike at the same place within an epoch as the cold runs do, so that the steps redone from the
+            # epoch's snapshot are as many.
+            per_epoch = int(next(m.group(1) for _, line in list(lines) if (m := EPOCH_STEPS.search(line))))
+            done = max(int(m.group(1)) for _, line in list(lines) if (m := STEP.search(line)))
+            target = done + 1 + (fault_at - done - 1) % per_epoch
+            while not any(int(m.group(1)) >= target for _, line in list(lines) if (m := STEP.search(line))):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{launcher} did not reach step {target}")
+                time.sleep(0.005)  # polling the output, within the deadline
+        victim = rank_pid(str(snapshot), 1, workdir / snapshot.stem)
         assert victim is not None, "rank 1 not found"
         seen = [int(m.group(1)) for _, line in list(lines) if (m := STEP.search(line))]
         killed = time.monotonic()
@@ -126,8 +143,10 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
 
 
 def _standbys_ready(data_dir: Path) -> int:
-    """How many standbys the standalone run's agents have said are ready."""
-    return sum(log.read_text(errors="replace").count("ready (pid") for log in data_dir.glob("agent-*.log"))
+    """How many standbys of the standalone run have said they are ready (each writes `ready <import seconds>` to its
+    own output; the agents log at WARNING there)."""
+    return sum(1 for log in data_dir.glob("agents/*/*.standby*.log")
+               if any(line.startswith("ready ") for line in log.read_text(errors="replace").splitlines()))
 
 
 def measure(repeat: int, workdir: Path, emit: Callable[[str, str, float, str], None], quick: bool = False,
@@ -139,7 +158,10 @@ def measure(repeat: int, workdir: Path, emit: Callable[[str, str, float, str], N
     for _ in range(repeat):
         for case in runs:
             launcher = "torchrun" if case == "torchrun" else "recovery-run"
-            runs[case].append(run_once(launcher, workdir, nproc, fault_at, 0.1, epochs, warm=case == "warm"))
+            # A warm run trains longer: its standbys (a torch import each, under contention) are ready after the
+            # job's first epochs, and the kill waits for them.
+            runs[case].append(run_once(launcher, workdir, nproc, fault_at, 0.1, epochs * 8 if case == "warm" else
+                                       epochs, warm=case == "warm"))
     for case, values in runs.items():
         emit("e2e", f"stock_{case}_regained_s", round(statistics.median(values), 3),
              "s from a rank's SIGKILL to a step past it, a stock torchrun script (examples/ddp-tutorial/stock.py)")
