@@ -56,6 +56,8 @@ class DecisionKind(StrEnum):
     RANKS_RESTORING = "ranks.restoring"
     COMMAND_DONE = "command.done"  # one of several pending commands acknowledged
     INCIDENT_CLOSED = "incident.closed"
+    # policies
+    POLICY_FAILED = "policy.failed"  # a plugin raised, answered out of bounds or looped: the built-in answered
 
 
 @unique

@@ -80,7 +80,8 @@ class LadderParams(Params):
     loop_after: PositiveCount | None = Field(2, description="a crash loop: the job crashes again where it crashed "
                                                             "before, after this many recoveries in a row; the job "
                                                             "fails and says so. None: never")
-    loop_steps: Count = Field(10, description="crashes this many steps apart or fewer are at the same step")
+    loop_steps: Count = Field(2, description="crashes this many steps apart or fewer are at the same step (a job "
+                                             "whose faults strike as it goes gets further each time)")
     loop_time_ratio: Factor = Field(0.2, description="for a script that reports no steps: crashes whose run times "
                                                      "since the last recovery differ by this fraction or less (and by "
                                                      "5 s or less) recur at the same point; one more recovery in a "
@@ -219,12 +220,14 @@ class LadderRescheduling(ReschedulingPolicyBase):
         need = p.loop_after
         if len(runs) < need or ctx.fault_step == 0:
             return None
+        steps = [run.fault_step for run in runs[-need:]] + [ctx.fault_step]
+        if max(steps) - min(steps) > p.loop_steps:
+            return None  # the job got further each time: faults that strike as it goes, not one that stops it
         for run in runs[-need:]:
-            if (run.outcome != "recovered" or run.fault_class is not ctx.fault_class
-                    or abs(run.fault_step - ctx.fault_step) > p.loop_steps):
+            if run.outcome != "recovered" or run.fault_class is not ctx.fault_class:
                 return None
-            if run.resume_step is not None and run.resume_step >= ctx.fault_step:
-                return None  # it resumed past this point: the crash is not where it crashed before
+            if run.resume_step is None or run.resume_step >= min(steps):
+                return None  # it did not go back before the step: nothing was trained again and crashed again
         return (f"crash loop: the job crashed at step {ctx.fault_step} ({ctx.fault_class.value} fault, ranks "
                 f"{list(ctx.fault_ranks)}) after each of its last {need} recoveries, at steps "
                 f"{[r.fault_step for r in runs[-need:]]}: recovering again would crash there again")

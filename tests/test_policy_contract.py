@@ -86,6 +86,7 @@ class TestTorchElasticLikeDetection(DetectionPolicyContract):
 class TestTorchElasticLikeRescheduling(ReschedulingPolicyContract):
     policy = TorchElasticLikeRescheduling
     entry_point = "torchelastic-like-rescheduling"
+    waits_end = False  # a job without resources stays pending, as under torchrun
     params: ClassVar[dict[str, Any]] = {"max_restarts": 2}
 
 

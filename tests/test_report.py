@@ -261,8 +261,9 @@ def test_report_of_a_simulated_week_matches_the_simulator(tmp_path: Path) -> Non
 
 def test_dead_letters_and_policy_errors_count_against_their_job_in_every_rendering(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A rescheduling policy that raises on every call leaves its job 'running' with a dead rank, no incident and
-    an ETTR of 1.0 by the incidents alone: the report must say what went wrong."""
+    """A rescheduling plugin that raises on every call, and inputs the engine refuses: the built-in answers for the
+    plugin and the inputs are dead-lettered, and the report must say both of the job they belong to, where the
+    incidents alone would show nothing wrong."""
     from recovery.log import write_file
     from recovery.report.html import render_html
     from recovery.testing.scenario import Scenario
@@ -271,26 +272,31 @@ def test_dead_letters_and_policy_errors_count_against_their_job_in_every_renderi
     scenario = Scenario()
     scenario.submit("bad", ["a0"], ranks_per_node=2, dp=2)
     scenario.submit("good", ["b0"], ranks_per_node=2, dp=2)
+    scenario.train("bad", 3)
 
     class Raising(Flaky):
         def call(self, family: str, method: str, argument: Any) -> Any:
-            raise RuntimeError("plugin bug")
+            if family == "rescheduling":
+                raise RuntimeError("plugin bug")
+            return getattr(getattr(self.inner, family), method)(argument)
 
     scenario.engine.jobs["bad"].policies = Raising(scenario.engine.jobs["bad"].policies, 0).policy_set()
+    scenario.job_event("bad", "process.exited", rank=1, exit_code=1)
     for _ in range(3):
-        scenario.job_event("bad", "process.exited", rank=1, exit_code=1)
+        scenario.job_event("bad", "process.exited", rank=7, exit_code=1)  # no such rank: dead-lettered
     log = tmp_path / "log.jsonl"
     write_file(log, scenario.log.records())
     report = build_report(iter_file(log))
     bad, good = (next(j for j in report["jobs"] if j["job"] == name) for name in ("bad", "good"))
-    assert bad["dead_letters_by_code"] == {"policy_error": 3} and bad["policy_errors"] == 3
-    assert any("plugin bug" in d["reason"] for d in bad["first_dead_letters"])
-    assert good["dead_letters"] == 0
-    assert report["summary"]["policy_errors"] == 3
+    assert bad["dead_letters_by_code"] == {"unknown_rank": 3}
+    assert bad["policy_failures"] == 1 and bad["policy_errors"] == 1
+    assert "plugin bug" in bad["first_policy_failures"][0]["reason"]
+    assert good["dead_letters"] == 0 and good["policy_failures"] == 0
+    assert report["summary"]["policy_errors"] == 1 and report["summary"]["policy_failures"] == 1
     assert report["summary"]["dead_letters"] == 3
     assert main(["report", str(log)]) == 0
     out = capsys.readouterr().out
-    assert f"{bad['dead_letters']} dead letter(s)" in out and "a policy raised 3 time(s)" in out
-    assert "plugin bug" in out
+    assert "3 dead letter(s)" in out and "a policy failed 1 time(s)" in out and "plugin bug" in out
     html = render_html(report)
-    assert f"{bad['dead_letters']} of this job's inputs were dead-lettered; a policy raised 3 time(s)" in html
+    assert "3 of this job's inputs were dead-lettered" in html
+    assert "a policy failed 1 time(s); the built-in answered" in html and "plugin bug" in html

@@ -19,6 +19,7 @@ class NodeState:
         "devices",
         "drained",
         "faults",
+        "gone",
         "heard",
         "isolated",
         "isolated_devices",
@@ -39,6 +40,7 @@ class NodeState:
         self.isolated = False
         self.job: str | None = None
         self.heard: int | None = None  # log time of its agent's last heartbeat; None: it sends none
+        self.gone = False  # a node fault declared the host gone (its agent and ranks fell silent) until it speaks
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
         self.resettable: set[int] = set()  # bad devices a reset clears (XID 48): sorted when read
         self.isolated_devices: set[int] = set()  # bad devices a policy isolated (lemons): released by a decision
@@ -61,12 +63,12 @@ class NodeState:
     @property
     def usable(self) -> bool:
         # A node whose fabric link is down can hold no rank of a collective job: restarting ranks there fails.
-        return (self.ready and not self.drained and not self.isolated and not self.bad_devices
+        return (self.ready and not self.gone and not self.drained and not self.isolated and not self.bad_devices
                 and not self.links_down)
 
     def snapshot(self) -> dict[str, object]:
         return {"name": self.name, "devices": self.devices, "spare": self.spare, "ready": self.ready,
-                "drained": self.drained, "isolated": self.isolated, "job": self.job,
+                "drained": self.drained, "isolated": self.isolated, "gone": self.gone, "job": self.job,
                 "bad_devices": sorted(self.bad_devices), "links_down": sorted(self.links_down or ())}
 
 
@@ -106,13 +108,13 @@ class ClusterView:
         if state is None:
             return False
         if state.bad_devices and all(d >= ranks_per_node for d in state.bad_devices):
-            return state.ready and not state.drained and not state.isolated and not state.links_down
+            return state.ready and not state.gone and not state.drained and not state.isolated and not state.links_down
         return state.usable
 
     def reachable(self, name: str) -> bool:
         """Can a checkpoint held in this node's memory or disk still be read?"""
         state = self.nodes.get(name)
-        return state is None or (state.ready and not state.isolated)
+        return state is None or (state.ready and not state.gone and not state.isolated)
 
     def free_spares(self) -> list[str]:
         """Spare nodes that can take ranks now, in the order they joined."""

@@ -21,7 +21,8 @@ from recovery.core.cluster import ClusterView
 from recovery.core.incidents import Incidents
 from recovery.core.job import Attempt, Incident, Job
 from recovery.core.placement import Placement
-from recovery.core.record import RecordEffects, ask, expect
+from recovery.core.record import RecordEffects, expect
+from recovery.core.sandbox import consult
 from recovery.core.timers import Timekeeper, TimerRequest
 
 G = Granularity
@@ -43,11 +44,11 @@ class Detection:
     def signal(self, out: RecordEffects, job: Job, signal: Signal) -> None:
         if job.state in ("submitted", "paused"):
             if isinstance(signal.data, kinds.DeviceFault):  # no recovery now, but the hardware is what it is
-                verdict = ask(job, "detection", job.policies.detection.classify, signal)
+                verdict = consult(out, job, "detection", "classify", signal)
                 if isinstance(verdict, Fault):
                     self.mark_hardware(verdict)
             return
-        verdict = ask(job, "detection", job.policies.detection.classify, signal)
+        verdict = consult(out, job, "detection", "classify", signal)
         self.verdict(out, job, verdict, type_=signal.type)
 
     def mark_hardware(self, verdict: Fault) -> None:
@@ -229,8 +230,7 @@ class Detection:
         if plan:
             self.incidents.plan(out, job)
 
-    @staticmethod
-    def _note_dead_hosts(job: Job, incident: Incident, verdict: Fault) -> None:
+    def _note_dead_hosts(self, job: Job, incident: Incident, verdict: Fault) -> None:
         """A node fault declares its hosts gone (their ranks fell silent together, or a host stayed not ready): what
         they held in memory or on local disk is no source for this incident's restarts, whatever the cluster view
         says of their readiness (a silent host has not said it is not ready)."""
@@ -238,6 +238,11 @@ class Detection:
             hosts = {job.nodes[r // job.rpn] for r in verdict.ranks if r < job.world}
             if not incident.dead_hosts.issuperset(hosts):
                 incident.dead_hosts = incident.dead_hosts | hosts
+            for host in sorted(hosts):
+                # Gone for every job and every placement until it speaks again: no restart lands on it, and a
+                # policy sees that its ranks must move (`needs_move`).
+                if not self.cluster.node(host).gone:
+                    self.cluster.node(host).gone = True
 
     @staticmethod
     def _note_exiting(incident: Incident, verdict: Fault) -> None:
@@ -299,7 +304,7 @@ class Detection:
             RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
             tuple(job.nodes), job.rpn,
             tuple(agents[n].heard if n in agents else None for n in job.nodes), job.sdk)
-        verdicts = ask(job, "detection", job.policies.detection.check, view)
+        verdicts = consult(out, job, "detection", "check", view)
         for verdict in verdicts:
             if job.state != "running" or job.incident is not None:
                 break

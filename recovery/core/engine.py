@@ -484,8 +484,12 @@ class Engine:
         node = self.cluster.node(name)
         device_times: tuple[int, ...] = ()
         node_times: tuple[int, ...] = ()
+        back = node.gone  # the host a node fault declared gone speaks again: usable once its state says so
+        node.gone = False
         if isinstance(data, kinds.NodeHeartbeat):
             node.heard = out.ts  # the agent's sign of life: for the watchdog of the job on the node, no signal itself
+            if back and node.usable:
+                self._capacity_returned(out)
             return
         released = None  # an isolation this event ends: a repaired device, a node replaced or rebooted
         if isinstance(data, kinds.DeviceRecovered) and data.device in node.isolated_devices:
@@ -550,7 +554,8 @@ class Engine:
             verdict = self.detection.hardware.classify(Signal(type_, data, out.ts, name, (), device_times, node_times))
             if isinstance(verdict, Fault):
                 self.detection.mark_hardware(verdict)
-        if isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered | kinds.LinkUp) and node.usable:
+        if (back or isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered | kinds.LinkUp)
+                ) and node.usable:
             self._capacity_returned(out)
 
     def _timer_fired(self, out: RecordEffects, job: Job, data: kinds.TimerFired) -> None:

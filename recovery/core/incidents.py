@@ -9,6 +9,8 @@ a fault outside the attempt ends it and the policy is asked again.
 
 from __future__ import annotations
 
+from typing import Any
+
 from events.commands import FailJob
 from events.names import (
     ATTEMPT_ENDED,
@@ -20,13 +22,14 @@ from events.names import (
     TimerPurpose,
 )
 from events.values import FaultClass, Granularity
-from policies.base import NS, Fail, PastIncident, RescheduleContext, Settle, StartRung, Wait
+from policies.base import NS, Fail, PastIncident, RescheduleContext, Scope, Settle, StartRung, Wait
 from recovery.core.cluster import ClusterView
 from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job
 from recovery.core.machine import fire
 from recovery.core.placement import Placement, fit_dp
-from recovery.core.record import RecordEffects, Rejected, ask, expect
+from recovery.core.record import RecordEffects, Rejected
 from recovery.core.restarts import Restarts
+from recovery.core.sandbox import builtin, consult, fail_over
 from recovery.core.timers import Timekeeper, TimerRequest
 
 G = Granularity
@@ -36,6 +39,12 @@ job wait instead: a policy and a cluster that keep refusing each other must not 
 MAX_WAIT_NS = 4 * 3600 * NS
 """the deadline of a wait the policy set none for, or that the engine made because it could not place the policy's
 choice: then the policy is asked for its fallback, and a fallback the engine cannot place either fails the job"""
+LOOP_ANSWERS = 8
+"""a rescheduling plugin's settle windows in a row, or its waits answered after their own deadline, beyond which it
+loops: each is a valid answer, together they never end"""
+PLAN_BURST = 64
+PLAN_BURST_NS = 10 * NS
+"""a rescheduling plugin asked PLAN_BURST times within PLAN_BURST_NS of log time loops too"""
 MIN_GRACE_NS = 1 * NS
 DEFAULT_GRACE_NS = 30 * NS
 RECENT_INCIDENTS = 8
@@ -60,7 +69,7 @@ class Incidents(Restarts):
         fault_class = incident.fault_class or FaultClass.PROCESS
         migrate = vacate or self.placement.fault_nodes(job)
         ctx = RescheduleContext(
-            fault_class=fault_class, scope="job", needs_move=bool(vacate),
+            fault_class=fault_class, scope=_scope(incident), needs_move=bool(vacate),
             any_lost=not all(job.alive), previous=incident.history(), used=_incident_usage(incident),
             restarts_used=job.restarts_used, max_restarts=job.spec.max_restarts,
             nodes_to_replace=len(vacate), nodes_to_migrate=len(migrate), spares_available=len(spares),
@@ -74,8 +83,10 @@ class Incidents(Restarts):
             fault_ranks=tuple(sorted({r for f in incident.faults for r in f["ranks"]})),
             recent=_recent(job), restart_times=job.restart_times,
         )
-        answer = ask(job, "rescheduling", job.policies.rescheduling.decide, ctx)
-        expect(job, "rescheduling", answer, (StartRung, Wait, Settle, Fail))
+        answer = consult(out, job, "rescheduling", "decide", ctx)
+        loop = self._looping(out, job, incident, answer, ctx)
+        if loop is not None:
+            answer = fail_over(out, job, "rescheduling", "decide", ctx, loop)
         policy = job.policies.labels["rescheduling"]
         out.plans += 1
         short = None
@@ -130,6 +141,34 @@ class Incidents(Restarts):
             job.restart_times = (*job.restart_times[-RESTART_TIMES + 1:], out.ts)
         attempt.grace_ns = max(answer.grace_ns, MIN_GRACE_NS) if isinstance(answer.grace_ns, int) else DEFAULT_GRACE_NS
         self.start(out, job, attempt, answer.deadline_ns, policy, vacate)
+
+    @staticmethod
+    def _looping(out: RecordEffects, job: Job, incident: Incident, answer: Any, ctx: RescheduleContext
+                 ) -> str | None:
+        """Why the job's rescheduling plugin loops, or None: each answer of its may be valid while together they
+        never end (Settle again and again, Wait again past every deadline, answers that start nothing that lasts).
+        The built-in ladder is ours, and its answers end."""
+        if builtin(job.policies.rescheduling):
+            return None
+        times = (*incident.plan_times[-(PLAN_BURST - 1):], out.ts)
+        incident.plan_times = times
+        if len(times) >= PLAN_BURST and out.ts - times[0] < PLAN_BURST_NS:
+            incident.plan_times = ()
+            return (f"was asked {PLAN_BURST} times within {PLAN_BURST_NS / NS:g} s of log time: its answers start "
+                    f"nothing that lasts")
+        if isinstance(answer, Settle):
+            incident.settles += 1
+            if incident.settles > LOOP_ANSWERS:
+                incident.settles = 0
+                return f"answered Settle {LOOP_ANSWERS + 1} times in a row without starting an attempt"
+        elif isinstance(answer, Wait) and ctx.wait_expired:
+            incident.rewaits += 1
+            if incident.rewaits > LOOP_ANSWERS:
+                incident.rewaits = 0
+                return f"answered Wait {LOOP_ANSWERS + 1} times in a row, each after the last one's deadline"
+        elif isinstance(answer, StartRung | Fail):
+            incident.settles = incident.rewaits = 0
+        return None
 
     def _wait(self, out: RecordEffects, job: Job, deadline_ns: int) -> tuple[list[TimerRequest], list[str]]:
         """The job waits for nodes, until `deadline_ns` after the stretch of waiting began: a job asked again while
@@ -469,3 +508,12 @@ def _recent(job: Job) -> tuple[PastIncident, ...]:
             outcome=str(summary["outcome"]),
             ranks=tuple(sorted({r for f in summary["faults"] for r in f["ranks"]}))))
     return tuple(recent)
+
+
+_SCOPES: tuple[Scope, ...] = ("rank", "device", "link", "node", "job")
+
+
+def _scope(incident: Incident) -> Scope:
+    """The widest scope of the incident's faults: a host that fell silent is a node's loss, not the job's."""
+    widest = max((_SCOPES.index(f["scope"]) for f in incident.faults if f.get("scope") in _SCOPES), default=4)
+    return _SCOPES[widest]

@@ -85,6 +85,9 @@ class Incident:
     widened: bool = False  # a fault outside the attempt under way superseded it; no attempt since
     settle_timer: str | None = None  # armed while faults of a widening incident are collected
     exiting: frozenset[int] = frozenset()  # ranks stopped by SIGTERM: saving a dying checkpoint on the way out
+    settles: int = 0  # a plugin's settle windows in a row, no attempt between (a loop past LOOP_ANSWERS)
+    rewaits: int = 0  # a plugin's waits in a row answered after the last one's deadline
+    plan_times: tuple[int, ...] = ()  # log times of a plugin's latest answers (PLAN_BURST of them)
     stopped: frozenset[int] = frozenset()
     """ranks the engine itself stopped and has not restarted yet: their exits are its own doing, no fault"""
     awaited: bool = False  # an attempt held its restart for their dying checkpoint already
@@ -157,6 +160,7 @@ class Job:
         "nodes",
         "own_nodes",
         "policies",
+        "policy_errors",
         "rank_gen",
         "rank_log",
         "restart_times",
@@ -210,6 +214,7 @@ class Job:
         self.used: dict[str, int] = {}
         self.restarts_used = 0
         self.restart_times: tuple[int, ...] = ()  # log times the job's restarts began, newest last (RESTART_TIMES kept)
+        self.policy_errors: dict[str, int] = {}  # family -> errors of its plugin (replaced whole, never changed)
         self.sdk = False  # some rank reported through the SDK (a heartbeat, a step): not a stock script
         self.seen: dict[str, None] = {}  # in insertion order: the oldest id is next(iter(seen))
 
@@ -355,8 +360,8 @@ class Job:
 
 
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
-                 "watchdog", "restarts_used", "restart_times", "sdk", "alive", "steps", "rank_gen", "last_seen",
-                 "last_progress")
+                 "watchdog", "restarts_used", "restart_times", "sdk", "policies", "policy_errors", "alive", "steps",
+                 "rank_gen", "last_seen", "last_progress")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
 _SCALARS = attrgetter(*_SCALAR_NAMES)

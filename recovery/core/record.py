@@ -8,8 +8,6 @@ a rejection changes nothing.
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from events.names import DecisionKind
@@ -88,17 +86,6 @@ class RecordEffects:
     def reindex(self, job: Job) -> None:
         """Keep the indexes of jobs by state up to date after a change to `job` that is no decision."""
         self.engine.indexed(job, job.state)
-
-
-def ask(job: Job, family: str, call: Callable[[Any], _T], argument: Any) -> _T:
-    """Call a policy. Policies are third-party code: an exception fails this record (rolled back, dead-lettered
-    as `policy_error` naming the policy), never the engine."""
-    try:
-        return call(argument)
-    except Exception as exc:
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        raise Rejected("policy_error", f"{family} policy {job.policies.labels.get(family, '?')} raised "
-                                       f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})") from exc
 
 
 def expect(job: Job, family: str, answer: Any, types: tuple[type, ...]) -> None:

@@ -18,7 +18,8 @@ from recovery.core.addressing import command_nodes
 from recovery.core.cluster import ClusterView
 from recovery.core.job import Attempt, Incident, Job
 from recovery.core.placement import Placement
-from recovery.core.record import RecordEffects, ask, expect
+from recovery.core.record import RecordEffects
+from recovery.core.sandbox import consult
 from recovery.core.timers import Timekeeper, TimerRequest
 
 G = Granularity
@@ -64,8 +65,7 @@ class Restarts:
         if plan is None:
             return
         peer = any(source.tier is Tier.PEER for source in plan.shards)
-        answer = ask(job, "checkpoint", job.policies.checkpoint.plan, self._checkpoint_ctx(job, attempt, False, peer))
-        expect(job, "checkpoint", answer, CHECKPOINT_ANSWERS)
+        answer = consult(out, job, "checkpoint", "plan", self._checkpoint_ctx(job, attempt, False, peer))
         fresh = _resume_of(answer) or plan
         if fresh != plan:
             attempt.plan = fresh
@@ -81,8 +81,7 @@ class Restarts:
         incident = job.incident
         assert incident is not None
         ctx = self._checkpoint_ctx(job, attempt, not incident.dying_tried, not incident.peer_tried)
-        answer = ask(job, "checkpoint", job.policies.checkpoint.plan, ctx)
-        expect(job, "checkpoint", answer, CHECKPOINT_ANSWERS)
+        answer = consult(out, job, "checkpoint", "plan", ctx)
         policy = job.policies.labels["checkpoint"]
         if isinstance(answer, SaveDying):
             save = answer.save
@@ -340,8 +339,6 @@ class Restarts:
                 self.cluster.assign(source, job.id)
             return
 
-
-CHECKPOINT_ANSWERS = (Resume, SaveDying, AwaitDying)
 
 
 def _resume_of(answer: CheckpointPlan) -> ResumePlan | None:

@@ -222,6 +222,11 @@ class ReportFold:
         job.decision_counts[kind] = job.decision_counts.get(kind, 0) + 1
         job.state = d.get("state", job.state)
         detail: dict[str, Any] = d.get("detail") or {}
+        if kind == "policy.failed":
+            job.policy_failures += 1
+            if len(job.first_policy_failures) < FIRST_DEAD_LETTERS:
+                job.first_policy_failures.append({"seq": record.get("seq"), "ts": ts,
+                                                  "reason": str(d.get("reason", ""))[:300]})
         if kind == "job.accepted":
             job.policies = dict(detail.get("policies", {}))
         elif kind == "job.started" and job.started is None:
@@ -438,7 +443,8 @@ class ReportFold:
                 "restart_loops": sum(j["restart_loops"] for j in jobs),
                 "rejections": dict(sorted(self.rejections.items())),
                 "dead_letters": sum(self.rejections.values()),
-                "policy_errors": self.rejections.get("policy_error", 0),
+                "policy_errors": self.rejections.get("policy_error", 0) + sum(j["policy_failures"] for j in jobs),
+                "policy_failures": sum(j["policy_failures"] for j in jobs),
             },
             "jobs": jobs,
             "lemons": lemons(incidents),

@@ -187,13 +187,19 @@ document.body.dataset.layout = JSON.stringify(Array.from(document.querySelectorA
 
 
 def _job_dead_letters(job: dict[str, Any]) -> str:
+    failed = ""
+    if job["policy_failures"]:
+        items = "".join(f'<li>seq {_e(str(f["seq"]))} {_e(f["reason"])}</li>' for f in job["first_policy_failures"])
+        failed = (f'<p class="bad">a policy failed {job["policy_failures"]:,} time(s); the built-in answered:</p>'
+                  f'<ul class="bad">{items}</ul>')
     if not job["dead_letters"]:
-        return ""
+        return failed
     items = "".join(f'<li>seq {_e(str(d["seq"]))} [{_e(d["code"])}] {_e(d["reason"])}</li>'
                     for d in job["first_dead_letters"])
-    policy = f'; a policy raised {job["policy_errors"]:,} time(s)' if job["policy_errors"] else ""
+    raised = job["policy_errors"] - job["policy_failures"]
+    policy = f'; a policy raised {raised:,} time(s)' if raised else ""
     return (f'<p class="bad">{job["dead_letters"]:,} of this job\'s inputs were dead-lettered{policy}:</p>'
-            f'<ul class="bad">{items}</ul>')
+            f'<ul class="bad">{items}</ul>') + failed
 
 
 def render_html(report: dict[str, Any]) -> str:

@@ -87,6 +87,9 @@ class JobFold:
     dead_letters: dict[str, int] = field(default_factory=dict)
     """code -> how many of the job's inputs were dead-lettered (a policy error among them)"""
     first_dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    policy_failures: int = 0
+    """`policy.failed` decisions: a plugin erred or looped, and the built-in answered"""
+    first_policy_failures: list[dict[str, Any]] = field(default_factory=list)
     step_after_close: int | None = None
     """the step at which the last closed incident struck: the next one is a restart loop unless the job got past it"""
     decision_counts: dict[str, int] = field(default_factory=dict)

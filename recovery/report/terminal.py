@@ -37,7 +37,8 @@ def render(report: dict[str, Any], console: Console | None = None, decisions: bo
         ("postmortem ", "bold"), f"of {report['records']:,} records over {span['seconds']:,.1f} s: ",
         f"{s['jobs']} job(s), {s['incidents']} incident(s), ETTR ", (_num(s["ettr"], digits=4), "bold"),
         f", lost {s['lost_gpu_hours']:,.2f} GPU-hours, {s['restart_loops']} restart loop(s)",
-        *_dead_letters(s["dead_letters"], s["policy_errors"], s["rejections"])))
+        *_dead_letters(s["dead_letters"], s["policy_errors"] - s["policy_failures"], s["rejections"]),
+        *_policy_failures(s["policy_failures"])))
     console.print(_mttr_table(s["mttr_by_fault_class"], "time to recovery by fault class (whole log)"))
     console.print(_restarts_table(s["restarts_by_granularity"]))
     if s["lost_gpu_hours_by_cause"]:
@@ -72,6 +73,13 @@ def _dead_letters(count: int, policy_errors: int, by_code: dict[str, int]) -> li
     return out
 
 
+def _policy_failures(count: int) -> list[str | tuple[str, str]]:
+    """A plugin that erred or looped: the built-in answered in its place (decisions `policy.failed`)."""
+    if not count:
+        return []
+    return [", ", (f"a policy failed {count:,} time(s)", "bold red"), " (the built-in answered)"]
+
+
 def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
     policies = ", ".join(job["policies"].values()) or "?"
     console.rule(Text(f"job {job['job']}", style="bold"))
@@ -82,10 +90,15 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
     if job["state"] == "failed" and job["end_reason"]:
         console.print(Text(f"failed: {job['end_reason']}", style="bold red"))
     if job["dead_letters"]:
-        console.print(Text.assemble(*_dead_letters(job["dead_letters"], job["policy_errors"],
+        console.print(Text.assemble(*_dead_letters(job["dead_letters"], job["policy_errors"] - job["policy_failures"],
                                                    job["dead_letters_by_code"])))
         for letter in job["first_dead_letters"]:
             console.print(Text(f"  seq {letter['seq']} [{letter['code']}] {letter['reason']}", style="red"))
+    if job["policy_failures"]:
+        console.print(Text(f"a policy failed {job['policy_failures']:,} time(s); the built-in answered:",
+                           style="bold red"))
+        for failure in job["first_policy_failures"]:
+            console.print(Text(f"  seq {failure['seq']} {failure['reason']}", style="red"))
     table = Table(title=f"incidents of {job['job']}")
     for column in ("incident", "fault", "first rank", "detect s", "decide s", "granularity", "checkpoint",
                    "lost steps", "TTR s", "GPU-h", "outcome"):

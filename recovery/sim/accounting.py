@@ -106,6 +106,8 @@ class Result:
     steps: int
     sim_seconds: float
     """wall-clock seconds the run took"""
+    policy_failures: int = 0
+    """`policy.failed` decisions: a plugin raised, answered out of bounds or looped, and the built-in answered"""
     engine_seconds: float = 0.0
     """of which in the recorder and the engine (log appends, Engine.apply, recording decisions)"""
     stats: dict[str, int] = field(default_factory=dict)
@@ -153,6 +155,7 @@ class Result:
             "lost_gpu_hours_total": round(self.lost_gpu_hours, 1), "mttr": self.mttr(),
             "restarts": self.restarts, "faults": [asdict(f) for f in self.faults],
             "events": self.events, "decisions": self.decisions, "rejections": self.rejections,
+            "policy_failures": self.policy_failures,
             "records": self.records, "job_state": self.job_state, "steps": self.steps,
             "sim_seconds": round(self.sim_seconds, 3), "engine_seconds": round(self.engine_seconds, 3),
             "stats": self.stats,
@@ -182,6 +185,10 @@ class Result:
             console.print(f"[bold red]{letters:,} dead letter(s)[/bold red] ({codes})"
                           + (f": [bold red]a policy raised {errors:,} time(s)[/bold red], and each record it was "
                              f"asked about changed nothing" if errors else ""))
+        if self.policy_failures:
+            console.print(f"[bold red]a policy failed {self.policy_failures:,} time(s)[/bold red]: it raised, answered "
+                          f"out of bounds or looped, and the built-in policy of its family answered instead "
+                          f"(decisions policy.failed)")
         lost = Table(title="lost time by cause")
         for col in ("cause", "hours", "GPU-hours", "share of wall"):
             lost.add_column(col, justify="left" if col == "cause" else "right")

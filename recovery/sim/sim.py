@@ -57,6 +57,8 @@ class _Recording(Recorder):
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         super().decided(decision, subject, envelope, data)
         self.sim.decisions += 1
+        if decision.kind == "policy.failed":
+            self.sim.policy_failures += 1
         self.sim._observe(decision)
 
     def commanded(self, command: CommandBase, decision: Decision) -> None:
@@ -88,6 +90,7 @@ class Simulator:
         """wall-clock time spent in Recorder.feed: the log appends, Engine.apply and recording decisions"""
         self.decisions = 0
         self.rejections: dict[str, int] = {}
+        self.policy_failures = 0  # a plugin's errors or loops the built-in answered for (`policy.failed`)
         self.restarts: dict[str, dict[str, int]] = {}
         self.outcomes: list[FaultOutcome] = []
         self._open: list[FaultOutcome] = []
@@ -204,6 +207,7 @@ class Simulator:
             lost_s=lost,
             faults=self.outcomes, restarts=dict(sorted(self.restarts.items())), events=self.events,
             decisions=self.decisions, rejections=dict(sorted(self.rejections.items())),
+            policy_failures=self.policy_failures,
             records=self._records(), job_state=_job_state(job),
             steps=self.world.high_water, sim_seconds=seconds, engine_seconds=self.engine_seconds,
             stats=dict(sorted(self.world.stats.items())),

@@ -29,13 +29,15 @@ import io
 import os
 import pickle
 import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -55,12 +57,16 @@ from policies import (
     PolicyError,
     PolicyRef,
     Reschedule,
+    Settle,
     StartRung,
     Verdict,
+    Wait,
     available,
     label,
     load,
 )
+from recovery.core.incidents import LOOP_ANSWERS, MAX_WAIT_NS
+from recovery.core.sandbox import answer_problem
 from recovery.testing.policy_contexts import (
     NOW,
     SIGNAL_TYPES,
@@ -74,8 +80,6 @@ from recovery.testing.policy_contexts import (
     watchdog_views,
 )
 
-_PARTIAL = (Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE)
-"""restarts that keep some processes running: only for a script whose processes rejoin (`RescheduleContext.sdk`)"""
 Call = tuple[str, Any]
 """a method of the policy and the context it is called with: ("classify", signal)"""
 
@@ -143,10 +147,40 @@ def forbid_clock_and_io() -> Iterator[list[str]]:
             setattr(module, name, original)
 
 
+CALL_BUDGET_S = 2.0
+"""the longest one call of a policy may take here: the engine waits for every answer, within one record"""
+
+
+class PolicyTooSlow(AssertionError):
+    """A policy call ran past `CALL_BUDGET_S` (a loop that never ends, or work the engine cannot wait for)."""
+
+
+@contextmanager
+def time_budget(what: str, seconds: float = CALL_BUDGET_S) -> Iterator[None]:
+    """Raise `PolicyTooSlow` inside the block once it has run `seconds` (a `while True:` in `decide` ends the test
+    instead of hanging it). A real-time interval timer's signal: only in the main thread, where pytest runs tests;
+    elsewhere the block runs unbounded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise PolicyTooSlow(f"{what} took more than {seconds:g} s: the engine waits for every policy answer")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def call_purely(policy: Any, call: Call) -> Any:
-    """Call `policy` on one context under `forbid_clock_and_io`, and fail if it touched a clock or did I/O."""
+    """Call `policy` on one context under `forbid_clock_and_io` and a time budget, and fail if it touched a clock,
+    did I/O or ran too long."""
     method, argument = call
-    with forbid_clock_and_io() as touched:
+    with forbid_clock_and_io() as touched, time_budget(f"{label(policy)}.{method}"):
         try:
             result = getattr(policy, method)(argument)
         except ImpureCall:
@@ -366,6 +400,7 @@ class DetectionPolicyContract(PolicyContract):
         else:
             assert isinstance(answer, list) and all(isinstance(v, Verdict) for v in answer), (
                 f"check answered {answer!r}, not a list of Verdicts")
+        _accepted(self.family, call, answer)
 
 
 class ReschedulingPolicyContract(PolicyContract):
@@ -373,6 +408,9 @@ class ReschedulingPolicyContract(PolicyContract):
     or `Fail`."""
 
     family: ClassVar[Family] = "rescheduling"
+    waits_end: ClassVar[bool] = True
+    """False only for a model of a system whose jobs wait for resources without end (the engine still bounds each
+    wait and asks again; a plugin that waits forever is replaced)"""
 
     def sample_calls(self) -> list[Call]:
         contexts = [
@@ -403,14 +441,43 @@ class ReschedulingPolicyContract(PolicyContract):
 
     def check_answer(self, call: Call, answer: Any) -> None:
         assert isinstance(answer, Reschedule), f"decide answered {answer!r}, not a Reschedule"
-        if not isinstance(answer, StartRung):
-            return
-        assert isinstance(answer.granularity, Granularity)
-        assert isinstance(answer.grace_ns, int) and answer.grace_ns > 0, f"grace_ns {answer.grace_ns!r}: a positive int"
+        _accepted(self.family, call, answer)
         ctx = call[1]
-        assert ctx.sdk or ctx.forced is not None or answer.granularity not in _PARTIAL, (
-            f"{answer.granularity.value} for a stock script (ctx.sdk false): its surviving processes cannot join "
-            f"restarted peers; only a job-level restart (restart_job) recovers it")
+        if isinstance(answer, StartRung) and ctx.forced is None:
+            short = _unplaceable(answer, ctx)
+            assert short is None, (f"decide answered {answer.granularity.value}, which the cluster cannot carry out: "
+                                   f"{short}; the engine would make the job wait, and ask again the same")
+
+    def test_settles_end(self) -> None:
+        """A settle window closes with the incident no longer widened: asked again then, the policy starts
+        something, waits or fails; settling again and again would never end (the engine replaces a policy that
+        settles more than LOOP_ANSWERS times in a row)."""
+        policy = self.make()
+        for _, ctx in self.sample_calls():
+            settles = 0
+            answer = call_purely(policy, ("decide", ctx))
+            while isinstance(answer, Settle):
+                settles += 1
+                assert settles <= LOOP_ANSWERS, f"decide settled {settles} times in a row on {ctx!r}"
+                ctx = replace(ctx, widened=False)
+                answer = call_purely(policy, ("decide", ctx))
+
+    def test_waits_end(self) -> None:
+        """A wait's deadline passes with nodes still missing: asked again (`wait_expired`), the policy falls back;
+        waiting again and again would never end (the engine replaces a policy that does so LOOP_ANSWERS times)."""
+        policy = self.make()
+        for _, ctx in self.sample_calls():
+            waits = 0
+            answer = call_purely(policy, ("decide", ctx))
+            while isinstance(answer, Wait):
+                waits += 1
+                if not self.waits_end:  # pending without end, one bounded stretch after another
+                    assert answer.deadline_ns is None or answer.deadline_ns <= MAX_WAIT_NS
+                    break
+                assert waits <= LOOP_ANSWERS, f"decide waited {waits} times in a row, each past the last deadline"
+                waited = ctx.waited_ns + (answer.deadline_ns or MAX_WAIT_NS)
+                ctx = replace(ctx, wait_expired=True, waited_ns=waited)
+                answer = call_purely(policy, ("decide", ctx))
 
 
 class CheckpointPolicyContract(PolicyContract):
@@ -439,6 +506,37 @@ class CheckpointPolicyContract(PolicyContract):
 
     def check_answer(self, call: Call, answer: Any) -> None:
         assert isinstance(answer, CheckpointPlan), f"plan answered {answer!r}, not a CheckpointPlan"
+        _accepted(self.family, call, answer)
+
+
+def _accepted(family: Family, call: Call, answer: Any) -> None:
+    """The engine takes the answer as it is: every duration a nanosecond count from 1 ms to 30 days (less is taken
+    for seconds given as nanoseconds), a reason that says something, ranks of the job, a job-level restart for a
+    script without the SDK. An answer that fails here makes the engine ask the built-in policy instead."""
+    problem = answer_problem(family, call[0], answer, call[1])
+    assert problem is None, f"{call[0]} {problem}"
+
+
+def _unplaceable(answer: StartRung, ctx: Any) -> str | None:
+    """Why the cluster cannot carry out `answer` in `ctx`, as the engine judges it, or None."""
+    g = answer.granularity
+    if answer.reset_devices:
+        if g is Granularity.IN_PLACE and not ctx.reset_clears:
+            return "a device reset does not clear every node the job must leave"
+        if g is Granularity.MIGRATE and ctx.nodes_after_reset > ctx.spares_available:
+            return f"{ctx.nodes_after_reset} node(s) to move after the reset, {ctx.spares_available} spare(s)"
+        return None
+    if g is Granularity.MIGRATE and ctx.nodes_to_migrate > ctx.spares_available:
+        return f"{ctx.nodes_to_migrate} node(s) to move, {ctx.spares_available} spare(s)"
+    if g in (Granularity.RESTART_JOB, Granularity.DUMP) and ctx.nodes_to_replace > ctx.spares_available:
+        return f"{ctx.nodes_to_replace} node(s) to replace, {ctx.spares_available} spare(s)"
+    if g is Granularity.IN_PLACE and ctx.needs_move:
+        return f"{ctx.nodes_to_replace} node(s) cannot run processes now"
+    if g is Granularity.SCALE_IN and ctx.scale_in_dp is None:
+        return "no smaller data-parallel size fits (or the job is not elastic)"
+    if g is Granularity.SCALE_OUT:
+        return "scale-out is started by the engine when nodes return, not a recovery"
+    return None
 
 
 CONTRACTS: dict[Family, type[PolicyContract]] = {"detection": DetectionPolicyContract,

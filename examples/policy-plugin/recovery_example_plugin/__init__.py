@@ -11,11 +11,22 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from policies import NS, Granularity, Params, Reschedule, RescheduleContext, ReschedulingPolicyBase, StartRung, Wait
+from policies import (
+    NS,
+    Fail,
+    Granularity,
+    Params,
+    Reschedule,
+    RescheduleContext,
+    ReschedulingPolicyBase,
+    StartRung,
+    Wait,
+)
 
 
 class InPlaceFirstParams(Params):
     deadline_s: float = Field(120.0, gt=0, description="deadline of each attempt")
+    wait_s: float = Field(3600.0, gt=0, description="how long to wait for spare nodes before failing the job")
 
 
 class InPlaceFirst(ReschedulingPolicyBase):
@@ -30,14 +41,19 @@ class InPlaceFirst(ReschedulingPolicyBase):
         deadline = int(self.params.deadline_s * NS)
         if ctx.forced is not None:
             return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline)
-        if ctx.previous:
-            return StartRung(Granularity.RESTART_JOB, "the first attempt did not recover: restart the job", deadline,
-                             rung=1)
-        if not ctx.sdk:
-            # A stock script (no SDK): its surviving processes cannot join restarted peers.
-            return StartRung(Granularity.RESTART_JOB, "the script does not use the SDK: restart the job", deadline)
+        # A second attempt restarts the job; so does the first for a stock script (no SDK), whose surviving
+        # processes cannot join restarted peers.
+        job_level = bool(ctx.previous) or not ctx.sdk
+        need = ctx.nodes_to_replace if job_level else ctx.nodes_to_migrate if ctx.needs_move else 0
+        if need > ctx.spares_available:
+            if ctx.wait_expired:  # every wait needs an exit: the engine asks again once its deadline has passed
+                return Fail(f"waited for {need} spare node(s); none came")
+            return Wait(f"{need} node(s) to replace, {ctx.spares_available} spare(s): wait",
+                        deadline_ns=int(self.params.wait_s * NS))
+        if job_level:
+            why = "the first attempt did not recover" if ctx.previous else "the script does not use the SDK"
+            return StartRung(Granularity.RESTART_JOB, f"{why}: restart the job", deadline,
+                             rung=1 if ctx.previous else 0)
         if ctx.needs_move:
-            if ctx.nodes_to_migrate > ctx.spares_available:
-                return Wait("no spare for the node to leave: wait")
             return StartRung(Granularity.MIGRATE, "the node must be left: move its ranks", deadline)
         return StartRung(Granularity.IN_PLACE, "restart the faulty processes where they are", deadline)

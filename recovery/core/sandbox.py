@@ -1,0 +1,183 @@
+"""Policies are third-party code: the engine consults them through here, and survives what they do.
+
+A policy's answer is checked before the engine acts on it: its type is one of the family's answers, every
+duration is a nanosecond count between 1 ms and 30 days (a value below 1 ms is a unit mistake, seconds given for
+nanoseconds), every reason says something, every rank it names is the job's. A policy that raises, or answers what
+fails these checks, does not fail the record (the event that asked it is valid, and must not be lost): the built-in
+policy of its family answers instead, and a `policy.failed` decision names the plugin and its error. After
+`POLICY_STRIKES` such errors in one job, the plugin is replaced for that job by the built-in (`replaced` in the
+decision), so that a job always keeps an exit. The built-in policies themselves are ours: an error of theirs is a
+bug, and fails the record as before (`policy_error`).
+
+Loops are answers that are each valid but together never end: `recovery.core.incidents` counts a rescheduling
+policy's settle windows and re-waits in a row, and how often it is asked within a short stretch of log time, and
+hands a policy that loops to `fail_over` like one that errs.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import replace
+from typing import Any
+
+from events.names import DecisionKind
+from events.values import MAX_SECONDS, Granularity
+from policies.base import (
+    NS,
+    AwaitDying,
+    Clear,
+    Drain,
+    Fail,
+    Fault,
+    Ignore,
+    Resume,
+    SaveDying,
+    Settle,
+    StartRung,
+    Suspect,
+    Wait,
+    label,
+)
+from policies.checkpoint import NewestCompleteCheckpoint
+from policies.detection import DefaultDetection
+from policies.rescheduling import LadderRescheduling
+from recovery.core.job import Job
+from recovery.core.record import RecordEffects, Rejected
+
+POLICY_STRIKES = 3
+"""errors (or loops) of one family's plugin in one job before the built-in replaces it for that job"""
+MIN_DURATION_NS = NS // 1000
+"""the shortest duration a policy may answer: anything shorter is taken for seconds given as nanoseconds"""
+MAX_DURATION_NS = int(MAX_SECONDS * NS)
+BUILTIN: dict[str, Any] = {"detection": DefaultDetection(), "rescheduling": LadderRescheduling(),
+                           "checkpoint": NewestCompleteCheckpoint()}
+"""the policy that answers for a plugin that failed, with its default parameters: pure, so one instance serves all"""
+_PARTIAL = (Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE)
+
+
+def builtin(policy: Any) -> bool:
+    """Is this one of the policies shipped in `policies` (an error of theirs is a bug of ours)?"""
+    return type(policy).__module__.split(".")[0] == "policies"
+
+
+def consult(out: RecordEffects, job: Job, family: str, method: str, argument: Any) -> Any:
+    """Ask the job's `family` policy; an exception or an answer that fails its checks is handed to `fail_over`."""
+    policy = getattr(job.policies, family)
+    try:
+        answer = getattr(policy, method)(argument)
+        problem = answer_problem(family, method, answer, argument)
+    except Exception as exc:  # third-party code: anything it raises is its error, never the engine's
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        answer, problem = None, f"raised {type(exc).__name__}: {exc} (at {where.name}:{where.lineno})"
+    if problem is None:
+        return answer
+    return fail_over(out, job, family, method, argument, problem)
+
+
+def fail_over(out: RecordEffects, job: Job, family: str, method: str, argument: Any, problem: str) -> Any:
+    """The job's `family` policy erred (`problem`): the built-in answers this call; after POLICY_STRIKES errors it
+    replaces the plugin for this job. Returns the built-in's answer."""
+    policy = getattr(job.policies, family)
+    name = job.policies.labels.get(family, "?")
+    if builtin(policy):
+        raise Rejected("policy_error", f"{family} policy {name} {problem}")
+    fallback = BUILTIN[family]
+    answer = getattr(fallback, method)(argument)
+    errors = job.policy_errors.get(family, 0) + 1
+    job.policy_errors = {**job.policy_errors, family: errors}
+    replaced = errors >= POLICY_STRIKES
+    by = label(fallback)
+    if replaced:
+        job.policies = replace(job.policies, **{family: fallback}, labels={**job.policies.labels, family: by})
+    then = (f"; replaced by {by} for this job after {errors} errors" if replaced else
+            f" ({errors} of {POLICY_STRIKES} errors before it is replaced for this job)")
+    out.decide(job, DecisionKind.POLICY_FAILED, f"{family} policy {name} {problem}: {by} answers instead{then}",
+               policy=name, detail={"family": family, "method": method, "policy": name, "errors": errors,
+                                    "replaced": replaced, "by": by})
+    return answer
+
+
+def _duration(name: str, value: Any, optional: bool = False, zero: bool = False) -> str | None:
+    """What is wrong with a duration a policy answered (`optional`: None allowed; `zero`: 0, meaning none)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"answered {name}={value!r}: a duration is an int of nanoseconds (policies.NS per second)"
+    if value == 0 and zero:
+        return None
+    if value < 0:
+        return f"answered {name}={value} ns: a duration is not negative"
+    if value < MIN_DURATION_NS:
+        return (f"answered {name}={value} ns: shorter than 1 ms, taken for a unit mistake (durations are "
+                f"nanoseconds: {value} s is {value} * NS)")
+    if value > MAX_DURATION_NS:
+        return f"answered {name}={value} ns: longer than {MAX_SECONDS:g} s"
+    return None
+
+
+def _reason(answer: Any) -> str | None:
+    reason = getattr(answer, "reason", None)
+    if not isinstance(reason, str) or not reason.strip():
+        return f"answered {type(answer).__name__} with no reason: every decision says why"
+    return None
+
+
+def answer_problem(family: str, method: str, answer: Any, argument: Any) -> str | None:
+    """What is wrong with a policy's answer to `method(argument)`, or None (the policy kit checks the same)."""
+    if family == "rescheduling":
+        return _check_reschedule(answer, argument)
+    if family == "checkpoint":
+        if not isinstance(answer, Resume | SaveDying | AwaitDying):
+            return f"answered {answer!r}, not one of Resume, SaveDying, AwaitDying"
+        return _duration("wait_ns", answer.wait_ns) if isinstance(answer, AwaitDying) and answer.wait_ns else None
+    if method == "check":
+        if not isinstance(answer, list | tuple):
+            return f"answered {answer!r} from check, not a list of verdicts"
+        for verdict in answer:
+            problem = _check_verdict(verdict, len(argument.ranks))
+            if problem is not None:
+                return problem
+        return None
+    return _check_verdict(answer, argument.world)
+
+
+def _check_reschedule(answer: Any, ctx: Any) -> str | None:
+    if not isinstance(answer, StartRung | Wait | Settle | Fail):
+        return f"answered {answer!r}, not one of StartRung, Wait, Settle, Fail"
+    problem = _reason(answer)
+    if problem is not None:
+        return problem
+    if isinstance(answer, StartRung):
+        if not isinstance(answer.granularity, Granularity):
+            return f"answered StartRung of {answer.granularity!r}, not a Granularity"
+        if not isinstance(answer.rung, int) or isinstance(answer.rung, bool) or answer.rung < 0:
+            return f"answered StartRung with rung={answer.rung!r}: a count from 0"
+        if not ctx.sdk and ctx.forced is None and answer.granularity in _PARTIAL:
+            return (f"answered {answer.granularity.value} for a script without the SDK: its surviving processes "
+                    f"cannot join restarted peers, only a job-level restart recovers it")
+        return _duration("deadline_ns", answer.deadline_ns) or _duration("grace_ns", answer.grace_ns)
+    if isinstance(answer, Wait):
+        return _duration("deadline_ns", answer.deadline_ns, optional=True)
+    if isinstance(answer, Settle):
+        return _duration("settle_ns", answer.settle_ns)
+    return None
+
+
+def _check_verdict(verdict: Any, world: int) -> str | None:
+    if not isinstance(verdict, Ignore | Suspect | Clear | Fault | Drain):
+        return f"answered {verdict!r}, not one of Ignore, Suspect, Clear, Fault, Drain"
+    problem = _reason(verdict)
+    if problem is not None:
+        return problem
+    fault = verdict.fault if isinstance(verdict, Suspect) else verdict
+    if isinstance(verdict, Suspect):
+        problem = _duration("confirm_after_ns", verdict.confirm_after_ns, zero=True)
+        if problem is not None:
+            return problem
+    if isinstance(fault, Fault):
+        outside = [r for r in fault.ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world]
+        if outside:
+            return f"answered a fault of ranks {outside[:8]}, not ranks of the job (world {world})"
+        return _duration("isolate_for_ns", fault.isolate_for_ns, optional=True)
+    return None
+
