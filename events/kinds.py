@@ -89,6 +89,27 @@ class StepReported(Frozen):
     attempt: Attempt = 0
 
 
+MAX_REPORTED_RANKS = 4096
+"""ranks one progress report may cover: a node's (a few to a few hundred), with room"""
+
+
+class RankProgress(Frozen):
+    """One rank in a `progress.report`: it lives, at `step` if it reported one, in generation `attempt`."""
+
+    rank: Rank
+    step: Step | None = Field(None, description="the newest step it completed in the period, if any")
+    attempt: Attempt = 0
+
+
+class ProgressReport(Frozen):
+    """A node agent's ranks of one job over one period, folded into one event: each rank that spoke (a heartbeat, a
+    step) with the newest it said, in the order the agent heard them. Applied as each rank's heartbeat and step
+    would be; a rank absent from it said nothing in the period. Changes (a start, an exit, a checkpoint) still
+    travel on their own, after the report that precedes them."""
+
+    ranks: list[RankProgress] = Field(min_length=1, max_length=MAX_REPORTED_RANKS)
+
+
 # --- network ----------------------------------------------------------------------------------------
 class LinkDown(Frozen):
     link: LinkName = Field(description="NIC or port, for example 'mlx5_0' or 'hccs3'")
@@ -232,6 +253,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "process.heartbeat": Heartbeat,
     "process.hang": HangReport,
     "progress.step": StepReported,
+    "progress.report": ProgressReport,
     "network.collective_timeout": CollectiveTimeout,
     "job.submitted": JobSubmitted,
     "job.started": JobStarted,

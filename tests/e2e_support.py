@@ -112,6 +112,12 @@ class JobWatch:
         envelope = orjson.loads(msg.data)
         envelope["_seen"] = time.monotonic()
         self.events.append(envelope)
+        if envelope["type"] == "progress.report":
+            # The agent folds its ranks' words into one report per period: each entry counts as the rank's own
+            # heartbeat or step would (`of("progress.step")`), as the engine applies it.
+            for entry in envelope["data"]["ranks"]:
+                type_ = "process.heartbeat" if entry.get("step") is None else "progress.step"
+                self.events.append({"type": type_, "data": entry, "_seen": envelope["_seen"], "_folded": True})
 
     def on_decision(self, msg: Msg) -> None:
         decision = orjson.loads(msg.data)
@@ -163,9 +169,10 @@ async def watch(nc: Client, job: str) -> JobWatch:
 
 
 def job_spec(out: Path, steps: int, step_time: float, nodes: list[str], master_port: int,
-             rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
-    policies: dict[str, Any] = {"detection": {"name": "default", "params": {"hang_min_silence_s": 5.0,
-                                                                            "agent_silence_s": 3.0}}}
+             rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None,
+             detection: dict[str, Any] | None = None) -> dict[str, Any]:
+    policies: dict[str, Any] = {"detection": {"name": "default", "params": detection or {"hang_min_silence_s": 5.0,
+                                                                                         "agent_silence_s": 3.0}}}
     if checkpoint is not None:
         policies["checkpoint"] = {"name": "newest-complete", "params": checkpoint}
     return {

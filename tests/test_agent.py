@@ -140,7 +140,10 @@ async def test_the_agent_runs_its_ranks_relays_them_and_carries_out_its_commands
         await submit(nc, "j", spec)
         await wait_until(lambda: set(w.pids()) == {2, 3} and w.step(2) >= 3 and w.step(3) >= 3, 30,
                          "ranks 2 and 3 to run and report steps", agent.log_tail)
-        assert {e["data"]["rank"] for e in w.of("process.heartbeat")} == {2, 3}
+        # heartbeats and steps travel folded, one report per period, of only the agent's own ranks
+        assert w.of("progress.report") and not [e for e in w.events if e["type"] == "progress.step"
+                                                and not e.get("_folded")]
+        assert {r["rank"] for e in w.of("progress.report") for r in e["data"]["ranks"]} == {2, 3}
 
         os.kill(w.pids()[2][0], signal.SIGKILL)
         await wait_until(lambda: bool(w.of("process.exited")), 10, "the exit of rank 2")

@@ -104,7 +104,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str] = NODES,
                   rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None,
-                  step_time: float = STEP_TIME_S) -> tuple[JobWatch, dict[str, Any]]:
+                  step_time: float = STEP_TIME_S, detection: dict[str, Any] | None = None
+                  ) -> tuple[JobWatch, dict[str, Any]]:
     """Submit the job, let `fault(watch)` strike once every rank passed FAULT_AT_STEP, wait for the job to
     complete; returns what was seen and the final parameters."""
     import torch
@@ -119,7 +120,7 @@ async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str
             return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
 
         port = cluster.store.port if rendezvous == "external" else free_port()
-        await submit(nc, job, job_spec(out, STEPS, step_time, nodes, port, rendezvous, checkpoint))
+        await submit(nc, job, job_spec(out, STEPS, step_time, nodes, port, rendezvous, checkpoint, detection))
         try:
             await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), 120,
                              f"{job} to train {FAULT_AT_STEP} steps", explain)
@@ -193,10 +194,17 @@ async def test_a_stopped_rank_is_found_by_its_silence_within_10s_and_recovered_a
                          f"rank {victim} to be recovered", explain)
         measured["recovered_s"] = time.monotonic() - stopped
 
-    w, params = await run_job(cluster, "sigstop-1", sigstop)
+    # The engine's own watchdog would call the rank silent only after 30 s: within 10 s, only its agent (which
+    # reports a rank whose SDK fell silent for rank_silence_s, 8 s) can find it.
+    w, params = await run_job(cluster, "sigstop-1", sigstop, detection={"hang_min_silence_s": 30.0,
+                                                                       "agent_silence_s": 3.0})
     pids = w.pids()
     assert all(len(pids[r]) == 1 for r in range(4) if r != victim), pids
-    assert "silent" in w.decided("fault.confirmed")[0]["data"]["reason"]
+    # found at the edge: the rank's agent saw its SDK fall silent and reported it (process.hang), before the
+    # engine's own watchdog (10 s) would have
+    [hang] = [e for e in w.of("process.hang") if e["data"]["rank"] == victim]
+    assert 8 <= hang["data"]["seconds_without_progress"] < 10, hang
+    assert "no progress" in w.decided("fault.confirmed")[0]["data"]["reason"]
     assert_bitwise_equal(params, fault_free)
     print(f"SIGSTOP of rank {victim}: detected {measured['detected_s']:.2f}s, recovered {measured['recovered_s']:.2f}s")
 

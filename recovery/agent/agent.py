@@ -30,13 +30,15 @@ from events.commands import (
 )
 from events.envelope import RawRecord, Record, make_envelope
 from events.kinds import JobSubmitted
-from events.values import STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
+from events.values import JobSpec, Layout, ResumePlan
 from recovery.agent import ranks
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
+from recovery.agent.progress import ProgressFold, SilenceWatch
+from recovery.agent.relay import Relay
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.agent.standby import StandbyPool
 from recovery.log.jetstream import JetStreamLog
@@ -48,7 +50,7 @@ COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
 SUBMITTED = "recovery.ev.job.*.job.submitted"
 
 
-class Agent:
+class Agent(Relay):
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.node = cfg.node
@@ -68,6 +70,8 @@ class Agent:
         # Opened here, so that a probe that cannot work stops the agent at start with the key to fix.
         self.link_watcher = open_link_watcher(cfg.links, cfg.sysfs_net)
         self.xid_follower = open_xid_follower(cfg.kernel_log, cfg.gpu_bus_ids)
+        self.progress = ProgressFold()
+        self.silence = SilenceWatch()
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
 
     # -- events ----------------------------------------------------------------------------------------
@@ -75,11 +79,11 @@ class Agent:
         self._counter += 1
         return f"{self.node}:{self._boot}:{self._counter}"
 
-    def job_event(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None = None) -> None:
+    def publish(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None,
+                heartbeat: bool) -> None:
         envelope = make_envelope(type_, data, id=event_id or self._next_id(), job=job, source=self.source)
         assert self.outbox is not None
-        self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id,
-                        heartbeat=type_ == "process.heartbeat")
+        self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id, heartbeat=heartbeat)
 
     def node_event(self, type_: str, data: dict[str, Any], event_id: str | None = None) -> None:
         envelope = make_envelope(type_, data, id=event_id or self._next_id(), node=self.node, source=self.source)
@@ -135,6 +139,7 @@ class Agent:
                 tg.start_soon(self._follow_jobs, log, log_start)
                 tg.start_soon(self._follow_commands, commands, command_start)
                 tg.start_soon(self._beat)
+                tg.start_soon(self.fold_reports)
                 if self.cfg.spare:
                     self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices})
                 else:
@@ -374,6 +379,8 @@ class Agent:
                     await anyio.sleep(0.01)  # polling the connection's end, within the bound above
             proc.returncode = 0 if proc.closing else None
         ranks.forget_record(self.runtime_dir, proc)
+        if job.processes.get(proc.rank) is proc:
+            self.silence.forget(job.id, proc.rank)  # gone: its exit says so, not a silence
         exit_code, signal = proc.status()
         data: dict[str, Any] = {"rank": proc.rank, "attempt": proc.attempt}
         if signal is not None:
@@ -390,54 +397,6 @@ class Agent:
                 job.finished = True
                 self.job_event(job.id, "job.completed", {}, event_id=f"{job.id}:completed")
                 await end_torch_stores(job.store_addr, job.store_port, job.id)
-
-    async def _report(self, job_id: str, message: dict[str, Any]) -> None:
-        """What a process says through the SDK, relayed as the job's events."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            return
-        rank, attempt, op = message["rank"], message.get("attempt", 0), message.get("op")
-        try:
-            if op == "heartbeat":
-                self.job_event(job_id, "process.heartbeat", {"rank": rank, "step": message.get("step"),
-                                                             "attempt": attempt})
-            elif op == "step":
-                self.job_event(job_id, "progress.step", {"rank": rank, "step": message["step"], "attempt": attempt})
-            elif op == "joined":
-                self.job_event(job_id, "process.heartbeat", {"rank": rank, "attempt": attempt})
-            elif op in ("checkpoint", "saved"):
-                tier = Tier(message["tier"])
-                holder = STORAGE_HOLDER if tier is Tier.STORAGE else self.node
-                self.job_event(job_id, "checkpoint.saved", {"step": message["step"], "tier": tier,
-                                                            "shards": message["shards"], "holder": holder})
-                if op == "saved":
-                    done = job.saves.get(str(message.get("id")))
-                    if done is not None:
-                        done.set()
-            elif op == "join":
-                # Only a process this agent runs for the rank may join a new generation: one it does not know (it
-                # outlived an agent and was not adopted) or that a replacement superseded would join beside the
-                # rank's real process. Answered once the missed commands are caught up with (`_fence`).
-                proc = job.processes.get(rank)
-                if job.caught_up.is_set():
-                    ok = proc is not None and proc.alive and ranks.in_session(message.get("pid"), proc)
-                    await job.channel.send(rank, {"op": "join_ok" if ok else "join_refused",
-                                                  "generation": message.get("generation")})
-                    if not ok:
-                        logger.warning("rank %s of %s (pid %s) may not join generation %s: the agent does not run "
-                                       "it", rank, job_id, message.get("pid"), message.get("generation"))
-            elif op == "closing":
-                proc = job.processes.get(rank)
-                if proc is not None and proc.alive:  # the rank's process now (a survivor's generation moves on)
-                    proc.closing = True
-            elif op == "save_failed":
-                request = str(message.get("id"))
-                done = job.saves.get(request)
-                if done is not None:
-                    job.save_failures[request] = str(message.get("reason") or "the save failed")
-                    done.set()
-        except (ValueError, KeyError, ValidationError) as exc:
-            logger.warning("bad report from rank %s of %s: %s", rank, job_id, exc)
 
     # -- commands --------------------------------------------------------------------------------------
     async def _carry_out(self, command: Command) -> None:

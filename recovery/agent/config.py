@@ -45,6 +45,12 @@ class AgentConfig(FileSettings):
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the SDK in every rank sends a heartbeat")
     node_heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the agent says it is alive "
                                                                   "(`node.heartbeat`)")
+    report_s: float = Field(1.0, ge=0, le=60, description="how often the ranks' heartbeats and steps of each job "
+                                                           "go out folded into one `progress.report`; 0: each on "
+                                                           "its own, as older agents send them")
+    rank_silence_s: float = Field(8.0, ge=0, le=3600, description="a rank whose SDK spoke and then said nothing "
+                                                                   "this long is reported hung (`process.hang`); "
+                                                                   "0: the engine's watchdog alone finds it")
     outbox_capacity: int = Field(100_000, ge=1, description="events kept while NATS is away; beyond, the oldest "
                                                              "are dropped and counted")
     store_host: str = Field("0.0.0.0", description="address a rendezvous store this agent hosts listens on")

@@ -42,7 +42,7 @@ from recovery.core.placement import Placement
 from recovery.core.record import Effect, RecordEffects, Rejected, check_encodable
 from recovery.core.timers import Timekeeper, TimerEntry
 
-_PROGRESS = ("process.heartbeat", "progress.step")
+_PROGRESS = ("process.heartbeat", "progress.step", "progress.report")
 NODE_DEDUPE_WINDOW = 65_536
 FINISHED_JOBS_KEPT = 256
 """completed, failed and cancelled jobs kept for `recovery-ctl` and late events; older ones are forgotten (the log
@@ -226,7 +226,13 @@ class Engine:
                 incident = job.incident
                 if incident is not None and incident.phase == "restoring":
                     self.guard(job)  # progress past the resume point closes the incident
-                self._progress(out, job, env.data)
+                if type_ == "progress.report":
+                    if len(env.data.ranks) > 1:
+                        self.guard(job)  # a later rank's entry that is refused must undo the earlier ones
+                    for entry in env.data.ranks:  # each as its rank's own heartbeat or step would be
+                        self._progress(out, job, entry)
+                else:
+                    self._progress(out, job, env.data)
             else:
                 self.guard(job)
                 self._job_event(out, job, type_, env.data)
@@ -398,7 +404,8 @@ class Engine:
             self.cluster.release(name, job.id)
         out.decide(job, kind, reason, trigger=trigger, cancelled=cancelled)
 
-    def _progress(self, out: RecordEffects, job: Job, data: kinds.Heartbeat | kinds.StepReported) -> None:
+    def _progress(self, out: RecordEffects, job: Job,
+                  data: kinds.Heartbeat | kinds.StepReported | kinds.RankProgress) -> None:
         rank = data.rank
         current = data.attempt == job.generation
         if (rank >= len(job.steps) or not current) and self._check_rank(job, rank, data.attempt, progress=False):

@@ -1,0 +1,77 @@
+"""Edge aggregation: a node's ranks' heartbeats and steps, folded into one `progress.report` per job per period.
+
+At 131,072 ranks, one message per heartbeat and per step is more than a control plane should carry: what the
+engine needs of a live rank is that it lives and how far it got. The agent keeps, per job, each rank's newest word
+(its step if it reported one, with its generation) and sends them together every `report_s`. Whatever changes
+the job's state (a process started or exited, a checkpoint, an ack) still travels on its own, and the fold of that
+job is sent first, so that the engine sees every rank's words in the order they were said.
+
+The agent also watches for silence itself: a rank whose SDK spoke and then said nothing for `rank_silence_s` is
+reported as `process.hang` (a SIGSTOPped process, one stuck holding the GIL), once per silence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RankWord:
+    step: int | None
+    attempt: int
+
+
+@dataclass
+class ProgressFold:
+    """What the ranks of each job said since the last report, newest word per rank, in the order first heard."""
+
+    pending: dict[str, dict[int, RankWord]] = field(default_factory=dict)
+
+    def note(self, job: str, rank: int, step: int | None, attempt: int) -> None:
+        """A heartbeat (`step` None, or the step it carries) or a step of `rank` in generation `attempt`."""
+        ranks = self.pending.setdefault(job, {})
+        word = ranks.get(rank)
+        if word is None:
+            ranks[rank] = RankWord(step, attempt)
+        elif attempt > word.attempt:
+            word.step, word.attempt = step, attempt  # a newer generation's word replaces the older one's
+        elif attempt == word.attempt and step is not None:
+            word.step = step  # the latest step said (a roll-back to a resume point included); a bare beat keeps it
+
+    def take(self, job: str) -> dict[str, Any] | None:
+        """The `progress.report` data of `job` since the last one, or None if its ranks said nothing."""
+        ranks = self.pending.pop(job, None)
+        if not ranks:
+            return None
+        return {"ranks": [{"rank": rank, "step": word.step, "attempt": word.attempt}
+                          for rank, word in ranks.items()]}
+
+    def jobs(self) -> list[str]:
+        return list(self.pending)
+
+
+@dataclass
+class SilenceWatch:
+    """When each rank's SDK last spoke (agent clock), and which silences were reported already."""
+
+    heard: dict[tuple[str, int], float] = field(default_factory=dict)
+    reported: set[tuple[str, int]] = field(default_factory=set)
+
+    def spoke(self, job: str, rank: int, now: float) -> None:
+        self.heard[job, rank] = now
+        self.reported.discard((job, rank))
+
+    def forget(self, job: str, rank: int) -> None:
+        """The rank's process is gone (or replaced): its silence is its exit's, not a hang."""
+        self.heard.pop((job, rank), None)
+        self.reported.discard((job, rank))
+
+    def silent(self, now: float, after_s: float) -> list[tuple[str, int, float]]:
+        """(job, rank, seconds) of each rank silent longer than `after_s` and not reported yet; marks them."""
+        found = []
+        for key, heard in self.heard.items():
+            if key not in self.reported and now - heard > after_s:
+                self.reported.add(key)
+                found.append((key[0], key[1], now - heard))
+        return found

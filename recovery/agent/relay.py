@@ -1,0 +1,122 @@
+"""The SDK's words relayed as the job's events: what a process says over the agent's socket (`channel.py`), folded
+into one `progress.report` per job per period where it is only a sign of life or of progress (`progress.py`).
+
+`Relay` is the part of the agent (`recovery.agent.agent.Agent` derives from it) that speaks for its ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+from pydantic import BaseModel, ValidationError
+
+from events.values import STORAGE_HOLDER, Tier
+from recovery.agent import ranks
+from recovery.agent.config import AgentConfig
+from recovery.agent.jobs import JobOnNode
+from recovery.agent.progress import ProgressFold, SilenceWatch
+
+logger = logging.getLogger("recovery.agent")
+_PROGRESS = ("process.heartbeat", "progress.step", "progress.report")
+
+
+class Relay:
+    cfg: AgentConfig
+    node: str
+    jobs: dict[str, JobOnNode]
+    progress: ProgressFold
+    silence: SilenceWatch
+
+    def publish(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None,
+                heartbeat: bool) -> None:
+        """Put one event of `job` in the outbox (the agent's)."""
+        raise NotImplementedError
+
+    def job_event(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None = None) -> None:
+        if type_ not in _PROGRESS:
+            self.flush(job)  # what the ranks said before this change reaches the engine before it
+        self.publish(job, type_, data, event_id, heartbeat=type_ == "process.heartbeat")
+
+    def flush(self, job: str) -> None:
+        """Send what the ranks of `job` said since the last report, if anything."""
+        report = self.progress.take(job)
+        if report is not None:
+            # Droppable while NATS is away (the next report says the same, newer) unless it carries a step.
+            lively = all(entry["step"] is None for entry in report["ranks"])
+            self.publish(job, "progress.report", report, None, heartbeat=lively)
+
+    async def fold_reports(self) -> None:
+        """Every `report_s`: each job's report, and each rank silent past `rank_silence_s` reported hung."""
+        while True:
+            await anyio.sleep(self.cfg.report_s)  # the period of the reports
+            for job in self.progress.jobs():
+                self.flush(job)
+            if self.cfg.rank_silence_s > 0:
+                for job_id, rank, seconds in self.silence.silent(time.monotonic(), self.cfg.rank_silence_s):
+                    job = self.jobs.get(job_id)
+                    proc = job.processes.get(rank) if job is not None else None
+                    if proc is not None and proc.alive:
+                        logger.warning("rank %d of %s silent for %.1f s: reported hung", rank, job_id, seconds)
+                        self.job_event(job_id, "process.hang", {"rank": rank, "attempt": proc.attempt,
+                                                                "seconds_without_progress": round(seconds, 3)})
+
+    def _progress(self, job_id: str, rank: int, step: int | None, attempt: int) -> None:
+        if self.cfg.report_s > 0:
+            self.progress.note(job_id, rank, step, attempt)
+        elif step is None:
+            self.job_event(job_id, "process.heartbeat", {"rank": rank, "attempt": attempt})
+        else:
+            self.job_event(job_id, "progress.step", {"rank": rank, "step": step, "attempt": attempt})
+
+    async def _report(self, job_id: str, message: dict[str, Any]) -> None:
+        """What a process says through the SDK, relayed as the job's events."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        rank, attempt, op = message["rank"], message.get("attempt", 0), message.get("op")
+        if op != "closing":
+            self.silence.spoke(job_id, rank, time.monotonic())
+        try:
+            if op == "heartbeat":
+                self._progress(job_id, rank, message.get("step"), attempt)
+            elif op == "step":
+                self._progress(job_id, rank, message["step"], attempt)
+            elif op == "joined":
+                self._progress(job_id, rank, None, attempt)
+            elif op in ("checkpoint", "saved"):
+                tier = Tier(message["tier"])
+                holder = STORAGE_HOLDER if tier is Tier.STORAGE else self.node
+                self.job_event(job_id, "checkpoint.saved", {"step": message["step"], "tier": tier,
+                                                            "shards": message["shards"], "holder": holder})
+                if op == "saved":
+                    done = job.saves.get(str(message.get("id")))
+                    if done is not None:
+                        done.set()
+            elif op == "join":
+                # Only a process this agent runs for the rank may join a new generation: one it does not know (it
+                # outlived an agent and was not adopted) or that a replacement superseded would join beside the
+                # rank's real process. Answered once the missed commands are caught up with (`_fence`).
+                proc = job.processes.get(rank)
+                if job.caught_up.is_set():
+                    ok = proc is not None and proc.alive and ranks.in_session(message.get("pid"), proc)
+                    await job.channel.send(rank, {"op": "join_ok" if ok else "join_refused",
+                                                  "generation": message.get("generation")})
+                    if not ok:
+                        logger.warning("rank %s of %s (pid %s) may not join generation %s: the agent does not run "
+                                       "it", rank, job_id, message.get("pid"), message.get("generation"))
+            elif op == "closing":
+                proc = job.processes.get(rank)
+                self.silence.forget(job_id, rank)  # the script is done: its silence from here is no hang
+                if proc is not None and proc.alive:  # the rank's process now (a survivor's generation moves on)
+                    proc.closing = True
+            elif op == "save_failed":
+                request = str(message.get("id"))
+                done = job.saves.get(request)
+                if done is not None:
+                    job.save_failures[request] = str(message.get("reason") or "the save failed")
+                    done.set()
+        except (ValueError, KeyError, ValidationError) as exc:
+            logger.warning("bad report from rank %s of %s: %s", rank, job_id, exc)

@@ -1,0 +1,86 @@
+"""Edge aggregation: a node agent's `progress.report` (its ranks' heartbeats and steps of one period, folded) is an
+ordinary logged input that the engine applies as each rank's own events would be; per-rank events of older agents
+are still accepted; a report that names a rank the job does not have changes nothing."""
+
+from __future__ import annotations
+
+from events.outputs import Rejection
+from recovery.agent.progress import ProgressFold, SilenceWatch
+from recovery.testing.scenario import Scenario
+from tests.test_poison import engine_state
+
+
+def per_rank_and_folded(fold: bool) -> Scenario:
+    """A job trains 12 steps (rank 2 only heartbeating for the last 6), a crash restarts rank 1, and the job trains
+    on: every rank's words per period either as its own events or as one report per node."""
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4)
+
+    def period(step: int, quiet: set[int], attempt: int) -> None:
+        s.advance(1)
+        words = [(r, None if r in quiet else step) for r in range(4)]
+        if fold:
+            for node in (0, 1):
+                fold_ = ProgressFold()
+                for rank, at in words[node * 2:node * 2 + 2]:
+                    fold_.note("j", rank, at, attempt)
+                report = fold_.take("j")
+                assert report is not None
+                s.job_event("j", "progress.report", **report)
+        else:
+            for rank, at in words:
+                if at is None:
+                    s.job_event("j", "process.heartbeat", rank=rank, attempt=attempt)
+                else:
+                    s.job_event("j", "progress.step", rank=rank, step=at, attempt=attempt)
+
+    for step in range(1, 13):
+        period(step, {2} if step > 6 else set(), 0)
+    s.checkpoint("j", 12, "storage", "storage")
+    s.job_event("j", "process.exited", rank=1, exit_code=1)
+    s.ack_all()
+    for step in range(13, 16):
+        period(step, set(), 1)
+    return s
+
+
+def test_a_folded_report_is_applied_as_its_ranks_own_events() -> None:
+    folded, each = per_rank_and_folded(True), per_rank_and_folded(False)
+    assert [d.kind for d in folded.decisions] == [d.kind for d in each.decisions]
+    assert folded.find("incident.closed", "j") and folded.state("j") == "running"
+    for name in ("steps", "last_seen", "last_progress", "alive", "step", "sdk"):
+        assert getattr(folded.engine.jobs["j"], name) == getattr(each.engine.jobs["j"], name), name
+
+
+def test_a_report_naming_a_rank_the_job_lacks_changes_nothing() -> None:
+    s = Scenario()
+    s.submit("j", ["n0"], ranks_per_node=2, dp=2)
+    s.job_event("j", "progress.report", ranks=[{"rank": 0, "step": 1}, {"rank": 1, "step": 1}])
+    before = engine_state(s.engine)
+    effects = s.job_event("j", "progress.report", ranks=[{"rank": 0, "step": 2}, {"rank": 5, "step": 2}])
+    assert [e.code for e in effects if isinstance(e, Rejection)] == ["unknown_rank"]
+    assert engine_state(s.engine) == before, "rank 0's step of the refused report stayed applied"
+
+
+def test_the_fold_keeps_each_ranks_newest_word() -> None:
+    fold = ProgressFold()
+    fold.note("j", 3, 10, 0)
+    fold.note("j", 1, None, 0)
+    fold.note("j", 3, None, 0)  # a bare heartbeat keeps the step said before it
+    fold.note("j", 1, 11, 0)
+    fold.note("j", 3, 4, 1)  # a newer generation's word replaces the older one's
+    fold.note("j", 3, 9, 0)  # ... and a late word of the older generation does not come back
+    assert fold.take("j") == {"ranks": [{"rank": 3, "step": 4, "attempt": 1}, {"rank": 1, "step": 11, "attempt": 0}]}
+    assert fold.take("j") is None
+
+
+def test_the_silence_watch_reports_a_silent_rank_once_until_it_speaks() -> None:
+    watch = SilenceWatch()
+    watch.spoke("j", 0, 100.0)
+    watch.spoke("j", 1, 100.0)
+    watch.spoke("j", 1, 107.0)
+    assert watch.silent(109.0, 8.0) == [("j", 0, 9.0)]
+    assert watch.silent(120.0, 8.0) == [("j", 1, 13.0)]  # rank 0 was reported already
+    watch.spoke("j", 0, 121.0)
+    watch.forget("j", 1)
+    assert watch.silent(130.0, 8.0) == [("j", 0, 9.0)]
