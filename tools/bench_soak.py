@@ -8,8 +8,9 @@ The load is the demo's cluster (`recovery.service.demo.BuiltinCluster`, in this 
 progress reports from jobs of 8 ranks, a fault every `--fault-every-s` (a crash, a GPU off the bus, a hang, a link
 flap), every command carried out after a short delay. The daemon is a process of its own on a nats-server of its
 own. Every `--kill-every-s` (jittered) the daemon is SIGKILLed and started again; every `--nats-restart-every-s`
-the nats-server is stopped and started on the same store. Once the time is up the faults stop, the cluster stops,
-and the log is read back whole:
+the nats-server is stopped and started on the same store (with `--cluster 3`, three routed nats-servers and
+every stream at three replicas: the log stream's leader is SIGKILLed and comes back `--down-s` later). Once the
+time is up the faults stop, the cluster stops, and the log is read back whole:
 
 - `events_lost`: events the cluster published (JetStream acknowledged them) that are not in the log: must be 0.
 - `commands_doubled`: a command id stored twice for one node in the command stream: must be 0.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import itertools
 import random
@@ -47,7 +49,7 @@ from recovery.log import MSG_ID
 from recovery.log.jetstream import JetStreamLog
 from recovery.log.recorder import replay
 from recovery.service.demo import BuiltinCluster, Bus, DemoSettings
-from recovery.testing.nats import NatsServer
+from recovery.testing.nats import NatsCluster, NatsServer
 
 Emit = Callable[[str, str, float, str], None]
 BENCH = "soak"
@@ -80,7 +82,32 @@ def _events_total(daemon: Daemon) -> float | None:
     return total
 
 
-async def soak_run(args: argparse.Namespace, work: Path, server: NatsServer, daemon: Daemon, soak: Soak) -> list[str]:
+class Outage:
+    """What `--nats-restart-every-s` does to NATS: one server stopped and started again on its store; on a cluster
+    (`--cluster N`), the server leading the log stream SIGKILLed and started again `--down-s` later, its peers
+    carrying on meanwhile."""
+
+    def __init__(self, args: argparse.Namespace, server: NatsServer | None, cluster: NatsCluster | None) -> None:
+        self.args, self.server, self.cluster = args, server, cluster
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url if self.cluster is not None else self.server.url  # type: ignore[union-attr]
+
+    async def strike(self) -> None:
+        if self.cluster is None:
+            assert self.server is not None
+            await asyncio.to_thread(self.server.stop)
+            await asyncio.to_thread(self.server.start)
+            return
+        leader = await asyncio.to_thread(self.cluster.leader_of, "RECOVERY") or self.cluster.servers[0]
+        await asyncio.to_thread(leader.kill)
+        await asyncio.sleep(self.args.down_s)  # the cluster runs one server short this long
+        await asyncio.to_thread(leader.start)
+        await asyncio.to_thread(self.cluster.wait_formed)
+
+
+async def soak_run(args: argparse.Namespace, work: Path, outage: Outage, daemon: Daemon, soak: Soak) -> list[str]:
     """Drive the cluster for `args.minutes`; the ids of every event it published."""
     rng = random.Random(args.seed)
     outages: list[str] = []
@@ -88,7 +115,8 @@ async def soak_run(args: argparse.Namespace, work: Path, server: NatsServer, dae
     async def on_error(exc: Exception) -> None:
         outages.append(repr(exc))  # the restarts this bench makes: nothing to print
 
-    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=on_error)
+    nc = await nats.connect(outage.url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                            error_cb=on_error)
     js = nc.jetstream(timeout=10.0)
     bus = Bus(nc, js)
     jobs = max(1, round(args.rate * args.step_s / RANKS))
@@ -117,9 +145,8 @@ async def soak_run(args: argparse.Namespace, work: Path, server: NatsServer, dae
                 await asyncio.to_thread(daemon.wait_ready, 300)
                 next_kill = time.monotonic() + args.kill_every_s * (0.5 + rng.random())
             if now >= next_nats:
-                await asyncio.to_thread(server.stop)
                 soak.nats_restarts.append(now - start)
-                await asyncio.to_thread(server.start)
+                await outage.strike()
                 next_nats = time.monotonic() + args.nats_restart_every_s
             await asyncio.sleep(0.05)  # the driver's tick: sampling and the schedule above
         cluster.calm()
@@ -134,7 +161,7 @@ async def soak_run(args: argparse.Namespace, work: Path, server: NatsServer, dae
 async def read_back(url: str) -> tuple[list[Record | RawRecord], dict[str, int], list[str]]:
     """The log's records, the count of each message id in it, and the command stream's message ids (a command's
     is `<command id>@<node>`: one per command and node)."""
-    nc = await nats.connect(url)
+    nc = await nats.connect(url.split(","))
     try:
         js = nc.jetstream(timeout=30.0)
         log = JetStreamLog(nc, js, "RECOVERY", owns_connection=False)
@@ -155,12 +182,20 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
     soak = Soak()
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="recovery-soak-") as tmp:
         work = Path(tmp)
-        with nats_server(work / "nats") as server, Daemon(work / "daemon", server.url, lease_ttl_s=0) as daemon:
+        with contextlib.ExitStack() as stack:
+            if args.cluster > 1:
+                cluster = NatsCluster(work / "nats", size=args.cluster)
+                stack.callback(cluster.stop)
+                cluster.start()
+                outage = Outage(args, None, cluster)
+            else:
+                outage = Outage(args, stack.enter_context(nats_server(work / "nats")), None)
+            daemon = stack.enter_context(Daemon(work / "daemon", outage.url, lease_ttl_s=0, replicas=args.cluster))
             daemon.start()
             daemon.wait_ready(120)
-            sent = asyncio.run(soak_run(args, work, server, daemon, soak))
+            sent = asyncio.run(soak_run(args, work, outage, daemon, soak))
             _wait_quiet(daemon)
-            records, ids, copies = asyncio.run(read_back(server.url))
+            records, ids, copies = asyncio.run(read_back(outage.url))
     lost = sum(1 for ident in sent if ident not in ids)
     doubled = len(copies) - len(set(copies))
     result = replay(records)
@@ -287,6 +322,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault-every-s", type=float, default=2.0)
     parser.add_argument("--kill-every-s", type=float, default=120.0, help="mean time between daemon SIGKILLs")
     parser.add_argument("--nats-restart-every-s", type=float, default=300.0)
+    parser.add_argument("--cluster", type=int, default=1, help="nats-servers in a cluster (streams and buckets at "
+                                                                "that many replicas); the outage then SIGKILLs the "
+                                                                "log stream's leader")
+    parser.add_argument("--down-s", type=float, default=10.0, help="with --cluster: how long the killed server stays "
+                                                                   "down")
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--warmup-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=1)

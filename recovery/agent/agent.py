@@ -115,7 +115,8 @@ class Agent(Relay):
             else:
                 logger.debug("nats error", extra={"fields": {"error": repr(exc)}})
 
-        self.nc = await nats.connect(self.cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]  # a cluster: any of its servers
+        self.nc = await nats.connect(servers, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                                      name=f"recovery-agent-{self.node}", error_cb=on_error,
                                      inbox_prefix=self.cfg.nats_inbox_prefix)
         attempts.succeeded("NATS reached")
