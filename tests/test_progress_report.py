@@ -62,14 +62,16 @@ def test_a_report_naming_a_rank_the_job_lacks_changes_nothing() -> None:
     assert engine_state(s.engine) == before, "rank 0's step of the refused report stayed applied"
 
 
-def test_the_fold_keeps_each_ranks_newest_word() -> None:
+def test_the_fold_keeps_each_ranks_newest_word_and_says_what_is_news() -> None:
     fold = ProgressFold()
-    fold.note("j", 3, 10, 0)
-    fold.note("j", 1, None, 0)
-    fold.note("j", 3, None, 0)  # a bare heartbeat keeps the step said before it
-    fold.note("j", 1, 11, 0)
-    fold.note("j", 3, 4, 1)  # a newer generation's word replaces the older one's
+    assert fold.note("j", 3, 10, 0)  # the rank's first word: news
+    assert fold.note("j", 1, None, 0)
+    assert not fold.note("j", 3, None, 0)  # a bare heartbeat keeps the step said before it
+    assert fold.note("j", 1, 11, 0)  # rank 1's first step in its generation: news
+    assert not fold.note("j", 1, 12, 0)
+    assert fold.note("j", 3, 4, 1)  # a newer generation's word replaces the older one's, and is news
     fold.note("j", 3, 9, 0)  # ... and a late word of the older generation does not come back
+    fold.note("j", 1, 11, 0)
     assert fold.take("j") == {"ranks": [{"rank": 3, "step": 4, "attempt": 1}, {"rank": 1, "step": 11, "attempt": 0}]}
     assert fold.take("j") is None
 

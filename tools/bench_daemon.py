@@ -423,7 +423,7 @@ async def rss_setup(url: str, daemon: Daemon, jobs: int) -> None:
     await asyncio.to_thread(wait_seq, daemon, last)
 
 
-PARTS = ("raw", "throughput", "latency", "failover", "rss")
+PARTS = ("raw", "throughput", "latency", "failover", "rss", "reports")
 
 
 def run(args: argparse.Namespace, emit: Emit) -> None:
@@ -460,7 +460,13 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
                     emit("daemon", "fault_to_command_p99_ms", _sig(p99), "ms")
                     emit("daemon", "background_heartbeats_per_s", _sig(achieved), "events/s")
             if "failover" in parts:
-                _failover(work, server.url, emit)
+                import bench_failover  # beside this script, as bench.py puts tools/ on the path
+
+                bench_failover.failover(work, server.url, emit)
+            if "reports" in parts:
+                import bench_reports
+
+                bench_reports.measure(work, server.url, min(events, 200_000), emit)
         if "rss" in parts:
             _rss(work, rss_jobs, emit)
 
@@ -506,43 +512,6 @@ def _throughput_and_restart_with(daemon: Daemon, url: str, args: argparse.Namesp
     note(f"after SIGKILL: ready in {killed:.3f} s, replayed {replayed} records after the last snapshot")
     emit("daemon", "restart_after_kill_to_ready_s", _sig(killed), "s")
     emit("daemon", "restart_after_kill_replayed", float(replayed or 0), "records")
-
-
-def _failover(work: Path, url: str, emit: Emit, ttl_s: float = 10.0) -> None:
-    """Two daemons on one partition: time from SIGKILL of the active one, and from its SIGTERM, until the standby
-    answers /readyz (the lease's TTL, then restore and replay)."""
-    with Daemon(work / "ha-a", url, instance="bench-a", lease_ttl_s=ttl_s) as first, \
-            Daemon(work / "ha-b", url, instance="bench-b", lease_ttl_s=ttl_s) as second:
-        _failover_with(first, second, emit, ttl_s)
-
-
-def _failover_with(first: Daemon, second: Daemon, emit: Emit, ttl_s: float) -> None:
-    first.start()
-    first.wait_ready()
-    second.start()
-    deadline = time.monotonic() + 60
-    while second.status().get("role") != "standby":
-        if time.monotonic() > deadline:
-            raise TimeoutError("the second daemon never stood by")
-        time.sleep(0.01)  # polling interval of a deadline-bounded wait
-    started = time.monotonic()
-    first.stop(kill=True)
-    second.wait_ready()
-    killed = time.monotonic() - started
-    first.start()
-    while first.status().get("role") != "standby":
-        if time.monotonic() > deadline + 60:
-            raise TimeoutError("the first daemon never stood by")
-        time.sleep(0.01)  # polling interval of a deadline-bounded wait
-    started = time.monotonic()
-    second.stop()
-    first.wait_ready()
-    handed = time.monotonic() - started
-    first.stop()
-    note(f"failover with a {ttl_s:g} s lease: standby ready {killed:.2f} s after SIGKILL of the active daemon, "
-         f"{handed:.2f} s after its SIGTERM")
-    emit("daemon", "failover_after_kill_s", _sig(killed), f"s (lease_ttl_s {ttl_s:g})")
-    emit("daemon", "failover_after_sigterm_s", _sig(handed), "s")
 
 
 def _rss(work: Path, jobs: int, emit: Emit) -> None:

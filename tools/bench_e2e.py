@@ -80,6 +80,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import bench_stock
@@ -260,12 +261,17 @@ class Watch:
     def on_event(self, msg: Msg) -> None:
         envelope = json.loads(msg.data)
         data = envelope.get("data", {})
-        if envelope["type"] == "progress.step":
-            rank, step = data["rank"], data["step"]
-            self.steps[rank] = max(self.steps.get(rank, -1), step)
-            if self.target is not None and self.recovered_at is None and data.get("attempt", 0) >= 1 \
-                    and step > self.target:
-                self.recovered_at = time.time_ns()
+        if envelope["type"] in ("progress.step", "progress.report"):
+            # an agent folds its ranks' steps into one report per period (and sends a rank's first step of a
+            # generation at once); an older one sends each step on its own
+            for word in data["ranks"] if envelope["type"] == "progress.report" else [data]:
+                rank, step = word["rank"], word.get("step")
+                if step is None:
+                    continue
+                self.steps[rank] = max(self.steps.get(rank, -1), step)
+                if self.target is not None and self.recovered_at is None and word.get("attempt", 0) >= 1 \
+                        and step > self.target:
+                    self.recovered_at = time.time_ns()
         elif envelope["type"] == "process.started":
             self.pids.setdefault(data["rank"], []).append(data["pid"])
             self.generations[data["rank"]] = data["attempt"]
@@ -350,12 +356,27 @@ def _async(fn: Callable[[Msg], None]) -> Callable[[Msg], Any]:
     return cb
 
 
+def _unfolded(records: list[Record]) -> list[Any]:
+    """The records, each `progress.report` in them as its ranks' own heartbeats and steps at its log time."""
+    out: list[Any] = []
+    for r in records:
+        if r.envelope.type != "progress.report":
+            out.append(r)
+            continue
+        for word in r.envelope.data.ranks:  # type: ignore[union-attr]
+            type_ = "process.heartbeat" if word.step is None else "progress.step"
+            out.append(SimpleNamespace(ts=r.ts, envelope=SimpleNamespace(type=type_, data=word)))
+    return out
+
+
 def _phases_of_ours(records: list[Record], sent: list[tuple[int, str]], struck: int, target: int, victim: int,
                     out: Path) -> Outcome:
-    def data(r: Record) -> Any:
+    records = _unfolded(records)
+
+    def data(r: Any) -> Any:
         return r.envelope.data
 
-    def first(pred: Callable[[Record], bool]) -> Record:
+    def first(pred: Callable[[Any], bool]) -> Any:
         return next(r for r in records if r.ts >= struck and pred(r))
 
     exited = first(lambda r: r.envelope.type == "process.exited" and data(r).rank == victim)
@@ -383,10 +404,11 @@ def _phases_of_ours(records: list[Record], sent: list[tuple[int, str]], struck: 
                    recomputed, out)
 
 
-def _median_step_s(records: list[Record], before: int) -> float:
-    times = [r.ts for r in records if r.ts < before and r.envelope.type == "progress.step"
-             and r.envelope.data.rank == 0]  # type: ignore[union-attr]
-    gaps = [b - a for a, b in itertools.pairwise(times)][-20:]
+def _median_step_s(records: list[Any], before: int) -> float:
+    """Rank 0's time per step before `before`: from its step reports, each step or a period's newest."""
+    points = [(r.ts, r.envelope.data.step) for r in records if r.ts < before and r.envelope.type == "progress.step"
+              and r.envelope.data.rank == 0]
+    gaps = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in itertools.pairwise(points) if b[1] > a[1]][-20:]
     return statistics.median(gaps) / 1e9
 
 

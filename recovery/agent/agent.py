@@ -382,6 +382,7 @@ class Agent(Relay):
         ranks.forget_record(self.runtime_dir, proc)
         if job.processes.get(proc.rank) is proc:
             self.silence.forget(job.id, proc.rank)  # gone: its exit says so, not a silence
+            self.progress.forget(job.id, proc.rank)
         exit_code, signal = proc.status()
         data: dict[str, Any] = {"rank": proc.rank, "attempt": proc.attempt}
         if signal is not None:

@@ -4,7 +4,9 @@ At 131,072 ranks, one message per heartbeat and per step is more than a control 
 engine needs of a live rank is that it lives and how far it got. The agent keeps, per job, each rank's newest word
 (its step if it reported one, with its generation) and sends them together every `report_s`. Whatever changes
 the job's state (a process started or exited, a checkpoint, an ack) still travels on its own, and the fold of that
-job is sent first, so that the engine sees every rank's words in the order they were said.
+job is sent first, so that the engine sees every rank's words in the order they were said. A rank's first word
+in a generation (it joined a new process group) and its first step there go at once, with the fold: a recovery
+waits for exactly those, and must not wait for the period's end.
 
 The agent also watches for silence itself: a rank whose SDK spoke and then said nothing for `rank_silence_s` is
 reported as `process.hang` (a SIGSTOPped process, one stuck holding the GIL), once per silence.
@@ -27,9 +29,26 @@ class ProgressFold:
     """What the ranks of each job said since the last report, newest word per rank, in the order first heard."""
 
     pending: dict[str, dict[int, RankWord]] = field(default_factory=dict)
+    known: dict[tuple[str, int], tuple[int, bool]] = field(default_factory=dict)
+    """(job, rank) -> the generation of its newest word, and whether it reported a step in it"""
 
-    def note(self, job: str, rank: int, step: int | None, attempt: int) -> None:
-        """A heartbeat (`step` None, or the step it carries) or a step of `rank` in generation `attempt`."""
+    def note(self, job: str, rank: int, step: int | None, attempt: int) -> bool:
+        """A heartbeat (`step` None, or the step it carries) or a step of `rank` in generation `attempt`. True if
+        it is news to send now, not at the period's end: the rank's first word in a generation (a process that
+        joined it) or its first step there (the progress that ends a recovery)."""
+        seen = self.known.get((job, rank))
+        if seen is not None and attempt < seen[0]:
+            return False  # a late word of an older generation: dropped by the fold, and no news
+        news = seen is None or seen[0] != attempt or (step is not None and not seen[1])
+        self.known[job, rank] = (attempt, step is not None or (seen is not None and seen[0] == attempt and seen[1]))
+        self._keep(job, rank, step, attempt)
+        return news
+
+    def forget(self, job: str, rank: int) -> None:
+        """The rank's process is gone: its replacement's first word is news again."""
+        self.known.pop((job, rank), None)
+
+    def _keep(self, job: str, rank: int, step: int | None, attempt: int) -> None:
         ranks = self.pending.setdefault(job, {})
         word = ranks.get(rank)
         if word is None:

@@ -65,7 +65,8 @@ class Relay:
 
     def _progress(self, job_id: str, rank: int, step: int | None, attempt: int) -> None:
         if self.cfg.report_s > 0:
-            self.progress.note(job_id, rank, step, attempt)
+            if self.progress.note(job_id, rank, step, attempt):
+                self.flush(job_id)  # a rank that joined a generation, or its first step there: news for a recovery
         elif step is None:
             self.job_event(job_id, "process.heartbeat", {"rank": rank, "attempt": attempt})
         else:
