@@ -34,8 +34,11 @@ none or are refused, and exit instead of joining beside their replacements.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import io
+import logging
 import os
 import socket
 import threading
@@ -45,6 +48,8 @@ from datetime import timedelta
 from typing import Any
 
 from recovery.client._client import Client
+
+logger = logging.getLogger("recovery.client")
 
 GENERATION_KEY = "recovery/generation"
 TORCH_STORE_KEY = "recovery/torch-store/{generation}"
@@ -145,7 +150,6 @@ class ProcessGroupRecovery:
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self._store: Any = None
-        self._watch_store: Any = None
         self.recoveries = 0
         self.holders: list[Callable[[], None]] = []
         """called before the group is destroyed: each drops an object's hold on it (a DDP wrapper)"""
@@ -154,6 +158,10 @@ class ProcessGroupRecovery:
         self._connections: dict[int, str] = {}
         self._aborted = False  # the watcher shut the live group down
         self._stop_watching = threading.Event()
+        self._watcher: threading.Thread | None = None
+        # A watcher still reading the store while the interpreter finalises aborts the process (a C++ terminate):
+        # stopped first, however the script ends.
+        atexit.register(self._stop_watcher)
 
     @property
     def store(self) -> Any:
@@ -253,18 +261,28 @@ class ProcessGroupRecovery:
                     self.client.at_boundary()
                 time.sleep(POLL_S)  # polling the job store, within the deadline above
             if newer > generation:
+                logger.info("rank %d: generation %d abandoned before it formed: joining %d", self.rank, generation,
+                            newer)
                 generation = newer  # abandoned by the engine before it formed: join the newest
                 continue
             if self._init(generation):
+                logger.info("rank %d: formed generation %d", self.rank, generation)
                 break
+            logger.info("rank %d: generation %d did not form: a rank that arrived is gone", self.rank, generation)
             # A rank that had arrived died before the group formed: the engine restarts it in a newer generation.
             generation = self._wait_newer(generation, deadline)
         if generation != self.client.generation:
             self.client.joined(generation)
         if self.watch:
             self._stop_watching = threading.Event()
-            threading.Thread(target=self._watch, args=(generation, self._stop_watching),
-                             name=f"recovery-watch-gen{generation}", daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch, args=(generation, self._stop_watching),
+                                             name=f"recovery-watch-gen{generation}", daemon=True)
+            self._watcher.start()
+
+    def _stop_watcher(self) -> None:
+        self._stop_watching.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5 * WATCH_S + 1.0)
 
     def _may_join(self, generation: int, deadline: float) -> None:
         """Only a process the node's agent runs may join: one that outlived its agent may have been replaced."""
@@ -299,11 +317,14 @@ class ProcessGroupRecovery:
         """While the group of `generation` lives: shut it down as soon as a peer marks it failed or a newer
         generation is decided, so that a collective blocked in it raises now."""
         failed = f"gen{generation}/failed"
+        store: Any = None  # its own connection (the training thread's may be busy), closed with this thread
         while not stop.wait(WATCH_S):
             try:
-                if self._watch_store is None:
-                    self._watch_store = _job_store(self.timeout)  # its own connection: the training thread's is busy
-                if self._watch_store.check([failed]) or self.newest(self._watch_store) > generation:
+                if store is None:
+                    store = _job_store(self.timeout)
+                if store.check([failed]) or self.newest(store) > generation:
+                    logger.info("rank %d: generation %d failed or superseded: shutting its group down", self.rank,
+                                generation)
                     with self._lock:
                         if self._formed == generation and not self._aborted:
                             self._aborted = True
@@ -315,7 +336,7 @@ class ProcessGroupRecovery:
     def _teardown(self) -> None:
         import torch.distributed as dist
 
-        self._stop_watching.set()
+        self._stop_watcher()
         with self._lock:
             if self._formed is not None and not self._aborted:
                 _shut(self._connections)  # peers blocked on this process are freed now, whatever holds the group
@@ -351,7 +372,7 @@ class ProcessGroupRecovery:
     def close(self) -> None:
         import torch.distributed as dist
 
-        self._stop_watching.set()
+        self._stop_watcher()
         with self._lock:
             self._formed, self._connections = None, {}
         if dist.is_initialized():
@@ -377,7 +398,8 @@ def _broadcast(state: Any, source: int, rank: int) -> Any:
     dist.broadcast(payload, src=source)
     if rank == source:
         return state
-    return torch.load(io.BytesIO(bytes(payload.untyped_storage())), weights_only=False)
+    # One copy of the bytes (bytes() of a storage reads it element by element: 30 s for a 6 MB state).
+    return torch.load(io.BytesIO(ctypes.string_at(payload.data_ptr(), payload.numel())), weights_only=False)
 
 
 def warm_up() -> None:
