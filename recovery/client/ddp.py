@@ -62,6 +62,7 @@ class Training:
         self._module: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._ddp_kwargs: dict[str, Any] = {}
+        self._fixed_buckets = True
         group.holders.append(self._release)
 
     @property
@@ -69,17 +70,31 @@ class Training:
         return self.group.client
 
     # -- the model ----------------------------------------------------------------------------------------
-    def wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, fixed_buckets: bool = True,
              **ddp_kwargs: Any) -> DistributedDataParallel:
         """`DistributedDataParallel(module, **ddp_kwargs)` on the current group, rebuilt in place on every new group
         (the object stays the script's). In a process started into a running job, the state and the position come
-        from the live replica furthest ahead first. One model per process."""
+        from the live replica furthest ahead first. One model per process.
+
+        `fixed_buckets`: DDP's gradient buckets hold the parameters in their order from the first step on, in
+        every DDP built, on every rank: a recovered run is bitwise equal to one without faults. DDP's own layout
+        (False) is rebuilt after the first step in the order the gradients became ready, which overlaps the
+        all_reduce with the backward pass better on a big model; a new DDP starts again from its initial layout,
+        so the step after a recovery sums the gradients in another order than without the fault (last bits)."""
         self._module, self._optimizer, self._ddp_kwargs = module, optimizer, ddp_kwargs
+        self._fixed_buckets = fixed_buckets
         fresh = self._agree()
         # A new formation (every process just started, from the script's own snapshot or from scratch) keeps DDP's
         # broadcast of rank 0's parameters; state handed over by a replica must not be overwritten by it.
         self._model = DistributedDataParallel(module, init_sync=fresh, **ddp_kwargs)
+        self._fix_buckets()
         return self._model
+
+    def _fix_buckets(self) -> None:
+        """The buckets in parameter order now (a collective: rank 0's order to every rank), never rebuilt later."""
+        if self._fixed_buckets and self._model is not None:
+            self._model.reducer._push_all_rebuilt_params()
+            self._model.reducer._rebuild_buckets()
 
     def _release(self) -> None:
         """Drop DDP's hold on the group (its reducer and the group itself), so that destroying it frees it."""
@@ -90,6 +105,7 @@ class Training:
         if self._model is not None and self._module is not None:
             self._model.__dict__.clear()
             DistributedDataParallel.__init__(self._model, self._module, init_sync=fresh, **self._ddp_kwargs)
+            self._fix_buckets()
 
     def state(self) -> dict[str, Any]:
         assert self._module is not None and self._optimizer is not None
@@ -189,8 +205,9 @@ def current() -> Training:
     return _current
 
 
-def wrap(module: torch.nn.Module, optimizer: torch.optim.Optimizer, **ddp_kwargs: Any) -> DistributedDataParallel:
-    return current().wrap(module, optimizer, **ddp_kwargs)
+def wrap(module: torch.nn.Module, optimizer: torch.optim.Optimizer, fixed_buckets: bool = True,
+         **ddp_kwargs: Any) -> DistributedDataParallel:
+    return current().wrap(module, optimizer, fixed_buckets, **ddp_kwargs)
 
 
 def epochs(start: int, stop: int) -> Iterator[int]:
