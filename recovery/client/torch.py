@@ -6,7 +6,9 @@ A partial restart replaces only the dead ranks. The survivors notice on gloo (a 
 
     group = ProcessGroupRecovery(client)
     group.form()                                    # the process group of the generation the agent gave us
-    step = group.synchronize(0, get_state, set_state, live=plan is None)  # a restarted rank: a replica's state
+    step = load_own_snapshot()                      # the script's own resume point: 0 without one
+    # a process started into a running job takes a live replica's state and step (`live=False`)
+    step = group.synchronize(step, get_state, set_state, live=not group.takes_peer_state())
     while step < steps:
         failed = False
         try:
@@ -182,6 +184,13 @@ class ProcessGroupRecovery:
         while store.check([TORCH_STORE_KEY.format(generation=newest + 1)]):
             newest += 1
         return newest
+
+    def takes_peer_state(self) -> bool:
+        """This process was started to receive its state from a live replica (its resume plan names the `peer`
+        tier): its own state is not live, whatever snapshot it loaded (`synchronize(..., live=False)`)."""
+        plan = self.client.resume_plan()
+        source = plan.source_of(self.rank) if plan is not None else None
+        return source is not None and source.tier == "peer"
 
     @property
     def aborted(self) -> bool:
