@@ -19,13 +19,12 @@ import argparse
 import os
 import time
 
+import recovery.client.ddp as resilient  # first: it connects to the agent, heartbeats flow while torch imports
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
-
-import recovery.client.ddp as resilient
 
 
 def dataset(size: int) -> TensorDataset:

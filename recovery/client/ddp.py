@@ -1,7 +1,8 @@
 """What a DistributedDataParallel script needs to recover in-process: the group (`init_process_group`), its model
 wrapped again on every new group (`wrap`), the data loader's position (`epochs`, `batches`: the epoch and the batches
 of it already trained, so that a recovered process resumes mid-epoch) and the loop that recovers (`run`). Importing
-it imports torch.
+it connects to the node's agent, then imports torch: import it before torch, so that heartbeats flow while torch
+is imported (seconds on a busy host, long enough for a silent rank to be taken for a hung one).
 
 A tutorial-style script changes in a few lines (docs/ml-engineer.md shows the whole diff):
 
@@ -35,12 +36,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-
 import recovery.client as recovery
-from recovery.client.torch import ProcessGroupRecovery, _broadcast
+
+_connected = recovery.connect()  # before torch is imported; a client whose calls do nothing without an agent
+
+import torch  # noqa: E402  # after connecting: importing torch takes seconds
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from recovery.client.torch import ProcessGroupRecovery, _broadcast  # noqa: E402
 
 Batch = TypeVar("Batch")
 Result = TypeVar("Result")
@@ -193,7 +197,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 30.0, client: r
     `torch.distributed.init_process_group`). `timeout_s` bounds a collective only where nothing else ends it: a
     dead peer's survivors are freed at once (see `ProcessGroupRecovery`). `options`: ProcessGroupRecovery's."""
     global _current
-    group = ProcessGroupRecovery(client or recovery.connect(), backend, timeout_s, **options)
+    group = ProcessGroupRecovery(client or _connected, backend, timeout_s, **options)
     group.form()
     _current = Training(group)
     return _current
