@@ -2,8 +2,9 @@
 nats-server, a `recovery-daemon`, two agents of two ranks each and a job store off the nodes, the process group's
 timeout 60 s. A SIGKILLed rank is restarted alone; the three others keep their processes and train on at the
 interrupted step well within the group's timeout (the survivor not next to the dead rank in gloo's ring, which gloo
-never tells, is freed by the others' marking the group failed). Two ranks killed together restart exactly those two.
-Each run ends with the parameters of a run without faults, bit for bit.
+never tells, is freed by the others' marking the group failed). Two ranks killed together, or a survivor killed
+while the others join the next generation, restart those ranks and no survivor, which never waits in a generation
+the engine abandoned. Each run ends with the parameters of a run without faults, bit for bit.
 
 Why bit for bit although the survivors build DDP again and world size 4 sums in an order that depends on where
 an element sits in the flat bucket (gloo's ring reduces each chunk of it starting at another rank): `wrap` lays the
@@ -196,19 +197,25 @@ def sigkill(victims: list[int], measured: dict[str, float], between: Callable[[J
     return strike
 
 
-def assert_restarted_only(w: JobWatch, victims: list[int]) -> None:
+def assert_restarted_only(w: JobWatch, victims: list[int]) -> int:
+    """The victims were restarted and every other rank kept its process; returns the processes restarted. Each
+    victim is restarted once, except where the engine superseded an attempt by the next fault's: it then stops
+    the processes the superseded attempt had started too and starts them again (its choice, not the SDK's)."""
     pids = w.pids()
     seen = f"pids {pids}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
-    assert all(len(pids[r]) == 2 for r in victims), seen  # each victim restarted once
     assert all(len(pids[r]) == 1 for r in range(4) if r not in victims), seen  # the others kept their processes
-    assert sum(len(p) for p in pids.values()) == 4 + len(victims), seen
+    superseded = len(w.decided("attempt.superseded"))
+    assert all(2 <= len(pids[r]) <= 2 + superseded for r in victims), seen
+    restarted = sum(len(p) for p in pids.values()) - 4
+    assert restarted <= len(victims) + superseded, seen
+    return restarted
 
 
 async def test_a_sigkilled_rank_alone_restarts_and_the_survivors_go_on_within_seconds(
         cluster: Cluster, fault_free: dict[str, Any]) -> None:
     measured: dict[str, float] = {}
     w, params = await run_job(cluster, "ddp-kill", sigkill([2], measured))
-    assert_restarted_only(w, [2])
+    assert assert_restarted_only(w, [2]) == 1
     assert measured["recovered_s"] < RECOVERED_WITHIN_S, measured
     assert_bitwise_equal(params, fault_free)
     print(f"with_sdk.py, SIGKILL of rank 2 (group timeout 60 s): first step past it {measured['recovered_s']:.2f}s "
@@ -219,10 +226,12 @@ async def test_two_ranks_killed_together_restart_exactly_those_two(
         cluster: Cluster, fault_free: dict[str, Any]) -> None:
     measured: dict[str, float] = {}
     w, params = await run_job(cluster, "ddp-double", sigkill([1, 2], measured))
-    assert_restarted_only(w, [1, 2])
+    restarted = assert_restarted_only(w, [1, 2])
+    assert measured["recovered_s"] < RECOVERED_WITHIN_S, measured  # no survivor waited in an abandoned generation
     assert_bitwise_equal(params, fault_free)
     print(f"with_sdk.py, SIGKILL of ranks 1 and 2: first step past it {measured['recovered_s']:.2f}s later; "
-          f"attempts {sorted({e['data']['attempt'] for e in w.of('process.started')})}")
+          f"{restarted} processes restarted; pids {w.pids()}; attempts superseded "
+          f"{len(w.decided('attempt.superseded'))}")
 
 
 async def test_a_survivor_killed_while_the_others_join_the_next_generation_is_the_only_other_restart(
@@ -236,12 +245,12 @@ async def test_a_survivor_killed_while_the_others_join_the_next_generation_is_th
                           timeout=timedelta(seconds=10))
 
     def survivors_joining(_: JobWatch) -> bool:
-        return bool(store.check([f"{job}/gen1/arrived/0"]))
+        return bool(store.check([f"{job}//gen1/arrived/0"]))  # the SDK's keys: PrefixStore(f"{job}/")
 
     measured: dict[str, float] = {}
     w, params = await run_job(cluster, job, sigkill([2, 3], measured, survivors_joining))
-    assert_restarted_only(w, [2, 3])
-    assert measured["recovered_s"] < RECOVERED_WITHIN_S + 10, measured
+    restarted = assert_restarted_only(w, [2, 3])
+    assert measured["recovered_s"] < RECOVERED_WITHIN_S, measured  # not generation 1's timeout (60 s)
     assert_bitwise_equal(params, fault_free)
     print(f"with_sdk.py, rank 3 killed while the survivors joined generation 1: first step past it "
-          f"{measured['recovered_s']:.2f}s after the first kill")
+          f"{measured['recovered_s']:.2f}s after the first kill; {restarted} processes restarted; pids {w.pids()}")

@@ -87,12 +87,25 @@ class Training:
         so the step after a recovery sums the gradients in another order than without the fault (last bits)."""
         self._module, self._optimizer, self._ddp_kwargs = module, optimizer, ddp_kwargs
         self._fixed_buckets = fixed_buckets
-        fresh = self._agree()
-        # A new formation (every process just started, from the script's own snapshot or from scratch) keeps DDP's
-        # broadcast of rank 0's parameters; state handed over by a replica must not be overwritten by it.
-        self._model = DistributedDataParallel(module, init_sync=fresh, **ddp_kwargs)
-        self._fix_buckets()
-        return self._model
+        model = DistributedDataParallel.__new__(DistributedDataParallel)
+        while True:
+            failed = False
+            try:
+                # A new formation (every process just started, from the script's own snapshot or from scratch) keeps
+                # DDP's broadcast of rank 0's parameters; state handed over by a replica must not be overwritten.
+                fresh = self._agree()
+                DistributedDataParallel.__init__(model, module, init_sync=fresh, **ddp_kwargs)
+                self._model = model
+                self._fix_buckets()
+                return model
+            except RuntimeError as exc:  # a peer died while this process joined: recover as the survivors do
+                if not self.group.collective_failed(exc):
+                    raise
+                failed = True
+            if failed:
+                self._model = None
+                model.__dict__.clear()
+                self.group.recover()
 
     def _fix_buckets(self) -> None:
         """The buckets in parameter order now (a collective: rank 0's order to every rank), never rebuilt later."""
@@ -173,9 +186,12 @@ class Training:
     def run(self, train: Callable[..., Result], *args: Any, **kwargs: Any) -> Result | None:
         """`train(*args, **kwargs)`, called again after each recovery until it returns (None after a stop the
         agent asked for). A failure that is the script's own (not the group's) is raised."""
+        recovered = False
         while True:
             failed = False
             try:
+                if recovered:  # the same collectives as a replacement's `wrap`, in its order
+                    self._rewrap(self._agree())
                 return train(*args, **kwargs)
             except StopRequested:
                 return None
@@ -185,7 +201,7 @@ class Training:
                 failed = True
             if failed:  # outside the except block, whose traceback holds the frames that hold the group
                 self.group.recover()
-                self._rewrap(self._agree())  # the same collectives as a replacement's `wrap`, in its order
+                recovered = True
 
 
 _current: Training | None = None

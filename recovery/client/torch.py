@@ -54,9 +54,10 @@ from recovery.client._client import Client
 logger = logging.getLogger("recovery.client")
 
 GENERATION_KEY = "recovery/generation"
-TORCH_STORE_KEY = "recovery/torch-store/{generation}"
-"""where the job store answers an agent's request for generation's torch store (`recovery.agent.rendezvous`): it is
-there tens of milliseconds after the engine decided the generation, before any process of it has started"""
+TORCH_STORE_KEY = "{run_id}/recovery/torch-store/{generation}"
+"""where the job store answers an agent's request for generation's torch store (`recovery.agent.rendezvous`, a key of
+the store itself, not under the SDK's prefix): it is there tens of milliseconds after the engine decided the
+generation, before any process of it has started"""
 POLL_S = 0.01
 """how often a survivor looks for the new generation: a store read, cheap against a restart's second"""
 WATCH_S = 0.05
@@ -82,17 +83,24 @@ class GenerationChanged(RuntimeError):
     `recover`."""
 
 
-def _job_store(timeout: timedelta) -> Any:
+class _JobStore:
     """A client of the job store, where generations live across formations (RECOVERY_STORE_ADDR/PORT; an older
-    agent gave only MASTER_ADDR/PORT, which then is the job store), under the job's run id: a store the platform
-    runs off the training nodes serves many jobs."""
-    import torch.distributed as dist
+    agent gave only MASTER_ADDR/PORT, which then is the job store): `scoped`, the SDK's keys under the job's run id
+    (a store the platform runs off the training nodes serves many jobs), and `raw`, the store's own keys."""
 
-    addr = os.environ.get("RECOVERY_STORE_ADDR") or os.environ["MASTER_ADDR"]
-    port = int(os.environ.get("RECOVERY_STORE_PORT") or os.environ["MASTER_PORT"])
-    store = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return dist.PrefixStore(f"{run_id}/", store) if run_id else store
+    def __init__(self, timeout: timedelta) -> None:
+        import torch.distributed as dist
+
+        addr = os.environ.get("RECOVERY_STORE_ADDR") or os.environ["MASTER_ADDR"]
+        port = int(os.environ.get("RECOVERY_STORE_PORT") or os.environ["MASTER_PORT"])
+        self.raw = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        self.scoped = dist.PrefixStore(f"{self.run_id}/", self.raw) if self.run_id else self.raw
+
+    def torch_store_asked(self, generation: int) -> bool:
+        """Has an agent asked the job store for `generation`'s torch store (the engine decided it)?"""
+        return self.run_id is not None and \
+            self.raw.check([TORCH_STORE_KEY.format(run_id=self.run_id, generation=generation)])
 
 
 def _sockets() -> dict[int, str]:
@@ -151,7 +159,7 @@ class ProcessGroupRecovery:
         self.watch = watch
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
-        self._store: Any = None
+        self._store: _JobStore | None = None
         self.recoveries = 0
         self.holders: list[Callable[[], None]] = []
         """called before the group is destroyed: each drops an object's hold on it (a DDP wrapper)"""
@@ -166,22 +174,27 @@ class ProcessGroupRecovery:
         atexit.register(self._stop_watcher)
 
     @property
-    def store(self) -> Any:
+    def job_store(self) -> _JobStore:
         if self._store is None:
-            self._store = _job_store(self.timeout)
+            self._store = _JobStore(self.timeout)
         return self._store
+
+    @property
+    def store(self) -> Any:
+        """The job store, under the job's run id: the SDK's keys (generations, arrivals, failures, process groups)."""
+        return self.job_store.scoped
 
     def _announced(self, store: Any = None) -> int:
         store = store or self.store
         return int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else -1
 
-    def newest(self, store: Any = None) -> int:
+    def newest(self, job_store: _JobStore | None = None) -> int:
         """The newest generation decided for the job: the one a process started in it announced, or a later one
         whose torch store an agent asked for before starting its ranks (tens of milliseconds after the engine's
         decision, where the announcement waits for the new process's imports)."""
-        store = store or self.store
-        newest = max(self._announced(store), self.client.generation)
-        while store.check([TORCH_STORE_KEY.format(generation=newest + 1)]):
+        job_store = job_store or self.job_store
+        newest = max(self._announced(job_store.scoped), self.client.generation)
+        while job_store.torch_store_asked(newest + 1):
             newest += 1
         return newest
 
@@ -326,12 +339,12 @@ class ProcessGroupRecovery:
         """While the group of `generation` lives: shut it down as soon as a peer marks it failed or a newer
         generation is decided, so that a collective blocked in it raises now."""
         failed = f"gen{generation}/failed"
-        store: Any = None  # its own connection (the training thread's may be busy), closed with this thread
+        store: _JobStore | None = None  # its own connection (the training thread's may be busy), closed with it
         while not stop.wait(WATCH_S):
             try:
                 if store is None:
-                    store = _job_store(self.timeout)
-                if store.check([failed]) or self.newest(store) > generation:
+                    store = _JobStore(self.timeout)
+                if store.scoped.check([failed]) or self.newest(store) > generation:
                     logger.info("rank %d: generation %d failed or superseded: shutting its group down", self.rank,
                                 generation)
                     with self._lock:
