@@ -250,7 +250,9 @@ async def test_a_survivor_killed_while_the_others_join_the_next_generation_is_th
     measured: dict[str, float] = {}
     w, params = await run_job(cluster, job, sigkill([2, 3], measured, survivors_joining))
     restarted = assert_restarted_only(w, [2, 3])
-    assert measured["recovered_s"] < RECOVERED_WITHIN_S, measured  # not generation 1's timeout (60 s)
+    # Rank 3 had arrived in generation 1 and died: the forming of generation 1 fails after FORM_TIMEOUT_S (5 s),
+    # and the engine's next attempt waits 2 s for more faults; not generation 1's 60 s timeout, nor a restart of all.
+    assert measured["recovered_s"] < 2 * RECOVERED_WITHIN_S, measured
     assert_bitwise_equal(params, fault_free)
     print(f"with_sdk.py, rank 3 killed while the survivors joined generation 1: first step past it "
           f"{measured['recovered_s']:.2f}s after the first kill; {restarted} processes restarted; pids {w.pids()}")

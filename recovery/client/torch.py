@@ -23,15 +23,27 @@ A partial restart replaces only the dead ranks. The survivors notice on gloo (a 
         step += 1
         client.report_step(step)
 
-Generations live on the job's rendezvous store (never in a training process, so rank 0 may die like any other: the
-agent of the job's first node serves it, or the platform off the training nodes, see `recovery.agent.rendezvous`),
-under the job's run id: each generation's process group uses its own key prefix (`gen<g>/`), and a process started in
-a new generation announces it under `recovery/generation`, which the survivors wait for. Where a survivor cannot notice
-(blocked in a collective with a peer that is stopped rather than dead, or stuck in C++), the agent kills the
-stuck peer, which turns it into the case above, or the process group's timeout ends the wait. Where the peers were
-replaced while their processes live on (their node's agent died, so the engine moved them), `check` sees the newer
-generation at the next step boundary; the old processes ask their agent before joining (`Client.may_join`), find
-none or are refused, and exit instead of joining beside their replacements.
+Generations live on the job store (never in a training process, so rank 0 may die like any other: the agent of the
+job's first node serves it, or the platform off the training nodes, see `recovery.agent.rendezvous`), under the job's
+run id: each generation's process group uses its own key prefix (`gen<g>/`), and a process started in a new
+generation announces it under `recovery/generation`; an agent's request for the generation's torch store says it
+earlier, tens of milliseconds after the engine's decision.
+
+gloo tells a survivor about a dead peer only if it waits on that peer: in a ring all_reduce (DDP's buckets, any
+gradient bigger than a few kilobytes) a survivor between two other survivors waits on them, and they, having caught
+the error, hold their connections open (`destroy_process_group` releases none of them: measured, the same four
+sockets before and after it and a gc, with or without DDP), so it waited out the group's timeout. Hence a watcher
+thread per live group: when a peer marks the generation failed (`recover` does, first) or a newer generation is
+decided, it shuts the group's connections down under it (shutdown(2) on the TCP connections the group opened; gloo's
+own `abort()` frees nothing on gloo), and the blocked collective raises within `WATCH_S`. Where a survivor cannot
+notice (a peer stopped rather than dead), the agent kills the stuck peer, which turns it into the case above, or the
+group's timeout ends the wait.
+
+A new generation forms once every rank has arrived in it; one that a newer generation supersedes before then (a
+second fault during a recovery) is abandoned for the newest, so no process waits in a generation the engine gave up.
+Where the peers were replaced while their processes live on (their node's agent died, so the engine moved them), the
+watcher (or `check`, at a step boundary) sees the newer generation; the old processes ask their agent before joining
+(`Client.may_join`), find none or are refused, and exit instead of joining beside their replacements.
 """
 
 from __future__ import annotations
@@ -39,12 +51,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import hashlib
 import io
 import logging
 import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -62,7 +76,7 @@ POLL_S = 0.01
 """how often a survivor looks for the new generation: a store read, cheap against a restart's second"""
 WATCH_S = 0.05
 """how often the watcher of a live group reads the job store (three reads): how late a blocked survivor is freed"""
-FORM_TIMEOUT_S = 10.0
+FORM_TIMEOUT_S = 5.0
 """the longest forming a group may take once every rank has arrived in its generation: a peer that died after
 arriving makes it fail, and the survivors wait for the next generation instead of the group's whole timeout"""
 
@@ -169,6 +183,7 @@ class ProcessGroupRecovery:
         self._aborted = False  # the watcher shut the live group down
         self._stop_watching = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this process, in arrivals
         # A watcher still reading the store while the interpreter finalises aborts the process (a C++ terminate):
         # stopped first, however the script ends.
         atexit.register(self._stop_watcher)
@@ -267,32 +282,36 @@ class ProcessGroupRecovery:
 
     def _join(self, generation: int, deadline: float, survivor: bool) -> None:
         """Form the group of `generation` or of a newer one: arrive in it, wait for every rank to arrive (moving on
-        to a newer generation decided meanwhile: the engine abandoned this one), then form it."""
+        to a newer generation decided meanwhile: the engine abandoned this one), then form it among the processes
+        that arrived. A process that dies after arriving makes the forming fail: the others wait for a newer
+        generation, or for its rank's replacement to arrive in this one, and form again without its keys."""
         started_in = self.client.generation
+        asked = -1
         while True:
-            if survivor or generation != started_in:
+            if (survivor or generation != started_in) and asked != generation:
                 self._may_join(generation, deadline)
-            self.store.set(f"gen{generation}/arrived/{self.rank}", str(os.getpid()))
-            arrivals = [f"gen{generation}/arrived/{rank}" for rank in range(self.world_size)]
+                asked = generation
+            self.store.set(f"gen{generation}/arrived/{self.rank}", self._token)
+            keys = [f"gen{generation}/arrived/{rank}" for rank in range(self.world_size)]
             newer = generation
-            while not self.store.check(arrivals) and (newer := self.newest()) <= generation:
-                if time.monotonic() > deadline:
-                    raise RecoveryTimeout(f"not every rank arrived in generation {generation} within "
-                                          f"{self.wait_for_generation_s:g}s")
-                if survivor:
-                    self.client.at_boundary()
-                time.sleep(POLL_S)  # polling the job store, within the deadline above
+            while not self.store.check(keys) and (newer := self.newest()) <= generation:
+                self._pause(deadline, f"not every rank arrived in generation {generation}", survivor)
             if newer > generation:
                 logger.info("rank %d: generation %d abandoned before it formed: joining %d", self.rank, generation,
                             newer)
                 generation = newer  # abandoned by the engine before it formed: join the newest
                 continue
-            if self._init(generation):
+            arrived = self.store.multi_get(keys)
+            # The group's keys are those of this set of processes: a process that died after arriving (or after
+            # writing its address) leaves keys that its replacement's forming must not read.
+            formation = hashlib.sha256(b"|".join(arrived)).hexdigest()[:16]
+            if self._init(generation, formation):
                 logger.info("rank %d: formed generation %d", self.rank, generation)
                 break
             logger.info("rank %d: generation %d did not form: a rank that arrived is gone", self.rank, generation)
-            # A rank that had arrived died before the group formed: the engine restarts it in a newer generation.
-            generation = self._wait_newer(generation, deadline)
+            while (newer := self.newest()) <= generation and self.store.multi_get(keys) == arrived:
+                self._pause(deadline, f"generation {generation} did not form", survivor)
+            generation = max(generation, newer)
         if generation != self.client.generation:
             self.client.joined(generation)
         if self.watch:
@@ -306,6 +325,13 @@ class ProcessGroupRecovery:
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5 * WATCH_S + 1.0)
 
+    def _pause(self, deadline: float, what: str, survivor: bool) -> None:
+        if time.monotonic() > deadline:
+            raise RecoveryTimeout(f"{what} within {self.wait_for_generation_s:g}s")
+        if survivor:
+            self.client.at_boundary()  # a dying checkpoint asked of a survivor is written while it waits
+        time.sleep(POLL_S)  # polling the job store, within the deadline
+
     def _may_join(self, generation: int, deadline: float) -> None:
         """Only a process the node's agent runs may join: one that outlived its agent may have been replaced."""
         answer = self.client.may_join(generation, max(0.0, deadline - time.monotonic()))
@@ -316,13 +342,13 @@ class ProcessGroupRecovery:
             raise RecoveryFenced(f"the agent does not run this process any more: not joining generation "
                                  f"{generation}")
 
-    def _init(self, generation: int) -> bool:
+    def _init(self, generation: int, formation: str) -> bool:
         import torch.distributed as dist
 
         form_timeout = min(self.timeout, timedelta(seconds=FORM_TIMEOUT_S))
         before = _sockets()
         try:
-            dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/", self.store),
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/{formation}/", self.store),
                                     rank=self.rank, world_size=self.world_size, timeout=form_timeout)
         except RuntimeError:  # a peer's address never came, or it refused the connection: it died meanwhile
             if dist.is_initialized():
