@@ -283,8 +283,8 @@ class ProcessGroupRecovery:
     def _join(self, generation: int, deadline: float, survivor: bool) -> None:
         """Form the group of `generation` or of a newer one: arrive in it, wait for every rank to arrive (moving on
         to a newer generation decided meanwhile: the engine abandoned this one), then form it among the processes
-        that arrived. A process that dies after arriving makes the forming fail: the others wait for a newer
-        generation, or for its rank's replacement to arrive in this one, and form again without its keys."""
+        that arrived. A process that dies after arriving makes the forming fail (after `FORM_TIMEOUT_S`): the
+        others form again, with its rank's replacement once it arrived, until a newer generation is decided."""
         started_in = self.client.generation
         asked = -1
         while True:
@@ -296,6 +296,7 @@ class ProcessGroupRecovery:
             newer = generation
             while not self.store.check(keys) and (newer := self.newest()) <= generation:
                 self._pause(deadline, f"not every rank arrived in generation {generation}", survivor)
+            newer = max(newer, self.newest())  # every rank arrived, some maybe dead since: a newer one still wins
             if newer > generation:
                 logger.info("rank %d: generation %d abandoned before it formed: joining %d", self.rank, generation,
                             newer)
@@ -305,13 +306,18 @@ class ProcessGroupRecovery:
             # The group's keys are those of this set of processes: a process that died after arriving (or after
             # writing its address) leaves keys that its replacement's forming must not read.
             formation = hashlib.sha256(b"|".join(arrived)).hexdigest()[:16]
-            if self._init(generation, formation):
+            # Each try of a set has keys of its own (a failed try's addresses are dead): the first of its processes
+            # to fail moves the set on to the next try, and the others follow when theirs fails too.
+            tries = f"gen{generation}/{formation}/try"
+            attempt = self.store.compare_set(tries, "", "0").decode()
+            if self._init(generation, f"{formation}/{attempt}"):
                 logger.info("rank %d: formed generation %d", self.rank, generation)
                 break
-            logger.info("rank %d: generation %d did not form: a rank that arrived is gone", self.rank, generation)
-            while (newer := self.newest()) <= generation and self.store.multi_get(keys) == arrived:
-                self._pause(deadline, f"generation {generation} did not form", survivor)
-            generation = max(generation, newer)
+            self.store.compare_set(tries, attempt, str(int(attempt) + 1))
+            # A rank that arrived is gone, or its replacement arrived while others formed without it: read the
+            # arrivals again and form again, every live process the same set in the end; a newer generation wins.
+            logger.info("rank %d: generation %d did not form: forming it again", self.rank, generation)
+            self._pause(deadline, f"generation {generation} did not form", survivor)
         if generation != self.client.generation:
             self.client.joined(generation)
         if self.watch:
