@@ -8,9 +8,10 @@ the original script (`original.py`) under torchrun, on the same kill.
 `torchrun --standalone --nproc-per-node N --max-restarts 3 original.py` with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
 (without which torchrun cannot restart a gloo job, pytorch/pytorch#135712), the same arguments. Once the job has
 printed step `--fault-at`, rank 1 is SIGKILLed (and rank 2 with it, for the double fault); `regained_s` is the time
-from the kill until any rank prints a step past the last one printed before it (the restart, the rendezvous, the
-state's transfer or the snapshot's load, and the steps recomputed). `processes_restarted` counts the rank
-processes running once it regained the step that were not running before the kill. with_sdk.py's process group has
+from the kill until any rank prints a step two past the last one printed before it (past the step in flight, which
+the survivors may complete without the dead rank: the restart, the rendezvous, the state's transfer or the
+snapshot's load, the steps recomputed, and one step). `processes_restarted` counts the rank processes seen running
+(polled every 20 ms) between the kill and then that were not running before it. with_sdk.py's process group has
 a 60 s timeout: a survivor freed only by that timeout would show here. Every process started is stopped by its
 session when a run ends, however it ends.
 """
@@ -97,15 +98,17 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
         for pid, rank in before.items():
             if rank in victims:
                 os.kill(pid, signal.SIGKILL)
+        started: set[int] = set()  # every rank process seen after the kill that was not running before it
         while True:
+            started |= set(rank_pids(str(snapshot))) - set(before)
+            # past the step in flight at the kill, which the survivors may complete without the dead rank
             regained = [t for t, line in list(lines) if t >= killed and (m := STEP.search(line))
-                        and int(m.group(1)) > seen]
+                        and int(m.group(1)) > seen + 1]
             if regained:
-                restarted = set(rank_pids(str(snapshot))) - set(before)
-                return Run(regained[0] - killed, len(restarted))
+                return Run(regained[0] - killed, len(started))
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{launcher} did not regain step {seen}:\n{tail()}")
-            time.sleep(0.005)  # polling the output, within the deadline
+            time.sleep(0.02)  # polling the output and /proc, within the deadline
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)  # recovery-run stops what it started; torchrun its workers
