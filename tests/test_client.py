@@ -153,3 +153,10 @@ def test_may_join_without_an_answer_is_none_and_without_an_agent_true(tmp_path: 
     assert orphan.may_join(5, 0.3) is None
     orphan.close()
     assert Client(None, rank=1).may_join(5, 0.3) is True
+
+
+def test_the_sdk_reads_the_torch_store_key_the_job_store_writes() -> None:
+    from recovery.agent.rendezvous import torch_store_key
+    from recovery.client.torch import TORCH_STORE_KEY
+
+    assert TORCH_STORE_KEY.format(run_id="job-7", generation=3) == torch_store_key("job-7", 3)

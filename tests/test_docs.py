@@ -46,3 +46,29 @@ def test_the_example_job_spec_is_valid_with_its_policies_parameters() -> None:
     documented = (ROOT / "docs" / "job-spec.md").read_text()
     for field in JobSpec.model_fields:
         assert f"**`{field}`**" in documented, f"docs/job-spec.md does not explain {field}"
+
+
+def tutorial_diff() -> list[str]:
+    """`original.py` -> `with_sdk.py` of examples/ddp-tutorial, as a unified diff with one line of context."""
+    import difflib
+
+    folder = ROOT / "examples" / "ddp-tutorial"
+    original = (folder / "original.py").read_text().splitlines()
+    converted = (folder / "with_sdk.py").read_text().splitlines()
+    return list(difflib.unified_diff(original, converted, "original.py", "with_sdk.py", n=1, lineterm=""))
+
+
+def test_the_tutorial_script_converts_to_the_sdk_in_at_most_15_changed_lines() -> None:
+    # added plus removed lines, blank ones not counted (a changed line counts twice: once removed, once added)
+    changed = [line for line in tutorial_diff()[2:]
+               if line[:1] in "+-" and not line.startswith("@@") and line[1:].strip()]
+    assert 0 < len(changed) <= 15, "\n".join(changed)
+
+
+def test_the_ml_engineer_guide_shows_the_real_conversion_diff() -> None:
+    guide = (ROOT / "docs" / "ml-engineer.md").read_text()
+    assert "```diff\n" + "\n".join(tutorial_diff()) + "\n```" in guide, "the guide's diff of with_sdk.py is stale"
+
+
+def test_the_readme_links_the_ml_engineer_guide() -> None:
+    assert "docs/ml-engineer.md" in (ROOT / "README.md").read_text()

@@ -26,6 +26,9 @@ steps, the same seed everywhere. The fault is a SIGKILL of rank 2 once the job h
   nothing of `recovery`) on 4 ranks of this host under `recovery-run --standalone` (cold, and with warm standbys:
   `--env RECOVERY_STANDBY=1`) and under torchrun, rank 1 SIGKILLed after step 20 (`tools/bench_stock.py`):
   `stock_ratio_to_torchrun`, `stock_warm_ratio_to_torchrun`.
+- `ddp`: the same tutorial script converted to the SDK (`with_sdk.py`, group timeout 60 s) under `recovery-run`
+  against `original.py` under torchrun, rank 1 SIGKILLed after step 20, and two ranks killed together
+  (`tools/bench_ddp.py`): `ddp_sdk_ratio_to_torchrun`, `ddp_double_fault_processes_restarted`.
 - `overhead`: the SDK's cost in a loop of 100 ms steps (single-threaded torch matmuls), in pairs of ten-step
   blocks, one with the SDK (a client connected to a socket, heartbeats every second, `report_step` every step)
   and one without, in alternating order; CPU time of the process (its heartbeat thread included), so that other
@@ -83,6 +86,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import bench_ddp
 import bench_stock
 import nats
 from bench_daemon import Daemon, nats_server, sigterm_unwinds
@@ -112,7 +116,7 @@ ENDING_SILENCE_S = 15.0
 interpreter with torch loaded can take more than 5 s to exit after that (the SIGSTOPped job is cancelled instead)"""
 WATCHDOG_S = 1.0
 POLL_S = 0.01
-CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock")
+CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock", "ddp")
 BENCH = "e2e"
 
 Emit = Callable[[str, str, float, str], None]
@@ -556,6 +560,8 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
             overhead = sdk_overhead(4 if args.quick else 30, workdir, environment())
         if "stock" in args.only:
             bench_stock.measure(args.repeat, workdir, emit, quick=args.quick)
+        if "ddp" in args.only:
+            bench_ddp.measure(args.repeat, workdir, emit, quick=args.quick)
     _report(emit, outcomes, detections)
     if "overhead" in args.only:
         step_ms = f"{overhead.step_s * 1000:.0f} ms"

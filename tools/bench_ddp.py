@@ -1,0 +1,165 @@
+"""The tutorial DDP script converted to the SDK (`examples/ddp-tutorial/with_sdk.py`) under `recovery-run`, against
+the original script (`original.py`) under torchrun, on the same kill.
+
+    python tools/bench_ddp.py                   # 3 repeats, medians
+    python tools/bench_ddp.py --repeat 5 --nproc 4
+
+`--nproc` ranks on this host: `recovery-run --standalone --nproc-per-node N --max-restarts 3 with_sdk.py` and
+`torchrun --standalone --nproc-per-node N --max-restarts 3 original.py` with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
+(without which torchrun cannot restart a gloo job, pytorch/pytorch#135712), the same arguments. Once the job has
+printed step `--fault-at`, rank 1 is SIGKILLed (and rank 2 with it, for the double fault); `regained_s` is the time
+from the kill until any rank prints a step two past the last one printed before it (past the step in flight, which
+the survivors may complete without the dead rank: the restart, the rendezvous, the state's transfer or the
+snapshot's load, the steps recomputed, and one step). `processes_restarted` counts the rank processes seen running
+(polled every 20 ms) between the kill and then that were not running before it. with_sdk.py's process group has
+a 60 s timeout: a survivor freed only by that timeout would show here. Every process started is stopped by its
+session when a run ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TUTORIAL = ROOT / "examples" / "ddp-tutorial"
+STEP = re.compile(rb"\] step (\d+)")
+
+
+@dataclass(frozen=True)
+class Run:
+    regained_s: float
+    processes_restarted: int
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """pid -> rank of the rank processes whose command line holds `marker` (the run's own snapshot path)."""
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() not in (entry / "cmdline").read_bytes():
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
+        if ranks:
+            found[int(entry.name)] = ranks[0]
+    return found
+
+
+def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int,
+             victims: tuple[int, ...]) -> Run:
+    snapshot = workdir / f"{launcher}-{time.monotonic_ns()}.pt"
+    script = TUTORIAL / ("original.py" if launcher == "torchrun" else "with_sdk.py")
+    args = [str(script), "--epochs", str(epochs), "--samples", str(64 * nproc), "--step-time", str(step_time),
+            "--snapshot", str(snapshot)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    if launcher == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                   "--max-restarts", "3", *args]
+    else:
+        command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
+                   "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem), *args]
+    lines: list[tuple[float, bytes]] = []
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in stdout), daemon=True).start()
+
+    def tail() -> str:
+        return b"".join(line for _, line in lines[-40:]).decode(errors="replace")
+
+    try:
+        deadline = time.monotonic() + 300
+        while not any(int(m.group(1)) >= fault_at for _, line in list(lines) if (m := STEP.search(line))):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{launcher} did not reach step {fault_at}:\n{tail()}")
+            time.sleep(0.005)  # polling the output, within the deadline
+        before = rank_pids(str(snapshot))
+        seen = max(int(m.group(1)) for _, line in list(lines) if (m := STEP.search(line)))
+        killed = time.monotonic()
+        for pid, rank in before.items():
+            if rank in victims:
+                os.kill(pid, signal.SIGKILL)
+        started: set[int] = set()  # every rank process seen after the kill that was not running before it
+        while True:
+            started |= set(rank_pids(str(snapshot))) - set(before)
+            # past the step in flight at the kill, which the survivors may complete without the dead rank
+            regained = [t for t, line in list(lines) if t >= killed and (m := STEP.search(line))
+                        and int(m.group(1)) > seen + 1]
+            if regained:
+                return Run(regained[0] - killed, len(started))
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{launcher} did not regain step {seen}:\n{tail()}")
+            time.sleep(0.02)  # polling the output and /proc, within the deadline
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # recovery-run stops what it started; torchrun its workers
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in rank_pids(str(snapshot)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def measure(repeat: int, workdir: Path, emit: Callable[[str, str, float, str], None], quick: bool = False,
+            nproc: int = 4) -> None:
+    """The `ddp` case of `python tools/bench.py e2e`: with_sdk.py under recovery-run and original.py under torchrun
+    on the same single kill, back to back in every repeat, then with_sdk.py with two ranks killed together."""
+    fault_at, epochs = (12, 4) if quick else (20, 8)
+    runs: dict[str, list[Run]] = {"sdk": [], "torchrun": [], "double": []}
+    for _ in range(repeat):
+        runs["sdk"].append(run_once("recovery-run", workdir, nproc, fault_at, 0.1, epochs, (1,)))
+        runs["torchrun"].append(run_once("torchrun", workdir, nproc, fault_at, 0.1, epochs, (1,)))
+        runs["double"].append(run_once("recovery-run", workdir, nproc, fault_at, 0.1, epochs, (1, 2)))
+    note = "s from a rank's SIGKILL to a step past it, the tutorial DDP script"
+    emit("e2e", "ddp_sdk_regained_s", round(statistics.median(r.regained_s for r in runs["sdk"]), 3),
+         f"{note} with the SDK (examples/ddp-tutorial/with_sdk.py, group timeout 60 s)")
+    emit("e2e", "ddp_torchrun_regained_s", round(statistics.median(r.regained_s for r in runs["torchrun"]), 3),
+         f"{note} under torchrun (original.py)")
+    ratios = [ours.regained_s / theirs.regained_s for ours, theirs in zip(runs["sdk"], runs["torchrun"], strict=True)]
+    emit("e2e", "ddp_sdk_ratio_to_torchrun", round(statistics.median(ratios), 3), "x (lower is faster; goal 0.2)")
+    emit("e2e", "ddp_sdk_processes_restarted", statistics.median(r.processes_restarted for r in runs["sdk"]),
+         "processes per fault (goal 1)")
+    emit("e2e", "ddp_double_fault_regained_s", round(statistics.median(r.regained_s for r in runs["double"]), 3),
+         "s from two ranks' SIGKILL to a step past it, with the SDK")
+    emit("e2e", "ddp_double_fault_processes_restarted",
+         statistics.median(r.processes_restarted for r in runs["double"]), "processes (goal 2)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="a shorter job")
+    args = parser.parse_args()
+
+    def emit(bench: str, metric: str, value: float, unit: str) -> None:
+        print(f"{metric} = {value} {unit}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-ddp-") as workdir:
+        measure(args.repeat, Path(workdir), emit, args.quick, args.nproc)
+
+
+if __name__ == "__main__":
+    main()
