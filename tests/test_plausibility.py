@@ -1,10 +1,10 @@
-"""Reports that cannot be true are judged by bounded, documented rules (recovery.core.engine.STEP_LEAD and the pace rule
-for checkpoints), and the decision or rejection says so; survivors of a partial restart are told from stale
+"""Reports that cannot be true are judged by bounded, documented rules (recovery.core.progress.STEP_LEAD and the pace
+rule for checkpoints), and the decision or rejection says so; survivors of a partial restart are told from stale
 processes by the generation their own process started in."""
 
 from __future__ import annotations
 
-from recovery.core.engine import STEP_LEAD
+from recovery.core.progress import STEP_LEAD
 from recovery.testing.scenario import Scenario
 
 NO_LIVE_STATE = {"checkpoint": {"name": "newest-complete", "params": {"dying": False, "peer": False}}}

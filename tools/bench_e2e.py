@@ -83,13 +83,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import bench_ddp
 import bench_stock
 import nats
 from bench_daemon import Daemon, nats_server, sigterm_unwinds
+from bench_e2e_phases import WORLD, Outcome, confirmed_after, phases_of_ours
 from bench_sdk_overhead import sdk_overhead
 from nats.aio.msg import Msg
 
@@ -103,7 +103,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dp-training" / "train.py"
 TORCHRUN_RANK = Path(__file__).resolve().parent / "torchrun_rank.py"
 NODES = ["n0", "n1"]
-WORLD = 4
 VICTIM = 2
 STOPPED = 1
 CHECKPOINT_EVERY = 20
@@ -173,17 +172,6 @@ class JobShape:
     def args(self, out: Path, checkpoints: Path) -> list[str]:
         return ["--steps", str(self.steps), "--step-time", str(self.step_time), "--out", str(out),
                 "--checkpoint-every", str(CHECKPOINT_EVERY), "--checkpoint-dir", str(checkpoints)]
-
-
-@dataclass
-class Outcome:
-    """One case's run: the total, its phases, how many processes started after the fault, the final parameters."""
-
-    recovered_s: float
-    phases: dict[str, float]
-    processes_restarted: int
-    recomputed_steps: int
-    out: Path
 
 
 # -- our stack -------------------------------------------------------------------------------------------------
@@ -340,11 +328,11 @@ async def run_ours(stack_: Stack, job: str, shape: JobShape, warm: bool, fault: 
                 if r.subject.split(".")[3] == job]
     finally:
         await nc.close()
-    confirmed = _confirmed_after(records, struck)
+    confirmed = confirmed_after(records, struck)
     if fault == "stop":  # its phases are not this bench's subject: how soon the silence is a fault is
         assert w.recovered_at is not None
         return Outcome((w.recovered_at - struck) / 1e9, {}, 0, 0, out), confirmed
-    return _phases_of_ours(records, sent, struck, w.target, victim, out), confirmed
+    return phases_of_ours(records, sent, struck, w.target, victim, out), confirmed
 
 
 def _standby_ready(workdir: Path, job: str) -> bool:
@@ -358,68 +346,6 @@ def _async(fn: Callable[[Msg], None]) -> Callable[[Msg], Any]:
         fn(msg)
 
     return cb
-
-
-def _unfolded(records: list[Record]) -> list[Any]:
-    """The records, each `progress.report` in them as its ranks' own heartbeats and steps at its log time."""
-    out: list[Any] = []
-    for r in records:
-        if r.envelope.type != "progress.report":
-            out.append(r)
-            continue
-        for word in r.envelope.data.ranks:  # type: ignore[union-attr]
-            type_ = "process.heartbeat" if word.step is None else "progress.step"
-            out.append(SimpleNamespace(ts=r.ts, envelope=SimpleNamespace(type=type_, data=word)))
-    return out
-
-
-def _phases_of_ours(records: list[Record], sent: list[tuple[int, str]], struck: int, target: int, victim: int,
-                    out: Path) -> Outcome:
-    records = _unfolded(records)
-
-    def data(r: Any) -> Any:
-        return r.envelope.data
-
-    def first(pred: Callable[[Any], bool]) -> Any:
-        return next(r for r in records if r.ts >= struck and pred(r))
-
-    exited = first(lambda r: r.envelope.type == "process.exited" and data(r).rank == victim)
-    decided = min(ts for ts, kind in sent if ts >= struck and kind in ("restart_ranks", "migrate_ranks", "restart_job"))
-    started = [r for r in records if r.ts >= struck and r.envelope.type == "process.started"]
-    replacement = started[0]
-    new_generation = data(replacement).attempt
-    joined = [first(lambda r, rank=rank: r.envelope.type in ("process.heartbeat", "progress.step")
-                    and data(r).rank == rank and (data(r).attempt or 0) >= new_generation)
-              for rank in range(WORLD) if rank != victim]
-    formed = max(r.ts for r in joined)
-    recovered = first(lambda r: r.envelope.type == "progress.step" and data(r).rank == victim
-                      and (data(r).attempt or 0) >= new_generation and data(r).step > target)
-    resumed = first(lambda r: r.envelope.type == "progress.step" and r.ts >= formed
-                    and (data(r).attempt or 0) >= new_generation)
-    recomputed = data(recovered).step - data(resumed).step + 1
-    step_s = _median_step_s(records, struck)
-    catch_up = recomputed * step_s
-    phases = {
-        "detect": exited.ts - struck, "decide": decided - exited.ts, "stop": replacement.ts - decided,
-        "restart": formed - replacement.ts,
-        "load_state": max(0.0, recovered.ts - formed - catch_up * 1e9), "catch_up": catch_up * 1e9,
-    }
-    return Outcome((recovered.ts - struck) / 1e9, {k: v / 1e9 for k, v in phases.items()}, len(started),
-                   recomputed, out)
-
-
-def _median_step_s(records: list[Any], before: int) -> float:
-    """Rank 0's time per step before `before`: from its step reports, each step or a period's newest."""
-    points = [(r.ts, r.envelope.data.step) for r in records if r.ts < before and r.envelope.type == "progress.step"
-              and r.envelope.data.rank == 0]
-    gaps = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in itertools.pairwise(points) if b[1] > a[1]][-20:]
-    return statistics.median(gaps) / 1e9
-
-
-def _confirmed_after(records: list[Record], struck: int) -> float:
-    confirmed = [r.ts for r in records if r.ts >= struck and r.envelope.type == "decision"
-                 and r.envelope.data.kind == "fault.confirmed"]  # type: ignore[union-attr]
-    return (confirmed[0] - struck) / 1e9 if confirmed else float("nan")
 
 
 # -- torchrun --------------------------------------------------------------------------------------------------
