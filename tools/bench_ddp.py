@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -62,8 +63,24 @@ def rank_pids(marker: str) -> dict[int, int]:
     return found
 
 
+def recorded_pids(data_dir: Path) -> dict[int, int]:
+    """pid -> rank of the rank processes recovery-run's agents recorded under `data_dir` (a rank handed to a warm
+    standby runs in the standby's interpreter, whose command line and environment are not the script's)."""
+    found: dict[int, int] = {}
+    for record in data_dir.glob("agents/*/*.rank*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            found[int(json.loads(record.read_text())["pid"])] = int(record.stem.rpartition(".rank")[2])
+    return found
+
+
+def standbys_ready(data_dir: Path) -> int:
+    """Standbys of the run that said they are ready (`ready <import seconds>` in their own output)."""
+    return sum(1 for log in data_dir.glob("agents/*/*.standby*.log")
+               if any(line.startswith("ready ") for line in log.read_text(errors="replace").splitlines()))
+
+
 def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int,
-             victims: tuple[int, ...]) -> Run:
+             victims: tuple[int, ...], warm: bool = False) -> Run:
     snapshot = workdir / f"{launcher}-{time.monotonic_ns()}.pt"
     script = TUTORIAL / ("original.py" if launcher == "torchrun" else "with_sdk.py")
     args = [str(script), "--epochs", str(epochs), "--samples", str(64 * nproc), "--step-time", str(step_time),
@@ -75,7 +92,8 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                    "--max-restarts", "3", *args]
     else:
         command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem), *args]
+                   "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem),
+                   *(["--env", f"RECOVERY_STANDBY={len(victims)}"] if warm else []), *args]
     lines: list[tuple[float, bytes]] = []
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                             start_new_session=True)
@@ -92,7 +110,16 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{launcher} did not reach step {fault_at}:\n{tail()}")
             time.sleep(0.005)  # polling the output, within the deadline
-        before = rank_pids(str(snapshot))
+        data_dir = workdir / snapshot.stem
+
+        def pids() -> dict[int, int]:
+            return rank_pids(str(snapshot)) if launcher == "torchrun" else recorded_pids(data_dir)
+
+        while warm and standbys_ready(data_dir) < len(victims):  # strike once they can take the victims' ranks
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the standbys of {snapshot.stem} were not ready in time:\n{tail()}")
+            time.sleep(0.05)  # polling the standbys' output, within the deadline
+        before = pids()
         seen = max(int(m.group(1)) for _, line in list(lines) if (m := STEP.search(line)))
         killed = time.monotonic()
         for pid, rank in before.items():
@@ -100,7 +127,7 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                 os.kill(pid, signal.SIGKILL)
         started: set[int] = set()  # every rank process seen after the kill that was not running before it
         while True:
-            started |= set(rank_pids(str(snapshot))) - set(before)
+            started |= set(pids()) - set(before)
             # past the step in flight at the kill, which the survivors may complete without the dead rank
             regained = [t for t, line in list(lines) if t >= killed and (m := STEP.search(line))
                         and int(m.group(1)) > seen + 1]
@@ -127,9 +154,12 @@ def measure(repeat: int, workdir: Path, emit: Callable[[str, str, float, str], N
     """The `ddp` case of `python tools/bench.py e2e`: with_sdk.py under recovery-run and original.py under torchrun
     on the same single kill, back to back in every repeat, then with_sdk.py with two ranks killed together."""
     fault_at, epochs = (12, 4) if quick else (20, 8)
-    runs: dict[str, list[Run]] = {"sdk": [], "torchrun": [], "double": []}
+    runs: dict[str, list[Run]] = {"sdk": [], "warm": [], "torchrun": [], "double": []}
     for _ in range(repeat):
         runs["sdk"].append(run_once("recovery-run", workdir, nproc, fault_at, 0.1, epochs, (1,)))
+        # with a warm standby (torch imported) the killed rank is handed to; the job trains longer, as its standby
+        # is ready only after the first epochs
+        runs["warm"].append(run_once("recovery-run", workdir, nproc, fault_at, 0.1, epochs * 8, (1,), warm=True))
         runs["torchrun"].append(run_once("torchrun", workdir, nproc, fault_at, 0.1, epochs, (1,)))
         runs["double"].append(run_once("recovery-run", workdir, nproc, fault_at, 0.1, epochs, (1, 2)))
     note = "s from a rank's SIGKILL to a step past it, the tutorial DDP script"
@@ -141,6 +171,10 @@ def measure(repeat: int, workdir: Path, emit: Callable[[str, str, float, str], N
     emit("e2e", "ddp_sdk_ratio_to_torchrun", round(statistics.median(ratios), 3), "x (lower is faster; goal 0.2)")
     emit("e2e", "ddp_sdk_processes_restarted", statistics.median(r.processes_restarted for r in runs["sdk"]),
          "processes per fault (goal 1)")
+    emit("e2e", "ddp_sdk_warm_regained_s", round(statistics.median(r.regained_s for r in runs["warm"]), 3),
+         f"{note} with the SDK and a warm standby (RECOVERY_STANDBY=1)")
+    warm = [ours.regained_s / theirs.regained_s for ours, theirs in zip(runs["warm"], runs["torchrun"], strict=True)]
+    emit("e2e", "ddp_sdk_warm_ratio_to_torchrun", round(statistics.median(warm), 3), "x (lower is faster; goal 0.2)")
     emit("e2e", "ddp_double_fault_regained_s", round(statistics.median(r.regained_s for r in runs["double"]), 3),
          "s from two ranks' SIGKILL to a step past it, with the SDK")
     emit("e2e", "ddp_double_fault_processes_restarted",
