@@ -101,13 +101,14 @@ class Outage:
         if self.cluster is None:
             assert self.server is not None
             await asyncio.to_thread(self.server.stop)
-            await asyncio.to_thread(self.server.start)
+            # A store of millions of messages takes JetStream more than the default 15 s to recover at start.
+            await asyncio.to_thread(self.server.start, 600)
             return
         leader = await asyncio.to_thread(self.cluster.leader_of, "RECOVERY") or self.cluster.servers[0]
         await asyncio.to_thread(leader.kill)
         await asyncio.sleep(self.args.down_s)  # the cluster runs one server short this long
-        await asyncio.to_thread(leader.start)
-        await asyncio.to_thread(self.cluster.wait_formed)
+        await asyncio.to_thread(leader.start, 600)
+        await asyncio.to_thread(self.cluster.wait_formed, 600)
 
 
 async def soak_run(args: argparse.Namespace, work: Path, outage: Outage, daemon: Daemon, soak: Soak) -> list[str]:
