@@ -225,8 +225,6 @@ class RescheduleContext:
     """the job's measured time per step, if known"""
     widened: bool = False
     """a fault outside the attempt under way superseded it, and no settle window has passed since"""
-    settled: bool = False
-    """a settle window of the open incident has closed (its faults were gathered)"""
     wait_expired: bool = False
     """the job has waited for nodes until the deadline of the policy's `Wait` (or the engine's own, for a rung it
     could not place), and they did not come: fall back instead of waiting again"""

@@ -89,9 +89,6 @@ class LadderParams(Params):
     running_grace_s: Interval = Field(30.0, description="for a script that reports no steps (no SDK): its restarted "
                                                         "processes have recovered the job once they have run this "
                                                         "long without exiting: 1 ms .. 30 days")
-    gather_s: Seconds = Field(0.2, description="after a process crash or hang opens an incident, collect the faults "
-                                               "that come with it this long before the first attempt: ranks killed "
-                                               "together restart in one attempt, each once (0: none; 0 .. 30 days)")
     settle_s: Seconds = Field(2.0, description="0 .. 30 days")
     """after an attempt is superseded by a fault outside it, collect further faults this long before the next
     attempt: a job-wide crash reports its thousands of exits one by one, and each would otherwise supersede the
@@ -102,8 +99,7 @@ class LadderRescheduling(ReschedulingPolicyBase):
     name: ClassVar[str] = "ladder"
     version: ClassVar[str] = "6"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps;
     # 5: every wait has a deadline and a fallback (a device reset in place, scale in, or fail with the reason);
-    # 6: a stock script (no SDK) restarts whole; a restart budget over a window; crash loops fail the job; a process
-    # incident's first faults gathered for gather_s
+    # 6: a stock script (no SDK) restarts whole; a restart budget over a window; crash loops fail the job
 
     parameters = LadderParams
     params: LadderParams
@@ -136,12 +132,6 @@ class LadderRescheduling(ReschedulingPolicyBase):
             loop = self._loop(ctx)
             if loop is not None:
                 return Fail(loop)
-        if (not ctx.previous and not ctx.settled and not ctx.widened and self.params.gather_s > 0
-                and ctx.fault_class in (FaultClass.PROCESS, FaultClass.HANG)):
-            # Exits of ranks killed together reach the engine one by one, from their agents, milliseconds apart: an
-            # attempt started at the first would be superseded by the second, and its restarted process replaced.
-            return Settle(f"collect the faults that come with the first for {self.params.gather_s:g} s",
-                          int(self.params.gather_s * NS))
         if ctx.widened and self.params.settle_s > 0:
             return Settle(f"a fault outside the last attempt widened the incident: collect faults for "
                           f"{self.params.settle_s:g} s before the next attempt", int(self.params.settle_s * NS))
@@ -247,8 +237,9 @@ class LadderRescheduling(ReschedulingPolicyBase):
         """The job cannot have the nodes it needs now: wait for them, bounded. Once the wait has run out: reset the
         devices a reset clears and restart those ranks where they are (moving only the ranks of the other nodes, if
         the spares cover them), else fail and say why."""
-        in_place = ctx.reset_clears
-        partly = (not in_place and ctx.nodes_after_reset < ctx.nodes_to_replace
+        # A reset and a restart of some ranks keeps the others running: a script without the SDK cannot rejoin them.
+        in_place = ctx.reset_clears and ctx.sdk
+        partly = (ctx.sdk and not in_place and ctx.nodes_after_reset < ctx.nodes_to_replace
                   and ctx.nodes_after_reset <= ctx.spares_available)
         if ctx.wait_expired:
             waited = f"waited {ctx.waited_ns / NS:.0f} s: "

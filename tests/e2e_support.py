@@ -117,7 +117,8 @@ class JobWatch:
             # heartbeat or step would (`of("progress.step")`), as the engine applies it.
             for entry in envelope["data"]["ranks"]:
                 type_ = "process.heartbeat" if entry.get("step") is None else "progress.step"
-                self.events.append({"type": type_, "data": entry, "_seen": envelope["_seen"], "_folded": True})
+                self.events.append({"type": type_, "data": entry, "source": envelope.get("source"),
+                                    "_seen": envelope["_seen"], "_folded": True})
 
     def on_decision(self, msg: Msg) -> None:
         decision = orjson.loads(msg.data)

@@ -129,8 +129,7 @@ async def run_batch(spec: dict[str, Any], batch: list[Any], workdir: Path) -> No
         records = [r for r in await read_stream(url) if subjects.is_output(r.subject) or r.seq <= applied]
         recovered = [r.envelope.data for r in records if isinstance(r, Record) and r.envelope.type == "decision"
                      and r.envelope.data.job == GOOD and r.envelope.data.cause_seq == crash]
-        # the crash confirmed, and the ladder gathering the faults that come with it (its attempt follows the timer)
-        assert [d.kind for d in recovered][:2] == ["fault.confirmed", "attempt.settling"], recovered
+        assert [d.kind for d in recovered][:2] == ["fault.confirmed", "attempt.started"], recovered
         assert not [r for r in records if r.subject == subjects.dead_letter("internal_error")]
         check_log(records)
         again = daemon()

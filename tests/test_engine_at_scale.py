@@ -49,7 +49,6 @@ def test_a_node_that_rejoins_no_longer_holds_memory_checkpoints() -> None:
     s.node_event("n0", "node.not_ready", reason="power supply")
     s.node_event("n0", "node.joined", spare=False, devices=2)  # back after a power cycle: host memory is empty
     s.job_event("llm", "process.exited", rank=3, exit_code=139)
-    s.advance(0.2)  # the ladder gathers the faults that come with the first
     plans = [d for d in s.decisions if d.kind == "checkpoint.plan"]
     assert plans and plans[-1].detail["checkpoint_step"] == 5, plans[-1].detail
 
@@ -78,7 +77,6 @@ def test_a_pod_level_move_also_restarts_dead_ranks_elsewhere() -> None:
     s.checkpoint("llm", 5, "storage", "storage")
     s.node_event("n2", "node.not_ready", reason="host down")  # suspected: confirmed after its grace period
     s.job_event("llm", "process.exited", rank=1, exit_code=139)  # meanwhile a rank on n0 crashes
-    s.advance(0.2)  # the ladder gathers the faults that come with the first
     started = s.find("attempt.started", "llm")
     assert started and started[-1].detail["granularity"] == "migrate"
     assert 1 in started[-1].detail["ranks"], f"the attempt restarts ranks {started[-1].detail['ranks']} only"

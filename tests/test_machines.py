@@ -165,7 +165,7 @@ def waits_for_a_node_then_moves() -> None:
     """A node fault with no spare: the job waits; a spare joins and the move goes."""
     s = training()
     s.node_event("n1", "node.not_ready", reason="kernel panic")
-    s.advance(120)
+    s.idle("j", 120, ranks=range(4))  # n0's ranks go on heartbeating: only n1 is gone
     assert s.phase("j") == "waiting", s.kinds("j")
     s.spare("s0")
     assert s.phase("j") != "waiting" and s.state("j") == "recovering"
@@ -174,7 +174,7 @@ def waits_for_a_node_then_moves() -> None:
 def cancelled_while_waiting() -> None:
     s = training()
     s.node_event("n1", "node.not_ready", reason="kernel panic")
-    s.advance(120)
+    s.idle("j", 120, ranks=range(4))
     assert s.phase("j") == "waiting"
     s.job_event("j", "operator.cancel", reason="give up")
     assert s.state("j") == "cancelled"

@@ -18,7 +18,6 @@ from policies.base import (
     ReschedulingPolicyBase,
     Resume,
     SaveDying,
-    Settle,
     Wait,
 )
 from policies.checkpoint import NewestCompleteCheckpoint
@@ -45,7 +44,7 @@ def test_unknown_policy_and_bad_parameters_are_clear_errors() -> None:
 def ctx(**kw: object) -> RescheduleContext:
     base: dict[str, object] = dict(fault_class=FaultClass.PROCESS, scope="rank", needs_move=False, any_lost=True,
                                    previous=(), used={}, restarts_used=0, max_restarts=None, nodes_to_replace=0,
-                                   nodes_to_migrate=1, spares_available=1, dp=4, scale_in_dp=None, settled=True)
+                                   nodes_to_migrate=1, spares_available=1, dp=4, scale_in_dp=None)
     base.update(kw)
     return RescheduleContext(**base)  # type: ignore[arg-type]
 
@@ -84,18 +83,6 @@ def test_top_rung_is_tried_again_while_its_budget_lasts() -> None:
     assert again.granularity is Granularity.RESTART_JOB
     done = ladder.decide(ctx(previous=failed * 2, used={"process/restart_job": 2}))
     assert isinstance(done, Fail)
-
-
-def test_ladder_gathers_the_first_faults_of_a_process_incident() -> None:
-    """Ranks killed together report their exits one by one: the ladder waits gather_s before its first attempt, so
-    that one attempt restarts them all, each once; a node fault (already debounced by detection) is not held."""
-    ladder = LadderRescheduling()
-    first = ladder.decide(ctx(settled=False))
-    assert isinstance(first, Settle) and first.settle_ns == NS // 5
-    assert ladder.decide(ctx(settled=True)).granularity is Granularity.IN_PLACE
-    assert ladder.decide(ctx(settled=False, fault_class=FaultClass.NODE, needs_move=True,
-                             nodes_to_replace=1)).granularity is Granularity.MIGRATE
-    assert LadderRescheduling({"gather_s": 0}).decide(ctx(settled=False)).granularity is Granularity.IN_PLACE
 
 
 def test_ladder_budget_per_rung_is_named_when_exhausted() -> None:

@@ -240,8 +240,7 @@ def test_torchelastic_like_sees_a_hang_only_at_the_collective_timeout() -> None:
 def test_default_finds_a_hang_from_the_agents_watchdog_and_restarts_one_rank() -> None:
     sim, r, decisions = run(config(), [fault("hang", 3000)])
     (outcome,) = r.faults
-    # detection: the agent's hang watchdog, then the ladder's gathering of the faults that come with it (0.2 s)
-    assert r.lost_s["detection"] == pytest.approx(sim.cfg.agents.hang_detect_s + 0.2)
+    assert r.lost_s["detection"] == pytest.approx(sim.cfg.agents.hang_detect_s)
     assert granularities(decisions) == ["in_place"]
     restart = [c for d in decisions for c in d.commands if c.kind == "restart_ranks"]
     assert [c.ranks for c in restart] == [[1 * 8 + 2]]
@@ -276,8 +275,7 @@ def test_default_recovers_a_node_loss_on_a_spare_and_the_node_returns_to_the_poo
 def test_executor_failures_escalate() -> None:
     flaky = replace(RELIABLE, fail_probability=1.0)
     sim, _r, decisions = run(config(costs=flaky), [fault("process", 3000, exit_signal=11)])
-    attempts = [d.kind for d in decisions if d.kind.startswith("attempt.") and d.kind != "attempt.settling"]
-    assert attempts[:2] == ["attempt.started", "attempt.failed"]
+    assert [d.kind for d in decisions if d.kind.startswith("attempt.")][:2] == ["attempt.started", "attempt.failed"]
     assert sim.engine.jobs["llm"].state == "failed"
 
 

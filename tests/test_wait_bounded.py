@@ -135,7 +135,6 @@ def test_a_crash_while_a_link_is_being_debounced_waits_instead_of_failing() -> N
     s.checkpoint(JOB, 3, "storage", "storage")
     s.node_event("w1", "network.link_down", link="ib0")
     s.job_event(JOB, "process.exited", rank=0, exit_code=1, signal=None, attempt=0)
-    s.advance(0.2)  # the ladder gathers the faults that come with the first
     assert s.phase(JOB) == "waiting" and s.state(JOB) != "failed"
     [waiting] = s.find("attempt.waiting", JOB)
     assert "cannot run processes now" in waiting.reason and any("/wait/" in t.id for t in waiting.timers)

@@ -52,6 +52,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "process.heartbeat": {"rank": 3, "step": 7, "attempt": 1},
     "process.hang": {"rank": 3, "seconds_without_progress": 42.5, "attempt": 1},
     "progress.step": {"rank": 3, "step": 7, "attempt": 1},
+    "progress.report": {"ranks": [{"rank": 3, "step": 7, "attempt": 1}, {"rank": 2, "step": None, "attempt": 1}]},
     "network.link_down": {"link": "mlx5_0", "switch": "leaf-3"},
     "network.link_up": {"link": "mlx5_0"},
     "network.nic_errors": {"link": "mlx5_0", "errors": 120},

@@ -75,8 +75,7 @@ class Incidents(Restarts):
             nodes_to_replace=len(vacate), nodes_to_migrate=len(migrate), spares_available=len(spares),
             dp=job.layout.dp,
             scale_in_dp=self.placement.scale_in_dp(job, vacate), forced=forced,
-            widened=incident.widened, settled=incident.settled, step_time_ns=job.step_time,
-            wait_expired=incident.wait_expired,
+            widened=incident.widened, step_time_ns=job.step_time, wait_expired=incident.wait_expired,
             waited_ns=0 if incident.waiting_since is None else out.ts - incident.waiting_since,
             reset_clears=self.placement.reset_clears(vacate),
             nodes_after_reset=len(self.placement.split_by_reset(vacate)[0]),
@@ -444,7 +443,6 @@ class Incidents(Restarts):
             return
         if incident is not None and timer_id == incident.settle_timer:
             incident.settle_timer = None
-            incident.settled = True
             incident.widened = False
             self.plan(out, job)
             return

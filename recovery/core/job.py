@@ -83,7 +83,6 @@ class Incident:
     dying_tried: bool = False
     peer_tried: bool = False
     widened: bool = False  # a fault outside the attempt under way superseded it; no attempt since
-    settled: bool = False  # a settle window of this incident has closed
     settle_timer: str | None = None  # armed while faults of a widening incident are collected
     exiting: frozenset[int] = frozenset()  # ranks stopped by SIGTERM: saving a dying checkpoint on the way out
     settles: int = 0  # a plugin's settle windows in a row, no attempt between (a loop past LOOP_ANSWERS)

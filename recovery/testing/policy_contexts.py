@@ -155,8 +155,8 @@ _RESTARTS = frozenset({Granularity.IN_PLACE, Granularity.MIGRATE, Granularity.RE
 
 def make_reschedule_context(*, previous: Iterable[AttemptSummary | tuple[Granularity, str, int]] = (),
                             **fields: Any) -> RescheduleContext:
-    """A process fault on a job of dp=2 whose ranks all live, with one spare and nothing tried yet, its first faults
-    gathered (`settled`; give `settled=False` for the moment the incident opens); keywords set any field. `previous` takes `AttemptSummary`s or (granularity, outcome, rung); `used` and `restarts_used` follow
+    """A process fault on a job of dp=2 whose ranks all live, with one spare and nothing tried yet; keywords set any
+    field. `previous` takes `AttemptSummary`s or (granularity, outcome, rung); `used` and `restarts_used` follow
     from it unless given, and `needs_move` follows from `nodes_to_replace`."""
     attempts = tuple(a if isinstance(a, AttemptSummary) else AttemptSummary(a[0], AttemptOutcome(a[1]), a[2])
                      for a in previous)
@@ -167,7 +167,7 @@ def make_reschedule_context(*, previous: Iterable[AttemptSummary | tuple[Granula
         used=incident_usage(fault_class, attempts),
         restarts_used=sum(1 for a in attempts if a.outcome != AttemptOutcome.SUPERSEDED and a.granularity in _RESTARTS),
         max_restarts=None, nodes_to_replace=replace_count, nodes_to_migrate=max(1, replace_count),
-        spares_available=1, dp=2, scale_in_dp=None, settled=True)
+        spares_available=1, dp=2, scale_in_dp=None)
     return replace(ctx, **fields)
 
 
@@ -342,7 +342,7 @@ def reschedule_contexts(draw: st.DrawFn) -> RescheduleContext:
         forced=draw(st.sampled_from(list(Granularity))) if draw(st.integers(0, 4)) == 0 else None,  # operators
         step_time_ns=draw(_STEP_TIMES),
         widened=bool(previous) and previous[-1].outcome == AttemptOutcome.SUPERSEDED and draw(st.booleans()),
-        sdk=draw(st.integers(0, 4)) > 0, now_ns=now, fault_step=fault_step, settled=draw(st.booleans()),
+        sdk=draw(st.integers(0, 4)) > 0, now_ns=now, fault_step=fault_step,
         recent=recent, restart_times=tuple(sorted(now - draw(_AGO) for _ in range(draw(st.integers(0, 60))))),
     )
 

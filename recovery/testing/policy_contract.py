@@ -415,7 +415,6 @@ class ReschedulingPolicyContract(PolicyContract):
     def sample_calls(self) -> list[Call]:
         contexts = [
             make_reschedule_context(),
-            make_reschedule_context(settled=False),  # the incident's first fault, just confirmed
             make_reschedule_context(any_lost=False),  # a step retry can help
             make_reschedule_context(previous=[(Granularity.IN_PLACE, AttemptOutcome.FAILED, 0)]),
             make_reschedule_context(previous=[(Granularity.IN_PLACE, AttemptOutcome.TIMED_OUT, 0),
@@ -460,7 +459,7 @@ class ReschedulingPolicyContract(PolicyContract):
             while isinstance(answer, Settle):
                 settles += 1
                 assert settles <= LOOP_ANSWERS, f"decide settled {settles} times in a row on {ctx!r}"
-                ctx = replace(ctx, widened=False, settled=True)  # as the engine asks once the window closes
+                ctx = replace(ctx, widened=False)
                 answer = call_purely(policy, ("decide", ctx))
 
     def test_waits_end(self) -> None:

@@ -126,21 +126,13 @@ class Scenario:
         return self.job_event(job, "checkpoint.saved", step=step, tier=Tier(tier), shards=shard_list, holder=holder)
 
     def outstanding(self, kind: str | None = None) -> list[CommandBase]:
-        """Commands whose attempt is still waiting on them, oldest first. While none is, an incident gathering its
-        first faults (a settle window of at most a second) is let decide first: its commands are on their way."""
-        pending = self._pending()
-        if not pending and (gathering := self.gathering()) is not None:
-            self.run_until(gathering)
-            pending = self._pending()
-        return [c for c in pending if kind is None or getattr(c, "kind", None) == kind]
-
-    def _pending(self) -> list[CommandBase]:
+        """Commands whose attempt is still waiting on them, oldest first."""
         pending: list[CommandBase] = []
         for job in self.engine.jobs.values():
             attempt = job.incident.attempt if job.incident is not None else None
             if attempt is not None:
                 pending += [self.commands[c] for c in attempt.pending if c in self.commands]
-        return pending
+        return [c for c in pending if kind is None or getattr(c, "kind", None) == kind]
 
     def ack(self, command: CommandBase | str, status: str = "done", reason: str = "", node: str | None = None
             ) -> list[Effect]:
@@ -167,16 +159,6 @@ class Scenario:
             for command in pending:
                 effects += self.complete(command)
         return effects
-
-    def gathering(self) -> int | None:
-        """When the earliest settle window of an open incident that is at most a second long closes, if any."""
-        due = []
-        for job in self.engine.jobs.values():
-            timer = job.incident.settle_timer if job.incident is not None else None
-            entry = self.engine.timers.get(timer) if timer is not None else None
-            if entry is not None and entry[1] - self.now <= NS:
-                due.append(entry[1])
-        return min(due, default=None)
 
     # -- time -------------------------------------------------------------------------------------------
     def advance(self, seconds: float) -> list[Effect]:

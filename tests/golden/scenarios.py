@@ -120,7 +120,6 @@ def recover_in_place_fallback() -> Scenario:
     s.checkpoint("llm", 10, "storage", "storage")
     s.train("llm", 3)
     s.job_event("llm", "process.exited", rank=3, exit_code=139)
-    s.advance(0.2)  # the ladder gathers the faults that come with the first
     restart = s.outstanding("restart_ranks")[0]
     s.ack(restart, "failed", "CUDA context creation failed")
     s.ack_all(rounds=1)  # the migration's stop goes through; the migration itself is never acknowledged
@@ -177,7 +176,7 @@ def power_off_no_replica() -> Scenario:
     s.job_event("noreplica", "process.exited", rank=1, exit_code=None, signal=9)
     s.job_event("noreplica", "process.exited", rank=3, exit_code=None, signal=9)
     s.ack_all()
-    s.idle("noreplica", 3)
+    s.idle("noreplica", 3)  # the second exit widened the incident: the next attempt starts after the settle window
     s.ack_all()
     s.idle("noreplica", 5)
     s.train("noreplica", 2)

@@ -20,7 +20,6 @@ def stop_the_job_then_crash(s: Scenario, job: str) -> None:
     """Rank 1 crashes; the job restarts whole: the engine stops ranks 0, 2 and 3 with SIGTERM, they exit by it, the
     executors restart every rank, and rank 0 of the new generation crashes before any step."""
     s.job_event(job, "process.exited", rank=1, exit_code=1, attempt=0)
-    s.advance(0.2)  # the ladder gathers the faults that come with the first
     [stop] = s.outstanding("stop_ranks")
     s.advance(0.4)
     for rank in stop.ranks:  # type: ignore[attr-defined]
