@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_stock import standbys_ready
+
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "examples" / "ddp-tutorial"
 STEP = re.compile(rb"\] step (\d+)")
@@ -71,12 +73,6 @@ def recorded_pids(data_dir: Path) -> dict[int, int]:
         with contextlib.suppress(OSError, ValueError, KeyError):
             found[int(json.loads(record.read_text())["pid"])] = int(record.stem.rpartition(".rank")[2])
     return found
-
-
-def standbys_ready(data_dir: Path) -> int:
-    """Standbys of the run that said they are ready (`ready <import seconds>` in their own output)."""
-    return sum(1 for log in data_dir.glob("agents/*/*.standby*.log")
-               if any(line.startswith("ready ") for line in log.read_text(errors="replace").splitlines()))
 
 
 def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int,

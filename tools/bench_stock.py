@@ -98,7 +98,7 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                                    + b"".join(line for _, line in lines[-30:]).decode(errors="replace"))
             time.sleep(0.005)  # polling the output, within the deadline
         if warm:
-            while _standbys_ready(workdir / snapshot.stem) < nproc:  # strike once they can take the ranks
+            while standbys_ready(workdir / snapshot.stem) < nproc:  # strike once they can take the ranks
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the standbys of {snapshot.stem} were not ready in time")
                 time.sleep(0.05)  # polling the standbys' output, within the deadline
@@ -142,7 +142,7 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                 os.killpg(leftover, signal.SIGKILL)
 
 
-def _standbys_ready(data_dir: Path) -> int:
+def standbys_ready(data_dir: Path) -> int:
     """How many standbys of the standalone run have said they are ready (each writes `ready <import seconds>` to its
     own output; the agents log at WARNING there)."""
     return sum(1 for log in data_dir.glob("agents/*/*.standby*.log")
