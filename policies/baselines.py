@@ -174,7 +174,8 @@ class MindClusterLikeRescheduling(LadderRescheduling):
     name: ClassVar[str] = "mindcluster-like-rescheduling"
     version: ClassVar[str] = "5"  # 2: the ladder's settle window (ClusterD gathers a job's faults first); 3: ladder@4;
     # 4: ladder@5, its waits left as long as the ladder allows (a job without resources stays pending); 5: ladder@6,
-    # a stock script restarted whole, without the ladder's restart budget over time or its crash-loop check
+    # a stock script restarted whole, without the ladder's restart budget over time or its crash-loop check (ladder@7
+    # changes nothing here: its quick widenings are off)
     parameters = MindClusterReschedulingParams  # what a job may set; the policy runs the ladder's built from them
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
@@ -184,7 +185,8 @@ class MindClusterLikeRescheduling(LadderRescheduling):
         ladder = [Rung(granularity=g, budget=None, deadline_s=own.deadlines_s.get(g, d), wait_s=MAX_SECONDS)
                   for g, d in STRATEGY_ORDER for _ in range(own.job_level_tries if g is G.RESTART_JOB else 1)]
         super().__init__({"ladders": {fc: ladder for fc in FaultClass}, "elastic": True, "wait": True,
-                          "reset_after_s": MAX_SECONDS, "restart_budget": None, "loop_after": None})
+                          "reset_after_s": MAX_SECONDS, "restart_budget": None, "loop_after": None,
+                          "quick_widenings": 0})
 
 
 class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):

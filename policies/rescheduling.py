@@ -93,13 +93,20 @@ class LadderParams(Params):
     """after an attempt is superseded by a fault outside it, collect further faults this long before the next
     attempt: a job-wide crash reports its thousands of exits one by one, and each would otherwise supersede the
     last attempt (0: no window)"""
+    quick_widenings: Count = Field(2, description="for a crash or hang restarted in place: the first this many "
+                                                  "faults that widen the incident restart their ranks at once, "
+                                                  "without the settle window; later ones settle")
+    """two ranks killed together are the common case, not a job-wide crash: the engine carries the restart already
+    under way over into the next attempt, so each further fault adds only its own ranks, and waiting 2 s to gather
+    them would cost more than it saves"""
 
 
 class LadderRescheduling(ReschedulingPolicyBase):
     name: ClassVar[str] = "ladder"
-    version: ClassVar[str] = "6"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps;
+    version: ClassVar[str] = "7"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps;
     # 5: every wait has a deadline and a fallback (a device reset in place, scale in, or fail with the reason);
-    # 6: a stock script (no SDK) restarts whole; a restart budget over a window; crash loops fail the job
+    # 6: a stock script (no SDK) restarts whole; a restart budget over a window; crash loops fail the job;
+    # 7: the first quick_widenings of a crash restarted in place do not settle
 
     parameters = LadderParams
     params: LadderParams
@@ -115,6 +122,15 @@ class LadderRescheduling(ReschedulingPolicyBase):
         if isinstance(answer, StartRung):
             return replace(answer, grace_ns=int(self.params.running_grace_s * NS))
         return answer
+
+    def _quick(self, ctx: RescheduleContext) -> bool:
+        """Does a widened incident restart at once: a crash or hang whose attempts so far were all in place, and no
+        more than `quick_widenings` of them superseded?"""
+        if ctx.fault_class not in (FaultClass.PROCESS, FaultClass.HANG) or not ctx.sdk:
+            return False
+        if any(a.granularity is not G.IN_PLACE for a in ctx.previous):
+            return False
+        return sum(1 for a in ctx.previous if a.outcome == "superseded") <= self.params.quick_widenings
 
     def _decide(self, ctx: RescheduleContext) -> Reschedule:
         if ctx.forced is not None:
@@ -132,7 +148,7 @@ class LadderRescheduling(ReschedulingPolicyBase):
             loop = self._loop(ctx)
             if loop is not None:
                 return Fail(loop)
-        if ctx.widened and self.params.settle_s > 0:
+        if ctx.widened and self.params.settle_s > 0 and not self._quick(ctx):
             return Settle(f"a fault outside the last attempt widened the incident: collect faults for "
                           f"{self.params.settle_s:g} s before the next attempt", int(self.params.settle_s * NS))
         ladder = self.ladders[ctx.fault_class]

@@ -52,9 +52,12 @@ class AgentProcess:
         args.extend(extra)
         if namespace is not None:
             args = ["ip", "netns", "exec", namespace, *args]
+        # Warm standbys (on by default) only where a test asks for them, by the job's RECOVERY_STANDBY or the
+        # agent's setting: every other job would import torch once more per node, on a 2-core machine.
+        env = {"RECOVERY_AGENT_STANDBY": "0", **environment()}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=ROOT, env=environment())
+                                         cwd=ROOT, env=env)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -194,17 +194,36 @@ def sigkill(victims: list[int], measured: dict[str, float]) -> Fault:
 
 
 def assert_restarted_only(w: JobWatch, victims: list[int]) -> int:
-    """The victims were restarted and every other rank kept its process; returns the processes restarted. Each
-    victim is restarted once, except where the engine superseded an attempt by the next fault's: it then stops
-    the processes the superseded attempt had started too and starts them again (its choice, not the SDK's)."""
+    """Each victim was restarted once and every other rank kept its process; returns the processes restarted. A
+    fault that supersedes an attempt under way carries that attempt's restarts over: no process starts twice."""
     pids = w.pids()
     seen = f"pids {pids}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
     assert all(len(pids[r]) == 1 for r in range(4) if r not in victims), seen  # the others kept their processes
-    superseded = len(w.decided("attempt.superseded"))
-    assert all(2 <= len(pids[r]) <= 2 + superseded for r in victims), seen
-    restarted = sum(len(p) for p in pids.values()) - 4
-    assert restarted <= len(victims) + superseded, seen
-    return restarted
+    assert all(len(pids[r]) == 2 for r in victims), seen
+    return sum(len(p) for p in pids.values()) - 4
+
+
+def sigkill_during_recovery(first: int, second: int, measured: dict[str, float]) -> Fault:
+    """SIGKILL `first`; once its replacement has started (the survivors are forming the next generation with it),
+    SIGKILL the survivor `second`. `measured['recovered_s']`: from the second kill to both replacements' first
+    step past the step the job was on."""
+
+    async def strike(w: JobWatch, explain: Callable[[], str]) -> None:
+        step = max(w.step(r) for r in range(4))
+        os.kill(w.pids()[first][-1], signal.SIGKILL)
+        await wait_until(lambda: len(w.pids()[first]) == 2, 30, f"rank {first}'s replacement to start", explain)
+        killed = time.monotonic()
+        os.kill(w.pids()[second][-1], signal.SIGKILL)
+
+        def past(rank: int) -> bool:
+            return any(e["data"]["rank"] == rank and e["data"]["attempt"] >= 1 and e["data"]["step"] > step
+                       and e["_seen"] > killed for e in w.of("progress.step"))
+
+        await wait_until(lambda: past(first) and past(second), 90, f"ranks {first} and {second} to be recovered",
+                         explain)
+        measured["recovered_s"] = time.monotonic() - killed
+
+    return strike
 
 
 async def test_a_sigkilled_rank_alone_restarts_and_the_survivors_go_on_within_seconds(
@@ -223,8 +242,20 @@ async def test_two_ranks_killed_together_restart_exactly_those_two(
     measured: dict[str, float] = {}
     w, params = await run_job(cluster, "ddp-double", sigkill([1, 2], measured))
     restarted = assert_restarted_only(w, [1, 2])
+    assert restarted == 2
     assert measured["recovered_s"] < RECOVERED_WITHIN_S, measured  # no survivor waited in an abandoned generation
     assert_bitwise_equal(params, fault_free)
     print(f"with_sdk.py, SIGKILL of ranks 1 and 2: first step past it {measured['recovered_s']:.2f}s later; "
           f"{restarted} processes restarted; pids {w.pids()}; attempts superseded "
           f"{len(w.decided('attempt.superseded'))}")
+
+
+async def test_a_survivor_killed_while_the_others_rejoin_restarts_alone_and_the_job_converges(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+    measured: dict[str, float] = {}
+    w, params = await run_job(cluster, "ddp-rejoin", sigkill_during_recovery(2, 0, measured))
+    assert assert_restarted_only(w, [0, 2]) == 2
+    assert measured["recovered_s"] < RECOVERED_WITHIN_S, measured
+    assert_bitwise_equal(params, fault_free)
+    print(f"with_sdk.py, rank 0 SIGKILLed while rank 2's replacement joined: both past the fault step "
+          f"{measured['recovered_s']:.2f}s later; pids {w.pids()}")

@@ -22,11 +22,28 @@ def restarted_rank_1() -> Scenario:
 def test_exit_of_a_rank_that_was_only_rolled_back_is_a_fault() -> None:
     s = restarted_rank_1()
     s.job_event("j", "process.exited", rank=5, exit_code=139, attempt=0)  # same process, generation 0
+    assert "attempt.superseded" in s.kinds("j")[-5:]
+    # rank 1's restart was sent and resumes from the same checkpoint: carried over, only rank 5 restarts
+    [started] = [d for d in s.find("attempt.started", "j") if d.detail["attempt"] == 2]
+    assert started.detail["ranks"] == [1, 5] and started.detail["carried"] == [1]
+    [restart] = s.outstanding("restart_ranks")
+    assert restart.ranks == [5]
+
+
+def test_many_faults_widening_a_crash_settle_after_the_first_few() -> None:
+    """The ladder restarts the first `quick_widenings` (2) widenings at once; the third settles, gathering the rest
+    of what looks like a job-wide crash into one attempt."""
+    s = restarted_rank_1()
+    for rank in (5, 6):
+        s.job_event("j", "process.exited", rank=rank, exit_code=139, attempt=0)
+        assert s.outstanding("restart_ranks")[0].ranks == [rank]
+    s.job_event("j", "process.exited", rank=7, exit_code=139, attempt=0)
     assert s.kinds("j")[-2:] == ["attempt.superseded", "attempt.settling"]
     assert s.engine.jobs["j"].phase == "settling" and not s.outstanding("restart_ranks")
-    s.advance(2)  # the ladder's settle window: the next attempt covers both exits
+    s.job_event("j", "process.exited", rank=3, exit_code=139, attempt=0)
+    s.advance(2)  # the ladder's settle window: the next attempt covers the exits since, carrying the restarts sent
     [restart] = s.outstanding("restart_ranks")
-    assert restart.ranks == [1, 5]
+    assert restart.ranks == [3, 7]
 
 
 def test_exit_of_a_replaced_process_is_stale() -> None:
@@ -64,20 +81,22 @@ def crash_every_rank(nodes: int = 8, rpn: int = 8) -> Scenario:
 
 def test_a_burst_of_exits_makes_one_attempt_after_the_settle_window() -> None:
     s = crash_every_rank()
-    # The first exit starts an attempt at once; the second supersedes it and opens the settle window, in which
-    # the other 62 only join the incident instead of superseding one attempt after another.
-    assert s.kinds("j").count("attempt.started") == 1
-    assert s.kinds("j").count("attempt.superseded") == 1
+    # The first exit starts an attempt at once, and so do the next two (the ladder's quick widenings: each adds
+    # its rank, carrying the restarts sent); the fourth opens the settle window, in which the other 60 only join
+    # the incident instead of superseding one attempt after another.
+    assert s.kinds("j").count("attempt.started") == 3
+    assert s.kinds("j").count("attempt.superseded") == 3
     assert s.phase("j") == "settling"
     s.advance(2)
     started = s.find("attempt.started", "j")
-    assert len(started) == 2 and started[-1].detail["ranks"] == list(range(64))
+    assert len(started) == 4 and started[-1].detail["ranks"] == list(range(64))
+    assert started[-1].detail["carried"] == [0, 1, 2]
     [restart] = s.outstanding("restart_ranks")
-    assert restart.ranks == list(range(64)) and restart.plan.checkpoint_step == 5
+    assert restart.ranks == list(range(3, 64)) and restart.plan.checkpoint_step == 5
     s.ack_all()
     s.train("j", 2)
     [closed] = s.find("incident.closed", "j")
-    assert closed.detail["attempts"] == 2
+    assert closed.detail["attempts"] == 4
 
 
 def test_an_operator_order_closes_the_settle_window() -> None:
@@ -87,8 +106,9 @@ def test_an_operator_order_closes_the_settle_window() -> None:
     started = s.find("attempt.started", "j")[-1]
     assert started.detail["granularity"] == "restart_job"
     assert any("/settle/" in timer for timer in started.cancelled_timers)
-    s.advance(2)  # the cancelled window does not fire a second attempt
-    assert s.kinds("j").count("attempt.started") == 2
+    assert s.kinds("j").count("attempt.started") == 4  # three quick ones, then the operator's
+    s.advance(2)  # the cancelled window does not fire another attempt
+    assert s.kinds("j").count("attempt.started") == 4
 
 
 def test_a_node_whose_link_is_down_is_left_or_waited_for_not_restarted_on() -> None:

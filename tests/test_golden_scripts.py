@@ -96,3 +96,18 @@ def test_a_widened_incident_is_planned_for_its_worst_fault() -> None:
     assert not kinds(result, "attempt.waiting")
     assert len(kinds(result, "incident.closed")) == 1
     assert result.engine.jobs["wide"].snapshot()["incidents"][0]["fault_class"] == "node"
+
+
+def test_a_second_fault_carries_the_restart_under_way_over_and_restarts_only_its_own_rank() -> None:
+    result = load("double_fault_carries_restart")
+    restarted = [list(c.ranks) for d in result.decisions for c in d.commands if c.kind == "restart_ranks"]
+    # two ranks killed together start 2 processes, a survivor killed during the recovery 1 more; then rank 0 and 1
+    assert restarted[:3] == [[1], [2], [3]], restarted
+    started = [d.detail for d in kinds(result, "attempt.started")]
+    assert [d.get("carried") for d in started[:3]] == [None, [1], [1, 2]]
+    assert not kinds(result, "attempt.settling"), "two or three faults restart at once, no settle window"
+    # the restart a carried rank depended on failed: the attempt that carried it fails rather than waiting for it
+    [failed] = kinds(result, "attempt.failed")
+    assert failed.reason == "the restart of rank(s) 0 it carried over failed: exec format error"
+    job = result.engine.jobs["twice"]
+    assert job.state == "running" and [c["outcome"] for c in job.closed] == ["recovered", "recovered"]

@@ -142,9 +142,13 @@ def restarted_rank_crashes() -> None:
     assert s.find("attempt.failed", "j")
 
 
+SETTLES_AT_ONCE = {**NO_DYING, "rescheduling": {"name": "ladder", "params": {"quick_widenings": 0}}}
+"""the ladder settling at the first fault that widens an incident (by default the first two restart at once)"""
+
+
 def widened_then_settled() -> None:
     """A fault outside the attempt under way supersedes it; the policy settles, then plans when the window ends."""
-    s = training()
+    s = training(SETTLES_AT_ONCE)
     s.job_event("j", "process.exited", rank=1, exit_code=139)
     s.job_event("j", "process.exited", rank=5, exit_code=139)
     assert s.phase("j") == "settling"
@@ -153,7 +157,7 @@ def widened_then_settled() -> None:
 
 
 def cancelled_while_settling() -> None:
-    s = training()
+    s = training(SETTLES_AT_ONCE)
     s.job_event("j", "process.exited", rank=1, exit_code=139)
     s.job_event("j", "process.exited", rank=5, exit_code=139)
     assert s.phase("j") == "settling"

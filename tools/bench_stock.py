@@ -76,8 +76,9 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
     else:
         command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
                    "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem)]
-        if warm:  # a standby interpreter per rank, torch imported, that a restarted rank is handed to
-            command += ["--env", "RECOVERY_STANDBY=all"]
+        # warm: a standby interpreter per rank, torch imported, that a restarted rank is handed to; cold: none (the
+        # agents' default keeps one per node)
+        command += ["--env", "RECOVERY_STANDBY=all" if warm else "RECOVERY_STANDBY=0"]
         if job_level:
             spec = workdir / "job-level.json"
             spec.write_text(JOB_LEVEL_SPEC)

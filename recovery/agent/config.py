@@ -78,9 +78,9 @@ class AgentConfig(FileSettings):
     gpu_bus_ids: dict[str, int] = Field({}, description="PCI address -> device index of the node's GPUs, for XIDs "
                                                         "(JSON or a TOML table); empty: asked of nvidia-smi")
     xid_poll_s: float = Field(0.5, gt=0, le=60, description="how often the kernel log is read for XIDs")
-    standby: bool = Field(False, description="keep a warm standby interpreter per job on this node (torch imported) "
-                                             "that a restarted rank is handed to; a job's entrypoint environment "
-                                             "RECOVERY_STANDBY=1 or 0 overrides this for the job")
+    standby: bool = Field(True, description="keep a warm standby interpreter per job on this node (torch imported) "
+                                            "that a restarted rank is handed to; a job's entrypoint environment "
+                                            "RECOVERY_STANDBY=0, N or all overrides this for the job")
     standby_preload: str = Field("torch,torch.distributed,torch._dynamo,recovery.client.torch:warm_up",
                                  description="modules a standby imports before it waits, comma-separated, and "
                                              "`module:function` warm-ups it calls (a job's RECOVERY_STANDBY_PRELOAD "

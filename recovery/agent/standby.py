@@ -4,14 +4,15 @@ the restarted rank its own start-up (about a second of `import torch` and `torch
 under load); then the agent starts the next standby, after `standby_delay_s`, so that its imports do not compete
 for the CPU with the recovery under way.
 
-Opt-in: the agent's `standby` setting for every job, or the job's own entrypoint environment `RECOVERY_STANDBY=1`
-(`0` opts a job out; a number N keeps N per node, `all` one per rank on the node: a job whose faults restart every
-rank, a script without the SDK, needs one for each); `RECOVERY_STANDBY_PRELOAD` (comma-separated modules) overrides
-the agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...` or `python -m
-module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a standby. The
-standby runs `recovery.agent.interpreter` (see there what a hand-over changes) in a session of its own, started with
-the job's environment and working directory, so that what the imports read is what a cold start would have read; a
-standby that is not ready when a rank is needed is not waited for.
+On by default: the agent's `standby` setting for every job (a cold restart's `import torch` is most of a single rank's
+recovery, and an idle interpreter is cheap on a training node), or the job's own entrypoint environment
+`RECOVERY_STANDBY` (`0` opts a job out; a number N keeps N per node, `all` one per rank on the node: a job whose
+faults restart every rank, a script without the SDK, needs one for each); `RECOVERY_STANDBY_PRELOAD` (comma-separated
+modules) overrides the agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...`
+or `python -m module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a
+standby. The standby runs `recovery.agent.interpreter` (see there what a hand-over changes) in a session of its own,
+started with the job's environment and working directory, so that what the imports read is what a cold start would
+have read; a standby that is not ready when a rank is needed is not waited for.
 """
 
 from __future__ import annotations

@@ -185,6 +185,8 @@ class Detection:
         incident = job.incident
         if incident is not None:
             incident.faults.append(fault)
+            if incident.fresh.intersection(verdict.ranks):
+                incident.fresh = incident.fresh.difference(verdict.ranks)  # a new process that failed: none to carry
             if _SEVERITY.get(verdict.fault_class, 0) > _SEVERITY.get(incident.fault_class, 0):
                 # A widened incident is planned for the worst fault it holds: a crash joined by a GPU that fell off
                 # the bus needs the node ladder (move now), not the process ladder's restart in place.

@@ -21,7 +21,7 @@ from events.names import (
     IncidentOutcome,
     TimerPurpose,
 )
-from events.values import FaultClass, Granularity
+from events.values import FaultClass, Granularity, Tier
 from policies.base import NS, Fail, PastIncident, RescheduleContext, Scope, Settle, StartRung, Wait
 from recovery.core.cluster import ClusterView
 from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job
@@ -259,7 +259,15 @@ class Incidents(Restarts):
             # Faults from before a scale-in may name ranks the smaller job no longer has (as in _fault_nodes).
             fault_ranks = {r for f in incident.faults for r in f["ranks"] if r < job.world}
             attempt.ranks = tuple(sorted(set(dead) | fault_ranks))
-            attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
+            previous = incident.attempts[-2] if len(incident.attempts) > 1 else None
+            if (previous is not None and previous.outcome is AttemptOutcome.SUPERSEDED
+                    and previous.granularity is G.IN_PLACE and not attempt.reset):
+                # A second fault superseded an in-place restart already sent: the processes it started are new and
+                # faultless, and take the newest generation's state like any survivor. Replacing them again would
+                # cost a second cold start for nothing.
+                attempt.carried = tuple(r for r in attempt.ranks if r in incident.fresh)
+                attempt.carried_ids = previous.carried_ids + previous.restart_ids
+            attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r] and r not in attempt.carried)
         elif g is G.MIGRATE:
             vacate = vacate or self.placement.fault_nodes(job)
             attempt.vacate = tuple(vacate)
@@ -274,9 +282,12 @@ class Incidents(Restarts):
             attempt.vacate = tuple(vacate)
         timer = self.timekeeper.request(out, job, f"{TimerPurpose.ATTEMPT}/{incident.id}/{attempt.number}", deadline_ns)
         attempt.deadline_timer = timer.id
+        detail: dict[str, Any] = {"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,
+                                  "ranks": list(attempt.ranks), "vacate": list(attempt.vacate)}
+        if attempt.carried:
+            detail["carried"] = list(attempt.carried)
         out.decide(job, DecisionKind.ATTEMPT_STARTED, attempt.reason, trigger=trigger, policy=policy, timers=[timer],
-                   cancelled=settle, detail={"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,
-                           "ranks": list(attempt.ranks), "vacate": list(attempt.vacate)})
+                   cancelled=settle, detail=detail)
         if g is G.RETRY:
             self._reschedule(out, job, attempt)
         else:
@@ -362,7 +373,12 @@ class Incidents(Restarts):
         attempt.pending.clear()
         attempt.acks_due.clear()
         if outcome is AttemptOutcome.SUPERSEDED:
-            # A fault that widened the incident is not the attempt's failure: give back its budget.
+            # A fault that widened the incident is not the attempt's failure: give back its budget, and a transfer
+            # from live peers it planned may be planned again (no peer failed it).
+            incident = job.incident
+            if incident is not None and attempt.plan is not None and any(
+                    source.tier is Tier.PEER for source in attempt.plan.shards):
+                incident.peer_tried = False
             for key in attempt.budget_keys:
                 job.used[key] -= 1
             if attempt.granularity in RESTARTS:

@@ -48,6 +48,11 @@ class Attempt:
     grace_ns: int = 30 * NS
     """a stock script's attempt recovers once its restarted processes have run this long (StartRung.grace_ns)"""
     grace_timer: str | None = None
+    carried: tuple[int, ...] = ()
+    """ranks whose restart an attempt this one superseded already sent: their new processes join this attempt's
+    generation as they are, rather than being replaced again (two ranks killed a few ms apart restart 2 processes)"""
+    carried_ids: tuple[str, ...] = ()  # the restart commands that started the carried ranks: a failed one fails this
+    restart_ids: tuple[str, ...] = ()  # the restart commands this attempt sent
     moves: dict[str, tuple[str, str]] = field(default_factory=dict)
     """migrations sent and not yet done: command id -> (from node, to node). The placement is changed when the
     command is sent; one that fails or never answers did not move the ranks, and is undone."""
@@ -90,6 +95,8 @@ class Incident:
     plan_times: tuple[int, ...] = ()  # log times of a plugin's latest answers (PLAN_BURST of them)
     stopped: frozenset[int] = frozenset()
     """ranks the engine itself stopped and has not restarted yet: their exits are its own doing, no fault"""
+    fresh: frozenset[int] = frozenset()
+    """ranks an in-place attempt of this incident restarted whose new process no fault has named since"""
     awaited: bool = False  # an attempt held its restart for their dying checkpoint already
     dead_hosts: frozenset[str] = frozenset()  # hosts a node fault declared gone: no source of state
     waiting_since: int | None = None  # log time the incident began to wait for nodes; None: not waiting

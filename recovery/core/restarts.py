@@ -177,6 +177,10 @@ class Restarts:
                        cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
             return
         self._refresh_plan(out, job, attempt)
+        if attempt.carried and not _same_sources(incident.attempts[-2].plan, attempt.plan, attempt.carried):
+            # The carried processes were started to resume from another source or step than this plan's (their
+            # peer replica died too, say): they restart with it, the restart command replacing them.
+            attempt.carried, attempt.carried_ids = (), ()
         cid = out.command_id(job.id)
         commands: list[Any] = []
         if g is G.RETRY:
@@ -189,7 +193,7 @@ class Restarts:
             gen = job.generation
             if g is G.IN_PLACE:
                 commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
-                                             ranks=list(attempt.ranks), plan=plan,
+                                             ranks=[r for r in attempt.ranks if r not in attempt.carried], plan=plan,
                                              reset_devices={n: list(d) for n, d in attempt.reset.items()}))
             elif g is G.MIGRATE:
                 spares = self.placement.spares_for(job)
@@ -236,8 +240,11 @@ class Restarts:
                     job.nodes = nodes
                     commands.append(RestartJob(id=cid, job=job.id, attempt=gen, deadline_s=600, nodes=nodes,
                                                plan=plan))
-            for rank in attempt.ranks:
+            started = [r for r in attempt.ranks if r not in attempt.carried]
+            for rank in started:
                 job.put(job.rank_gen, rank, job.generation)  # these ranks get new processes
+            attempt.restart_ids = tuple(c.id for c in commands)
+            incident.fresh = incident.fresh | frozenset(started) if g is G.IN_PLACE else frozenset()
             restarted = frozenset(attempt.ranks)
             # Their new processes are neither stopping nor exiting: an exit of theirs is news again.
             incident.exiting -= restarted
@@ -260,6 +267,10 @@ class Restarts:
         if incident is not None and data.status != "accepted":
             self._settle_move(job, incident, data.command_id, data.status == "done")
         attempt = incident.attempt if incident is not None else None
+        if attempt is not None and data.status == "failed" and data.command_id in attempt.carried_ids:
+            self.end_attempt(out, job, attempt, AttemptOutcome.FAILED, f"the restart of rank(s) "
+                             f"{', '.join(map(str, attempt.carried))} it carried over failed: {data.reason}")
+            return
         if attempt is None or data.command_id not in attempt.pending or attempt.awaiting is not None:
             return  # an ack for a finished or superseded attempt, or for isolate commands: kept in the log
         if data.status == "accepted":
@@ -346,6 +357,22 @@ def _resume_of(answer: CheckpointPlan) -> ResumePlan | None:
     if isinstance(answer, Resume):
         return answer.plan
     return answer.fallback if isinstance(answer, AwaitDying) else None
+
+
+def _same_sources(before: ResumePlan | None, after: ResumePlan | None, ranks: tuple[int, ...]) -> bool:
+    """Would `ranks`, started under `before`, resume as `after` says: from the same step and tier, or from live
+    peers under both (a process started to take its state from live replicas takes it at whatever step they are
+    at when it joins, and from whichever of them the group names)?"""
+    if before is None or after is None:
+        return False
+    if all(_tier_of(before, r) is Tier.PEER and _tier_of(after, r) is Tier.PEER for r in ranks):
+        return True
+    return before.checkpoint_step == after.checkpoint_step and all(
+        _tier_of(before, r) == _tier_of(after, r) for r in ranks)
+
+
+def _tier_of(plan: ResumePlan, rank: int) -> Tier | None:
+    return plan.shards[rank % len(plan.shards)].tier if plan.shards else None
 
 
 def _tier_counts(plan: ResumePlan) -> dict[str, int]:

@@ -117,5 +117,44 @@ def widened_for_worst_fault() -> Scenario:
     return s
 
 
+def double_fault_carries_restart() -> Scenario:
+    """Two ranks killed 5 ms apart: the first exit's in-place restart of rank 1 is sent when rank 2's exit
+    supersedes it. The next attempt carries rank 1's new process over (it joins the newest generation like a
+    survivor) and restarts rank 2 alone: 2 processes started, not 3. Then a survivor, rank 3, dies while the others
+    form that generation (rank 2's restart is done, its process running): again only rank 3 restarts. A carried
+    restart that its agent reports failed fails the attempt that counted on it."""
+    s = Scenario()
+    s.submit("twice", ["t0", "t1"], ranks_per_node=2, dp=4, policies=NO_DYING)
+    s.train("twice", 10)
+    s.checkpoint("twice", 10, "storage", "storage")
+    s.train("twice", 3)
+    gen = s.engine.jobs["twice"].generation
+    s.job_event("twice", "process.exited", rank=1, exit_code=None, signal=9, attempt=gen)
+    [first] = s.outstanding("restart_ranks")
+    s.advance(0.005)
+    s.job_event("twice", "process.exited", rank=2, exit_code=None, signal=9, attempt=gen)
+    s.ack(first)  # the superseded attempt's restart is done: rank 1's new process runs
+    [second] = s.outstanding("restart_ranks")
+    s.ack(second)
+    s.advance(0.7)
+    s.job_event("twice", "process.exited", rank=3, exit_code=None, signal=9, attempt=gen)
+    [third] = s.outstanding("restart_ranks")
+    s.ack(third)
+    s.advance(1)
+    s.train("twice", 2)
+    # A carried restart that fails: rank 0 dies, and rank 1 during its restart; rank 0's restart is then reported
+    # failed (its node could not start it), which fails the attempt that carried it.
+    gen = s.engine.jobs["twice"].generation
+    s.job_event("twice", "process.exited", rank=0, exit_code=None, signal=9, attempt=gen)
+    [fourth] = s.outstanding("restart_ranks")
+    s.advance(0.005)
+    s.job_event("twice", "process.exited", rank=1, exit_code=None, signal=9, attempt=gen)
+    s.ack(fourth, status="failed", reason="exec format error")
+    s.ack_all()
+    s.advance(1)
+    s.train("twice", 2)
+    return s
+
+
 ALL = (engine_stop_not_preemption, stale_exit_explained, stock_script_restarts_whole, crash_loop,
-       widened_for_worst_fault)
+       widened_for_worst_fault, double_fault_carries_restart)
