@@ -117,8 +117,9 @@ class Daemon:
             if self.proc is None or self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited; see {self.workdir / 'daemon.log'}")
             if time.monotonic() > deadline:
-                raise TimeoutError("daemon not ready")
-            time.sleep(0.005)  # polling interval of a deadline-bounded wait
+                tail = "\n".join((self.workdir / "daemon.log").read_text(errors="replace").splitlines()[-30:])
+                raise TimeoutError(f"daemon not ready within {timeout:g} s; /status {self.status()}; log:\n{tail}")
+            time.sleep(0.02)  # polling interval of a deadline-bounded wait (each poll costs the daemon a request)
 
     def status(self) -> dict[str, Any]:
         code, body = self.get("/status")

@@ -23,12 +23,13 @@ steps, the same seed everywhere. The fault is a SIGKILL of rank 2 once the job h
 - `sigstop`: rank 1 of a `cold` job SIGSTOPped: until the engine's `fault.confirmed` (the job's spec: watchdog
   every 1 s, `hang_min_silence_s` 5 s, heartbeats every 0.5 s); once recovered the job is cancelled.
 - `stock`: an unmodified torchrun script (`examples/ddp-tutorial/stock.py`: DDP, rank 0's snapshot every epoch,
-  nothing of `recovery`) on 4 ranks of this host under `recovery-run --standalone` (cold, and with warm standbys:
-  `--env RECOVERY_STANDBY=1`) and under torchrun, rank 1 SIGKILLed after step 20 (`tools/bench_stock.py`):
+  nothing of `recovery`) on 4 ranks of this host under `recovery-run --standalone` (cold: `--env
+  RECOVERY_STANDBY=0`, and with a warm standby per rank: `--env RECOVERY_STANDBY=all`) and under torchrun, rank 1 SIGKILLed after step 20 (`tools/bench_stock.py`):
   `stock_ratio_to_torchrun`, `stock_warm_ratio_to_torchrun`.
 - `ddp`: the same tutorial script converted to the SDK (`with_sdk.py`, group timeout 60 s) under `recovery-run`
   against `original.py` under torchrun, rank 1 SIGKILLed after step 20, and two ranks killed together
-  (`tools/bench_ddp.py`): `ddp_sdk_ratio_to_torchrun`, `ddp_double_fault_processes_restarted`.
+  (`tools/bench_ddp.py`): `ddp_sdk_ratio_to_torchrun` (as recovery-run starts it: a warm standby per node),
+  `ddp_sdk_cold_ratio_to_torchrun` (`RECOVERY_STANDBY=0`), `ddp_double_fault_processes_restarted`.
 - `overhead`: the SDK's cost in a loop of 100 ms steps (single-threaded torch matmuls), in pairs of ten-step
   blocks, one with the SDK (a client connected to a socket, heartbeats every second, `report_step` every step)
   and one without, in alternating order; CPU time of the process (its heartbeat thread included), so that other
@@ -228,8 +229,7 @@ def job_spec(shape: JobShape, out: Path, checkpoints: Path, master_port: int, wa
              hang_min_silence_s: float) -> dict[str, Any]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "PYTHONPATH": environment()["PYTHONPATH"],
            "OMP_NUM_THREADS": "1"}  # what torchrun sets for its workers: the same job on both
-    if warm:
-        env["RECOVERY_STANDBY"] = "1"
+    env["RECOVERY_STANDBY"] = "1" if warm else "0"  # cold: none, whatever the agents' default
     return {
         "nodes": NODES, "ranks_per_node": 2, "layout": {"dp": WORLD}, "watchdog_interval_s": WATCHDOG_S,
         "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": hang_min_silence_s}}},

@@ -72,6 +72,8 @@ class Soak:
     samples: list[Sample] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)
     nats_restarts: list[float] = field(default_factory=list)
+    restarts: list[tuple[float, float, int]] = field(default_factory=list)
+    """per daemon SIGKILL: (time into the run, seconds until ready again, inputs replayed past its snapshot)"""
 
 
 def _events_total(daemon: Daemon) -> float | None:
@@ -146,7 +148,10 @@ async def soak_run(args: argparse.Namespace, work: Path, outage: Outage, daemon:
                 soak.kills.append(now - start)
                 daemon.start()
                 incarnation += 1
+                began = time.monotonic()
                 await asyncio.to_thread(daemon.wait_ready, 300)
+                status = await asyncio.to_thread(daemon.status)
+                soak.restarts.append((now - start, time.monotonic() - began, int(status.get("replayed_records") or 0)))
                 next_kill = time.monotonic() + args.kill_every_s * (0.5 + rng.random())
             if now >= next_nats:
                 soak.nats_restarts.append(now - start)
@@ -232,6 +237,11 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
     emit(BENCH, "decisions_extra", len(recorded) - len(set(recorded)) + len(set(recorded) - derived), "decisions")
     emit(BENCH, "daemon_kills", len(soak.kills), "kills")
     emit(BENCH, "nats_restarts", len(soak.nats_restarts), "restarts")
+    if soak.restarts:
+        ready = sorted(r[1] for r in soak.restarts)
+        emit(BENCH, "restart_ready_s_p50", round(ready[len(ready) // 2], 2), "s from a SIGKILLed daemon's start to ready")
+        emit(BENCH, "restart_ready_s_max", round(ready[-1], 2), "s")
+        emit(BENCH, "restart_replayed_max", max(r[2] for r in soak.restarts), "inputs replayed past the snapshot")
     rates = _rates(soak.samples)
     if rates:
         values = sorted(r for _, r in rates)
