@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from events.commands import IsolateNode
 from events.names import DecisionKind
 from events.outputs import Decision
+from events.values import SchedulerJob
 from recovery.cli.ctl import CtlFailure, connect, request
 from recovery.cli.local_stack import LocalStack
 from recovery.slurm.allocation import from_environment
@@ -159,7 +160,7 @@ async def test_a_node_drained_by_an_administrator_stays_drained_when_the_engine_
     slurm.run("scontrol", "update", "nodename=n1", "state=drain", "reason=memory test")
     bridge = SlurmBridge("nats://unused", Scontrol(env=slurm.env))
     released = Decision(job="j", cause_seq=7, index=0, kind=DecisionKind.HARDWARE_RELEASED, previous="running",
-                        state="running", reason="an operator released node n1",
+                        state="running", phase=None, policy=None, reason="an operator released node n1",
                         detail={"node": "n1", "device": None, "by": "operator"})
     assert not await bridge.handle(7, released)
     assert "DRAIN" in slurm.node("n1")["State"] and slurm.node("n1")["Reason"].startswith("memory test")
@@ -169,6 +170,34 @@ async def test_a_node_drained_by_an_administrator_stays_drained_when_the_engine_
     assert await bridge.handle(8, released)
     # A resumed node is NOT_RESPONDING until slurmctld has pinged it again.
     slurm.wait(lambda: slurm.node("n1")["State"] == "IDLE", 30, "n1 to be idle again")
+
+
+async def test_a_waiting_decision_read_again_never_requeues_a_later_run(slurm: SlurmCluster,
+                                                                        tmp_path: Path) -> None:
+    script = tmp_path / "hold.sh"
+    script.write_text("#!/bin/sh\nexec sleep 600\n")
+    script.chmod(0o755)
+    job = slurm.sbatch(script, "-N", "2", "--requeue", "-o", str(tmp_path / "hold.out"))
+    slurm.wait_job(job, lambda j: j["JobState"] == "RUNNING", 30, "the allocation to run")
+    waiting = Decision(job="big", cause_seq=40, index=1, kind=DecisionKind.ATTEMPT_WAITING, previous="recovering",
+                       state="recovering", phase="waiting", policy="ladder@7", reason="no spare",
+                       detail={"vacate": ["n2"], "spares": 0})
+
+    def bridge() -> SlurmBridge:
+        """A bridge that knows the job's allocation from its spec, as it reads it from the log."""
+        fresh = SlurmBridge("nats://unused", Scontrol(env=slurm.env))
+        fresh.jobs["big"] = SchedulerJob(scheduler="slurm", id=job, restarts=0)
+        return fresh
+
+    assert await bridge().handle(40, waiting)
+    slurm.wait_job(job, lambda j: j["JobState"] == "RUNNING" and j["Restarts"] == "1", 60, "the second run")
+    assert slurm.job(job)["NodeList"] == "n[1,3]"  # not the drained n2
+    # A restarted bridge reads the decision again: it is about the first run, which is gone.
+    assert not await bridge().handle(40, waiting)
+    assert slurm.job(job)["Restarts"] == "1" and slurm.job(job)["JobState"] == "RUNNING"
+    # Spares enough, or nothing to leave: the engine's own wait stands.
+    assert not await bridge().handle(41, waiting.model_copy(update={"detail": {"vacate": ["n2"], "spares": 1}}))
+    assert not await bridge().handle(42, waiting.model_copy(update={"detail": {"vacate": [], "spares": 0}}))
 
 
 async def test_recovery_run_in_sbatch_takes_the_allocation_and_a_lost_node_requeues_it(
