@@ -58,6 +58,7 @@ from events.values import (
     PolicySelection,
     RankSource,
     ResumePlan,
+    SchedulerJob,
     ShardSource,
     Tier,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "RetryStep",
     "SaveCheckpoint",
     "ScaleJob",
+    "SchedulerJob",
     "ShardSource",
     "StopRanks",
     "Tier",

@@ -244,6 +244,18 @@ class Entrypoint(Frozen):
         return data
 
 
+class SchedulerJob(Frozen):
+    """The scheduler's own job that a recovery job runs in: what an executor of that scheduler acts on when the
+    engine's answer is the scheduler's to carry out (a Slurm allocation requeued when it lost a node that no spare
+    replaces). The engine never reads it."""
+
+    scheduler: Literal["slurm"]
+    id: Token = Field(description="the scheduler's job id (Slurm: SLURM_JOB_ID)")
+    restarts: Count = Field(0, description="how often the scheduler had restarted that job when this recovery job "
+                                           "was submitted (Slurm: SLURM_RESTART_COUNT): an executor acts on the run "
+                                           "it names, never on a later one")
+
+
 class JobSpec(Frozen):
     nodes: list[Token] = Field(min_length=1, description="placement: rank r runs on nodes[r // ranks_per_node]")
     ranks_per_node: Devices
@@ -260,13 +272,18 @@ class JobSpec(Frozen):
                          "(10 years; an interval longer than the job runs turns the watchdog off)")
     entrypoint: Entrypoint | None = Field(None, description="what node agents launch for each rank; null: the "
                                                             "ranks are started by something else (a scheduler)")
+    scheduler_job: SchedulerJob | None = Field(None, description="the scheduler's job this one runs in (a Slurm "
+                                                                 "allocation); null: none")
 
     @model_serializer(mode="wrap")
-    def _without_absent_entrypoint(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A spec without an entrypoint is written as before the field existed, so logs stay byte for byte.
+    def _without_absent_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A spec without an entrypoint or a scheduler job is written as before those fields existed, so logs stay
+        # byte for byte.
         data: dict[str, Any] = handler(self)
         if data.get("entrypoint", ...) is None:
             del data["entrypoint"]
+        if data.get("scheduler_job", ...) is None:
+            del data["scheduler_job"]
         return data
 
     @model_validator(mode="after")

@@ -4,13 +4,16 @@
     recovery-run --standalone --nnodes 2 --nproc-per-node 2 --spares 1 --max-restarts 3 train.py
     recovery-run --nats-url nats://nats-0:4222 --nodes gpu-1,gpu-2 --nproc-per-node 8 \\
         --rdzv-endpoint store-0:29400 --rdzv-id llama-7b train.py
+    sbatch -N 2 --requeue --wrap 'recovery-run --nats-url nats://nats-0:4222 --nproc-per-node 8 train.py'
 
 `--standalone` starts everything on this host: a `recovery-daemon` on its embedded JetStream, a job store and one
 `recovery-agent` per node of `--nnodes` (plus `--spares`), all under `--data-dir`. With `--nats-url` it submits the
-job to the daemon of that cluster, whose agents run on `--nodes`. Either way it follows the job, printing its
-recoveries (and, standalone, its ranks' output, prefixed `[rank<r>]:`), and exits with the job's end: the exit
-status below. Ctrl-C or SIGTERM cancels the job and stops every process it started. docs/recovery-run.md has the
-details: every flag, the ranks' environment, and how torchrun's flags map to the job spec.
+job to the daemon of that cluster, whose agents run on `--nodes`; inside a Slurm allocation (`sbatch`, `salloc`)
+the nodes default to the allocation's, and the job names the allocation (docs/slurm.md). Either way it follows the
+job, printing its recoveries (and, standalone, its ranks' output, prefixed `[rank<r>]:`), and exits with the job's
+end: the exit status below. Ctrl-C or SIGTERM cancels the job and stops every process it started.
+docs/recovery-run.md has the details: every flag, the ranks' environment, and how torchrun's flags map to the job
+spec.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from events.subjects import check_token
 from recovery.cli.ctl import CtlFailure, load_spec, request
 from recovery.cli.follow import JobFollower, RankOutput, follow
 from recovery.cli.local_stack import LocalStack, StackFailed
+from recovery.slurm.allocation import Allocation, AllocationError, from_environment
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
@@ -92,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(torchrun, "log-dir", default="", help="standalone: the data directory (--data-dir)")
     ours = parser.add_argument_group("recovery-run's own")
     _flag(ours, "nats-url", default="", help="the cluster's NATS: submit to its daemon instead of --standalone")
-    _flag(ours, "nodes", default="", help="with --nats-url: the job's nodes, comma-separated (their agents run)")
+    _flag(ours, "nodes", default="", help="with --nats-url: the job's nodes, comma-separated (their agents run); "
+                                         "default inside a Slurm allocation: its nodes (SLURM_JOB_NODELIST)")
     _flag(ours, "spares", type=int, default=0, help="standalone: spare agents to start beside the job's")
     _flag(ours, "data-dir", default="", help="standalone: where the daemon, the agents and the ranks' output "
                                              "live (default: a new temporary directory, kept)")
@@ -137,8 +142,8 @@ def ranks_per_node(args: argparse.Namespace) -> int:
     return count
 
 
-def build_spec(args: argparse.Namespace, nodes: list[str], store: tuple[str, int], rendezvous: str
-               ) -> dict[str, Any]:
+def build_spec(args: argparse.Namespace, nodes: list[str], store: tuple[str, int], rendezvous: str,
+               allocation: Allocation | None = None) -> dict[str, Any]:
     """The job spec: the --spec file's fields, completed by the flags (which win)."""
     spec: dict[str, Any] = dict(load_spec(args.spec)) if args.spec else {}
     spec.pop("job", None)
@@ -170,7 +175,19 @@ def build_spec(args: argparse.Namespace, nodes: list[str], store: tuple[str, int
     spec.update(nodes=nodes, ranks_per_node=rpn, layout=layout, entrypoint=entrypoint)
     if args.max_restarts is not None:
         spec["max_restarts"] = args.max_restarts
+    if allocation is not None:
+        spec["scheduler_job"] = {"scheduler": "slurm", "id": allocation.job_id, "restarts": allocation.restarts}
     return spec
+
+
+def slurm_allocation(args: argparse.Namespace) -> Allocation | None:
+    """The Slurm allocation recovery-run runs in, when the job runs on a cluster (not --standalone)."""
+    if args.standalone:
+        return None
+    try:
+        return from_environment(os.environ)
+    except AllocationError as exc:
+        raise UsageError(str(exc)) from None
 
 
 async def _connect(url: str) -> Client:
@@ -190,7 +207,8 @@ async def _job_state(url: str, job: str) -> str | None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    job = args.rdzv_id or f"run-{secrets.token_hex(4)}"
+    allocation = slurm_allocation(args)
+    job = args.rdzv_id or (allocation.run_name if allocation is not None else f"run-{secrets.token_hex(4)}")
     try:
         check_token(job)
     except ValueError as exc:
@@ -222,8 +240,11 @@ async def run(args: argparse.Namespace) -> int:
             if not args.nats_url:
                 raise UsageError("give --standalone, or --nats-url of a cluster (with --nodes)")
             nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+            if not nodes and allocation is not None:
+                nodes = allocation.nodes  # the scheduler placed the job: its nodes are the allocation's
+                follower.say(f"Slurm job {allocation.job_id}: {len(nodes)} node(s) allocated")
             if not nodes:
-                raise UsageError("--nats-url needs --nodes: the nodes whose agents run the job")
+                raise UsageError("--nats-url needs --nodes (or a Slurm allocation): the nodes whose agents run the job")
             if count is not None and count != len(nodes):
                 raise UsageError(f"--nnodes {count} but {len(nodes)} --nodes")
             if args.rdzv_endpoint:
@@ -234,7 +255,7 @@ async def run(args: argparse.Namespace) -> int:
             else:
                 store, rendezvous = (args.master_addr or nodes[0], args.master_port), "agent"
             url = args.nats_url
-            spec = build_spec(args, nodes, store, rendezvous)
+            spec = build_spec(args, nodes, store, rendezvous, allocation)
             try:
                 nc = await asyncio.wait_for(_connect(url), 10.0)
             except (OSError, TimeoutError, nats.errors.Error) as exc:
