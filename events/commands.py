@@ -94,8 +94,17 @@ class FailJob(CommandBase):
     reason: str
 
 
+class DumpStacks(CommandBase):
+    """Capture the Python stack of each of the job's processes on the node (all of them: a hang is found by
+    comparing them) and report them as `process.stacks`, before anything kills them. Sent with the decision that
+    confirms a hang; the engine waits for no ack (the stop that follows is the agent's to hold back meanwhile)."""
+
+    kind: Literal["dump_stacks"] = "dump_stacks"
+    reason: str
+
+
 Command = Annotated[
     StopRanks | SaveCheckpoint | RetryStep | RestartRanks | MigrateRanks | RestartJob | ScaleJob
-    | IsolateNode | IsolateDevice | FailJob,
+    | IsolateNode | IsolateDevice | FailJob | DumpStacks,
     Field(discriminator="kind"),
 ]

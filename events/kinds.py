@@ -89,6 +89,28 @@ class StepReported(Frozen):
     attempt: Attempt = 0
 
 
+MAX_STACK_CHARS = 16_384
+"""of one process's stack in `process.stacks`: the innermost frames are kept, the rest cut (a deep recursion's
+stack would otherwise fill the log and go past NATS's message size with a node's 8 ranks)"""
+
+
+class RankStack(Frozen):
+    """One process's stack as a dump tool printed it (py-spy: its threads, innermost frame first), or why none."""
+
+    rank: Rank
+    pid: Pid | None = None
+    stack: Text = Field("", max_length=MAX_STACK_CHARS)
+    error: Text = Field("", max_length=1024, description="why no stack was taken: the tool missing, refused, slow")
+
+
+class ProcessStacks(Frozen):
+    """The stacks of a job's processes on one node, taken before a suspected hang is acted on (`dump_stacks`)."""
+
+    ranks: list[RankStack] = Field(max_length=4096)
+    command_id: Id | None = None
+    tool: Label = ""
+
+
 MAX_REPORTED_RANKS = 4096
 """ranks one progress report may cover: a node's (a few to a few hundred), with room"""
 
@@ -254,6 +276,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "process.hang": HangReport,
     "progress.step": StepReported,
     "progress.report": ProgressReport,
+    "process.stacks": ProcessStacks,
     "network.collective_timeout": CollectiveTimeout,
     "job.submitted": JobSubmitted,
     "job.started": JobStarted,

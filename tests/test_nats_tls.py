@@ -1,6 +1,6 @@
 """TLS to NATS: a nats-server with a certificate of a private CA, the daemon connecting with a `tls://` URL and the
-CA named by `SSL_CERT_FILE` (Python's default context reads it), as the README's production section says; a client
-that does not trust the CA is refused."""
+CA named by `SSL_CERT_FILE` (Python's default context reads it), as docs/platform.md ("Users, permissions, TLS")
+says; a client that does not trust the CA is refused."""
 
 from __future__ import annotations
 

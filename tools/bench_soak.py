@@ -1,7 +1,7 @@
 """`python tools/bench.py soak --minutes M`: the daemon for M minutes under load, faults, its own SIGKILLs and NATS
 restarts; what it must never do (lose an event, double a command) counted, what it may do (grow, slow down) drawn.
 
-    python tools/bench.py soak --minutes 30 --png docs/soak.png     # the README's figure
+    python tools/bench.py soak --minutes 30 --png docs/soak.png     # the figure of docs/platform.md, "Soak"
     python tools/bench.py soak --minutes 2 --rate 1000              # a short look
 
 The load is the demo's cluster (`recovery.service.demo.BuiltinCluster`, in this process): `--rate` events/s of

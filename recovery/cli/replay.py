@@ -13,7 +13,7 @@
 
 Each of run, verify, timeline and report reads a JSONL export (LOG) or, with `--nats URL`, the live JetStream
 stream (`--stream`, default RECOVERY); whatif and diff read exports. Each takes `--json` for machine-readable
-output (report's shape is versioned and documented in README.md, "Postmortems"); diff exits 1 when the decisions
+output (report's shape is versioned and documented in docs/on-call.md, "report"); diff exits 1 when the decisions
 differ. Exit status: 0
 fine, 1 divergence, 2 bad usage or unreadable log (a line that is not a record, a last line cut short, a
 recorded decision of a schema this version cannot read: each named with its line).
@@ -463,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "faults, detection and decision latency, phases, escalations, checkpoint source, "
                                    "lost steps and GPU-hours, and why each decision was taken; per job and overall "
                                    "ETTR, MTTR by fault class, restarts by granularity and restart loops; nodes in "
-                                   "several incidents. --json prints the versioned shape documented in README.md.")
+                                   "several incidents. --json prints the versioned shape of docs/on-call.md.")
     p.add_argument("log", nargs="?", help="JSONL export of the log (or --nats)")
     p.add_argument("--nats", metavar="URL", help="read the live JetStream log instead of a file")
     p.add_argument("--stream", default="RECOVERY", help="the log's stream with --nats (default RECOVERY)")

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from events.commands import (
     Command,
+    DumpStacks,
     FailJob,
     IsolateDevice,
     IsolateNode,
@@ -36,6 +37,6 @@ def command_nodes(command: Command, node_of: Callable[[int], str], job_nodes: li
             nodes = [*command.nodes, *job_nodes]
         case IsolateNode() | IsolateDevice():
             nodes = [command.node]
-        case RetryStep() | FailJob():
+        case RetryStep() | FailJob() | DumpStacks():
             nodes = list(job_nodes)
     return list(dict.fromkeys(nodes))

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from events import kinds
-from events.commands import IsolateDevice, IsolateNode
+from events.commands import DumpStacks, IsolateDevice, IsolateNode
 from events.names import AttemptOutcome, AttemptPurpose, DecisionKind, IncidentCause, TimerPurpose
 from events.values import FaultClass, Granularity
 from policies.base import NS, Clear, Drain, Fault, Ignore, RankActivity, Signal, Suspect, Verdict, WatchdogView
@@ -170,6 +170,12 @@ class Detection:
                 commands.append(IsolateDevice(id=out.command_id(job.id), job=job.id, attempt=job.generation,
                                               deadline_s=60, node=verdict.node, device=verdict.device or 0,
                                               reason=verdict.reason))
+        if verdict.fault_class is FaultClass.HANG and job.state != "submitted":
+            # Seed 004's `dump`, before acting: every process's stack while it still hangs, for the postmortem to
+            # compare (the odd one out is the rank the others wait for). The agents hold back a kill until it is
+            # taken; the engine waits for nothing.
+            commands.append(DumpStacks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=30,
+                                       reason=verdict.reason))
         self.mark_hardware(verdict)
         if not verdict.ranks and verdict.scope != "job":
             # Hardware none of the job's ranks uses: marked out of service, and the job goes on.

@@ -297,7 +297,7 @@ class Engine(Progress):
                    detail={"policies": dict(policies.labels)})
 
     def _job_event(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
-        if job.state in FINAL and type_ != "checkpoint.saved":
+        if job.state in FINAL and type_ not in ("checkpoint.saved", "process.stacks"):
             raise Rejected("invalid_state", f"job {job.id} is {job.state}; {type_} has no effect")
         if type_ == "job.started":
             if job.state != "submitted":
@@ -334,6 +334,11 @@ class Engine(Progress):
                 self.detection.drain(out, job, data.step)
         elif type_ == "checkpoint.failed":
             pass  # a save that did not land leaves the catalog as it was; the log keeps the failure
+        elif type_ == "process.stacks":
+            outside = sorted({s.rank for s in data.ranks if s.rank >= job.world})
+            if outside:
+                raise Rejected("unknown_rank", f"ranks {outside} are not in job {job.id}")
+            # For the postmortem (`recovery-replay report` compares them): the engine decides nothing from them.
         elif type_ == "command.ack":
             self.incidents.ack(out, job, data)
         elif type_ == "timer.fired":

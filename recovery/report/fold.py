@@ -6,7 +6,7 @@ never per record: a job's step line is thinned to at most `STEP_POINTS` points, 
 up among the last `RECENT_INPUTS` inputs (a decision follows its cause closely in the log). Memory therefore grows
 with jobs and incidents, not with the length of the log.
 
-Definitions (also in README.md, "Postmortems"):
+Definitions (also in docs/on-call.md, "report"):
 
 - an incident opens at its first decision with a phase (the fault's confirmation) and closes at `incident.closed`
   (or at the decision that ended the job). Its *first signal* is the earliest of the confirmed fault's own signal,
@@ -412,7 +412,7 @@ class ReportFold:
 
     # -- the result ---------------------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
-        """The report (documented in README.md, "Postmortems": `--json` prints exactly this)."""
+        """The report (documented in docs/on-call.md, "report": `--json` prints exactly this)."""
         self._release_held()
         end = self.last_ts if self.last_ts is not None else 0
         jobs = [job_report(job, end) for job in sorted(self.jobs.values(), key=lambda j: j.id)]
