@@ -239,7 +239,8 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
     emit(BENCH, "nats_restarts", len(soak.nats_restarts), "restarts")
     if soak.restarts:
         ready = sorted(r[1] for r in soak.restarts)
-        emit(BENCH, "restart_ready_s_p50", round(ready[len(ready) // 2], 2), "s from a SIGKILLed daemon's start to ready")
+        emit(BENCH, "restart_ready_s_p50", round(ready[len(ready) // 2], 2),
+             "s from a SIGKILLed daemon's start to ready")
         emit(BENCH, "restart_ready_s_max", round(ready[-1], 2), "s")
         emit(BENCH, "restart_replayed_max", max(r[2] for r in soak.restarts), "inputs replayed past the snapshot")
     rates = _rates(soak.samples)

@@ -17,6 +17,7 @@ from events import subjects
 from events.codec import encode_envelope
 from events.commands import (
     Command,
+    DumpStacks,
     FailJob,
     IsolateDevice,
     IsolateNode,
@@ -29,7 +30,7 @@ from events.commands import (
     StopRanks,
 )
 from events.envelope import RawRecord, Record, make_envelope
-from events.kinds import JobSubmitted
+from events.kinds import JobSubmitted, RankStack
 from events.values import JobSpec, Layout, ResumePlan
 from recovery.agent import ranks
 from recovery.agent.channel import ProcessChannel
@@ -40,6 +41,7 @@ from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, wa
 from recovery.agent.progress import ProgressFold, SilenceWatch
 from recovery.agent.relay import Relay
 from recovery.agent.reset import ResetFailed, reset_device
+from recovery.agent.stacks import Dumps, dump_tool, take_stack
 from recovery.agent.standby import StandbyPool
 from recovery.log.jetstream import JetStreamLog
 from recovery.log.waiting import Attempts, until_streams_exist
@@ -73,6 +75,7 @@ class Agent(Relay):
         self.progress = ProgressFold()
         self.silence = SilenceWatch()
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
+        self.dumps = Dumps()
 
     # -- events ----------------------------------------------------------------------------------------
     def _next_id(self) -> str:
@@ -466,6 +469,9 @@ class Agent(Relay):
             case SaveCheckpoint():
                 assert job is not None
                 return await self._save(job, command)
+            case DumpStacks():
+                assert job is not None
+                return await self._dump(job, command)
             case FailJob():
                 assert job is not None
                 await self._kill(job, list(job.processes))
@@ -483,7 +489,29 @@ class Agent(Relay):
                 return {}
         raise CommandFailed(f"unknown command {command.kind}")
 
+    async def _dump(self, job: JobOnNode, command: DumpStacks) -> dict[str, Any]:
+        """Every live process of the job here, its stack, as one `process.stacks` event (see `stacks`)."""
+        done = self.dumps.begin(job.id)  # before any await: a kill carried out after this command waits for it
+        try:
+            live = sorted((p.rank, p.pid) for p in job.processes.values() if p.alive)
+            tool = dump_tool()
+            found: list[RankStack | None] = [None] * len(live)
+
+            async def one(index: int, rank: int, pid: int) -> None:
+                found[index] = await take_stack(rank, pid, tool)
+
+            async with anyio.create_task_group() as tg:
+                for index, (rank, pid) in enumerate(live):
+                    tg.start_soon(one, index, rank, pid)
+            self.job_event(job.id, "process.stacks", {"ranks": [s.model_dump() for s in found if s is not None],
+                                                      "command_id": command.id, "tool": "py-spy"})
+            logger.info("stacks of %d rank(s) of %s taken: %s", len(live), job.id, command.reason)
+            return {"ranks": [rank for rank, _ in live]}
+        finally:
+            self.dumps.end(job.id, done)
+
     async def _kill(self, job: JobOnNode, which: list[int]) -> None:
+        await self.dumps.settled(job.id)  # the hang's evidence first
         procs = [job.processes[r] for r in which if r in job.processes]
         async with anyio.create_task_group() as tg:
             for proc in procs:
@@ -494,6 +522,7 @@ class Agent(Relay):
     async def _stop(self, job: JobOnNode, which: list[int], grace_s: float) -> None:
         """The SDK's stop first (the step ends cleanly), then SIGTERM, then SIGKILL, within `grace_s`; a rank with no
         SDK connection (a stock script) gets SIGTERM at once, as torchrun sends it to a failed group's workers."""
+        await self.dumps.settled(job.id)
         procs = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
         asked: set[int] = set()
         for proc in procs:

@@ -99,6 +99,7 @@ def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> di
         "lost_gpu_hours": round(sum(gpu_hours.values()), 3),
         "restart_loop": inc.restart_loop, "before_window": inc.before_window,
         "decisions": inc.decisions, "decisions_omitted": inc.decisions_omitted,
+        "stacks": inc.stacks.report() if inc.stacks is not None else None,
     }
 
 def lemons(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from recovery.report.figures import job_report, lemons, mttr, restarts, sum_dicts
 from recovery.report.source import RawDict
+from recovery.report.stacks import StackGroups
 from recovery.report.state import Incident, JobFold, Phase
 from recovery.report.state import seconds as _s
 
@@ -133,6 +134,9 @@ class ReportFold:
             rank = env["data"].get("rank")
             if job is not None and isinstance(rank, int):
                 job.last_heard[rank] = ts
+        if type_ == "process.stacks" and job_id is not None:
+            self._stacks(job_id, env["data"])
+            return  # big, and no decision's input: not kept among the recent inputs
         if type_ in _QUIET_INPUTS:
             return
         recent = self.recent
@@ -149,6 +153,16 @@ class ReportFold:
                 self._progress(job, int(env["data"]["step"]), ts)
         elif type_ == "job.submitted":
             self._submitted(job_id, env["data"]["spec"], ts)
+
+    def _stacks(self, job_id: str, data: dict[str, Any]) -> None:
+        """A node's stacks, taken for the hang its job's incident is about (the open one, else the one just closed:
+        a dump may land after a quick recovery)."""
+        job = self.jobs.get(job_id)
+        incident = None if job is None else job.incident or (job.incidents[-1] if job.incidents else None)
+        if incident is not None:
+            if incident.stacks is None:
+                incident.stacks = StackGroups()
+            incident.stacks.add(data)
 
     def _in_order(self, record: RawDict, d: dict[str, Any], ts: int) -> None:
         """Fold `d` now if the decisions of its cause and job before it are folded, else hold it until they are."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from recovery.report.stacks import StackGroups
+
 NS = 1_000_000_000
 
 
@@ -50,6 +52,8 @@ class Incident:
     restart_loop: bool = False
     before_window: bool = False
     """opened before --since: its start is not in what was read"""
+    stacks: StackGroups | None = None
+    """the stacks the agents took before a hang was acted on, grouped"""
 
 
 @dataclass

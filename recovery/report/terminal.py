@@ -10,6 +10,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from recovery.report.stacks import describe
+
 MAX_INCIDENTS = 50
 """incidents shown in full per job in the terminal; --json and --html have all of them"""
 
@@ -135,6 +137,8 @@ def _incident_panel(inc: dict[str, Any]) -> Panel:
     if inc["dying_checkpoint"]:
         d = inc["dying_checkpoint"]
         lines.append(Text(f"dying checkpoint at step {d['step']} {d['how']}: {d['outcome'] or 'pending'}"))
+    if inc.get("stacks"):
+        lines.extend(Text(line, style="magenta") for line in describe(inc["stacks"]))
     if inc["lost_gpu_hours_by_phase"]:
         lines.append(Text("GPU-hours lost: " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                          inc["lost_gpu_hours_by_phase"].items())))

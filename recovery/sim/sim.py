@@ -117,7 +117,8 @@ class Simulator:
         if recorder.commands:
             commands, recorder.commands = recorder.commands, []
             for command in commands:
-                self.world.execute(command)
+                if command.kind != "dump_stacks":  # simulated processes have no stacks to take; none is awaited
+                    self.world.execute(command)
         self._relabel()
 
     def _observe(self, decision: Decision) -> None:
