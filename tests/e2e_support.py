@@ -174,7 +174,7 @@ async def watch(nc: Client, job: str) -> JobWatch:
 
 def job_spec(out: Path, steps: int, step_time: float, nodes: list[str], master_port: int,
              rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None,
-             detection: dict[str, Any] | None = None) -> dict[str, Any]:
+             detection: dict[str, Any] | None = None, args: list[str] | None = None) -> dict[str, Any]:
     policies: dict[str, Any] = {"detection": {"name": "default", "params": detection or {"hang_min_silence_s": 5.0,
                                                                                          "agent_silence_s": 3.0}}}
     if checkpoint is not None:
@@ -183,7 +183,8 @@ def job_spec(out: Path, steps: int, step_time: float, nodes: list[str], master_p
         "nodes": nodes, "ranks_per_node": 2, "layout": {"dp": 4}, "watchdog_interval_s": 1.0,
         "policies": policies,
         "entrypoint": {"command": sys.executable,
-                       "args": [str(TRAIN), "--steps", str(steps), "--step-time", str(step_time), "--out", str(out)],
+                       "args": [str(TRAIN), "--steps", str(steps), "--step-time", str(step_time), "--out", str(out),
+                                *(args or [])],
                        "cwd": str(ROOT), "rendezvous": rendezvous,
                        "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
                                "PYTHONPATH": environment()["PYTHONPATH"]}},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,10 @@ def main() -> None:
                              "resume plan resumes from the newest one there (how a job restarted whole, as torchrun "
                              "restarts it, loses only the steps since)")
     parser.add_argument("--checkpoint-dir", default="checkpoints")
+    parser.add_argument("--stall-rank", type=int, default=-1,
+                        help="a fault to inject: this rank's data loader never returns at --stall-at-step, in the "
+                             "job's first generation (the others then wait for it in their all_reduce)")
+    parser.add_argument("--stall-at-step", type=int, default=-1)
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -87,6 +92,11 @@ def main() -> None:
                 return path
         return None
 
+    def load_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if (step, group.rank, client.generation) == (args.stall_at_step, args.stall_rank, 0):
+            threading.Event().wait()  # the injected stall: a loader blocked on a lost file server, say
+        return batch(args.seed, step, group.rank, 64)
+
     client.on_save(save)
     plan = client.resume_plan()
     source = plan.source_of(group.rank) if plan is not None else None
@@ -113,7 +123,7 @@ def main() -> None:
         failed = False
         try:
             group.check()  # a newer generation announced: peers were replaced while this group still works
-            x, y = batch(args.seed, step, group.rank, 64)
+            x, y = load_batch(step)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             for parameter in model.parameters():
