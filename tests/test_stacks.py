@@ -19,6 +19,7 @@ from recovery.agent.stacks import Dumps, dump_tool, take_stack, trimmed
 from recovery.core.addressing import command_nodes
 from recovery.log.file import FileLog
 from recovery.report import build_report, iter_file
+from recovery.report.html import render_html
 from recovery.report.stacks import StackGroups, innermost_own, main_frames
 from recovery.testing.scenario import Scenario
 
@@ -168,3 +169,6 @@ def test_the_report_groups_the_incidents_stacks_and_names_the_odd_rank(tmp_path:
     stacks = incident["stacks"]
     assert stacks["dumps"] == 2 and stacks["odd"] == [{"ranks": [5], "frame": "load_batch (train.py:9)"}]
     assert stacks["groups"][0]["ranks"] == [0, 1, 2, 3, 4, 6, 7]
+    page = render_html(report)
+    assert "stacks: rank(s) 5 stand out, in load_batch (train.py:9)" in page
+    assert "stacks: the other 7 rank(s) in all_reduce (train.py:30)" in page

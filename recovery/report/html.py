@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from recovery.report.fold import REPORT_VERSION
+from recovery.report.stacks import describe
 
 PHASE_COLORS = {
     "detection": "#9e9e9e", "settling": "#b39ddb", "planning": "#7986cb", "waiting": "#e57373",
@@ -162,6 +163,10 @@ def _incident_table(job: dict[str, Any]) -> str:
                     f'<td>{inc["detection_latency_s"]:.1f}</td><td>{grans}</td><td>{source}</td>'
                     f'<td>{"?" if inc["lost_steps"] is None else inc["lost_steps"]}</td><td>{ttr}</td>'
                     f'<td>{inc["lost_gpu_hours"]:.2f}</td><td>{_e(inc["outcome"])}</td></tr>')
+        if inc.get("stacks"):
+            # the hang's localization: who stood out in the stacks taken before it was acted on
+            lines = "<br>".join(_e(line) for line in describe(inc["stacks"]))
+            rows.append(f'<tr class="stacks"><td></td><td colspan="8">{lines}</td></tr>')
     return ('<table class="incidents"><thead><tr><th>incident</th><th>fault</th><th>detect s</th><th>granularity'
             '</th><th>checkpoint</th><th>lost steps</th><th>TTR s</th><th>GPU-h</th><th>outcome</th></tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table>')
