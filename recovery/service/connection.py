@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
+from recovery.log.jetstream import is_transient
 from recovery.log.waiting import Attempts
 from recovery.service.publisher import reraise_cancel
 
@@ -109,3 +111,23 @@ class ShortLivedThreads(concurrent.futures.ThreadPoolExecutor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         pass  # its threads end with their calls
+
+
+async def retry(op: Callable[[], Awaitable[Any]], what: str, stopping: Callable[[], bool],
+                limit_s: float = float("inf")) -> Any:
+    """`op()`, tried again with a growing backoff while it fails the way an outage fails it (a 429 included),
+    until `limit_s` or a stop; any other error at once."""
+    deadline = time.monotonic() + limit_s
+    delay = 0.05
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            reraise_cancel(exc)
+            if time.monotonic() > deadline or stopping():
+                raise
+            logger.warning(f"{what}: retrying", extra={"fields": {"error": repr(exc)}})
+            await anyio.sleep(delay)  # retry backoff through an outage
+            delay = min(delay * 2, 1.0)

@@ -26,11 +26,8 @@ daemon outlives `Daemon.run`.
 
 Crash safety. The engine state is snapshotted (every `snapshot_every_records` inputs or `snapshot_every_s`
 seconds, and at shutdown) together with the last input sequence it covers, only at a batch boundary whose
-effects are all acknowledged. A restart restores the newest snapshot and applies the inputs after it again: the
-decisions they make are the same, with the same ids. Before it starts, it reads the ids already stored after the
-snapshot (decisions and dead letters in the log, commands in the command stream since the snapshot's log time)
-and does not publish those again; anything else it republishes is dropped by JetStream's duplicate window. So
-every input takes effect once and no command id is stored twice.
+effects are all acknowledged; a restart restores it and skips the outputs already stored (`recovery.service.restore`).
+So every input takes effect once and no command id is stored twice.
 """
 
 from __future__ import annotations
@@ -40,10 +37,9 @@ import contextlib
 import logging
 import signal
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
-from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -51,35 +47,31 @@ import anyio
 from anyio.abc import TaskStatus
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from events import subjects
-from events.codec import encode_envelope
-from events.envelope import make_envelope
 from recovery.core.engine import Effect, Engine
 from recovery.core.timers import Firing
-from recovery.log.jetstream import ensure_stream, is_transient, stream_config
+from recovery.log.jetstream import is_transient
 from recovery.log.pull import Delivery
-from recovery.log.snapshot import open_snapshot
 from recovery.service import connection, speedups
 from recovery.service.config import DaemonConfig
-from recovery.service.consumer import InputReader, scan_ids
+from recovery.service.consumer import InputReader
 from recovery.service.control import ControlService
 from recovery.service.embedded import DataDirInUse, DataDirLock, EmbeddedNats
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost, default_instance
 from recovery.service.parts import Parts
-from recovery.service.processor import Listener, Processor
-from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
+from recovery.service.processor import AppliedWaits, Listener, Processor
+from recovery.service.publisher import Publisher, reraise_cancel
+from recovery.service.restore import open_newest, published_after
 from recovery.service.seal import load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
-from recovery.service.timers import ServerClock, TimerService
+from recovery.service.streams import ensure_streams
+from recovery.service.timers import ServerClock, TimerService, timer_messages
 
 logger = logging.getLogger("recovery.daemon")
 
 CTL_PREFIX = f"{subjects.PREFIX}.ctl"
-CLOCK_SKEW_MARGIN_NS = 120 * 1_000_000_000
-"""commands are looked up from this long before the snapshot's log time (servers' clocks may differ)"""
 COMPANION_GRACE_S = 15.0
 """how long a companion may take to wind down before the daemon stops (the demo exports and verifies its log)"""
 
@@ -132,7 +124,7 @@ class Daemon:
         self._starting: anyio.CancelScope | None = None
         self._deadline: float | None = None  # of the shutdown, once it has begun
         self._parts = Parts(self._fail)
-        self._waiting: list[tuple[int, anyio.Event]] = []  # wait_applied: (input sequence, set once applied)
+        self._applied = AppliedWaits()
         self._reader_ok = False
         self._caught_up_logged = False
         self._start_wall = time.monotonic()
@@ -399,14 +391,7 @@ class Daemon:
         js = self.js
         assert js is not None
         cfg = self.cfg
-        await self._retry(lambda: ensure_stream(js, stream_config(cfg.stream, None, cfg.duplicate_window_s,
-                                                                  cfg.replicas)), "log stream")
-        commands = StreamConfig(
-            name=cfg.command_stream, subjects=[subjects.COMMANDS], retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE, max_age=cfg.command_max_age_s, duplicate_window=cfg.duplicate_window_s,
-            num_replicas=cfg.replicas, discard=DiscardPolicy.OLD,
-        )
-        await self._retry(lambda: ensure_stream(js, commands), "command stream")
+        await ensure_streams(js, cfg, self._retry)
         self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, cfg.partition, cfg.snapshot_chunk_bytes,
                                        cfg.replicas)
         await self._retry(self.snapshots.ensure, "snapshot bucket")
@@ -415,59 +400,27 @@ class Daemon:
                                        cfg.snapshot_fork, self.metrics, self._retry, self._start_wall)
 
     async def _retry(self, op: Callable[[], Awaitable[Any]], what: str, limit_s: float = float("inf")) -> Any:
-        deadline = time.monotonic() + limit_s
-        delay = 0.05
-        while True:
-            try:
-                return await op()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                reraise_cancel(exc)
-                if time.monotonic() > deadline or self.stopping:
-                    raise
-                logger.warning(f"{what}: retrying", extra=_fields(error=repr(exc)))
-                await anyio.sleep(delay)  # retry backoff through an outage
-                delay = min(delay * 2, 1.0)
+        return await connection.retry(op, what, lambda: self.stopping, limit_s)
 
     async def _restore(self) -> None:
-        assert self.snapshots is not None
+        assert self.snapshots is not None and self.nc is not None and self.js is not None
+        nc, js, cfg = self.nc, self.js, self.cfg
         t0 = time.monotonic()
-        loaded = await self._retry(self.snapshots.load, "snapshot load")
-        if loaded is not None:
-            blob, manifest = loaded
-            try:
-                opened = open_snapshot(blob)
-            except Exception as exc:  # classes changed under the same version: replay instead of crashing
-                opened = f"{type(exc).__name__}: {exc}"
-            if not isinstance(opened, Engine):
-                logger.warning("snapshot not restored: replaying the whole log",
-                               extra=_fields(seq=manifest.get("seq"), reason=opened))
-            else:
-                self.processor.engine = opened
-                self.restored_seq = self.clean_seq = opened.last_seq
-                self.last_ts = int(manifest.get("ts", 0))
-                assert self.snapshotter is not None
-                self.snapshotter.restored(opened.last_seq, manifest)
+        newest = await open_newest(self.snapshots, self._retry)
+        if newest is not None:
+            opened, manifest = newest
+            self.processor.engine = opened
+            self.restored_seq = self.clean_seq = opened.last_seq
+            self.last_ts = int(manifest.get("ts", 0))
+            assert self.snapshotter is not None
+            self.snapshotter.restored(opened.last_seq, manifest)
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
-        self.processor.skip_ids = await self._retry(
-            lambda: self._published_after(self.restored_seq, self.last_ts), "published-id scan")
+        self.processor.skip_ids = await self._retry(lambda: published_after(
+            nc, js, cfg.stream, cfg.command_stream, self.restored_seq, self.last_ts), "published-id scan")
         logger.info("restored", extra=_fields(
             snapshot_seq=self.restored_seq, jobs=len(self.engine.jobs), timers=len(self.engine.timers),
             already_published=len(self.skip_ids), seconds=round(time.monotonic() - t0, 3)))
-
-    async def _published_after(self, seq: int, ts: int) -> set[str]:
-        """Ids of outputs stored after the snapshot: decisions and dead letters in the log after `seq`,
-        commands in the command stream since the snapshot's log time. Not published again."""
-        assert self.js is not None and self.nc is not None
-        ids: set[str] = set()
-        start_cmd = None if seq == 0 else datetime.fromtimestamp(max(ts - CLOCK_SKEW_MARGIN_NS, 0) / 1e9, tz=UTC)
-        scans = [(self.cfg.stream, [subjects.DECISIONS, subjects.DEAD_LETTERS], seq + 1, None),
-                 (self.cfg.command_stream, [subjects.COMMANDS], 1, start_cmd)]
-        for stream, filters, start_seq, start_time in scans:
-            ids.update(await scan_ids(self.nc, self.js, stream, filters, start_seq, start_time))
-        return ids
 
     # -- processing ---------------------------------------------------------------------------------------
     async def _process_inputs(self) -> None:
@@ -531,65 +484,18 @@ class Daemon:
         self.clean_seq = engine.last_seq
         assert self.snapshotter is not None
         self.snapshotter.records_since += done.applied
-        now = time.time_ns()
-        m = self.metrics
-        for ts in done.timed:
-            m.latency.observe(max(now - ts, 0) / 1e9)
-        for key, n in done.types.items():
-            m.events.labels(key).inc(n)
-        for key, n in done.decisions.items():
-            m.decisions.labels(key).inc(n)
-        for key, n in done.rejections.items():
-            m.rejections.labels(key).inc(n)
-        for key, n in done.commands.items():
-            m.commands.labels(key).inc(n)
-        m.batch_size.observe(done.applied)
-        m.last_seq.set(engine.last_seq)
-        m.consumer_lag.set(reader.lag)
+        self.metrics.observe_batch(done, time.time_ns(), engine.last_seq, reader.lag)
         self.timer_service.reschedule()
-        if self._waiting:
-            self._notify_applied()
+        self._applied.reached(self.clean_seq)
 
     async def wait_applied(self, seq: int, timeout: float) -> bool:
         """Wait until the input at `seq` is applied and its effects published; TimeoutError after `timeout`."""
-        if self.clean_seq >= seq:
-            return True
-        applied = anyio.Event()
-        waiter = (seq, applied)
-        self._waiting.append(waiter)
-        try:
-            with anyio.fail_after(timeout):
-                await applied.wait()
-        finally:
-            with contextlib.suppress(ValueError):
-                self._waiting.remove(waiter)
-        return True
-
-    def _notify_applied(self) -> None:
-        clean, still = self.clean_seq, []
-        for seq, applied in self._waiting:
-            if seq <= clean:
-                applied.set()
-            else:
-                still.append((seq, applied))
-        self._waiting = still
+        return await self._applied.wait(seq, self.clean_seq, timeout)
 
     async def _fire_timers(self, fired: list[Firing]) -> None:
         publisher = self.publisher
         assert publisher is not None
-        out = []
-        for firing in fired:
-            ident = f"timer:{firing.timer_id}:{firing.due}"
-            if firing.refired_at is not None:
-                ident += f":{firing.refired_at}"  # not the refused firing's id, or the duplicate window drops it
-            try:
-                envelope = make_envelope("timer.fired", {"timer_id": firing.timer_id, "due": firing.due}, id=ident,
-                                         job=firing.job, source="recovery-daemon/timers")
-            except ValueError:  # pydantic's ValidationError: an id the envelope cannot carry; never fires
-                logger.exception("cannot fire timer", extra=_fields(timer_id=firing.timer_id, job=firing.job))
-                continue
-            out.append(Outgoing(subjects.job_event(firing.job, "timer.fired"), encode_envelope(envelope),
-                                self.processor.seal(ident), "timer"))
+        out = timer_messages(fired, self.processor.seal)
         try:
             await publisher.publish(out, deadline=time.monotonic() + 30)
         except TimeoutError:
@@ -607,23 +513,8 @@ class Daemon:
                     "lag": self.reader.lag if self.reader else None}
 
     def _refresh_gauges(self) -> None:
-        m = self.metrics
-        states: Counter[str] = Counter()
-        incidents = 0
-        for job in self.engine.jobs.values():
-            states[job.state] += 1
-            incidents += job.incident is not None
-        for state, n in states.items():
-            m.jobs.labels(state).set(n)
-        m.open_incidents.set(incidents)
-        m.timers_armed.set(len(self.engine.timers))
-        m.active.set(1 if self.role == "active" else 0)
-        m.clock_offset.set(self.server_clock.offset_ns / 1e9)
-        if self.snapshot_written is not None:
-            m.snapshot_age.set(time.monotonic() - self.snapshot_written)
-        m.ready.set(1 if self.readiness()[0] else 0)
-        if self.reader is not None:
-            m.consumer_lag.set(self.reader.lag)
+        self.metrics.refresh(self.engine, self.role == "active", self.server_clock.offset_ns, self.snapshot_written,
+                             self.readiness()[0], self.reader.lag if self.reader is not None else None)
 
     async def status(self) -> dict[str, object]:
         ok, why = self.readiness()

@@ -9,11 +9,13 @@ publishes what comes out, waits for JetStream to acknowledge it, and only then a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import anyio
 import orjson
 
 from events import subjects
@@ -125,6 +127,39 @@ class Processor(EffectRouter):
         msg_id = self.seal(envelope.id)
         if not self._stored(envelope.id, msg_id):
             self._batch.out.append(Outgoing(subject, data, msg_id, "rejection"))
+
+
+class AppliedWaits:
+    """Who waits for an input to be applied and its effects published (`Daemon.wait_applied`)."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[int, anyio.Event]] = []  # (input sequence, set once applied)
+
+    async def wait(self, seq: int, clean_seq: int, timeout: float) -> bool:
+        if clean_seq >= seq:
+            return True
+        applied = anyio.Event()
+        waiter = (seq, applied)
+        self._waiting.append(waiter)
+        try:
+            with anyio.fail_after(timeout):
+                await applied.wait()
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(waiter)
+        return True
+
+    def reached(self, clean_seq: int) -> None:
+        """Every input up to `clean_seq` is applied and its effects published."""
+        if not self._waiting:
+            return
+        still = []
+        for seq, applied in self._waiting:
+            if seq <= clean_seq:
+                applied.set()
+            else:
+                still.append((seq, applied))
+        self._waiting = still
 
 
 def addressed(engine: Engine, command: Command) -> list[Outgoing]:

@@ -8,14 +8,21 @@ an input record with the log's own timestamp.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
 import anyio
 
+from events import subjects
+from events.codec import encode_envelope
+from events.envelope import make_envelope
 from recovery.core.router import EffectRouter
 from recovery.core.timers import Firing
+from recovery.service.publisher import Outgoing
+
+logger = logging.getLogger("recovery.daemon")  # a firing that cannot be made is the daemon's line, as before
 
 MAX_SLEEP_S = 1.0
 """the longest the service sleeps without looking at its table again"""
@@ -115,3 +122,22 @@ class TimerService:
             with anyio.move_on_after(wait):
                 await wake.wait()
             self._asleep_until = None
+
+
+def timer_messages(fired: list[Firing], seal: Callable[[str], str]) -> list[Outgoing]:
+    """The `timer.fired` events of `fired`, each under its deterministic id (`timer:<timer id>:<due>`), so that a
+    re-fire after a crash is a duplicate; `seal` makes the message id (`recovery.service.seal`)."""
+    out = []
+    for firing in fired:
+        ident = f"timer:{firing.timer_id}:{firing.due}"
+        if firing.refired_at is not None:
+            ident += f":{firing.refired_at}"  # not the refused firing's id, or the duplicate window drops it
+        try:
+            envelope = make_envelope("timer.fired", {"timer_id": firing.timer_id, "due": firing.due}, id=ident,
+                                     job=firing.job, source="recovery-daemon/timers")
+        except ValueError:  # pydantic's ValidationError: an id the envelope cannot carry; never fires
+            logger.exception("cannot fire timer", extra={"fields": {"timer_id": firing.timer_id, "job": firing.job}})
+            continue
+        out.append(Outgoing(subjects.job_event(firing.job, "timer.fired"), encode_envelope(envelope),
+                            seal(ident), "timer"))
+    return out
