@@ -106,6 +106,49 @@ COMMANDS = f"{PREFIX}.cmd.>"
 
 _OUTPUT_PREFIXES = (f"{PREFIX}.dec.", f"{PREFIX}.dlq.")
 
+# -- partitions -------------------------------------------------------------------------------------------------
+# With P > 1 partitions, the log stream maps every job event it stores into its partition's subject space
+# (`recovery.p.<k>.ev.job.<job>.<type>`, k = `partition_of(job, P)`: JetStream's `partition()` transform, so that
+# no publisher needs to know P); node events stay on their subject and every partition reads them.
+PARTITIONED_EVENTS = f"{PREFIX}.p"
+JOB_EVENTS = f"{PREFIX}.ev.job"
+NODE_EVENTS = f"{PREFIX}.ev.node.>"
+FENCES = f"{PREFIX}.fence"
+
+
+def partition_of(token: str, count: int) -> int:
+    """The partition JetStream's `partition(count, ...)` transform gives a subject token: FNV-1a (32 bits) of its
+    bytes, modulo `count`."""
+    h = 0x811C9DC5
+    for byte in token.encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h % count
+
+
+def partition_transform(count: int) -> tuple[str, str]:
+    """(source, destination) of the log stream's subject transform that puts each job event in its partition."""
+    return f"{JOB_EVENTS}.*.>", f"{PARTITIONED_EVENTS}.{{{{partition({count},1)}}}}.ev.job.{{{{wildcard(1)}}}}.>"
+
+
+def partition_inputs(index: int) -> list[str]:
+    """What partition `index` reads: its jobs' events and every node's."""
+    return [f"{PARTITIONED_EVENTS}.{index}.ev.>", NODE_EVENTS]
+
+
+def unpartitioned(subject: str) -> str:
+    """The subject a partitioned job event was published on (`recovery.p.<k>.ev.job...` -> `recovery.ev.job...`);
+    any other subject as it is."""
+    if not subject.startswith(PARTITIONED_EVENTS + "."):
+        return subject
+    _, _, index, rest = subject.split(".", 3)
+    return f"{PREFIX}.{rest}" if index.isdigit() and rest.startswith("ev.") else subject
+
+
+def fence(stream_kind: str, key: str) -> str:
+    """The subject a partition's owner claims in one stream (`log` or `cmd`): each output it publishes there
+    expects that subject's last sequence to be its own claim, so that a stale owner's publishes are refused."""
+    return f"{FENCES}.{stream_kind}.{key}"
+
 
 def is_output(subject: str) -> bool:
     """Decisions and dead letters are the engine's own output, kept in the log for audit."""

@@ -17,7 +17,7 @@ import anyio
 import orjson
 
 from recovery.service import config as config_mod
-from recovery.service import jsonlog
+from recovery.service import jsonlog, ownership
 from recovery.service.config import ConfigError
 from recovery.service.daemon import run
 
@@ -48,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(cfg)
     jsonlog.setup(cfg.log_level, cfg.log_format, cfg.log_file)
+    if cfg.partitions > 1:
+        return anyio.run(ownership.run, cfg)
     return anyio.run(run, cfg)
 
 

@@ -38,6 +38,7 @@ from recovery.core.incidents import MAX_PLANS_PER_RECORD, Incidents
 from recovery.core.job import DEDUPE_WINDOW, Job, Memento
 from recovery.core.machine import FINAL
 from recovery.core.operators import Operators
+from recovery.core.partition import Partition
 from recovery.core.placement import Placement
 from recovery.core.progress import Progress
 from recovery.core.record import Effect, RecordEffects, Rejected, check_encodable
@@ -52,7 +53,12 @@ a setting: a replay must forget exactly what the daemon forgot."""
 
 
 class Engine(Progress):
-    def __init__(self) -> None:
+    partition: Partition | None = None
+    """the partition of jobs this engine decides for (None: every job); it grants only the spares it owns"""
+
+    def __init__(self, partition: Partition | None = None) -> None:
+        if partition is not None:  # unset otherwise: a single partition's snapshot is what it always was
+            self.partition = partition
         self.cluster = ClusterView()
         self.jobs: dict[str, Job] = {}
         self.last_seq = 0
@@ -431,7 +437,8 @@ class Engine(Progress):
             if node.links_down:
                 node.links_down.discard(data.link)
         elif isinstance(data, kinds.NodeJoined):
-            node.spare = data.spare and node.job is None
+            # A spare every partition hears of is granted by the one partition that owns it (`core.partition`).
+            node.spare = data.spare and node.job is None and (self.partition is None or self.partition.owns_spare(name))
             node.devices = data.devices
             node.ready, node.drained, node.isolated = True, False, False
             node.bad_devices.clear()

@@ -49,7 +49,11 @@ class DaemonConfig(FileSettings):
     batch_size: int = Field(1000, ge=1, le=100_000, description="records pulled and applied per batch")
     ack_wait_s: float = Field(60.0, gt=0, description="redelivery delay of an unacknowledged input")
     snapshot_bucket: str = Field("RECOVERY_SNAPSHOTS", description="KV bucket of engine snapshots")
-    partition: str = Field("default", description="snapshot key: the partition of jobs this daemon owns")
+    partition: str = Field("default", description="snapshot and lease key: the partition of jobs this daemon owns "
+                                                  "(with partitions > 1, the prefix of each partition's key)")
+    partitions: int = Field(1, ge=1, le=1024, description="jobs spread over this many partitions, owned by the "
+                                                          "daemons between them (fixed for the life of the log; "
+                                                          "> 1 needs nats_url and a lease)")
     lease_bucket: str = Field("RECOVERY_LEASES", description="KV bucket of the partitions' leases")
     lease_ttl_s: float = Field(10.0, ge=0, description="a standby takes the partition over this long after the "
                                                        "active daemon stops renewing its lease (0: no lease; "
@@ -98,12 +102,20 @@ class DaemonConfig(FileSettings):
 
     @model_validator(mode="after")
     def _coherent(self) -> DaemonConfig:
+        if self.partitions > 1 and (not self.nats_url or self.lease_ttl_s <= 0):
+            raise ValueError(f"partitions = {self.partitions} needs a NATS server (nats_url) and a lease "
+                             f"(lease_ttl_s > 0): the daemons share the partitions through their leases")
         if self.stream == self.command_stream:
             raise ValueError("stream and command_stream must differ")
         if self.duplicate_window_s > self.command_max_age_s:
             raise ValueError(f"duplicate_window_s ({self.duplicate_window_s}) exceeds command_max_age_s "
                              f"({self.command_max_age_s}): JetStream requires the window within the max age")
         return self
+
+    def partition_key(self, index: int | None) -> str:
+        """The key of a partition's lease, snapshot, consumer and fence: `partition` alone with one partition (as
+        always), `<partition>-<index>` with several."""
+        return self.partition if index is None else f"{self.partition}-{index}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

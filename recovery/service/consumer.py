@@ -26,11 +26,14 @@ class InputReader:
     effects, so a crash redelivers what it had not finished."""
 
     def __init__(self, nc: Client, js: JetStreamContext, stream: str, durable: str, batch: int,
-                 ack_wait_s: float, replicas: int, pull_expires_s: float = 2.0) -> None:
+                 ack_wait_s: float, replicas: int, pull_expires_s: float = 2.0,
+                 filters: list[str] | None = None) -> None:
         config = ConsumerConfig(
             durable_name=durable, ack_policy=AckPolicy.ALL, ack_wait=ack_wait_s, max_deliver=-1,
             filter_subject=INPUTS, max_ack_pending=max(4 * batch, 4096), num_replicas=replicas, max_waiting=512,
         )
+        if filters is not None:  # a partition's inputs: its jobs' subject space and every node's events
+            config.filter_subject, config.filter_subjects = None, filters
         self.pull = PullReader(nc, js, stream, config, batch=batch, pull_expires_s=pull_expires_s)
 
     @property

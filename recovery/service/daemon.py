@@ -50,6 +50,7 @@ from nats.js import JetStreamContext
 
 from events import subjects
 from recovery.core.engine import Effect, Engine
+from recovery.core.partition import Partition
 from recovery.core.timers import Firing
 from recovery.log.jetstream import is_transient
 from recovery.log.pull import Delivery
@@ -58,6 +59,7 @@ from recovery.service.config import DaemonConfig
 from recovery.service.consumer import InputReader
 from recovery.service.control import ControlService
 from recovery.service.embedded import DataDirInUse, DataDirLock, EmbeddedNats
+from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost, default_instance
 from recovery.service.parts import Parts
@@ -91,10 +93,13 @@ class Daemon:
     """One daemon: `run` it (in a task group, or through `running`), `request_stop` it. Its state is readable
     while it runs (`engine`, `status`, `readiness`) from the same event loop."""
 
-    def __init__(self, cfg: DaemonConfig) -> None:
+    def __init__(self, cfg: DaemonConfig, partition: Partition | None = None) -> None:
         self.cfg = cfg
+        self.partition = partition  # one of several (`recovery.service.ownership`), or None: every job
+        self.key = cfg.partition_key(None if partition is None else partition.index)
         self.metrics = Metrics()
-        self.processor = Processor()
+        self.processor = Processor(None if partition is None else Engine(partition))
+        self.fence: Fence | None = None
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.embedded: EmbeddedNats | None = None
@@ -256,19 +261,24 @@ class Daemon:
         await self._ensure_streams()
         if cfg.lease_ttl_s > 0:
             assert self.js is not None
-            lease = self.lease = Lease(self.js, cfg.lease_bucket, cfg.partition,
+            lease = self.lease = Lease(self.js, cfg.lease_bucket, self.key,
                                        cfg.instance or default_instance(cfg.data_dir), cfg.lease_ttl_s, cfg.replicas)
             await self._retry(lease.ensure, "lease bucket")
             self.role = "standby"
             teardown.push_async_callback(self._release_lease)
             await self._retry(lease.acquire, "lease")
-            logger.info("lease acquired: active", extra=_fields(partition=cfg.partition, instance=lease.instance))
+            logger.info("lease acquired: active", extra=_fields(partition=self.key, instance=lease.instance))
             self._parts.start("lease", self._hold_lease)
+            if self.partition is not None:
+                await self._claim(lease.instance)
         self.role = "active"
         await self._restore()
         assert self.nc is not None and self.js is not None
-        self.reader = InputReader(self.nc, self.js, cfg.stream, cfg.consumer, cfg.batch_size, cfg.ack_wait_s,
-                                  cfg.replicas)
+        part = self.partition  # its own durable consumer, over its jobs' events and every node's
+        durable = cfg.consumer if part is None else f"{cfg.consumer}-{self.key}"
+        self.reader = InputReader(self.nc, self.js, cfg.stream, durable,
+                                  cfg.batch_size, cfg.ack_wait_s, cfg.replicas,
+                                  filters=None if part is None else subjects.partition_inputs(part.index))
         teardown.push_async_callback(self.reader.close)
         if cfg.timers_enabled:
             logger.info("timers re-armed", extra=_fields(timers=len(self.processor.timers)))
@@ -325,11 +335,20 @@ class Daemon:
         if self.failure is None:
             self.failure, self._failed_part = exc, what
         self.failed = True
+        if isinstance(exc, Fenced):
+            self.role = "deposed"  # another daemon owns the partition now: its lease is not ours to release
         self.request_stop()
 
     async def _accompany(self, companion: Companion) -> None:
         async with companion(self):
             await self._parts["companion"].stop_requested.wait()
+
+    async def _claim(self, owner: str) -> None:
+        """Claim the partition's outputs (`recovery.service.fence`): an earlier owner still running is refused."""
+        assert self.js is not None and self.publisher is not None
+        fence = self.fence = Fence(self.js, self.key, owner, self.cfg.stream, self.cfg.command_stream)
+        await self._retry(fence.claim, "partition claim")
+        self.publisher.fence = fence.headers
 
     async def _hold_lease(self) -> None:
         """Renew the lease; a lost lease stops the daemon (its supervisor starts it again, as a standby)."""
@@ -392,7 +411,7 @@ class Daemon:
         assert js is not None
         cfg = self.cfg
         await ensure_streams(js, cfg, self._retry)
-        self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, cfg.partition, cfg.snapshot_chunk_bytes,
+        self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, self.key, cfg.snapshot_chunk_bytes,
                                        cfg.replicas)
         await self._retry(self.snapshots.ensure, "snapshot bucket")
         self.processor.seal = await self._retry(lambda: load_seal(js, cfg.snapshot_bucket), "seal")
@@ -406,7 +425,7 @@ class Daemon:
         assert self.snapshots is not None and self.nc is not None and self.js is not None
         nc, js, cfg = self.nc, self.js, self.cfg
         t0 = time.monotonic()
-        newest = await open_newest(self.snapshots, self._retry)
+        newest = await open_newest(self.snapshots, self._retry, self.partition)
         if newest is not None:
             opened, manifest = newest
             self.processor.engine = opened
@@ -528,7 +547,7 @@ class Daemon:
                 "timer_service": self.timer_service.describe(),
                 "server_clock_offset_s": round(self.server_clock.offset_ns / 1e9, 6),
                 "publish_retries": self.publisher.retries if self.publisher else 0,
-                "duplicates_dropped": self.publisher.duplicates if self.publisher else 0}
+                "duplicates_dropped": self.publisher.duplicates if self.publisher else 0, "partition": self.key}
 
 
 async def _stop_on_signals(daemon: Daemon) -> None:

@@ -22,6 +22,7 @@ from events import subjects
 from events.commands import Command
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.outputs import Decision, Rejection
+from events.subjects import unpartitioned
 from recovery.core.addressing import command_nodes
 from recovery.core.engine import Effect, Engine
 from recovery.core.router import EffectRouter
@@ -81,7 +82,8 @@ class Processor(EffectRouter):
                 observe(d.ts)
             if d.seq <= engine.last_seq:
                 continue
-            record = to_record(d.seq, d.ts, d.subject, d.headers or {}, d.data)
+            # A partitioned job event is applied as the subject it was published on (`subjects.unpartitioned`).
+            record = to_record(d.seq, d.ts, unpartitioned(d.subject), d.headers or {}, d.data)
             encoded = self.apply(record)  # a record whose effects cannot be written is revoked
             done.applied += 1
             is_record = type(record) is Record

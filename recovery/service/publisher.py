@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -21,6 +21,7 @@ from recovery.log.jetstream import (
     is_too_many_requests,
     surface_async_ack_errors,
 )
+from recovery.service.fence import Fenced, is_fence_refusal
 
 logger = logging.getLogger("recovery.daemon")  # its lines are the daemon's, as before the publisher had a module
 
@@ -48,6 +49,8 @@ class Publisher:
         self.timeout = timeout
         self.retries = 0
         self.duplicates = 0
+        self.fence: Callable[[str], dict[str, str]] | None = None
+        """the headers that fence an output to its partition's owner (`recovery.service.fence`), when partitioned"""
         # Without this a refused publish's future never resolves (a nats-py bug): it would cost `timeout`.
         surface_async_ack_errors(js)
 
@@ -61,10 +64,14 @@ class Publisher:
             futures: dict[int, asyncio.Future[JsPubAck]] = {}
             error: BaseException | None = None
             try:
+                fence = self.fence
                 for i in remaining:
                     item = items[i]
+                    headers = {MSG_ID: item.msg_id}
+                    if fence is not None:
+                        headers.update(fence(item.subject))
                     futures[i] = await self.js.publish_async(item.subject, item.data, wait_stall=self.timeout,
-                                                             headers={MSG_ID: item.msg_id})
+                                                             headers=headers)
             except Exception as exc:
                 reraise_cancel(exc)  # nats-py turns a cancellation while waiting for a slot into an error
                 if not is_retryable(exc, idempotent=True):
@@ -86,6 +93,8 @@ class Publisher:
                     if maybe is not None and maybe.done() and not maybe.cancelled():
                         failure = maybe.exception()
                         assert failure is not None
+                        if self.fence is not None and is_fence_refusal(failure):
+                            raise Fenced(f"{items[i].subject}: another owner claimed the partition") from failure
                         if not is_retryable(failure, idempotent=True):
                             raise failure  # every message carries its id: only what cannot succeed is not sent again
                         error = error or failure

@@ -16,6 +16,7 @@ from nats.js import JetStreamContext
 
 from events import subjects
 from recovery.core.engine import Engine
+from recovery.core.partition import Partition
 from recovery.log.snapshot import open_snapshot
 from recovery.service.consumer import scan_ids
 from recovery.service.snapshots import Retry, SnapshotStore
@@ -26,7 +27,8 @@ CLOCK_SKEW_MARGIN_NS = 120 * 1_000_000_000
 """commands are looked up from this long before the snapshot's log time (servers' clocks may differ)"""
 
 
-async def open_newest(snapshots: SnapshotStore, retry: Retry) -> tuple[Engine, dict[str, Any]] | None:
+async def open_newest(snapshots: SnapshotStore, retry: Retry,
+                      partition: Partition | None = None) -> tuple[Engine, dict[str, Any]] | None:
     """The engine of the newest snapshot and its manifest; None when there is none, or when it cannot be opened
     (classes changed under the same version): then the whole log is replayed instead of crashing."""
     loaded = await retry(snapshots.load, "snapshot load")
@@ -37,6 +39,8 @@ async def open_newest(snapshots: SnapshotStore, retry: Retry) -> tuple[Engine, d
         opened = open_snapshot(blob)
     except Exception as exc:
         opened = f"{type(exc).__name__}: {exc}"
+    if isinstance(opened, Engine) and opened.partition != partition:
+        opened = f"the engine of partition {opened.partition}, not of {partition}"
     if not isinstance(opened, Engine):
         logger.warning("snapshot not restored: replaying the whole log",
                        extra={"fields": {"seq": manifest.get("seq"), "reason": opened}})

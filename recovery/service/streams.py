@@ -3,8 +3,9 @@ the configuration at start."""
 
 from __future__ import annotations
 
+import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, SubjectTransform
 
 from events import subjects
 from recovery.log.jetstream import ensure_stream, stream_config
@@ -13,18 +14,41 @@ from recovery.service.snapshots import Retry
 
 
 def log_config(cfg: DaemonConfig) -> StreamConfig:
-    return stream_config(cfg.stream, None, cfg.duplicate_window_s, cfg.replicas)
+    """The log; with several partitions, it stores each job event in its partition's subject space (JetStream's
+    `partition()` transform) and holds the partitions' fence subjects."""
+    config = stream_config(cfg.stream, None, cfg.duplicate_window_s, cfg.replicas)
+    if cfg.partitions > 1:
+        src, dest = subjects.partition_transform(cfg.partitions)
+        config.subject_transform = SubjectTransform(src=src, dest=dest)
+        config.subjects = [*(config.subjects or []), f"{subjects.FENCES}.log.>"]
+    return config
 
 
 def command_config(cfg: DaemonConfig) -> StreamConfig:
+    fences = [f"{subjects.FENCES}.cmd.>"] if cfg.partitions > 1 else []
     return StreamConfig(
-        name=cfg.command_stream, subjects=[subjects.COMMANDS], retention=RetentionPolicy.LIMITS,
+        name=cfg.command_stream, subjects=[subjects.COMMANDS, *fences], retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE, max_age=cfg.command_max_age_s, duplicate_window=cfg.duplicate_window_s,
         num_replicas=cfg.replicas, discard=DiscardPolicy.OLD,
     )
 
 
 async def ensure_streams(js: JetStreamContext, cfg: DaemonConfig, retry: Retry) -> None:
-    """Create both streams, or bring them to `cfg`, retrying through an outage."""
+    """Create both streams, or bring them to `cfg`, retrying through an outage. A log that already holds
+    messages under another partitioning is refused: its jobs' state lives in partitions that would move."""
+    await retry(lambda: check_partitioning(js, cfg), "log stream")
     await retry(lambda: ensure_stream(js, log_config(cfg)), "log stream")
     await retry(lambda: ensure_stream(js, command_config(cfg)), "command stream")
+
+
+async def check_partitioning(js: JetStreamContext, cfg: DaemonConfig) -> None:
+    try:
+        info = await js.stream_info(cfg.stream)
+    except nats.js.errors.NotFoundError:
+        return
+    have = info.config.subject_transform
+    want = log_config(cfg).subject_transform
+    if (have.dest if have else None) != (want.dest if want else None) and info.state.messages:
+        raise ValueError(f"partitions = {cfg.partitions}, but the stream {cfg.stream} already holds messages "
+                         f"partitioned by {have.dest if have else 'nothing (one partition)'}: the number of "
+                         f"partitions is fixed for the life of a log")

@@ -1,0 +1,55 @@
+"""A partition's log out of a partitioned one, as that partition's engine read it: for an offline replay.
+
+With P > 1 partitions the log stream stores a job event under its partition's subjects (`recovery.p.<k>.ev.job...`,
+`events.subjects.partition_transform`), and every partition reads every node event. The records of partition `k`
+are its jobs' events (on the subject they were published on, as the daemon applies them), every node event, the
+decisions about its jobs and the dead letters of its inputs; the fence claims are left out. Replayed through an
+engine of that partition (`replay(partition_log(records, p), Engine(p))`), they give the partition's decisions and
+its state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from events import subjects
+from events.envelope import RawRecord, Record
+from recovery.core.partition import Partition
+
+_JOB = f"{subjects.PREFIX}.ev.job."
+_NODE = f"{subjects.PREFIX}.ev.node."
+_DECISION = f"{subjects.PREFIX}.dec."
+_DEAD_LETTER = f"{subjects.PREFIX}.dlq."
+
+
+def _token(subject: str, prefix: str) -> str:
+    return subject[len(prefix):].split(".", 1)[0]
+
+
+def partition_log(records: Iterable[Record | RawRecord], partition: Partition) -> list[Record | RawRecord]:
+    """The records of `partition`, in log order, each job event on its published subject."""
+    mine = f"{subjects.PARTITIONED_EVENTS}.{partition.index}."
+    out: list[Record | RawRecord] = []
+    for record in records:
+        subject = record.subject
+        if subject.startswith(mine):
+            out.append(record.model_copy(update={"subject": subjects.unpartitioned(subject)}))
+        elif subject.startswith(_NODE):
+            out.append(record)
+        elif subject.startswith(_DECISION):
+            if partition.owns_job(_token(subject, _DECISION)):
+                out.append(record)
+        elif subject.startswith(_DEAD_LETTER) and _rejects_mine(record, partition):
+            out.append(record)
+    return out
+
+
+def _rejects_mine(record: Record | RawRecord, partition: Partition) -> bool:
+    """Is this dead letter one of the partition's: about an input of one of its jobs, or a node event (every
+    partition reads those, and stores the same dead letter under the same id)?"""
+    if not isinstance(record, Record):
+        return False
+    rejected = getattr(record.envelope.data, "subject", "")
+    if isinstance(rejected, str) and rejected.startswith(_JOB):
+        return partition.owns_job(_token(rejected, _JOB))
+    return isinstance(rejected, str) and rejected.startswith(_NODE)

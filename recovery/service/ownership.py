@@ -1,0 +1,258 @@
+"""Several active daemons: the partitions of the jobs shared between them through their leases.
+
+With `partitions` P > 1, every `recovery-daemon` runs an `Ownership`: it registers itself as a member of the
+deployment (the key `members.<instance>` in the lease bucket, renewed like a lease and gone `lease_ttl_s` after it
+stops), computes its fair share of the P partitions from the sorted list of live members (`fair_share`: every daemon
+computes the same split, which adds up to P), and runs one `Daemon` per partition it owns, each behind the
+partition's own lease, snapshot key, durable consumer and fence (`recovery.service.fence`).
+
+- A daemon that dies stops renewing its membership and its leases: `lease_ttl_s` later the others' shares grow, they
+  find those partitions' leases free and take them, each from the partition's last snapshot.
+- A daemon that joins makes the others' shares shrink: each stops its surplus partitions gracefully (the final
+  snapshot written, the lease released at once), and the newcomer takes them.
+- Surplus goes standbys first, then the highest partitions; a partition is taken only when its lease is free (or
+  held by this instance from an earlier life), so that a daemon rarely stands by for a partition another one holds.
+
+Whatever a partition's owner decides is fenced: an owner that lost its lease without noticing (frozen, cut off)
+has every later publish refused by JetStream once the new owner claimed the partition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import time
+from typing import Any
+
+import anyio
+import nats.js.errors
+import orjson
+from anyio.abc import TaskGroup, TaskStatus
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from recovery.core.partition import Partition
+from recovery.service import connection, speedups
+from recovery.service.config import DaemonConfig
+from recovery.service.daemon import Daemon, DaemonFailed
+from recovery.service.http import HttpServer, Metrics
+from recovery.service.lease import Lease, default_instance
+
+logger = logging.getLogger("recovery.ownership")
+
+MEMBERS = "members"
+_KEY_UNSAFE = re.compile(r"[^-_=/a-zA-Z0-9]")
+
+
+def fair_share(members: list[str], me: str, count: int) -> int:
+    """How many of `count` partitions `me` owns among `members`: an even split, the first `count % n` members (in
+    sorted order) one more, so that the shares of all members add up to `count` and each computes the same."""
+    ordered = sorted(set(members) | {me})
+    n, rank = len(ordered), ordered.index(me)
+    return count // n + (1 if rank < count % n else 0)
+
+
+def member_key(instance: str) -> str:
+    """The lease bucket's key of a member: its instance name with what a KV key cannot hold replaced."""
+    return f"{MEMBERS}.{_KEY_UNSAFE.sub('_', instance)}"
+
+
+class Ownership:
+    """One daemon process's share of the partitions: `run` it until `request_stop`."""
+
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.instance = cfg.instance or default_instance(cfg.data_dir)
+        self.count = cfg.partitions
+        self.period_s = min(cfg.lease_ttl_s / 4, 0.5)
+        self.workers: dict[int, Daemon] = {}
+        self.members: list[str] = []
+        self.target = 0
+        self.nc: Client | None = None
+        self.metrics = Metrics()
+        self.http_port: int | None = None
+        self._kv: KeyValue | None = None
+        self._stop_requested = False
+        self._stop: anyio.Event | None = None
+        self._started = time.monotonic()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+        if self._stop is not None:
+            self._stop.set()
+
+    def worker_config(self) -> DaemonConfig:
+        # The partitions' daemons share this process's HTTP server and answer no recovery-ctl requests: one
+        # answer per request, not one per partition.
+        return self.cfg.model_copy(update={"http_port": -1, "ctl_enabled": False, "instance": self.instance})
+
+    async def run(self, *, task_status: TaskStatus[Ownership] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Connect, register, and balance every period until a stop; then stop every partition's daemon."""
+        cfg = self.cfg
+        stop = self._stop = anyio.Event()
+        if self._stop_requested:
+            stop.set()
+        async with anyio.create_task_group() as group:
+            http = None
+            if cfg.http_port >= 0:
+                http = HttpServer(cfg.http_host, cfg.http_port, self.metrics, self.readiness, None, self.status)
+                self.http_port = await http.listen()
+                group.start_soon(http.serve)
+            nc = self.nc = await connection.connect(cfg.nats_url, _quiet, _quiet, _quiet_error)
+            try:
+                js = nc.jetstream(timeout=5.0)
+                lease = Lease(js, cfg.lease_bucket, "", self.instance, cfg.lease_ttl_s, cfg.replicas)
+                await connection.retry(lease.ensure, "lease bucket", lambda: self.stopping)
+                self._kv = lease.kv
+                task_status.started(self)
+                while not self.stopping:
+                    try:
+                        await self._balance(group, js)
+                    except Exception as exc:  # NATS away: the leases say what is ours meanwhile
+                        logger.warning("balance failed", extra={"fields": {"error": repr(exc)}})
+                    with anyio.move_on_after(self.period_s):
+                        await stop.wait()
+                for daemon in list(self.workers.values()):
+                    daemon.request_stop()
+                with anyio.move_on_after(cfg.shutdown_timeout_s + 2.0):
+                    while self.workers:
+                        await anyio.sleep(0.05)  # each worker leaves the table when its daemon has stopped
+                with contextlib.suppress(Exception):
+                    await self.kv.delete(member_key(self.instance))  # the others' shares grow now, not a TTL later
+            finally:
+                await connection.close(nc, 1.0)
+                group.cancel_scope.cancel()
+
+    @property
+    def kv(self) -> KeyValue:
+        assert self._kv is not None
+        return self._kv
+
+    async def _balance(self, group: TaskGroup, js: JetStreamContext) -> None:
+        kv = self.kv
+        await kv.put(member_key(self.instance), orjson.dumps({"instance": self.instance}))
+        self.members = await self._members()
+        self.target = target = fair_share(self.members, self.instance, self.count)
+        serving = {k: d for k, d in self.workers.items() if not d.stopping}
+        surplus = len(serving) - target
+        if surplus > 0:
+            standing_by = [k for k, d in serving.items() if d.role != "active"]
+            active = sorted((k for k, d in serving.items() if d.role == "active"), reverse=True)
+            for index in (standing_by + active)[:surplus]:
+                logger.info("partition handed over", extra={"fields": {"partition": index, "share": target}})
+                serving[index].request_stop()  # graceful: final snapshot, lease released
+        elif surplus < 0:
+            wanted = -surplus
+            # Start looking at this member's rank, so that daemons that look at once try different partitions.
+            rank = self.members.index(self.instance) if self.instance in self.members else 0
+            start = rank * self.count // max(len(self.members), 1)
+            for offset in range(self.count):
+                index = (start + offset) % self.count
+                if wanted == 0:
+                    break
+                if index in self.workers or not await self._free(index):
+                    continue
+                self._start_worker(group, index)
+                wanted -= 1
+
+    async def _members(self) -> list[str]:
+        try:
+            keys = await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        names = []
+        for key in keys:
+            if key.startswith(MEMBERS + "."):
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                    entry = await self.kv.get(key)
+                    value = orjson.loads(entry.value or b"{}")
+                    if isinstance(value, dict) and isinstance(value.get("instance"), str):
+                        names.append(value["instance"])
+        return sorted(names)
+
+    async def _free(self, index: int) -> bool:
+        """May this daemon take partition `index` now: nobody holds its lease, or this instance did in an earlier
+        life (the lease takes it back at once)?"""
+        try:
+            entry = await self.kv.get(self.cfg.partition_key(index))
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return True
+        holder = orjson.loads(entry.value or b"{}")
+        return isinstance(holder, dict) and holder.get("instance") == self.instance
+
+    def _start_worker(self, group: TaskGroup, index: int) -> None:
+        daemon = Daemon(self.worker_config(), Partition(index, self.count))
+        self.workers[index] = daemon
+        logger.info("partition taken", extra={"fields": {"partition": index, "share": self.target}})
+        group.start_soon(self._serve, index, daemon, name=f"recovery-partition-{index}")
+
+    async def _serve(self, index: int, daemon: Daemon) -> None:
+        try:
+            await daemon.run()
+        except DaemonFailed as exc:  # a lost lease or a fence: the partition is another daemon's now
+            logger.warning("partition stopped", extra={"fields": {"partition": index, "reason": str(exc)}})
+        finally:
+            if self.workers.get(index) is daemon:
+                del self.workers[index]
+
+    # -- views ------------------------------------------------------------------------------------------------
+    def owned(self) -> list[int]:
+        return sorted(k for k, d in self.workers.items() if d.role == "active" and not d.stopping)
+
+    def readiness(self) -> tuple[bool, dict[str, object]]:
+        ready = {self.cfg.partition_key(k): d.readiness()[0] for k, d in sorted(self.workers.items())}
+        ok = not self.stopping and len(self.owned()) == self.target and all(ready.values())
+        return ok, {"role": "member", "instance": self.instance, "share": self.target, "partitions": ready}
+
+    async def status(self) -> dict[str, object]:
+        ok, why = self.readiness()
+        parts: dict[str, Any] = {}
+        for index, daemon in sorted(self.workers.items()):
+            parts[str(index)] = await daemon.status()
+        return {"ready": ok, **why, "members": self.members, "owned": self.owned(), "partition_status": parts,
+                "uptime_s": round(time.monotonic() - self._started, 3)}
+
+
+async def run(cfg: DaemonConfig) -> int:
+    """Run this daemon's share of the partitions until SIGTERM/SIGINT (or `duration_s`); 0 on a clean stop."""
+    speedups.apply()
+    # Threads that end after each call, as the single daemon's: a snapshot forks only while no other thread runs.
+    asyncio.get_running_loop().set_default_executor(connection.ShortLivedThreads())
+    ownership = Ownership(cfg)
+
+    async def relay_signals() -> None:
+        # No signal handlers on another platform or off the main thread: then only `duration_s` stops it.
+        with (contextlib.suppress(NotImplementedError, RuntimeError, ValueError),
+              anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals):
+            async for _ in signals:
+                ownership.request_stop()
+
+    async def stop_after(seconds: float) -> None:
+        await anyio.sleep(seconds)
+        ownership.request_stop()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(relay_signals)
+        if cfg.duration_s is not None:
+            group.start_soon(stop_after, cfg.duration_s)
+        try:
+            await ownership.run()
+        finally:
+            group.cancel_scope.cancel()
+    return 0
+
+
+async def _quiet() -> None:
+    return None
+
+
+async def _quiet_error(exc: Exception) -> None:
+    logger.debug("nats error", extra={"fields": {"error": repr(exc)}})

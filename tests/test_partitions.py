@@ -1,0 +1,277 @@
+"""Several active daemons: jobs spread over partitions by JetStream's `partition()` transform, each partition owned
+by one daemon through its lease and fenced against a stale owner, spares granted by exactly one partition. Real
+nats-server, real daemon processes.
+
+The last test is the one the design answers to: 3 daemons, 64 jobs, one daemon SIGKILLed while incidents are open.
+Every decision is made once, every partition's final state is what an offline replay of its log gives, and no
+spare is granted by two partitions.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from events import subjects
+from events.codec import encode_envelope
+from events.envelope import make_envelope
+from events.outputs import Decision
+from recovery.core.engine import Engine
+from recovery.core.partition import Partition
+from recovery.log import MSG_ID, to_record
+from recovery.log.partitions import partition_log
+from recovery.log.recorder import replay
+from recovery.log.snapshot import load_snapshot
+from recovery.service import config as config_mod
+from recovery.service.connection import retry
+from recovery.service.demo import BuiltinCluster, Bus, DemoSettings
+from recovery.service.fence import Fence, Fenced
+from recovery.service.ownership import fair_share
+from recovery.service.publisher import Outgoing, Publisher
+from recovery.service.snapshots import SnapshotStore
+from recovery.service.streams import ensure_streams
+from recovery.testing.nats import NatsServer
+from tests.daemon_support import DaemonProcess, async_wait_for, connect, dumps, read_stream, state_view
+
+P = 4
+TTL_S = 2.0
+
+
+def partitioned_config(url: str, tmp_path: Path, **overrides: Any) -> config_mod.DaemonConfig:
+    return config_mod.load(nats_url=url, data_dir=tmp_path, **{"partitions": P, "lease_ttl_s": TTL_S, **overrides})
+
+
+def test_the_partition_hash_is_jetstreams() -> None:
+    # JetStream's partition(4, 1) put these job ids into these partitions on a real server (FNV-1a, 32 bits).
+    assert {job: subjects.partition_of(job, 4) for job in ("a", "b", "c", "job-7", "train-1")} == {
+        "a": 0, "b": 1, "c": 2, "job-7": 0, "train-1": 3}
+    assert subjects.unpartitioned("recovery.p.3.ev.job.train-1.process.exited") == \
+        "recovery.ev.job.train-1.process.exited"
+    assert subjects.unpartitioned("recovery.ev.node.n1.device.fault") == "recovery.ev.node.n1.device.fault"
+
+
+def test_fair_shares_add_up_and_every_member_computes_the_same() -> None:
+    for members in (["a"], ["a", "b"], ["a", "b", "c"], ["c", "a", "b", "d", "e"]):
+        for count in (1, 4, 7, 64):
+            shares = [fair_share(members, m, count) for m in members]
+            assert sum(shares) == count and max(shares) - min(shares) <= 1
+
+
+def test_each_spare_is_granted_by_exactly_one_partition() -> None:
+    engines = [Engine(Partition(k, P)) for k in range(P)]
+    spares = [f"spare{i}" for i in range(32)]
+    for seq, node in enumerate(spares, start=1):
+        envelope = make_envelope("node.joined", {"spare": True, "devices": 4}, id=f"join-{node}", node=node,
+                                 source="scheduler")
+        record = to_record(seq, seq, subjects.node_event(node, "node.joined"), {},
+                           encode_envelope(envelope))
+        for engine in engines:
+            assert engine.apply(record) == []
+    pools = [engine.cluster.free_spares() for engine in engines]
+    assert sorted(node for pool in pools for node in pool) == sorted(spares)  # each spare in one pool
+    assert all(pools)  # and every partition has some
+    for k, pool in enumerate(pools):
+        assert all(subjects.partition_of(node, P) == k for node in pool)
+    assert Engine().partition is None  # one partition: every spare, as always
+
+
+async def test_job_events_are_stored_in_their_partition_and_node_events_reach_every_partition(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    cfg = partitioned_config(nats_server.url, tmp_path)
+    nc, js = await connect(nats_server.url)
+    try:
+        await ensure_streams(js, cfg, lambda op, what: retry(op, what, lambda: False))
+        jobs = [f"job{i}" for i in range(12)]
+        for job in jobs:
+            await js.publish(subjects.job_event(job, "process.exited"), b"{}")
+        await js.publish(subjects.node_event("n1", "device.fault"), b"{}")
+    finally:
+        await nc.close()
+    records = await read_stream(nats_server.url)
+    stored = [r.subject for r in records]
+    assert stored[:-1] == [f"recovery.p.{subjects.partition_of(job, P)}.ev.job.{job}.process.exited" for job in jobs]
+    assert stored[-1] == "recovery.ev.node.n1.device.fault"
+    for k in range(P):
+        mine = partition_log(records, Partition(k, P))
+        assert [r.subject for r in mine] == [subjects.job_event(job, "process.exited") for job in jobs
+                                             if subjects.partition_of(job, P) == k] + [stored[-1]]
+    # the number of partitions is the log's: another count is refused at start, naming the key
+    nc, js = await connect(nats_server.url)
+    try:
+        other = partitioned_config(nats_server.url, tmp_path, partitions=8)
+        with pytest.raises(ValueError, match="partitions = 8"):
+            await ensure_streams(js, other, lambda op, what: retry(op, what, lambda: False))
+    finally:
+        await nc.close()
+
+
+async def test_a_stale_owners_publishes_are_refused(nats_server: NatsServer, tmp_path: Path) -> None:
+    cfg = partitioned_config(nats_server.url, tmp_path)
+    nc, js = await connect(nats_server.url)
+    try:
+        await ensure_streams(js, cfg, lambda op, what: retry(op, what, lambda: False))
+        old, new = Publisher(js), Publisher(js)
+        old_fence = Fence(js, "default-0", "daemon-a", cfg.stream, cfg.command_stream)
+        await old_fence.claim()
+        old.fence = old_fence.headers
+        decision = Outgoing(subjects.decision("job0"), b"{}", "d-1", "decision")
+        command = Outgoing(subjects.command("n0", "job0", "restart_ranks"), b"{}", "c-1@n0", "command")
+        assert len(await old.publish([decision, command])) == 2  # the owner's outputs are stored
+        # another daemon takes the partition over (the old one, frozen, never saw its lease go)
+        new_fence = Fence(js, "default-0", "daemon-b", cfg.stream, cfg.command_stream)
+        await new_fence.claim()
+        new.fence = new_fence.headers
+        for late in (Outgoing(subjects.decision("job0"), b"{}", "d-2", "decision"),
+                     Outgoing(subjects.command("n0", "job0", "restart_ranks"), b"{}", "c-2@n0", "command")):
+            with pytest.raises(Fenced):
+                await old.publish([late], deadline=time.monotonic() + 10)
+        assert len(await new.publish([Outgoing(subjects.decision("job0"), b"{}", "d-2", "decision")])) == 1
+        # another partition's fence is its own: its owner is not refused
+        other = Fence(js, "default-1", "daemon-a", cfg.stream, cfg.command_stream)
+        await other.claim()
+        old.fence = other.headers
+        assert len(await old.publish([Outgoing(subjects.decision("job1"), b"{}", "d-3", "decision")])) == 1
+    finally:
+        await nc.close()
+    decisions = [r.headers.get(MSG_ID) for r in await read_stream(nats_server.url)
+                 if r.subject.startswith("recovery.dec.")]
+    assert decisions == ["d-1", "d-2", "d-3"]
+
+
+# -- three daemons, 64 jobs, one SIGKILLed mid-incident ---------------------------------------------------------
+def owned(daemon: DaemonProcess) -> list[int]:
+    try:
+        return [int(k) for k in daemon.status().get("owned", [])]
+    except (OSError, AssertionError, ValueError):
+        return []
+
+
+def open_incidents(daemon: DaemonProcess) -> int:
+    try:
+        parts = daemon.status().get("partition_status", {})
+    except (OSError, AssertionError, ValueError):
+        return 0
+    return sum(int(p.get("open_incidents", 0)) for p in parts.values() if p.get("role") == "active")
+
+
+def coverage(daemons: list[DaemonProcess]) -> list[int]:
+    return sorted(k for d in daemons if d.running() for k in owned(d))
+
+
+async def drain_partitions(url: str, daemons: list[DaemonProcess]) -> None:
+    """Wait until each partition's owner has applied the last input of that partition, and nothing new came."""
+    target: list[int] = []
+    while True:
+        records = await read_stream(url)
+        latest = [max((r.seq for r in partition_log(records, Partition(k, P)) if not subjects.is_output(r.subject)),
+                      default=0) for k in range(P)]
+        if latest == target:
+            return
+        target = latest
+
+        def applied(t: list[int] = latest) -> bool:
+            seen: dict[int, int] = {}
+            for d in daemons:
+                if d.running():
+                    for key, part in d.status().get("partition_status", {}).items():
+                        if part.get("role") == "active":
+                            seen[int(key)] = int(part.get("published_seq", 0))
+            return all(seen.get(k, -1) >= t[k] for k in range(P))
+
+        await async_wait_for(applied, 30, "every partition to drain")
+
+
+async def test_three_daemons_share_64_jobs_and_survive_a_sigkill_mid_incident(nats_server: NatsServer,
+                                                                               tmp_path: Path) -> None:
+    started = time.monotonic()
+    url = nats_server.url
+    settings = {"partitions": P, "lease_ttl_s": TTL_S, "snapshot_every_records": 500, "snapshot_every_s": 1.0,
+                "ack_wait_s": 5.0, "log_level": "INFO"}
+    daemons = [DaemonProcess(tmp_path / name, url, instance=f"daemon-{name}", **settings) for name in "abc"]
+    nc, js = await connect(url)
+    bus = Bus(nc, js)
+    cluster = BuiltinCluster(bus, DemoSettings(seed=11, jobs=64, step_s=0.5, fault_every_s=0.15,
+                                               ack_delay_s=(0.01, 0.05), restart_s=(0.05, 0.2)), prefix="parts")
+    try:
+        for daemon in daemons:
+            daemon.start()
+        await async_wait_for(lambda: coverage(daemons) == list(range(P)) and all(owned(d) for d in daemons), 60,
+                             "three daemons to share the partitions")
+        await bus.start(cluster)
+        await async_wait_for(lambda: cluster.recovered >= 8, 60, "recoveries under three daemons")
+        # the daemon with the most partitions, while one of them has an incident open
+        victim = max(daemons, key=lambda d: len(owned(d)))
+        await async_wait_for(lambda: open_incidents(victim) > 0, 30, "an incident open on the victim")
+        lost = owned(victim)
+        victim.kill()
+        killed_at = time.monotonic()
+        survivors = [d for d in daemons if d is not victim]
+        await async_wait_for(lambda: coverage(survivors) == list(range(P)), TTL_S + 10,
+                             f"the survivors to take partitions {lost} over")
+        failover_s = time.monotonic() - killed_at
+        before = cluster.recovered
+        await async_wait_for(lambda: cluster.recovered >= before + 6, 60, "recoveries after the kill")
+        cluster.calm()
+        await async_wait_for(lambda: all(job.progressing or job.failed for job in cluster.jobs.values()), 30,
+                             "the last incidents to close")
+        cluster.stop()
+        await bus.flush()
+        for daemon in survivors:
+            code, _ = daemon.terminate(20)
+            assert code == 0, daemon.log_tail()
+        for daemon in survivors:  # drain what is left with nothing new arriving
+            daemon.start(RECOVERY_TIMERS_ENABLED="false")
+        await async_wait_for(lambda: coverage(survivors) == list(range(P)), 60, "the partitions owned again")
+        await drain_partitions(url, survivors)
+        for daemon in survivors:
+            code, _ = daemon.terminate(20)
+            assert code == 0, daemon.log_tail()
+        snapshots = []
+        for k in range(P):
+            store = SnapshotStore(js, "RECOVERY_SNAPSHOTS", f"default-{k}", 512 * 1024, 1)
+            await store.ensure()
+            snapshots.append(await store.load())
+    finally:
+        await bus.close()
+        for daemon in daemons:
+            daemon.close()
+        await nc.close()
+
+    records = await read_stream(url)
+    claims = [r for r in records if r.subject.startswith(subjects.FENCES)]
+    assert len(claims) >= P + len(lost), "every partition claimed, and those of the killed daemon again"
+    ids = [r.headers.get(MSG_ID) for r in records if r not in claims]
+    assert len(ids) == len(set(ids)), "a message id is stored twice"
+    assert set(bus.sent) <= set(ids), "an event the cluster published is missing from the log"
+    commands = await read_stream(url, "RECOVERY_CMD")
+    command_ids = [r.headers.get(MSG_ID) for r in commands if r.subject.startswith("recovery.cmd.")]
+    assert len(command_ids) == len(set(command_ids)), "a command id was stored twice"
+    granted: dict[str, set[int]] = {}
+    decided = 0
+    for k in range(P):
+        partition = Partition(k, P)
+        result = replay(partition_log(records, partition), Engine(partition))
+        recorded = [dumps(d) for d in result.recorded_decisions]
+        assert len(recorded) == len(set(recorded)), f"partition {k}: a decision is recorded twice"
+        assert recorded == [dumps(d) for d in result.decisions], f"partition {k}: recorded != replayed"
+        assert [dumps(r) for r in result.recorded_rejections] == [dumps(r) for r in result.rejections]
+        decided += len(recorded)
+        loaded = snapshots[k]
+        assert loaded is not None, f"partition {k} has no snapshot"
+        engine = load_snapshot(loaded[0])
+        assert engine is not None and engine.partition == partition
+        assert state_view(engine.snapshot()) == state_view(result.engine.snapshot()), f"partition {k} state"
+        for decision in result.recorded_decisions:
+            if isinstance(decision, Decision):
+                for command in decision.commands:
+                    if command.kind == "migrate_ranks":
+                        granted.setdefault(command.to_node, set()).add(k)  # type: ignore[union-attr]
+    # every decision in the log belongs to exactly one partition's replay
+    assert decided == sum(1 for r in records if r.subject.startswith("recovery.dec."))
+    assert granted, "no spare was granted: the run did not exercise the pool"
+    assert all(len(parts) == 1 for parts in granted.values()), f"a spare granted by two partitions: {granted}"
+    assert failover_s < TTL_S + 6, f"partitions {lost} served again after {failover_s:.1f}s"
+    assert time.monotonic() - started < 120
