@@ -15,6 +15,10 @@ handover are dropped by their deterministic message ids.
 
 The same `instance` (by default host name and data directory) takes its own lease back at once: a daemon that
 was SIGKILLed and restarted does not wait out the TTL.
+
+With several partitions (`partitions` > 1) one daemon holds several leases, one per partition it owns (keys
+`<partition>-<k>`), and registers as a member of the deployment in the same bucket; `recovery.service.ownership`
+decides which partitions are its share, and `recovery.service.fence` makes a lost lease's late publishes fail.
 """
 
 from __future__ import annotations

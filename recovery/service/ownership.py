@@ -141,6 +141,8 @@ class Ownership:
         await kv.put(member_key(self.instance), orjson.dumps({"instance": self.instance}))
         self.members = await self._members()
         self.target = target = fair_share(self.members, self.instance, self.count)
+        self.metrics.active.set(len(self.owned()))  # partitions this daemon serves (alert when the sum is not P)
+        self.metrics.ready.set(1 if self.readiness()[0] else 0)
         serving = {k: d for k, d in self.workers.items() if not d.stopping}
         surplus = len(serving) - target
         if surplus > 0:
