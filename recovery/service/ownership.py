@@ -76,6 +76,7 @@ class Ownership:
         self.metrics = Metrics()
         self.http_port: int | None = None
         self._kv: KeyValue | None = None
+        self._waiting: set[int] = set()  # partitions whose worker stood by at the last balance
         self._stop_requested = False
         self._stop: anyio.Event | None = None
         self._started = time.monotonic()
@@ -143,27 +144,30 @@ class Ownership:
         self.target = target = fair_share(self.members, self.instance, self.count)
         self.metrics.active.set(len(self.owned()))  # partitions this daemon serves (alert when the sum is not P)
         self.metrics.ready.set(1 if self.readiness()[0] else 0)
-        serving = {k: d for k, d in self.workers.items() if not d.stopping}
+        # A worker standing by lost the race for a free lease to another daemon: seen so at two balances in a row,
+        # it is stopped, and it never counts toward the share (it would keep a partition nobody serves otherwise).
+        waiting = {k for k, d in self.workers.items() if d.role == "standby" and not d.stopping}
+        for index in sorted(waiting & self._waiting):
+            self.workers[index].request_stop()
+        self._waiting = waiting
+        serving = {k: d for k, d in self.workers.items() if not d.stopping and d.role != "standby"}
         surplus = len(serving) - target
         if surplus > 0:
-            standing_by = [k for k, d in serving.items() if d.role != "active"]
-            active = sorted((k for k, d in serving.items() if d.role == "active"), reverse=True)
-            for index in (standing_by + active)[:surplus]:
+            for index in sorted((k for k, d in serving.items() if d.role != "active"), reverse=True) + sorted(
+                    (k for k, d in serving.items() if d.role == "active"), reverse=True):
+                if surplus == 0:
+                    break
                 logger.info("partition handed over", extra={"fields": {"partition": index, "share": target}})
                 serving[index].request_stop()  # graceful: final snapshot, lease released
+                surplus -= 1
         elif surplus < 0:
-            wanted = -surplus
-            # Start looking at this member's rank, so that daemons that look at once try different partitions.
+            free = [k for k in range(self.count) if k not in self.workers and await self._free(k)]
+            # Daemons that look at once take different free partitions first: the member of rank r of n takes
+            # every n-th one from the r-th, then the rest.
+            n = max(len(self.members), 1)
             rank = self.members.index(self.instance) if self.instance in self.members else 0
-            start = rank * self.count // max(len(self.members), 1)
-            for offset in range(self.count):
-                index = (start + offset) % self.count
-                if wanted == 0:
-                    break
-                if index in self.workers or not await self._free(index):
-                    continue
+            for index in (free[rank % n::n] + [k for i, k in enumerate(free) if i % n != rank % n])[:-surplus]:
                 self._start_worker(group, index)
-                wanted -= 1
 
     async def _members(self) -> list[str]:
         try:
