@@ -186,7 +186,11 @@ async def drain_partitions(url: str, daemons: list[DaemonProcess]) -> None:
             seen: dict[int, int] = {}
             for d in daemons:
                 if d.running():
-                    for key, part in d.status().get("partition_status", {}).items():
+                    try:
+                        status = d.status()
+                    except OSError as exc:
+                        raise AssertionError(f"{d.settings['instance']} stopped answering:\n{d.log_tail(60)}") from exc
+                    for key, part in status.get("partition_status", {}).items():
                         if part.get("role") == "active":
                             seen[int(key)] = int(part.get("published_seq", 0))
             return all(seen.get(k, -1) >= t[k] for k in range(P))

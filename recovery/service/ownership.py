@@ -205,6 +205,8 @@ class Ownership:
             await daemon.run()
         except DaemonFailed as exc:  # a lost lease or a fence: the partition is another daemon's now
             logger.warning("partition stopped", extra={"fields": {"partition": index, "reason": str(exc)}})
+        except Exception:  # one partition's failure must not stop the others: the next balance takes it again
+            logger.exception("partition failed", extra={"fields": {"partition": index}})
         finally:
             if self.workers.get(index) is daemon:
                 del self.workers[index]
