@@ -142,7 +142,7 @@ class Ownership:
         await kv.put(member_key(self.instance), orjson.dumps({"instance": self.instance}))
         self.members = await self._members()
         self.target = target = fair_share(self.members, self.instance, self.count)
-        self.metrics.active.set(len(self.owned()))  # partitions this daemon serves (alert when the sum is not P)
+        self.metrics.active.set(1 if self.owned() else 0)  # which partitions: `/status`
         self.metrics.ready.set(1 if self.readiness()[0] else 0)
         # A worker standing by lost the race for a free lease to another daemon: seen so at two balances in a row,
         # it is stopped, and it never counts toward the share (it would keep a partition nobody serves otherwise).
