@@ -62,6 +62,7 @@ from typing import Any
 
 import bench_daemon  # beside this script (`python tools/bench.py` puts tools/ on the path)
 import bench_e2e
+import bench_fleet
 import bench_report
 import bench_soak
 import orjson
@@ -403,6 +404,11 @@ def run_soak(args: argparse.Namespace) -> None:
     bench_soak.run(args, emit)
 
 
+def run_fleet(args: argparse.Namespace) -> None:
+    """The control plane at a fleet's scale: one job of 131,072 GPUs, simulated agents in processes of their own."""
+    bench_fleet.run(args, emit)
+
+
 def run_e2e(args: argparse.Namespace) -> None:
     """SIGKILL of a rank to the job's step completed again, by phase, cold, warm and under torchrun; SIGSTOP
     detection; the SDK's overhead."""
@@ -423,6 +429,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                bench_report.add_arguments, run_report),
     "e2e": ("a rank's SIGKILL to the job's step completed again, by phase, against torchrun; SIGSTOP detection; "
             "SDK overhead", bench_e2e.add_arguments, run_e2e),
+    "fleet": ("the control plane at a fleet's scale over real NATS, agents simulated in processes of their own: "
+              "fault-to-command p99 and daemon CPU for a 131,072-GPU job", bench_fleet.add_arguments, run_fleet),
     "soak": ("the daemon for --minutes under load with faults, its own SIGKILLs and NATS restarts: events lost, "
              "commands doubled, RSS and throughput over time (--png)", bench_soak.add_arguments, run_soak),
 }

@@ -1,0 +1,249 @@
+"""`python tools/bench.py fleet`: the control plane at a fleet's scale, its agents simulated in processes of their
+own that publish over real NATS (never inside a daemon's process).
+
+Case `job` (a): one job of `--nodes` nodes of 8 ranks (16,384 x 8 = 131,072 GPUs; `--quick` 1,024 x 8) on one
+daemon and one nats-server. Each simulated agent does for its node what `recovery-agent` does: it folds its 8 ranks'
+heartbeats (1/s) and steps (one every `--step-s`, 2 s) into one `progress.report` per `--report-s` and says it lives
+(`node.heartbeat`, as often); it acks the commands addressed to its node, and its ranks report in the newest
+generation a command names. Every `--fault-every-s` a rank's process exits (its agent publishes `process.exited`);
+the first command of the job on the wire after it times its fault-to-command latency, and the next fault waits for
+the incident to close. `job_daemon_cpu_cores` is the daemon's CPU time (user + system) over the measured window
+divided by the window: the share of a core the job costs the control plane.
+
+The simulated agents are `--workers` processes (`python tools/bench_fleet.py agents ...`), each a slice of the
+nodes; on this 2-core machine they, nats-server and the daemon share the cores, so at full size the publishers may
+not keep the pace (`job_reports_per_s` says what was sent). Every process started is stopped when the bench ends,
+however it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+import orjson
+from bench_daemon import Daemon, connect, nats_server, note, publish_all, sigterm_unwinds, wait_seq
+
+from events import subjects
+from events.envelope import encode_envelope, make_envelope
+from events.values import JobSpec
+
+Emit = Callable[[str, str, float, str], None]
+BENCH = "fleet"
+RPN = 8
+MSG_ID = "Nats-Msg-Id"
+CONTROL = "bench.fleet"
+"""core-NATS subjects of the bench's own control of its simulated agents (nothing of the product's)"""
+
+
+def node_name(index: int) -> str:
+    return f"f{index:05d}"
+
+
+# -- the simulated agents (a process of their own) -----------------------------------------------------------------
+async def agents(url: str, job: str, first: int, count: int, report_s: float, step_s: float, seconds: float) -> None:
+    """Nodes `first` .. `first + count - 1` of `job`, for `seconds`: reports, heartbeats, acks, and the faults the
+    bench asks for (on `bench.fleet.fault.<node>`, answered with the monotonic time the exit was published)."""
+    nc = await nats.connect(url, max_reconnect_attempts=-1, pending_size=256 * 1024 * 1024)
+    js = nc.jetstream(timeout=30)
+    mine = {node_name(i): i for i in range(first, first + count)}
+    generation = 0
+    dead: set[int] = set()
+    start = time.monotonic()
+
+    def envelope(type_: str, data: dict[str, Any], ident: str, node: str, job_id: str | None) -> bytes:
+        # The wire's JSON as an agent writes it, without a model per message: thousands a second per process.
+        head: dict[str, Any] = {"id": ident, "type": type_, "source": "bench-agent", "node": node}
+        if job_id is not None:
+            head["job"] = job_id
+        return orjson.dumps({**head, "data": data})
+
+    async def on_command(msg: Any) -> None:
+        nonlocal generation
+        node, job_id, kind = subjects.command_parts(msg.subject)
+        command = orjson.loads(msg.data)
+        generation = max(generation, int(command.get("attempt", 0)))
+        if node not in mine or job_id != job:
+            return
+        if kind in ("restart_ranks", "migrate_ranks"):
+            dead.difference_update(command["ranks"])  # started again, in the command's generation
+        elif kind == "restart_job":
+            dead.clear()
+        ack = {"command_id": command["id"], "status": "done", "reason": "", "result": {"node": node}}
+        await js.publish(subjects.job_event(job, "command.ack"),
+                         envelope("command.ack", ack, f"{command['id']}@{node}:done", node, job),
+                         headers={MSG_ID: f"{command['id']}@{node}:done"})
+
+    async def on_fault(msg: Any) -> None:
+        rank = int(msg.data)
+        dead.add(rank)
+        node = msg.subject.rsplit(".", 1)[-1]
+        data = {"rank": rank, "exit_code": 1, "attempt": generation}
+        ident = f"{job}-exit-{rank}-{time.monotonic_ns()}"
+        sent = time.monotonic()
+        await js.publish(subjects.job_event(job, "process.exited"),
+                         envelope("process.exited", data, ident, node, job), headers={MSG_ID: ident})
+        await msg.respond(orjson.dumps({"sent": sent, "generation": generation}))
+
+    await nc.subscribe(subjects.COMMANDS, cb=on_command)
+    for node in mine:
+        await nc.subscribe(f"{CONTROL}.fault.{node}", cb=on_fault)
+    await nc.flush()
+    tick = 0
+    while (now := time.monotonic()) - start < seconds:
+        step = int((now - start) / step_s) + 1
+        for node, index in mine.items():
+            ranks = [{"rank": r, "step": step, "attempt": generation}
+                     for r in range(index * RPN, (index + 1) * RPN) if r not in dead]
+            ident = f"{node}-r{tick}"
+            await nc.publish(subjects.job_event(job, "progress.report"),
+                             envelope("progress.report", {"ranks": ranks}, ident, node, job), headers={MSG_ID: ident})
+            ident = f"{node}-h{tick}"
+            await nc.publish(subjects.node_event(node, "node.heartbeat"),
+                             envelope("node.heartbeat", {}, ident, node, None), headers={MSG_ID: ident})
+        await nc.flush(timeout=60)
+        tick += 1
+        delay = start + tick * report_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the reporting period
+    await nc.close()
+
+
+# -- the bench -----------------------------------------------------------------------------------------------------
+def job_items(job: str, nodes: int) -> list[tuple[str, bytes, str]]:
+    spec = JobSpec.model_validate({"nodes": [node_name(i) for i in range(nodes)], "ranks_per_node": RPN,
+                                   "layout": {"dp": nodes * RPN}, "watchdog_interval_s": 5.0})
+    items = []
+    for type_, data in (("job.submitted", {"spec": spec.model_dump(mode="json")}), ("job.started", {})):
+        env = make_envelope(type_, data, id=f"{job}-{type_}", job=job, source="bench")
+        items.append((subjects.job_event(job, type_), encode_envelope(env), env.id))
+    return items
+
+
+async def measure_job(url: str, daemon: Daemon, job: str, nodes: int, seconds: float, fault_every_s: float,
+                      seed: int) -> tuple[list[float], float, float]:
+    """(fault-to-command latencies in ms, daemon CPU cores over the window, reports/s the daemon applied)."""
+    nc, _ = await connect(url)
+    rng = random.Random(seed)
+    first_command: dict[int, float] = {}  # generation -> monotonic time its first command was seen
+    closed = asyncio.Event()
+
+    async def on_command(msg: Any) -> None:
+        _, job_id, _ = subjects.command_parts(msg.subject)
+        if job_id == job:
+            attempt = int(orjson.loads(msg.data).get("attempt", 0))
+            first_command.setdefault(attempt, time.monotonic())
+
+    async def on_decision(msg: Any) -> None:
+        if b'"incident.closed"' in msg.data:
+            closed.set()
+
+    await nc.subscribe(subjects.COMMANDS, cb=on_command)
+    await nc.subscribe(subjects.decision(job), cb=on_decision)
+    latencies: list[float] = []
+    events0, cpu0, t0 = _events_total(daemon), daemon.cpu_s(), time.monotonic()
+    while time.monotonic() - t0 < seconds - fault_every_s:
+        await asyncio.sleep(fault_every_s)  # the pace of the faults
+        rank = rng.randrange(nodes * RPN)
+        closed.clear()
+        reply = orjson.loads((await nc.request(f"{CONTROL}.fault.{node_name(rank // RPN)}", str(rank).encode(),
+                                               timeout=30)).data)
+        deadline = time.monotonic() + 30
+        while reply["generation"] + 1 not in first_command and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # polling the subscription's record, within the deadline
+        if reply["generation"] + 1 in first_command:
+            latencies.append((first_command[reply["generation"] + 1] - reply["sent"]) * 1000)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(closed.wait(), 30)  # the next fault strikes a running job
+    wall = time.monotonic() - t0
+    cores = (daemon.cpu_s() - cpu0) / wall
+    applied = (_events_total(daemon) - events0) / wall
+    await nc.close()
+    return latencies, cores, applied
+
+
+def _events_total(daemon: Daemon) -> float:
+    code, body = daemon.get("/metrics")
+    total = 0.0
+    for line in body.decode().splitlines() if code == 200 else []:
+        if line.startswith("recovery_events_total{"):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def run_job(args: argparse.Namespace, work: Path, emit: Emit) -> None:
+    nodes = args.nodes or (1024 if args.quick else 16_384)
+    seconds = args.seconds or (20.0 if args.quick else 60.0)
+    job = "fleet-job"
+    with nats_server(work / "nats") as server, Daemon(work / "daemon", server.url, lease_ttl_s=0) as daemon:
+        daemon.start()
+        daemon.wait_ready(120)
+
+        async def submit() -> None:
+            nc, js = await connect(server.url)
+            await asyncio.to_thread(wait_seq, daemon, await publish_all(js, job_items(job, nodes)))
+            await nc.close()
+
+        asyncio.run(submit())
+        per = -(-nodes // args.workers)
+        workers: list[subprocess.Popen[bytes]] = []
+        try:
+            for w in range(args.workers):
+                first, count = w * per, min(per, nodes - w * per)
+                if count > 0:
+                    workers.append(subprocess.Popen(
+                        [sys.executable, __file__, "agents", server.url, job, str(first), str(count),
+                         str(args.report_s), str(args.step_s), str(seconds + args.warmup_s + 5)],
+                        stdin=subprocess.DEVNULL, start_new_session=True))
+            time.sleep(args.warmup_s)  # the agents' first reports, before the window is measured
+            latencies, cores, applied = asyncio.run(measure_job(server.url, daemon, job, nodes, seconds,
+                                                                args.fault_every_s, args.seed))
+        finally:
+            for proc in workers:
+                proc.kill()
+                proc.wait()
+    gpus = nodes * RPN
+    note(f"job of {gpus:,} GPUs on {nodes:,} nodes: {len(latencies)} faults, daemon {cores:.2f} cores, "
+         f"{applied:,.0f} inputs/s applied (a node's report and heartbeat each per {args.report_s:g} s)")
+    emit(BENCH, "job_gpus", gpus, "GPUs")
+    emit(BENCH, "job_inputs_per_s", round(applied, 1), "inputs applied per second (reports and heartbeats)")
+    emit(BENCH, "job_daemon_cpu_cores", round(cores, 3), "cores (daemon CPU s / wall s; goal 0.5 or less)")
+    if latencies:
+        ordered = sorted(latencies)
+        emit(BENCH, "job_fault_to_command_p50_ms", round(statistics.median(ordered), 2), "ms")
+        emit(BENCH, "job_fault_to_command_p99_ms", round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2),
+             f"ms (goal 100 or less; {len(ordered)} faults)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", choices=("job",), default="job")
+    parser.add_argument("--quick", action="store_true", help="1,024 nodes for 20 s")
+    parser.add_argument("--nodes", type=int, default=0, help="nodes of 8 ranks in the job (default 16,384)")
+    parser.add_argument("--seconds", type=float, default=0.0, help="the measured window (default 60)")
+    parser.add_argument("--warmup-s", type=float, default=5.0)
+    parser.add_argument("--workers", type=int, default=4, help="processes of simulated agents")
+    parser.add_argument("--report-s", type=float, default=1.0, help="each agent's report and heartbeat period")
+    parser.add_argument("--step-s", type=float, default=2.0, help="a rank's step")
+    parser.add_argument("--fault-every-s", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=1)
+
+
+def run(args: argparse.Namespace, emit: Emit) -> None:
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="recovery-fleet-") as tmp:
+        run_job(args, Path(tmp), emit)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "agents":
+    url, job, first, count, report_s, step_s, seconds = sys.argv[2:9]
+    asyncio.run(agents(url, job, int(first), int(count), float(report_s), float(step_s), float(seconds)))
