@@ -84,16 +84,21 @@ def _replicas_at(ctx: CheckpointContext, usable: Callable[[int], bool]) -> tuple
     """The newest step every shard has a usable replica at or past, and per shard those replicas (lowest rank
     first); None when some shard has no usable replica."""
     shards = ctx.layout.shards
+    steps = ctx.steps
+    ok = [rank for rank in range(len(ctx.alive)) if usable(rank)]  # once per rank: 131,072 of them in a big job
     best: list[int] = [-1] * shards
-    for rank, step in enumerate(ctx.steps):
-        if usable(rank):
-            shard = rank % shards
-            best[shard] = max(best[shard], step)
+    for rank in ok:
+        shard = rank % shards
+        if steps[rank] > best[shard]:
+            best[shard] = steps[rank]
     step = min(best)
     if step < 0:
         return None
-    return step, [[rank for rank in range(shard, len(ctx.alive), shards) if usable(rank) and ctx.steps[rank] >= step]
-                  for shard in range(shards)]
+    replicas: list[list[int]] = [[] for _ in range(shards)]
+    for rank in ok:  # in rank order, so each shard's list is too
+        if steps[rank] >= step:
+            replicas[rank % shards].append(rank)
+    return step, replicas
 
 
 def dying_savers(ctx: CheckpointContext) -> SaveRequest | None:
@@ -122,10 +127,19 @@ def live_peers(ctx: CheckpointContext, per_shard: int) -> ResumePlan | None:
     if found is None:
         return None
     step, replicas = found
-    sources = [ShardSource(shard=shard, tier=Tier.PEER,
-                           holders=sorted(list(dict.fromkeys(ctx.placement[r] for r in ranks))[:per_shard]))
+    sources = [ShardSource(shard=shard, tier=Tier.PEER, holders=sorted(_first_nodes(ctx, ranks, per_shard)))
                for shard, ranks in enumerate(replicas)]
     return ResumePlan(checkpoint_step=step, next_step=step + 1, shards=sources)
+
+
+def _first_nodes(ctx: CheckpointContext, ranks: list[int], count: int) -> list[str]:
+    """The nodes of `ranks`, in their order without repeats, the first `count` of them (read no further)."""
+    nodes: dict[str, None] = {}
+    for rank in ranks:
+        nodes[ctx.placement[rank]] = None
+        if len(nodes) >= count:
+            break
+    return list(nodes)
 
 
 def newest_complete(ctx: CheckpointContext, tiers: tuple[Tier, ...]) -> ResumePlan:

@@ -4,6 +4,7 @@ are still accepted; a report that names a rank the job does not have changes not
 
 from __future__ import annotations
 
+from events.envelope import make_envelope
 from events.outputs import Rejection
 from recovery.agent.progress import ProgressFold, SilenceWatch
 from recovery.testing.scenario import Scenario
@@ -60,6 +61,42 @@ def test_a_report_naming_a_rank_the_job_lacks_changes_nothing() -> None:
     effects = s.job_event("j", "progress.report", ranks=[{"rank": 0, "step": 2}, {"rank": 5, "step": 2}])
     assert [e.code for e in effects if isinstance(e, Rejection)] == ["unknown_rank"]
     assert engine_state(s.engine) == before, "rank 0's step of the refused report stayed applied"
+
+
+def test_a_report_with_a_step_backwards_or_a_rank_twice_is_refused_whole() -> None:
+    """Refusals found before any entry is applied (the common report goes without a journal) and one that only the
+    entries applied in order show (a rank named twice) both leave nothing of the report behind."""
+    s = Scenario()
+    s.submit("j", ["n0"], ranks_per_node=2, dp=2)
+    s.job_event("j", "progress.report", ranks=[{"rank": 0, "step": 3}, {"rank": 1, "step": 3}])
+    before = engine_state(s.engine)
+    for ranks, code in (([{"rank": 0, "step": 4}, {"rank": 1, "step": 2}], "step_backwards"),
+                        ([{"rank": 1, "step": 4}, {"rank": 0, "step": 5}, {"rank": 0, "step": 4}], "step_backwards"),
+                        ([{"rank": 0, "step": 4}, {"rank": 1, "step": 4, "attempt": 3}], "unknown_attempt")):
+        effects = s.job_event("j", "progress.report", ranks=ranks)
+        assert [e.code for e in effects if isinstance(e, Rejection)] == [code]
+        assert engine_state(s.engine) == before, ranks
+
+
+def test_a_report_naming_its_node_is_the_agents_sign_of_life() -> None:
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4)
+    s.job_event("j", "job.started")
+    for node in ("n0", "n1"):
+        s.node_event(node, "node.heartbeat", interval_s=1.0)
+    s.advance(4)
+    s.send("recovery.ev.job.j.progress.report", make_envelope(
+        "progress.report", {"ranks": [{"rank": 0, "step": 1}, {"rank": 1, "step": 1}]}, id="r1", job="j", node="n0"))
+    heard = {name: s.engine.cluster.nodes[name].heard for name in ("n0", "n1")}
+    assert heard["n0"] == s.now and heard["n1"] is not None and heard["n1"] < heard["n0"]
+    # n0's agent says nothing else but its reports: never silent; n1's says nothing at all: silent
+    for _ in range(4):
+        s.advance(1.5)
+        s.send("recovery.ev.job.j.progress.report", make_envelope(
+            "progress.report", {"ranks": [{"rank": 0}, {"rank": 1}]}, id=f"r{s.engine.last_seq}", job="j",
+            node="n0"))
+    [confirmed] = s.find("fault.confirmed", "j")
+    assert "agent of n1 silent" in confirmed.reason and "n0" not in confirmed.reason
 
 
 def test_the_fold_keeps_each_ranks_newest_word_and_says_what_is_news() -> None:

@@ -1,14 +1,15 @@
 """`python tools/bench.py fleet`: the control plane at a fleet's scale, its agents simulated in processes of their
 own that publish over real NATS (never inside a daemon's process).
 
-Case `job` (a): one job of `--nodes` nodes of 8 ranks (16,384 x 8 = 131,072 GPUs; `--quick` 1,024 x 8) on one
-daemon and one nats-server. Each simulated agent does for its node what `recovery-agent` does: it folds its 8 ranks'
-heartbeats (1/s) and steps (one every `--step-s`, 2 s) into one `progress.report` per `--report-s` and says it lives
-(`node.heartbeat`, as often); it acks the commands addressed to its node, and its ranks report in the newest
-generation a command names. Every `--fault-every-s` a rank's process exits (its agent publishes `process.exited`);
-the first command of the job on the wire after it times its fault-to-command latency, and the next fault waits for
-the incident to close. `job_daemon_cpu_cores` is the daemon's CPU time (user + system) over the measured window
-divided by the window: the share of a core the job costs the control plane.
+Case `job` (a): one job of `--nodes` nodes of 8 ranks (16,384 x 8 = 131,072 GPUs; `--quick` 1,024 x 8) on one daemon
+and one nats-server. Each simulated agent does for its node what `recovery-agent` does: it folds its 8 ranks'
+heartbeats (1/s) and steps (one every `--step-s`, 2 s) into one `progress.report` per `--report-s`, which the engine
+also takes for the agent's sign of life (a `node.heartbeat` goes only in a period without a report); it acks the
+commands addressed to its node, and its ranks report in the newest generation a command names. Every
+`--fault-every-s` a rank's process exits (its agent publishes `process.exited`); the first command of the job on the
+wire after it times its fault-to-command latency, and the next fault waits for the incident to close.
+`job_daemon_cpu_cores` is the daemon's CPU time (user + system) over the measured window divided by the window: the
+share of a core the job costs the control plane.
 
 The simulated agents are `--workers` processes (`python tools/bench_fleet.py agents ...`), each a slice of the
 nodes; on this 2-core machine they, nats-server and the daemon share the cores, so at full size the publishers may
@@ -36,8 +37,10 @@ import orjson
 from bench_daemon import Daemon, connect, nats_server, note, publish_all, sigterm_unwinds, wait_seq
 
 from events import subjects
-from events.envelope import encode_envelope, make_envelope
+from events.codec import encode_envelope
+from events.envelope import make_envelope
 from events.values import JobSpec
+from recovery.agent.config import AgentConfig
 
 Emit = Callable[[str, str, float, str], None]
 BENCH = "fleet"
@@ -101,17 +104,23 @@ async def agents(url: str, job: str, first: int, count: int, report_s: float, st
         await nc.subscribe(f"{CONTROL}.fault.{node}", cb=on_fault)
     await nc.flush()
     tick = 0
+    slot = report_s / max(1, count)  # agents tick on their own clocks: spread the nodes' reports over the period
     while (now := time.monotonic()) - start < seconds:
         step = int((now - start) / step_s) + 1
-        for node, index in mine.items():
+        for n, (node, index) in enumerate(mine.items()):
+            if n % 64 == 0:
+                due = start + tick * report_s + n * slot - time.monotonic()
+                if due > 0:
+                    await asyncio.sleep(due)  # this node's place in the period
             ranks = [{"rank": r, "step": step, "attempt": generation}
                      for r in range(index * RPN, (index + 1) * RPN) if r not in dead]
             ident = f"{node}-r{tick}"
             await nc.publish(subjects.job_event(job, "progress.report"),
                              envelope("progress.report", {"ranks": ranks}, ident, node, job), headers={MSG_ID: ident})
-            ident = f"{node}-h{tick}"
-            await nc.publish(subjects.node_event(node, "node.heartbeat"),
-                             envelope("node.heartbeat", {}, ident, node, None), headers={MSG_ID: ident})
+            if tick == 0 or not ranks:  # as the agent: a period it reported in needs no heartbeat besides
+                ident = f"{node}-h{tick}"
+                await nc.publish(subjects.node_event(node, "node.heartbeat"),
+                                 envelope("node.heartbeat", {}, ident, node, None), headers={MSG_ID: ident})
         await nc.flush(timeout=60)
         tick += 1
         delay = start + tick * report_s - time.monotonic()
@@ -196,6 +205,8 @@ def run_job(args: argparse.Namespace, work: Path, emit: Emit) -> None:
             await nc.close()
 
         asyncio.run(submit())
+        # The agents' own rule (`job_reports_per_s`): a job of more nodes reports less often than `report_s`.
+        period = max(args.report_s, nodes / AgentConfig.model_fields["job_reports_per_s"].default)
         per = -(-nodes // args.workers)
         workers: list[subprocess.Popen[bytes]] = []
         try:
@@ -204,7 +215,7 @@ def run_job(args: argparse.Namespace, work: Path, emit: Emit) -> None:
                 if count > 0:
                     workers.append(subprocess.Popen(
                         [sys.executable, __file__, "agents", server.url, job, str(first), str(count),
-                         str(args.report_s), str(args.step_s), str(seconds + args.warmup_s + 5)],
+                         str(period), str(args.step_s), str(seconds + args.warmup_s + 5)],
                         stdin=subprocess.DEVNULL, start_new_session=True))
             time.sleep(args.warmup_s)  # the agents' first reports, before the window is measured
             latencies, cores, applied = asyncio.run(measure_job(server.url, daemon, job, nodes, seconds,
@@ -215,8 +226,9 @@ def run_job(args: argparse.Namespace, work: Path, emit: Emit) -> None:
                 proc.wait()
     gpus = nodes * RPN
     note(f"job of {gpus:,} GPUs on {nodes:,} nodes: {len(latencies)} faults, daemon {cores:.2f} cores, "
-         f"{applied:,.0f} inputs/s applied (a node's report and heartbeat each per {args.report_s:g} s)")
+         f"{applied:,.0f} inputs/s applied (a node's report every {period:g} s)")
     emit(BENCH, "job_gpus", gpus, "GPUs")
+    emit(BENCH, "job_report_period_s", period, "s (each node's report: the agents' job_reports_per_s rule)")
     emit(BENCH, "job_inputs_per_s", round(applied, 1), "inputs applied per second (reports and heartbeats)")
     emit(BENCH, "job_daemon_cpu_cores", round(cores, 3), "cores (daemon CPU s / wall s; goal 0.5 or less)")
     if latencies:
@@ -233,7 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=0.0, help="the measured window (default 60)")
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--workers", type=int, default=4, help="processes of simulated agents")
-    parser.add_argument("--report-s", type=float, default=1.0, help="each agent's report and heartbeat period")
+    parser.add_argument("--report-s", type=float, default=1.0, help="the agents' report_s (a job of more nodes "
+                        "than job_reports_per_s reports less often)")
     parser.add_argument("--step-s", type=float, default=2.0, help="a rank's step")
     parser.add_argument("--fault-every-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -76,6 +77,7 @@ class Agent(Relay):
         self.silence = SilenceWatch()
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
         self.dumps = Dumps()
+        self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
 
     # -- events ----------------------------------------------------------------------------------------
     def _next_id(self) -> str:
@@ -84,7 +86,11 @@ class Agent(Relay):
 
     def publish(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None,
                 heartbeat: bool) -> None:
-        envelope = make_envelope(type_, data, id=event_id or self._next_id(), job=job, source=self.source)
+        # A progress report names its node: the engine takes it for the agent's sign of life, as a heartbeat.
+        node = self.node if type_ == "progress.report" else None
+        if node is not None:
+            self._reported_at = time.monotonic()
+        envelope = make_envelope(type_, data, id=event_id or self._next_id(), job=job, node=node, source=self.source)
         assert self.outbox is not None
         self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id, heartbeat=heartbeat)
 
@@ -98,7 +104,11 @@ class Agent(Relay):
         """The agent's own heartbeat: its absence is how the engine tells a dead agent or host (whose ranks' reports
         stop with it) from ranks that stopped reporting."""
         while True:
-            self.node_event("node.heartbeat", {"interval_s": self.cfg.node_heartbeat_s})
+            # A report within the period of the slowest job's reports said it already (the engine's silence
+            # threshold is several periods).
+            quiet = max([self.cfg.node_heartbeat_s, *(self.report_period(job) for job in self.jobs)])
+            if time.monotonic() - self._reported_at >= quiet:
+                self.node_event("node.heartbeat", {"interval_s": self.cfg.node_heartbeat_s})
             await anyio.sleep(self.cfg.node_heartbeat_s)  # the heartbeat's period
 
     def ack(self, command: Command, status: str, reason: str = "", **result: Any) -> None:

@@ -48,6 +48,11 @@ class AgentConfig(FileSettings):
     report_s: float = Field(1.0, ge=0, le=60, description="how often the ranks' heartbeats and steps of each job "
                                                            "go out folded into one `progress.report`; 0: each on "
                                                            "its own, as older agents send them")
+    job_reports_per_s: float = Field(8192.0, gt=0, description="the reports a second all the agents of one job send "
+                                                                "together at most: a job of more nodes than this "
+                                                                "reports less often than `report_s` (16,384 nodes: "
+                                                                "every 2 s), so that one job costs its daemon half a "
+                                                                "core at most")
     rank_silence_s: float = Field(8.0, ge=0, le=3600, description="a rank whose SDK spoke and then said nothing "
                                                                    "this long is reported hung (`process.hang`); "
                                                                    "0: the engine's watchdog alone finds it")

@@ -48,12 +48,27 @@ class Relay:
             lively = all(entry["step"] is None for entry in report["ranks"])
             self.publish(job, "progress.report", report, None, heartbeat=lively)
 
+    def report_period(self, job_id: str) -> float:
+        """How often `job`'s report goes: `report_s`, or longer for a job of more nodes than `job_reports_per_s`
+        (its agents together then still send that many a second)."""
+        job = self.jobs.get(job_id)
+        nodes = len(job.nodes) if job is not None else 1
+        return max(self.cfg.report_s, nodes / self.cfg.job_reports_per_s)
+
     async def fold_reports(self) -> None:
-        """Every `report_s`: each job's report, and each rank silent past `rank_silence_s` reported hung."""
+        """Every `report_s`: each job's report that is due, and each rank silent past `rank_silence_s` reported
+        hung."""
+        flushed: dict[str, float] = {}
         while True:
             await anyio.sleep(self.cfg.report_s)  # the period of the reports
+            now = time.monotonic()
             for job in self.progress.jobs():
-                self.flush(job)
+                # A tick early still counts: the ticks drift, and a period of 2 ticks must not become 3.
+                if now - flushed.get(job, -1e18) >= self.report_period(job) - self.cfg.report_s / 2:
+                    flushed[job] = now
+                    self.flush(job)
+            if len(flushed) > len(self.jobs) + 64:
+                flushed = {job: at for job, at in flushed.items() if job in self.jobs}
             if self.cfg.rank_silence_s > 0:
                 for job_id, rank, seconds in self.silence.silent(time.monotonic(), self.cfg.rank_silence_s):
                     job = self.jobs.get(job_id)

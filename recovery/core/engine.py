@@ -231,10 +231,18 @@ class Engine(Progress):
                 if incident is not None and incident.phase == "restoring":
                     self.guard(job)  # progress past the resume point closes the incident
                 if type_ == "progress.report":
-                    if len(env.data.ranks) > 1:
+                    if len(env.data.ranks) > 1 and self.report_refused(job, env.data.ranks):
                         self.guard(job)  # a later rank's entry that is refused must undo the earlier ones
                     for entry in env.data.ranks:  # each as its rank's own heartbeat or step would be
                         self._progress(out, job, entry)
+                    node = self.cluster.nodes.get(env.node) if env.node is not None else None
+                    if node is not None and node.heard is not None and node.job == job.id:
+                        # The agent's report is its sign of life too: it sends no node.heartbeat in a period it
+                        # reported in (half the inputs of a large job). Last, once every entry was applied: nothing
+                        # after it refuses the record, so only an open journal needs to hear of it.
+                        if self.journal is not None:
+                            node = self.cluster.node(node.name)
+                        node.heard = out.ts
                 else:
                     self._progress(out, job, env.data)
             else:

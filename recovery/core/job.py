@@ -53,6 +53,7 @@ class Attempt:
     generation as they are, rather than being replaced again (two ranks killed a few ms apart restart 2 processes)"""
     carried_ids: tuple[str, ...] = ()  # the restart commands that started the carried ranks: a failed one fails this
     restart_ids: tuple[str, ...] = ()  # the restart commands this attempt sent
+    planned_at: int = -1  # the log record whose checkpoint plan `plan` is
     moves: dict[str, tuple[str, str]] = field(default_factory=dict)
     """migrations sent and not yet done: command id -> (from node, to node). The placement is changed when the
     command is sent; one that fails or never answers did not move the ranks, and is undone."""

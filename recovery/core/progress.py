@@ -40,6 +40,23 @@ class Progress:
                                              f"{job.generation}")
         return attempt < (job.generation if progress else job.rank_gen[rank])
 
+    def report_refused(self, job: Job, entries: list[kinds.RankProgress]) -> bool:
+        """Would an entry of this progress report be refused, making the whole record refused? Checked before
+        any entry is applied: the common report is then applied without a journal, whose memento of the job copies
+        its placement (16,384 nodes: most of a report's cost). True sends the report the journaled way, where the
+        refused entry undoes the ones before it. Mirrors the refusals of `_check_rank` and `_progress`."""
+        seen: set[int] = set()
+        for entry in entries:
+            rank = entry.rank
+            if rank >= job.world or entry.attempt > job.generation or rank in seen:
+                return True  # unknown, ahead, or a rank twice (its second entry depends on its first)
+            seen.add(rank)
+            step = entry.step
+            if (step is not None and entry.attempt == job.generation and step < job.steps[rank]
+                    and not self._implausible_lead(job, rank, job.steps[rank])):
+                return True
+        return False
+
     def _progress(self, out: RecordEffects, job: Job,
                   data: kinds.Heartbeat | kinds.StepReported | kinds.RankProgress) -> None:
         rank = data.rank

@@ -7,6 +7,7 @@ talks to executors; planning, deadlines and closing are the other half.
 
 from __future__ import annotations
 
+from itertools import chain, repeat
 from typing import Any, Literal
 
 from events import kinds
@@ -46,11 +47,15 @@ class Restarts:
                         ) -> CheckpointContext:
         incident = job.incident
         assert incident is not None
-        saving_ranks = set(attempt.ranks) if attempt.granularity is G.IN_PLACE else set()
-        alive = tuple(bool(job.alive[r]) and r not in saving_ranks for r in range(job.world))
+        alive_list = [bool(a) for a in job.alive]
+        if attempt.granularity is G.IN_PLACE:
+            for rank in attempt.ranks:  # restarting: no source of state
+                alive_list[rank] = False
+        alive = tuple(alive_list)
+        # Built at C speed: a 131,072-rank job's contexts are most of the time its fault takes to become commands.
+        placement = tuple(chain.from_iterable(repeat(name, job.rpn) for name in job.nodes))[:job.world]
         return CheckpointContext(
-            layout=job.layout, catalog=job.frozen_catalog(), placement=tuple(job.nodes[r // job.rpn]
-                                                                              for r in range(job.world)),
+            layout=job.layout, catalog=job.frozen_catalog(), placement=placement,
             unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)) | incident.dead_hosts,
             alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
             restarting=frozenset(attempt.ranks),
@@ -62,8 +67,8 @@ class Restarts:
         stopped, live replicas may have trained on, a newer checkpoint (a dying one written by SIGTERM handlers)
         may have landed, or a holder may have gone. Ask again; a different answer replaces the plan."""
         plan = attempt.plan
-        if plan is None:
-            return
+        if plan is None or attempt.planned_at == out.seq:
+            return  # planned by this very record (nothing to stop first): nothing can have changed since
         peer = any(source.tier is Tier.PEER for source in plan.shards)
         answer = consult(out, job, "checkpoint", "plan", self._checkpoint_ctx(job, attempt, False, peer))
         fresh = _resume_of(answer) or plan
@@ -113,6 +118,7 @@ class Restarts:
                                "exiting": len(incident.exiting)})
             return
         attempt.plan = resume
+        attempt.planned_at = out.seq
         out.decide(job, DecisionKind.CHECKPOINT_PLAN, answer.reason, policy=policy,
                    detail={"checkpoint_step": resume.checkpoint_step, "next_step": resume.next_step,
                            "tiers": _tier_counts(resume)})
