@@ -11,8 +11,8 @@ import subprocess
 import sys
 from typing import Any
 
-from tests.e2e_support import connect, environment, free_port, job_spec, submit, wait_until, watch
-from tests.test_e2e_recovery import NODES, STEP_TIME_S, STEPS, Cluster, cluster  # noqa: F401  # the shared fixture
+from tests.e2e_support import environment
+from tests.test_e2e_recovery import Cluster, cluster, run_job  # noqa: F401  # the shared fixture
 
 STUCK_RANK = 2
 STUCK_AT = 15
@@ -21,26 +21,14 @@ STUCK_AT = 15
 async def test_a_rank_stuck_in_its_data_loader_is_named_by_the_stacks_taken_before_the_restart(
         cluster: Cluster) -> None:  # noqa: F811
     job = "stuck-loader"
-    out = cluster.workdir / f"{job}.pt"
-    nc = await connect(cluster.nats.url)
-    try:
-        w = await watch(nc, job)
+    detection: dict[str, Any] = {"hang_min_silence_s": 30.0, "agent_silence_s": 3.0, "stall_min_s": 3.0,
+                                 "stall_factor": 10.0}
+    w, _ = await run_job(cluster, job, detection=detection,
+                         args=["--stall-rank", str(STUCK_RANK), "--stall-at-step", str(STUCK_AT)])
 
-        def explain() -> str:
-            decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
-            return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
+    def explain() -> str:
+        return f"--- decisions of {job}: {[d['data']['kind'] for d in w.decisions]}\n{cluster.explain()}"
 
-        detection: dict[str, Any] = {"hang_min_silence_s": 30.0, "agent_silence_s": 3.0, "stall_min_s": 3.0,
-                                     "stall_factor": 10.0}
-        await submit(nc, job, job_spec(out, STEPS, STEP_TIME_S, NODES, free_port(), detection=detection,
-                                       args=["--stall-rank", str(STUCK_RANK), "--stall-at-step", str(STUCK_AT)]))
-        try:
-            await wait_until(lambda: "job.completed" in w.kinds() and out.exists(), 120, f"{job} to complete",
-                             explain)
-        finally:
-            cluster.started.extend(pid for pids in w.pids().values() for pid in pids)
-    finally:
-        await nc.close()
     stacks = w.of("process.stacks")
     assert len(stacks) == 2, explain()  # one per node, every live rank in it
     assert sorted(s["rank"] for e in stacks for s in e["data"]["ranks"]) == [0, 1, 2, 3]

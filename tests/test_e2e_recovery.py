@@ -104,8 +104,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str] = NODES,
                   rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None,
-                  step_time: float = STEP_TIME_S, detection: dict[str, Any] | None = None
-                  ) -> tuple[JobWatch, dict[str, Any]]:
+                  step_time: float = STEP_TIME_S, detection: dict[str, Any] | None = None,
+                  args: list[str] | None = None) -> tuple[JobWatch, dict[str, Any]]:
     """Submit the job, let `fault(watch)` strike once every rank passed FAULT_AT_STEP, wait for the job to
     complete; returns what was seen and the final parameters."""
     import torch
@@ -120,7 +120,7 @@ async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str
             return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
 
         port = cluster.store.port if rendezvous == "external" else free_port()
-        await submit(nc, job, job_spec(out, STEPS, step_time, nodes, port, rendezvous, checkpoint, detection))
+        await submit(nc, job, job_spec(out, STEPS, step_time, nodes, port, rendezvous, checkpoint, detection, args))
         try:
             await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), 120,
                              f"{job} to train {FAULT_AT_STEP} steps", explain)

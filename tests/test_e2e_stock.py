@@ -176,7 +176,7 @@ def test_the_ranks_get_torchruns_environment_and_a_torch_store_apart_from_the_jo
 
 def documented_standalone_command() -> list[str]:
     """The first `recovery-run --standalone` command of docs/recovery-run.md."""
-    block = re.search(r"```\n(recovery-run --standalone [^\n]*)\n```", DOC.read_text())
+    block = re.search(r"```(?:sh)?\n(recovery-run --standalone [^\n]*)\n```", DOC.read_text())
     assert block, "docs/recovery-run.md shows no standalone command"
     return shlex.split(block.group(1))
 
