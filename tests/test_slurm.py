@@ -134,7 +134,7 @@ async def test_an_isolated_node_is_drained_with_its_reason_and_resumed_when_rele
                                    "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(stack.store_port)}}}
             reply = await request(stack.url, "submit", {"job": "lemon", "spec": spec}, 10.0)
             assert reply["ok"], reply
-            await until(lambda: job_state(stack.url, "lemon"), 30, "the job to be known")
+            await until(lambda: _is(job_state(stack.url, "lemon"), "running"), 30, "the job to run")
             for _ in range(2):
                 reply = await request(stack.url, "inject", {"type": "device.fault", "node": "n2", "data": {
                     "device": 1, "vendor": "nvidia", "code": "63"}}, 10.0)
