@@ -183,9 +183,11 @@ class Restarts:
                        cancelled=[attempt.deadline_timer] if attempt.deadline_timer else [])
             return
         self._refresh_plan(out, job, attempt)
-        if attempt.carried and not _same_sources(incident.attempts[-2].plan, attempt.plan, attempt.carried):
+        if attempt.carried and (not _same_sources(incident.attempts[-2].plan, attempt.plan, attempt.carried)
+                                or set(attempt.carried) >= set(attempt.ranks)):
             # The carried processes were started to resume from another source or step than this plan's (their
-            # peer replica died too, say): they restart with it, the restart command replacing them.
+            # peer replica died too, say): they restart with it, the restart command replacing them. Nor is a
+            # restart made of carried ranks alone: an empty command would leave the attempt waiting for no ack.
             attempt.carried, attempt.carried_ids = (), ()
         cid = out.command_id(job.id)
         commands: list[Any] = []
