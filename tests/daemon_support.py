@@ -43,8 +43,9 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(POLL_S)  # polling interval of a deadline-bounded wait
 
 
-async def async_wait_for(condition: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout: float,
-                         what: str) -> None:
+async def async_wait_for(condition: Callable[[], Any] | Callable[[], Awaitable[Any]], timeout: float,
+                         what: str, logs: Callable[[], str] = str) -> None:
+    """Until `condition()` (awaited if it is a coroutine) is true, within `timeout`; on timeout `logs()` says why."""
     deadline = time.monotonic() + timeout
     while True:
         result = condition()
@@ -53,7 +54,7 @@ async def async_wait_for(condition: Callable[[], bool] | Callable[[], Awaitable[
         if result:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{logs()}".rstrip())
         await asyncio.sleep(POLL_S)  # polling interval of a deadline-bounded wait
 
 

@@ -11,8 +11,7 @@ import contextlib
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,8 @@ from recovery.slurm.allocation import from_environment
 from recovery.slurm.bridge import SlurmBridge
 from recovery.slurm.scontrol import Scontrol
 from recovery.testing.slurm import SlurmCluster
+from tests.daemon_support import async_wait_for
 
-POLL_S = 0.1
 TRAIN = """\
 import sys
 import time
@@ -82,17 +81,7 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5)
 
 
-async def until(condition: Callable[[], Any], timeout: float, what: str, logs: Callable[[], str] = str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}\n{logs()}")
-        await asyncio.sleep(POLL_S)  # polling interval of a deadline-bounded wait
+until = async_wait_for  # the shared deadline-bounded wait, with the logs that say why it timed out
 
 
 async def job_state(url: str, job: str) -> str | None:
