@@ -1,4 +1,4 @@
-"""Dump before acting, on real processes (the cluster of `tests/test_e2e_recovery.py`: a nats-server, a daemon, the
+"""Dump before acting, on real processes (the shared cluster of `tests/e2e_cluster.py`: a nats-server, a daemon, the
 agents, the gloo job of `examples/dp-training`): rank 2's data loader blocks at step 15 while ranks 0, 1 and 3 wait
 for it in their all_reduce. The watchdog finds the stall; before any process is stopped every node's agent takes its
 ranks' stacks with py-spy; the job recovers and completes; and `recovery-replay report` names rank 2 and the frame
@@ -11,15 +11,16 @@ import subprocess
 import sys
 from typing import Any
 
+from tests.e2e_cluster import Cluster, run_job
 from tests.e2e_support import environment
-from tests.test_e2e_recovery import Cluster, cluster, run_job  # noqa: F401  # the shared fixture
 
 STUCK_RANK = 2
 STUCK_AT = 15
 
 
 async def test_a_rank_stuck_in_its_data_loader_is_named_by_the_stacks_taken_before_the_restart(
-        cluster: Cluster) -> None:  # noqa: F811
+        shared_cluster: Cluster) -> None:
+    cluster = shared_cluster
     job = "stuck-loader"
     detection: dict[str, Any] = {"hang_min_silence_s": 30.0, "agent_silence_s": 3.0, "stall_min_s": 3.0,
                                  "stall_factor": 10.0}

@@ -13,141 +13,34 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from events.envelope import Record
 from recovery.agent.ranks import start_time
-from recovery.testing.nats import NatsServer
-from tests.daemon_support import DaemonProcess, read_stream
-from tests.e2e_support import (
-    AgentProcess,
-    JobWatch,
-    RendezvousProcess,
-    connect,
-    free_port,
-    job_spec,
-    kill_leftovers,
-    submit,
-    wait_until,
-    watch,
+from tests.daemon_support import read_stream
+from tests.e2e_cluster import (
+    SPARES,
+    STEPS,
+    Cluster,
+    assert_bitwise_equal,
+    fault_free_run,
+    run_job,
+    start_cluster,
 )
-
-NODES = ["n0", "n1"]
-STEPS = 40
-STEP_TIME_S = 0.05
-FAULT_AT_STEP = 10
-SPARES = {f"agent@spare{i}" for i in range(4)}
-
-
-@dataclass
-class Cluster:
-    nats: NatsServer
-    daemon: DaemonProcess
-    agents: list[AgentProcess]
-    workdir: Path
-    started: list[int]
-    store: RendezvousProcess
-
-    def agent(self, node: str) -> AgentProcess:
-        return next(a for a in self.agents if a.node == node)
-
-    def explain(self) -> str:
-        return "\n".join(f"--- agent {a.node}:\n{a.log_tail()}" for a in self.agents) + \
-            f"\n--- daemon:\n{self.daemon.log_tail()}"
+from tests.e2e_support import JobWatch, kill_leftovers, wait_until
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("e2e")
-    server = NatsServer(workdir / "nats")
-    server.start()
-    daemon = DaemonProcess(workdir / "daemon", server.url, lease_ttl_s=0, snapshot_fork=False)
-    agents: list[AgentProcess] = []
-    store = RendezvousProcess(workdir / "rendezvous")
-    state = Cluster(server, daemon, agents, workdir, [], store)
-    try:
-        daemon.start(PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-        daemon.wait_ready()
-        store.wait_ready()
-
-        async def start_agents() -> None:
-            nc = await connect(server.url)
-            ready: set[str] = set()
-
-            async def on_node(msg: Any) -> None:
-                ready.add(msg.subject.split(".")[3])
-
-            await nc.subscribe("recovery.ev.node.>", cb=on_node)
-            # n2, n3 and four spares for the scenarios that move ranks: a preemption moves both nodes of its job
-            # (n1's agent stops), a node loss one (n0), an agent's loss one (n3)
-            agents.extend([AgentProcess(workdir, name, server.url) for name in ("n0", "n1", "n2", "n3")])
-            agents.extend([AgentProcess(workdir, name, server.url, spare=True)
-                           for name in ("spare0", "spare1", "spare2", "spare3")])
-            await wait_until(lambda: ready >= {a.node for a in agents}, 30, "the agents to report their nodes",
-                             state.explain)
-            await nc.close()
-
-        asyncio.run(start_agents())
+    with start_cluster(tmp_path_factory.mktemp("e2e")) as state:
         yield state
-    finally:
-        for agent in agents:
-            agent.stop()
-        kill_leftovers(state.started)
-        store.stop()
-        daemon.close()
-        server.stop()
-
-
-async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str] = NODES,
-                  rendezvous: str = "agent", checkpoint: dict[str, Any] | None = None,
-                  step_time: float = STEP_TIME_S, detection: dict[str, Any] | None = None,
-                  args: list[str] | None = None) -> tuple[JobWatch, dict[str, Any]]:
-    """Submit the job, let `fault(watch)` strike once every rank passed FAULT_AT_STEP, wait for the job to
-    complete; returns what was seen and the final parameters."""
-    import torch
-
-    out = cluster.workdir / f"{job}.pt"
-    nc = await connect(cluster.nats.url)
-    try:
-        w = await watch(nc, job)
-
-        def explain() -> str:
-            decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
-            return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
-
-        port = cluster.store.port if rendezvous == "external" else free_port()
-        await submit(nc, job, job_spec(out, STEPS, step_time, nodes, port, rendezvous, checkpoint, detection, args))
-        try:
-            await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), 120,
-                             f"{job} to train {FAULT_AT_STEP} steps", explain)
-            if fault is not None:
-                await fault(w, explain)
-            await wait_until(lambda: "job.completed" in w.kinds() and out.exists(), 120, f"{job} to complete",
-                             explain)
-        finally:
-            cluster.started.extend(pid for pids in w.pids().values() for pid in pids)
-    finally:
-        await nc.close()
-    return w, torch.load(out)
 
 
 @pytest.fixture(scope="module")
 def fault_free(cluster: Cluster) -> dict[str, Any]:
-    w, params = asyncio.run(run_job(cluster, "fault-free"))
-    assert all(len(pids) == 1 for pids in w.pids().values())
-    return params
-
-
-def assert_bitwise_equal(params: dict[str, Any], reference: dict[str, Any]) -> None:
-    import torch
-
-    assert params.keys() == reference.keys()
-    for name in params:
-        assert torch.equal(params[name], reference[name]), f"{name} differs from the fault-free run"
+    return fault_free_run(cluster)
 
 
 @pytest.mark.parametrize("victim", [2, 0])
