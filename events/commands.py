@@ -6,9 +6,9 @@ daemon that reprocesses a record after a crash republishes the same ids and JetS
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from events.subjects import Token
 from events.values import Attempt, Device, Frozen, Id, Interval, Rank, ResumePlan, Seconds, Size, Step
@@ -70,10 +70,26 @@ class RestartJob(CommandBase):
 
 
 class ScaleJob(CommandBase):
+    """Run the job at data-parallel size `dp` on `nodes` (rank r on nodes[r // ranks_per_node]). The ranks in `kept`
+    are processes that live on: the survivor on the same node with the same local rank re-forms its process group in
+    this generation as that rank (the SDK reads the new world from the job store); every other rank of the new
+    placement starts anew, and the processes of the job on a node outside it end."""
+
     kind: Literal["scale_job"] = "scale_job"
     dp: Size
     nodes: list[Token]
     plan: ResumePlan
+    kept: list[Rank] = Field(default_factory=list,
+                             description="ranks of the new placement whose processes live on (survivors re-forming "
+                                         "in-process); empty: all start anew")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_kept(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A scale that keeps no process is written as before survivors were kept, so logs stay byte for byte.
+        data: dict[str, Any] = handler(self)
+        if not data.get("kept", True):
+            del data["kept"]
+        return data
 
 
 class IsolateNode(CommandBase):

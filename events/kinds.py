@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from events.subjects import Token
 from events.values import (
@@ -176,6 +176,16 @@ class NodeDrained(Frozen):
 class NodeJoined(Frozen):
     spare: Flag = True
     devices: Devices = 8
+    pool: Token | None = Field(None, description="the spare pool the node joins: only jobs whose `spare_pool` names it "
+                                                 "take it; null: the shared pool")
+
+    @model_serializer(mode="wrap")
+    def _without_shared_pool(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A node of the shared pool is written as before pools existed, so logs stay byte for byte.
+        data: dict[str, Any] = handler(self)
+        if data.get("pool", ...) is None:
+            del data["pool"]
+        return data
 
 
 class NodeHeartbeat(Frozen):

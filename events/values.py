@@ -264,6 +264,9 @@ class JobSpec(Frozen):
                                description="spare nodes from the shared pool this job may hold at once beyond its own "
                                            "placement (a quota, so that one job cannot take every spare while "
                                            "another waits); null: as many as are free")
+    spare_pool: Token | None = Field(None, description="the pool of spares this job may take (nodes whose agent "
+                                                       "joined with that `pool`): a pool kept for some jobs, such as "
+                                                       "the nodes an elastic job grows onto; null: the shared pool")
     elastic: Elastic | None = None
     policies: PolicySelection = PolicySelection()
     max_restarts: Count | None = Field(None, description="restart budget over the job's life, any rung")
@@ -284,6 +287,8 @@ class JobSpec(Frozen):
             del data["entrypoint"]
         if data.get("scheduler_job", ...) is None:
             del data["scheduler_job"]
+        if data.get("spare_pool", ...) is None:
+            del data["spare_pool"]
         return data
 
     @model_validator(mode="after")

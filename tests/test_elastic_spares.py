@@ -6,12 +6,12 @@ from pathlib import Path
 
 import orjson
 
-from events.values import Elastic
+from events.values import Elastic, Tier
 from recovery.log import iter_file
 from recovery.log.recorder import replay
 from recovery.log.verify import first_divergence
 from recovery.testing.scenario import Scenario
-from tests.golden.scenarios import path
+from tests.golden.scenarios import SCENARIOS, path
 
 
 def test_an_elastic_job_resumes_at_its_minimum_with_a_spare_instead_of_waiting() -> None:
@@ -109,3 +109,30 @@ def test_a_log_written_before_spares_was_a_quota_replays_as_it_ran(tmp_path: Pat
     result = replay(iter_file(old))
     assert first_divergence(result) is None and not result.rejections
     assert result.engine.jobs["llm"].spec.spares is None
+
+
+def test_a_scale_in_keeps_the_live_processes_and_a_node_of_the_jobs_pool_scales_it_out() -> None:
+    """The golden `elastic_keeps_survivors`: the shared spare is free but not the job's (`spare_pool`), so the lost node
+    makes the job scale in; the live ranks are kept (no stop, no restart: `kept`) and are the peers of the plan. The
+    node that joins the job's pool scales it out, and the shared spare is still free for other jobs."""
+    s = SCENARIOS["elastic_keeps_survivors"]()
+    scale_in, scale_out = s.commands_of("scale_job")
+    assert (scale_in.dp, scale_in.nodes, scale_in.kept) == (2, ["g0"], [0, 1])
+    assert (scale_out.dp, scale_out.nodes, scale_out.kept) == (4, ["g0", "g2"], [0, 1])
+    assert {source.tier for c in (scale_in, scale_out) for source in c.plan.shards} == {Tier.PEER}
+    assert not s.commands_of("stop_ranks")
+    assert s.engine.cluster.free_spares() == ["shared0"]
+    assert s.engine.jobs["grow"].layout.dp == 4 and s.state("grow") == "running"
+
+
+def test_a_stock_script_scaled_in_starts_every_process_anew() -> None:
+    """A script that never reported through the SDK cannot re-form its process group in-process: nothing is kept."""
+    s = Scenario()
+    s.submit("stock", ["n0", "n1"], ranks_per_node=2, dp=4, elastic=Elastic(min_dp=2, max_dp=4).model_dump())
+    s.advance(5)
+    s.node_event("n1", "device.fault", device=0, vendor="nvidia", code="79")
+    s.advance(3)
+    s.ack_all()
+    [scale] = s.commands_of("scale_job")
+    assert scale.dp == 2 and scale.kept == []
+    assert "kept" not in scale.model_dump()  # written as before survivors were kept

@@ -475,7 +475,8 @@ class Driver:
             if peers:
                 assert plan.checkpoint_step is not None and len(peers) == len(plan.shards), plan
                 peer_steps.append(plan.checkpoint_step)
-                restarted = set(getattr(command, "ranks", range(job.world)))
+                # a scale's kept ranks are processes that live on: peers outside the restart
+                restarted = set(getattr(command, "ranks", range(job.world))) - set(getattr(command, "kept", ()))
                 for source in peers:
                     for holder in source.holders:
                         assert holder != getattr(command, "from_node", None), f"{source}: its node is vacated"

@@ -26,6 +26,7 @@ class NodeState:
         "job",
         "links_down",
         "name",
+        "pool",
         "ready",
         "resettable",
         "spare",
@@ -35,6 +36,7 @@ class NodeState:
         self.name = name
         self.devices = devices
         self.spare = spare
+        self.pool: str | None = None  # the spare pool it joined (`node.joined`'s `pool`): None, the shared one
         self.ready = True
         self.drained = False
         self.isolated = False
@@ -116,9 +118,9 @@ class ClusterView:
         state = self.nodes.get(name)
         return state is None or (state.ready and not state.gone and not state.isolated)
 
-    def free_spares(self) -> list[str]:
-        """Spare nodes that can take ranks now, in the order they joined."""
-        return [n.name for n in self.nodes.values() if n.spare and n.job is None and n.usable]
+    def free_spares(self, pool: str | None = None) -> list[str]:
+        """Spare nodes of `pool` (None: the shared pool) that can take ranks now, in the order they joined."""
+        return [n.name for n in self.nodes.values() if n.spare and n.job is None and n.usable and n.pool == pool]
 
     def record_device_fault(self, name: str, device: int, ts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         node = self.node(name)

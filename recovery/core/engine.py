@@ -447,6 +447,7 @@ class Engine(Progress):
         elif isinstance(data, kinds.NodeJoined):
             # A spare every partition hears of is granted by the one partition that owns it (`core.partition`).
             node.spare = data.spare and node.job is None and (self.partition is None or self.partition.owns_spare(name))
+            node.pool = data.pool
             node.devices = data.devices
             node.ready, node.drained, node.isolated = True, False, False
             node.bad_devices.clear()

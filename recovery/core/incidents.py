@@ -277,9 +277,13 @@ class Incidents(Restarts):
             attempt.ranks = tuple(sorted(moved | set(dead) | faulty))
             attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
         else:  # job level: restart, scale, dump
-            attempt.ranks = tuple(range(job.world))
-            attempt.stopping = tuple(r for r in range(job.world) if job.alive[r])
             attempt.vacate = tuple(vacate)
+            # A scale keeps the live processes on the nodes it keeps (they re-form in the new world and are the
+            # peers the others take their state from); everything else restarts.
+            placed = self.placement.place(job, attempt) if g in (G.SCALE_IN, G.SCALE_OUT) else None
+            kept = self.placement.survivors(job, placed[0]) if placed is not None else {}
+            attempt.ranks = tuple(r for r in range(job.world) if r not in kept)
+            attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
         timer = self.timekeeper.request(out, job, f"{TimerPurpose.ATTEMPT}/{incident.id}/{attempt.number}", deadline_ns)
         attempt.deadline_timer = timer.id
         detail: dict[str, Any] = {"attempt": attempt.number, "granularity": g.value, "rung": attempt.rung,

@@ -59,9 +59,10 @@ class Placement:
         return dp if dp is not None and elastic.min_dp <= dp < job.layout.dp else None
 
     def spares_for(self, job: Job) -> list[str]:
-        """The free spares this job may take now, in the order they joined: within its quota (`spares` in its spec:
-        nodes of the pool it may hold at once beyond its own placement), so one job cannot take every spare."""
-        free = self.cluster.free_spares()
+        """The free spares this job may take now, in the order they joined: of its pool (`spare_pool` in its spec; the
+        shared pool without one), within its quota (`spares`: nodes of the pool it may hold at once beyond its own
+        placement), so one job cannot take every spare."""
+        free = self.cluster.free_spares(job.spec.spare_pool)
         quota = job.spec.spares
         if quota is None:
             return free
@@ -92,6 +93,28 @@ class Placement:
         if len(usable) + len(spares) < need:
             return None
         return usable + spares[: need - len(usable)], job.layout.dp
+
+
+    @staticmethod
+    def survivors(job: Job, nodes: list[str]) -> dict[int, int]:
+        """The processes a scale to `nodes` keeps, old rank -> new rank: each live rank on a node the job keeps, as the
+        rank of the same local rank there, if that holds the same shard (a replica spanning nodes may not). Only for a
+        script that re-forms its process group in-process (it reported through the SDK): a stock script's processes
+        all start anew."""
+        if not job.sdk:
+            return {}
+        shards = job.layout.shards
+        index = {name: i for i, name in enumerate(job.nodes)}
+        kept: dict[int, int] = {}
+        for new_index, name in enumerate(nodes):
+            old_index = index.get(name)
+            if old_index is None:
+                continue
+            for local in range(job.rpn):
+                old, new = old_index * job.rpn + local, new_index * job.rpn + local
+                if old < job.world and job.alive[old] and old % shards == new % shards:
+                    kept[old] = new
+        return kept
 
 
 def fit_dp(layout: Layout, rpn: int, nodes: int, cap: int) -> int | None:

@@ -239,11 +239,16 @@ class Restarts:
                 for name in nodes:
                     self.cluster.assign(name, job.id)
                 if dp != job.layout.dp:
+                    # The survivors chosen when the attempt started, if still live where the placement keeps them.
+                    kept = {old: new for old, new in self.placement.survivors(job, nodes).items()
+                            if old not in attempt.ranks}
                     job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
+                    for rank in kept.values():
+                        job.put(job.alive, rank, 1)  # their processes live on, in the new world
                     attempt.ranks = tuple(range(job.world))
                     attempt.covered = None
                     commands.append(ScaleJob(id=cid, job=job.id, attempt=gen, deadline_s=600, dp=dp,
-                                             nodes=nodes, plan=plan))
+                                             nodes=nodes, plan=plan, kept=sorted(kept.values())))
                 else:
                     job.nodes = nodes
                     commands.append(RestartJob(id=cid, job=job.id, attempt=gen, deadline_s=600, nodes=nodes,

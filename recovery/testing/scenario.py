@@ -91,8 +91,12 @@ class Scenario:
             effects += self.job_event(job, "job.started")
         return effects
 
-    def spare(self, node: str, devices: int = 8) -> list[Effect]:
-        return self.node_event(node, "node.joined", spare=True, devices=devices)
+    def spare(self, node: str, devices: int = 8, pool: str | None = None) -> list[Effect]:
+        """`node` joins the spare pool `pool` (None: the shared one)."""
+        data: dict[str, Any] = {"spare": True, "devices": devices}
+        if pool is not None:
+            data["pool"] = pool
+        return self.node_event(node, "node.joined", **data)
 
     def steps(self, job: str, step: int, ranks: Iterable[int] | None = None, attempt: int | None = None) -> None:
         """Every listed rank (default: all) reports `step` completed."""

@@ -248,6 +248,28 @@ def elastic_scale() -> Scenario:
 
 
 @scenario
+def elastic_keeps_survivors() -> Scenario:
+    """A node of an elastic job is lost and the only free spare is in the shared pool, which the job (`spare_pool`)
+    may not take: it scales in, and its live processes keep running in the smaller world (`kept`), the peers its
+    resume plan names. A node that joins the job's own pool makes it scale back out; the newcomers take their state
+    from those peers."""
+    s = Scenario()
+    s.spare("shared0")
+    s.submit("grow", ["g0", "g1"], ranks_per_node=2, dp=4, elastic={"min_dp": 2, "max_dp": 4}, spare_pool="grow")
+    s.train("grow", 10)
+    s.node_event("g1", "node.not_ready", reason="host down")
+    s.idle("grow", 25, ranks=range(2))
+    s.ack_all()
+    s.advance(2)
+    s.train("grow", 3)
+    s.spare("g2", pool="grow")
+    s.ack_all()
+    s.advance(2)
+    s.train("grow", 3)
+    return s
+
+
+@scenario
 def elastic_wait() -> Scenario:
     """A node lost with no spare and an elastic minimum that forbids shrinking: the job waits, then
     migrates to the node that joins."""
