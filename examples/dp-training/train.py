@@ -8,6 +8,14 @@ not depend on which process computes a step; gradients are averaged with one all
 dies, the survivors keep their process: they re-form the process group in the agent's next generation and the
 restarted rank receives the model and optimizer state from a live replica. The final parameters equal those of a
 run without faults, bit for bit.
+
+An elastic job's world changes size (a node lost with no spare, a node that joins): the script keeps its global batch
+of --global-batch micro-batches (the 4 of a 4-rank run), each rank accumulating its share, rank r the micro-batches
+r, r + world, ... (the one of its own rank in a 4-rank world), so that every step sees the same data whatever the
+world. With --ordered-reduction the gradients are summed in rank order (an all_gather) instead of by all_reduce's
+ring, so that the parameters are a function of the schedule of world sizes that one process reproduces:
+
+    python train.py --steps 40 --ordered-reduction --reference-schedule 4@1,2@15,4@26 --out reference.pt
 """
 
 from __future__ import annotations
@@ -36,6 +44,48 @@ def batch(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor, tor
     return x, x.sin().sum(dim=1, keepdim=True)
 
 
+def micro_batches(rank: int, world: int, global_batch: int) -> range:
+    """The micro-batches of the global batch that `rank` of `world` computes (its accumulation steps)."""
+    return range(rank, global_batch, world)
+
+
+def combine(parts: list[torch.Tensor], global_batch: int) -> torch.Tensor:
+    """The step's gradient from every rank's accumulated one, summed in rank order: the same float operations in any
+    world size and in the reference."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total / global_batch
+
+
+def parse_schedule(text: str) -> list[tuple[int, int]]:
+    """`4@1,2@15`: world 4 from step 1, 2 from step 15 (a step is numbered as the script reports it)."""
+    return sorted((int(first), int(world)) for world, first in (part.split("@") for part in text.split(",")))
+
+
+def reference(args: argparse.Namespace) -> None:
+    """What a job whose world followed --reference-schedule computes, in this one process and without a process
+    group: every step, each rank's accumulation in turn, then the ordered sum (--ordered-reduction's math)."""
+    schedule = parse_schedule(args.reference_schedule)
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(args.steps):
+        world = [w for first, w in schedule if first <= step + 1][-1]
+        by_rank: list[list[torch.Tensor]] = []
+        for rank in range(world):
+            optimizer.zero_grad()
+            for micro in micro_batches(rank, world, args.global_batch):
+                x, y = batch(args.seed, step, micro, 64)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            by_rank.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()])
+        for index, parameter in enumerate(model.parameters()):
+            parameter.grad = combine([grads[index] for grads in by_rank], args.global_batch)
+        optimizer.step()
+    torch.save({name: p.detach().clone() for name, p in model.state_dict().items()}, args.out + ".tmp")
+    os.replace(args.out + ".tmp", args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=80)
@@ -51,14 +101,32 @@ def main() -> None:
                         help="a fault to inject: this rank's data loader never returns at --stall-at-step, in the "
                              "job's first generation (the others then wait for it in their all_reduce)")
     parser.add_argument("--stall-at-step", type=int, default=-1)
+    parser.add_argument("--global-batch", type=int, default=4,
+                        help="micro-batches per step, whatever the world size: a rank of a smaller world accumulates "
+                             "several (the default of an elastic job: the optimizer sees the same batch)")
+    parser.add_argument("--ordered-reduction", action="store_true",
+                        help="sum the gradients in rank order (all_gather) rather than by all_reduce, so that "
+                             "--reference-schedule reproduces the parameters bit for bit")
+    parser.add_argument("--reference-schedule", default="",
+                        help="compute in this one process what a job whose world sizes followed this schedule "
+                             "computes with --ordered-reduction: `4@1,2@15,4@26` (world 4 from step 1, ...)")
     args = parser.parse_args()
+    if args.reference_schedule:
+        reference(args)
+        return
 
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     group = ProcessGroupRecovery(client)
     group.form()
-    world = dist.get_world_size()
+
+    def on_world_change(world: int, rank: int) -> None:
+        # The global batch stays: this rank's share of its micro-batches in the new world (read every step).
+        shares = list(micro_batches(rank, world, args.global_batch))
+        print(f"generation {client.generation}: rank {rank} of {world}, micro-batches {shares}", flush=True)
+
+    client.on_world_change(on_world_change)
 
     def get_state() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -92,10 +160,21 @@ def main() -> None:
                 return path
         return None
 
-    def load_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def load_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         if (step, group.rank, client.generation) == (args.stall_at_step, args.stall_rank, 0):
             threading.Event().wait()  # the injected stall: a loader blocked on a lost file server, say
-        return batch(args.seed, step, group.rank, 64)
+        return batch(args.seed, step, micro, 64)
+
+    def reduce_gradients(world: int) -> None:
+        for parameter in model.parameters():
+            grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+            if args.ordered_reduction:
+                parts = [torch.empty_like(grad) for _ in range(world)]
+                dist.all_gather(parts, grad)
+                parameter.grad = combine(parts, args.global_batch)
+            else:
+                dist.all_reduce(grad)
+                parameter.grad = grad / args.global_batch
 
     client.on_save(save)
     plan = client.resume_plan()
@@ -123,12 +202,11 @@ def main() -> None:
         failed = False
         try:
             group.check()  # a newer generation announced: peers were replaced while this group still works
-            x, y = load_batch(step)
             optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            for parameter in model.parameters():
-                dist.all_reduce(parameter.grad)
-                parameter.grad /= world
+            for micro in micro_batches(group.rank, group.world_size, args.global_batch):
+                x, y = load_batch(step, micro)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            reduce_gradients(group.world_size)
             optimizer.step()
         except RuntimeError:
             failed = True  # a peer died: recover outside this block, which holds the old process group

@@ -41,6 +41,7 @@ from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
 from recovery.agent.progress import ProgressFold, SilenceWatch
 from recovery.agent.relay import Relay
+from recovery.agent.rescale import Rescale
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.agent.stacks import Dumps, dump_tool, take_stack
 from recovery.agent.standby import StandbyPool
@@ -53,7 +54,7 @@ COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
 SUBMITTED = "recovery.ev.job.*.job.submitted"
 
 
-class Agent(Relay):
+class Agent(Relay, Rescale):
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.node = cfg.node
@@ -155,7 +156,8 @@ class Agent(Relay):
                 tg.start_soon(self._beat)
                 tg.start_soon(self.fold_reports)
                 if self.cfg.spare:
-                    self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices})
+                    pool = {"pool": self.cfg.pool} if self.cfg.pool is not None else {}
+                    self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices, **pool})
                 else:
                     self.node_event("node.ready", {})
                 if self.link_watcher is not None:
@@ -469,6 +471,9 @@ class Agent(Relay):
                         await self._launch(job, rank, command.attempt, command.plan, command.id,
                                            whole=job.restarts_all(command.ranks))
                 return {"ranks": command.ranks}
+            case ScaleJob() if command.kept:
+                assert job is not None
+                return await self.scale_keeping(job, command)  # survivors re-form in the new world
             case RestartJob() | ScaleJob():
                 assert job is not None
                 await self._kill(job, list(job.processes))

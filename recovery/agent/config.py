@@ -40,6 +40,9 @@ class AgentConfig(FileSettings):
     stream: str = Field("RECOVERY", description="the audit log stream the agent publishes events to")
     command_stream: str = Field("RECOVERY_CMD", description="the stream of the commands addressed to this node")
     spare: bool = Field(False, description="join the shared spare pool instead of reporting ready")
+    pool: str | None = Field(None, pattern=r"^[^.*>\s]+$",
+                             description="with `spare`: the spare pool to join instead of the shared one, kept for "
+                                         "the jobs whose `spare_pool` names it")
     devices: int = Field(8, ge=1, le=1024, description="accelerators (rank slots) of this node")
     runtime_dir: Path = Field(Path("recovery-agent"), description="the SDK's sockets and the ranks' output")
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the SDK in every rank sends a heartbeat")

@@ -115,9 +115,11 @@ class Relay:
                 # Only a process this agent runs for the rank may join a new generation: one it does not know (it
                 # outlived an agent and was not adopted) or that a replacement superseded would join beside the
                 # rank's real process. Answered once the missed commands are caught up with (`_fence`).
-                proc = job.processes.get(rank)
                 if job.caught_up.is_set():
-                    ok = proc is not None and proc.alive and ranks.in_session(message.get("pid"), proc)
+                    # Found by its pid, not its rank: a scale that keeps it renumbers it (the SDK learns its new rank
+                    # from the job store, maybe before this agent has carried the scale out).
+                    ok = any(proc.alive and ranks.in_session(message.get("pid"), proc)
+                             for proc in job.processes.values())
                     await job.channel.send(rank, {"op": "join_ok" if ok else "join_refused",
                                                   "generation": message.get("generation")})
                     if not ok:

@@ -66,6 +66,7 @@ class Client:
         self._hold_after_save = False  # the request's: after saving, wait at the boundary to be stopped
         self._stop_requested = threading.Event()
         self._join_answers: dict[int, bool] = {}  # generation -> the agent's answer to joining it
+        self._world_callbacks: list[Callable[[int, int], None]] = []
         self._join_answered = threading.Condition()
         self._closed = threading.Event()
         self._channel = AgentChannel(socket_path, self._on_message) if socket_path else None
@@ -108,6 +109,20 @@ class Client:
         """`save(step)` writes a dying checkpoint of this rank's state at `step` and may return
         `{"tier": ..., "shards": [...], "location": ...}` (default: tier `dying`, this rank's shard 0)."""
         self._save = save
+
+    def on_world_change(self, callback: Callable[[int, int], None]) -> None:
+        """`callback(world_size, rank)` runs when this process re-forms its process group in a world of another size
+        or as another rank (an elastic job scaled in or out), after the group formed and before training goes on:
+        the script decides there what happens to its global batch (keep it by accumulating more micro-batches per
+        rank, as `examples/dp-training/train.py` does, or scale it and the learning rate). Without a callback the
+        script reads `ProcessGroupRecovery.world_size` and `rank` itself."""
+        self._world_callbacks.append(callback)
+
+    def world_changed(self, world_size: int, rank: int) -> None:
+        """This process re-formed as `rank` of `world_size` (`ProcessGroupRecovery` calls it): the callbacks run."""
+        self.rank = rank
+        for callback in self._world_callbacks:
+            callback(world_size, rank)
 
     def joined(self, generation: int) -> None:
         """This process re-formed its process group in `generation`: its reports now carry it."""

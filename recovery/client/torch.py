@@ -53,6 +53,7 @@ import contextlib
 import ctypes
 import hashlib
 import io
+import json
 import logging
 import os
 import socket
@@ -68,6 +69,11 @@ from recovery.client._client import Client
 logger = logging.getLogger("recovery.client")
 
 GENERATION_KEY = "recovery/generation"
+WORLD_KEY = "{run_id}/recovery/world/{generation}"
+"""the world of a generation that a scale decided (an elastic job scaled in or out), a key of the job store itself like
+TORCH_STORE_KEY: `world_size`, and `nodes` with `ranks_per_node`, from which a process that lives on into it takes its
+rank (its node's place, its local rank). Written by the agents before they announce the generation
+(`recovery.agent.rescale`); a generation without one keeps the world of the one before."""
 TORCH_STORE_KEY = "{run_id}/recovery/torch-store/{generation}"
 """where the job store answers an agent's request for generation's torch store (`recovery.agent.rendezvous`, a key of
 the store itself, not under the SDK's prefix): it is there tens of milliseconds after the engine decided the
@@ -173,6 +179,10 @@ class ProcessGroupRecovery:
         self.watch = watch
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
+        """this process's rank and world size in the generation it last formed: a scale of an elastic job changes them
+        (`Client.on_world_change` tells the script)"""
+        self._world_known = client.generation  # the generation whose world this process knows
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._store: _JobStore | None = None
         self.recoveries = 0
         self.holders: list[Callable[[], None]] = []
@@ -287,7 +297,9 @@ class ProcessGroupRecovery:
         others form again, with its rank's replacement once it arrived, until a newer generation is decided."""
         started_in = self.client.generation
         asked = -1
+        world = (self.world_size, self.rank)
         while True:
+            self._take_world(generation)  # before asking: the agent's answer reaches this process under its new rank
             if (survivor or generation != started_in) and asked != generation:
                 self._may_join(generation, deadline)
                 asked = generation
@@ -320,11 +332,37 @@ class ProcessGroupRecovery:
             self._pause(deadline, f"generation {generation} did not form", survivor)
         if generation != self.client.generation:
             self.client.joined(generation)
+        if (self.world_size, self.rank) != world:
+            logger.info("rank %d of %d (was %d of %d) in generation %d", self.rank, self.world_size, world[1],
+                        world[0], generation)
+            self.client.world_changed(self.world_size, self.rank)
         if self.watch:
             self._stop_watching = threading.Event()
             self._watcher = threading.Thread(target=self._watch, args=(generation, self._stop_watching),
                                              name=f"recovery-watch-gen{generation}", daemon=True)
             self._watcher.start()
+
+    def _take_world(self, generation: int) -> None:
+        """Take the world a scale decided for `generation` (or for the newest generation before it that had one), if
+        this process does not know it yet: its world size, and its rank (its node's place in the new placement, its
+        local rank). A process whose node the new placement leaves out must not join: the agent ends it."""
+        found = None
+        raw, run_id = self.job_store.raw, self.job_store.run_id
+        for candidate in range(generation, self._world_known, -1) if run_id is not None else ():
+            key = WORLD_KEY.format(run_id=run_id, generation=candidate)
+            if raw.check([key]):
+                found = json.loads(raw.get(key))
+                break
+        self._world_known = max(self._world_known, generation)
+        if found is None:
+            return
+        node = os.environ.get("RECOVERY_NODE", "")
+        nodes = [str(n) for n in found["nodes"]]
+        if node not in nodes:
+            raise RecoveryFenced(f"generation {generation} runs on {nodes}, not on this process's node {node!r}")
+        self.rank = nodes.index(node) * int(found["ranks_per_node"]) + self._local_rank
+        self.world_size = int(found["world_size"])
+        self.client.rank = self.rank  # its reports, and the agent's answers, under its new rank
 
     def _stop_watcher(self) -> None:
         self._stop_watching.set()
