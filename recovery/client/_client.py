@@ -112,8 +112,9 @@ class Client:
 
     def on_world_change(self, callback: Callable[[int, int], None]) -> None:
         """`callback(world_size, rank)` runs when this process re-forms its process group in a world of another size
-        or as another rank (an elastic job scaled in or out), after the group formed and before training goes on:
-        the script decides there what happens to its global batch (keep it by accumulating more micro-batches per
+        or as another rank (an elastic job scaled in or out), after the group formed and before training goes on (a
+        process started in the new world is not called, so no collective there): the script decides what happens to
+        its global batch (keep it by accumulating more micro-batches per
         rank, as `examples/dp-training/train.py` does, or scale it and the learning rate). Without a callback the
         script reads `ProcessGroupRecovery.world_size` and `rank` itself."""
         self._world_callbacks.append(callback)
