@@ -579,8 +579,9 @@ class World:
             return list(command.ranks)
         if kind == "restart_job":
             return list(range(self.world_size))
-        if kind == "scale_job":
-            return list(range(command.dp * self.tp * self.pp))
+        if kind == "scale_job":  # the ranks whose processes it keeps are live replicas, not restarted
+            kept = set(command.kept)
+            return [r for r in range(command.dp * self.tp * self.pp) if r not in kept]
         return []
 
     def _complete(self, command: Any, outcome: str) -> None:
