@@ -281,7 +281,7 @@ class Incidents(Restarts):
             # A scale keeps the live processes on the nodes it keeps (they re-form in the new world and are the
             # peers the others take their state from); everything else restarts.
             placed = self.placement.place(job, attempt) if g in (G.SCALE_IN, G.SCALE_OUT) else None
-            kept = self.placement.survivors(job, placed[0]) if placed is not None else {}
+            kept = self.placement.survivors(job, placed[0]) if placed is not None and placed[1] != job.layout.dp else {}
             attempt.ranks = tuple(r for r in range(job.world) if r not in kept)
             attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
         timer = self.timekeeper.request(out, job, f"{TimerPurpose.ATTEMPT}/{incident.id}/{attempt.number}", deadline_ns)

@@ -233,15 +233,22 @@ class Restarts:
                     self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, "not enough usable nodes left")
                     return
                 nodes, dp = placement
+                # The survivors chosen when the attempt started, if still live where the placement keeps them.
+                kept = {old: new for old, new in self.placement.survivors(job, nodes).items()
+                        if old not in attempt.ranks} if dp != job.layout.dp else {}
+                if dp != job.layout.dp and len(kept) < job.world - len(attempt.ranks):
+                    # Some are gone, or on a node the placement no longer keeps (it became unusable meanwhile): the
+                    # plan may name them as the source of the state. Plan again with what is left.
+                    job.generation -= 1
+                    self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED,
+                                     "the processes it was to keep are not all kept now")
+                    return
                 for name in job.nodes:
                     if name not in nodes:
                         self.cluster.release(name, job.id)
                 for name in nodes:
                     self.cluster.assign(name, job.id)
                 if dp != job.layout.dp:
-                    # The survivors chosen when the attempt started, if still live where the placement keeps them.
-                    kept = {old: new for old, new in self.placement.survivors(job, nodes).items()
-                            if old not in attempt.ranks}
                     job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
                     for rank in kept.values():
                         job.put(job.alive, rank, 1)  # their processes live on, in the new world
