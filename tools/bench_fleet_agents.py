@@ -25,6 +25,7 @@ import nats
 import orjson
 
 from events import subjects
+from recovery.log.jetstream import publish_with_retry
 
 RPN = 8
 MSG_ID = "Nats-Msg-Id"
@@ -80,8 +81,10 @@ async def agents(spec: dict[str, Any]) -> None:
             job.dead.clear()
         ident = f"{command['id']}@{node}:done"
         ack = {"command_id": command["id"], "status": "done", "reason": "", "result": {"node": node}}
-        await js.publish(subjects.job_event(job_id, "command.ack"), envelope("command.ack", ack, ident, node, job_id),
-                         headers={MSG_ID: ident})
+        # as the agent's outbox: kept and sent again through an outage of its server
+        await publish_with_retry(js, subjects.job_event(job_id, "command.ack"),
+                                 envelope("command.ack", ack, ident, node, job_id), headers={MSG_ID: ident},
+                                 retry_for=60)
 
     async def on_fault(msg: Any) -> None:
         node = msg.subject.rsplit(".", 1)[-1]
@@ -92,8 +95,9 @@ async def agents(spec: dict[str, Any]) -> None:
         ident = f"{job.name}-exit-{rank}-{time.monotonic_ns()}"
         sent = time.monotonic()
         generation = job.generation
-        ack = await js.publish(subjects.job_event(job.name, "process.exited"),
-                               envelope("process.exited", data, ident, node, job.name), headers={MSG_ID: ident})
+        ack = await publish_with_retry(js, subjects.job_event(job.name, "process.exited"),
+                                       envelope("process.exited", data, ident, node, job.name),
+                                       headers={MSG_ID: ident}, retry_for=60)
         await msg.respond(orjson.dumps({"sent": sent, "generation": generation, "id": ident, "seq": ack.seq}))
 
     await nc.subscribe(subjects.COMMANDS, cb=on_command)

@@ -4,7 +4,9 @@ nodes x 8) on three nats-servers routed as one JetStream cluster (streams and bu
 
 The agents are simulated in processes of their own (`tools/bench_fleet_agents.py`), each a slice of the jobs; every
 node reports once per `--fleet-report-s`. Faults strike throughout, one every `--fleet-fault-every-s` on a job with no
-incident open, and a third of the way into the window the daemon that owns the most partitions is SIGKILLed.
+incident open. A third of the way into the window the daemon that owns the most partitions is SIGKILLed; two thirds
+of the way in, the nats-server that leads the log stream is SIGKILLed, and started again on its store
+`--fleet-server-down-s` later.
 
 What it reports:
 - `fleet_inputs_per_s`: inputs the daemons applied a second, together, over the window;
@@ -49,7 +51,7 @@ from events.envelope import make_envelope
 from events.values import JobSpec
 from recovery.log import MSG_ID
 from recovery.log.pull import PullReader
-from recovery.testing.nats import NatsCluster
+from recovery.testing.nats import NatsCluster, NatsServer
 
 Emit = Callable[[str, str, float, str], None]
 BENCH = "fleet"
@@ -138,10 +140,12 @@ async def stored(nc: Client, stream: str, subject: str) -> list[tuple[str, str, 
     return out
 
 
-async def strike_faults(url: str, daemons: list[Daemon], jobs: int, partitions: int, seconds: float,
-                        every_s: float, seed: int, kill_at_s: float) -> tuple[list[Fault], float, Daemon, list[int]]:
-    """Faults throughout the window and the SIGKILL of the busiest daemon at `kill_at_s`: (faults, failover
-    seconds, the daemon killed, its partitions)."""
+async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, partitions: int, seconds: float,
+                        every_s: float, seed: int, server_down_s: float
+                        ) -> tuple[list[Fault], float, Daemon, list[int]]:
+    """Faults throughout the window, the SIGKILL of the busiest daemon a third into it and of the log stream's
+    leading nats-server two thirds into it: (faults, failover seconds, the daemon killed, its partitions)."""
+    url = cluster.url
     import nats
 
     nc = await nats.connect(url.split(","), max_reconnect_attempts=-1)
@@ -154,12 +158,21 @@ async def strike_faults(url: str, daemons: list[Daemon], jobs: int, partitions: 
     lost = owned(victim)
     failover_s = float("nan")
     killed_at: float | None = None
+    server_killed: tuple[NatsServer, float] | None = None
     t0 = time.monotonic()
     try:
         while (now := time.monotonic()) - t0 < seconds:
-            if killed_at is None and now - t0 >= kill_at_s:
+            if killed_at is None and now - t0 >= seconds / 3:
                 victim.stop(kill=True)
                 killed_at = time.monotonic()
+            if server_killed is None and now - t0 >= 2 * seconds / 3:
+                leader = await asyncio.to_thread(cluster.leader_of, "RECOVERY")
+                if leader is not None:
+                    leader.kill()
+                    server_killed = (leader, time.monotonic())
+                    note(f"nats-server {cluster.names[cluster.servers.index(leader)]} (the log's leader) SIGKILLed")
+            elif server_killed and not server_killed[0].running and now - server_killed[1] > server_down_s:
+                await asyncio.to_thread(server_killed[0].start)
             if killed_at is not None and failover_s != failover_s:  # still failing over
                 survivors = [d for d in daemons if d is not victim]
                 if await asyncio.to_thread(coverage, survivors) == list(range(partitions)):
@@ -280,7 +293,7 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
         cpu0 = [d.cpu_s() for d in daemons]
         t0 = time.monotonic()
         faults, failover_s, victim, lost_parts = asyncio.run(strike_faults(
-            cluster.url, daemons, jobs, partitions, seconds, args.fleet_fault_every_s, args.seed, seconds / 3))
+            cluster, daemons, jobs, partitions, seconds, args.fleet_fault_every_s, args.seed, args.fleet_server_down_s))
         wall = time.monotonic() - t0
         survivors = [d for d in daemons if d is not victim]
         # the victim's CPU counts until it died: it is a daemon of the fleet for that part of the window
@@ -330,3 +343,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl-s", type=float, default=5.0, help="the daemons' lease TTL")
     parser.add_argument("--fleet-report-s", type=float, default=1.0, help="each node's report period")
     parser.add_argument("--fleet-fault-every-s", type=float, default=0.25, help="the pace of the faults")
+    parser.add_argument("--fleet-server-down-s", type=float, default=5.0,
+                        help="how long the killed nats-server stays down")
