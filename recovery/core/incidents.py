@@ -24,7 +24,7 @@ from events.names import (
 from events.values import FaultClass, Granularity, Tier
 from policies.base import NS, Fail, PastIncident, RescheduleContext, Scope, Settle, StartRung, Wait
 from recovery.core.cluster import ClusterView
-from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job
+from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job, dead_ranks
 from recovery.core.machine import fire
 from recovery.core.placement import Placement, fit_dp
 from recovery.core.record import RecordEffects, Rejected
@@ -252,7 +252,7 @@ class Incidents(Restarts):
         incident.widened = False
         incident.attempts.append(attempt)
         g = attempt.granularity
-        dead = tuple(r for r in range(job.world) if not job.alive[r])
+        dead = dead_ranks(job.alive)
         if g is G.RETRY:
             attempt.ranks = ()
         elif g is G.IN_PLACE:

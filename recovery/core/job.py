@@ -379,5 +379,16 @@ Memento = tuple[tuple[Any, ...], list[str], list[dict[str, Any]], dict[str, str]
                 "Incident | None", int, list[Any], list[Any]]
 
 
+def dead_ranks(alive: bytearray) -> tuple[int, ...]:
+    """The ranks whose flag in `alive` is 0, in order: found by `bytearray.find`, at C speed (a job of 131,072
+    ranks with one dead is one pass in C, not 131,072 Python steps)."""
+    dead: list[int] = []
+    at = alive.find(0)
+    while at >= 0:
+        dead.append(at)
+        at = alive.find(0, at + 1)
+    return tuple(dead)
+
+
 def _copied_step(by_tier: dict[Tier, dict[int, set[str]]]) -> dict[Tier, dict[int, set[str]]]:
     return {tier: {shard: set(holders) for shard, holders in shards.items()} for tier, shards in by_tier.items()}

@@ -47,7 +47,7 @@ class Restarts:
                         ) -> CheckpointContext:
         incident = job.incident
         assert incident is not None
-        alive_list = [bool(a) for a in job.alive]
+        alive_list = list(map(bool, job.alive))
         if attempt.granularity is G.IN_PLACE:
             for rank in attempt.ranks:  # restarting: no source of state
                 alive_list[rank] = False
