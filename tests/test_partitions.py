@@ -11,6 +11,8 @@ granted by two partitions.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -366,4 +368,11 @@ async def three_daemons_share_64_jobs(url: str, tmp_path: Path) -> None:
     assert granted, "no spare was granted: the run did not exercise the pool"
     assert all(len(parts) == 1 for parts in granted.values()), f"a spare granted by two partitions: {granted}"
     assert failover_s < TTL_S + 4, f"partitions {lost} served again after {failover_s:.1f}s"
+    # the postmortem tool finds the partitions in the log and verifies each through an engine of its own
+    verified = subprocess.run([sys.executable, "-m", "recovery.cli.replay", "verify", "--nats", url, "--json"],
+                              capture_output=True, timeout=120, check=False)
+    answer = orjson.loads(verified.stdout)
+    assert verified.returncode == 0 and answer["ok"] and answer["partitions"] == P, (answer, verified.stderr[-2000:])
+    assert [r["partition"] for r in answer["results"]] == list(range(P))
+    assert sum(r["recorded"] for r in answer["results"]) == decided
     assert time.monotonic() - started < 120
