@@ -196,31 +196,28 @@ def write_state(state: Any, path: Path) -> int:
 
 
 def read_state(path: Path) -> Any:
-    """The state `write_state` wrote at `path` (or a byte-for-byte copy of it): one read into memory of the process,
-    whose tensors are views of it."""
+    """The state `write_state` wrote at `path` (or a byte-for-byte copy of it): the file is mapped and each tensor
+    copied out of the mapping once. Not views of it: the agent hands a file back to its rank's SDK for reuse, and a
+    private mapping still shows the pages a later save rewrites."""
     import torch
 
     with path.open("rb") as file:
         size = os.fstat(file.fileno()).st_size
-        data = bytearray(size)
-        view = memoryview(data)
-        done = 0
-        while done < size:
-            got = file.readinto(view[done:])
-            if not got:
-                raise ValueError(f"{path}: ends after {done} of {size} bytes")
-            done += got
-    if bytes(data[: len(MAGIC)]) != MAGIC:
+        if size < len(MAGIC) + 8:
+            raise ValueError(f"{path} is no in-memory checkpoint")
+        mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)  # writable (torch wants it), file untouched
+    if mapped[: len(MAGIC)] != MAGIC:
         raise ValueError(f"{path} is no in-memory checkpoint")
-    (length,) = struct.unpack("<Q", data[len(MAGIC): len(MAGIC) + 8])
-    header = pickle.loads(view[len(MAGIC) + 8: len(MAGIC) + 8 + length])
+    (length,) = struct.unpack("<Q", mapped[len(MAGIC): len(MAGIC) + 8])
+    header = pickle.loads(mapped[len(MAGIC) + 8: len(MAGIC) + 8 + length])
     data_start = _aligned(len(MAGIC) + 8 + length)
-    whole = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)
     tensors = []
     for dtype, shape, start, nbytes in header["tensors"]:
-        raw = whole[data_start + start: data_start + start + nbytes]
-        tensors.append(raw.view(getattr(torch, dtype)).reshape(shape) if nbytes else
-                       torch.empty(shape, dtype=getattr(torch, dtype)))
+        tensors.append(whole[data_start + start: data_start + start + nbytes].view(getattr(torch, dtype))
+                       .reshape(shape).clone() if nbytes else torch.empty(shape, dtype=getattr(torch, dtype)))
+    del whole  # the mapping cannot close while a tensor views it
+    mapped.close()
     return _Unpacker(io.BytesIO(header["skeleton"]), tensors).load()
 
 
