@@ -53,7 +53,7 @@ def test_a_state_copied_into_memory_reads_back_bit_for_bit(tmp_path: Path) -> No
 
 def test_a_slot_handed_back_by_the_agent_is_written_again_in_place(tmp_path: Path) -> None:
     """The second save reuses the first one's file (its pages, and its mapping): no new allocation."""
-    slots = MemorySlots(tmp_path, 3)
+    slots = MemorySlots(tmp_path, 3, prepare=False)
     state = {"w": torch.randn(1000)}
     first = tmp_path / file_name(10, 0, 3)
     slots.write(state, first)
@@ -67,9 +67,25 @@ def test_a_slot_handed_back_by_the_agent_is_written_again_in_place(tmp_path: Pat
     slots.close()
 
 
+def test_the_second_slot_is_allocated_in_the_background_and_the_second_save_writes_into_it(tmp_path: Path) -> None:
+    """The newest checkpoint keeps its file until a newer one exists: the second save needs a second file, which is
+    ready by then (its pages allocated off the training thread)."""
+    slots = MemorySlots(tmp_path, 0)
+    slots.write({"w": torch.zeros(1000)}, tmp_path / file_name(10, 0, 0))
+    assert slots._preparing is not None
+    slots._preparing.join()
+    [prepared] = tmp_path.glob(".free.rank0.*")
+    inode = prepared.stat().st_ino
+    slots.write({"w": torch.ones(1000)}, tmp_path / file_name(20, 0, 0))
+    assert (tmp_path / file_name(20, 0, 0)).stat().st_ino == inode
+    assert torch.equal(read_state(tmp_path / file_name(20, 0, 0))["w"], torch.ones(1000))
+    assert torch.equal(read_state(tmp_path / file_name(10, 0, 0))["w"], torch.zeros(1000))
+    slots.close()
+
+
 def test_a_slot_left_by_a_dead_process_of_the_rank_is_reused(tmp_path: Path) -> None:
     (tmp_path / ".slot.rank1.999.0").write_bytes(b"half a copy")
-    slots = MemorySlots(tmp_path, 1)
+    slots = MemorySlots(tmp_path, 1, prepare=False)
     slots.write({"w": torch.ones(3)}, tmp_path / file_name(5, 0, 1))
     assert sorted(p.name for p in tmp_path.iterdir()) == [file_name(5, 0, 1)]
     slots.close()

@@ -13,7 +13,8 @@ rank connects to its agent.
   `--saves` times trains a step, then times a synchronous `torch.save` of the state to a file on disk followed by
   `os.fsync` (a checkpoint on disk when the call returns), and `client.save_async` of the same state (the copy into
   the agent's shared memory), in alternating order; then waits until the agent has persisted that checkpoint (the
-  training between two checkpoints). `memory_ckpt_stall_ratio_to_torch_save` is the median of save_async's stalls
+  training between two checkpoints, here longer than the persisting: the agent has also handed the rank's older
+  file back for reuse). `memory_ckpt_stall_ratio_to_torch_save` is the median of save_async's stalls
   over the median of torch.save's (goal 0.1 or less); the medians themselves, and torch.save without the fsync,
   are printed too.
 - Restore: a new process started as an in-place restart is (a resume plan naming the tier, the agent's environment)
@@ -106,10 +107,14 @@ def child_save(args: argparse.Namespace) -> None:
                 timings["save_async_s"] = time.perf_counter() - started
                 assert path is not None, "no RECOVERY_MEMORY_DIR: the bench gave the child no agent memory"
         timings["bytes"] = float(disk.stat().st_size)
+        timings["slots"] = float(len(client._slots._mapped)) if client._slots is not None else 0.0
         print(json.dumps(timings), flush=True)
         persisted = storage / f"step{step:09d}.shard0.mem"
+        memory = Path(os.environ["RECOVERY_MEMORY_DIR"])
         deadline = time.monotonic() + PERSIST_WAIT_S
-        while not persisted.exists():  # the training between two checkpoints: the agent persists meanwhile
+        # the training between two checkpoints, longer than the agent's persisting of one: by the next save the
+        # checkpoint is on storage and the rank's older file is back for reuse
+        while not (persisted.exists() and (step == 1 or any(memory.glob(".free.rank0.*")))):
             if time.monotonic() > deadline:
                 raise SystemExit(f"the agent did not persist step {step} within {PERSIST_WAIT_S:g}s")
             time.sleep(0.02)
@@ -215,7 +220,7 @@ def measure(workdir: Path, emit: Emit, quick: bool = False, mb: float = 150.0, s
             restores: int = 3) -> None:
     """The `memory` case of `python tools/bench.py e2e`."""
     if quick:
-        mb, saves, restores = 50.0, 3, 1
+        mb, saves, restores = 50.0, 4, 1
     started: list[int] = []
     try:
         found = anyio.run(_measure, workdir / "memory", mb, saves, restores, started)
@@ -234,8 +239,10 @@ def measure(workdir: Path, emit: Emit, quick: bool = False, mb: float = 150.0, s
     stall = statistics.median(s["save_async_s"] for s in saves_out)
     torch_save = statistics.median(s["torch_save_fsync_s"] for s in saves_out)
     unfsynced = statistics.median(s["torch_save_s"] for s in saves_out)
-    note(f"memory: {size_mb:.0f} MB state; save_async stalls {[round(s['save_async_s'], 3) for s in saves_out]}, "
-         f"torch.save+fsync {[round(s['torch_save_fsync_s'], 3) for s in saves_out]}")
+    stalls = [round(s["save_async_s"], 3) for s in saves_out]
+    saves = [round(s["torch_save_fsync_s"], 3) for s in saves_out]
+    note(f"memory: {size_mb:.0f} MB state, {saves_out[-1]['slots']:.0f} slots mapped; save_async stalls {stalls}, "
+         f"torch.save+fsync {saves}")
     emit("e2e", "memory_ckpt_stall_ratio_to_torch_save", round(stall / torch_save, 3),
          f"x (median stall of save_async over torch.save + fsync to disk, a {size_mb:.0f} MB state; goal 0.1)")
     emit("e2e", "memory_ckpt_stall_s", round(stall, 4), f"s per save_async of a {size_mb:.0f} MB state")

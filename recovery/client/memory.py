@@ -18,12 +18,14 @@ A copy of the file elsewhere (the agent's storage copy) reads the same way.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import os
 import pickle
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,11 +112,15 @@ class MemorySlots:
     renames it `.free.rank<r>.<n>`, back to the rank's pool (`recovery.agent.memory`). A slot left by a process of
     this rank that died in the middle of a copy is free again for its successor."""
 
-    def __init__(self, directory: Path, rank: int) -> None:
+    def __init__(self, directory: Path, rank: int, prepare: bool = True) -> None:
         self.directory = directory
         self.rank = rank
+        self.prepare = prepare  # allocate a second slot in the background after the first save
         self._mapped: dict[tuple[int, int], mmap.mmap] = {}  # (device, inode) -> its mapping, kept across saves
         self._orphans_freed = False
+        self._created = 0
+        self._lock = threading.Lock()  # the mappings, between the training thread and the one preparing a slot
+        self._preparing: threading.Thread | None = None
 
     def _claim(self) -> Path:
         """A slot file of this rank: a free one (the oldest name first), else a new one."""
@@ -129,23 +135,43 @@ class MemorySlots:
             except FileNotFoundError:
                 continue  # taken by the agent's clean-up meanwhile
             return slot
-        slot = self.directory / f".slot.rank{self.rank}.{os.getpid()}.{len(self._mapped)}"
+        return self._new_slot()
+
+    def _new_slot(self) -> Path:
+        with self._lock:
+            self._created += 1
+            slot = self.directory / f".slot.rank{self.rank}.{os.getpid()}.{self._created}"
         os.close(os.open(slot, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         return slot
+
+    def _prepare(self, size: int) -> None:
+        """Allocate the next slot's pages while training goes on: the newest checkpoint keeps its file until a newer
+        one exists, so a rank writes into two files in turn, and the second would otherwise be allocated by the
+        second save, in its stall."""
+        try:
+            slot = self._new_slot()
+            self._mapping(slot, size)
+            slot.rename(slot.with_name(slot.name.replace(".slot.", ".free.", 1)))
+        except OSError:
+            pass  # the next save allocates its slot itself
 
     def _mapping(self, slot: Path, size: int) -> mmap.mmap:
         fd = os.open(slot, os.O_RDWR)
         try:
             stat = os.fstat(fd)
             key = (stat.st_dev, stat.st_ino)
-            mapped = self._mapped.get(key)
+            with self._lock:
+                mapped = self._mapped.pop(key, None)
             if mapped is not None and len(mapped) == size:
+                with self._lock:
+                    self._mapped[key] = mapped
                 return mapped
             if mapped is not None:
                 mapped.close()
             os.ftruncate(fd, size)
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            self._mapped[key] = mapped
+            with self._lock:
+                self._mapped[key] = mapped
             return mapped
         finally:
             os.close(fd)
@@ -153,12 +179,12 @@ class MemorySlots:
     def write(self, state: Any, path: Path) -> int:
         """Copy `state` (tensors anywhere in it, on the CPU) into a slot and name it `path`, whole or not at all;
         the number of bytes. The copy is the caller's stall: one memcpy per tensor into a mapped file."""
-        import torch
 
         skeleton = io.BytesIO()
         packer = _Packer(skeleton)
         packer.dump(state)
-        tensors = [t if t.is_contiguous() else t.contiguous() for t in packer.tensors]
+        # raw bytes of the process's memory: a tensor elsewhere (a GPU) comes to the CPU first, and whole
+        tensors = [t.cpu().contiguous() for t in packer.tensors]
         layout: list[tuple[str, tuple[int, ...], int, int]] = []
         offset = 0
         for tensor in tensors:
@@ -168,19 +194,32 @@ class MemorySlots:
         header = pickle.dumps({"skeleton": skeleton.getvalue(), "tensors": layout}, protocol=pickle.HIGHEST_PROTOCOL)
         data_start = _aligned(len(MAGIC) + 8 + len(header))
         total = data_start + offset
+        if self._preparing is not None:
+            self._preparing.join()  # long done, unless saves come faster than a slot's allocation
+            self._preparing = None
         slot = self._claim()
         mapped = self._mapping(slot, total)
         mapped[: len(MAGIC) + 8] = MAGIC + struct.pack("<Q", len(header))
         mapped[len(MAGIC) + 8: len(MAGIC) + 8 + len(header)] = header
-        target = torch.frombuffer(mapped, dtype=torch.uint8)
+        target = ctypes.c_char.from_buffer(mapped)
+        base = ctypes.addressof(target) + data_start
         for tensor, (_, _, start, size) in zip(tensors, layout, strict=True):
             if size:
-                target[data_start + start: data_start + start + size].copy_(tensor.reshape(-1).view(torch.uint8))
-        del target
+                # memmove, one thread, the GIL released: torch's own copy_ splits a large copy over its OpenMP
+                # threads, which on a busy node wait for each other (measured 2.5 times slower on 2 loaded cores)
+                ctypes.memmove(base + start, tensor.data_ptr(), size)
+        del target  # the mapping cannot be unmapped while a pointer into it is exported
         os.replace(slot, path)  # the agent's from here
+        if self.prepare and len(self._mapped) < 2:
+            self._preparing = threading.Thread(target=self._prepare, args=(total,), name="recovery-memory-slot",
+                                               daemon=True)
+            self._preparing.start()
         return total
 
     def close(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
         for mapped in self._mapped.values():
             mapped.close()
         self._mapped.clear()
@@ -188,7 +227,7 @@ class MemorySlots:
 
 def write_state(state: Any, path: Path) -> int:
     """Copy `state` into a new file at `path` (no slot kept: a one-off, as a test or a tool writes one)."""
-    slots = MemorySlots(path.parent, -1)
+    slots = MemorySlots(path.parent, -1, prepare=False)
     try:
         return slots.write(state, path)
     finally:
@@ -211,12 +250,17 @@ def read_state(path: Path) -> Any:
     (length,) = struct.unpack("<Q", mapped[len(MAGIC): len(MAGIC) + 8])
     header = pickle.loads(mapped[len(MAGIC) + 8: len(MAGIC) + 8 + length])
     data_start = _aligned(len(MAGIC) + 8 + length)
-    whole = torch.frombuffer(mapped, dtype=torch.uint8)
+    source = ctypes.c_char.from_buffer(mapped)
+    base = ctypes.addressof(source) + data_start
     tensors = []
     for dtype, shape, start, nbytes in header["tensors"]:
-        tensors.append(whole[data_start + start: data_start + start + nbytes].view(getattr(torch, dtype))
-                       .reshape(shape).clone() if nbytes else torch.empty(shape, dtype=getattr(torch, dtype)))
-    del whole  # the mapping cannot close while a tensor views it
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        if tensor.numel() * tensor.element_size() != nbytes:
+            raise ValueError(f"{path}: a tensor of {shape} {dtype} holds {nbytes} bytes")
+        if nbytes:
+            ctypes.memmove(tensor.data_ptr(), base + start, nbytes)  # one thread: see MemorySlots.write
+        tensors.append(tensor)
+    del source  # the mapping cannot close while a pointer into it is exported
     mapped.close()
     return _Unpacker(io.BytesIO(header["skeleton"]), tensors).load()
 
