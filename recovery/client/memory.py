@@ -60,7 +60,8 @@ def parse_name(name: str) -> tuple[int, int, int] | None:
 
 def find(directory: Path, step: int, shard: int) -> Path | None:
     """A whole checkpoint of `shard` at `step` in `directory`: this node's copy from any rank that holds the shard
-    (the lowest rank first, so that every reader picks the same one)."""
+    (the lowest rank first: a restarted rank's own predecessor's, when it is the lowest, which no process of the rank
+    hands back while it is read)."""
     found = sorted((parsed[2], path) for path in directory.glob(f"step{step:09d}.shard{shard}.rank*.mem")
                    if (parsed := parse_name(path.name)) is not None)
     return found[0][1] if found else None
@@ -284,7 +285,11 @@ def restore(step: int, shard: int, tier: str, holders: list[str], node: str | No
     if tier == "memory" and node in holders and directory is not None:
         path = find(directory, step, shard)
         if path is not None:
-            return Restored(step, read_state(path), "memory", path)
+            state = read_state(path)
+            # A file is written again only after the agent renamed it (handed it back to its rank): under its name
+            # still, it was not rewritten while it was read.
+            if path.exists():
+                return Restored(step, state, "memory", path)
     if tier in ("memory", "storage") and storage is not None:
         # A memory copy on another node is not read across the network here: its persisted copy is, when the
         # agent there got to persist it.
