@@ -34,9 +34,16 @@ async def test_a_sigkilled_rank_restarts_in_place_from_its_nodes_memory_checkpoi
     killed_after: list[int] = []
 
     async def sigkill_after_a_memory_checkpoint(w: JobWatch, explain: Callable[[], str]) -> None:
-        await wait_until(lambda: bool(saved(w, "memory")), 60, "a memory checkpoint", explain)
-        killed_after.append(saved(w, "memory")[-1])
-        assert all((memory[n] / "").exists() for n in memory), memory  # the agents' shared memory, while it runs
+        def on_both_nodes() -> list[int]:
+            holders: dict[int, set[str]] = {}
+            for e in w.of("checkpoint.saved"):
+                if e["data"]["tier"] == "memory":
+                    holders.setdefault(e["data"]["step"], set()).add(e["data"]["holder"])
+            return sorted(step for step, nodes in holders.items() if nodes >= set(memory))
+
+        await wait_until(lambda: bool(on_both_nodes()), 60, "a memory checkpoint on both nodes", explain)
+        killed_after.append(on_both_nodes()[-1])
+        assert all(d.is_dir() for d in memory.values()), memory  # the agents' shared memory, while the job runs
         os.kill(w.pids()[VICTIM][-1], signal.SIGKILL)
         await wait_until(lambda: w.kinds().count("incident.closed") == 1, 90, f"rank {VICTIM} to be recovered",
                          explain)

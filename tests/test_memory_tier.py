@@ -132,7 +132,8 @@ async def test_the_agent_reports_memory_then_storage_hands_old_files_back_and_re
     tier = MemoryTier(root, lambda job, step, t, shards: reported.append((job, step, t, shards)))
     storage = tmp_path / "storage"
     directory = tier.job_dir("j")
-    assert directory.parent == root and directory.is_dir()
+    assert directory.parent == root and not directory.exists()  # made by the SDK's first save
+    directory.mkdir(parents=True)
     async with anyio.create_task_group() as tg:
         tg.start_soon(tier.run)
         for step in (5, 10):

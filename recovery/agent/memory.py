@@ -95,11 +95,11 @@ class MemoryTier:
         self.persisted = 0
 
     def job_dir(self, job: str) -> Path:
-        """The job's directory (made on first use), for the environment of its ranks here."""
+        """The job's directory, for the environment of its ranks here. The SDK makes it at its first save: a job
+        that never saves into memory leaves nothing in the node's memory, even when the agent is killed."""
         memory = self.jobs.get(job)
         if memory is None:
             memory = self.jobs[job] = JobMemory(self.root / job)
-        memory.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         return memory.directory
 
     def saved(self, job: str, rank: int, step: int, shards: list[int], name: str, storage: str | None) -> None:

@@ -126,6 +126,7 @@ class MemorySlots:
     def _claim(self) -> Path:
         """A slot file of this rank: a free one (the oldest name first), else a new one."""
         if not self._orphans_freed:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # the agent's to remove, with the job
             self._orphans_freed = True  # a dead predecessor's slots: never renamed to a checkpoint, never freed
             for orphan in sorted(self.directory.glob(f".slot.rank{self.rank}.*")):
                 orphan.rename(orphan.with_name(orphan.name.replace(".slot.", ".free.", 1)))
