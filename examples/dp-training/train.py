@@ -2,6 +2,7 @@
 
     python train.py --steps 80 --out final.pt
     python train.py --steps 80 --checkpoint-every 20 --checkpoint-dir ckpt   # also periodic checkpoints
+    python train.py --steps 80 --save-async-every 10 --checkpoint-dir ckpt   # in-memory checkpoints, persisted
 
 Each rank trains the same small MLP on its own batches, seeded by (seed, step, rank) so that the data order does
 not depend on which process computes a step; gradients are averaged with one all_reduce per parameter. When a peer
@@ -47,6 +48,11 @@ def main() -> None:
                              "resume plan resumes from the newest one there (how a job restarted whole, as torchrun "
                              "restarts it, loses only the steps since)")
     parser.add_argument("--checkpoint-dir", default="checkpoints")
+    parser.add_argument("--save-async-every", type=int, default=0,
+                        help="every rank copies the state into its node's shared memory every N steps "
+                             "(`client.save_async`: the stall is the copy), which rank 0's agent persists to "
+                             "--checkpoint-dir in the background; a restarted rank whose plan names the memory tier "
+                             "loads it from its node's memory")
     parser.add_argument("--stall-rank", type=int, default=-1,
                         help="a fault to inject: this rank's data loader never returns at --stall-at-step, in the "
                              "job's first generation (the others then wait for it in their all_reduce)")
@@ -101,7 +107,14 @@ def main() -> None:
     plan = client.resume_plan()
     source = plan.source_of(group.rank) if plan is not None else None
     step, live = 0, source is None or source.tier != "peer"  # a plan with no checkpoint starts over from step 0
-    if plan is not None and plan.checkpoint_step is not None and source is not None and source.tier != "peer":
+    restored = client.restore(args.checkpoint_dir) if args.save_async_every else None
+    if restored is not None:
+        # The plan names a checkpoint `save_async` wrote: this node's memory copy (an in-place restart), else the
+        # copy the agent persisted.
+        set_state(restored.state)
+        step, live = restored.step, True
+        print(f"resumed from the {restored.tier} checkpoint of step {step}: {restored.path}", flush=True)
+    elif plan is not None and plan.checkpoint_step is not None and source is not None and source.tier != "peer":
         # The plan names a saved checkpoint (a dying one, or a periodic one on storage): load it, resume after it.
         path = saved_checkpoint(plan.checkpoint_step)
         if path is None:
@@ -139,6 +152,8 @@ def main() -> None:
         step += 1
         if args.checkpoint_every and step % args.checkpoint_every == 0 and group.rank == 0:
             save_periodic(step)
+        if args.save_async_every and step % args.save_async_every == 0:
+            client.save_async(get_state(), step, storage=args.checkpoint_dir if group.rank == 0 else None)
         if args.step_time:
             time.sleep(args.step_time)  # stands in for the compute of a larger model
         client.report_step(step)

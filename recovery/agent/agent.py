@@ -37,6 +37,7 @@ from recovery.agent import ranks
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
+from recovery.agent.memory import MemoryTier, memory_root
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
 from recovery.agent.progress import ProgressFold, SilenceWatch
@@ -77,6 +78,7 @@ class Agent(Relay):
         self.silence = SilenceWatch()
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
         self.dumps = Dumps()
+        self.memory = MemoryTier(memory_root(cfg.memory_dir, cfg.node, self.runtime_dir), self.checkpoint_saved)
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
 
     # -- events ----------------------------------------------------------------------------------------
@@ -154,6 +156,7 @@ class Agent(Relay):
                 tg.start_soon(self._follow_commands, commands, command_start)
                 tg.start_soon(self._beat)
                 tg.start_soon(self.fold_reports)
+                tg.start_soon(self.memory.run)
                 if self.cfg.spare:
                     self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices})
                 else:
@@ -206,6 +209,7 @@ class Agent(Relay):
         """The agent stops: its ranks get SIGTERM and the kill grace to end (a platform stopping the node), then
         SIGKILL; the stores and the standbys go with the agent."""
         await self.standbys.close()
+        self.memory.close()
         async with anyio.create_task_group() as tg:
             for job in self.jobs.values():
                 for proc in job.processes.values():
@@ -367,7 +371,8 @@ class Agent(Relay):
         torch_port = await job.torch_port(attempt, whole, self.cfg.store_wait_s)
         env = ranks.environment(job.spec.entrypoint, job.placement(rank), job=job.id, node=self.node,
                                 attempt=attempt, plan=plan, store_addr=job.store_addr, store_port=job.store_port,
-                                torch_port=torch_port, socket=job.channel.path, heartbeat_s=self.cfg.heartbeat_s)
+                                torch_port=torch_port, socket=job.channel.path, heartbeat_s=self.cfg.heartbeat_s,
+                                memory_dir=self.memory.job_dir(job.id))
         output = self.runtime_dir / f"{job.id}.rank{rank}.gen{attempt}.log"
         standby = self.standbys.take(job.id)
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
@@ -405,6 +410,8 @@ class Agent(Relay):
         self.job_event(job.id, "process.exited", data)
         if all(not p.alive and p.returncode == 0 for p in job.processes.values()):
             await self.standbys.discard(job.id, for_good=True)  # the job is done here: no rank to hand over
+            assert self._tg is not None
+            self._tg.start_soon(self.memory.end, job.id)  # and no checkpoint in memory to restart from
         if exit_code == 0 and job.nodes and job.nodes[0] == self.node and not job.finished:
             here = [job.processes.get(r) for r in job.ranks_on(self.node)]
             if all(p is not None and not p.alive and p.returncode == 0 for p in here):
@@ -486,6 +493,8 @@ class Agent(Relay):
                 assert job is not None
                 await self._kill(job, list(job.processes))
                 await end_torch_stores(job.store_addr, job.store_port, job.id)
+                assert self._tg is not None
+                self._tg.start_soon(self.memory.end, job.id)
                 return {}
             case RetryStep():
                 # Not possible in-process on gloo: a process group whose collective failed has its pairs closed and

@@ -17,6 +17,7 @@ from events.values import STORAGE_HOLDER, Tier
 from recovery.agent import ranks
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import JobOnNode
+from recovery.agent.memory import MemoryTier
 from recovery.agent.progress import ProgressFold, SilenceWatch
 
 logger = logging.getLogger("recovery.agent")
@@ -29,6 +30,7 @@ class Relay:
     jobs: dict[str, JobOnNode]
     progress: ProgressFold
     silence: SilenceWatch
+    memory: MemoryTier
 
     def publish(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None,
                 heartbeat: bool) -> None:
@@ -39,6 +41,11 @@ class Relay:
         if type_ not in _PROGRESS:
             self.flush(job)  # what the ranks said before this change reaches the engine before it
         self.publish(job, type_, data, event_id, heartbeat=type_ == "process.heartbeat")
+
+    def checkpoint_saved(self, job: str, step: int, tier: str, shards: list[int]) -> None:
+        """A checkpoint this node holds (or, tier `storage`, persisted) reported as the job's event."""
+        holder = STORAGE_HOLDER if Tier(tier) is Tier.STORAGE else self.node
+        self.job_event(job, "checkpoint.saved", {"step": step, "tier": tier, "shards": shards, "holder": holder})
 
     def flush(self, job: str) -> None:
         """Send what the ranks of `job` said since the last report, if anything."""
@@ -111,6 +118,11 @@ class Relay:
                     done = job.saves.get(str(message.get("id")))
                     if done is not None:
                         done.set()
+            elif op == "memory_saved":
+                # the SDK's copy into this node's shared memory (`recovery.agent.memory`): reported, then persisted
+                storage = message.get("storage")
+                self.memory.saved(job_id, rank, int(message["step"]), [int(s) for s in message["shards"]],
+                                  str(message["file"]), storage if isinstance(storage, str) else None)
             elif op == "join":
                 # Only a process this agent runs for the rank may join a new generation: one it does not know (it
                 # outlived an agent and was not adopted) or that a replacement superseded would join beside the

@@ -8,8 +8,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from recovery.client import memory
 from recovery.client._channel import SOCKET_ENV, AgentChannel
 
 GENERATION_ENV = "RECOVERY_GENERATION"
@@ -68,6 +70,8 @@ class Client:
         self._join_answers: dict[int, bool] = {}  # generation -> the agent's answer to joining it
         self._join_answered = threading.Condition()
         self._closed = threading.Event()
+        self._memory_dir = memory.memory_dir()
+        self._slots: memory.MemorySlots | None = None
         self._channel = AgentChannel(socket_path, self._on_message) if socket_path else None
         self._thread: threading.Thread | None = None
         if self._channel is not None:
@@ -103,6 +107,37 @@ class Client:
         """A checkpoint of `shards` at `step` is complete in `tier` (memory, local, dying, storage); `location`
         is where (a path or URL), kept by the agent for the operator."""
         self._send({"op": "checkpoint", "step": step, "tier": tier, "shards": list(shards), "location": location})
+
+    def save_async(self, state: Any, step: int | None = None, *, shards: list[int] | None = None,
+                   storage: str | os.PathLike[str] | None = None) -> Path | None:
+        """Checkpoint `state` (tensors anywhere in it, on the CPU) at `step` (default: the last reported) into the
+        node agent's shared memory, which outlives this process: training stalls only for the copy. The agent
+        reports it (tier `memory`, this node), and with `storage` (a directory every node reads) persists it there
+        in the background and reports that too (tier `storage`). `shards`: the shards the state is (default: 0).
+        Returns the file, or None when the agent keeps no memory tier (none, or an older one)."""
+        if self._memory_dir is None:
+            return None
+        if self._slots is None:
+            self._slots = memory.MemorySlots(self._memory_dir, self.rank)
+        at = step if step is not None else (self._step if self._step is not None else 0)
+        shards = list(shards) if shards is not None else [0]
+        path = self._memory_dir / memory.file_name(at, shards[0], self.rank)
+        self._slots.write(state, path)
+        self._send({"op": "memory_saved", "step": at, "shards": shards, "file": path.name,
+                    "storage": None if storage is None else str(Path(storage).resolve())})
+        return path
+
+    def restore(self, storage: str | os.PathLike[str] | None = None) -> memory.Restored | None:
+        """The state the resume plan names for this rank in the `memory` or `storage` tier, read from this node's
+        shared memory (an in-place restart) or from `storage`, where `save_async` persisted it; None without such
+        a plan (a first start, or the `peer` or `dying` tier, which the script reads itself)."""
+        plan = self._plan
+        source = plan.source_of(self.rank) if plan is not None else None
+        if plan is None or source is None or plan.checkpoint_step is None:
+            return None
+        return memory.restore(plan.checkpoint_step, source.shard, source.tier, source.holders,
+                              os.environ.get(NODE_ENV), self._memory_dir,
+                              None if storage is None else Path(storage))
 
     def on_save(self, save: Callable[[int], dict[str, Any] | None]) -> None:
         """`save(step)` writes a dying checkpoint of this rank's state at `step` and may return
@@ -151,6 +186,8 @@ class Client:
             self._thread.join(timeout=2 * self._heartbeat_s)
         if self._channel is not None:
             self._channel.close()
+        if self._slots is not None:
+            self._slots.close()
 
     # -- inside ----------------------------------------------------------------------------------------
     def _send(self, message: dict[str, Any]) -> None:
