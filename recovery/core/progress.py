@@ -88,6 +88,13 @@ class Progress:
                         job.step_time = per_step if job.step_time is None else (7 * job.step_time + per_step) // 8
                     job.step = step
                     job.step_ts = ts
+        compute = None if isinstance(data, kinds.Heartbeat) else data.compute_s
+        if compute is not None and current:
+            # Tallied as integer ns (a float sum would depend on the order of additions): a straggler's mean shows.
+            count = data.compute_steps if isinstance(data, kinds.RankProgress) else 1
+            if count:
+                job.put(job.compute_steps, rank, job.compute_steps[rank] + count)
+                job.put(job.compute_ns, rank, job.compute_ns[rank] + round(compute * NS) * count)
         if job.rank_log is not None:
             job.put(job.last_seen, rank, ts)
         else:
