@@ -24,7 +24,7 @@ class FaultInjection(TrainingState):
         if fault.signal == "device":
             meaning = nvidia_xid(fault.code or "79")
             struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
-        if struck:
+        if struck and fault.signal != "straggler":  # a straggler stops nothing: the job goes on, slower
             self._stop_training()
             self._arm_collective_timeout()
         getattr(self, f"_fault_{fault.signal}")(fault, node, nodes)
@@ -81,6 +81,24 @@ class FaultInjection(TrainingState):
         struck = self._rank_on(node, fault.device)
         if struck is not None and struck not in self.dead:
             self._exit(struck, fault.exit_code, fault.exit_signal)
+
+    def _fault_straggler(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        """The node computes `slowdown` times slower (a throttled GPU, a host short of CPU) for the fault's
+        `repair_ns`, unless the job drains it first (a drained node is looked at before it rejoins the pool). Nothing
+        is emitted: only the ranks' compute times tell of it."""
+        hw = self.hw[node]
+        hw.slowdown = max(hw.slowdown, fault.slowdown)
+        hw.slow_since = fault.index
+        self._count("stragglers")
+        if node in self.placement:
+            self.retime()
+
+        def ends() -> None:
+            if hw.slow_since == fault.index and hw.slowdown > 1.0:
+                hw.slowdown = 1.0
+                if node in self.placement:
+                    self.retime()
+        self.later(fault.repair_ns, ends)
 
     def _fault_hang(self, fault: Fault, node: str, _nodes: list[str]) -> None:
         rank = self._rank_on(node, fault.device)

@@ -53,6 +53,10 @@ class Hardware:
     """the platform marked it not ready (announced with node.not_ready)"""
     isolated: bool = False
     repairing: bool = False
+    slowdown: float = 1.0
+    """a straggler: it computes each step this many times slower, and the synchronous job waits for it"""
+    slow_since: int = 0
+    """which straggler fault set `slowdown` (its end applies only if no later one replaced it)"""
 
     @property
     def healthy(self) -> bool:
@@ -70,6 +74,8 @@ class Counters:
     """the in-memory snapshots' stall, spread over the steps (memory_save_stall_s / memory_every_steps)"""
     steps: int = 0
     """steps completed for the first time"""
+    straggler: int = 0
+    """what a straggler in the placement added to the steps: the job's pace is its slowest node's"""
 
 
 class TrainingState:
@@ -98,7 +104,10 @@ class TrainingState:
         self.step_ns = int(tr.step_time_s * NS)
         self.memory_k = tr.memory_every_steps if config.profile.memory_tier else None
         mem_stall = int(config.costs.memory_save_stall_s * NS) // self.memory_k if self.memory_k else 0
-        self.step_eff = self.step_ns + mem_stall
+        self.base_eff = self.step_ns + mem_stall
+        """a step at the job's nominal pace (with its share of the snapshot stall)"""
+        self.step_eff = self.base_eff
+        """a step at the pace of the current stretch of training: slower while a straggler is in the placement"""
         self.storage_every = int(tr.storage_every_s * NS) if tr.storage_every_s else None
         # the job
         self.generation = 0
@@ -115,6 +124,9 @@ class TrainingState:
         self.halted_step = 0
         self.resume_step = 0
         self.reported_step = 0
+        self.watched_step = 0
+        """the step of the last reports before a watchdog tick (watch mode): the next ones' compute times cover the
+        steps since"""
         self.mem_step: dict[str, int] = {}
         """holder node -> step of the in-memory snapshot it holds (hosts keep their latest only)"""
         self.storage_credit = 0
@@ -193,7 +205,7 @@ class TrainingState:
         return JobSpec(nodes=list(self.placement), ranks_per_node=self.rpn, max_restarts=None,
                        layout=Layout(dp=self.dp, tp=self.tp, pp=self.pp), spares=None,
                        policies=self.cfg.profile.selection,
-                       watchdog_interval_s=self.cfg.watchdog_interval_s or min(
+                       watchdog_interval_s=self.cfg.watchdog_interval_s or self.cfg.watch_s or min(
                            max(10 * self.cfg.days * 86_400.0, 1e6), MAX_WATCHDOG_S))
 
     # -- start and end --------------------------------------------------------------------------------
@@ -244,6 +256,8 @@ class TrainingState:
         self._epoch += 1
         self._ct_epoch = None
         self.training, self.loading, self.stalled = True, False, False
+        slowest = max((self.hw[n].slowdown for n in self.placement), default=1.0)
+        self.step_eff = self.base_eff + int(self.step_ns * slowest) - self.step_ns
         self.anchor_t, self.anchor_step = t, from_step
         token = self._token
         if report_rank is not None:
@@ -272,7 +286,8 @@ class TrainingState:
         c = self.counters
         c.productive += new * self.step_ns + (part if final else 0)
         c.recompute += (n - new) * self.step_ns + (0 if final else part)
-        c.checkpoint += n * (self.step_eff - self.step_ns)
+        c.checkpoint += n * (self.base_eff - self.step_ns)
+        c.straggler += n * (self.step_eff - self.base_eff)
         c.steps += new
         self.storage_credit += elapsed
         self.high_water = max(self.high_water, reached)
@@ -326,6 +341,55 @@ class TrainingState:
                         self.job_event("checkpoint.saved", {"step": snap, "tier": Tier.MEMORY, "holder": node,
                                                             "shards": sorted(set(shards))}, source=f"agent@{node}")
 
+    def retime(self) -> None:
+        """A node of the placement changed its pace (a straggler began or ended): from the next step boundary the
+        job trains at its slowest node's pace. Nothing is lost: the stretch so far is booked at the old pace."""
+        if not self.training:
+            return  # the next stretch of training takes the pace when it starts
+        token = self._token
+        n = max(0, self.sched.now - self.anchor_t) // self.step_eff
+        boundary = self.anchor_t + (n + 1) * self.step_eff
+
+        def at_boundary() -> None:
+            if self._token == token and self.training:
+                self._halt(boundary)
+                self._train(boundary, self.halted_step)
+        self.sched.at(boundary, at_boundary)
+
+    def report_progress(self) -> None:
+        """Watch mode, just before a watchdog tick: each node's agent reports its live ranks' step (while the job
+        trains, or is stopped where a fault left it) and the mean compute time of the steps since the last tick
+        (the node's pace: a straggler's ranks stand out), one `progress.report` per node."""
+        if self.failed:
+            return
+        if self.training:
+            step: int | None = self.step_now()
+        elif self.stalled or not (self.loading or self.plan is not None or self.restarted or self.retried):
+            step = self.halted_step  # at a checkpoint's stall, or halted by a fault no restart has answered yet
+        else:
+            step = None  # restarting or loading: the ranks' step is the resume point's, not yet reached
+        count = 0
+        if step is not None:
+            count = max(0, step - self.watched_step)
+            self.watched_step = step
+        for node in self.placement:
+            hw = self.hw[node]
+            if hw.down:
+                continue
+            compute_s = self.step_ns * hw.slowdown / NS
+            entries: list[dict[str, Any]] = []
+            for rank in self.ranks_on(node):
+                if rank in self.dead or rank in self.hung:
+                    continue
+                entry: dict[str, Any] = {"rank": rank, "step": step, "attempt": self.generation}
+                if count:
+                    entry["compute_s"], entry["compute_steps"] = compute_s, count
+                entries.append(entry)
+            if entries:
+                self.job_event("progress.report", {"ranks": entries}, source=f"agent@{node}")
+        if step is not None:
+            self.reported_step = max(self.reported_step, step)
+
     def _stop_training(self) -> None:
         """Training stops now (a fault, or processes being stopped): book it and tell the engine how far it got."""
         if self.training:
@@ -356,6 +420,7 @@ class TrainingState:
         hw.down = hw.link_down = hw.not_ready = hw.isolated = hw.repairing = False
         hw.gpu_lost = None
         hw.bad.clear()
+        hw.slowdown = 1.0  # a drained straggler was looked at before it rejoined
         if node in self.placement and not self.failed:
             if rebooted:  # booted again: it joins afresh (the engine forgets what its memory held)
                 self.node_event(node, "node.joined", {"spare": False, "devices": self.rpn}, source="scheduler")
