@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from events.subjects import Token
 from events.values import (
@@ -83,10 +83,25 @@ class HangReport(Frozen):
     attempt: Attempt = 0
 
 
-class StepReported(Frozen):
+class _OmitsUnmeasured(Frozen):
+    """Leaves a compute time out of its wire form when none was measured: most scripts measure none, and a step
+    report is the commonest event, so the field costs them nothing (and older logs keep their bytes)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("compute_s", 0) is None:
+            del data["compute_s"]
+            data.pop("compute_steps", None)
+        return data
+
+
+class StepReported(_OmitsUnmeasured):
     rank: Rank
     step: Step
     attempt: Attempt = 0
+    compute_s: Seconds | None = Field(None, description="the step's compute time as the SDK measured it: from the "
+                                                        "step's start to its first collective, 0 .. 30 days")
 
 
 MAX_STACK_CHARS = 16_384
@@ -115,12 +130,17 @@ MAX_REPORTED_RANKS = 4096
 """ranks one progress report may cover: a node's (a few to a few hundred), with room"""
 
 
-class RankProgress(Frozen):
+class RankProgress(_OmitsUnmeasured):
     """One rank in a `progress.report`: it lives, at `step` if it reported one, in generation `attempt`."""
 
     rank: Rank
     step: Step | None = Field(None, description="the newest step it completed in the period, if any")
     attempt: Attempt = 0
+    compute_s: Seconds | None = Field(None, description="mean compute time of its `compute_steps` steps in the "
+                                                        "period (from a step's start to its first collective: in "
+                                                        "synchronous data parallelism the wall step time is every "
+                                                        "rank's alike), 0 .. 30 days")
+    compute_steps: Count = Field(0, description="the steps `compute_s` is the mean of")
 
 
 class ProgressReport(Frozen):

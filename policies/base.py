@@ -119,6 +119,9 @@ class Drain:
     node: str
     device: int | None = None
     code: str | None = None
+    evidence: tuple[tuple[str, int | float], ...] = ()
+    """what the policy measured, for the decision's detail (a straggler: its rank, its compute time, the peers'
+    median), as (name, value) pairs in the order to show them"""
 
 
 Verdict = Ignore | Suspect | Clear | Fault | Drain
@@ -133,6 +136,11 @@ class RankActivity:
     last_progress: int
     """log time at which the rank's step last advanced"""
     step: int
+    compute_steps: int = 0
+    """steps whose compute time the rank reported in the job's current generation (0: it reports none)"""
+    compute_ns: int = 0
+    """their compute time in all, ns: the time from each step's start to its first collective, measured in the
+    rank; in synchronous data parallelism the wall step time is every rank's alike, this is where a slow one shows"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,17 @@ class DefaultDetectionParams(Params):
                                                        "start), no progress is a stall only after this long: a first "
                                                        "step may compile, load and warm up for minutes "
                                                        "(1 ms .. 30 days)")
+    straggler_window_steps: PositiveCount = Field(20, le=256, description="a straggler is judged on at least this "
+                                                                          "many steps of compute times of its own "
+                                                                          "and of its peers' in the job's current "
+                                                                          "generation (1 .. 256: the engine's tally "
+                                                                          "weighs the last 256 to 512)")
+    straggler_ratio: Factor = Field(1.5, description="a rank whose mean compute time per step is at least this many "
+                                                     "times its peers' median is a straggler: its node is drained at "
+                                                     "the next complete checkpoint when a spare is free: (0, 1000]")
+    straggler_min_excess_s: Seconds = Field(0.05, description="... and at least this much slower per step, so that "
+                                                              "the noise of steps of a few ms drains nothing "
+                                                              "(0 .. 30 days)")
 
 
 def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
@@ -62,10 +73,11 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 
 class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "7"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    version: ClassVar[str] = "8"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s;
     # 6: a lemon is isolated only when a spare can replace it or the job can do without it, for isolation_s; a
-    # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled
+    # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled; 8: a straggler's
+    # node is drained
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -258,7 +270,51 @@ class DefaultDetection(DetectionPolicyBase):
         if behind:
             return [Fault(f"ranks {list(behind)} stuck behind step {top} for more than "
                           f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
-        return []
+        return self._stragglers(view)
+
+    def _stragglers(self, view: WatchdogView) -> list[Verdict]:
+        """A drain of each node that holds a rank persistently slower than its peers. In synchronous data
+        parallelism every rank waits for the slowest in the collective, so one slow GPU or throttled host slows the
+        whole job without a fault: its compute time (before the collective) is what shows it. Judged on the engine's
+        tally of the rank's recent steps (the last few hundred: `RankActivity.compute_ns`), once the rank and at
+        least one peer measured `straggler_window_steps`."""
+        p = self.params
+        if not view.nodes or len(view.nodes) * view.ranks_per_node != len(view.ranks):
+            return []  # the placement is unknown: no node to drain
+        measured = [(a.compute_ns // a.compute_steps, a.rank, a.compute_steps) for a in view.ranks
+                    if a.compute_steps >= p.straggler_window_steps]
+        if len(measured) < 2:
+            return []
+        ordered = sorted(measured)
+        drains: dict[str, Drain] = {}
+        for position in reversed(range(len(ordered))):  # slowest first
+            mean, rank, steps = ordered[position]
+            median = _median_without(ordered, position)
+            if mean < p.straggler_ratio * median:
+                break  # every rank from here on is faster still
+            if mean - median < p.straggler_min_excess_s * NS:
+                continue
+            node = view.nodes[rank // view.ranks_per_node]
+            if node in drains:
+                continue  # one drain per node: its slowest rank speaks for it
+            drains[node] = Drain(f"rank {rank} on {node} computes {mean / NS:.3f}s per step over {steps} steps, "
+                                 f"{mean / max(median, 1):.1f}x its peers' median {median / NS:.3f}s (straggler "
+                                 f"ratio {p.straggler_ratio:g}): leave it at the next checkpoint", node,
+                                 code="straggler", evidence=(("rank", rank), ("compute_s", round(mean / NS, 6)),
+                                                             ("peers_median_s", round(median / NS, 6)),
+                                                             ("steps", steps)))
+        return [drains[node] for node in sorted(drains, key=view.nodes.index)]
+
+
+def _median_without(ordered: list[tuple[int, int, int]], position: int) -> int:
+    """The median mean of `ordered` (sorted by mean) without its entry at `position`: the peers' median, in O(1)."""
+    count = len(ordered) - 1
+
+    def peer(k: int) -> int:  # the k-th smallest mean of the others
+        return ordered[k if k < position else k + 1][0]
+
+    half = count // 2
+    return peer(half) if count % 2 else (peer(half - 1) + peer(half)) // 2
 
 
 def _silent_agents(view: WatchdogView, silence: int) -> list[int]:

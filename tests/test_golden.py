@@ -292,3 +292,22 @@ def test_a_lemon_gpu_is_isolated_only_once_a_spare_can_replace_it() -> None:
     assert isolating.cause_seq > no_spare[-1].cause_seq
     [move] = commands(result, "migrate_ranks")
     assert (move.from_node, move.to_node) == ("l1", "s0")
+
+
+def test_a_straggler_is_drained_to_a_spare_at_the_next_checkpoint_with_its_time_against_the_peers() -> None:
+    result = load("straggler_drained")
+    [planned] = kinds(result, "node.drain_planned")
+    assert planned.detail["node"] == "n2" and planned.detail["code"] == "straggler"
+    assert planned.detail["rank"] == 5 and planned.detail["steps"] >= 20
+    assert (planned.detail["compute_s"], planned.detail["peers_median_s"]) == (0.5, 0.2)
+    assert "2.5x its peers' median" in planned.reason
+    [deferred] = kinds(result, "node.drain_deferred")  # no spare free at step 30
+    assert deferred.detail == {"nodes": ["n2"], "step": 30}
+    [move] = commands(result, "migrate_ranks")
+    assert (move.from_node, move.to_node, move.ranks) == ("n2", "s0", [4, 5])
+    assert move.plan.checkpoint_step == 40
+    assert closed(result).detail["granularity"] == "migrate" and closed(result).detail["lost_steps"] == 0
+    assert result.engine.jobs["slow"].closed[-1]["cause"] == "drain"
+    job = result.engine.jobs["slow"]
+    assert job.nodes == ["n0", "n1", "s0", "n3"] and job.state == "running"
+    assert result.engine.cluster.nodes["n2"].drained

@@ -113,6 +113,28 @@ def test_the_fold_keeps_each_ranks_newest_word_and_says_what_is_news() -> None:
     assert fold.take("j") is None
 
 
+def test_the_fold_carries_each_ranks_mean_compute_time_of_the_period_and_the_engine_tallies_it() -> None:
+    fold = ProgressFold()
+    fold.note("j", 0, 1, 0, compute_s=0.2)
+    fold.note("j", 0, 2, 0, compute_s=0.4)
+    fold.note("j", 0, None, 0)  # a heartbeat measures nothing
+    fold.note("j", 1, 1, 0)  # a rank that measures nothing reports as before
+    fold.note("j", 2, 5, 0, compute_s=9.0)
+    fold.note("j", 2, 1, 1, compute_s=0.1)  # a new generation's process: the old one's times are not its own
+    report = fold.take("j")
+    assert report == {"ranks": [{"rank": 0, "step": 2, "attempt": 0, "compute_s": 0.3, "compute_steps": 2},
+                                {"rank": 1, "step": 1, "attempt": 0},
+                                {"rank": 2, "step": 1, "attempt": 1, "compute_s": 0.1, "compute_steps": 1}]}
+    s = Scenario()
+    s.submit("j", ["n0"], ranks_per_node=2, dp=2)
+    s.advance(1)
+    s.job_event("j", "progress.report", ranks=report["ranks"][:2])
+    s.job_event("j", "progress.step", rank=1, step=2, compute_s=0.25)
+    job = s.engine.jobs["j"]
+    assert (job.compute_steps, job.compute_ns) == ([2, 1], [600_000_000, 250_000_000])
+    assert not s.rejections
+
+
 def test_the_silence_watch_reports_a_silent_rank_once_until_it_speaks() -> None:
     watch = SilenceWatch()
     watch.spoke("j", 0, 100.0)

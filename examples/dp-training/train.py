@@ -57,6 +57,10 @@ def main() -> None:
                         help="a fault to inject: this rank's data loader never returns at --stall-at-step, in the "
                              "job's first generation (the others then wait for it in their all_reduce)")
     parser.add_argument("--stall-at-step", type=int, default=-1)
+    parser.add_argument("--slow-rank", type=int, default=-1,
+                        help="a straggler to inject: this rank computes --slow-s seconds longer every step, in the "
+                             "job's first generation (a slow GPU: moving the rank to another node ends it)")
+    parser.add_argument("--slow-s", type=float, default=0.0)
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -136,9 +140,14 @@ def main() -> None:
         failed = False
         try:
             group.check()  # a newer generation announced: peers were replaced while this group still works
+            started = time.perf_counter()
             x, y = load_batch(step)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
+            if (group.rank, client.generation) == (args.slow_rank, 0) and args.slow_s:
+                time.sleep(args.slow_s)  # the injected straggler: its compute, not the math, takes longer
+            # The rank's own share of the step: after this it waits for the slowest peer in the all_reduce.
+            compute_s = time.perf_counter() - started
             for parameter in model.parameters():
                 dist.all_reduce(parameter.grad)
                 parameter.grad /= world
@@ -156,7 +165,7 @@ def main() -> None:
             client.save_async(get_state(), step, storage=args.checkpoint_dir if group.rank == 0 else None)
         if args.step_time:
             time.sleep(args.step_time)  # stands in for the compute of a larger model
-        client.report_step(step)
+        client.report_step(step, compute_s=compute_s)
     if group.rank == 0 and args.out:
         torch.save({name: p.detach().clone() for name, p in model.state_dict().items()}, args.out + ".tmp")
         os.replace(args.out + ".tmp", args.out)

@@ -22,6 +22,9 @@ from typing import Any
 class RankWord:
     step: int | None
     attempt: int
+    compute_s: float = 0.0
+    """the compute times of the steps the rank reported in the period, in all (the report carries their mean)"""
+    compute_steps: int = 0
 
 
 @dataclass
@@ -32,42 +35,64 @@ class ProgressFold:
     known: dict[tuple[str, int], tuple[int, bool]] = field(default_factory=dict)
     """(job, rank) -> the generation of its newest word, and whether it reported a step in it"""
 
-    def note(self, job: str, rank: int, step: int | None, attempt: int) -> bool:
+    def note(self, job: str, rank: int, step: int | None, attempt: int, compute_s: float | None = None) -> bool:
         """A heartbeat (`step` None, or the step it carries) or a step of `rank` in generation `attempt`. True if
         it is news to send now, not at the period's end: the rank's first word in a generation (a process that
-        joined it) or its first step there (the progress that ends a recovery)."""
+        joined it) or its first step there (the progress that ends a recovery). `compute_s`: the step's compute time,
+        if the rank measured it."""
         seen = self.known.get((job, rank))
         if seen is not None and attempt < seen[0]:
             return False  # a late word of an older generation: dropped by the fold, and no news
         news = seen is None or seen[0] != attempt or (step is not None and not seen[1])
         self.known[job, rank] = (attempt, step is not None or (seen is not None and seen[0] == attempt and seen[1]))
-        self._keep(job, rank, step, attempt)
+        self._keep(job, rank, step, attempt, compute_s)
         return news
 
     def forget(self, job: str, rank: int) -> None:
         """The rank's process is gone: its replacement's first word is news again."""
         self.known.pop((job, rank), None)
 
-    def _keep(self, job: str, rank: int, step: int | None, attempt: int) -> None:
+    def _keep(self, job: str, rank: int, step: int | None, attempt: int, compute_s: float | None) -> None:
         ranks = self.pending.setdefault(job, {})
         word = ranks.get(rank)
         if word is None:
-            ranks[rank] = RankWord(step, attempt)
+            word = ranks[rank] = RankWord(step, attempt)
         elif attempt > word.attempt:
-            word.step, word.attempt = step, attempt  # a newer generation's word replaces the older one's
+            # a newer generation's word replaces the older one's, and its compute times (another process's)
+            word.step, word.attempt, word.compute_s, word.compute_steps = step, attempt, 0.0, 0
         elif attempt == word.attempt and step is not None:
             word.step = step  # the latest step said (a roll-back to a resume point included); a bare beat keeps it
+        elif attempt < word.attempt:
+            return
+        if compute_s is not None and step is not None:
+            word.compute_s += compute_s
+            word.compute_steps += 1
 
     def take(self, job: str) -> dict[str, Any] | None:
         """The `progress.report` data of `job` since the last one, or None if its ranks said nothing."""
         ranks = self.pending.pop(job, None)
         if not ranks:
             return None
-        return {"ranks": [{"rank": rank, "step": word.step, "attempt": word.attempt}
-                          for rank, word in ranks.items()]}
+        return {"ranks": [_entry(rank, word) for rank, word in ranks.items()]}
 
     def jobs(self) -> list[str]:
         return list(self.pending)
+
+
+def _entry(rank: int, word: RankWord) -> dict[str, Any]:
+    entry: dict[str, Any] = {"rank": rank, "step": word.step, "attempt": word.attempt}
+    if word.compute_steps:
+        entry["compute_s"] = round(word.compute_s / word.compute_steps, 6)
+        entry["compute_steps"] = word.compute_steps
+    return entry
+
+
+def measured(value: object) -> float | None:
+    """A compute time the SDK sent, if it is one (seconds, finite, 0 .. a day): a bad one is dropped, not relayed
+    into a report the engine would refuse whole."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 86_400:
+        return float(value)
+    return None
 
 
 @dataclass

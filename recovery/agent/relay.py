@@ -18,7 +18,7 @@ from recovery.agent import ranks
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import JobOnNode
 from recovery.agent.memory import MemoryTier
-from recovery.agent.progress import ProgressFold, SilenceWatch
+from recovery.agent.progress import ProgressFold, SilenceWatch, measured
 
 logger = logging.getLogger("recovery.agent")
 _PROGRESS = ("process.heartbeat", "progress.step", "progress.report")
@@ -85,14 +85,18 @@ class Relay:
                         self.job_event(job_id, "process.hang", {"rank": rank, "attempt": proc.attempt,
                                                                 "seconds_without_progress": round(seconds, 3)})
 
-    def _progress(self, job_id: str, rank: int, step: int | None, attempt: int) -> None:
+    def _progress(self, job_id: str, rank: int, step: int | None, attempt: int, compute_s: float | None = None
+                  ) -> None:
         if self.cfg.report_s > 0:
-            if self.progress.note(job_id, rank, step, attempt):
+            if self.progress.note(job_id, rank, step, attempt, compute_s):
                 self.flush(job_id)  # a rank that joined a generation, or its first step there: news for a recovery
         elif step is None:
             self.job_event(job_id, "process.heartbeat", {"rank": rank, "attempt": attempt})
-        else:
+        elif compute_s is None:
             self.job_event(job_id, "progress.step", {"rank": rank, "step": step, "attempt": attempt})
+        else:
+            self.job_event(job_id, "progress.step", {"rank": rank, "step": step, "attempt": attempt,
+                                                     "compute_s": compute_s})
 
     async def _report(self, job_id: str, message: dict[str, Any]) -> None:
         """What a process says through the SDK, relayed as the job's events."""
@@ -106,7 +110,7 @@ class Relay:
             if op == "heartbeat":
                 self._progress(job_id, rank, message.get("step"), attempt)
             elif op == "step":
-                self._progress(job_id, rank, message["step"], attempt)
+                self._progress(job_id, rank, message["step"], attempt, measured(message.get("compute_s")))
             elif op == "joined":
                 self._progress(job_id, rank, None, attempt)
             elif op in ("checkpoint", "saved"):

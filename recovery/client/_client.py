@@ -84,10 +84,18 @@ class Client:
         """The plan this process was started with: None on a job's first start."""
         return self._plan
 
-    def report_step(self, step: int) -> None:
-        """`step` steps are complete. At this boundary a dying checkpoint the agent asked for is written."""
+    def report_step(self, step: int, compute_s: float | None = None) -> None:
+        """`step` steps are complete. At this boundary a dying checkpoint the agent asked for is written.
+
+        `compute_s`: how long this rank computed the step, from its start to its first collective (not the wall
+        time: in synchronous data parallelism every rank waits for the slowest in the collective, so only the time
+        before it tells a slow GPU or host from its peers). The control plane drains the node of a rank persistently
+        slower than its peers."""
         self._step = step
-        self._send({"op": "step", "step": step})
+        if compute_s is None:
+            self._send({"op": "step", "step": step})
+        else:
+            self._send({"op": "step", "step": step, "compute_s": compute_s})
         self.at_boundary()
 
     def at_boundary(self) -> None:

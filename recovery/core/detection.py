@@ -96,7 +96,8 @@ class Detection:
                 return
             job.drains[node] = verdict.reason
             out.decide(job, DecisionKind.NODE_DRAIN_PLANNED, verdict.reason, policy=policy,
-                       detail={"node": node, "device": verdict.device, "code": verdict.code})
+                       detail={"node": node, "device": verdict.device, "code": verdict.code,
+                               **dict(verdict.evidence)})
         else:
             expect(job, "detection", verdict, (Ignore, Suspect, Clear, Fault, Drain))
 
@@ -309,7 +310,8 @@ class Detection:
             return
         agents = self.cluster.nodes
         view = WatchdogView(out.ts, job.step_time, tuple(
-            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
+            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r], job.compute_steps[r],
+                         job.compute_ns[r]) for r in range(job.world)),
             tuple(job.nodes), job.rpn,
             tuple(agents[n].heard if n in agents else None for n in job.nodes), job.sdk)
         verdicts = consult(out, job, "detection", "check", view)

@@ -157,6 +157,8 @@ class Job:
         "catalog",
         "catalog_log",
         "closed",
+        "compute_ns",
+        "compute_steps",
         "drains",
         "generation",
         "id",
@@ -208,6 +210,8 @@ class Job:
         self.rank_gen = [0] * world  # the generation whose restart started each rank's current process
         self.last_seen = [0] * world
         self.last_progress = [0] * world
+        self.compute_steps = [0] * world  # steps whose compute time each rank reported in this generation
+        self.compute_ns = [0] * world  # ... and that time in all (a straggler's stands out: detection's watchdog)
         self.catalog: dict[int, dict[Tier, dict[int, set[str]]]] = {}
         self.catalog_log: list[tuple[int, dict[Tier, dict[int, set[str]]] | None]] | None = None
         self.rank_log: list[tuple[list[int] | bytearray, int, int]] | None = None
@@ -310,6 +314,8 @@ class Job:
         self.rank_gen = [self.generation] * world
         self.last_seen = [ts] * world
         self.last_progress = [ts] * world
+        self.compute_steps = [0] * world
+        self.compute_ns = [0] * world
 
     def add_checkpoint(self, step: int, tier: Tier, shards: list[int], holder: str) -> None:
         by_tier = self.catalog.get(step)
@@ -369,7 +375,7 @@ class Job:
 
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
                  "watchdog", "restarts_used", "restart_times", "sdk", "policies", "policy_errors", "alive", "steps",
-                 "rank_gen", "last_seen", "last_progress")
+                 "rank_gen", "last_seen", "last_progress", "compute_steps", "compute_ns")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
 _SCALARS = attrgetter(*_SCALAR_NAMES)

@@ -15,6 +15,11 @@ from recovery.core.incidents import Incidents
 from recovery.core.job import Job
 from recovery.core.record import RecordEffects, Rejected
 
+COMPUTE_WINDOW = 256
+"""a rank's compute-time tally is cut back to this many steps (its mean kept) whenever it passes twice as many: its
+mean weighs the last 256 to 512 steps, so a rank that turns slow late in a long generation stands out within a few
+hundred steps (integer arithmetic on logged values: replay gives the same tally)"""
+
 STEP_LEAD = 1000
 """how far one rank's step may run ahead of every other rank's before it is taken as a corrupted counter: ranks of
 a job train in lockstep, a few steps apart at most (asynchronous schemes such as local SGD, a few hundred)"""
@@ -88,6 +93,16 @@ class Progress:
                         job.step_time = per_step if job.step_time is None else (7 * job.step_time + per_step) // 8
                     job.step = step
                     job.step_ts = ts
+        compute = None if isinstance(data, kinds.Heartbeat) else data.compute_s
+        if compute is not None and current:
+            # Tallied as integer ns (a float sum would depend on the order of additions): a straggler's mean shows.
+            count = data.compute_steps if isinstance(data, kinds.RankProgress) else 1
+            if count:
+                steps, total = job.compute_steps[rank] + count, job.compute_ns[rank] + round(compute * NS) * count
+                if steps > 2 * COMPUTE_WINDOW:  # keep the mean, weigh the past as COMPUTE_WINDOW steps
+                    steps, total = COMPUTE_WINDOW, total * COMPUTE_WINDOW // steps
+                job.put(job.compute_steps, rank, steps)
+                job.put(job.compute_ns, rank, total)
         if job.rank_log is not None:
             job.put(job.last_seen, rank, ts)
         else:

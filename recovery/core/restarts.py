@@ -199,6 +199,9 @@ class Restarts:
             assert plan is not None
             job.generation += 1
             gen = job.generation
+            # Compute times are compared within a generation: a rank moved off a slow node starts a clean tally.
+            job.compute_steps = [0] * job.world
+            job.compute_ns = [0] * job.world
             if g is G.IN_PLACE:
                 commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
                                              ranks=[r for r in attempt.ranks if r not in attempt.carried], plan=plan,

@@ -126,15 +126,20 @@ def make_watchdog_view(*, now: int = NOW, nodes: Sequence[str] = NODES, ranks_pe
                        step_time_ns: int | None = NS, last_seen: int | Sequence[int] | Mapping[int, int] | None = None,
                        last_progress: int | Sequence[int] | Mapping[int, int] | None = None,
                        steps: int | Sequence[int] | Mapping[int, int] = 100,
-                       agents_heard: Sequence[int | None] = (), sdk: bool = True) -> WatchdogView:
+                       agents_heard: Sequence[int | None] = (), sdk: bool = True,
+                       compute_steps: int | Sequence[int] | Mapping[int, int] = 0,
+                       compute_ns: int | Sequence[int] | Mapping[int, int] = 0) -> WatchdogView:
     """What the watchdog sees of a job on `nodes` at `now`. Per-rank values are one number for every rank, one per
-    rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100. `agents_heard`
-    is per node the last heartbeat of its agent (None: it sends none; empty: unknown)."""
+    rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100, with no compute
+    time reported (`compute_steps` steps measured in all `compute_ns`). `agents_heard` is per node the last heartbeat
+    of its agent (None: it sends none; empty: unknown)."""
     world = len(nodes) * ranks_per_node
     seen = _per_rank(now if last_seen is None else last_seen, world, now)
     progress = _per_rank(now if last_progress is None else last_progress, world, now)
     at = _per_rank(steps, world, 100)
-    return WatchdogView(now, step_time_ns, tuple(RankActivity(r, seen[r], progress[r], at[r]) for r in range(world)),
+    measured, spent = _per_rank(compute_steps, world, 0), _per_rank(compute_ns, world, 0)
+    return WatchdogView(now, step_time_ns, tuple(RankActivity(r, seen[r], progress[r], at[r], measured[r], spent[r])
+                                                 for r in range(world)),
                         tuple(nodes), ranks_per_node, tuple(agents_heard), sdk)
 
 
@@ -281,7 +286,7 @@ def signals(draw: st.DrawFn, types: Sequence[str] = SIGNAL_TYPES) -> Signal:
 @st.composite
 def watchdog_views(draw: st.DrawFn) -> WatchdogView:
     """What the watchdog could see: each rank last seen no later than now, last progressing no later than last
-    seen, at a step that is not negative; now and then a whole node silent."""
+    seen, at a step that is not negative; now and then a whole node silent; now and then compute times."""
     nodes, rpn = draw(placements())
     world = len(nodes) * rpn
     now = draw(_TIMES)
@@ -297,9 +302,12 @@ def watchdog_views(draw: st.DrawFn) -> WatchdogView:
     # Agents that send heartbeats (heard no later than now), that send none, or a placement whose agents are unknown.
     agents: list[int | None] = [draw(st.none() | st.integers(0, 2 * NS).map(lambda d: now - d) | ago.map(
         lambda d: now - d)) for _ in nodes] if draw(st.booleans()) else []
+    # Compute times as the engine tallies them (up to 512 steps), each rank its own mean: some stand out.
+    measured = [draw(st.integers(0, 512)) for _ in range(world)] if draw(st.booleans()) else [0] * world
+    spent = [n * draw(st.integers(0, 10 * NS)) for n in measured]
     return make_watchdog_view(now=now, nodes=nodes, ranks_per_node=rpn, step_time_ns=draw(_STEP_TIMES),
                               last_seen=seen, last_progress=progress, steps=steps, agents_heard=agents,
-                              sdk=draw(st.integers(0, 4)) > 0)
+                              sdk=draw(st.integers(0, 4)) > 0, compute_steps=measured, compute_ns=spent)
 
 
 _LADDER = [Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE, Granularity.RESTART_JOB,

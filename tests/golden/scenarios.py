@@ -489,6 +489,38 @@ def lemon_isolated_with_spare() -> Scenario:
     return s
 
 
+def _reports(s: Scenario, job: str, steps: int, slow: dict[int, float], compute_s: float = 0.2) -> None:
+    """`steps` steps of a second, each node's agent folding its ranks' step and compute time into one report."""
+    state = s.engine.jobs[job]
+    for _ in range(steps):
+        s.advance(1)
+        step = state.step + 1
+        for index in range(len(state.nodes)):
+            ranks = range(index * state.rpn, (index + 1) * state.rpn)
+            s.job_event(job, "progress.report", ranks=[
+                {"rank": r, "step": step, "attempt": state.generation, "compute_s": slow.get(r, compute_s),
+                 "compute_steps": 1} for r in ranks])
+
+
+@scenario
+def straggler_drained() -> Scenario:
+    """Rank 5 (on n2) computes each step in 0.5 s where its peers take 0.2 s: the job runs at its pace, with no fault
+    anywhere. Once the detection policy's window of steps is measured, the node's drain is planned with the rank,
+    its time and the peers' median; with no spare free the checkpoint at step 30 defers it; a spare joins, and the
+    checkpoint at step 40 moves n2's ranks to it, a planned pod-level move. The moved ranks' compute times start
+    a new tally, and nothing more is drained."""
+    s = Scenario()
+    s.submit("slow", ["n0", "n1", "n2", "n3"], ranks_per_node=2, dp=8)
+    _reports(s, "slow", 30, {5: 0.5})
+    s.checkpoint("slow", 30, "storage", "storage")
+    s.spare("s0")
+    _reports(s, "slow", 10, {5: 0.5})
+    s.checkpoint("slow", 40, "storage", "storage")
+    s.ack_all()
+    _reports(s, "slow", 25, {})
+    return s
+
+
 for _build in scenarios_scripts.ALL:
     scenario(_build)
 
