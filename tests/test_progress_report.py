@@ -135,6 +135,23 @@ def test_the_fold_carries_each_ranks_mean_compute_time_of_the_period_and_the_eng
     assert not s.rejections
 
 
+def test_a_step_is_said_once_though_every_heartbeat_carries_it() -> None:
+    fold = ProgressFold()
+    fold.note("j", 0, 5, 0, 0.2)  # the step
+    fold.note("j", 0, 5, 0)  # a heartbeat in the same period carries it
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 5, "attempt": 0, "compute_s": 0.2, "compute_steps": 1}]}
+    fold.note("j", 0, 5, 0)  # a period of heartbeats alone (a slow step): alive, and no step said again
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": None, "attempt": 0}]}
+    fold.note("j", 0, 6, 0)  # the heartbeat thread read the new step before the step itself was sent
+    fold.note("j", 0, 6, 0, 0.3)
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 6, "attempt": 0, "compute_s": 0.3, "compute_steps": 1}]}
+    fold.note("j", 0, 6, 1)  # a new generation resumes at the step: said again, in it
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 6, "attempt": 1}]}
+    fold.forget("j", 0)
+    fold.note("j", 0, 6, 1)  # a replacement process's first word
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 6, "attempt": 1}]}
+
+
 def test_the_silence_watch_reports_a_silent_rank_once_until_it_speaks() -> None:
     watch = SilenceWatch()
     watch.spoke("j", 0, 100.0)

@@ -34,6 +34,9 @@ class ProgressFold:
     pending: dict[str, dict[int, RankWord]] = field(default_factory=dict)
     known: dict[tuple[str, int], tuple[int, bool]] = field(default_factory=dict)
     """(job, rank) -> the generation of its newest word, and whether it reported a step in it"""
+    said: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    """(job, rank) -> (generation, step) of the last step the fold took: a heartbeat carries the rank's current
+    step, and a period of heartbeats alone must not say that step again"""
 
     def note(self, job: str, rank: int, step: int | None, attempt: int, compute_s: float | None = None) -> bool:
         """A heartbeat (`step` None, or the step it carries) or a step of `rank` in generation `attempt`. True if
@@ -45,12 +48,18 @@ class ProgressFold:
             return False  # a late word of an older generation: dropped by the fold, and no news
         news = seen is None or seen[0] != attempt or (step is not None and not seen[1])
         self.known[job, rank] = (attempt, step is not None or (seen is not None and seen[0] == attempt and seen[1]))
+        if step is not None:
+            if self.said.get((job, rank)) == (attempt, step):
+                step = None  # said already (a heartbeat's copy of it, or the step after its heartbeat): a bare beat
+            else:
+                self.said[job, rank] = (attempt, step)
         self._keep(job, rank, step, attempt, compute_s)
         return news
 
     def forget(self, job: str, rank: int) -> None:
         """The rank's process is gone: its replacement's first word is news again."""
         self.known.pop((job, rank), None)
+        self.said.pop((job, rank), None)
 
     def _keep(self, job: str, rank: int, step: int | None, attempt: int, compute_s: float | None) -> None:
         ranks = self.pending.setdefault(job, {})
@@ -64,7 +73,7 @@ class ProgressFold:
             word.step = step  # the latest step said (a roll-back to a resume point included); a bare beat keeps it
         elif attempt < word.attempt:
             return
-        if compute_s is not None and step is not None:
+        if compute_s is not None:  # a step's measure, also when the step itself was said already
             word.compute_s += compute_s
             word.compute_steps += 1
 
