@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from events.subjects import Token
 from events.values import (
+    MAX_SKIP,
     Attempt,
     Count,
+    DataName,
     Device,
     Devices,
     DueTime,
@@ -25,6 +27,7 @@ from events.values import (
     JobSpec,
     Label,
     LinkName,
+    Loss,
     Name,
     Pid,
     PositiveCount,
@@ -35,6 +38,7 @@ from events.values import (
     Step,
     Text,
     Tier,
+    drop_empty,
 )
 
 
@@ -87,6 +91,14 @@ class StepReported(Frozen):
     rank: Rank
     step: Step
     attempt: Attempt = 0
+    loss: Loss | None = Field(None, description="the step's training loss, if the script reported it")
+    skip: list[DataName] = Field(default_factory=list, max_length=MAX_SKIP,
+                                 description="the samples or batches the script names for the step: what a "
+                                             "roll-back skips should the step be bad (none: the step's own batch)")
+
+    @model_serializer(mode="wrap")
+    def _without_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return drop_empty(handler(self), "loss", "skip")
 
 
 MAX_STACK_CHARS = 16_384
@@ -121,6 +133,15 @@ class RankProgress(Frozen):
     rank: Rank
     step: Step | None = Field(None, description="the newest step it completed in the period, if any")
     attempt: Attempt = 0
+    loss: Loss | None = Field(None, description="the worst loss it reported in the period (a non-finite one first, "
+                                                "else the highest), if any")
+    loss_step: Step | None = Field(None, description="the step of `loss`")
+    skip: list[DataName] = Field(default_factory=list, max_length=MAX_SKIP,
+                                 description="the samples or batches the script named for `loss_step`")
+
+    @model_serializer(mode="wrap")
+    def _without_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return drop_empty(handler(self), "loss", "loss_step", "skip")
 
 
 class ProgressReport(Frozen):

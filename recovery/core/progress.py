@@ -8,12 +8,16 @@ the step that closes an incident, a correction): most records cost a few attribu
 
 from __future__ import annotations
 
+import math
+
 from events import kinds
 from events.names import DecisionKind
-from policies.base import NS
+from policies.base import LOSS_HISTORY, NS, Fault, LossSample, Signal
+from recovery.core.detection import Detection
 from recovery.core.incidents import Incidents
 from recovery.core.job import Job
 from recovery.core.record import RecordEffects, Rejected
+from recovery.core.sandbox import builtin, consult
 
 STEP_LEAD = 1000
 """how far one rank's step may run ahead of every other rank's before it is taken as a corrupted counter: ranks of
@@ -22,6 +26,7 @@ a job train in lockstep, a few steps apart at most (asynchronous schemes such as
 
 class Progress:
     incidents: Incidents
+    detection: Detection
 
     def guard(self, job: Job | None) -> object:
         """Open the journal for this record (the engine's)."""
@@ -96,8 +101,35 @@ class Progress:
             # The first report through the SDK: the script is not a stock one, and its ranks' silence means something.
             self.guard(job)
             job.sdk = True
+        loss = getattr(data, "loss", None)
+        if loss is not None:  # first: a bad step of a restored process fails its attempt rather than closing it
+            self._loss(out, job, data, loss)  # type: ignore[arg-type]
         if step is not None and job.incident is not None and job.incident.phase == "restoring":
             self.incidents.check_restored(out, job, rank, step)
+
+    def _loss(self, out: RecordEffects, job: Job, data: kinds.StepReported | kinds.RankProgress,
+              loss: float | str) -> None:
+        """A loss the rank reported: the detection policy judges it against the job's recent ones. A bad step is a
+        fault that rolls the job back; a loss the policy lets pass joins the recent ones. Nothing is decided for a
+        loss that passes: one a step per rank would be most of the log."""
+        if job.state not in ("running", "recovering"):
+            return
+        value = float(loss)  # "nan", "inf", "-inf" as the wire carries them
+        step = getattr(data, "loss_step", None)
+        step = data.step if step is None else step
+        if step is None:
+            return
+        signal = Signal("progress.loss", LossSample(data.rank, step, value), out.ts, None, (data.rank,),
+                        step_time_ns=job.step_time, world=job.world, losses=job.losses)
+        if not builtin(job.policies.detection):
+            self.guard(job)  # a plugin's error is counted against it (a change the journal must be able to undo)
+        verdict = consult(out, job, "detection", "classify", signal)
+        if isinstance(verdict, Fault) and verdict.bad_step is not None:
+            self.guard(job)
+            self.detection.bad_step(out, job, verdict, data.attempt, tuple(data.skip))
+        elif math.isfinite(value):
+            # Replaced whole (an immutable value): the journal's memento restores the old one.
+            job.losses = (*job.losses[-(LOSS_HISTORY - 1):], value)
 
     @staticmethod
     def _implausible_lead(job: Job, rank: int, step: int) -> bool:
