@@ -11,6 +11,8 @@ from events.commands import RestartJob
 from events.values import FaultClass
 from policies.base import Fault, Ignore, LossSample, Signal
 from policies.detection import DefaultDetection
+from recovery.core.sandbox import answer_problem
+from recovery.testing.policy_contexts import LOSS_SIGNAL, make_signal
 from recovery.testing.scenario import Scenario
 
 
@@ -86,3 +88,11 @@ def test_a_bad_step_of_the_rolled_back_processes_fails_the_attempt_and_the_ladde
     s.advance(1)
     s.steps("j", 6)
     assert s.engine.jobs["j"].incident is None and len(s.find("incident.closed")) == 1
+
+
+def test_a_plugins_bad_step_that_is_no_step_is_its_error_and_the_kit_makes_loss_signals() -> None:
+    signal = make_signal(LOSS_SIGNAL, rank=1, step=7, loss=math.inf)
+    assert signal.data == LossSample(1, 7, math.inf) and len(signal.losses) == 16
+    assert answer_problem("detection", "classify", Fault("bad", bad_step=-1), signal) == (
+        "answered a fault whose bad_step is -1, not a step (an integer, 0 or more)")
+    assert answer_problem("detection", "classify", DefaultDetection().classify(signal), signal) is None
