@@ -59,5 +59,8 @@ async def test_a_nan_loss_rolls_the_job_back_before_it_once_and_it_ends_as_a_run
     assert "job.completed" in w.kinds(), explain()
     assert all(len(pids) == 2 for pids in w.pids().values()), w.pids()  # every rank restarted once
     assert_bitwise_equal(params, expected)
-    print(f"bad step: {reasons}; resumed from {restart['plan']['checkpoint_step']}, skipped {BAD_STEP}; "
-          f"closed after {closed['data']['detail']['mttr_ns'] / 1e9:.1f} s")
+    heard = min(e["_seen"] for e in w.of("progress.step") if e["data"].get("loss") == "nan")
+    detected = w.decided("fault.confirmed")[0]["_seen"] - heard
+    print(f"bad step: {reasons}; decided {detected * 1000:.0f} ms after the first NaN report was published; resumed "
+          f"from {restart['plan']['checkpoint_step']}, skipped {BAD_STEP}; incident closed "
+          f"{closed['data']['detail']['mttr_ns'] / 1e9:.1f} s after it opened")
