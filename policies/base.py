@@ -56,7 +56,8 @@ class Signal:
     """for a device fault: the job is elastic and could go on at a smaller data-parallel size without that node"""
     losses: tuple[float, ...] = ()
     """for a loss (`progress.loss`, data a `LossSample`): the job's recent finite losses, oldest first (at most
-    `LOSS_HISTORY`), none of them judged bad: what a spike is measured against"""
+    `LOSS_HISTORY`; one per report, the median of its ranks', from the reports none of whose losses was bad): what a
+    spike is measured against"""
 
 
 LOSS_HISTORY = 256

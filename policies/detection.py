@@ -66,8 +66,8 @@ class DefaultDetectionParams(Params):
                                                  "roll the job back to the newest checkpoint before it")
     loss_spike_factor: Factor = Field(10.0, description="a loss above this many times the median of the recent "
                                                         "ones is a spike: (0, 1000]")
-    loss_window: PositiveCount = Field(32, le=LOSS_HISTORY, description="the recent losses (the job's, any rank's, "
-                                                                        "the worst of each report) whose median a "
+    loss_window: PositiveCount = Field(32, le=LOSS_HISTORY, description="the recent losses (one per report: the "
+                                                                        "median of its ranks') whose median a "
                                                                         "spike is measured against: 1 .. 256")
     loss_min_samples: PositiveCount = Field(8, le=LOSS_HISTORY, description="no spike is judged before this many "
                                                                             "losses are known (only NaN and inf): "

@@ -101,35 +101,60 @@ class Progress:
             # The first report through the SDK: the script is not a stock one, and its ranks' silence means something.
             self.guard(job)
             job.sdk = True
-        loss = getattr(data, "loss", None)
-        if loss is not None:  # first: a bad step of a restored process fails its attempt rather than closing it
-            self._loss(out, job, data, loss)  # type: ignore[arg-type]
         if step is not None and job.incident is not None and job.incident.phase == "restoring":
             self.incidents.check_restored(out, job, rank, step)
 
-    def _loss(self, out: RecordEffects, job: Job, data: kinds.StepReported | kinds.RankProgress,
-              loss: float | str) -> None:
-        """A loss the rank reported: the detection policy judges it against the job's recent ones. A bad step is a
-        fault that rolls the job back; a loss the policy lets pass joins the recent ones. Nothing is decided for a
-        loss that passes: one a step per rank would be most of the log."""
+    def step_loss(self, out: RecordEffects, job: Job, data: kinds.StepReported) -> None:
+        """The loss of one rank's step report (an agent that does not fold): judged, and kept if it passes."""
+        if (data.loss is not None and data.rank < job.world and job.rank_gen[data.rank] <= data.attempt
+                <= job.generation):
+            self._loss(out, job, data.rank, data.step, data.loss, data.attempt, tuple(data.skip), float(data.loss))
+
+    def report_losses(self, out: RecordEffects, job: Job, entries: list[kinds.RankProgress]) -> None:
+        """The losses of a node's report, before its steps are applied (a bad step of a restored process fails its
+        attempt rather than closing it): the detection policy judges the report's worst (the first non-finite one,
+        else the highest), and the median of its finite ones joins the job's recent losses if it passes. Once per
+        report, not per rank: the engine's cost grows with nodes, not with ranks."""
+        worst: kinds.RankProgress | None = None
+        finite: list[float] = []
+        for entry in entries:
+            loss = entry.loss
+            if (loss is None or entry.rank >= job.world or entry.attempt < job.rank_gen[entry.rank]
+                    or entry.attempt > job.generation):
+                continue  # none, or from a process a restart replaced (a refused rank is the report's to refuse)
+            if isinstance(loss, str):
+                if worst is None or not isinstance(worst.loss, str):
+                    worst = entry
+            else:
+                finite.append(loss)
+                if worst is None or (not isinstance(worst.loss, str) and loss > worst.loss):  # type: ignore[operator]
+                    worst = entry
+        if worst is None or worst.loss is None:
+            return
+        finite.sort()
+        keep = finite[len(finite) // 2] if finite else None
+        step = worst.loss_step if worst.loss_step is not None else worst.step
+        if step is not None:
+            self._loss(out, job, worst.rank, step, worst.loss, worst.attempt, tuple(worst.skip), keep)
+
+    def _loss(self, out: RecordEffects, job: Job, rank: int, step: int, loss: float | str, attempt: int,
+              skip: tuple[str, ...], keep: float | None) -> None:
+        """A loss a rank reported for `step`: the detection policy judges it against the job's recent ones. A bad step
+        is a fault that rolls the job back; otherwise `keep` joins the recent ones. Nothing is decided for a loss that
+        passes: one a step would be most of the log."""
         if job.state not in ("running", "recovering"):
             return
-        value = float(loss)  # "nan", "inf", "-inf" as the wire carries them
-        step = getattr(data, "loss_step", None)
-        step = data.step if step is None else step
-        if step is None:
-            return
-        signal = Signal("progress.loss", LossSample(data.rank, step, value), out.ts, None, (data.rank,),
+        signal = Signal("progress.loss", LossSample(rank, step, float(loss)), out.ts, None, (rank,),
                         step_time_ns=job.step_time, world=job.world, losses=job.losses)
         if not builtin(job.policies.detection):
             self.guard(job)  # a plugin's error is counted against it (a change the journal must be able to undo)
         verdict = consult(out, job, "detection", "classify", signal)
         if isinstance(verdict, Fault) and verdict.bad_step is not None:
             self.guard(job)
-            self.detection.bad_step(out, job, verdict, data.attempt, tuple(data.skip))
-        elif math.isfinite(value):
+            self.detection.bad_step(out, job, verdict, attempt, skip)
+        elif keep is not None and math.isfinite(keep):
             # Replaced whole (an immutable value): the journal's memento restores the old one.
-            job.losses = (*job.losses[-(LOSS_HISTORY - 1):], value)
+            job.losses = (*job.losses[-(LOSS_HISTORY - 1):], keep)
 
     @staticmethod
     def _implausible_lead(job: Job, rank: int, step: int) -> bool:
