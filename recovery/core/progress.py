@@ -112,9 +112,9 @@ class Progress:
 
     def report_losses(self, out: RecordEffects, job: Job, entries: list[kinds.RankProgress]) -> None:
         """The losses of a node's report, before its steps are applied (a bad step of a restored process fails its
-        attempt rather than closing it): the detection policy judges the report's worst (the first non-finite one,
-        else the highest), and the median of its finite ones joins the job's recent losses if it passes. Once per
-        report, not per rank: the engine's cost grows with nodes, not with ranks."""
+        attempt rather than closing it): the detection policy judges the report's worst (the non-finite one of the
+        earliest step, else the highest), and the median of its finite ones joins the job's recent losses if it
+        passes. Once per report, not per rank: the engine's cost grows with nodes, not with ranks."""
         worst: kinds.RankProgress | None = None
         finite: list[float] = []
         for entry in entries:
@@ -122,8 +122,8 @@ class Progress:
             if (loss is None or entry.rank >= job.world or entry.attempt < job.rank_gen[entry.rank]
                     or entry.attempt > job.generation):
                 continue  # none, or from a process a restart replaced (a refused rank is the report's to refuse)
-            if isinstance(loss, str):
-                if worst is None or not isinstance(worst.loss, str):
+            if isinstance(loss, str):  # of several, the earliest step's: the later ones are its consequence
+                if worst is None or not isinstance(worst.loss, str) or _step_of(entry) < _step_of(worst):
                     worst = entry
             else:
                 finite.append(loss)
@@ -133,8 +133,8 @@ class Progress:
             return
         finite.sort()
         keep = finite[len(finite) // 2] if finite else None
-        step = worst.loss_step if worst.loss_step is not None else worst.step
-        if step is not None:
+        step = _step_of(worst)
+        if step >= 0:
             self._loss(out, job, worst.rank, step, worst.loss, worst.attempt, tuple(worst.skip), keep)
 
     def _loss(self, out: RecordEffects, job: Job, rank: int, step: int, loss: float | str, attempt: int,
@@ -196,3 +196,9 @@ class Progress:
                        f"ahead of every other rank: taken as a corrupted counter", detail={"rank": rank,
                                                                                            "step": step,
                                                                                            "implausible": last})
+
+
+def _step_of(entry: kinds.RankProgress) -> int:
+    """The step of an entry's loss (-1: none said)."""
+    step = entry.loss_step if entry.loss_step is not None else entry.step
+    return -1 if step is None else step
