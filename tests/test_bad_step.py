@@ -96,3 +96,18 @@ def test_a_plugins_bad_step_that_is_no_step_is_its_error_and_the_kit_makes_loss_
     assert answer_problem("detection", "classify", Fault("bad", bad_step=-1), signal) == (
         "answered a fault whose bad_step is -1, not a step (an integer, 0 or more)")
     assert answer_problem("detection", "classify", DefaultDetection().classify(signal), signal) is None
+
+
+def test_of_a_reports_nans_the_earliest_steps_is_rolled_back_and_its_later_ones_decide_nothing() -> None:
+    s = Scenario()
+    s.submit("j", ["n0"], ranks_per_node=2, dp=2)
+    _training(s, 1, 8)
+    s.checkpoint("j", 6, "storage", "storage")
+    s.job_event("j", "progress.report", ranks=[{"rank": 0, "step": 10, "loss": "nan", "loss_step": 10},
+                                               {"rank": 1, "step": 9, "loss": "nan", "loss_step": 9, "skip": ["b"]}])
+    s.job_event("j", "progress.report", ranks=[{"rank": 1, "step": 11, "loss": "nan", "loss_step": 11}])
+    [confirmed] = s.find("fault.confirmed")
+    assert confirmed.reason == "loss nan at step 9 on rank 1" and not s.find("fault.added")
+    s.ack_all()
+    [restart] = s.commands_of("restart_ranks")
+    assert restart.plan.checkpoint_step == 6 and restart.plan.skip_data == ["b"] and restart.plan.skip_steps == []
