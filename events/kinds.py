@@ -12,8 +12,10 @@ from pydantic import Field, SerializerFunctionWrapHandler, field_validator, mode
 
 from events.subjects import Token
 from events.values import (
+    MAX_SKIP,
     Attempt,
     Count,
+    DataName,
     Device,
     Devices,
     DueTime,
@@ -25,6 +27,7 @@ from events.values import (
     JobSpec,
     Label,
     LinkName,
+    Loss,
     Name,
     Pid,
     PositiveCount,
@@ -35,6 +38,7 @@ from events.values import (
     Step,
     Text,
     Tier,
+    drop_empty,
 )
 
 
@@ -89,11 +93,14 @@ class _OmitsUnmeasured(Frozen):
 
     @model_serializer(mode="wrap")
     def _omit_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if data.get("compute_s", 0) is None:
-            del data["compute_s"]
-            data.pop("compute_steps", None)
-        return data
+        return _without_unmeasured(handler(self))
+
+
+def _without_unmeasured(data: dict[str, Any]) -> dict[str, Any]:
+    if data.get("compute_s", 0) is None:
+        del data["compute_s"]
+        data.pop("compute_steps", None)
+    return data
 
 
 class StepReported(_OmitsUnmeasured):
@@ -102,6 +109,14 @@ class StepReported(_OmitsUnmeasured):
     attempt: Attempt = 0
     compute_s: Seconds | None = Field(None, description="the step's compute time as the SDK measured it: from the "
                                                         "step's start to its first collective, 0 .. 30 days")
+    loss: Loss | None = Field(None, description="the step's training loss, if the script reported it")
+    skip: list[DataName] = Field(default_factory=list, max_length=MAX_SKIP,
+                                 description="the samples or batches the script names for the step: what a "
+                                             "roll-back skips should the step be bad (none: the step's own batch)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return drop_empty(_without_unmeasured(handler(self)), "loss", "skip")
 
 
 MAX_STACK_CHARS = 16_384
@@ -141,6 +156,15 @@ class RankProgress(_OmitsUnmeasured):
                                                         "synchronous data parallelism the wall step time is every "
                                                         "rank's alike), 0 .. 30 days")
     compute_steps: Count = Field(0, description="the steps `compute_s` is the mean of")
+    loss: Loss | None = Field(None, description="the worst loss it reported in the period (a non-finite one first, "
+                                                "else the highest), if any")
+    loss_step: Step | None = Field(None, description="the step of `loss`")
+    skip: list[DataName] = Field(default_factory=list, max_length=MAX_SKIP,
+                                 description="the samples or batches the script named for `loss_step`")
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return drop_empty(_without_unmeasured(handler(self)), "loss", "loss_step", "skip")
 
 
 class ProgressReport(Frozen):

@@ -54,6 +54,24 @@ class Signal:
     lemon only when something can replace it"""
     can_shrink: bool = False
     """for a device fault: the job is elastic and could go on at a smaller data-parallel size without that node"""
+    losses: tuple[float, ...] = ()
+    """for a loss (`progress.loss`, data a `LossSample`): the job's recent finite losses, oldest first (at most
+    `LOSS_HISTORY`; one per report, the median of its ranks', from the reports none of whose losses was bad): what a
+    spike is measured against"""
+
+
+LOSS_HISTORY = 256
+"""the recent losses the engine keeps per job for the detection policy (`Signal.losses`)"""
+
+
+@dataclass(frozen=True, slots=True)
+class LossSample:
+    """A loss a rank reported for a step (`Signal.data` of a `progress.loss` signal): `loss` is a float, maybe NaN or
+    infinite."""
+
+    rank: int
+    step: int
+    loss: float
 
 
 # What a signal means for the job: one of five small variants (`Verdict` is their union).
@@ -87,6 +105,9 @@ class Fault:
     isolate_for_ns: int | None = None
     """with `isolate`: the isolation expires after this long unless a repair or a replacement ended it first (None:
     until then)"""
+    bad_step: int | None = None
+    """the job's state is poisoned from this step on (a NaN or spiking loss): every rank rolls back to the newest
+    checkpoint before it, and the data of that step is skipped"""
 
 
 @dataclass(frozen=True, slots=True)

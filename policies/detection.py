@@ -1,5 +1,9 @@
 """Built-in detection policy: fault-code tables, debouncing, frequency escalation and a watchdog.
 
+A bad step is a loss the script reported that is NaN or infinite, or more than `loss_spike_factor` times the median
+of the job's recent losses (`loss_window` of them, once `loss_min_samples` are known): the state is poisoned from
+that step on, and the fault says so (`Fault.bad_step`), so that the job rolls back to a checkpoint before it.
+
 Hangs are found from the job's own rhythm rather than the collective timeout (NCCL's 10 minutes,
 HCCL's 30): a rank silent for `hang_silence_factor` step times (at least `hang_min_silence_s`), or a
 job whose step has not advanced for `stall_factor` step times, is a fault within seconds.
@@ -7,6 +11,8 @@ job whose step has not advanced for `stall_factor` step times, is a fault within
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -14,14 +20,16 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from events import kinds
-from events.values import Factor, FaultClass, Interval, PositiveCount, Seconds
+from events.values import Factor, FaultClass, Flag, Interval, PositiveCount, Seconds
 from policies.base import (
+    LOSS_HISTORY,
     NS,
     Clear,
     DetectionPolicyBase,
     Drain,
     Fault,
     Ignore,
+    LossSample,
     Params,
     RankActivity,
     Signal,
@@ -65,6 +73,16 @@ class DefaultDetectionParams(Params):
     straggler_min_excess_s: Seconds = Field(0.05, description="... and at least this much slower per step, so that "
                                                               "the noise of steps of a few ms drains nothing "
                                                               "(0 .. 30 days)")
+    loss_checks: Flag = Field(True, description="a reported loss that is NaN, infinite or a spike is a bad step: "
+                                                 "roll the job back to the newest checkpoint before it")
+    loss_spike_factor: Factor = Field(10.0, description="a loss above this many times the median of the recent "
+                                                        "ones is a spike: (0, 1000]")
+    loss_window: PositiveCount = Field(32, le=LOSS_HISTORY, description="the recent losses (one per report: the "
+                                                                        "median of its ranks') whose median a "
+                                                                        "spike is measured against: 1 .. 256")
+    loss_min_samples: PositiveCount = Field(8, le=LOSS_HISTORY, description="no spike is judged before this many "
+                                                                            "losses are known (only NaN and inf): "
+                                                                            "1 .. 256")
 
 
 def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
@@ -77,7 +95,7 @@ class DefaultDetection(DetectionPolicyBase):
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s;
     # 6: a lemon is isolated only when a spare can replace it or the job can do without it, for isolation_s; a
     # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled; 8: a straggler's
-    # node is drained
+    # node is drained (a loss check is no new version: no log before it holds a loss, so no decision of one changes)
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -95,6 +113,8 @@ class DefaultDetection(DetectionPolicyBase):
         data = signal.data
         if isinstance(data, kinds.DeviceFault):
             return self._device(signal, data)
+        if isinstance(data, LossSample):
+            return self._loss(signal, data)
         if isinstance(data, kinds.ProcessExited):
             meaning = exit_status(data.exit_code, data.signal)
             code = f"exit={data.exit_code},sig={data.signal}"
@@ -137,6 +157,29 @@ class DefaultDetection(DetectionPolicyBase):
                          FaultClass.PREEMPTION, "node", signal.ranks, signal.node, lost=False,
                          needs_move=True)
         return Ignore(f"{signal.type} needs no action")
+
+    def _loss(self, signal: Signal, sample: LossSample) -> Verdict:
+        p = self.params
+        where = f"at step {sample.step} on rank {sample.rank}"
+        if not p.loss_checks:
+            return Ignore("loss checks are off")
+        if not math.isfinite(sample.loss):
+            what = "nan" if math.isnan(sample.loss) else "inf" if sample.loss > 0 else "-inf"
+            return self._bad_step(f"loss {what} {where}", signal, sample)
+        recent = signal.losses[-p.loss_window:]
+        if len(recent) < p.loss_min_samples:
+            return Ignore(f"loss {sample.loss:.6g} {where}: {len(recent)} of {p.loss_min_samples} losses known")
+        median = statistics.median(recent)
+        if median > 0 and sample.loss > p.loss_spike_factor * median:
+            return self._bad_step(f"loss {sample.loss:.6g} {where}: a spike, {sample.loss / median:.3g} times the "
+                                  f"median {median:.6g} of the last {len(recent)}", signal, sample)
+        return Ignore(f"loss {sample.loss:.6g} {where}")
+
+    @staticmethod
+    def _bad_step(reason: str, signal: Signal, sample: LossSample) -> Fault:
+        # The all-reduce spreads one rank's bad gradients to every replica: the whole job's state is poisoned.
+        return Fault(reason, FaultClass.BAD_STEP, "job", tuple(range(signal.world)), lost=False,
+                     bad_step=sample.step)
 
     def _device(self, signal: Signal, data: kinds.DeviceFault) -> Verdict:
         if data.vendor == "nvidia":

@@ -160,3 +160,27 @@ def test_the_sdk_reads_the_torch_store_key_the_job_store_writes() -> None:
     from recovery.client.torch import TORCH_STORE_KEY
 
     assert TORCH_STORE_KEY.format(run_id="job-7", generation=3) == torch_store_key("job-7", 3)
+
+
+def test_a_step_carries_its_loss_non_finite_as_a_word_and_the_data_it_names(agent: StandInAgent,
+                                                                           tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "agent.sock"), rank=1, heartbeat_s=0.05)
+    client.report_step(22, loss=0.25)
+    client.report_step(23, loss=float("nan"), skip=["shard-3/batch-22", "sample-9"])
+    client.report_step(24, loss=float("-inf"))
+    wait_for(lambda: len(agent.ops("step")) == 3)
+    client.close()
+    assert [(m["step"], m["loss"], m.get("skip")) for m in agent.ops("step")] == [
+        (22, 0.25, None), (23, "nan", ["shard-3/batch-22", "sample-9"]), (24, "-inf", None)]
+
+
+def test_the_plan_names_the_data_a_roll_back_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RECOVERY_AGENT_SOCKET", raising=False)
+    monkeypatch.setenv("RECOVERY_RESUME_PLAN", json.dumps(
+        {"checkpoint_step": 20, "next_step": 21, "shards": [{"shard": 0, "tier": "storage", "holders": ["storage"]}],
+         "skip_steps": [23], "skip_data": ["sample-9"]}))
+    client = connect()
+    assert client.skip_steps == {23} and client.skip_data == {"sample-9"}
+    assert client.skips(23) and client.skips(30, ["sample-1", "sample-9"]) and not client.skips(24, ["sample-1"])
+    monkeypatch.delenv("RECOVERY_RESUME_PLAN")
+    assert not connect().skips(23)  # a first start skips nothing

@@ -311,3 +311,19 @@ def test_a_straggler_is_drained_to_a_spare_at_the_next_checkpoint_with_its_time_
     job = result.engine.jobs["slow"]
     assert job.nodes == ["n0", "n1", "s0", "n3"] and job.state == "running"
     assert result.engine.cluster.nodes["n2"].drained
+
+
+def test_a_nan_loss_rolls_every_rank_back_before_the_bad_step_and_skips_its_data() -> None:
+    result = load("bad_step_rollback")
+    [confirmed] = kinds(result, "fault.confirmed")
+    assert confirmed.reason == "loss nan at step 24 on rank 0"  # the consequence, heard first
+    [earlier] = kinds(result, "fault.added")
+    assert earlier.reason.startswith("loss nan at step 23 on rank 1")  # the bad step itself, heard next
+    [attempt] = kinds(result, "attempt.started")  # one roll-back: the later nan reports decide nothing
+    assert attempt.detail["granularity"] == "in_place" and attempt.detail["ranks"] == [0, 1]
+    [restart] = commands(result, "restart_ranks")
+    assert isinstance(restart, RestartRanks) and restart.ranks == [0, 1]
+    # The checkpoint at 25 holds the poisoned state; 20 is the newest before the bad step 23.
+    assert restart.plan.checkpoint_step == 20 and restart.plan.next_step == 21
+    assert restart.plan.skip_data == ["shard-7/batch-22"] and restart.plan.skip_steps == []
+    assert closed(result).reason == "progress to step 21 past resume point 20"

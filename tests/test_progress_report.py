@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from events.envelope import make_envelope
 from events.outputs import Rejection
-from recovery.agent.progress import ProgressFold, SilenceWatch
+from recovery.agent.progress import ProgressFold, SilenceWatch, wire_loss, wire_skip
 from recovery.testing.scenario import Scenario
 from tests.test_poison import engine_state
 
@@ -162,3 +162,21 @@ def test_the_silence_watch_reports_a_silent_rank_once_until_it_speaks() -> None:
     watch.spoke("j", 0, 121.0)
     watch.forget("j", 1)
     assert watch.silent(130.0, 8.0) == [("j", 0, 9.0)]
+
+
+def test_the_fold_keeps_each_ranks_worst_loss_and_sends_a_bad_one_at_once() -> None:
+    fold = ProgressFold()
+    fold.note("j", 0, 1, 0, loss=1.0)
+    for step in range(2, 7):
+        assert not fold.note("j", 0, step, 0, loss=1.0 + step / 100)  # ordinary losses wait for the period
+    assert fold.note("j", 0, 7, 0, loss=2.5)  # above twice the rank's recent median: news
+    assert not fold.note("j", 0, 8, 0, loss=1.0)
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 8, "attempt": 0, "loss": 2.5, "loss_step": 7}]}
+    assert fold.note("j", 0, 9, 0, loss="nan", skip=["b8"])  # non-finite: news, and kept over a higher one
+    fold.note("j", 0, 10, 0, loss="inf")
+    fold.note("j", 0, 11, 0, loss=1e9)
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 11, "attempt": 0, "loss": "nan", "loss_step": 9,
+                                         "skip": ["b8"]}]}
+    assert (wire_loss(float("nan")), wire_loss(float("-inf")), wire_loss(3), wire_loss("x"), wire_loss(True)) == (
+        "nan", "-inf", 3.0, None, None)
+    assert wire_skip(["a", 7, "", "x" * 129, "b\n", None]) == ["a", "7"] and wire_skip("a") is None

@@ -3,12 +3,18 @@
     python train.py --steps 80 --out final.pt
     python train.py --steps 80 --checkpoint-every 20 --checkpoint-dir ckpt   # also periodic checkpoints
     python train.py --steps 80 --save-async-every 10 --checkpoint-dir ckpt   # in-memory checkpoints, persisted
+    python train.py --steps 80 --checkpoint-every 5 --nan-at-step 23 --nan-rank 1   # a bad step, rolled back
 
 Each rank trains the same small MLP on its own batches, seeded by (seed, step, rank) so that the data order does
 not depend on which process computes a step; gradients are averaged with one all_reduce per parameter. When a peer
 dies, the survivors keep their process: they re-form the process group in the agent's next generation and the
 restarted rank receives the model and optimizer state from a live replica. The final parameters equal those of a
 run without faults, bit for bit.
+
+Each step reports its loss: a NaN (`--nan-at-step`) makes it a bad step, and the job rolls back to the newest
+checkpoint before it, every rank restarted from it; the resume plan names the step, whose batch the script then
+passes over (`client.skips`). Its final parameters equal those of a run without the NaN that skips the same step
+(`--skip-steps`).
 """
 
 from __future__ import annotations
@@ -61,7 +67,15 @@ def main() -> None:
                         help="a straggler to inject: this rank computes --slow-s seconds longer every step, in the "
                              "job's first generation (a slow GPU: moving the rank to another node ends it)")
     parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--nan-at-step", type=int, default=-1,
+                        help="a fault to inject: the loss of --nan-rank at this step is NaN, in the job's first "
+                             "generation (its gradients, all-reduced, poison every replica: a bad step)")
+    parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--skip-steps", default="",
+                        help="comma-separated steps whose data is skipped, as a roll-back's plan skips them (a "
+                             "reference run)")
     args = parser.parse_args()
+    skip_steps = {int(s) for s in args.skip_steps.split(",") if s}
 
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
@@ -137,13 +151,21 @@ def main() -> None:
     # A restarted rank whose plan names the `peer` tier takes its state, and the step, from a live replica.
     step = group.synchronize(step, get_state, set_state, live=live)
     while step < args.steps:
+        if step + 1 in skip_steps or client.skips(step + 1):
+            # The data of a bad step rolled back (or named on the command line): pass it over, no update.
+            step += 1
+            client.report_step(step)
+            continue
         failed = False
         try:
             group.check()  # a newer generation announced: peers were replaced while this group still works
             started = time.perf_counter()
             x, y = load_batch(step)
             optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if (step + 1, group.rank, client.generation) == (args.nan_at_step, args.nan_rank, 0):
+                loss = loss * float("nan")  # the injected bad step: a corrupted batch, say
+            loss.backward()
             if (group.rank, client.generation) == (args.slow_rank, 0) and args.slow_s:
                 time.sleep(args.slow_s)  # the injected straggler: its compute, not the math, takes longer
             # The rank's own share of the step: after this it waits for the slowest peer in the all_reduce.
@@ -165,7 +187,7 @@ def main() -> None:
             client.save_async(get_state(), step, storage=args.checkpoint_dir if group.rank == 0 else None)
         if args.step_time:
             time.sleep(args.step_time)  # stands in for the compute of a larger model
-        client.report_step(step, compute_s=compute_s)
+        client.report_step(step, compute_s=compute_s, loss=loss.item())  # a NaN or a spike here rolls the job back
     if group.rank == 0 and args.out:
         torch.save({name: p.detach().clone() for name, p in model.state_dict().items()}, args.out + ".tmp")
         os.replace(args.out + ".tmp", args.out)

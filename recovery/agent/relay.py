@@ -18,7 +18,7 @@ from recovery.agent import ranks
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import JobOnNode
 from recovery.agent.memory import MemoryTier
-from recovery.agent.progress import ProgressFold, SilenceWatch, measured
+from recovery.agent.progress import ProgressFold, SilenceWatch, measured, wire_loss, wire_skip
 
 logger = logging.getLogger("recovery.agent")
 _PROGRESS = ("process.heartbeat", "progress.step", "progress.report")
@@ -85,18 +85,20 @@ class Relay:
                         self.job_event(job_id, "process.hang", {"rank": rank, "attempt": proc.attempt,
                                                                 "seconds_without_progress": round(seconds, 3)})
 
-    def _progress(self, job_id: str, rank: int, step: int | None, attempt: int, compute_s: float | None = None
-                  ) -> None:
+    def _progress(self, job_id: str, rank: int, step: int | None, attempt: int, compute_s: float | None = None,
+                  loss: float | str | None = None, skip: list[str] | None = None) -> None:
         if self.cfg.report_s > 0:
-            if self.progress.note(job_id, rank, step, attempt, compute_s):
-                self.flush(job_id)  # a rank that joined a generation, or its first step there: news for a recovery
+            if self.progress.note(job_id, rank, step, attempt, compute_s, loss, skip):
+                # A rank that joined a generation, its first step there (news for a recovery), or a loss that may be
+                # a bad step (news for a roll-back).
+                self.flush(job_id)
         elif step is None:
             self.job_event(job_id, "process.heartbeat", {"rank": rank, "attempt": attempt})
-        elif compute_s is None:
-            self.job_event(job_id, "progress.step", {"rank": rank, "step": step, "attempt": attempt})
         else:
-            self.job_event(job_id, "progress.step", {"rank": rank, "step": step, "attempt": attempt,
-                                                     "compute_s": compute_s})
+            extra: dict[str, Any] = {} if compute_s is None else {"compute_s": compute_s}
+            if loss is not None:
+                extra.update(loss=loss, **({"skip": skip} if skip else {}))
+            self.job_event(job_id, "progress.step", {"rank": rank, "step": step, "attempt": attempt, **extra})
 
     async def _report(self, job_id: str, message: dict[str, Any]) -> None:
         """What a process says through the SDK, relayed as the job's events."""
@@ -110,7 +112,8 @@ class Relay:
             if op == "heartbeat":
                 self._progress(job_id, rank, message.get("step"), attempt)
             elif op == "step":
-                self._progress(job_id, rank, message["step"], attempt, measured(message.get("compute_s")))
+                self._progress(job_id, rank, message["step"], attempt, measured(message.get("compute_s")),
+                               wire_loss(message.get("loss")), wire_skip(message.get("skip")))
             elif op == "joined":
                 self._progress(job_id, rank, None, attempt)
             elif op in ("checkpoint", "saved"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -40,6 +41,10 @@ class ResumePlan:
     checkpoint_step: int | None
     next_step: int
     shards: list[ShardSource] = field(default_factory=list)
+    skip_steps: frozenset[int] = frozenset()
+    """steps rolled back as bad whose data the script must skip (it named none of its own for them)"""
+    skip_data: frozenset[str] = frozenset()
+    """the samples or batches the script named for its bad steps: skip them"""
 
     def source_of(self, rank: int) -> ShardSource | None:
         return self.shards[rank % len(self.shards)] if self.shards else None
@@ -50,7 +55,9 @@ class ResumePlan:
         shards = [ShardSource(int(s["shard"]), str(s["tier"]), [str(h) for h in s["holders"]])
                   for s in raw.get("shards", [])]
         step = raw.get("checkpoint_step")
-        return cls(None if step is None else int(step), int(raw["next_step"]), shards)
+        return cls(None if step is None else int(step), int(raw["next_step"]), shards,
+                   frozenset(int(s) for s in raw.get("skip_steps", [])),
+                   frozenset(str(d) for d in raw.get("skip_data", [])))
 
 
 class Client:
@@ -84,19 +91,47 @@ class Client:
         """The plan this process was started with: None on a job's first start."""
         return self._plan
 
-    def report_step(self, step: int, compute_s: float | None = None) -> None:
+    def report_step(self, step: int, compute_s: float | None = None, loss: float | None = None,
+                    skip: list[str] | None = None) -> None:
         """`step` steps are complete. At this boundary a dying checkpoint the agent asked for is written.
 
         `compute_s`: how long this rank computed the step, from its start to its first collective (not the wall
         time: in synchronous data parallelism every rank waits for the slowest in the collective, so only the time
         before it tells a slow GPU or host from its peers). The control plane drains the node of a rank persistently
-        slower than its peers."""
+        slower than its peers.
+
+        `loss` is the step's training loss: a NaN, an infinity or a spike makes it a bad step, and the job rolls back
+        to a checkpoint before it. `skip` names the step's data (sample or batch ids, at most 64 of up to 128
+        characters): what the job skips should the step be bad; without it, the step itself is skipped
+        (`skip_steps`)."""
         self._step = step
-        if compute_s is None:
-            self._send({"op": "step", "step": step})
-        else:
-            self._send({"op": "step", "step": step, "compute_s": compute_s})
+        message: dict[str, Any] = {"op": "step", "step": step}
+        if compute_s is not None:
+            message["compute_s"] = compute_s
+        if loss is not None:
+            value = float(loss)
+            # JSON has no NaN nor infinity: the agent reads them as these words
+            message["loss"] = value if math.isfinite(value) else "nan" if math.isnan(value) else (
+                "inf" if value > 0 else "-inf")
+            if skip:
+                message["skip"] = [str(name) for name in skip]
+        self._send(message)
         self.at_boundary()
+
+    @property
+    def skip_steps(self) -> frozenset[int]:
+        """Steps (as `report_step` counts them) whose data this run must skip: bad steps rolled back before, for which
+        the script named no data. Step n's data is what the script trains on to complete step n."""
+        return self._plan.skip_steps if self._plan is not None else frozenset()
+
+    @property
+    def skip_data(self) -> frozenset[str]:
+        """The samples or batches the script named (`report_step(..., skip=...)`) for bad steps: skip them."""
+        return self._plan.skip_data if self._plan is not None else frozenset()
+
+    def skips(self, step: int, data: list[str] | tuple[str, ...] = ()) -> bool:
+        """Should the script skip the data of `step` (or the named `data`) rather than train on it?"""
+        return step in self.skip_steps or any(name in self.skip_data for name in data)
 
     def at_boundary(self) -> None:
         """The state is that of a completed step (`report_step` calls it; so does a survivor waiting for the next

@@ -28,7 +28,7 @@ from recovery.core.timers import Timekeeper, TimerRequest
 G = Granularity
 _PROCESS_FAULTS = (FaultClass.PROCESS, FaultClass.HANG, None)
 _SEVERITY = {FaultClass.PROCESS: 1, FaultClass.HANG: 2, FaultClass.NETWORK: 3, FaultClass.DEVICE: 4,
-             FaultClass.PREEMPTION: 5, FaultClass.NODE: 6}
+             FaultClass.PREEMPTION: 5, FaultClass.NODE: 6, FaultClass.BAD_STEP: 0}
 """how much of the job a fault class's recovery must redo, least first: a widened incident takes the worst"""
 
 
@@ -186,9 +186,7 @@ class Detection:
         if verdict.lost:
             for rank in verdict.ranks:
                 job.put(job.alive, rank, 0)
-        fault = {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
-                 "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
-                 "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
+        fault = self._fault_record(out, verdict)
         incident = job.incident
         if incident is not None:
             incident.faults.append(fault)
@@ -238,6 +236,54 @@ class Detection:
                    commands=commands, timers=timers, cancelled=cancelled, detail={"fault": fault, "step": job.step})
         if plan:
             self.incidents.plan(out, job)
+
+    def bad_step(self, out: RecordEffects, job: Job, verdict: Fault, generation: int, named: tuple[str, ...]) -> None:
+        """A bad step (a NaN or spiking loss) reported by a process of `generation`, whose script named `named` as its
+        data: every rank rolls back to the newest checkpoint before it, and its data is skipped from then on.
+
+        One rank's bad gradients reach every replica through the all-reduce, so one bad step is followed by bad
+        losses everywhere: only the earliest of a generation is rolled back and skipped; a later one is its
+        consequence (no decision). An earlier one heard late (another node's report was quicker) moves the
+        roll-back before it, as long as the restart has not been sent."""
+        policy = job.policies.labels["detection"]
+        step = verdict.bad_step
+        assert step is not None
+        entry = (generation, step, named)
+        incident = job.incident
+        if incident is not None and incident.bad_step is not None:
+            first = next((e for e in incident.bad_steps if e[0] == generation), None)
+            if first is not None and step >= first[1]:
+                return
+            incident.bad_steps = tuple(sorted((*(e for e in incident.bad_steps if e[0] != generation), entry)))
+            incident.bad_step = min(incident.bad_step, step)
+            incident.faults.append(self._fault_record(out, verdict))
+            attempt = incident.attempt
+            if attempt is not None and incident.phase in ("rescheduling", "restoring") and first is None:
+                # The processes the roll-back started report a bad step of their own: the attempt did not work.
+                out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy,
+                           detail={"bad_step": step})
+                self.incidents.end_attempt(out, job, attempt, AttemptOutcome.FAILED, f"attempt {attempt.number} "
+                                           f"({attempt.granularity.value}) failed: {verdict.reason}")
+                return
+            heard = first[1] if first is not None else incident.bad_step
+            out.decide(job, DecisionKind.FAULT_ADDED, f"{verdict.reason}: before the bad step {heard} heard first: "
+                       f"roll back before it", policy=policy, detail={"bad_step": step})
+            return
+        if incident is not None:  # another fault's incident: it now resumes before the bad step too
+            incident.bad_step, incident.bad_steps = step, (entry,)
+            self.fault(out, job, verdict, policy)
+            return
+        self.fault(out, job, verdict, policy, plan=False)
+        incident = job.incident
+        assert incident is not None
+        incident.bad_step, incident.bad_steps = step, (entry,)
+        self.incidents.plan(out, job)
+
+    @staticmethod
+    def _fault_record(out: RecordEffects, verdict: Fault) -> dict[str, Any]:
+        return {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
+                "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
+                "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
 
     def _note_dead_hosts(self, job: Job, incident: Incident, verdict: Fault) -> None:
         """A node fault declares its hosts gone (their ranks fell silent together, or a host stayed not ready): what

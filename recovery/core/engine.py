@@ -233,6 +233,7 @@ class Engine(Progress):
                 if type_ == "progress.report":
                     if len(env.data.ranks) > 1 and self.report_refused(job, env.data.ranks):
                         self.guard(job)  # a later rank's entry that is refused must undo the earlier ones
+                    self.report_losses(out, job, env.data.ranks)
                     for entry in env.data.ranks:  # each as its rank's own heartbeat or step would be
                         self._progress(out, job, entry)
                     node = self.cluster.nodes.get(env.node) if env.node is not None else None
@@ -244,6 +245,9 @@ class Engine(Progress):
                             node = self.cluster.node(node.name)
                         node.heard = out.ts
                 else:
+                    if getattr(env.data, "loss", None) is not None:
+                        self.guard(job)  # the step after its loss may yet be refused (backwards, ahead)
+                        self.step_loss(out, job, env.data)
                     self._progress(out, job, env.data)
             else:
                 self.guard(job)

@@ -361,6 +361,9 @@ class Incidents(Restarts):
         incident.phases[-1][2] = ts
         incident.closed = ts
         incident.outcome = outcome
+        if incident.bad_steps:  # skipped by every later plan too: an older checkpoint must not train them again
+            steps, data = job.skips()
+            job.skip_steps, job.skip_data = tuple(steps), tuple(data)
         job.closed.append(incident.summary())
         del job.closed[:-CLOSED_INCIDENTS]
         job.incident = None

@@ -106,6 +106,11 @@ class Incident:
     closed: int | None = None
     outcome: IncidentOutcome | None = None
     lost_steps: int | None = None
+    bad_step: int | None = None
+    """the earliest bad step of the incident (a NaN or spiking loss): it resumes from a checkpoint before it"""
+    bad_steps: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
+    """the bad steps whose data its resume plans skip, as (generation, step, data named): one per generation, the
+    earliest it reported (the later ones of a generation are its consequence: the all-reduce spread the bad state)"""
 
     @property
     def attempt(self) -> Attempt | None:
@@ -146,7 +151,8 @@ class Incident:
                 "fault_class": None if self.fault_class is None else self.fault_class.value,
                 "fault_step": self.fault_step, "outcome": self.outcome, "lost_steps": self.lost_steps,
                 "faults": self.faults, "attempts": [a.summary() for a in self.attempts],
-                "phase": self.phase, "phases": [list(p) for p in self.phases]}
+                "phase": self.phase, "phases": [list(p) for p in self.phases],
+                **({"bad_step": self.bad_step} if self.bad_step is not None else {})}
 
 
 class Job:
@@ -167,6 +173,7 @@ class Job:
         "last_progress",
         "last_seen",
         "layout",
+        "losses",
         "nodes",
         "own_nodes",
         "policies",
@@ -178,6 +185,8 @@ class Job:
         "rpn",
         "sdk",
         "seen",
+        "skip_data",
+        "skip_steps",
         "spec",
         "state",
         "step",
@@ -229,6 +238,9 @@ class Job:
         self.policy_errors: dict[str, int] = {}  # family -> errors of its plugin (replaced whole, never changed)
         self.sdk = False  # some rank reported through the SDK (a heartbeat, a step): not a stock script
         self.seen: dict[str, None] = {}  # in insertion order: the oldest id is next(iter(seen))
+        self.losses: tuple[float, ...] = ()  # recent finite losses, none judged bad, oldest first (LOSS_HISTORY)
+        self.skip_steps: tuple[int, ...] = ()  # the data every resume plan skips: bad steps of closed incidents
+        self.skip_data: tuple[str, ...] = ()
 
     def memento(self) -> Memento:
         """What a record may change, so that `restore` undoes a record that failed half way. Cheap whatever the
@@ -358,11 +370,24 @@ class Job:
             "checkpoints": {str(step): {tier.value: sorted(shards) for tier, shards in by_tier.items()}
                             for step, by_tier in self.frozen_catalog().items()},
             "incident": None if self.incident is None else self.incident.summary(),
+            **({"skip_steps": list(self.skip_steps), "skip_data": list(self.skip_data)} if self.skip_steps
+               or self.skip_data else {}),
             "incidents": list(self.closed),
             "suspects": list(self.suspects),
             "drains": dict(self.drains),
             "policies": dict(self.policies.labels),
         }
+
+    def skips(self) -> tuple[list[int], list[str]]:
+        """The steps and the data every resume plan of the job skips now: its closed incidents' bad steps and the open
+        one's, each as the data its script named for it, or the step itself when it named none."""
+        steps, data = list(self.skip_steps), list(self.skip_data)
+        for _, step, named in self.incident.bad_steps if self.incident is not None else ():
+            if named:
+                data.extend(d for d in named if d not in data)
+            elif step not in steps:
+                steps.append(step)
+        return sorted(steps), data
 
     def complete_at(self, step: int) -> bool:
         """Does some tier hold every shard of `step`?"""
@@ -375,7 +400,8 @@ class Job:
 
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
                  "watchdog", "restarts_used", "restart_times", "sdk", "policies", "policy_errors", "alive", "steps",
-                 "rank_gen", "last_seen", "last_progress", "compute_steps", "compute_ns")
+                 "rank_gen", "last_seen", "last_progress", "compute_steps", "compute_ns", "losses", "skip_steps",
+                 "skip_data")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
 _SCALARS = attrgetter(*_SCALAR_NAMES)

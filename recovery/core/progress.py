@@ -8,12 +8,16 @@ the step that closes an incident, a correction): most records cost a few attribu
 
 from __future__ import annotations
 
+import math
+
 from events import kinds
 from events.names import DecisionKind
-from policies.base import NS
+from policies.base import LOSS_HISTORY, NS, Fault, LossSample, Signal
+from recovery.core.detection import Detection
 from recovery.core.incidents import Incidents
 from recovery.core.job import Job
 from recovery.core.record import RecordEffects, Rejected
+from recovery.core.sandbox import builtin, consult
 
 COMPUTE_WINDOW = 256
 """a rank's compute-time tally is cut back to this many steps (its mean kept) whenever it passes twice as many: its
@@ -27,6 +31,7 @@ a job train in lockstep, a few steps apart at most (asynchronous schemes such as
 
 class Progress:
     incidents: Incidents
+    detection: Detection
 
     def guard(self, job: Job | None) -> object:
         """Open the journal for this record (the engine's)."""
@@ -114,6 +119,58 @@ class Progress:
         if step is not None and job.incident is not None and job.incident.phase == "restoring":
             self.incidents.check_restored(out, job, rank, step)
 
+    def step_loss(self, out: RecordEffects, job: Job, data: kinds.StepReported) -> None:
+        """The loss of one rank's step report (an agent that does not fold): judged, and kept if it passes."""
+        if (data.loss is not None and data.rank < job.world and job.rank_gen[data.rank] <= data.attempt
+                <= job.generation):
+            self._loss(out, job, data.rank, data.step, data.loss, data.attempt, tuple(data.skip), float(data.loss))
+
+    def report_losses(self, out: RecordEffects, job: Job, entries: list[kinds.RankProgress]) -> None:
+        """The losses of a node's report, before its steps are applied (a bad step of a restored process fails its
+        attempt rather than closing it): the detection policy judges the report's worst (the non-finite one of the
+        earliest step, else the highest), and the median of its finite ones joins the job's recent losses if it
+        passes. Once per report, not per rank: the engine's cost grows with nodes, not with ranks."""
+        worst: kinds.RankProgress | None = None
+        finite: list[float] = []
+        for entry in entries:
+            loss = entry.loss
+            if (loss is None or entry.rank >= job.world or entry.attempt < job.rank_gen[entry.rank]
+                    or entry.attempt > job.generation):
+                continue  # none, or from a process a restart replaced (a refused rank is the report's to refuse)
+            if isinstance(loss, str):  # of several, the earliest step's: the later ones are its consequence
+                if worst is None or not isinstance(worst.loss, str) or _step_of(entry) < _step_of(worst):
+                    worst = entry
+            else:
+                finite.append(loss)
+                if worst is None or (not isinstance(worst.loss, str) and loss > worst.loss):  # type: ignore[operator]
+                    worst = entry
+        if worst is None or worst.loss is None:
+            return
+        finite.sort()
+        keep = finite[len(finite) // 2] if finite else None
+        step = _step_of(worst)
+        if step >= 0:
+            self._loss(out, job, worst.rank, step, worst.loss, worst.attempt, tuple(worst.skip), keep)
+
+    def _loss(self, out: RecordEffects, job: Job, rank: int, step: int, loss: float | str, attempt: int,
+              skip: tuple[str, ...], keep: float | None) -> None:
+        """A loss a rank reported for `step`: the detection policy judges it against the job's recent ones. A bad step
+        is a fault that rolls the job back; otherwise `keep` joins the recent ones. Nothing is decided for a loss that
+        passes: one a step would be most of the log."""
+        if job.state not in ("running", "recovering"):
+            return
+        signal = Signal("progress.loss", LossSample(rank, step, float(loss)), out.ts, None, (rank,),
+                        step_time_ns=job.step_time, world=job.world, losses=job.losses)
+        if not builtin(job.policies.detection):
+            self.guard(job)  # a plugin's error is counted against it (a change the journal must be able to undo)
+        verdict = consult(out, job, "detection", "classify", signal)
+        if isinstance(verdict, Fault) and verdict.bad_step is not None:
+            self.guard(job)
+            self.detection.bad_step(out, job, verdict, attempt, skip)
+        elif keep is not None and math.isfinite(keep):
+            # Replaced whole (an immutable value): the journal's memento restores the old one.
+            job.losses = (*job.losses[-(LOSS_HISTORY - 1):], keep)
+
     @staticmethod
     def _implausible_lead(job: Job, rank: int, step: int) -> bool:
         """Was `step` of `rank` implausible: more than STEP_LEAD ahead of every other rank? Ranks of one job train
@@ -154,3 +211,9 @@ class Progress:
                        f"ahead of every other rank: taken as a corrupted counter", detail={"rank": rank,
                                                                                            "step": step,
                                                                                            "implausible": last})
+
+
+def _step_of(entry: kinds.RankProgress) -> int:
+    """The step of an entry's loss (-1: none said)."""
+    step = entry.loss_step if entry.loss_step is not None else entry.step
+    return -1 if step is None else step

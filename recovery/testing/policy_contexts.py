@@ -13,6 +13,7 @@ left out is derived the way the engine derives it. Needs hypothesis (the `testin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, get_args
@@ -27,6 +28,7 @@ from policies import (
     AttemptSummary,
     Catalog,
     CheckpointContext,
+    LossSample,
     PastIncident,
     RankActivity,
     RescheduleContext,
@@ -46,7 +48,9 @@ JOB_SIGNALS = ("process.exited", "process.hang", "network.collective_timeout")
 NODE_SIGNALS = tuple(t for t in kinds.NODE_EVENTS if t != "node.heartbeat")
 """node events: every one reaches the detection policy of the job on the node, but the agent's heartbeat, which the
 engine keeps for the watchdog (`WatchdogView.agents_heard`)"""
-SIGNAL_TYPES = JOB_SIGNALS + NODE_SIGNALS
+LOSS_SIGNAL = "progress.loss"
+"""a loss a rank reported with its step (data a `LossSample`, the job's recent losses in `Signal.losses`)"""
+SIGNAL_TYPES = JOB_SIGNALS + NODE_SIGNALS + (LOSS_SIGNAL,)
 
 PAYLOADS: dict[str, dict[str, Any]] = {
     "process.exited": {"rank": 0, "exit_code": 139},
@@ -65,7 +69,7 @@ PAYLOADS: dict[str, dict[str, Any]] = {
 """the payload of each signal type when a test names no field of it"""
 
 _SIGNAL_FIELDS = frozenset({"ts", "node", "ranks", "device_fault_times", "node_fault_times", "step_time_ns",
-                            "world", "node_ranks"})
+                            "world", "node_ranks", "losses"})
 _MODELS: dict[str, type[Frozen]] = {**kinds.JOB_EVENTS, **kinds.NODE_EVENTS}
 
 
@@ -78,6 +82,8 @@ def make_signal(type_: str = "process.exited", /, *, nodes: Sequence[str] = NODE
     (or give the payload whole as `data`). A node event comes from the first node unless `node` says otherwise;
     `ranks` and `node_ranks` are the job's ranks there (on the device, for a device event), and a device fault's
     history holds this fault alone, as the engine derives them."""
+    if type_ == LOSS_SIGNAL:
+        return _loss_signal(nodes, ranks_per_node, data, fields)
     if type_ not in _MODELS:
         raise ValueError(f"{type_!r} is not an event type (one of {', '.join(SIGNAL_TYPES)})")
     own = {key: value for key, value in fields.items() if key in _SIGNAL_FIELDS}
@@ -106,6 +112,18 @@ def make_signal(type_: str = "process.exited", /, *, nodes: Sequence[str] = NODE
     return Signal(type_, data, ts, own.get("node"), own.get("ranks", () if rank is None else (rank,)),
                   own.get("device_fault_times", ()), own.get("node_fault_times", ()), own.get("step_time_ns"), world,
                   own.get("node_ranks", ()))
+
+
+def _loss_signal(nodes: Sequence[str], ranks_per_node: int, data: Any, fields: Mapping[str, Any]) -> Signal:
+    """A `progress.loss` signal: `rank`, `step` and `loss` (default rank 0 at step 10, a NaN) or a `LossSample` as
+    `data`; `losses` the job's recent ones (default: 16 around 1.0)."""
+    own = {key: value for key, value in fields.items() if key in _SIGNAL_FIELDS}
+    payload = {key: value for key, value in fields.items() if key not in _SIGNAL_FIELDS}
+    sample = data if isinstance(data, LossSample) else LossSample(
+        int(payload.get("rank", 0)), int(payload.get("step", 10)), float(payload.get("loss", math.nan)))
+    losses = tuple(own.get("losses", tuple(1.0 + (i % 4) / 10 for i in range(16))))
+    return Signal(LOSS_SIGNAL, sample, own.get("ts", NOW), None, own.get("ranks", (sample.rank,)), (), (),
+                  own.get("step_time_ns"), own.get("world", len(nodes) * ranks_per_node), (), losses=losses)
 
 
 def _per_rank(value: int | Sequence[int] | Mapping[int, int], world: int, default: int) -> list[int]:
@@ -267,6 +285,12 @@ def signals(draw: st.DrawFn, types: Sequence[str] = SIGNAL_TYPES) -> Signal:
     on (no ranks, a world of 0), which the engine has the built-in detection judge."""
     nodes, rpn = draw(placements())
     type_ = draw(st.sampled_from(list(types)))
+    if type_ == LOSS_SIGNAL:
+        finite = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
+        loss = draw(finite | st.sampled_from([math.nan, math.inf, -math.inf]))
+        sample = LossSample(draw(st.integers(0, len(nodes) * rpn - 1)), draw(st.integers(0, 10**9)), loss)
+        return make_signal(type_, nodes=nodes, ranks_per_node=rpn, data=sample, ts=draw(_TIMES),
+                           step_time_ns=draw(_STEP_TIMES), losses=tuple(draw(st.lists(finite, max_size=40))))
     data = _MODELS[type_].model_validate(draw(_payload(type_, len(nodes) * rpn, rpn)))
     ts = draw(_TIMES)
     fields: dict[str, Any] = {"ts": ts, "step_time_ns": draw(_STEP_TIMES)}

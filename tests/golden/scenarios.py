@@ -521,6 +521,37 @@ def straggler_drained() -> Scenario:
     return s
 
 
+@scenario
+def bad_step_rollback() -> Scenario:
+    """A NaN loss (a bad batch, silent data corruption): rank 1 reports loss nan at step 23, and the all-reduce
+    spreads it, so rank 0 reports nan at step 24 first (its node's report was quicker). The job rolls back once, to
+    the newest checkpoint before step 23 (20; the one at 25 holds the poisoned state), every rank restarted in place,
+    and the plan skips the data the script named for step 23."""
+    s = Scenario()
+    s.submit("lm", ["n0", "n1"], ranks_per_node=1, dp=2)
+    for step in range(1, 23):
+        s.advance(1)
+        for rank in range(2):
+            s.job_event("lm", "progress.step", rank=rank, step=step, loss=round(2.0 / step, 4))
+        if step in (10, 20):
+            s.checkpoint("lm", step, "storage", "storage")
+    s.advance(1)
+    s.job_event("lm", "progress.step", rank=0, step=23, loss=0.087)
+    s.advance(0.5)
+    s.job_event("lm", "progress.report", ranks=[{"rank": 0, "step": 24, "loss": "nan", "loss_step": 24}])
+    s.job_event("lm", "progress.report",
+                ranks=[{"rank": 1, "step": 23, "loss": "nan", "loss_step": 23, "skip": ["shard-7/batch-22"]}])
+    s.checkpoint("lm", 25, "storage", "storage")  # rank 0 saved the poisoned state before the stop reached it
+    s.job_event("lm", "progress.step", rank=1, step=25, loss="nan")
+    s.ack_all()
+    s.advance(5)
+    for step in range(21, 24):
+        s.advance(1)
+        for rank in range(2):
+            s.job_event("lm", "progress.step", rank=rank, step=step, attempt=1, loss=0.09)
+    return s
+
+
 for _build in scenarios_scripts.ALL:
     scenario(_build)
 
