@@ -54,6 +54,9 @@ class Signal:
     lemon only when something can replace it"""
     can_shrink: bool = False
     """for a device fault: the job is elastic and could go on at a smaller data-parallel size without that node"""
+    dead: tuple[int, ...] = ()
+    """for a collective failure: the job's ranks whose process the engine knows is gone (a failed collective with a
+    dead peer is that peer's fault, whose exit says so; with every rank alive the group itself failed)"""
 
 
 # What a signal means for the job: one of five small variants (`Verdict` is their union).

@@ -97,7 +97,7 @@ class Progress:
             self.guard(job)
             job.sdk = True
         if step is not None and job.incident is not None and job.incident.phase == "restoring":
-            self.incidents.check_restored(out, job, rank, step)
+            self.incidents.check_restored(out, job, rank, step, current)
 
     @staticmethod
     def _implausible_lead(job: Job, rank: int, step: int) -> bool:
