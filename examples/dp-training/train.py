@@ -51,12 +51,18 @@ def main() -> None:
                         help="a fault to inject: this rank's data loader never returns at --stall-at-step, in the "
                              "job's first generation (the others then wait for it in their all_reduce)")
     parser.add_argument("--stall-at-step", type=int, default=-1)
+    parser.add_argument("--group-timeout-s", type=float, default=30.0, help="the process group's collective timeout")
+    parser.add_argument("--collective-timeout-at-step", type=int, default=-1,
+                        help="a fault to inject: the others' collectives of this step time out for real, every "
+                             "process alive: --collective-timeout-rank enters its all_reduce --group-timeout-s plus "
+                             "2 s late, in the job's first generation (a peer stalled past the group's timeout)")
+    parser.add_argument("--collective-timeout-rank", type=int, default=3)
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    group = ProcessGroupRecovery(client)
+    group = ProcessGroupRecovery(client, timeout_s=args.group_timeout_s)
     group.form()
     world = dist.get_world_size()
 
@@ -119,21 +125,24 @@ def main() -> None:
             step = checkpoint["step"]
     # A restarted rank whose plan names the `peer` tier takes its state, and the step, from a live replica.
     step = group.synchronize(step, get_state, set_state, live=live)
+    late = (args.collective_timeout_at_step, args.collective_timeout_rank, 0)
     while step < args.steps:
-        failed = False
+        failed: str | None = None
         try:
             group.check()  # a newer generation announced: peers were replaced while this group still works
             x, y = load_batch(step)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
+            if (step, group.rank, client.generation) == late:
+                time.sleep(args.group_timeout_s + 2.0)  # the injected late peer: the others' all_reduce times out
             for parameter in model.parameters():
                 dist.all_reduce(parameter.grad)
                 parameter.grad /= world
             optimizer.step()
-        except RuntimeError:
-            failed = True  # a peer died: recover outside this block, which holds the old process group
-        if failed:
-            group.recover()
+        except RuntimeError as exc:
+            failed = str(exc)  # a peer died or timed out: recover outside this block, which holds the old group
+        if failed is not None:
+            group.recover(failed)  # a timeout is reported: the engine's retry is a new generation, no restart
             step = group.synchronize(step, get_state, set_state)
             continue
         step += 1
