@@ -119,6 +119,19 @@ class StepReported(_OmitsUnmeasured):
         return drop_empty(_without_unmeasured(handler(self)), "loss", "skip")
 
 
+class CollectiveFailed(Frozen):
+    """A rank's collective timed out while the rank lives (the SDK's report, relayed by its agent): the process group
+    of generation `attempt` is unusable, and the rank waits in its own process for the next generation. A dead peer
+    is not reported this way (its exit is the fault): only a timeout, where nothing tells which peer is to blame."""
+
+    rank: Rank
+    step: Step = Field(description="the step the collective belonged to: the step trained when it failed")
+    attempt: Attempt = Field(0, description="the generation of the process group whose collective failed")
+    operation: Label = "allreduce"
+    timeout_s: Seconds = Field(0, description="the group's timeout, 0 .. 30 days (0: not reported)")
+    error: Text = Field("", max_length=1024, description="the collective's error, as the backend raised it")
+
+
 MAX_STACK_CHARS = 16_384
 """of one process's stack in `process.stacks`: the innermost frames are kept, the rest cut (a deep recursion's
 stack would otherwise fill the log and go past NATS's message size with a node's 8 ranks)"""
@@ -318,6 +331,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "process.exited": ProcessExited,
     "process.heartbeat": Heartbeat,
     "process.hang": HangReport,
+    "process.collective_failed": CollectiveFailed,
     "progress.step": StepReported,
     "progress.report": ProgressReport,
     "process.stacks": ProcessStacks,

@@ -58,6 +58,9 @@ class Signal:
     """for a loss (`progress.loss`, data a `LossSample`): the job's recent finite losses, oldest first (at most
     `LOSS_HISTORY`; one per report, the median of its ranks', from the reports none of whose losses was bad): what a
     spike is measured against"""
+    dead: tuple[int, ...] = ()
+    """for a collective failure: the job's ranks whose process the engine knows is gone (a failed collective with a
+    dead peer is that peer's fault, whose exit says so; with every rank alive the group itself failed)"""
 
 
 LOSS_HISTORY = 256

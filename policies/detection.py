@@ -91,11 +91,12 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 
 class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "8"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    version: ClassVar[str] = "9"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s;
     # 6: a lemon is isolated only when a spare can replace it or the job can do without it, for isolation_s; a
     # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled; 8: a straggler's
-    # node is drained (a loss check is no new version: no log before it holds a loss, so no decision of one changes)
+    # node is drained (a loss check is no new version: no log before it holds a loss, so no decision of one
+    # changes); 9: a rank's collective timeout with every rank alive is a network fault of the job (a retry first)
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -133,6 +134,8 @@ class DefaultDetection(DetectionPolicyBase):
                          FaultClass.HANG, "rank", signal.ranks)
         if isinstance(data, kinds.CollectiveTimeout):
             return self._collective(signal, data)
+        if isinstance(data, kinds.CollectiveFailed):
+            return self._collective_failed(signal, data)
         if isinstance(data, kinds.LinkDown):
             return Suspect(Fault(f"link {data.link} down on {signal.node}", FaultClass.NETWORK, "link",
                                  signal.ranks, signal.node, lost=False),
@@ -271,6 +274,17 @@ class DefaultDetection(DetectionPolicyBase):
                          f"never joined", FaultClass.HANG, "rank", waited_for)
         return Fault(f"{data.operation} on {data.group} timed out on every member: network",
                      FaultClass.NETWORK, "job", tuple(sorted(set(data.members))), lost=False)
+
+    def _collective_failed(self, signal: Signal, data: kinds.CollectiveFailed) -> Verdict:
+        where = f"rank {data.rank}: {data.operation} of step {data.step} in generation {data.attempt} timed out"
+        if signal.dead:
+            # A dead peer's exit is the fault, and its restart re-forms the group: the timeout is only its echo.
+            return Ignore(f"{where}; ranks {list(signal.dead)} are gone, whose exit is the fault")
+        # Every process lives: nothing says which peer is to blame (a transient network fault, a peer late past the
+        # group's timeout). The group is formed again and the step done again, no process restarted: the network
+        # ladder's first rung, `retry`; a retry that fails goes up the ladder.
+        return Fault(f"{where}, every rank alive: the group failed, not a process", FaultClass.NETWORK, "job",
+                     tuple(range(signal.world)), lost=False, code="collective_timeout")
 
     # -- watchdog -------------------------------------------------------------------------------------
     def check(self, view: WatchdogView) -> list[Verdict]:

@@ -184,3 +184,29 @@ def test_the_plan_names_the_data_a_roll_back_skips(monkeypatch: pytest.MonkeyPat
     assert client.skips(23) and client.skips(30, ["sample-1", "sample-9"]) and not client.skips(24, ["sample-1"])
     monkeypatch.delenv("RECOVERY_RESUME_PLAN")
     assert not connect().skips(23)  # a first start skips nothing
+
+
+def test_a_collective_timeout_is_reported_with_the_step_it_interrupted_and_the_groups_generation(
+        agent: StandInAgent, tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "agent.sock"), rank=2, generation=1, heartbeat_s=0.05)
+    client.report_step(15)
+    client.collective_failed(1, "Timed out waiting 4000ms for recv operation to complete", timeout_s=4.0)
+    wait_for(lambda: agent.ops("collective_failed"))
+    client.close()
+    assert agent.ops("collective_failed") == [{
+        "op": "collective_failed", "generation": 1, "step": 16, "operation": "allreduce", "timeout_s": 4.0,
+        "error": "Timed out waiting 4000ms for recv operation to complete", "rank": 2, "attempt": 1}]
+
+
+def test_only_a_collective_that_timed_out_with_its_group_intact_is_a_timeout_to_report() -> None:
+    from recovery.client.torch import ProcessGroupRecovery
+
+    group = ProcessGroupRecovery.__new__(ProcessGroupRecovery)  # no group formed: what `recover` judges by
+    group._aborted = False
+    timed_out = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for "
+                 "recv operation to complete")
+    assert group.timed_out(timed_out)
+    # a dead peer: its exit is the fault, not the group's timeout
+    assert not group.timed_out("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16781")
+    group._aborted = True  # the watcher shut the group: a peer failed first, or a newer generation began
+    assert not group.timed_out(timed_out)

@@ -224,6 +224,30 @@ def test_transient_network_fault_retries_the_step_without_restarts() -> None:
     assert closed(result).detail["lost_steps"] == 0
 
 
+def test_a_collective_timeout_with_every_rank_alive_is_retried_in_a_new_generation_without_restarts() -> None:
+    result = load("retry_new_generation")
+    [retry] = commands(result, "retry_step")
+    assert (retry.step, retry.attempt) == (11, 1)  # the step again, in generation 1
+    for kind in ("restart_ranks", "restart_job", "migrate_ranks", "stop_ranks", "scale_job"):
+        assert not commands(result, kind)
+    [stale] = kinds(result, "signal.ignored")  # the second rank's report names the group retried since
+    assert "generation 1 has replaced" in stale.reason
+    job = result.engine.jobs["coll"]
+    assert job.generation == 1 and job.rank_gen == [0, 0, 0, 0]  # a new generation, the same processes
+    done = closed(result)
+    assert (done.detail["granularity"], done.detail["lost_steps"]) == ("retry", 0)
+
+
+def test_a_retry_whose_collective_fails_again_goes_on_to_a_restart_in_place() -> None:
+    result = load("retry_fails_then_in_place")
+    assert [d.detail["granularity"] for d in kinds(result, "attempt.started")] == ["retry", "in_place"]
+    [failed] = kinds(result, "attempt.failed")
+    assert "generation 1" in failed.reason
+    [restart] = commands(result, "restart_ranks")
+    assert (restart.ranks, restart.attempt, restart.plan.checkpoint_step) == ([0, 1, 2, 3], 2, 10)
+    assert closed(result).detail["granularity"] == "in_place"
+
+
 def test_third_fault_of_a_device_in_the_window_isolates_it() -> None:
     result = load("frequency_isolation")
     assert len(kinds(result, "signal.ignored")) == 2

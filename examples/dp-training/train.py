@@ -74,13 +74,19 @@ def main() -> None:
     parser.add_argument("--skip-steps", default="",
                         help="comma-separated steps whose data is skipped, as a roll-back's plan skips them (a "
                              "reference run)")
+    parser.add_argument("--group-timeout-s", type=float, default=30.0, help="the process group's collective timeout")
+    parser.add_argument("--collective-timeout-at-step", type=int, default=-1,
+                        help="a fault to inject: the others' collectives of this step time out for real, every "
+                             "process alive: --collective-timeout-rank enters its all_reduce --group-timeout-s plus "
+                             "2 s late, in the job's first generation (a peer stalled past the group's timeout)")
+    parser.add_argument("--collective-timeout-rank", type=int, default=3)
     args = parser.parse_args()
     skip_steps = {int(s) for s in args.skip_steps.split(",") if s}
 
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    group = ProcessGroupRecovery(client)
+    group = ProcessGroupRecovery(client, timeout_s=args.group_timeout_s)
     group.form()
     world = dist.get_world_size()
 
@@ -150,13 +156,14 @@ def main() -> None:
             step = checkpoint["step"]
     # A restarted rank whose plan names the `peer` tier takes its state, and the step, from a live replica.
     step = group.synchronize(step, get_state, set_state, live=live)
+    late = (args.collective_timeout_at_step, args.collective_timeout_rank, 0)
     while step < args.steps:
         if step + 1 in skip_steps or client.skips(step + 1):
             # The data of a bad step rolled back (or named on the command line): pass it over, no update.
             step += 1
             client.report_step(step)
             continue
-        failed = False
+        failed: str | None = None
         try:
             group.check()  # a newer generation announced: peers were replaced while this group still works
             started = time.perf_counter()
@@ -170,14 +177,16 @@ def main() -> None:
                 time.sleep(args.slow_s)  # the injected straggler: its compute, not the math, takes longer
             # The rank's own share of the step: after this it waits for the slowest peer in the all_reduce.
             compute_s = time.perf_counter() - started
+            if (step, group.rank, client.generation) == late:
+                time.sleep(args.group_timeout_s + 2.0)  # the injected late peer: the others' all_reduce times out
             for parameter in model.parameters():
                 dist.all_reduce(parameter.grad)
                 parameter.grad /= world
             optimizer.step()
-        except RuntimeError:
-            failed = True  # a peer died: recover outside this block, which holds the old process group
-        if failed:
-            group.recover()
+        except RuntimeError as exc:
+            failed = str(exc)  # a peer died or timed out: recover outside this block, which holds the old group
+        if failed is not None:
+            group.recover(failed)  # a timeout is reported: the engine's retry is a new generation, no restart
             step = group.synchronize(step, get_state, set_state)
             continue
         step += 1

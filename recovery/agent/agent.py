@@ -497,16 +497,21 @@ class Agent(Relay):
                 self._tg.start_soon(self.memory.end, job.id)
                 return {}
             case RetryStep():
-                # Not possible in-process on gloo: a process group whose collective failed has its pairs closed and
-                # is unusable, so re-running the step means forming the group again, in a new generation; a retry
-                # keeps the job's generation (no process restarts), so the ranks' reports from a re-formed group
-                # would be rejected as ahead of it. The survivors' own re-forming after a peer's death, with the
-                # dead rank restarted (in_place), is the retry that works; the ladder goes on to it.
-                raise CommandFailed("a step retry is not possible in-process: a gloo process group whose collective "
-                                    "failed must be formed again in a new generation, which a retry does not make")
+                assert job is not None
+                return await self._retry(job, command)
             case IsolateNode() | IsolateDevice():
                 return {}
         raise CommandFailed(f"unknown command {command.kind}")
+
+    async def _retry(self, job: JobOnNode, command: RetryStep) -> dict[str, Any]:
+        """A step retry is a new generation with no process restarted: asking the job store for its torch store (as
+        an in-place restart's agents do, for the running formation) announces it, and every rank waiting in
+        `recover()` forms its group there in its own process and trains the step again. Every agent of the job asks;
+        the first request makes the announcement, the others read it."""
+        if await job.torch_port(command.attempt, False, self.cfg.store_wait_s) is None:
+            raise CommandFailed(f"the job store of {job.id} did not announce generation {command.attempt}: the "
+                                "ranks cannot form it")
+        return {"retried": sorted(r for r, p in job.processes.items() if p.alive)}
 
     async def _dump(self, job: JobOnNode, command: DumpStacks) -> dict[str, Any]:
         """Every live process of the job here, its stack, as one `process.stacks` event (see `stacks`)."""

@@ -142,6 +142,12 @@ class Relay:
                     if not ok:
                         logger.warning("rank %s of %s (pid %s) may not join generation %s: the agent does not run "
                                        "it", rank, job_id, message.get("pid"), message.get("generation"))
+            elif op == "collective_failed":
+                # Its own event, at once: with every rank alive the engine retries the step in a new generation.
+                self.job_event(job_id, "process.collective_failed", {
+                    "rank": rank, "attempt": message.get("generation", attempt), "step": message["step"],
+                    "operation": str(message.get("operation") or "allreduce")[:64],
+                    "timeout_s": message.get("timeout_s", 0), "error": str(message.get("error", ""))[:1024]})
             elif op == "closing":
                 proc = job.processes.get(rank)
                 self.silence.forget(job_id, rank)  # the script is done: its silence from here is no hang

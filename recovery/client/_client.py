@@ -187,6 +187,15 @@ class Client:
         `{"tier": ..., "shards": [...], "location": ...}` (default: tier `dying`, this rank's shard 0)."""
         self._save = save
 
+    def collective_failed(self, generation: int, error: str, operation: str = "allreduce", timeout_s: float = 0.0,
+                          step: int | None = None) -> None:
+        """A collective of `generation`'s process group timed out in this live process (`error`: what the backend
+        raised): the agent reports it as `process.collective_failed`, and with every rank alive the engine retries
+        the step in a new generation. `step`: the step it belonged to (default: the one after the last reported)."""
+        failed_step = step if step is not None else (self._step or 0) + 1
+        self._send({"op": "collective_failed", "generation": generation, "step": failed_step,
+                    "operation": operation, "timeout_s": timeout_s, "error": error[:1024]})
+
     def joined(self, generation: int) -> None:
         """This process re-formed its process group in `generation`: its reports now carry it."""
         self.generation = generation

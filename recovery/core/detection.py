@@ -70,7 +70,7 @@ class Detection:
     def verdict(self, out: RecordEffects, job: Job, verdict: Verdict, type_: str) -> None:
         policy = job.policies.labels["detection"]
         if isinstance(verdict, Fault):
-            self.fault(out, job, verdict, policy)
+            self.fault(out, job, verdict, policy, signal_type=type_)
         elif isinstance(verdict, Ignore):
             if type_ not in ("network.link_up", "node.ready", "device.recovered"):
                 out.decide(job, DecisionKind.SIGNAL_IGNORED, verdict.reason, policy=policy,
@@ -154,8 +154,10 @@ class Detection:
                            "by": "expiry"})
         return True
 
-    def fault(self, out: RecordEffects, job: Job, verdict: Fault, policy: str, plan: bool = True) -> None:
-        """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch)."""
+    def fault(self, out: RecordEffects, job: Job, verdict: Fault, policy: str, plan: bool = True,
+              signal_type: str | None = None) -> None:
+        """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch).
+        `signal_type`: the event it came from, if one did."""
         commands: list[Any] = []
         timers: list[TimerRequest] = []
         if verdict.isolate is not None and verdict.node is not None and verdict.isolate_for_ns is not None:
@@ -205,8 +207,12 @@ class Detection:
                 if plan and incident.settle_timer is None:  # a settle window decides when it closes
                     self.incidents.plan(out, job)
                 return
-            if incident.phase in ("rescheduling", "restoring") and verdict.fault_class in _PROCESS_FAULTS and (
-                    attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
+            # A collective that failed again under a retry is of the retry's own generation (older ones are dropped as
+            # stale before they get here): the group formed again and the step failed again.
+            retried_again = attempt.granularity is G.RETRY and signal_type == "process.collective_failed"
+            if incident.phase in ("rescheduling", "restoring") and (retried_again or (
+                    verdict.fault_class in _PROCESS_FAULTS and (
+                        attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)))):
                 # The restarted (or retried) processes themselves crashed or hung: this attempt did not work. New
                 # hardware under them (a device, a node, a link) is a new fault instead: it widens the incident.
                 out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands,

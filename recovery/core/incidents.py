@@ -299,11 +299,14 @@ class Incidents(Restarts):
             return job.incident.fault_step
         return attempt.plan.checkpoint_step or 0 if attempt.plan else 0
 
-    def check_restored(self, out: RecordEffects, job: Job, rank: int, step: int) -> None:
+    def check_restored(self, out: RecordEffects, job: Job, rank: int, step: int, current: bool = True) -> None:
+        """`rank` reported `step`; `current`: in the job's newest generation."""
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
         if attempt is None or job.phase != "restoring":
             return
+        if attempt.granularity is G.RETRY and not current:
+            return  # a step of the failed group's generation: the retry shows only in the new one
         if attempt.granularity is not G.RETRY and rank not in attempt.ranks:
             return
         resume = self._resume_step(job, attempt)

@@ -117,7 +117,7 @@ class Progress:
             self.guard(job)
             job.sdk = True
         if step is not None and job.incident is not None and job.incident.phase == "restoring":
-            self.incidents.check_restored(out, job, rank, step)
+            self.incidents.check_restored(out, job, rank, step, current)
 
     def step_loss(self, out: RecordEffects, job: Job, data: kinds.StepReported) -> None:
         """The loss of one rank's step report (an agent that does not fold): judged, and kept if it passes."""

@@ -205,6 +205,10 @@ class Restarts:
         cid = out.command_id(job.id)
         commands: list[Any] = []
         if g is G.RETRY:
+            # A retry is a new generation with no process restarted: a process group whose collective failed is
+            # unusable, so every rank forms the next generation's in its own process (as survivors of an in-place
+            # restart do) and trains the interrupted step again. No rank's process is replaced (rank_gen stays).
+            job.generation += 1
             commands.append(RetryStep(id=cid, job=job.id, attempt=job.generation, deadline_s=60,
                                       step=incident.fault_step + 1))
         else:

@@ -177,6 +177,9 @@ class Executors(TrainingState):
         why = self._unhealthy(self.placement) or self._others_blocked(set(), self.generation)
         if why:
             return f"the step failed again: {why}"
+        if command.attempt != self.generation:  # a retry is a new generation of the same processes
+            self.generation = command.attempt
+            self.restarted = set()
         self.retried = True
         self._epoch += 1
         return ""

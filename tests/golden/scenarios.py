@@ -283,6 +283,43 @@ def step_retry() -> Scenario:
     return s
 
 
+TIMED_OUT = "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete"
+
+
+@scenario
+def retry_new_generation() -> Scenario:
+    """A rank's collective times out while every rank lives (its SDK's `process.collective_failed`): a retry, which
+    is a new generation with no process restarted. Every rank forms generation 1's group in its own process and
+    trains step 11 again; another rank's report of the old group's failure, arriving after, is old news."""
+    s = Scenario()
+    s.submit("coll", ["c0", "c1"], ranks_per_node=2, dp=4)
+    s.train("coll", 10)
+    s.advance(5)
+    s.job_event("coll", "process.collective_failed", rank=1, step=11, attempt=0, timeout_s=5, error=TIMED_OUT)
+    s.job_event("coll", "process.collective_failed", rank=3, step=11, attempt=0, timeout_s=5, error=TIMED_OUT)
+    s.ack_all()
+    s.train("coll", 2)
+    return s
+
+
+@scenario
+def retry_fails_then_in_place() -> Scenario:
+    """The retried step's collective times out again in the retry's generation: the retry failed, and the network
+    ladder goes on to its next rung, every rank restarted in place."""
+    s = Scenario()
+    s.submit("coll2", ["c0", "c1"], ranks_per_node=2, dp=4)
+    s.train("coll2", 10)
+    s.checkpoint("coll2", 10, "storage", "storage")
+    s.advance(5)
+    s.job_event("coll2", "process.collective_failed", rank=0, step=11, attempt=0, timeout_s=5, error=TIMED_OUT)
+    s.ack_all()
+    s.advance(5)
+    s.job_event("coll2", "process.collective_failed", rank=2, step=11, attempt=1, timeout_s=5, error=TIMED_OUT)
+    s.ack_all()
+    s.train("coll2", 2)
+    return s
+
+
 @scenario
 def frequency_isolation() -> Scenario:
     """The same GPU reports a row-remap failure three times within the window: it is isolated and its
