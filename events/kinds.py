@@ -12,8 +12,10 @@ from pydantic import Field, SerializerFunctionWrapHandler, field_validator, mode
 
 from events.subjects import Token
 from events.values import (
+    MAX_SKIP,
     Attempt,
     Count,
+    DataName,
     Device,
     Devices,
     DueTime,
@@ -25,6 +27,7 @@ from events.values import (
     JobSpec,
     Label,
     LinkName,
+    Loss,
     Name,
     Pid,
     PositiveCount,
@@ -35,6 +38,7 @@ from events.values import (
     Step,
     Text,
     Tier,
+    drop_empty,
 )
 
 
@@ -83,10 +87,49 @@ class HangReport(Frozen):
     attempt: Attempt = 0
 
 
-class StepReported(Frozen):
+class _OmitsUnmeasured(Frozen):
+    """Leaves a compute time out of its wire form when none was measured: most scripts measure none, and a step
+    report is the commonest event, so the field costs them nothing (and older logs keep their bytes)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unmeasured(handler(self))
+
+
+def _without_unmeasured(data: dict[str, Any]) -> dict[str, Any]:
+    if data.get("compute_s", 0) is None:
+        del data["compute_s"]
+        data.pop("compute_steps", None)
+    return data
+
+
+class StepReported(_OmitsUnmeasured):
     rank: Rank
     step: Step
     attempt: Attempt = 0
+    compute_s: Seconds | None = Field(None, description="the step's compute time as the SDK measured it: from the "
+                                                        "step's start to its first collective, 0 .. 30 days")
+    loss: Loss | None = Field(None, description="the step's training loss, if the script reported it")
+    skip: list[DataName] = Field(default_factory=list, max_length=MAX_SKIP,
+                                 description="the samples or batches the script names for the step: what a "
+                                             "roll-back skips should the step be bad (none: the step's own batch)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return drop_empty(_without_unmeasured(handler(self)), "loss", "skip")
+
+
+class CollectiveFailed(Frozen):
+    """A rank's collective timed out while the rank lives (the SDK's report, relayed by its agent): the process group
+    of generation `attempt` is unusable, and the rank waits in its own process for the next generation. A dead peer
+    is not reported this way (its exit is the fault): only a timeout, where nothing tells which peer is to blame."""
+
+    rank: Rank
+    step: Step = Field(description="the step the collective belonged to: the step trained when it failed")
+    attempt: Attempt = Field(0, description="the generation of the process group whose collective failed")
+    operation: Label = "allreduce"
+    timeout_s: Seconds = Field(0, description="the group's timeout, 0 .. 30 days (0: not reported)")
+    error: Text = Field("", max_length=1024, description="the collective's error, as the backend raised it")
 
 
 MAX_STACK_CHARS = 16_384
@@ -115,12 +158,26 @@ MAX_REPORTED_RANKS = 4096
 """ranks one progress report may cover: a node's (a few to a few hundred), with room"""
 
 
-class RankProgress(Frozen):
+class RankProgress(_OmitsUnmeasured):
     """One rank in a `progress.report`: it lives, at `step` if it reported one, in generation `attempt`."""
 
     rank: Rank
     step: Step | None = Field(None, description="the newest step it completed in the period, if any")
     attempt: Attempt = 0
+    compute_s: Seconds | None = Field(None, description="mean compute time of its `compute_steps` steps in the "
+                                                        "period (from a step's start to its first collective: in "
+                                                        "synchronous data parallelism the wall step time is every "
+                                                        "rank's alike), 0 .. 30 days")
+    compute_steps: Count = Field(0, description="the steps `compute_s` is the mean of")
+    loss: Loss | None = Field(None, description="the worst loss it reported in the period (a non-finite one first, "
+                                                "else the highest), if any")
+    loss_step: Step | None = Field(None, description="the step of `loss`")
+    skip: list[DataName] = Field(default_factory=list, max_length=MAX_SKIP,
+                                 description="the samples or batches the script named for `loss_step`")
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return drop_empty(_without_unmeasured(handler(self)), "loss", "loss_step", "skip")
 
 
 class ProgressReport(Frozen):
@@ -284,6 +341,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "process.exited": ProcessExited,
     "process.heartbeat": Heartbeat,
     "process.hang": HangReport,
+    "process.collective_failed": CollectiveFailed,
     "progress.step": StepReported,
     "progress.report": ProgressReport,
     "process.stacks": ProcessStacks,

@@ -97,6 +97,12 @@ WatchdogInterval = Annotated[float, Strict(), AllowInfNan(False), Ge(MIN_WATCHDO
 """the period of a job's heartbeat watchdog: 0.1 s .. 10 years"""
 Factor = Annotated[float, Strict(), AllowInfNan(False), Gt(0), Le(1000.0)]
 """a multiple of the job's step time: above 0, at most 1000"""
+Loss = Annotated[float, Strict(), AllowInfNan(False)] | Literal["nan", "inf", "-inf"]
+"""a training loss: a finite number, or the non-finite value it took as a string (JSON has no NaN)"""
+MAX_SKIP = 64
+"""data names one bad step may carry (the samples or batches the script names to skip)"""
+DataName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_CONTROL_PATTERN)]
+"""a sample or batch the script names: 1..128 characters, no control character"""
 Flag = Annotated[bool, Strict()]
 """true or false: never 1, 0 or a string"""
 Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH, pattern=NO_CONTROL_PATTERN)]
@@ -109,6 +115,15 @@ Label = Annotated[str, StringConstraints(max_length=MAX_NAME_LENGTH, pattern=NO_
 """a short optional label (a vendor code, a source, an operation): 0..256 characters, no control character"""
 Text = Annotated[str, StringConstraints(pattern=TEXT_PATTERN)]
 """free text (a reason, a message): no control character but tab, line feed and carriage return"""
+
+
+def drop_empty(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """`data` without those of `keys` whose value is empty or None: optional fields added to a wire model later, left
+    out where unused so that what was written before them is written the same way."""
+    for key in keys:
+        if key in data and (data[key] is None or data[key] == []):
+            del data[key]
+    return data
 
 
 class Frozen(BaseModel):
@@ -152,6 +167,7 @@ class FaultClass(StrEnum):
     NODE = "node"
     HANG = "hang"
     PREEMPTION = "preemption"  # the platform asked the job to stop (SIGTERM, drain): not a failure of it
+    BAD_STEP = "bad_step"  # a NaN/inf or spiking loss (a bad batch, silent data corruption): the state is poisoned
 
 
 class Layout(Frozen):
@@ -334,6 +350,17 @@ class ResumePlan(Frozen):
     checkpoint_step: Step | None = Field(description="None: no usable checkpoint, start from the beginning")
     next_step: Step
     shards: list[ShardSource] = Field(default_factory=list)
+    skip_steps: list[Step] = Field(default_factory=list, max_length=4096,
+                                   description="steps whose data the script skips: bad steps rolled back, whose "
+                                               "script named no data of its own")
+    skip_data: list[DataName] = Field(default_factory=list, max_length=4096,
+                                      description="samples or batches the script named for its bad steps: skip them")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_skips(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Most plans skip nothing: they stay as they were on the wire, so the logs written before bad steps were
+        # rolled back replay to the same commands.
+        return drop_empty(handler(self), "skip_steps", "skip_data")
 
     def source_of(self, rank: int, node: str) -> RankSource | None:
         """The source of `rank`, placed on `node` (rank r holds shard r mod the number of shards)."""

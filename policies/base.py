@@ -54,6 +54,27 @@ class Signal:
     lemon only when something can replace it"""
     can_shrink: bool = False
     """for a device fault: the job is elastic and could go on at a smaller data-parallel size without that node"""
+    losses: tuple[float, ...] = ()
+    """for a loss (`progress.loss`, data a `LossSample`): the job's recent finite losses, oldest first (at most
+    `LOSS_HISTORY`; one per report, the median of its ranks', from the reports none of whose losses was bad): what a
+    spike is measured against"""
+    dead: tuple[int, ...] = ()
+    """for a collective failure: the job's ranks whose process the engine knows is gone (a failed collective with a
+    dead peer is that peer's fault, whose exit says so; with every rank alive the group itself failed)"""
+
+
+LOSS_HISTORY = 256
+"""the recent losses the engine keeps per job for the detection policy (`Signal.losses`)"""
+
+
+@dataclass(frozen=True, slots=True)
+class LossSample:
+    """A loss a rank reported for a step (`Signal.data` of a `progress.loss` signal): `loss` is a float, maybe NaN or
+    infinite."""
+
+    rank: int
+    step: int
+    loss: float
 
 
 # What a signal means for the job: one of five small variants (`Verdict` is their union).
@@ -87,6 +108,9 @@ class Fault:
     isolate_for_ns: int | None = None
     """with `isolate`: the isolation expires after this long unless a repair or a replacement ended it first (None:
     until then)"""
+    bad_step: int | None = None
+    """the job's state is poisoned from this step on (a NaN or spiking loss): every rank rolls back to the newest
+    checkpoint before it, and the data of that step is skipped"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +143,9 @@ class Drain:
     node: str
     device: int | None = None
     code: str | None = None
+    evidence: tuple[tuple[str, int | float], ...] = ()
+    """what the policy measured, for the decision's detail (a straggler: its rank, its compute time, the peers'
+    median), as (name, value) pairs in the order to show them"""
 
 
 Verdict = Ignore | Suspect | Clear | Fault | Drain
@@ -133,6 +160,11 @@ class RankActivity:
     last_progress: int
     """log time at which the rank's step last advanced"""
     step: int
+    compute_steps: int = 0
+    """steps whose compute time the rank reported in the job's current generation (0: it reports none)"""
+    compute_ns: int = 0
+    """their compute time in all, ns: the time from each step's start to its first collective, measured in the
+    rank; in synchronous data parallelism the wall step time is every rank's alike, this is where a slow one shows"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,11 @@ class MindClusterLikeDetection(DefaultDetection):
     version: ClassVar[str] = "5"  # 2: sub-health drains at the next checkpoint; 3: unused devices (default@4);
     # 4: lemons isolated only when replaceable, for isolation_s (default@6); 5: a stock script is never silent
 
+    def _stragglers(self, view: WatchdogView) -> list[Verdict]:
+        # MindCluster acts on faults and sub-health codes; a slow node with neither is not one it drains (default@8
+        # does), so the baseline stays what it was measured as.
+        return []
+
 
 STRATEGY_ORDER: tuple[tuple[Granularity, float], ...] = (
     (G.RETRY, 60.0), (G.IN_PLACE, 180.0), (G.MIGRATE, 300.0), (G.SCALE_IN, 900.0), (G.RESTART_JOB, 900.0),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import compress
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -80,34 +81,46 @@ class NewestCompleteCheckpoint(CheckpointPolicyBase):
         return Resume(resume, reason)
 
 
-def _replicas_at(ctx: CheckpointContext, usable: Callable[[int], bool]) -> tuple[int, list[list[int]]] | None:
-    """The newest step every shard has a usable replica at or past, and per shard those replicas (lowest rank
-    first); None when some shard has no usable replica."""
+def _replicas_at(ctx: CheckpointContext, usable: Sequence[bool]) -> tuple[int, Callable[[int], Iterator[int]]] | None:
+    """The newest step every shard has a usable replica (`usable[rank]`) at or past, and a function giving a
+    shard's such replicas, lowest rank first, lazily; None when some shard has no usable replica.
+
+    A job of 131,072 ranks is one shard of 131,072 replicas: the steps are read through `compress` and slices, at C
+    speed, and a caller that wants the first replica or the first few nodes reads no further."""
     shards = ctx.layout.shards
     steps = ctx.steps
-    ok = [rank for rank in range(len(ctx.alive)) if usable(rank)]  # once per rank: 131,072 of them in a big job
-    best: list[int] = [-1] * shards
-    for rank in ok:
-        shard = rank % shards
-        if steps[rank] > best[shard]:
-            best[shard] = steps[rank]
+    best = [max(compress(steps[shard::shards], usable[shard::shards]), default=-1) for shard in range(shards)]
     step = min(best)
     if step < 0:
         return None
-    replicas: list[list[int]] = [[] for _ in range(shards)]
-    for rank in ok:  # in rank order, so each shard's list is too
-        if steps[rank] >= step:
-            replicas[rank % shards].append(rank)
+
+    def replicas(shard: int) -> Iterator[int]:
+        return (rank for rank in compress(range(shard, len(steps), shards), usable[shard::shards])
+                if steps[rank] >= step)
+
     return step, replicas
+
+
+def _usable(ctx: CheckpointContext, ranks: Sequence[bool], without: frozenset[int] = frozenset()) -> Sequence[bool]:
+    """`ranks` less those in `without` and those on unreachable nodes (their memory and disks cannot be read)."""
+    if not without and not ctx.unreachable:
+        return ranks
+    mask = list(ranks)
+    for rank in without:
+        mask[rank] = False
+    if ctx.unreachable:
+        unreachable = ctx.unreachable
+        mask = [ok and node not in unreachable for ok, node in zip(mask, ctx.placement, strict=True)]
+    return mask
 
 
 def dying_savers(ctx: CheckpointContext) -> SaveRequest | None:
     """One live replica per shard, all at one common step (the newest such step), or None."""
-    found = _replicas_at(ctx, lambda r: bool(ctx.alive[r]) and ctx.placement[r] not in ctx.unreachable)
+    found = _replicas_at(ctx, _usable(ctx, ctx.alive))
     if found is None:
         return None
     step, replicas = found
-    return SaveRequest(step, tuple(ranks[0] for ranks in replicas))
+    return SaveRequest(step, tuple(next(replicas(shard)) for shard in range(ctx.layout.shards)))
 
 
 def exiting_step(ctx: CheckpointContext) -> int | None:
@@ -115,24 +128,27 @@ def exiting_step(ctx: CheckpointContext) -> int | None:
     will hold once each shard's writer has saved it (None when some shard has no such rank)."""
     if not ctx.exiting:
         return None
-    found = _replicas_at(ctx, lambda r: r in ctx.exiting and ctx.placement[r] not in ctx.unreachable)
+    exiting = [False] * len(ctx.steps)
+    for rank in ctx.exiting:
+        exiting[rank] = True
+    found = _replicas_at(ctx, _usable(ctx, exiting))
     return None if found is None else found[0]
 
 
 def live_peers(ctx: CheckpointContext, per_shard: int) -> ResumePlan | None:
     """The newest step every shard's live replicas outside the restart share, and up to `per_shard` of them
     (on distinct nodes, lowest rank first) per shard; None when some shard has no such replica."""
-    found = _replicas_at(ctx, lambda r: bool(ctx.alive[r]) and r not in ctx.restarting
-                         and ctx.placement[r] not in ctx.unreachable)
+    found = _replicas_at(ctx, _usable(ctx, ctx.alive, ctx.restarting))
     if found is None:
         return None
     step, replicas = found
-    sources = [ShardSource(shard=shard, tier=Tier.PEER, holders=sorted(_first_nodes(ctx, ranks, per_shard)))
-               for shard, ranks in enumerate(replicas)]
+    sources = [ShardSource(shard=shard, tier=Tier.PEER,
+                           holders=sorted(_first_nodes(ctx, replicas(shard), per_shard)))
+               for shard in range(ctx.layout.shards)]
     return ResumePlan(checkpoint_step=step, next_step=step + 1, shards=sources)
 
 
-def _first_nodes(ctx: CheckpointContext, ranks: list[int], count: int) -> list[str]:
+def _first_nodes(ctx: CheckpointContext, ranks: Iterable[int], count: int) -> list[str]:
     """The nodes of `ranks`, in their order without repeats, the first `count` of them (read no further)."""
     nodes: dict[str, None] = {}
     for rank in ranks:

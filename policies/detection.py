@@ -1,5 +1,9 @@
 """Built-in detection policy: fault-code tables, debouncing, frequency escalation and a watchdog.
 
+A bad step is a loss the script reported that is NaN or infinite, or more than `loss_spike_factor` times the median
+of the job's recent losses (`loss_window` of them, once `loss_min_samples` are known): the state is poisoned from
+that step on, and the fault says so (`Fault.bad_step`), so that the job rolls back to a checkpoint before it.
+
 Hangs are found from the job's own rhythm rather than the collective timeout (NCCL's 10 minutes,
 HCCL's 30): a rank silent for `hang_silence_factor` step times (at least `hang_min_silence_s`), or a
 job whose step has not advanced for `stall_factor` step times, is a fault within seconds.
@@ -7,6 +11,8 @@ job whose step has not advanced for `stall_factor` step times, is a fault within
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -14,14 +20,16 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from events import kinds
-from events.values import Factor, FaultClass, Interval, PositiveCount, Seconds
+from events.values import Factor, FaultClass, Flag, Interval, PositiveCount, Seconds
 from policies.base import (
+    LOSS_HISTORY,
     NS,
     Clear,
     DetectionPolicyBase,
     Drain,
     Fault,
     Ignore,
+    LossSample,
     Params,
     RankActivity,
     Signal,
@@ -54,6 +62,27 @@ class DefaultDetectionParams(Params):
                                                        "start), no progress is a stall only after this long: a first "
                                                        "step may compile, load and warm up for minutes "
                                                        "(1 ms .. 30 days)")
+    straggler_window_steps: PositiveCount = Field(20, le=256, description="a straggler is judged on at least this "
+                                                                          "many steps of compute times of its own "
+                                                                          "and of its peers' in the job's current "
+                                                                          "generation (1 .. 256: the engine's tally "
+                                                                          "weighs the last 256 to 512)")
+    straggler_ratio: Factor = Field(1.5, description="a rank whose mean compute time per step is at least this many "
+                                                     "times its peers' median is a straggler: its node is drained at "
+                                                     "the next complete checkpoint when a spare is free: (0, 1000]")
+    straggler_min_excess_s: Seconds = Field(0.05, description="... and at least this much slower per step, so that "
+                                                              "the noise of steps of a few ms drains nothing "
+                                                              "(0 .. 30 days)")
+    loss_checks: Flag = Field(True, description="a reported loss that is NaN, infinite or a spike is a bad step: "
+                                                 "roll the job back to the newest checkpoint before it")
+    loss_spike_factor: Factor = Field(10.0, description="a loss above this many times the median of the recent "
+                                                        "ones is a spike: (0, 1000]")
+    loss_window: PositiveCount = Field(32, le=LOSS_HISTORY, description="the recent losses (one per report: the "
+                                                                        "median of its ranks') whose median a "
+                                                                        "spike is measured against: 1 .. 256")
+    loss_min_samples: PositiveCount = Field(8, le=LOSS_HISTORY, description="no spike is judged before this many "
+                                                                            "losses are known (only NaN and inf): "
+                                                                            "1 .. 256")
 
 
 def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
@@ -62,10 +91,12 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 
 class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "7"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    version: ClassVar[str] = "9"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s;
     # 6: a lemon is isolated only when a spare can replace it or the job can do without it, for isolation_s; a
-    # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled
+    # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled; 8: a straggler's
+    # node is drained (a loss check is no new version: no log before it holds a loss, so no decision of one
+    # changes); 9: a rank's collective timeout with every rank alive is a network fault of the job (a retry first)
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -83,6 +114,8 @@ class DefaultDetection(DetectionPolicyBase):
         data = signal.data
         if isinstance(data, kinds.DeviceFault):
             return self._device(signal, data)
+        if isinstance(data, LossSample):
+            return self._loss(signal, data)
         if isinstance(data, kinds.ProcessExited):
             meaning = exit_status(data.exit_code, data.signal)
             code = f"exit={data.exit_code},sig={data.signal}"
@@ -101,6 +134,8 @@ class DefaultDetection(DetectionPolicyBase):
                          FaultClass.HANG, "rank", signal.ranks)
         if isinstance(data, kinds.CollectiveTimeout):
             return self._collective(signal, data)
+        if isinstance(data, kinds.CollectiveFailed):
+            return self._collective_failed(signal, data)
         if isinstance(data, kinds.LinkDown):
             return Suspect(Fault(f"link {data.link} down on {signal.node}", FaultClass.NETWORK, "link",
                                  signal.ranks, signal.node, lost=False),
@@ -125,6 +160,29 @@ class DefaultDetection(DetectionPolicyBase):
                          FaultClass.PREEMPTION, "node", signal.ranks, signal.node, lost=False,
                          needs_move=True)
         return Ignore(f"{signal.type} needs no action")
+
+    def _loss(self, signal: Signal, sample: LossSample) -> Verdict:
+        p = self.params
+        where = f"at step {sample.step} on rank {sample.rank}"
+        if not p.loss_checks:
+            return Ignore("loss checks are off")
+        if not math.isfinite(sample.loss):
+            what = "nan" if math.isnan(sample.loss) else "inf" if sample.loss > 0 else "-inf"
+            return self._bad_step(f"loss {what} {where}", signal, sample)
+        recent = signal.losses[-p.loss_window:]
+        if len(recent) < p.loss_min_samples:
+            return Ignore(f"loss {sample.loss:.6g} {where}: {len(recent)} of {p.loss_min_samples} losses known")
+        median = statistics.median(recent)
+        if median > 0 and sample.loss > p.loss_spike_factor * median:
+            return self._bad_step(f"loss {sample.loss:.6g} {where}: a spike, {sample.loss / median:.3g} times the "
+                                  f"median {median:.6g} of the last {len(recent)}", signal, sample)
+        return Ignore(f"loss {sample.loss:.6g} {where}")
+
+    @staticmethod
+    def _bad_step(reason: str, signal: Signal, sample: LossSample) -> Fault:
+        # The all-reduce spreads one rank's bad gradients to every replica: the whole job's state is poisoned.
+        return Fault(reason, FaultClass.BAD_STEP, "job", tuple(range(signal.world)), lost=False,
+                     bad_step=sample.step)
 
     def _device(self, signal: Signal, data: kinds.DeviceFault) -> Verdict:
         if data.vendor == "nvidia":
@@ -217,6 +275,17 @@ class DefaultDetection(DetectionPolicyBase):
         return Fault(f"{data.operation} on {data.group} timed out on every member: network",
                      FaultClass.NETWORK, "job", tuple(sorted(set(data.members))), lost=False)
 
+    def _collective_failed(self, signal: Signal, data: kinds.CollectiveFailed) -> Verdict:
+        where = f"rank {data.rank}: {data.operation} of step {data.step} in generation {data.attempt} timed out"
+        if signal.dead:
+            # A dead peer's exit is the fault, and its restart re-forms the group: the timeout is only its echo.
+            return Ignore(f"{where}; ranks {list(signal.dead)} are gone, whose exit is the fault")
+        # Every process lives: nothing says which peer is to blame (a transient network fault, a peer late past the
+        # group's timeout). The group is formed again and the step done again, no process restarted: the network
+        # ladder's first rung, `retry`; a retry that fails goes up the ladder.
+        return Fault(f"{where}, every rank alive: the group failed, not a process", FaultClass.NETWORK, "job",
+                     tuple(range(signal.world)), lost=False, code="collective_timeout")
+
     # -- watchdog -------------------------------------------------------------------------------------
     def check(self, view: WatchdogView) -> list[Verdict]:
         p = self.params
@@ -258,7 +327,51 @@ class DefaultDetection(DetectionPolicyBase):
         if behind:
             return [Fault(f"ranks {list(behind)} stuck behind step {top} for more than "
                           f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
-        return []
+        return self._stragglers(view)
+
+    def _stragglers(self, view: WatchdogView) -> list[Verdict]:
+        """A drain of each node that holds a rank persistently slower than its peers. In synchronous data
+        parallelism every rank waits for the slowest in the collective, so one slow GPU or throttled host slows the
+        whole job without a fault: its compute time (before the collective) is what shows it. Judged on the engine's
+        tally of the rank's recent steps (the last few hundred: `RankActivity.compute_ns`), once the rank and at
+        least one peer measured `straggler_window_steps`."""
+        p = self.params
+        if not view.nodes or len(view.nodes) * view.ranks_per_node != len(view.ranks):
+            return []  # the placement is unknown: no node to drain
+        measured = [(a.compute_ns // a.compute_steps, a.rank, a.compute_steps) for a in view.ranks
+                    if a.compute_steps >= p.straggler_window_steps]
+        if len(measured) < 2:
+            return []
+        ordered = sorted(measured)
+        drains: dict[str, Drain] = {}
+        for position in reversed(range(len(ordered))):  # slowest first
+            mean, rank, steps = ordered[position]
+            median = _median_without(ordered, position)
+            if mean < p.straggler_ratio * median:
+                break  # every rank from here on is faster still
+            if mean - median < p.straggler_min_excess_s * NS:
+                continue
+            node = view.nodes[rank // view.ranks_per_node]
+            if node in drains:
+                continue  # one drain per node: its slowest rank speaks for it
+            drains[node] = Drain(f"rank {rank} on {node} computes {mean / NS:.3f}s per step over {steps} steps, "
+                                 f"{mean / max(median, 1):.1f}x its peers' median {median / NS:.3f}s (straggler "
+                                 f"ratio {p.straggler_ratio:g}): leave it at the next checkpoint", node,
+                                 code="straggler", evidence=(("rank", rank), ("compute_s", round(mean / NS, 6)),
+                                                             ("peers_median_s", round(median / NS, 6)),
+                                                             ("steps", steps)))
+        return [drains[node] for node in sorted(drains, key=view.nodes.index)]
+
+
+def _median_without(ordered: list[tuple[int, int, int]], position: int) -> int:
+    """The median mean of `ordered` (sorted by mean) without its entry at `position`: the peers' median, in O(1)."""
+    count = len(ordered) - 1
+
+    def peer(k: int) -> int:  # the k-th smallest mean of the others
+        return ordered[k if k < position else k + 1][0]
+
+    half = count // 2
+    return peer(half) if count % 2 else (peer(half - 1) + peer(half)) // 2
 
 
 def _silent_agents(view: WatchdogView, silence: int) -> list[int]:

@@ -56,6 +56,9 @@ DEFAULT_LADDERS: dict[FaultClass, list[Rung]] = {
     FaultClass.DEVICE: _ladder((G.IN_PLACE, 3, 180), (G.MIGRATE, None, 300, 2), (G.RESTART_JOB, 3, 900)),
     FaultClass.NODE: _ladder((G.MIGRATE, None, 300, 2), (G.RESTART_JOB, 3, 900)),
     FaultClass.PREEMPTION: _ladder((G.MIGRATE, None, 300, 2), (G.RESTART_JOB, None, 900)),
+    # A bad step poisons every replica: every rank restarts in place from the checkpoint before it (its fault names
+    # them all), which needs no spare; a whole-job restart if that fails.
+    FaultClass.BAD_STEP: _ladder((G.IN_PLACE, 2, 300), (G.RESTART_JOB, 2, 900)),
 }
 
 
@@ -107,6 +110,7 @@ class LadderRescheduling(ReschedulingPolicyBase):
     # 5: every wait has a deadline and a fallback (a device reset in place, scale in, or fail with the reason);
     # 6: a stock script (no SDK) restarts whole; a restart budget over a window; crash loops fail the job;
     # 7: the first quick_widenings of a crash restarted in place do not settle
+    # (the bad-step ladder is no new version: no log before it holds a bad step, so no decision of one changes)
 
     parameters = LadderParams
     params: LadderParams

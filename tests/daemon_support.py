@@ -175,9 +175,10 @@ CONNECT_TIMEOUT_S = 30.0
 
 async def connect(url: str) -> tuple[Client, JetStreamContext]:
     """A connection that rides out outages once made (reconnects forever) but whose first connect fails after
-    CONNECT_TIMEOUT_S: a server that never came up fails the test instead of hanging it."""
+    CONNECT_TIMEOUT_S: a server that never came up fails the test instead of hanging it. `url` may name several
+    servers, comma-separated (a cluster's)."""
     nc = await asyncio.wait_for(
-        nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1, name="recovery-tests"),
+        nats.connect(url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.1, name="recovery-tests"),
         CONNECT_TIMEOUT_S)
     js = nc.jetstream(timeout=10)
     surface_async_ack_errors(js)  # a refused (429) publish_async fails its future rather than leaving it pending

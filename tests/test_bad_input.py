@@ -123,7 +123,9 @@ def test_an_output_type_sent_as_input_is_rejected_as_unknown(scenario: Scenario)
 @pytest.mark.parametrize(("data", "reason"), [
     ({"rank": 0, "step": -1}, "step: Input should be greater than or equal to 0"),
     ({"rank": 0}, "step: Field required"),
-    ({"rank": 0, "step": 9, "loss": 0.1}, "loss: Extra inputs are not permitted"),
+    ({"rank": 0, "step": 9, "lr": 0.1}, "lr: Extra inputs are not permitted"),
+    ({"rank": 0, "step": 9, "loss": "NaN"}, "loss.float: Input should be a valid number"),  # the words: nan, inf
+    ({"rank": 0, "step": 9, "loss": True}, "loss.float: Input should be a valid number"),
     ({"rank": "zero", "step": 9}, "rank: Input should be a valid integer"),
     ({"rank": True, "step": 9}, "data.rank: Input should be a valid integer, not a boolean"),
     ({"rank": 0, "step": False}, "data.step: Input should be a valid integer, not a boolean"),

@@ -38,13 +38,13 @@ def test_bench_quick_prints_json_metrics(bench: str) -> None:
 
 
 E2E_REQUIRED = {"cold_recovered_s", "cold_detect_s", "cold_restart_s", "cold_processes_restarted", "sdk_overhead_pct",
-                "sdk_report_step_us"}
+                "sdk_report_step_us", "memory_ckpt_stall_ratio_to_torch_save", "memory_restore_ratio_to_storage"}
 
 
 def test_e2e_bench_quick_recovers_a_killed_rank_and_measures_the_sdk() -> None:
-    """The stack's case and the SDK's overhead only: torchrun's and the standby's take a minute more each, and
-    the end-to-end tests run those paths already."""
-    done = subprocess.run([sys.executable, str(BENCH), "e2e", "--quick", "--only", "cold", "overhead"],
+    """The stack's case, the SDK's overhead and the memory tier only: torchrun's and the standby's take a minute
+    more each, and the end-to-end tests run those paths already."""
+    done = subprocess.run([sys.executable, str(BENCH), "e2e", "--quick", "--only", "cold", "overhead", "memory"],
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     rows = [orjson.loads(line) for line in done.stdout.splitlines()]
@@ -54,6 +54,7 @@ def test_e2e_bench_quick_recovers_a_killed_rank_and_measures_the_sdk() -> None:
     assert values["cold_processes_restarted"] == 1, values
     assert 0 < values["cold_detect_s"] < values["cold_recovered_s"], values
     assert values["sdk_report_step_us"] > 0, values
+    assert "warning: " not in done.stderr, done.stderr  # the memory tier: both tiers reported, no memory left
 
 
 def test_a_short_soak_loses_no_event_and_doubles_no_command(tmp_path: Path) -> None:

@@ -160,3 +160,53 @@ def test_the_sdk_reads_the_torch_store_key_the_job_store_writes() -> None:
     from recovery.client.torch import TORCH_STORE_KEY
 
     assert TORCH_STORE_KEY.format(run_id="job-7", generation=3) == torch_store_key("job-7", 3)
+
+
+def test_a_step_carries_its_loss_non_finite_as_a_word_and_the_data_it_names(agent: StandInAgent,
+                                                                           tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "agent.sock"), rank=1, heartbeat_s=0.05)
+    client.report_step(22, loss=0.25)
+    client.report_step(23, loss=float("nan"), skip=["shard-3/batch-22", "sample-9"])
+    client.report_step(24, loss=float("-inf"))
+    wait_for(lambda: len(agent.ops("step")) == 3)
+    client.close()
+    assert [(m["step"], m["loss"], m.get("skip")) for m in agent.ops("step")] == [
+        (22, 0.25, None), (23, "nan", ["shard-3/batch-22", "sample-9"]), (24, "-inf", None)]
+
+
+def test_the_plan_names_the_data_a_roll_back_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RECOVERY_AGENT_SOCKET", raising=False)
+    monkeypatch.setenv("RECOVERY_RESUME_PLAN", json.dumps(
+        {"checkpoint_step": 20, "next_step": 21, "shards": [{"shard": 0, "tier": "storage", "holders": ["storage"]}],
+         "skip_steps": [23], "skip_data": ["sample-9"]}))
+    client = connect()
+    assert client.skip_steps == {23} and client.skip_data == {"sample-9"}
+    assert client.skips(23) and client.skips(30, ["sample-1", "sample-9"]) and not client.skips(24, ["sample-1"])
+    monkeypatch.delenv("RECOVERY_RESUME_PLAN")
+    assert not connect().skips(23)  # a first start skips nothing
+
+
+def test_a_collective_timeout_is_reported_with_the_step_it_interrupted_and_the_groups_generation(
+        agent: StandInAgent, tmp_path: Path) -> None:
+    client = Client(str(tmp_path / "agent.sock"), rank=2, generation=1, heartbeat_s=0.05)
+    client.report_step(15)
+    client.collective_failed(1, "Timed out waiting 4000ms for recv operation to complete", timeout_s=4.0)
+    wait_for(lambda: agent.ops("collective_failed"))
+    client.close()
+    assert agent.ops("collective_failed") == [{
+        "op": "collective_failed", "generation": 1, "step": 16, "operation": "allreduce", "timeout_s": 4.0,
+        "error": "Timed out waiting 4000ms for recv operation to complete", "rank": 2, "attempt": 1}]
+
+
+def test_only_a_collective_that_timed_out_with_its_group_intact_is_a_timeout_to_report() -> None:
+    from recovery.client.torch import ProcessGroupRecovery
+
+    group = ProcessGroupRecovery.__new__(ProcessGroupRecovery)  # no group formed: what `recover` judges by
+    group._aborted = False
+    timed_out = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for "
+                 "recv operation to complete")
+    assert group.timed_out(timed_out)
+    # a dead peer: its exit is the fault, not the group's timeout
+    assert not group.timed_out("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16781")
+    group._aborted = True  # the watcher shut the group: a peer failed first, or a newer generation began
+    assert not group.timed_out(timed_out)

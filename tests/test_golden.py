@@ -224,6 +224,30 @@ def test_transient_network_fault_retries_the_step_without_restarts() -> None:
     assert closed(result).detail["lost_steps"] == 0
 
 
+def test_a_collective_timeout_with_every_rank_alive_is_retried_in_a_new_generation_without_restarts() -> None:
+    result = load("retry_new_generation")
+    [retry] = commands(result, "retry_step")
+    assert (retry.step, retry.attempt) == (11, 1)  # the step again, in generation 1
+    for kind in ("restart_ranks", "restart_job", "migrate_ranks", "stop_ranks", "scale_job"):
+        assert not commands(result, kind)
+    [stale] = kinds(result, "signal.ignored")  # the second rank's report names the group retried since
+    assert "generation 1 has replaced" in stale.reason
+    job = result.engine.jobs["coll"]
+    assert job.generation == 1 and job.rank_gen == [0, 0, 0, 0]  # a new generation, the same processes
+    done = closed(result)
+    assert (done.detail["granularity"], done.detail["lost_steps"]) == ("retry", 0)
+
+
+def test_a_retry_whose_collective_fails_again_goes_on_to_a_restart_in_place() -> None:
+    result = load("retry_fails_then_in_place")
+    assert [d.detail["granularity"] for d in kinds(result, "attempt.started")] == ["retry", "in_place"]
+    [failed] = kinds(result, "attempt.failed")
+    assert "generation 1" in failed.reason
+    [restart] = commands(result, "restart_ranks")
+    assert (restart.ranks, restart.attempt, restart.plan.checkpoint_step) == ([0, 1, 2, 3], 2, 10)
+    assert closed(result).detail["granularity"] == "in_place"
+
+
 def test_third_fault_of_a_device_in_the_window_isolates_it() -> None:
     result = load("frequency_isolation")
     assert len(kinds(result, "signal.ignored")) == 2
@@ -292,3 +316,38 @@ def test_a_lemon_gpu_is_isolated_only_once_a_spare_can_replace_it() -> None:
     assert isolating.cause_seq > no_spare[-1].cause_seq
     [move] = commands(result, "migrate_ranks")
     assert (move.from_node, move.to_node) == ("l1", "s0")
+
+
+def test_a_straggler_is_drained_to_a_spare_at_the_next_checkpoint_with_its_time_against_the_peers() -> None:
+    result = load("straggler_drained")
+    [planned] = kinds(result, "node.drain_planned")
+    assert planned.detail["node"] == "n2" and planned.detail["code"] == "straggler"
+    assert planned.detail["rank"] == 5 and planned.detail["steps"] >= 20
+    assert (planned.detail["compute_s"], planned.detail["peers_median_s"]) == (0.5, 0.2)
+    assert "2.5x its peers' median" in planned.reason
+    [deferred] = kinds(result, "node.drain_deferred")  # no spare free at step 30
+    assert deferred.detail == {"nodes": ["n2"], "step": 30}
+    [move] = commands(result, "migrate_ranks")
+    assert (move.from_node, move.to_node, move.ranks) == ("n2", "s0", [4, 5])
+    assert move.plan.checkpoint_step == 40
+    assert closed(result).detail["granularity"] == "migrate" and closed(result).detail["lost_steps"] == 0
+    assert result.engine.jobs["slow"].closed[-1]["cause"] == "drain"
+    job = result.engine.jobs["slow"]
+    assert job.nodes == ["n0", "n1", "s0", "n3"] and job.state == "running"
+    assert result.engine.cluster.nodes["n2"].drained
+
+
+def test_a_nan_loss_rolls_every_rank_back_before_the_bad_step_and_skips_its_data() -> None:
+    result = load("bad_step_rollback")
+    [confirmed] = kinds(result, "fault.confirmed")
+    assert confirmed.reason == "loss nan at step 24 on rank 0"  # the consequence, heard first
+    [earlier] = kinds(result, "fault.added")
+    assert earlier.reason.startswith("loss nan at step 23 on rank 1")  # the bad step itself, heard next
+    [attempt] = kinds(result, "attempt.started")  # one roll-back: the later nan reports decide nothing
+    assert attempt.detail["granularity"] == "in_place" and attempt.detail["ranks"] == [0, 1]
+    [restart] = commands(result, "restart_ranks")
+    assert isinstance(restart, RestartRanks) and restart.ranks == [0, 1]
+    # The checkpoint at 25 holds the poisoned state; 20 is the newest before the bad step 23.
+    assert restart.plan.checkpoint_step == 20 and restart.plan.next_step == 21
+    assert restart.plan.skip_data == ["shard-7/batch-22"] and restart.plan.skip_steps == []
+    assert closed(result).reason == "progress to step 21 past resume point 20"

@@ -4,8 +4,8 @@
         < recovery.sim < recovery.report < recovery.service < recovery.cli
 
 `recovery.client`, the SDK training scripts import, stands alone: it imports nothing of ours and only the standard
-library, so that it installs into any training environment (torch only in `recovery.client.torch`, and only inside
-its functions, so that importing the SDK never imports torch).
+library, so that it installs into any training environment (torch only in `recovery.client.torch` and
+`recovery.client.memory`, and only inside their functions, so that importing the SDK never imports torch).
 
 A module imports only from its own layer or lower ones; `recovery.testing` (what users and plugin authors test with)
 may import any layer up to `recovery.sim`, and nothing in the product imports it, `tests` or `tools`. The core does
@@ -31,6 +31,8 @@ TESTING_MAY_IMPORT = LAYERS[: LAYERS.index("recovery.sim") + 1]
 NOT_THE_PRODUCT = ("recovery.testing", "tests", "tools")
 CLIENT = "recovery.client"
 CLIENT_TORCH = "recovery.client.torch"
+CLIENT_MEMORY = "recovery.client.memory"
+"""the in-memory checkpoint tier's tensor copies: torch inside its functions, as in `recovery.client.torch`"""
 CLIENT_DDP = "recovery.client.ddp"
 """a DDP script's helpers, imported by the script itself (never by `recovery.client`): torch at its top"""
 CORE_MAY_NOT_IMPORT = frozenset({
@@ -167,7 +169,7 @@ def test_the_client_imports_nothing_of_ours_and_only_the_standard_library() -> N
                     wrong.append(f"{where(name, line)}: {name} imports {module}")
                 continue
             top = target.split(".")[0]
-            if top == "torch" and name in (CLIENT_TORCH, CLIENT_DDP):
+            if top == "torch" and name in (CLIENT_TORCH, CLIENT_MEMORY, CLIENT_DDP):
                 continue
             if top not in sys.stdlib_module_names:
                 wrong.append(f"{where(name, line)}: {name} imports {target}, not in the standard library")
@@ -183,11 +185,12 @@ def test_nothing_of_ours_imports_the_client_but_the_client() -> None:
 
 
 def test_the_client_imports_torch_only_inside_its_torch_helpers_functions() -> None:
-    tree = ast.parse(modules()[CLIENT_TORCH].read_text())
-    top_level = [node.lineno for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)
-                 and any((a.name if isinstance(node, ast.Import) else node.module or "").split(".")[0] == "torch"
-                         for a in node.names)]
-    assert top_level == [], f"torch imported at module level of {CLIENT_TORCH}: lines {top_level}"
+    for name in (CLIENT_TORCH, CLIENT_MEMORY):
+        tree = ast.parse(modules()[name].read_text())
+        top_level = [node.lineno for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)
+                     and any((a.name if isinstance(node, ast.Import) else node.module or "").split(".")[0] == "torch"
+                             for a in node.names)]
+        assert top_level == [], f"torch imported at module level of {name}: lines {top_level}"
 
 
 def test_importing_the_client_loads_no_third_party_module() -> None:

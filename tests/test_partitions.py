@@ -2,13 +2,17 @@
 by one daemon through its lease and fenced against a stale owner, spares granted by exactly one partition. Real
 nats-server, real daemon processes.
 
-The last test is the one the design answers to: 3 daemons, 64 jobs, one daemon SIGKILLed while incidents are open.
-Every decision is made once, every partition's final state is what an offline replay of its log gives, and no
-spare is granted by two partitions.
+The last test is the one the design answers to: 3 daemons, 64 jobs, one daemon SIGKILLed while incidents are open,
+on a NATS cluster of three servers with every stream and bucket at three replicas (where a stream's leader refuses
+a conditional write while another on the same subject is in flight, which a single server never does). Every
+decision is made once, every partition's final state is what an offline replay of its log gives, and no spare is
+granted by two partitions.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +39,7 @@ from recovery.service.ownership import fair_share
 from recovery.service.publisher import Outgoing, Publisher
 from recovery.service.snapshots import SnapshotStore
 from recovery.service.streams import ensure_streams
-from recovery.testing.nats import NatsServer
+from recovery.testing.nats import NatsCluster, NatsServer
 from tests.daemon_support import DaemonProcess, async_wait_for, connect, dumps, read_stream, state_view
 
 P = 4
@@ -256,12 +260,19 @@ async def test_a_daemon_that_joins_takes_a_fair_share_handed_over_gracefully(nat
         second.close()
 
 
-async def test_three_daemons_share_64_jobs_and_survive_a_sigkill_mid_incident(nats_server: NatsServer,
-                                                                               tmp_path: Path) -> None:
+async def test_three_daemons_share_64_jobs_and_survive_a_sigkill_mid_incident(tmp_path: Path) -> None:
+    nats_cluster = NatsCluster(tmp_path / "nats", size=3)
+    nats_cluster.start()
+    try:
+        await three_daemons_share_64_jobs(nats_cluster.url, tmp_path)
+    finally:
+        nats_cluster.stop()
+
+
+async def three_daemons_share_64_jobs(url: str, tmp_path: Path) -> None:
     started = time.monotonic()
-    url = nats_server.url
     settings = {"partitions": P, "lease_ttl_s": TTL_S, "snapshot_every_records": 500, "snapshot_every_s": 1.0,
-                "ack_wait_s": 5.0, "log_level": "INFO"}
+                "ack_wait_s": 5.0, "log_level": "INFO", "replicas": 3}
     daemons = [DaemonProcess(tmp_path / name, url, instance=f"daemon-{name}", **settings) for name in "abc"]
     nc, js = await connect(url)
     bus = Bus(nc, js)
@@ -307,9 +318,14 @@ async def test_three_daemons_share_64_jobs_and_survive_a_sigkill_mid_incident(na
         for daemon in survivors:
             code, _ = daemon.terminate(20)
             assert code == 0, daemon.log_tail()
+        # no partition of a survivor failed or was fenced: nobody else claimed one (a clustered stream's refusal of
+        # a write while another is in flight is no fence), and none was taken and handed over in a loop
+        for daemon in survivors:
+            failed = [line for line in daemon.logs() if line.get("msg") in ("partition stopped", "partition failed")]
+            assert not failed, ownership_lines(daemon)
         snapshots = []
         for k in range(P):
-            store = SnapshotStore(js, "RECOVERY_SNAPSHOTS", f"default-{k}", 512 * 1024, 1)
+            store = SnapshotStore(js, "RECOVERY_SNAPSHOTS", f"default-{k}", 512 * 1024, 3)
             await store.ensure()
             snapshots.append(await store.load())
     finally:
@@ -352,4 +368,11 @@ async def test_three_daemons_share_64_jobs_and_survive_a_sigkill_mid_incident(na
     assert granted, "no spare was granted: the run did not exercise the pool"
     assert all(len(parts) == 1 for parts in granted.values()), f"a spare granted by two partitions: {granted}"
     assert failover_s < TTL_S + 4, f"partitions {lost} served again after {failover_s:.1f}s"
+    # the postmortem tool finds the partitions in the log and verifies each through an engine of its own
+    verified = subprocess.run([sys.executable, "-m", "recovery.cli.replay", "verify", "--nats", url, "--json"],
+                              capture_output=True, timeout=120, check=False)
+    answer = orjson.loads(verified.stdout)
+    assert verified.returncode == 0 and answer["ok"] and answer["partitions"] == P, (answer, verified.stderr[-2000:])
+    assert [r["partition"] for r in answer["results"]] == list(range(P))
+    assert sum(r["recorded"] for r in answer["results"]) == decided
     assert time.monotonic() - started < 120

@@ -13,14 +13,18 @@ from policies.base import (
     NS,
     AttemptSummary,
     CheckpointContext,
+    Drain,
     Fail,
+    RankActivity,
     RescheduleContext,
     ReschedulingPolicyBase,
     Resume,
     SaveDying,
     Wait,
+    WatchdogView,
 )
 from policies.checkpoint import NewestCompleteCheckpoint
+from policies.detection import DefaultDetection
 from policies.rescheduling import LadderRescheduling
 from recovery.testing.scenario import Scenario
 
@@ -29,7 +33,7 @@ def test_builtins_come_from_the_entry_point_group() -> None:
     found = registry.available()
     assert {"default", "ladder", "newest-complete"} <= set(found)
     labels = registry.load_set(PolicySelection()).labels
-    assert labels == {"detection": "default@7", "rescheduling": "ladder@7", "checkpoint": "newest-complete@3"}
+    assert labels == {"detection": "default@9", "rescheduling": "ladder@7", "checkpoint": "newest-complete@3"}
 
 
 def test_unknown_policy_and_bad_parameters_are_clear_errors() -> None:
@@ -194,3 +198,25 @@ def test_every_built_in_subclasses_its_familys_base() -> None:
     assert len(built_in) == 9
     for name, cls in built_in.items():
         assert issubclass(cls, FAMILY_BASES[cls.family]), name
+
+
+def _computing(per_rank_s: list[float], steps: int = 20) -> WatchdogView:
+    """Four nodes of two ranks, all stepping together, each rank with its mean compute time over `steps` steps."""
+    now = 100 * NS
+    ranks = tuple(RankActivity(r, now, now, 50, steps, round(t * NS) * steps) for r, t in enumerate(per_rank_s))
+    return WatchdogView(now, NS, ranks, ("n0", "n1", "n2", "n3"), 2)
+
+
+def test_a_rank_computing_past_the_ratio_of_its_peers_median_drains_its_node() -> None:
+    [drain] = DefaultDetection().check(_computing([0.2, 0.21, 0.2, 0.19, 0.2, 0.45, 0.2, 0.2]))
+    assert isinstance(drain, Drain) and drain.node == "n2" and drain.code == "straggler"
+    assert dict(drain.evidence) == {"rank": 5, "compute_s": 0.45, "peers_median_s": 0.2, "steps": 20}
+
+
+def test_no_straggler_below_the_ratio_the_excess_or_the_window() -> None:
+    policy = DefaultDetection()
+    assert policy.check(_computing([0.2] * 7 + [0.29])) == []  # under 1.5x
+    assert policy.check(_computing([0.01] * 7 + [0.04])) == []  # 4x, but 30 ms: noise of a tiny step
+    assert policy.check(_computing([0.2] * 7 + [0.5], steps=19)) == []  # not yet the window's 20 steps
+    tuned = DefaultDetection({"straggler_window_steps": 10, "straggler_ratio": 1.2, "straggler_min_excess_s": 0})
+    assert [d.node for d in tuned.check(_computing([0.2] * 7 + [0.25], steps=10))] == ["n3"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from events.envelope import make_envelope
 from events.outputs import Rejection
-from recovery.agent.progress import ProgressFold, SilenceWatch
+from recovery.agent.progress import ProgressFold, SilenceWatch, wire_loss, wire_skip
 from recovery.testing.scenario import Scenario
 from tests.test_poison import engine_state
 
@@ -113,6 +113,45 @@ def test_the_fold_keeps_each_ranks_newest_word_and_says_what_is_news() -> None:
     assert fold.take("j") is None
 
 
+def test_the_fold_carries_each_ranks_mean_compute_time_of_the_period_and_the_engine_tallies_it() -> None:
+    fold = ProgressFold()
+    fold.note("j", 0, 1, 0, compute_s=0.2)
+    fold.note("j", 0, 2, 0, compute_s=0.4)
+    fold.note("j", 0, None, 0)  # a heartbeat measures nothing
+    fold.note("j", 1, 1, 0)  # a rank that measures nothing reports as before
+    fold.note("j", 2, 5, 0, compute_s=9.0)
+    fold.note("j", 2, 1, 1, compute_s=0.1)  # a new generation's process: the old one's times are not its own
+    report = fold.take("j")
+    assert report == {"ranks": [{"rank": 0, "step": 2, "attempt": 0, "compute_s": 0.3, "compute_steps": 2},
+                                {"rank": 1, "step": 1, "attempt": 0},
+                                {"rank": 2, "step": 1, "attempt": 1, "compute_s": 0.1, "compute_steps": 1}]}
+    s = Scenario()
+    s.submit("j", ["n0"], ranks_per_node=2, dp=2)
+    s.advance(1)
+    s.job_event("j", "progress.report", ranks=report["ranks"][:2])
+    s.job_event("j", "progress.step", rank=1, step=2, compute_s=0.25)
+    job = s.engine.jobs["j"]
+    assert (job.compute_steps, job.compute_ns) == ([2, 1], [600_000_000, 250_000_000])
+    assert not s.rejections
+
+
+def test_a_step_is_said_once_though_every_heartbeat_carries_it() -> None:
+    fold = ProgressFold()
+    fold.note("j", 0, 5, 0, 0.2)  # the step
+    fold.note("j", 0, 5, 0)  # a heartbeat in the same period carries it
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 5, "attempt": 0, "compute_s": 0.2, "compute_steps": 1}]}
+    fold.note("j", 0, 5, 0)  # a period of heartbeats alone (a slow step): alive, and no step said again
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": None, "attempt": 0}]}
+    fold.note("j", 0, 6, 0)  # the heartbeat thread read the new step before the step itself was sent
+    fold.note("j", 0, 6, 0, 0.3)
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 6, "attempt": 0, "compute_s": 0.3, "compute_steps": 1}]}
+    fold.note("j", 0, 6, 1)  # a new generation resumes at the step: said again, in it
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 6, "attempt": 1}]}
+    fold.forget("j", 0)
+    fold.note("j", 0, 6, 1)  # a replacement process's first word
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 6, "attempt": 1}]}
+
+
 def test_the_silence_watch_reports_a_silent_rank_once_until_it_speaks() -> None:
     watch = SilenceWatch()
     watch.spoke("j", 0, 100.0)
@@ -123,3 +162,21 @@ def test_the_silence_watch_reports_a_silent_rank_once_until_it_speaks() -> None:
     watch.spoke("j", 0, 121.0)
     watch.forget("j", 1)
     assert watch.silent(130.0, 8.0) == [("j", 0, 9.0)]
+
+
+def test_the_fold_keeps_each_ranks_worst_loss_and_sends_a_bad_one_at_once() -> None:
+    fold = ProgressFold()
+    fold.note("j", 0, 1, 0, loss=1.0)
+    for step in range(2, 7):
+        assert not fold.note("j", 0, step, 0, loss=1.0 + step / 100)  # ordinary losses wait for the period
+    assert fold.note("j", 0, 7, 0, loss=2.5)  # above twice the rank's recent median: news
+    assert not fold.note("j", 0, 8, 0, loss=1.0)
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 8, "attempt": 0, "loss": 2.5, "loss_step": 7}]}
+    assert fold.note("j", 0, 9, 0, loss="nan", skip=["b8"])  # non-finite: news, and kept over a higher one
+    fold.note("j", 0, 10, 0, loss="inf")
+    fold.note("j", 0, 11, 0, loss=1e9)
+    assert fold.take("j") == {"ranks": [{"rank": 0, "step": 11, "attempt": 0, "loss": "nan", "loss_step": 9,
+                                         "skip": ["b8"]}]}
+    assert (wire_loss(float("nan")), wire_loss(float("-inf")), wire_loss(3), wire_loss("x"), wire_loss(True)) == (
+        "nan", "-inf", 3.0, None, None)
+    assert wire_skip(["a", 7, "", "x" * 129, "b\n", None]) == ["a", "7"] and wire_skip("a") is None

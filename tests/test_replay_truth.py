@@ -346,8 +346,10 @@ def test_effects_that_cannot_be_encoded_are_a_rejection(monkeypatch: pytest.Monk
     monkeypatch.setattr(Engine, "apply", beyond_the_wire)
     assert main(["run", str(golden("step_retry")), "--json"]) == 0
     rejected = orjson.loads(capsys.readouterr().out)["rejections"]
-    assert [(r["seq"], r["code"]) for r in rejected] == [(crash, "unencodable")]
+    assert (rejected[0]["seq"], rejected[0]["code"]) == (crash, "unencodable")
     assert "its effects cannot be encoded" in rejected[0]["reason"]
+    # The rejected record never made the retry's generation: the steps reported in it are refused as ahead.
+    assert rejected[1:] and {r["code"] for r in rejected[1:]} == {"unknown_attempt"}
     assert main(["verify", str(golden("step_retry"))]) == 1
     said = capsys.readouterr().out
     assert said.startswith("DIVERGENCE at decision")

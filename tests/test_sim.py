@@ -42,7 +42,8 @@ def config(profile: str = "default", days: float = 0.25, **kw: object) -> SimCon
 
 
 def fault(signal: str, at_s: float, position: int = 1, device: int = 2, **kw: object) -> Fault:
-    scope = {"device": "device", "process": "rank", "hang": "job", "node": "node", "network": "switch"}[signal]
+    scope = {"device": "device", "process": "rank", "hang": "job", "node": "node", "network": "switch",
+             "straggler": "node"}[signal]
     base: dict[str, object] = {"index": 0, "at_ns": int(at_s * NS), "component": signal, "signal": signal,
                                "scope": scope, "position": position, "device": device, "repair_ns": 3600 * NS}
     base.update(kw)
@@ -270,6 +271,33 @@ def test_default_recovers_a_node_loss_on_a_spare_and_the_node_returns_to_the_poo
     joined = [r for r in sim.log.records() if r.envelope.type == "node.joined" and r.envelope.node == "n00003"]
     assert len(joined) == 2  # at the start as a job node, and after its repair as a spare
     assert r.lost_s["detection"] == pytest.approx(40 + 20)
+
+
+def test_a_straggler_costs_its_slowdown_until_the_default_drains_it_and_a_baseline_pays_it_until_repaired() -> None:
+    # n00002 computes twice as slow from t=3000 s for 4 h; the watchdog ticks every 300 s after the ranks' reports
+    straggler = fault("straggler", 3000, position=2, slowdown=2.0, repair_ns=4 * 3600 * NS)
+    _, r, decisions = run(config(days=0.5, watch_s=300.0), [straggler])
+    assert not r.rejections and r.job_state == "running"
+    [planned] = [d for d in decisions if d.kind == "node.drain_planned"]
+    assert planned.detail["node"] == "n00002" and planned.detail["code"] == "straggler"
+    # the rank's recent steps, those before it turned slow among them, against its peers' 6 s
+    assert planned.detail["peers_median_s"] == 6.0 and 9.0 <= planned.detail["compute_s"] <= 12.0
+    [move] = [c for d in decisions for c in d.commands if c.kind == "migrate_ranks"]
+    assert move.from_node == "n00002" and move.plan.checkpoint_step is not None
+    # the job trained at the straggler's pace from its start to the move: at most a watchdog period, the window,
+    # the wait for the next persistent checkpoint (600 s of training) and the move, at 2x
+    assert 0 < r.lost_s["straggler"] < 300 + 20 * 12 + 2 * 600 + 120
+    _, baseline, decisions = run(config("torchelastic-like", days=0.5, watch_s=300.0), [straggler])
+    assert not [d for d in decisions if d.kind == "node.drain_planned"]
+    assert baseline.lost_s["straggler"] == pytest.approx(4 * 3600 / 2, rel=0.01)  # half of its 4 h at half speed
+    assert r.ettr > baseline.ettr
+
+
+def test_without_stragglers_the_watch_mode_changes_no_recovery() -> None:
+    quiet, watched = (run(config(days=0.5, **kw), [fault("node", 3000, position=3)])
+                      for kw in ({}, {"watch_s": 300.0}))
+    assert granularities(quiet[2]) == granularities(watched[2]) == ["migrate"]
+    assert not watched[1].rejections and watched[1].lost_s["straggler"] == 0
 
 
 def test_executor_failures_escalate() -> None:

@@ -51,6 +51,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "process.exited": {"rank": 3, "exit_code": 139, "signal": 11, "attempt": 1},
     "process.heartbeat": {"rank": 3, "step": 7, "attempt": 1},
     "process.hang": {"rank": 3, "seconds_without_progress": 42.5, "attempt": 1},
+    "process.collective_failed": {"rank": 1, "step": 16, "attempt": 0, "operation": "allreduce", "timeout_s": 4.0,
+                                  "error": "Timed out waiting 4000ms for recv operation to complete"},
     "progress.step": {"rank": 3, "step": 7, "attempt": 1},
     "process.stacks": {"ranks": [{"rank": 3, "pid": 4242, "stack": "Thread 1 (idle)\n    wait (x.py:3)"},
                                  {"rank": 2, "error": "py-spy: permission denied"}], "command_id": "j:7:1",

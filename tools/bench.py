@@ -369,8 +369,9 @@ def _policies_args(parser: argparse.ArgumentParser) -> None:
                              "rate")
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 3.0, 10.0],
                         help="fault rates, in times the Llama 3 rate, swept on the smallest size")
-    parser.add_argument("--mixes", nargs="+", default=["llama3", "dbe"],
-                        help="fault mixes: llama3 (the rates above), dbe (repeating double-bit ECC errors, at 3x)")
+    parser.add_argument("--mixes", nargs="+", default=["llama3", "dbe", "straggler"],
+                        help="fault mixes: llama3 (the rates above), dbe (repeating double-bit ECC errors, at 3x), "
+                             "straggler (slow nodes, at 3x on 1,024 GPUs for at most 14 days)")
     parser.add_argument("--days", type=float, default=54.0)
     parser.add_argument("--profiles", nargs="+", default=list(POLICY_PROFILES))
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")

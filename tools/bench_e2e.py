@@ -4,6 +4,7 @@ step it was on, on our stack and under torchrun, in the same run.
     python tools/bench.py e2e               # 3 repeats of every case, medians
     python tools/bench.py e2e --quick       # one of each, shorter job (the smoke test)
     python tools/bench.py e2e --only torchrun cold --repeat 5
+    python tools/bench.py e2e --only memory
 
 The job is `examples/dp-training/train.py`: 4 data-parallel ranks on gloo (two nodes of two ranks), a step of
 `--step-time` (0.1 s of sleep standing in for compute, plus the small model's own step), a checkpoint every 20
@@ -30,6 +31,11 @@ steps, the same seed everywhere. The fault is a SIGKILL of rank 2 once the job h
   against `original.py` under torchrun, rank 1 SIGKILLed after step 20, and two ranks killed together
   (`tools/bench_ddp.py`): `ddp_sdk_ratio_to_torchrun` (as recovery-run starts it: a warm standby per node),
   `ddp_sdk_cold_ratio_to_torchrun` (`RECOVERY_STANDBY=0`), `ddp_double_fault_processes_restarted`.
+- `memory`: the in-memory checkpoint tier (`tools/bench_memory.py`): the training stall of `client.save_async`
+  against a synchronous `torch.save` + fsync of the same 150 MB state in the same process
+  (`memory_ckpt_stall_ratio_to_torch_save`, goal 0.1), and a restarted process's time until its state is loaded from
+  its node's memory against from storage (`memory_restore_ratio_to_storage`); the agent's part is played by the
+  agent's own channel and memory tier.
 - `overhead`: the SDK's cost in a loop of 100 ms steps (single-threaded torch matmuls), in pairs of ten-step
   blocks, one with the SDK (a client connected to a socket, heartbeats every second, `report_step` every step)
   and one without, in alternating order; CPU time of the process (its heartbeat thread included), so that other
@@ -87,6 +93,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_ddp
+import bench_memory
 import bench_stock
 import nats
 from bench_daemon import Daemon, nats_server, sigterm_unwinds
@@ -116,7 +123,7 @@ ENDING_SILENCE_S = 15.0
 interpreter with torch loaded can take more than 5 s to exit after that (the SIGSTOPped job is cancelled instead)"""
 WATCHDOG_S = 1.0
 POLL_S = 0.01
-CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock", "ddp")
+CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock", "ddp", "memory")
 BENCH = "e2e"
 
 Emit = Callable[[str, str, float, str], None]
@@ -488,6 +495,8 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
             bench_stock.measure(args.repeat, workdir, emit, quick=args.quick)
         if "ddp" in args.only:
             bench_ddp.measure(args.repeat, workdir, emit, quick=args.quick)
+        if "memory" in args.only:
+            bench_memory.measure(workdir, emit, quick=args.quick)
     _report(emit, outcomes, detections)
     if "overhead" in args.only:
         step_ms = f"{overhead.step_s * 1000:.0f} ms"

@@ -11,10 +11,10 @@ wire after it times its fault-to-command latency, and the next fault waits for t
 `job_daemon_cpu_cores` is the daemon's CPU time (user + system) over the measured window divided by the window: the
 share of a core the job costs the control plane.
 
-The simulated agents are `--workers` processes (`python tools/bench_fleet.py agents ...`), each a slice of the
-nodes; on this 2-core machine they, nats-server and the daemon share the cores, so at full size the publishers may
-not keep the pace (`job_reports_per_s` says what was sent). Every process started is stopped when the bench ends,
-however it ends.
+The simulated agents are `--workers` processes (`tools/bench_fleet_agents.py`), each a slice of the nodes; on this
+2-core machine they, nats-server and the daemon share the cores, so at full size the publishers may not keep the
+pace (`job_reports_per_s` says what was sent). Every process started is stopped when the bench ends, however it
+ends.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import nats
+import bench_fleet_many
 import orjson
 from bench_daemon import Daemon, connect, nats_server, note, publish_all, sigterm_unwinds, wait_seq
+from bench_fleet_agents import CONTROL, RPN, node_name
 
 from events import subjects
 from events.codec import encode_envelope
@@ -44,89 +45,7 @@ from recovery.agent.config import AgentConfig
 
 Emit = Callable[[str, str, float, str], None]
 BENCH = "fleet"
-RPN = 8
-MSG_ID = "Nats-Msg-Id"
-CONTROL = "bench.fleet"
-"""core-NATS subjects of the bench's own control of its simulated agents (nothing of the product's)"""
-
-
-def node_name(index: int) -> str:
-    return f"f{index:05d}"
-
-
-# -- the simulated agents (a process of their own) -----------------------------------------------------------------
-async def agents(url: str, job: str, first: int, count: int, report_s: float, step_s: float, seconds: float) -> None:
-    """Nodes `first` .. `first + count - 1` of `job`, for `seconds`: reports, heartbeats, acks, and the faults the
-    bench asks for (on `bench.fleet.fault.<node>`, answered with the monotonic time the exit was published)."""
-    nc = await nats.connect(url, max_reconnect_attempts=-1, pending_size=256 * 1024 * 1024)
-    js = nc.jetstream(timeout=30)
-    mine = {node_name(i): i for i in range(first, first + count)}
-    generation = 0
-    dead: set[int] = set()
-    start = time.monotonic()
-
-    def envelope(type_: str, data: dict[str, Any], ident: str, node: str, job_id: str | None) -> bytes:
-        # The wire's JSON as an agent writes it, without a model per message: thousands a second per process.
-        head: dict[str, Any] = {"id": ident, "type": type_, "source": "bench-agent", "node": node}
-        if job_id is not None:
-            head["job"] = job_id
-        return orjson.dumps({**head, "data": data})
-
-    async def on_command(msg: Any) -> None:
-        nonlocal generation
-        node, job_id, kind = subjects.command_parts(msg.subject)
-        command = orjson.loads(msg.data)
-        generation = max(generation, int(command.get("attempt", 0)))
-        if node not in mine or job_id != job:
-            return
-        if kind in ("restart_ranks", "migrate_ranks"):
-            dead.difference_update(command["ranks"])  # started again, in the command's generation
-        elif kind == "restart_job":
-            dead.clear()
-        ack = {"command_id": command["id"], "status": "done", "reason": "", "result": {"node": node}}
-        await js.publish(subjects.job_event(job, "command.ack"),
-                         envelope("command.ack", ack, f"{command['id']}@{node}:done", node, job),
-                         headers={MSG_ID: f"{command['id']}@{node}:done"})
-
-    async def on_fault(msg: Any) -> None:
-        rank = int(msg.data)
-        dead.add(rank)
-        node = msg.subject.rsplit(".", 1)[-1]
-        data = {"rank": rank, "exit_code": 1, "attempt": generation}
-        ident = f"{job}-exit-{rank}-{time.monotonic_ns()}"
-        sent = time.monotonic()
-        await js.publish(subjects.job_event(job, "process.exited"),
-                         envelope("process.exited", data, ident, node, job), headers={MSG_ID: ident})
-        await msg.respond(orjson.dumps({"sent": sent, "generation": generation}))
-
-    await nc.subscribe(subjects.COMMANDS, cb=on_command)
-    for node in mine:
-        await nc.subscribe(f"{CONTROL}.fault.{node}", cb=on_fault)
-    await nc.flush()
-    tick = 0
-    slot = report_s / max(1, count)  # agents tick on their own clocks: spread the nodes' reports over the period
-    while (now := time.monotonic()) - start < seconds:
-        step = int((now - start) / step_s) + 1
-        for n, (node, index) in enumerate(mine.items()):
-            if n % 64 == 0:
-                due = start + tick * report_s + n * slot - time.monotonic()
-                if due > 0:
-                    await asyncio.sleep(due)  # this node's place in the period
-            ranks = [{"rank": r, "step": step, "attempt": generation}
-                     for r in range(index * RPN, (index + 1) * RPN) if r not in dead]
-            ident = f"{node}-r{tick}"
-            await nc.publish(subjects.job_event(job, "progress.report"),
-                             envelope("progress.report", {"ranks": ranks}, ident, node, job), headers={MSG_ID: ident})
-            if tick == 0 or not ranks:  # as the agent: a period it reported in needs no heartbeat besides
-                ident = f"{node}-h{tick}"
-                await nc.publish(subjects.node_event(node, "node.heartbeat"),
-                                 envelope("node.heartbeat", {}, ident, node, None), headers={MSG_ID: ident})
-        await nc.flush(timeout=60)
-        tick += 1
-        delay = start + tick * report_s - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)  # the reporting period
-    await nc.close()
+AGENTS = Path(__file__).resolve().parent / "bench_fleet_agents.py"
 
 
 # -- the bench -----------------------------------------------------------------------------------------------------
@@ -213,10 +132,10 @@ def run_job(args: argparse.Namespace, work: Path, emit: Emit) -> None:
             for w in range(args.workers):
                 first, count = w * per, min(per, nodes - w * per)
                 if count > 0:
-                    workers.append(subprocess.Popen(
-                        [sys.executable, __file__, "agents", server.url, job, str(first), str(count),
-                         str(period), str(args.step_s), str(seconds + args.warmup_s + 5)],
-                        stdin=subprocess.DEVNULL, start_new_session=True))
+                    spec = {"url": server.url, "jobs": [[job, 0, first, count]], "report_s": period,
+                            "step_s": args.step_s, "seconds": seconds + args.warmup_s + 5}
+                    workers.append(subprocess.Popen([sys.executable, str(AGENTS), orjson.dumps(spec).decode()],
+                                                    stdin=subprocess.DEVNULL, start_new_session=True))
             time.sleep(args.warmup_s)  # the agents' first reports, before the window is measured
             latencies, cores, applied = asyncio.run(measure_job(server.url, daemon, job, nodes, seconds,
                                                                 args.fault_every_s, args.seed))
@@ -239,7 +158,9 @@ def run_job(args: argparse.Namespace, work: Path, emit: Emit) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", choices=("job",), default="job")
+    parser.add_argument("--only", choices=("job", "fleet"), default=None,
+                        help="one case: `job` (a), one job of 131,072 GPUs; `fleet` (b), 200,000 GPUs in 1,000 jobs "
+                             "over 3 daemons and 3 nats-servers (default: both)")
     parser.add_argument("--quick", action="store_true", help="1,024 nodes for 20 s")
     parser.add_argument("--nodes", type=int, default=0, help="nodes of 8 ranks in the job (default 16,384)")
     parser.add_argument("--seconds", type=float, default=0.0, help="the measured window (default 60)")
@@ -250,13 +171,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-s", type=float, default=2.0, help="a rank's step")
     parser.add_argument("--fault-every-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
+    bench_fleet_many.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, emit: Emit) -> None:
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="recovery-fleet-") as tmp:
-        run_job(args, Path(tmp), emit)
+        if args.only in (None, "job"):
+            run_job(args, Path(tmp) / "job", emit)
+        if args.only in (None, "fleet"):
+            bench_fleet_many.run_fleet(args, Path(tmp) / "fleet", emit)
 
-
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "agents":
-    url, job, first, count, report_s, step_s, seconds = sys.argv[2:9]
-    asyncio.run(agents(url, job, int(first), int(count), float(report_s), float(step_s), float(seconds)))

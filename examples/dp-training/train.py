@@ -2,6 +2,8 @@
 
     python train.py --steps 80 --out final.pt
     python train.py --steps 80 --checkpoint-every 20 --checkpoint-dir ckpt   # also periodic checkpoints
+    python train.py --steps 80 --save-async-every 10 --checkpoint-dir ckpt   # in-memory checkpoints, persisted
+    python train.py --steps 80 --checkpoint-every 5 --nan-at-step 23 --nan-rank 1   # a bad step, rolled back
 
 Each rank trains the same small MLP on its own batches, seeded by (seed, step, rank) so that the data order does
 not depend on which process computes a step; gradients are averaged with one all_reduce per parameter. When a peer
@@ -16,6 +18,11 @@ world. With --ordered-reduction the gradients are summed in rank order (an all_g
 ring, so that the parameters are a function of the schedule of world sizes that one process reproduces:
 
     python train.py --steps 40 --ordered-reduction --reference-schedule 4@1,2@15,4@26 --out reference.pt
+
+Each step reports its loss: a NaN (`--nan-at-step`) makes it a bad step, and the job rolls back to the newest
+checkpoint before it, every rank restarted from it; the resume plan names the step, whose batch the script then
+passes over (`client.skips`). Its final parameters equal those of a run without the NaN that skips the same step
+(`--skip-steps`).
 """
 
 from __future__ import annotations
@@ -97,10 +104,32 @@ def main() -> None:
                              "resume plan resumes from the newest one there (how a job restarted whole, as torchrun "
                              "restarts it, loses only the steps since)")
     parser.add_argument("--checkpoint-dir", default="checkpoints")
+    parser.add_argument("--save-async-every", type=int, default=0,
+                        help="every rank copies the state into its node's shared memory every N steps "
+                             "(`client.save_async`: the stall is the copy), which rank 0's agent persists to "
+                             "--checkpoint-dir in the background; a restarted rank whose plan names the memory tier "
+                             "loads it from its node's memory")
     parser.add_argument("--stall-rank", type=int, default=-1,
                         help="a fault to inject: this rank's data loader never returns at --stall-at-step, in the "
                              "job's first generation (the others then wait for it in their all_reduce)")
     parser.add_argument("--stall-at-step", type=int, default=-1)
+    parser.add_argument("--slow-rank", type=int, default=-1,
+                        help="a straggler to inject: this rank computes --slow-s seconds longer every step, in the "
+                             "job's first generation (a slow GPU: moving the rank to another node ends it)")
+    parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--nan-at-step", type=int, default=-1,
+                        help="a fault to inject: the loss of --nan-rank at this step is NaN, in the job's first "
+                             "generation (its gradients, all-reduced, poison every replica: a bad step)")
+    parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--skip-steps", default="",
+                        help="comma-separated steps whose data is skipped, as a roll-back's plan skips them (a "
+                             "reference run)")
+    parser.add_argument("--group-timeout-s", type=float, default=30.0, help="the process group's collective timeout")
+    parser.add_argument("--collective-timeout-at-step", type=int, default=-1,
+                        help="a fault to inject: the others' collectives of this step time out for real, every "
+                             "process alive: --collective-timeout-rank enters its all_reduce --group-timeout-s plus "
+                             "2 s late, in the job's first generation (a peer stalled past the group's timeout)")
+    parser.add_argument("--collective-timeout-rank", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=4,
                         help="micro-batches per step, whatever the world size: a rank of a smaller world accumulates "
                              "several (the default of an elastic job: the optimizer sees the same batch)")
@@ -114,11 +143,12 @@ def main() -> None:
     if args.reference_schedule:
         reference(args)
         return
+    skip_steps = {int(s) for s in args.skip_steps.split(",") if s}
 
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    group = ProcessGroupRecovery(client)
+    group = ProcessGroupRecovery(client, timeout_s=args.group_timeout_s)
     group.form()
 
     def on_world_change(world: int, rank: int) -> None:
@@ -180,7 +210,14 @@ def main() -> None:
     plan = client.resume_plan()
     source = plan.source_of(group.rank) if plan is not None else None
     step, live = 0, source is None or source.tier != "peer"  # a plan with no checkpoint starts over from step 0
-    if plan is not None and plan.checkpoint_step is not None and source is not None and source.tier != "peer":
+    restored = client.restore(args.checkpoint_dir) if args.save_async_every else None
+    if restored is not None:
+        # The plan names a checkpoint `save_async` wrote: this node's memory copy (an in-place restart), else the
+        # copy the agent persisted.
+        set_state(restored.state)
+        step, live = restored.step, True
+        print(f"resumed from the {restored.tier} checkpoint of step {step}: {restored.path}", flush=True)
+    elif plan is not None and plan.checkpoint_step is not None and source is not None and source.tier != "peer":
         # The plan names a saved checkpoint (a dying one, or a periodic one on storage): load it, resume after it.
         path = saved_checkpoint(plan.checkpoint_step)
         if path is None:
@@ -198,28 +235,49 @@ def main() -> None:
             step = checkpoint["step"]
     # A restarted rank whose plan names the `peer` tier takes its state, and the step, from a live replica.
     step = group.synchronize(step, get_state, set_state, live=live)
+    late = (args.collective_timeout_at_step, args.collective_timeout_rank, 0)
     while step < args.steps:
-        failed = False
+        if step + 1 in skip_steps or client.skips(step + 1):
+            # The data of a bad step rolled back (or named on the command line): pass it over, no update.
+            step += 1
+            client.report_step(step)
+            continue
+        failed: str | None = None
         try:
             group.check()  # a newer generation announced: peers were replaced while this group still works
+            started = time.perf_counter()
             optimizer.zero_grad()
+            losses = []
             for micro in micro_batches(group.rank, group.world_size, args.global_batch):
                 x, y = load_batch(step, micro)
-                torch.nn.functional.mse_loss(model(x), y).backward()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if (step + 1, group.rank, client.generation) == (args.nan_at_step, args.nan_rank, 0):
+                    loss = loss * float("nan")  # the injected bad step: a corrupted batch, say
+                loss.backward()
+                losses.append(loss.item())
+            if (group.rank, client.generation) == (args.slow_rank, 0) and args.slow_s:
+                time.sleep(args.slow_s)  # the injected straggler: its compute, not the math, takes longer
+            # The rank's own share of the step: after this it waits for the slowest peer in the reduction.
+            compute_s = time.perf_counter() - started
+            if (step, group.rank, client.generation) == late:
+                time.sleep(args.group_timeout_s + 2.0)  # the injected late peer: the others' all_reduce times out
             reduce_gradients(group.world_size)
             optimizer.step()
-        except RuntimeError:
-            failed = True  # a peer died: recover outside this block, which holds the old process group
-        if failed:
-            group.recover()
+        except RuntimeError as exc:
+            failed = str(exc)  # a peer died or timed out: recover outside this block, which holds the old group
+        if failed is not None:
+            group.recover(failed)  # a timeout is reported: the engine's retry is a new generation, no restart
             step = group.synchronize(step, get_state, set_state)
             continue
         step += 1
         if args.checkpoint_every and step % args.checkpoint_every == 0 and group.rank == 0:
             save_periodic(step)
+        if args.save_async_every and step % args.save_async_every == 0:
+            client.save_async(get_state(), step, storage=args.checkpoint_dir if group.rank == 0 else None)
         if args.step_time:
             time.sleep(args.step_time)  # stands in for the compute of a larger model
-        client.report_step(step)
+        # the rank's loss (its micro-batches' mean): a NaN or a spike here rolls the job back
+        client.report_step(step, compute_s=compute_s, loss=sum(losses) / len(losses) if losses else None)
     if group.rank == 0 and args.out:
         torch.save({name: p.detach().clone() for name, p in model.state_dict().items()}, args.out + ".tmp")
         os.replace(args.out + ".tmp", args.out)

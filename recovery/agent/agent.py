@@ -37,6 +37,7 @@ from recovery.agent import ranks
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
+from recovery.agent.memory import MemoryTier, memory_root
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
 from recovery.agent.progress import ProgressFold, SilenceWatch
@@ -78,6 +79,7 @@ class Agent(Relay, Rescale):
         self.silence = SilenceWatch()
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
         self.dumps = Dumps()
+        self.memory = MemoryTier(memory_root(cfg.memory_dir, cfg.node, self.runtime_dir), self.checkpoint_saved)
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
 
     # -- events ----------------------------------------------------------------------------------------
@@ -155,6 +157,7 @@ class Agent(Relay, Rescale):
                 tg.start_soon(self._follow_commands, commands, command_start)
                 tg.start_soon(self._beat)
                 tg.start_soon(self.fold_reports)
+                tg.start_soon(self.memory.run)
                 if self.cfg.spare:
                     pool = {"pool": self.cfg.pool} if self.cfg.pool is not None else {}
                     self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices, **pool})
@@ -208,6 +211,7 @@ class Agent(Relay, Rescale):
         """The agent stops: its ranks get SIGTERM and the kill grace to end (a platform stopping the node), then
         SIGKILL; the stores and the standbys go with the agent."""
         await self.standbys.close()
+        self.memory.close()
         async with anyio.create_task_group() as tg:
             for job in self.jobs.values():
                 for proc in job.processes.values():
@@ -369,7 +373,8 @@ class Agent(Relay, Rescale):
         torch_port = await job.torch_port(attempt, whole, self.cfg.store_wait_s)
         env = ranks.environment(job.spec.entrypoint, job.placement(rank), job=job.id, node=self.node,
                                 attempt=attempt, plan=plan, store_addr=job.store_addr, store_port=job.store_port,
-                                torch_port=torch_port, socket=job.channel.path, heartbeat_s=self.cfg.heartbeat_s)
+                                torch_port=torch_port, socket=job.channel.path, heartbeat_s=self.cfg.heartbeat_s,
+                                memory_dir=self.memory.job_dir(job.id))
         output = self.runtime_dir / f"{job.id}.rank{rank}.gen{attempt}.log"
         standby = self.standbys.take(job.id)
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
@@ -407,6 +412,8 @@ class Agent(Relay, Rescale):
         self.job_event(job.id, "process.exited", data)
         if all(not p.alive and p.returncode == 0 for p in job.processes.values()):
             await self.standbys.discard(job.id, for_good=True)  # the job is done here: no rank to hand over
+            assert self._tg is not None
+            self._tg.start_soon(self.memory.end, job.id)  # and no checkpoint in memory to restart from
         if exit_code == 0 and job.nodes and job.nodes[0] == self.node and not job.finished:
             here = [job.processes.get(r) for r in job.ranks_on(self.node)]
             if all(p is not None and not p.alive and p.returncode == 0 for p in here):
@@ -491,18 +498,25 @@ class Agent(Relay, Rescale):
                 assert job is not None
                 await self._kill(job, list(job.processes))
                 await end_torch_stores(job.store_addr, job.store_port, job.id)
+                assert self._tg is not None
+                self._tg.start_soon(self.memory.end, job.id)
                 return {}
             case RetryStep():
-                # Not possible in-process on gloo: a process group whose collective failed has its pairs closed and
-                # is unusable, so re-running the step means forming the group again, in a new generation; a retry
-                # keeps the job's generation (no process restarts), so the ranks' reports from a re-formed group
-                # would be rejected as ahead of it. The survivors' own re-forming after a peer's death, with the
-                # dead rank restarted (in_place), is the retry that works; the ladder goes on to it.
-                raise CommandFailed("a step retry is not possible in-process: a gloo process group whose collective "
-                                    "failed must be formed again in a new generation, which a retry does not make")
+                assert job is not None
+                return await self._retry(job, command)
             case IsolateNode() | IsolateDevice():
                 return {}
         raise CommandFailed(f"unknown command {command.kind}")
+
+    async def _retry(self, job: JobOnNode, command: RetryStep) -> dict[str, Any]:
+        """A step retry is a new generation with no process restarted: asking the job store for its torch store (as
+        an in-place restart's agents do, for the running formation) announces it, and every rank waiting in
+        `recover()` forms its group there in its own process and trains the step again. Every agent of the job asks;
+        the first request makes the announcement, the others read it."""
+        if await job.torch_port(command.attempt, False, self.cfg.store_wait_s) is None:
+            raise CommandFailed(f"the job store of {job.id} did not announce generation {command.attempt}: the "
+                                "ranks cannot form it")
+        return {"retried": sorted(r for r, p in job.processes.items() if p.alive)}
 
     async def _dump(self, job: JobOnNode, command: DumpStacks) -> dict[str, Any]:
         """Every live process of the job here, its stack, as one `process.stacks` event (see `stacks`)."""

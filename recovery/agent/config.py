@@ -45,6 +45,10 @@ class AgentConfig(FileSettings):
                                          "the jobs whose `spare_pool` names it")
     devices: int = Field(8, ge=1, le=1024, description="accelerators (rank slots) of this node")
     runtime_dir: Path = Field(Path("recovery-agent"), description="the SDK's sockets and the ranks' output")
+    memory_dir: Path = Field(Path("/dev/shm"), description="where the in-memory checkpoint tier keeps the ranks' "
+                                                           "checkpoints (tmpfs: the node's RAM, which outlives the "
+                                                           "processes), in a directory of this agent's, removed at "
+                                                           "each job's end")
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the SDK in every rank sends a heartbeat")
     node_heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the agent says it is alive "
                                                                   "(`node.heartbeat`)")

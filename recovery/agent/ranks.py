@@ -61,12 +61,13 @@ class RankProcess:
 
 def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node: str, attempt: int,
                 plan: ResumePlan | None, store_addr: str, store_port: int, torch_port: int | None, socket: Path,
-                heartbeat_s: float) -> dict[str, str]:
+                heartbeat_s: float, memory_dir: Path | None = None) -> dict[str, str]:
     """The agent's environment, the job's, then what the agent sets for the rank (which wins): torchrun's, with its
     agent-store contract (`TORCHELASTIC_USE_AGENT_STORE=True`: every rank, rank 0 too, is a client of the store at
     MASTER_ADDR:MASTER_PORT, which is the fresh torch store of the rank's formation, `torch_port`; the job store's
     own port without one), and the job store itself as RECOVERY_STORE_ADDR/RECOVERY_STORE_PORT, where the SDK's
-    generations live across formations."""
+    generations live across formations; RECOVERY_MEMORY_DIR, the job's shared memory on the node
+    (`recovery.agent.memory`)."""
     env = {**os.environ, **entrypoint.env}
     env.update({
         "RANK": str(placement.rank),
@@ -93,6 +94,10 @@ def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node:
         "RECOVERY_AGENT_SOCKET": str(socket),
         "RECOVERY_HEARTBEAT_S": str(heartbeat_s),
     })
+    if memory_dir is not None:
+        env["RECOVERY_MEMORY_DIR"] = str(memory_dir)  # the node's shared memory for the job's checkpoints
+    else:
+        env.pop("RECOVERY_MEMORY_DIR", None)
     if plan is not None:
         env["RECOVERY_RESUME_PLAN"] = plan.model_dump_json()
     else:

@@ -17,7 +17,8 @@ from events.values import STORAGE_HOLDER, Tier
 from recovery.agent import ranks
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import JobOnNode
-from recovery.agent.progress import ProgressFold, SilenceWatch
+from recovery.agent.memory import MemoryTier
+from recovery.agent.progress import ProgressFold, SilenceWatch, measured, wire_loss, wire_skip
 
 logger = logging.getLogger("recovery.agent")
 _PROGRESS = ("process.heartbeat", "progress.step", "progress.report")
@@ -29,6 +30,7 @@ class Relay:
     jobs: dict[str, JobOnNode]
     progress: ProgressFold
     silence: SilenceWatch
+    memory: MemoryTier
 
     def publish(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None,
                 heartbeat: bool) -> None:
@@ -39,6 +41,11 @@ class Relay:
         if type_ not in _PROGRESS:
             self.flush(job)  # what the ranks said before this change reaches the engine before it
         self.publish(job, type_, data, event_id, heartbeat=type_ == "process.heartbeat")
+
+    def checkpoint_saved(self, job: str, step: int, tier: str, shards: list[int]) -> None:
+        """A checkpoint this node holds (or, tier `storage`, persisted) reported as the job's event."""
+        holder = STORAGE_HOLDER if Tier(tier) is Tier.STORAGE else self.node
+        self.job_event(job, "checkpoint.saved", {"step": step, "tier": tier, "shards": shards, "holder": holder})
 
     def flush(self, job: str) -> None:
         """Send what the ranks of `job` said since the last report, if anything."""
@@ -78,14 +85,20 @@ class Relay:
                         self.job_event(job_id, "process.hang", {"rank": rank, "attempt": proc.attempt,
                                                                 "seconds_without_progress": round(seconds, 3)})
 
-    def _progress(self, job_id: str, rank: int, step: int | None, attempt: int) -> None:
+    def _progress(self, job_id: str, rank: int, step: int | None, attempt: int, compute_s: float | None = None,
+                  loss: float | str | None = None, skip: list[str] | None = None) -> None:
         if self.cfg.report_s > 0:
-            if self.progress.note(job_id, rank, step, attempt):
-                self.flush(job_id)  # a rank that joined a generation, or its first step there: news for a recovery
+            if self.progress.note(job_id, rank, step, attempt, compute_s, loss, skip):
+                # A rank that joined a generation, its first step there (news for a recovery), or a loss that may be
+                # a bad step (news for a roll-back).
+                self.flush(job_id)
         elif step is None:
             self.job_event(job_id, "process.heartbeat", {"rank": rank, "attempt": attempt})
         else:
-            self.job_event(job_id, "progress.step", {"rank": rank, "step": step, "attempt": attempt})
+            extra: dict[str, Any] = {} if compute_s is None else {"compute_s": compute_s}
+            if loss is not None:
+                extra.update(loss=loss, **({"skip": skip} if skip else {}))
+            self.job_event(job_id, "progress.step", {"rank": rank, "step": step, "attempt": attempt, **extra})
 
     async def _report(self, job_id: str, message: dict[str, Any]) -> None:
         """What a process says through the SDK, relayed as the job's events."""
@@ -99,7 +112,8 @@ class Relay:
             if op == "heartbeat":
                 self._progress(job_id, rank, message.get("step"), attempt)
             elif op == "step":
-                self._progress(job_id, rank, message["step"], attempt)
+                self._progress(job_id, rank, message["step"], attempt, measured(message.get("compute_s")),
+                               wire_loss(message.get("loss")), wire_skip(message.get("skip")))
             elif op == "joined":
                 self._progress(job_id, rank, None, attempt)
             elif op in ("checkpoint", "saved"):
@@ -111,6 +125,11 @@ class Relay:
                     done = job.saves.get(str(message.get("id")))
                     if done is not None:
                         done.set()
+            elif op == "memory_saved":
+                # the SDK's copy into this node's shared memory (`recovery.agent.memory`): reported, then persisted
+                storage = message.get("storage")
+                self.memory.saved(job_id, rank, int(message["step"]), [int(s) for s in message["shards"]],
+                                  str(message["file"]), storage if isinstance(storage, str) else None)
             elif op == "join":
                 # Only a process this agent runs for the rank may join a new generation: one it does not know (it
                 # outlived an agent and was not adopted) or that a replacement superseded would join beside the
@@ -125,6 +144,12 @@ class Relay:
                     if not ok:
                         logger.warning("rank %s of %s (pid %s) may not join generation %s: the agent does not run "
                                        "it", rank, job_id, message.get("pid"), message.get("generation"))
+            elif op == "collective_failed":
+                # Its own event, at once: with every rank alive the engine retries the step in a new generation.
+                self.job_event(job_id, "process.collective_failed", {
+                    "rank": rank, "attempt": message.get("generation", attempt), "step": message["step"],
+                    "operation": str(message.get("operation") or "allreduce")[:64],
+                    "timeout_s": message.get("timeout_s", 0), "error": str(message.get("error", ""))[:1024]})
             elif op == "closing":
                 proc = job.processes.get(rank)
                 self.silence.forget(job_id, rank)  # the script is done: its silence from here is no hang

@@ -41,14 +41,19 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
+from itertools import chain, islice
 from typing import Any
 
 import orjson
 
+from events import subjects
 from events.codec import encode_record
 from events.envelope import RawRecord, Record
 from events.subjects import is_output
+from recovery.core.engine import Engine
+from recovery.core.partition import Partition
 from recovery.log import ExportHeader, export_filter, iter_numbered, read_header, rejection_jobs
+from recovery.log.partitions import partition_located, partitions_of
 from recovery.log.verify import (
     DEAD_LETTER_SUBJECTS,
     DECISION_SUBJECTS,
@@ -72,6 +77,9 @@ from recovery.report.html import write_html
 from recovery.report.whatif import whatif
 
 NS = 1_000_000_000
+PEEK = 64
+"""records read to tell a partitioned log (its first are its partitions' fence claims and job events)"""
+PARTITIONED = (f"{subjects.PARTITIONED_EVENTS}.", f"{subjects.FENCES}.")
 
 
 def _records(source: str | argparse.Namespace) -> Iterator[Record | RawRecord]:
@@ -105,7 +113,8 @@ async def _connect_log(url: str, stream: str) -> Any:
     from recovery.log.jetstream import JetStreamLog
 
     try:
-        nc = await nats.connect(url, connect_timeout=3, max_reconnect_attempts=3, name="recovery-replay")
+        # a cluster's servers, comma-separated: whichever answers
+        nc = await nats.connect(url.split(","), connect_timeout=3, max_reconnect_attempts=3, name="recovery-replay")
     except (OSError, nats.errors.Error, TimeoutError) as exc:
         raise OSError(f"cannot connect to {url}: {exc!r}") from None
     js = nc.jetstream(timeout=10)
@@ -202,14 +211,32 @@ def _json(obj: Any) -> bytes:
         return json.dumps(obj, indent=2, default=str).encode()
 
 
-def _replay_args(args: argparse.Namespace, job: str | None = None) -> LogReplay:
-    """Replay the log the arguments name, for the job a per-job export holds (or `job`)."""
-    header, located = _located(args)
+def _replay_args(args: argparse.Namespace, job: str | None = None,
+                 source: tuple[ExportHeader | None, Iterator[Located]] | None = None,
+                 engine: Engine | None = None) -> LogReplay:
+    """Replay the log the arguments name (or `source`), for the job a per-job export holds (or `job`)."""
+    header, located = _located(args) if source is None else source
     if header is not None and header.job is not None:
         if job is not None and job != header.job:
             raise ValueError(f"this export holds only job {header.job}'s outputs, not job {job}'s")
         job = header.job
-    return replay_log(located, job=job, header=header)
+    return replay_log(located, engine, job=job, header=header)
+
+
+def _partition_replays(args: argparse.Namespace, job: str | None) -> list[tuple[Partition | None, LogReplay]]:
+    """The replay of the log the arguments name, or of a partitioned log each partition's (only `job`'s, with
+    one), each through an engine of its partition: [(None, replay)] for a log of one partition."""
+    header, located = _located(args)
+    first = list(islice(located, PEEK))
+    if args.partitions is None and not any(r.subject.startswith(PARTITIONED) for _, r in first):
+        return [(None, _replay_args(args, job, (header, chain(first, located))))]
+    everything = [*first, *located]  # a partitioned log is read once per partition
+    count = args.partitions or partitions_of(r for _, r in everything) or 1
+    if count == 1:
+        return [(None, _replay_args(args, job, (header, iter(everything))))]
+    indices = range(count) if job is None else [subjects.partition_of(job, count)]
+    return [(part, _replay_args(args, job, (header, partition_located(everything, part)), Engine(part)))
+            for part in (Partition(k, count) for k in indices)]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -241,7 +268,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    result = _replay_args(args, args.job)
+    replays = _partition_replays(args, args.job)
+    if len(replays) == 1 and replays[0][0] is None:
+        ok, out = _verify_one(replays[0][1], args, "")
+        if args.json:
+            sys.stdout.buffer.write(_json(out) + b"\n")
+        return 0 if ok else 1
+    # A partitioned log: each partition's engine read its own jobs' events and every node's, and decided alone.
+    results = [(part, *_verify_one(result, args, f"partition {part.index} of {part.count}: "))
+               for part, result in replays if part is not None]
+    ok = all(good for _, good, _ in results)
+    if args.json:
+        sys.stdout.buffer.write(_json({"ok": ok, "partitions": results[0][0].count, "results": [
+            {"partition": part.index, **out} for part, _, out in results]}) + b"\n")
+    return 0 if ok else 1
+
+
+def _verify_one(result: LogReplay, args: argparse.Namespace, label: str) -> tuple[bool, dict[str, Any]]:
+    """Compare one replay's decisions and dead letters with the recorded ones: (ok, the JSON answer); the text
+    answer is printed unless --json, each line after `label`."""
     if result.unreadable:
         more = f" (and {len(result.unreadable) - 1} more)" if len(result.unreadable) > 1 else ""
         raise UnreadableLog(f"{result.unreadable[0]}{more}: use the recovery-replay of the version that wrote it")
@@ -276,32 +321,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
                "divergence": None if divergence is None else divergence.as_dict(),
                "rejections_match": letters is None,
                "rejection_divergence": None if letters is None else letters.as_dict()}
-        sys.stdout.buffer.write(_json(out) + b"\n")
-        return 0 if ok else 1
+        return ok, out
+    out = {"ok": ok}
     if divergence is not None:
-        print(f"DIVERGENCE at decision #{divergence.index} (caused by seq {divergence.cause_seq}): "
+        print(f"{label}DIVERGENCE at decision #{divergence.index} (caused by seq {divergence.cause_seq}): "
               f"{divergence.verdict}")
         if divergence.recorded is not None:
             print(f"  recorded: {canonical(divergence.recorded).decode()}")
         if divergence.derived is not None:
             print(f"  replayed: {canonical(divergence.derived).decode()}")
     elif letters is not None:
-        print(f"DIVERGENCE in rejections: {letters.verdict}")
+        print(f"{label}DIVERGENCE in rejections: {letters.verdict}")
     elif empty:
-        print(f"EMPTY: {notes.pop(0)}")
+        print(f"{label}EMPTY: {notes.pop(0)}")
     elif unfired:
-        print(f"TIMERS NEVER FIRED: {len(unfired)}; decisions match otherwise")
+        print(f"{label}TIMERS NEVER FIRED: {len(unfired)}; decisions match otherwise")
         for line in unfired[:20]:
             print(f"  {line}")
     else:
         which = "" if job is None else f" (job {job}'s and every job's acceptance)"
-        print(f"ok: {len(compared)} decisions{which} from {result.inputs} inputs match the {len(recorded)} recorded")
+        print(f"{label}ok: {len(compared)} decisions{which} from {result.inputs} inputs match the "
+              f"{len(recorded)} recorded")
     for note in notes:
         print(f"note: {note}")
     if ok:
         for limit in limits:
             print(f"note: the replay cannot be exact, so this check is not either: {limit}")
-    return 0 if ok else 1
+    return ok, out
 
 
 def timeline_rows(records: Sequence[Record | RawRecord] | Iterator[Record | RawRecord], job: str,
@@ -458,6 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--job", help="compare only this job's decisions and dead letters, and every job's "
                                          "acceptance (a per-job export names its job itself)")
+            p.add_argument("--partitions", type=int, metavar="P",
+                           help="the log's partitions (default: read from the log); a partitioned log is verified "
+                                "partition by partition, each through an engine of its own")
     p = sub.add_parser("report", help="the postmortem of a log: incidents, phases, MTTR, lost GPU-hours, lemons",
                        description="The postmortem of a log, streamed (one record at a time): per incident the root "
                                    "faults, detection and decision latency, phases, escalations, checkpoint source, "

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from recovery.client import memory
 from recovery.client._channel import SOCKET_ENV, AgentChannel
 
 GENERATION_ENV = "RECOVERY_GENERATION"
@@ -38,6 +41,10 @@ class ResumePlan:
     checkpoint_step: int | None
     next_step: int
     shards: list[ShardSource] = field(default_factory=list)
+    skip_steps: frozenset[int] = frozenset()
+    """steps rolled back as bad whose data the script must skip (it named none of its own for them)"""
+    skip_data: frozenset[str] = frozenset()
+    """the samples or batches the script named for its bad steps: skip them"""
 
     def source_of(self, rank: int) -> ShardSource | None:
         return self.shards[rank % len(self.shards)] if self.shards else None
@@ -48,7 +55,9 @@ class ResumePlan:
         shards = [ShardSource(int(s["shard"]), str(s["tier"]), [str(h) for h in s["holders"]])
                   for s in raw.get("shards", [])]
         step = raw.get("checkpoint_step")
-        return cls(None if step is None else int(step), int(raw["next_step"]), shards)
+        return cls(None if step is None else int(step), int(raw["next_step"]), shards,
+                   frozenset(int(s) for s in raw.get("skip_steps", [])),
+                   frozenset(str(d) for d in raw.get("skip_data", [])))
 
 
 class Client:
@@ -69,6 +78,8 @@ class Client:
         self._world_callbacks: list[Callable[[int, int], None]] = []
         self._join_answered = threading.Condition()
         self._closed = threading.Event()
+        self._memory_dir = memory.memory_dir()
+        self._slots: memory.MemorySlots | None = None
         self._channel = AgentChannel(socket_path, self._on_message) if socket_path else None
         self._thread: threading.Thread | None = None
         if self._channel is not None:
@@ -81,11 +92,47 @@ class Client:
         """The plan this process was started with: None on a job's first start."""
         return self._plan
 
-    def report_step(self, step: int) -> None:
-        """`step` steps are complete. At this boundary a dying checkpoint the agent asked for is written."""
+    def report_step(self, step: int, compute_s: float | None = None, loss: float | None = None,
+                    skip: list[str] | None = None) -> None:
+        """`step` steps are complete. At this boundary a dying checkpoint the agent asked for is written.
+
+        `compute_s`: how long this rank computed the step, from its start to its first collective (not the wall
+        time: in synchronous data parallelism every rank waits for the slowest in the collective, so only the time
+        before it tells a slow GPU or host from its peers). The control plane drains the node of a rank persistently
+        slower than its peers.
+
+        `loss` is the step's training loss: a NaN, an infinity or a spike makes it a bad step, and the job rolls back
+        to a checkpoint before it. `skip` names the step's data (sample or batch ids, at most 64 of up to 128
+        characters): what the job skips should the step be bad; without it, the step itself is skipped
+        (`skip_steps`)."""
         self._step = step
-        self._send({"op": "step", "step": step})
+        message: dict[str, Any] = {"op": "step", "step": step}
+        if compute_s is not None:
+            message["compute_s"] = compute_s
+        if loss is not None:
+            value = float(loss)
+            # JSON has no NaN nor infinity: the agent reads them as these words
+            message["loss"] = value if math.isfinite(value) else "nan" if math.isnan(value) else (
+                "inf" if value > 0 else "-inf")
+            if skip:
+                message["skip"] = [str(name) for name in skip]
+        self._send(message)
         self.at_boundary()
+
+    @property
+    def skip_steps(self) -> frozenset[int]:
+        """Steps (as `report_step` counts them) whose data this run must skip: bad steps rolled back before, for which
+        the script named no data. Step n's data is what the script trains on to complete step n."""
+        return self._plan.skip_steps if self._plan is not None else frozenset()
+
+    @property
+    def skip_data(self) -> frozenset[str]:
+        """The samples or batches the script named (`report_step(..., skip=...)`) for bad steps: skip them."""
+        return self._plan.skip_data if self._plan is not None else frozenset()
+
+    def skips(self, step: int, data: list[str] | tuple[str, ...] = ()) -> bool:
+        """Should the script skip the data of `step` (or the named `data`) rather than train on it?"""
+        return step in self.skip_steps or any(name in self.skip_data for name in data)
 
     def at_boundary(self) -> None:
         """The state is that of a completed step (`report_step` calls it; so does a survivor waiting for the next
@@ -104,6 +151,37 @@ class Client:
         """A checkpoint of `shards` at `step` is complete in `tier` (memory, local, dying, storage); `location`
         is where (a path or URL), kept by the agent for the operator."""
         self._send({"op": "checkpoint", "step": step, "tier": tier, "shards": list(shards), "location": location})
+
+    def save_async(self, state: Any, step: int | None = None, *, shards: list[int] | None = None,
+                   storage: str | os.PathLike[str] | None = None) -> Path | None:
+        """Checkpoint `state` (tensors anywhere in it, on the CPU) at `step` (default: the last reported) into the
+        node agent's shared memory, which outlives this process: training stalls only for the copy. The agent
+        reports it (tier `memory`, this node), and with `storage` (a directory every node reads) persists it there
+        in the background and reports that too (tier `storage`). `shards`: the shards the state is (default: 0).
+        Returns the file, or None when the agent keeps no memory tier (none, or an older one)."""
+        if self._memory_dir is None:
+            return None
+        if self._slots is None:
+            self._slots = memory.MemorySlots(self._memory_dir, self.rank)
+        at = step if step is not None else (self._step if self._step is not None else 0)
+        shards = list(shards) if shards is not None else [0]
+        path = self._memory_dir / memory.file_name(at, shards[0], self.rank)
+        self._slots.write(state, path)
+        self._send({"op": "memory_saved", "step": at, "shards": shards, "file": path.name,
+                    "storage": None if storage is None else str(Path(storage).resolve())})
+        return path
+
+    def restore(self, storage: str | os.PathLike[str] | None = None) -> memory.Restored | None:
+        """The state the resume plan names for this rank in the `memory` or `storage` tier, read from this node's
+        shared memory (an in-place restart) or from `storage`, where `save_async` persisted it; None without such
+        a plan (a first start, or the `peer` or `dying` tier, which the script reads itself)."""
+        plan = self._plan
+        source = plan.source_of(self.rank) if plan is not None else None
+        if plan is None or source is None or plan.checkpoint_step is None:
+            return None
+        return memory.restore(plan.checkpoint_step, source.shard, source.tier, source.holders,
+                              os.environ.get(NODE_ENV), self._memory_dir,
+                              None if storage is None else Path(storage))
 
     def on_save(self, save: Callable[[int], dict[str, Any] | None]) -> None:
         """`save(step)` writes a dying checkpoint of this rank's state at `step` and may return
@@ -124,6 +202,15 @@ class Client:
         self.rank = rank
         for callback in self._world_callbacks:
             callback(world_size, rank)
+
+    def collective_failed(self, generation: int, error: str, operation: str = "allreduce", timeout_s: float = 0.0,
+                          step: int | None = None) -> None:
+        """A collective of `generation`'s process group timed out in this live process (`error`: what the backend
+        raised): the agent reports it as `process.collective_failed`, and with every rank alive the engine retries
+        the step in a new generation. `step`: the step it belonged to (default: the one after the last reported)."""
+        failed_step = step if step is not None else (self._step or 0) + 1
+        self._send({"op": "collective_failed", "generation": generation, "step": failed_step,
+                    "operation": operation, "timeout_s": timeout_s, "error": error[:1024]})
 
     def joined(self, generation: int) -> None:
         """This process re-formed its process group in `generation`: its reports now carry it."""
@@ -167,6 +254,8 @@ class Client:
             self._thread.join(timeout=2 * self._heartbeat_s)
         if self._channel is not None:
             self._channel.close()
+        if self._slots is not None:
+            self._slots.close()
 
     # -- inside ----------------------------------------------------------------------------------------
     def _send(self, message: dict[str, Any]) -> None:

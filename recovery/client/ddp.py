@@ -89,7 +89,7 @@ class Training:
         self._fixed_buckets = fixed_buckets
         model = DistributedDataParallel.__new__(DistributedDataParallel)
         while True:
-            failed = False
+            failed, error = False, ""
             try:
                 # A new formation (every process just started, from the script's own snapshot or from scratch) keeps
                 # DDP's broadcast of rank 0's parameters; state handed over by a replica must not be overwritten.
@@ -101,11 +101,11 @@ class Training:
             except RuntimeError as exc:  # a peer died while this process joined: recover as the survivors do
                 if not self.group.collective_failed(exc):
                     raise
-                failed = True
+                failed, error = True, str(exc)  # the text only: the exception holds the frames that hold the group
             if failed:
                 self._model = None
                 model.__dict__.clear()
-                self.group.recover()
+                self.group.recover(error)
 
     def _fix_buckets(self) -> None:
         """The buckets in parameter order now (a collective: rank 0's order to every rank), never rebuilt later."""
@@ -188,7 +188,7 @@ class Training:
         agent asked for). A failure that is the script's own (not the group's) is raised."""
         recovered = False
         while True:
-            failed = False
+            failed, error = False, ""
             try:
                 if recovered:  # the same collectives as a replacement's `wrap`, in its order
                     self._rewrap(self._agree())
@@ -198,9 +198,9 @@ class Training:
             except RuntimeError as exc:
                 if not self.group.collective_failed(exc):
                     raise
-                failed = True
+                failed, error = True, str(exc)
             if failed:  # outside the except block, whose traceback holds the frames that hold the group
-                self.group.recover()
+                self.group.recover(error)
                 recovered = True
 
 

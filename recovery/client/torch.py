@@ -82,6 +82,9 @@ POLL_S = 0.01
 """how often a survivor looks for the new generation: a store read, cheap against a restart's second"""
 WATCH_S = 0.05
 """how often the watcher of a live group reads the job store (three reads): how late a blocked survivor is freed"""
+TIMED_OUT = "Timed out waiting"
+"""how gloo says a collective timed out (`Timed out waiting 5000ms for recv operation to complete`), where a dead
+peer is `Connection closed by peer` or `Connection reset by peer`"""
 FORM_TIMEOUT_S = 5.0
 """the longest forming a group may take once every rank has arrived in its generation: a peer that died after
 arriving makes it fail, and the survivors wait for the next generation instead of the group's whole timeout"""
@@ -264,15 +267,26 @@ class ProcessGroupRecovery:
 
         return self._aborted or isinstance(exc, (GenerationChanged, dist.DistError)) or "gloo" in str(exc).lower()
 
-    def recover(self) -> None:
+    def timed_out(self, error: str) -> bool:
+        """Did the group's own collective time out (`error`, the text of what it raised), every peer of this process
+        maybe alive? Not when the watcher shut the group down (a peer failed first, or a newer generation began),
+        nor a peer's closed connection (it died: its exit is the fault)."""
+        return not self._aborted and TIMED_OUT in error
+
+    def recover(self, error: str | None = None) -> None:
         """After a collective failed: tear the group down, wait for the next generation, form it.
 
-        Call it outside the `except` block that caught the failure: the traceback holds the frames that hold
-        the process group. The group's connections are shut first, so that peers blocked on this process are
-        freed at once even while something still holds it, and its failure is marked in the job store, where
-        every peer's watcher sees it and shuts its own group down: a survivor blocked in a collective with other
-        survivors only (not next to the dead rank) is freed within `WATCH_S`, not at the group's timeout."""
+        Call it outside the `except` block that caught the failure (the traceback holds the frames that hold
+        the process group), with the failure's text as `error` (`str(exc)`): a collective that timed out is
+        reported to the agent (`Client.collective_failed`), and with every rank alive the engine retries the step in
+        a new generation, which this process then joins, as it joins one after a peer's restart. The group's
+        connections are shut first, so that peers blocked on this process are freed at once even while something
+        still holds it, and its failure is marked in the job store, where every peer's watcher sees it and shuts its
+        own group down: a survivor blocked in a collective with other survivors only (not next to the dead rank) is
+        freed within `WATCH_S`, not at the group's timeout."""
         failed = self._formed if self._formed is not None else self.client.generation
+        if error is not None and self.timed_out(error):
+            self.client.collective_failed(failed, error, timeout_s=self.timeout.total_seconds())
         with contextlib.suppress(Exception):  # the store unreachable: the peers' own failures free them
             self.store.set(f"gen{failed}/failed", str(self.rank))
         self._teardown()

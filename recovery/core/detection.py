@@ -28,7 +28,7 @@ from recovery.core.timers import Timekeeper, TimerRequest
 G = Granularity
 _PROCESS_FAULTS = (FaultClass.PROCESS, FaultClass.HANG, None)
 _SEVERITY = {FaultClass.PROCESS: 1, FaultClass.HANG: 2, FaultClass.NETWORK: 3, FaultClass.DEVICE: 4,
-             FaultClass.PREEMPTION: 5, FaultClass.NODE: 6}
+             FaultClass.PREEMPTION: 5, FaultClass.NODE: 6, FaultClass.BAD_STEP: 0}
 """how much of the job a fault class's recovery must redo, least first: a widened incident takes the worst"""
 
 
@@ -70,7 +70,7 @@ class Detection:
     def verdict(self, out: RecordEffects, job: Job, verdict: Verdict, type_: str) -> None:
         policy = job.policies.labels["detection"]
         if isinstance(verdict, Fault):
-            self.fault(out, job, verdict, policy)
+            self.fault(out, job, verdict, policy, signal_type=type_)
         elif isinstance(verdict, Ignore):
             if type_ not in ("network.link_up", "node.ready", "device.recovered"):
                 out.decide(job, DecisionKind.SIGNAL_IGNORED, verdict.reason, policy=policy,
@@ -96,7 +96,8 @@ class Detection:
                 return
             job.drains[node] = verdict.reason
             out.decide(job, DecisionKind.NODE_DRAIN_PLANNED, verdict.reason, policy=policy,
-                       detail={"node": node, "device": verdict.device, "code": verdict.code})
+                       detail={"node": node, "device": verdict.device, "code": verdict.code,
+                               **dict(verdict.evidence)})
         else:
             expect(job, "detection", verdict, (Ignore, Suspect, Clear, Fault, Drain))
 
@@ -153,8 +154,10 @@ class Detection:
                            "by": "expiry"})
         return True
 
-    def fault(self, out: RecordEffects, job: Job, verdict: Fault, policy: str, plan: bool = True) -> None:
-        """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch)."""
+    def fault(self, out: RecordEffects, job: Job, verdict: Fault, policy: str, plan: bool = True,
+              signal_type: str | None = None) -> None:
+        """Record a confirmed fault; with `plan`, decide what to do (off for all but the last of a batch).
+        `signal_type`: the event it came from, if one did."""
         commands: list[Any] = []
         timers: list[TimerRequest] = []
         if verdict.isolate is not None and verdict.node is not None and verdict.isolate_for_ns is not None:
@@ -185,9 +188,7 @@ class Detection:
         if verdict.lost:
             for rank in verdict.ranks:
                 job.put(job.alive, rank, 0)
-        fault = {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
-                 "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
-                 "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
+        fault = self._fault_record(out, verdict)
         incident = job.incident
         if incident is not None:
             incident.faults.append(fault)
@@ -206,8 +207,12 @@ class Detection:
                 if plan and incident.settle_timer is None:  # a settle window decides when it closes
                     self.incidents.plan(out, job)
                 return
-            if incident.phase in ("rescheduling", "restoring") and verdict.fault_class in _PROCESS_FAULTS and (
-                    attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)):
+            # A collective that failed again under a retry is of the retry's own generation (older ones are dropped as
+            # stale before they get here): the group formed again and the step failed again.
+            retried_again = attempt.granularity is G.RETRY and signal_type == "process.collective_failed"
+            if incident.phase in ("rescheduling", "restoring") and (retried_again or (
+                    verdict.fault_class in _PROCESS_FAULTS and (
+                        attempt.granularity is G.RETRY or any(r in attempt.ranks for r in verdict.ranks)))):
                 # The restarted (or retried) processes themselves crashed or hung: this attempt did not work. New
                 # hardware under them (a device, a node, a link) is a new fault instead: it widens the incident.
                 out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy, commands=commands,
@@ -237,6 +242,54 @@ class Detection:
                    commands=commands, timers=timers, cancelled=cancelled, detail={"fault": fault, "step": job.step})
         if plan:
             self.incidents.plan(out, job)
+
+    def bad_step(self, out: RecordEffects, job: Job, verdict: Fault, generation: int, named: tuple[str, ...]) -> None:
+        """A bad step (a NaN or spiking loss) reported by a process of `generation`, whose script named `named` as its
+        data: every rank rolls back to the newest checkpoint before it, and its data is skipped from then on.
+
+        One rank's bad gradients reach every replica through the all-reduce, so one bad step is followed by bad
+        losses everywhere: only the earliest of a generation is rolled back and skipped; a later one is its
+        consequence (no decision). An earlier one heard late (another node's report was quicker) moves the
+        roll-back before it, as long as the restart has not been sent."""
+        policy = job.policies.labels["detection"]
+        step = verdict.bad_step
+        assert step is not None
+        entry = (generation, step, named)
+        incident = job.incident
+        if incident is not None and incident.bad_step is not None:
+            first = next((e for e in incident.bad_steps if e[0] == generation), None)
+            if first is not None and step >= first[1]:
+                return
+            incident.bad_steps = tuple(sorted((*(e for e in incident.bad_steps if e[0] != generation), entry)))
+            incident.bad_step = min(incident.bad_step, step)
+            incident.faults.append(self._fault_record(out, verdict))
+            attempt = incident.attempt
+            if attempt is not None and incident.phase in ("rescheduling", "restoring") and first is None:
+                # The processes the roll-back started report a bad step of their own: the attempt did not work.
+                out.decide(job, DecisionKind.FAULT_ADDED, verdict.reason, policy=policy,
+                           detail={"bad_step": step})
+                self.incidents.end_attempt(out, job, attempt, AttemptOutcome.FAILED, f"attempt {attempt.number} "
+                                           f"({attempt.granularity.value}) failed: {verdict.reason}")
+                return
+            heard = first[1] if first is not None else incident.bad_step
+            out.decide(job, DecisionKind.FAULT_ADDED, f"{verdict.reason}: before the bad step {heard} heard first: "
+                       f"roll back before it", policy=policy, detail={"bad_step": step})
+            return
+        if incident is not None:  # another fault's incident: it now resumes before the bad step too
+            incident.bad_step, incident.bad_steps = step, (entry,)
+            self.fault(out, job, verdict, policy)
+            return
+        self.fault(out, job, verdict, policy, plan=False)
+        incident = job.incident
+        assert incident is not None
+        incident.bad_step, incident.bad_steps = step, (entry,)
+        self.incidents.plan(out, job)
+
+    @staticmethod
+    def _fault_record(out: RecordEffects, verdict: Fault) -> dict[str, Any]:
+        return {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
+                "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
+                "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
 
     def _note_dead_hosts(self, job: Job, incident: Incident, verdict: Fault) -> None:
         """A node fault declares its hosts gone (their ranks fell silent together, or a host stayed not ready): what
@@ -309,7 +362,8 @@ class Detection:
             return
         agents = self.cluster.nodes
         view = WatchdogView(out.ts, job.step_time, tuple(
-            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r]) for r in range(job.world)),
+            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r], job.compute_steps[r],
+                         job.compute_ns[r]) for r in range(job.world)),
             tuple(job.nodes), job.rpn,
             tuple(agents[n].heard if n in agents else None for n in job.nodes), job.sdk)
         verdicts = consult(out, job, "detection", "check", view)

@@ -233,6 +233,7 @@ class Engine(Progress):
                 if type_ == "progress.report":
                     if len(env.data.ranks) > 1 and self.report_refused(job, env.data.ranks):
                         self.guard(job)  # a later rank's entry that is refused must undo the earlier ones
+                    self.report_losses(out, job, env.data.ranks)
                     for entry in env.data.ranks:  # each as its rank's own heartbeat or step would be
                         self._progress(out, job, entry)
                     node = self.cluster.nodes.get(env.node) if env.node is not None else None
@@ -244,6 +245,9 @@ class Engine(Progress):
                             node = self.cluster.node(node.name)
                         node.heard = out.ts
                 else:
+                    if getattr(env.data, "loss", None) is not None:
+                        self.guard(job)  # the step after its loss may yet be refused (backwards, ahead)
+                        self.step_loss(out, job, env.data)
                     self._progress(out, job, env.data)
             else:
                 self.guard(job)
@@ -367,7 +371,7 @@ class Engine(Progress):
                 self._capacity_returned(out)
         elif type_.startswith("operator."):
             self.operators.handle(out, job, type_, data)
-        else:  # process.exited, process.hang, network.collective_timeout
+        else:  # process.exited, process.hang, process.collective_failed, network.collective_timeout
             if hasattr(data, "rank"):
                 stale = self._check_rank(job, data.rank, data.attempt, progress=False)
                 if stale:
@@ -386,6 +390,12 @@ class Engine(Progress):
                     raise Rejected("unknown_rank", f"ranks {sorted(set(outside))} are not in job {job.id}")
                 if any(data.attempt < job.rank_gen[r] for r in data.members):
                     return  # a timeout of a group whose processes an earlier attempt already replaced
+            if isinstance(data, kinds.CollectiveFailed) and data.attempt < job.generation:
+                # The group of that generation was formed again since (a retry, a restart): its failure is old news.
+                out.decide(job, DecisionKind.SIGNAL_IGNORED, f"rank {data.rank}: the collective of generation "
+                           f"{data.attempt} failed, and generation {job.generation} has replaced that group since",
+                           detail={"signal": type_, "rank": data.rank, "attempt": data.attempt})
+                return
             if isinstance(data, kinds.ProcessExited):
                 job.put(job.alive, data.rank, 0)
                 incident = job.incident
@@ -395,8 +405,11 @@ class Engine(Progress):
                         incident.phase == "stopping" or _stop_like(data)):
                     return  # the engine's own stop (RANKS_STOPPING): no fault, and never a preemption
             ranks = (data.rank,) if hasattr(data, "rank") else ()
+            # Who is gone matters to a collective failure only (a survey of every rank: not for each exit).
+            dead = tuple(r for r in range(job.world) if not job.alive[r]) if isinstance(
+                data, kinds.CollectiveFailed) else ()
             self.detection.signal(out, job, Signal(type_, data, out.ts, None, ranks, step_time_ns=job.step_time,
-                                  world=job.world))
+                                  world=job.world, dead=dead))
 
     def _finish(self, out: RecordEffects, job: Job, trigger: str, kind: DecisionKind, reason: str) -> None:
         cancelled = self.timekeeper.cancel(*self.timekeeper.of_job(job))

@@ -24,7 +24,7 @@ from events.names import (
 from events.values import FaultClass, Granularity, Tier
 from policies.base import NS, Fail, PastIncident, RescheduleContext, Scope, Settle, StartRung, Wait
 from recovery.core.cluster import ClusterView
-from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job
+from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job, dead_ranks
 from recovery.core.machine import fire
 from recovery.core.placement import Placement, fit_dp
 from recovery.core.record import RecordEffects, Rejected
@@ -252,7 +252,7 @@ class Incidents(Restarts):
         incident.widened = False
         incident.attempts.append(attempt)
         g = attempt.granularity
-        dead = tuple(r for r in range(job.world) if not job.alive[r])
+        dead = dead_ranks(job.alive)
         if g is G.RETRY:
             attempt.ranks = ()
         elif g is G.IN_PLACE:
@@ -303,11 +303,14 @@ class Incidents(Restarts):
             return job.incident.fault_step
         return attempt.plan.checkpoint_step or 0 if attempt.plan else 0
 
-    def check_restored(self, out: RecordEffects, job: Job, rank: int, step: int) -> None:
+    def check_restored(self, out: RecordEffects, job: Job, rank: int, step: int, current: bool = True) -> None:
+        """`rank` reported `step`; `current`: in the job's newest generation."""
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
         if attempt is None or job.phase != "restoring":
             return
+        if attempt.granularity is G.RETRY and not current:
+            return  # a step of the failed group's generation: the retry shows only in the new one
         if attempt.granularity is not G.RETRY and rank not in attempt.ranks:
             return
         resume = self._resume_step(job, attempt)
@@ -365,6 +368,9 @@ class Incidents(Restarts):
         incident.phases[-1][2] = ts
         incident.closed = ts
         incident.outcome = outcome
+        if incident.bad_steps:  # skipped by every later plan too: an older checkpoint must not train them again
+            steps, data = job.skips()
+            job.skip_steps, job.skip_data = tuple(steps), tuple(data)
         job.closed.append(incident.summary())
         del job.closed[:-CLOSED_INCIDENTS]
         job.incident = None

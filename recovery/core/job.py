@@ -106,6 +106,11 @@ class Incident:
     closed: int | None = None
     outcome: IncidentOutcome | None = None
     lost_steps: int | None = None
+    bad_step: int | None = None
+    """the earliest bad step of the incident (a NaN or spiking loss): it resumes from a checkpoint before it"""
+    bad_steps: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
+    """the bad steps whose data its resume plans skip, as (generation, step, data named): one per generation, the
+    earliest it reported (the later ones of a generation are its consequence: the all-reduce spread the bad state)"""
 
     @property
     def attempt(self) -> Attempt | None:
@@ -146,7 +151,8 @@ class Incident:
                 "fault_class": None if self.fault_class is None else self.fault_class.value,
                 "fault_step": self.fault_step, "outcome": self.outcome, "lost_steps": self.lost_steps,
                 "faults": self.faults, "attempts": [a.summary() for a in self.attempts],
-                "phase": self.phase, "phases": [list(p) for p in self.phases]}
+                "phase": self.phase, "phases": [list(p) for p in self.phases],
+                **({"bad_step": self.bad_step} if self.bad_step is not None else {})}
 
 
 class Job:
@@ -157,6 +163,8 @@ class Job:
         "catalog",
         "catalog_log",
         "closed",
+        "compute_ns",
+        "compute_steps",
         "drains",
         "generation",
         "id",
@@ -165,6 +173,7 @@ class Job:
         "last_progress",
         "last_seen",
         "layout",
+        "losses",
         "nodes",
         "own_nodes",
         "policies",
@@ -176,6 +185,8 @@ class Job:
         "rpn",
         "sdk",
         "seen",
+        "skip_data",
+        "skip_steps",
         "spec",
         "state",
         "step",
@@ -208,6 +219,8 @@ class Job:
         self.rank_gen = [0] * world  # the generation whose restart started each rank's current process
         self.last_seen = [0] * world
         self.last_progress = [0] * world
+        self.compute_steps = [0] * world  # steps whose compute time each rank reported in this generation
+        self.compute_ns = [0] * world  # ... and that time in all (a straggler's stands out: detection's watchdog)
         self.catalog: dict[int, dict[Tier, dict[int, set[str]]]] = {}
         self.catalog_log: list[tuple[int, dict[Tier, dict[int, set[str]]] | None]] | None = None
         self.rank_log: list[tuple[list[int] | bytearray, int, int]] | None = None
@@ -225,6 +238,9 @@ class Job:
         self.policy_errors: dict[str, int] = {}  # family -> errors of its plugin (replaced whole, never changed)
         self.sdk = False  # some rank reported through the SDK (a heartbeat, a step): not a stock script
         self.seen: dict[str, None] = {}  # in insertion order: the oldest id is next(iter(seen))
+        self.losses: tuple[float, ...] = ()  # recent finite losses, none judged bad, oldest first (LOSS_HISTORY)
+        self.skip_steps: tuple[int, ...] = ()  # the data every resume plan skips: bad steps of closed incidents
+        self.skip_data: tuple[str, ...] = ()
 
     def memento(self) -> Memento:
         """What a record may change, so that `restore` undoes a record that failed half way. Cheap whatever the
@@ -310,6 +326,8 @@ class Job:
         self.rank_gen = [self.generation] * world
         self.last_seen = [ts] * world
         self.last_progress = [ts] * world
+        self.compute_steps = [0] * world
+        self.compute_ns = [0] * world
 
     def add_checkpoint(self, step: int, tier: Tier, shards: list[int], holder: str) -> None:
         by_tier = self.catalog.get(step)
@@ -352,11 +370,24 @@ class Job:
             "checkpoints": {str(step): {tier.value: sorted(shards) for tier, shards in by_tier.items()}
                             for step, by_tier in self.frozen_catalog().items()},
             "incident": None if self.incident is None else self.incident.summary(),
+            **({"skip_steps": list(self.skip_steps), "skip_data": list(self.skip_data)} if self.skip_steps
+               or self.skip_data else {}),
             "incidents": list(self.closed),
             "suspects": list(self.suspects),
             "drains": dict(self.drains),
             "policies": dict(self.policies.labels),
         }
+
+    def skips(self) -> tuple[list[int], list[str]]:
+        """The steps and the data every resume plan of the job skips now: its closed incidents' bad steps and the open
+        one's, each as the data its script named for it, or the step itself when it named none."""
+        steps, data = list(self.skip_steps), list(self.skip_data)
+        for _, step, named in self.incident.bad_steps if self.incident is not None else ():
+            if named:
+                data.extend(d for d in named if d not in data)
+            elif step not in steps:
+                steps.append(step)
+        return sorted(steps), data
 
     def complete_at(self, step: int) -> bool:
         """Does some tier hold every shard of `step`?"""
@@ -369,7 +400,8 @@ class Job:
 
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
                  "watchdog", "restarts_used", "restart_times", "sdk", "policies", "policy_errors", "alive", "steps",
-                 "rank_gen", "last_seen", "last_progress")
+                 "rank_gen", "last_seen", "last_progress", "compute_steps", "compute_ns", "losses", "skip_steps",
+                 "skip_data")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
 _SCALARS = attrgetter(*_SCALAR_NAMES)
@@ -377,6 +409,17 @@ _JOURNALED = frozenset((*_SCALAR_NAMES, "nodes", "closed", "drains", "suspects",
 """every slot a record may change (test_job_journal checks that no other slot exists but the fixed ones)"""
 Memento = tuple[tuple[Any, ...], list[str], list[dict[str, Any]], dict[str, str], dict[str, Any], dict[str, int],
                 "Incident | None", int, list[Any], list[Any]]
+
+
+def dead_ranks(alive: bytearray) -> tuple[int, ...]:
+    """The ranks whose flag in `alive` is 0, in order: found by `bytearray.find`, at C speed (a job of 131,072
+    ranks with one dead is one pass in C, not 131,072 Python steps)."""
+    dead: list[int] = []
+    at = alive.find(0)
+    while at >= 0:
+        dead.append(at)
+        at = alive.find(0, at + 1)
+    return tuple(dead)
 
 
 def _copied_step(by_tier: dict[Tier, dict[int, set[str]]]) -> dict[Tier, dict[int, set[str]]]:

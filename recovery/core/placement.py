@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from events.values import Granularity, Layout
 from recovery.core.cluster import ClusterView
-from recovery.core.job import Attempt, Job
+from recovery.core.job import Attempt, Job, dead_ranks
 
 G = Granularity
 
@@ -44,7 +44,7 @@ class Placement:
         """Nodes of the faulty or dead ranks: what a migration moves when no node is unusable."""
         assert job.incident is not None
         ranks = {r for f in job.incident.faults for r in f["ranks"] if r < job.world}
-        ranks.update(r for r in range(job.world) if not job.alive[r])
+        ranks.update(dead_ranks(job.alive))
         indices = {r // job.rpn for r in ranks}
         return [n for i, n in enumerate(job.nodes) if i in indices]
 

@@ -8,12 +8,21 @@ the step that closes an incident, a correction): most records cost a few attribu
 
 from __future__ import annotations
 
+import math
+
 from events import kinds
 from events.names import DecisionKind
-from policies.base import NS
+from policies.base import LOSS_HISTORY, NS, Fault, LossSample, Signal
+from recovery.core.detection import Detection
 from recovery.core.incidents import Incidents
 from recovery.core.job import Job
 from recovery.core.record import RecordEffects, Rejected
+from recovery.core.sandbox import builtin, consult
+
+COMPUTE_WINDOW = 256
+"""a rank's compute-time tally is cut back to this many steps (its mean kept) whenever it passes twice as many: its
+mean weighs the last 256 to 512 steps, so a rank that turns slow late in a long generation stands out within a few
+hundred steps (integer arithmetic on logged values: replay gives the same tally)"""
 
 STEP_LEAD = 1000
 """how far one rank's step may run ahead of every other rank's before it is taken as a corrupted counter: ranks of
@@ -22,6 +31,7 @@ a job train in lockstep, a few steps apart at most (asynchronous schemes such as
 
 class Progress:
     incidents: Incidents
+    detection: Detection
 
     def guard(self, job: Job | None) -> object:
         """Open the journal for this record (the engine's)."""
@@ -88,6 +98,16 @@ class Progress:
                         job.step_time = per_step if job.step_time is None else (7 * job.step_time + per_step) // 8
                     job.step = step
                     job.step_ts = ts
+        compute = None if isinstance(data, kinds.Heartbeat) else data.compute_s
+        if compute is not None and current:
+            # Tallied as integer ns (a float sum would depend on the order of additions): a straggler's mean shows.
+            count = data.compute_steps if isinstance(data, kinds.RankProgress) else 1
+            if count:
+                steps, total = job.compute_steps[rank] + count, job.compute_ns[rank] + round(compute * NS) * count
+                if steps > 2 * COMPUTE_WINDOW:  # keep the mean, weigh the past as COMPUTE_WINDOW steps
+                    steps, total = COMPUTE_WINDOW, total * COMPUTE_WINDOW // steps
+                job.put(job.compute_steps, rank, steps)
+                job.put(job.compute_ns, rank, total)
         if job.rank_log is not None:
             job.put(job.last_seen, rank, ts)
         else:
@@ -97,7 +117,59 @@ class Progress:
             self.guard(job)
             job.sdk = True
         if step is not None and job.incident is not None and job.incident.phase == "restoring":
-            self.incidents.check_restored(out, job, rank, step)
+            self.incidents.check_restored(out, job, rank, step, current)
+
+    def step_loss(self, out: RecordEffects, job: Job, data: kinds.StepReported) -> None:
+        """The loss of one rank's step report (an agent that does not fold): judged, and kept if it passes."""
+        if (data.loss is not None and data.rank < job.world and job.rank_gen[data.rank] <= data.attempt
+                <= job.generation):
+            self._loss(out, job, data.rank, data.step, data.loss, data.attempt, tuple(data.skip), float(data.loss))
+
+    def report_losses(self, out: RecordEffects, job: Job, entries: list[kinds.RankProgress]) -> None:
+        """The losses of a node's report, before its steps are applied (a bad step of a restored process fails its
+        attempt rather than closing it): the detection policy judges the report's worst (the non-finite one of the
+        earliest step, else the highest), and the median of its finite ones joins the job's recent losses if it
+        passes. Once per report, not per rank: the engine's cost grows with nodes, not with ranks."""
+        worst: kinds.RankProgress | None = None
+        finite: list[float] = []
+        for entry in entries:
+            loss = entry.loss
+            if (loss is None or entry.rank >= job.world or entry.attempt < job.rank_gen[entry.rank]
+                    or entry.attempt > job.generation):
+                continue  # none, or from a process a restart replaced (a refused rank is the report's to refuse)
+            if isinstance(loss, str):  # of several, the earliest step's: the later ones are its consequence
+                if worst is None or not isinstance(worst.loss, str) or _step_of(entry) < _step_of(worst):
+                    worst = entry
+            else:
+                finite.append(loss)
+                if worst is None or (not isinstance(worst.loss, str) and loss > worst.loss):  # type: ignore[operator]
+                    worst = entry
+        if worst is None or worst.loss is None:
+            return
+        finite.sort()
+        keep = finite[len(finite) // 2] if finite else None
+        step = _step_of(worst)
+        if step >= 0:
+            self._loss(out, job, worst.rank, step, worst.loss, worst.attempt, tuple(worst.skip), keep)
+
+    def _loss(self, out: RecordEffects, job: Job, rank: int, step: int, loss: float | str, attempt: int,
+              skip: tuple[str, ...], keep: float | None) -> None:
+        """A loss a rank reported for `step`: the detection policy judges it against the job's recent ones. A bad step
+        is a fault that rolls the job back; otherwise `keep` joins the recent ones. Nothing is decided for a loss that
+        passes: one a step would be most of the log."""
+        if job.state not in ("running", "recovering"):
+            return
+        signal = Signal("progress.loss", LossSample(rank, step, float(loss)), out.ts, None, (rank,),
+                        step_time_ns=job.step_time, world=job.world, losses=job.losses)
+        if not builtin(job.policies.detection):
+            self.guard(job)  # a plugin's error is counted against it (a change the journal must be able to undo)
+        verdict = consult(out, job, "detection", "classify", signal)
+        if isinstance(verdict, Fault) and verdict.bad_step is not None:
+            self.guard(job)
+            self.detection.bad_step(out, job, verdict, attempt, skip)
+        elif keep is not None and math.isfinite(keep):
+            # Replaced whole (an immutable value): the journal's memento restores the old one.
+            job.losses = (*job.losses[-(LOSS_HISTORY - 1):], keep)
 
     @staticmethod
     def _implausible_lead(job: Job, rank: int, step: int) -> bool:
@@ -139,3 +211,9 @@ class Progress:
                        f"ahead of every other rank: taken as a corrupted counter", detail={"rank": rank,
                                                                                            "step": step,
                                                                                            "implausible": last})
+
+
+def _step_of(entry: kinds.RankProgress) -> int:
+    """The step of an entry's loss (-1: none said)."""
+    step = entry.loss_step if entry.loss_step is not None else entry.step
+    return -1 if step is None else step

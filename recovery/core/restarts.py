@@ -47,15 +47,22 @@ class Restarts:
                         ) -> CheckpointContext:
         incident = job.incident
         assert incident is not None
-        alive_list = [bool(a) for a in job.alive]
+        alive_list = list(map(bool, job.alive))
         if attempt.granularity is G.IN_PLACE:
             for rank in attempt.ranks:  # restarting: no source of state
                 alive_list[rank] = False
+        catalog = job.frozen_catalog()
+        if incident.bad_step is not None:
+            # The state is poisoned from the bad step on, in every live replica and in every checkpoint of it or
+            # later: the policy sees only the checkpoints before it, and no live state to take or save.
+            catalog = {step: tiers for step, tiers in catalog.items() if step < incident.bad_step}
+            alive_list = [False] * job.world
+            dying_allowed = peer_allowed = False
         alive = tuple(alive_list)
         # Built at C speed: a 131,072-rank job's contexts are most of the time its fault takes to become commands.
         placement = tuple(chain.from_iterable(repeat(name, job.rpn) for name in job.nodes))[:job.world]
         return CheckpointContext(
-            layout=job.layout, catalog=job.frozen_catalog(), placement=placement,
+            layout=job.layout, catalog=catalog, placement=placement,
             unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)) | incident.dead_hosts,
             alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
             restarting=frozenset(attempt.ranks),
@@ -71,15 +78,19 @@ class Restarts:
             return  # planned by this very record (nothing to stop first): nothing can have changed since
         peer = any(source.tier is Tier.PEER for source in plan.shards)
         answer = consult(out, job, "checkpoint", "plan", self._checkpoint_ctx(job, attempt, False, peer))
-        fresh = _resume_of(answer) or plan
+        fresh = _skipping(job, _resume_of(answer)) or plan
         if fresh != plan:
             attempt.plan = fresh
             why = (f"{plan.checkpoint_step} is no longer where the live replicas are" if peer else
-                   f"step {plan.checkpoint_step} is no longer the newest complete, reachable checkpoint")
+                   f"step {plan.checkpoint_step} is no longer the newest complete, reachable checkpoint"
+                   if fresh.model_copy(update={"skip_steps": plan.skip_steps, "skip_data": plan.skip_data}) != plan
+                   else "the data to skip changed (an earlier bad step was heard)")
+            detail: dict[str, Any] = {"checkpoint_step": fresh.checkpoint_step, "next_step": fresh.next_step,
+                                      "tiers": _tier_counts(fresh)}
+            if fresh.skip_steps or fresh.skip_data:
+                detail.update(skip_steps=fresh.skip_steps, skip_data=fresh.skip_data)
             out.decide(job, DecisionKind.CHECKPOINT_PLAN, f"again before the restart: {why}",
-                       policy=job.policies.labels["checkpoint"],
-                       detail={"checkpoint_step": fresh.checkpoint_step, "next_step": fresh.next_step,
-                               "tiers": _tier_counts(fresh)})
+                       policy=job.policies.labels["checkpoint"], detail=detail)
 
     def checkpoint(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
         """Choose the resume point; first ask live replicas for a dying checkpoint if the policy says so."""
@@ -102,7 +113,7 @@ class Restarts:
                        commands=[command], timers=[timer],
                        detail={"step": save.step, "savers": list(save.ranks)})
             return
-        resume = answer.plan if isinstance(answer, Resume) else answer.fallback
+        resume = _skipping(job, answer.plan if isinstance(answer, Resume) else answer.fallback)
         if any(source.tier is Tier.PEER for source in resume.shards):
             incident.peer_tried = True  # if the peers fail this attempt, the next one saves a dying checkpoint
         if isinstance(answer, AwaitDying) and answer.wait_ns > 0 and not incident.awaited:
@@ -119,9 +130,11 @@ class Restarts:
             return
         attempt.plan = resume
         attempt.planned_at = out.seq
-        out.decide(job, DecisionKind.CHECKPOINT_PLAN, answer.reason, policy=policy,
-                   detail={"checkpoint_step": resume.checkpoint_step, "next_step": resume.next_step,
-                           "tiers": _tier_counts(resume)})
+        detail: dict[str, Any] = {"checkpoint_step": resume.checkpoint_step, "next_step": resume.next_step,
+                                  "tiers": _tier_counts(resume)}
+        if incident.bad_step is not None:
+            detail.update(bad_step=incident.bad_step, skip_steps=resume.skip_steps, skip_data=resume.skip_data)
+        out.decide(job, DecisionKind.CHECKPOINT_PLAN, answer.reason, policy=policy, detail=detail)
         self._stop(out, job, attempt)
 
     def _acks_due(self, job: Job, commands: list[Any]) -> dict[str, tuple[str, ...]]:
@@ -192,6 +205,10 @@ class Restarts:
         cid = out.command_id(job.id)
         commands: list[Any] = []
         if g is G.RETRY:
+            # A retry is a new generation with no process restarted: a process group whose collective failed is
+            # unusable, so every rank forms the next generation's in its own process (as survivors of an in-place
+            # restart do) and trains the interrupted step again. No rank's process is replaced (rank_gen stays).
+            job.generation += 1
             commands.append(RetryStep(id=cid, job=job.id, attempt=job.generation, deadline_s=60,
                                       step=incident.fault_step + 1))
         else:
@@ -199,6 +216,9 @@ class Restarts:
             assert plan is not None
             job.generation += 1
             gen = job.generation
+            # Compute times are compared within a generation: a rank moved off a slow node starts a clean tally.
+            job.compute_steps = [0] * job.world
+            job.compute_ns = [0] * job.world
             if g is G.IN_PLACE:
                 commands.append(RestartRanks(id=cid, job=job.id, attempt=gen, deadline_s=120,
                                              ranks=[r for r in attempt.ranks if r not in attempt.carried], plan=plan,
@@ -370,6 +390,16 @@ class Restarts:
                 self.cluster.assign(source, job.id)
             return
 
+
+
+def _skipping(job: Job, plan: ResumePlan | None) -> ResumePlan | None:
+    """`plan` with the data the job skips (its bad steps'), whichever policy made it."""
+    if plan is None:
+        return None
+    steps, data = job.skips()
+    if not steps and not data:
+        return plan
+    return plan.model_copy(update={"skip_steps": steps, "skip_data": data})
 
 
 def _resume_of(answer: CheckpointPlan) -> ResumePlan | None:

@@ -178,6 +178,9 @@ def _check_verdict(verdict: Any, world: int) -> str | None:
         outside = [r for r in fault.ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world]
         if outside:
             return f"answered a fault of ranks {outside[:8]}, not ranks of the job (world {world})"
+        bad = fault.bad_step
+        if bad is not None and (not isinstance(bad, int) or isinstance(bad, bool) or bad < 0):
+            return f"answered a fault whose bad_step is {bad!r}, not a step (an integer, 0 or more)"
         return _duration("isolate_for_ns", fault.isolate_for_ns, optional=True)
     return None
 

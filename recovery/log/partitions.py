@@ -10,7 +10,8 @@ its state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 from events import subjects
 from events.envelope import RawRecord, Record
@@ -28,20 +29,47 @@ def _token(subject: str, prefix: str) -> str:
 
 def partition_log(records: Iterable[Record | RawRecord], partition: Partition) -> list[Record | RawRecord]:
     """The records of `partition`, in log order, each job event on its published subject."""
+    return [record for _, record in partition_located(((None, r) for r in records), partition)]
+
+
+Where = TypeVar("Where")
+
+
+def partition_located(located: Iterable[tuple[Where, Record | RawRecord]], partition: Partition
+                      ) -> Iterator[tuple[Where, Record | RawRecord]]:
+    """`partition_log` over records that carry where each is (a file's line, a stream's sequence)."""
     mine = f"{subjects.PARTITIONED_EVENTS}.{partition.index}."
-    out: list[Record | RawRecord] = []
-    for record in records:
+    for where, record in located:
         subject = record.subject
         if subject.startswith(mine):
-            out.append(record.model_copy(update={"subject": subjects.unpartitioned(subject)}))
+            yield where, record.model_copy(update={"subject": subjects.unpartitioned(subject)})
         elif subject.startswith(_NODE):
-            out.append(record)
+            yield where, record
         elif subject.startswith(_DECISION):
             if partition.owns_job(_token(subject, _DECISION)):
-                out.append(record)
+                yield where, record
         elif subject.startswith(_DEAD_LETTER) and _rejects_mine(record, partition):
-            out.append(record)
-    return out
+            yield where, record
+
+
+def partitions_of(records: Iterable[Record | RawRecord], limit: int = 1024) -> int | None:
+    """How many partitions a log was written with, read from the log itself: the smallest count under which every
+    job event's stored partition is `partition_of` its job (None: not a partitioned log). A job's partition under
+    the wrong count disagrees for some job once the log holds a few: give the count where it holds one or two."""
+    seen: dict[str, int] = {}
+    prefix = f"{subjects.PARTITIONED_EVENTS}."
+    for record in records:
+        subject = record.subject
+        if subject.startswith(prefix):
+            index, _, rest = subject[len(prefix):].partition(".")
+            if rest.startswith("ev.job.") and index.isdigit():
+                seen.setdefault(rest[len("ev.job."):].split(".", 1)[0], int(index))
+    if not seen:
+        return None
+    for count in range(max(seen.values()) + 1, limit + 1):
+        if all(subjects.partition_of(job, count) == index for job, index in seen.items()):
+            return count
+    raise ValueError(f"no partition count up to {limit} puts this log's jobs where it stored them")
 
 
 def _rejects_mine(record: Record | RawRecord, partition: Partition) -> bool:

@@ -58,7 +58,8 @@ _QUIET_INPUTS = frozenset({"process.heartbeat"})
 _REPORTS = frozenset({"process.heartbeat", "progress.step"})
 _SILENCE_CLASSES = frozenset({"hang", "node"})
 _CLASS_OF_SIGNAL = {"process.exited": "process", "process.hang": "hang", "device.fault": "device",
-                    "network.link_down": "network", "network.collective_timeout": "hang", "node.not_ready": "node"}
+                    "network.link_down": "network", "network.collective_timeout": "hang", "node.not_ready": "node",
+                    "process.collective_failed": "network"}
 """the fault class of a fault that joined an incident, from its signal (only a confirmation records its class)"""
 
 

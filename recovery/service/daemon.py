@@ -524,6 +524,14 @@ class Daemon:
         self.metrics.timers_fired.inc(len(out))
 
     # -- views --------------------------------------------------------------------------------------------
+    @property
+    def outwaited(self) -> bool:
+        """Standing by for a lease another daemon holds: not merely on the way to active, slow under load."""
+        lease = self.lease
+        if self.role != "standby" or lease is None or not lease.holder:
+            return False
+        return bool(lease.holder.get("instance") != lease.instance)
+
     def readiness(self) -> tuple[bool, dict[str, object]]:
         caught_up = bool(self.reader is not None and self.reader.caught_up and self._caught_up_logged)
         ok = self.connected and self._reader_ok and caught_up and not self.stopping and self.role == "active"

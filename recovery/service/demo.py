@@ -387,6 +387,8 @@ class BuiltinCluster:
             node = command.node
             self.repairing.add(node)
             self.later(8.0, lambda: self._repaired(node))
+        elif kind == "retry_step":
+            job.generation = command.attempt  # the same processes, formed again in the retry's generation
         elif kind == "fail_job":
             job.failed = True
         self.job_event(job.id, "command.ack", {"command_id": command.id, "status": "done"}, source="executor")

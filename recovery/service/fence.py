@@ -7,8 +7,14 @@ subject in each stream it writes to (`recovery.fence.log.<partition>` in the log
 in the command stream), expecting the subject's last sequence it read (a compare-and-set), and then publishes every
 output with `Nats-Expected-Last-Subject-Sequence` set to its claim's sequence on that fence subject
 (`Nats-Expected-Last-Subject-Sequence-Subject`). Once a new owner has claimed, the server refuses each of the old
-owner's publishes (error 10071, wrong last sequence): the old owner learns it is `Fenced` and stops. Outputs stay
-pipelined: the expectation does not change between two claims.
+owner's publishes (error 10071, wrong last sequence: N): the old owner learns it is `Fenced` and stops.
+
+A replicated stream's leader checks the expectation before it proposes the write, and while a conditional write on
+the same fence subject is still in flight it refuses the next one without comparing anything (error 10164, wrong
+last sequence, no number). That answer decides nothing: the write is sent again (`is_in_flight_refusal`). So that
+a write sent again never lands after one sent behind it, a fenced owner publishes each stream's outputs in order,
+one acknowledged before the next (`recovery.service.publisher`): the two streams' fences are separate subjects, so
+the log's outputs and the commands still go side by side.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code for a publish whose expected last sequence is not the stream's"""
+IN_FLIGHT_CONDITIONAL = 10164
+"""a replicated stream's refusal of a conditional write while another on the same subject is in flight: it compared
+nothing, and the write is sent again"""
 _COMMANDS = f"{subjects.PREFIX}.cmd."
 
 
@@ -37,6 +46,15 @@ class Fenced(RuntimeError):
 
 def is_fence_refusal(exc: BaseException) -> bool:
     return isinstance(exc, nats.js.errors.APIError) and exc.err_code == WRONG_LAST_SEQUENCE
+
+
+def fenced_stream(subject: str) -> str:
+    """Which of the two fenced streams an output on `subject` goes to (`log` or `cmd`)."""
+    return "cmd" if subject.startswith(_COMMANDS) else "log"
+
+
+def is_in_flight_refusal(exc: BaseException) -> bool:
+    return isinstance(exc, nats.js.errors.APIError) and exc.err_code == IN_FLIGHT_CONDITIONAL
 
 
 class Fence:
@@ -63,9 +81,9 @@ class Fence:
                     ack = await self.js.publish(subject, body, stream=stream,
                                                 headers={EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)})
                 except nats.js.errors.APIError as exc:
-                    if not is_fence_refusal(exc):
+                    if not (is_fence_refusal(exc) or is_in_flight_refusal(exc)):
                         raise
-                    continue
+                    continue  # read the subject's last sequence again (an in-flight write may be landing)
                 break
             self.claimed[kind] = ack.seq
             self._headers[kind] = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(ack.seq),
@@ -80,4 +98,4 @@ class Fence:
 
     def headers(self, subject: str) -> dict[str, str]:
         """What an output on `subject` carries so that it is stored only while this claim is the last one."""
-        return self._headers["cmd" if subject.startswith(_COMMANDS) else "log"]
+        return self._headers[fenced_stream(subject)]

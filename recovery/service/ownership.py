@@ -146,11 +146,13 @@ class Ownership:
         self.metrics.ready.set(1 if self.readiness()[0] else 0)
         # A worker standing by lost the race for a free lease to another daemon: seen so at two balances in a row,
         # it is stopped, and it never counts toward the share (it would keep a partition nobody serves otherwise).
-        waiting = {k for k, d in self.workers.items() if d.role == "standby" and not d.stopping}
+        waiting = {k for k, d in self.workers.items() if d.outwaited and not d.stopping}
         for index in sorted(waiting & self._waiting):
             self.workers[index].request_stop()
         self._waiting = waiting
-        serving = {k: d for k, d in self.workers.items() if not d.stopping and d.role != "standby"}
+        # A worker still on its way to active (connecting, claiming) counts: else a slow start looks like room
+        # for one more partition, taken now and handed over at the next balance.
+        serving = {k: d for k, d in self.workers.items() if not d.stopping and k not in waiting}
         surplus = len(serving) - target
         if surplus > 0:
             for index in sorted((k for k, d in serving.items() if d.role != "active"), reverse=True) + sorted(

@@ -21,7 +21,7 @@ from recovery.log.jetstream import (
     is_too_many_requests,
     surface_async_ack_errors,
 )
-from recovery.service.fence import Fenced, is_fence_refusal
+from recovery.service.fence import Fenced, fenced_stream, is_fence_refusal, is_in_flight_refusal
 
 logger = logging.getLogger("recovery.daemon")  # its lines are the daemon's, as before the publisher had a module
 
@@ -57,6 +57,8 @@ class Publisher:
     async def publish(self, items: Sequence[Outgoing], deadline: float | None = None) -> list[JsPubAck]:
         """Publish `items` (in order) and return their acknowledgements; TimeoutError if some are still not
         acknowledged at `deadline` (monotonic), the error itself if one is not worth sending again."""
+        if self.fence is not None:
+            return await self._publish_fenced(items, deadline)
         acks: list[JsPubAck | None] = [None] * len(items)
         remaining = list(range(len(items)))
         backoff = Backoff(None if deadline is None else deadline - time.monotonic())
@@ -64,12 +66,9 @@ class Publisher:
             futures: dict[int, asyncio.Future[JsPubAck]] = {}
             error: BaseException | None = None
             try:
-                fence = self.fence
                 for i in remaining:
                     item = items[i]
                     headers = {MSG_ID: item.msg_id}
-                    if fence is not None:
-                        headers.update(fence(item.subject))
                     futures[i] = await self.js.publish_async(item.subject, item.data, wait_stall=self.timeout,
                                                              headers=headers)
             except Exception as exc:
@@ -93,8 +92,6 @@ class Publisher:
                     if maybe is not None and maybe.done() and not maybe.cancelled():
                         failure = maybe.exception()
                         assert failure is not None
-                        if self.fence is not None and is_fence_refusal(failure):
-                            raise Fenced(f"{items[i].subject}: another owner claimed the partition") from failure
                         if not is_retryable(failure, idempotent=True):
                             raise failure  # every message carries its id: only what cannot succeed is not sent again
                         error = error or failure
@@ -110,6 +107,63 @@ class Publisher:
                     "refused": error is not None and is_too_many_requests(error)}})
                 await anyio.sleep(delay)  # retry backoff through an outage or an overloaded server
         return [ack for ack in acks if ack is not None]
+
+
+    async def _publish_fenced(self, items: Sequence[Outgoing], deadline: float | None) -> list[JsPubAck]:
+        """A partition owner's outputs: each stream's in order, one acknowledged before the next is sent, the two
+        streams side by side (`recovery.service.fence` says why)."""
+        acks: list[JsPubAck | None] = [None] * len(items)
+        streams: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            streams.setdefault(fenced_stream(item.subject), []).append(i)
+
+        async def in_order(indices: list[int]) -> None:
+            for i in indices:
+                acks[i] = await self._publish_one_fenced(items[i], deadline)
+
+        if len(streams) == 1:
+            await in_order(next(iter(streams.values())))
+        else:
+            try:
+                async with anyio.create_task_group() as group:
+                    for indices in streams.values():
+                        group.start_soon(in_order, indices)
+            except BaseExceptionGroup as failed:  # callers handle `Fenced` and the publish errors, not a group
+                fenced = [exc for exc in failed.exceptions if isinstance(exc, Fenced)]
+                raise (fenced or list(failed.exceptions))[0] from failed
+        return [ack for ack in acks if ack is not None]
+
+    async def _publish_one_fenced(self, item: Outgoing, deadline: float | None) -> JsPubAck:
+        budget = None if deadline is None else deadline - time.monotonic()
+        backoff = Backoff(budget)
+        # The leader's in-flight mark on the fence subject lasts one replicated write: come back within ms.
+        busy = Backoff(budget, first=0.001, cap=0.05)
+        while True:
+            fence = self.fence
+            assert fence is not None
+            try:
+                ack = await self.js.publish(item.subject, item.data, timeout=self.timeout,
+                                            headers={MSG_ID: item.msg_id, **fence(item.subject)})
+            except Exception as exc:
+                reraise_cancel(exc)
+                if is_fence_refusal(exc):
+                    raise Fenced(f"{item.subject}: another owner claimed the partition") from exc
+                if is_in_flight_refusal(exc):
+                    delay = busy.next_delay()
+                elif is_retryable(exc, idempotent=True):
+                    self.retries += 1
+                    delay = backoff.next_delay()
+                    logger.warning("publish not acknowledged, retrying", extra={"fields": {
+                        "pending": 1, "error": describe_error(exc), "refused": is_too_many_requests(exc)}})
+                else:
+                    raise  # every message carries its id: only what cannot succeed is not sent again
+                if delay is None:
+                    raise TimeoutError("a publish not acknowledged before the deadline") from exc
+                await anyio.sleep(delay)  # retry backoff: an in-flight write, an outage or an overloaded server
+                continue
+            if ack.duplicate:
+                self.duplicates += 1
+            return ack
 
 
 def reraise_cancel(exc: BaseException) -> None:

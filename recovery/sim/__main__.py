@@ -113,7 +113,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
     training = replace(Training(), storage_every_s=args.storage_every_s, memory_every_steps=args.memory_every)
     return SimConfig(cluster=cluster, training=training, costs=costs, profile=chosen_profile(args.profile, args.policy),
                      days=args.days, seed=args.seed, mix_path=args.mix, trace_path=args.trace,
-                     rate_per_gpu_hour=args.rate)
+                     rate_per_gpu_hour=args.rate, watch_s=args.watch_s)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mix", help="fault mix CSV (default: the Llama 3 405B mix)")
     run.add_argument("--rate", type=_positive(float, 1.0), help="faults per GPU-hour (default: the mix's own)")
     run.add_argument("--trace", help="fault trace CSV instead of the mix (see `titan`)")
+    run.add_argument("--watch-s", type=_positive(float, MAX_DAYS * 86_400),
+                     help="the job's watchdog period, each tick after every rank's report of its step and compute "
+                          "time: what a mix with stragglers needs detected (default: none)")
     run.add_argument("--storage-every-s", type=_positive(float, MAX_DAYS * 86_400),
                      default=Training().storage_every_s, help="seconds between checkpoints to storage")
     run.add_argument("--memory-every", type=_positive(int, 10**9), default=Training().memory_every_steps,

@@ -25,6 +25,7 @@ CAUSES: dict[str, str] = {
     "waiting": "waiting for nodes (not enough spares)",
     "recompute": "recomputing lost steps (and the step in progress at the fault)",
     "checkpoint": "periodic checkpoint stalls (in-memory snapshots and persistent saves)",
+    "straggler": "training slowed by a straggler in the placement (the job's pace is its slowest node's)",
     "failed": "the job failed: the rest of the run",
 }
 """Causes of lost time, in the order of the summary."""

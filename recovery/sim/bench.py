@@ -2,8 +2,12 @@
 baselines, swept over fault rates, cluster sizes and fault mixes, as medians over seeds.
 
 The cases: the Llama 3 mix at each rate factor (1x, 3x, 10x its own rate) on the smallest cluster size, the Llama 3
-mix at 1x on every larger size, and the double-bit-ECC mix (`data/dbe_repeating.csv`: XID 48 faults that keep
-striking the same GPUs until they are replaced) at 3x the Llama 3 rate on the smallest size. Every profile runs on
+mix at 1x on every larger size, the double-bit-ECC mix (`data/dbe_repeating.csv`: XID 48 faults that keep
+striking the same GPUs until they are replaced) at 3x the Llama 3 rate on the smallest size, and the straggler mix
+(`data/stragglers.csv`: nodes that compute 1.6-2x slower, and the synchronous job with them, until repaired or
+drained) at 3x on 1,024 GPUs for at most 14 days, with the job's watchdog on (its straggler check reads the ranks'
+compute times): what a straggler costs is the time the job trains at its pace, and a policy that drains it at the
+next checkpoint loses far less than one that waits for its repair. Every profile runs on
 the same seeds, so on each seed all of them see the same faults at the same times and places (the fault stream is
 drawn before a run and does not depend on the policy). Runs are spread over worker processes; each run is
 deterministic, so the figures do not depend on the number of workers.
@@ -27,8 +31,15 @@ BASELINES = ("torchelastic-like", "mindcluster-like")
 BASELINE = "torchelastic-like"
 """the baseline lost GPU-hours are compared against"""
 OURS = ("default", "default-memory")
-MIXES: dict[str, Path | None] = {"llama3": None, "dbe": Path(__file__).parent / "data" / "dbe_repeating.csv"}
+MIXES: dict[str, Path | None] = {"llama3": None, "dbe": Path(__file__).parent / "data" / "dbe_repeating.csv",
+                                 "straggler": Path(__file__).parent / "data" / "stragglers.csv"}
 """mix name -> CSV (None: the Llama 3 mix)"""
+STRAGGLER_GPUS = 1_024
+STRAGGLER_DAYS = 14.0
+"""the straggler mix's case: its watchdog and the agents' reports before each tick cost the simulator per node and
+per tick, so it runs on a smaller cluster for at most this long (a straggler's cost shows within days)"""
+WATCH_S = 600.0
+"""the straggler case's watchdog period: the detection policy's straggler check runs on its ticks"""
 DBE_RATE = 3.0
 """the double-bit-ECC mix runs at this many times the Llama 3 rate (a bad batch of HBM, a cooling failure)"""
 
@@ -75,7 +86,8 @@ def one(run: Run) -> Outcome:
     mix = MIXES[run.mix]
     result = simulate(SimConfig(cluster=Cluster(gpus=run.gpus), days=run.days, seed=run.seed,
                                 profile=PROFILES[run.profile], mix_path=None if mix is None else str(mix),
-                                rate_per_gpu_hour=None if run.rate == 1.0 and mix is None else run.rate * llama))
+                                rate_per_gpu_hour=None if run.rate == 1.0 and mix is None else run.rate * llama,
+                                watch_s=WATCH_S if run.mix == "straggler" else None))
     return Outcome(run, result.ettr, result.lost_gpu_hours, result.job_state == "failed",
                    "waiting" in result.job_state, len(result.faults), result.sim_seconds, result.engine_seconds,
                    result.events, time.process_time() - cpu)
@@ -90,10 +102,14 @@ def runs(profiles: Sequence[str], scales: Sequence[int], seeds: Sequence[int], d
     if "llama3" in mixes:
         cases += [(g, 1.0, "llama3") for g in sorted(scales, reverse=True) if g != base]
         cases += [(base, r, "llama3") for r in sorted(rates, reverse=True) if r > DBE_RATE]
-    cases += [(base, DBE_RATE, m) for m in mixes if m != "llama3"]
+    cases += [(base, DBE_RATE, m) for m in mixes if m not in ("llama3", "straggler")]
     if "llama3" in mixes:
         cases += [(base, r, "llama3") for r in sorted(rates, reverse=True) if r <= DBE_RATE]
-    return [Run(p, g, s, days, r, m) for g, r, m in cases for s in seeds for p in profiles]
+    todo = [Run(p, g, s, days, r, m) for g, r, m in cases for s in seeds for p in profiles]
+    if "straggler" in mixes:
+        todo += [Run(p, STRAGGLER_GPUS, s, min(days, STRAGGLER_DAYS), DBE_RATE, "straggler")
+                 for s in seeds for p in profiles]
+    return todo
 
 
 def execute(todo: list[Run], workers: int, note: Callable[[str], None]) -> list[Outcome]:

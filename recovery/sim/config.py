@@ -163,6 +163,9 @@ class Durations:
     nic_repair_mean_s: float = 12 * 3600.0
     node_return_s: float = 60.0
     """a healthy node the job left is back in the spare pool after the scheduler cleaned it up"""
+    straggler_mean_s: float = 24 * 3600.0
+    """a straggler (a throttled GPU, a host short of CPU) stays slow this long on average unless drained: until
+    someone notices the job's pace and has the node looked at (our assumption)"""
 
 
 
@@ -227,6 +230,11 @@ class SimConfig:
     rank reports its step (or, stopped, a heartbeat) that often, as a real job's SDK does (the demo)"""
     watchdog_interval_s: float | None = None
     """the job spec's heartbeat watchdog; None: longer than the run (the simulator has no per-rank heartbeats)"""
+    watch_s: float | None = None
+    """the job's watchdog ticks this often, each just after every live rank's report of its step and compute time
+    (the agents' folded reports, collapsed to one per node per tick): what the detection policy's straggler check
+    reads. None: no watchdog and no such reports (the default: cheap at any scale, and a mix without stragglers
+    needs neither)"""
 
     @property
     def horizon_ns(self) -> int:

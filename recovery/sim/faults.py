@@ -27,7 +27,7 @@ T = TypeVar("T")
 NS = 1_000_000_000
 HOUR_NS = 3600 * NS
 
-SIGNALS = ("device", "process", "network", "node", "hang")
+SIGNALS = ("device", "process", "network", "node", "hang", "straggler")
 SCOPES = ("device", "rank", "node", "switch", "job")
 
 PACKAGED_MIX = Path(__file__).parent / "data" / "llama3_405b_interruptions.csv"
@@ -83,6 +83,9 @@ class MixRow:
     repeat: float = 0.0
     """the share of this row's faults that strike a device this row struck before (a lemon: a GPU whose memory
     keeps raising double-bit errors until it is replaced); the optional `repeat` column, 0 when absent"""
+    slowdown: float = 1.0
+    """a straggler row's factor: the struck node computes each step this many times slower (and the synchronous
+    job with it) until it is repaired or drained; the optional `slowdown` column, 1 when absent"""
 
 
 @dataclass(frozen=True)
@@ -112,13 +115,14 @@ class FaultMix:
             for line, raw in enumerate(csv.DictReader(fh), 2):
                 try:
                     row = MixRow(raw["component"].strip(), raw["category"].strip(), int(raw["count"]),
-                                 raw["signal"].strip(), raw["scope"].strip(), float(raw.get("repeat") or 0.0))
+                                 raw["signal"].strip(), raw["scope"].strip(), float(raw.get("repeat") or 0.0),
+                                 float(raw.get("slowdown") or 1.0))
                 except (KeyError, ValueError, AttributeError) as exc:
                     raise ValueError(f"{where}:{line}: not a mix row ({exc})") from exc
                 if (row.signal not in SIGNALS or row.scope not in SCOPES or row.count < 0
-                        or not 0.0 <= row.repeat <= 1.0):
+                        or not 0.0 <= row.repeat <= 1.0 or not 1.0 <= row.slowdown <= 100.0):
                     raise ValueError(f"{where}:{line}: signal must be one of {SIGNALS}, scope one of {SCOPES}, "
-                                     f"count >= 0, repeat within [0, 1]; got {row}")
+                                     f"count >= 0, repeat within [0, 1], slowdown within [1, 100]; got {row}")
                 rows.append(row)
         if not rows or sum(r.count for r in rows) == 0:
             raise ValueError(f"{where}: the mix has no faults")
@@ -153,6 +157,8 @@ class Fault:
     physical device, wherever the job has moved)"""
     repeat: bool = False
     """the fault strikes a device struck before: it does not happen once that device has been replaced"""
+    slowdown: float = 1.0
+    """a straggler: the node computes this many times slower for `repair_ns`, unless drained first"""
 
     @property
     def fault_class(self) -> str:
@@ -206,14 +212,15 @@ class FaultDraw:
         signal = OVERRIDES.get(row.component, row.signal)
         scope = "rank" if signal == "process" and row.signal != "process" else row.scope
         mean = {"device": self.durations.device_repair_mean_s, "node": self.durations.node_repair_mean_s,
-                "network": self.durations.nic_repair_mean_s}.get(signal, self.durations.node_repair_mean_s)
+                "network": self.durations.nic_repair_mean_s, "straggler": self.durations.straggler_mean_s,
+                }.get(signal, self.durations.node_repair_mean_s)
         repair = -mean * math.log(1.0 - u_repair)
         return Fault(index=index, at_ns=at_ns, component=row.component, signal=signal, scope=scope,
                      position=position, device=device, code=xid if signal == "device" else None,
                      exit_code=exit_code, exit_signal=exit_signal,
                      outage_ns=int(outage * NS) if scope == "switch" else 0,
                      repair_ns=max(NS, int(repair * NS)),
-                     node=node_name(position) if row.repeat > 0 else None, repeat=repeat)
+                     node=node_name(position) if row.repeat > 0 else None, repeat=repeat, slowdown=row.slowdown)
 
 
 def draw_faults(mix: FaultMix, *, gpus: int, positions: int, devices: int, horizon_ns: int, seed: int,
@@ -241,7 +248,8 @@ TRACE_COLUMNS = ("time_s", "node", "position", "device", "signal", "scope", "cod
 def read_trace(path: str | Path) -> list[Fault]:
     """A fault trace: CSV with `time_s` (since the start of the run) and `signal`, and optionally `node` (a node
     id) or `position` (index in the job's placement), `device`, `scope`, `code` (an XID), `component`,
-    `repair_s`, `outage_s`. `recovery.sim.titan` writes Titan's GPU failures in this form."""
+    `repair_s`, `outage_s`, `slowdown` (a straggler's factor). `recovery.sim.titan` writes Titan's GPU failures in
+    this form."""
     faults: list[Fault] = []
     with open(path, newline="") as fh:
         for line, raw in enumerate(csv.DictReader(fh), 2):
@@ -256,7 +264,8 @@ def _trace_row(raw: dict[str, str], index: int) -> Fault:
     signal = raw["signal"].strip()
     if signal not in SIGNALS:
         raise ValueError(f"signal {signal!r} is not one of {SIGNALS}")
-    default_scope = {"device": "device", "process": "rank", "network": "node", "node": "node", "hang": "job"}
+    default_scope = {"device": "device", "process": "rank", "network": "node", "node": "node", "hang": "job",
+                     "straggler": "node"}
     scope = (raw.get("scope") or "").strip() or default_scope[signal]
     node = (raw.get("node") or "").strip() or None
     position = int(raw.get("position") or 0)
@@ -264,7 +273,8 @@ def _trace_row(raw: dict[str, str], index: int) -> Fault:
                  signal=signal, scope=scope, position=position, device=int(raw.get("device") or 0),
                  code=(raw.get("code") or "").strip() or None, exit_code=1 if signal == "process" else None,
                  outage_ns=int(float(raw.get("outage_s") or 0) * NS),
-                 repair_ns=int(float(raw.get("repair_s") or 4 * 3600) * NS), node=node)
+                 repair_ns=int(float(raw.get("repair_s") or 4 * 3600) * NS), node=node,
+                 slowdown=float(raw.get("slowdown") or 1.0))
 
 
 def write_trace(path: str | Path, faults: Iterable[Fault]) -> int:

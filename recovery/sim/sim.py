@@ -20,6 +20,7 @@ from pathlib import Path
 from events import subjects
 from events.commands import CommandBase
 from events.envelope import EnvelopeBase, make_envelope
+from events.names import TimerPurpose
 from events.outputs import Decision, Rejection
 from recovery.core.engine import Engine
 from recovery.core.job import Job
@@ -95,6 +96,7 @@ class Simulator:
         self.outcomes: list[FaultOutcome] = []
         self._open: list[FaultOutcome] = []
         self.end = EPOCH + config.horizon_ns
+        self._watchdog = f"{config.job}/{TimerPurpose.WATCHDOG}/"
 
     # -- the clock and the scheduler ------------------------------------------------------------------
     def _clock(self) -> int:
@@ -173,6 +175,8 @@ class Simulator:
                     break
                 self._now = max(self._now, timer[0])
                 firing = timers.take()
+                if firing is not None and self.cfg.watch_s and firing.timer_id.startswith(self._watchdog):
+                    self.world.report_progress()  # the agents' reports of the period come before the tick
                 if firing is not None:  # else cancelled, or a period already fired
                     self.world.job_event("timer.fired", {"timer_id": firing.timer_id, "due": firing.due},
                                          source="timers")
@@ -191,11 +195,12 @@ class Simulator:
         totals = dict(self.ledger.totals)
         c = self.world.counters
         train = totals.pop("train", 0)
-        if train != c.productive + c.recompute + c.checkpoint:
+        if train != c.productive + c.recompute + c.checkpoint + c.straggler:
             raise AssertionError(f"training time {train} ns is not productive {c.productive} + recompute "
-                                 f"{c.recompute} + checkpoint {c.checkpoint}")
+                                 f"{c.recompute} + checkpoint {c.checkpoint} + straggler {c.straggler}")
         totals["recompute"] = totals.get("recompute", 0) + c.recompute
         totals["checkpoint"] = totals.get("checkpoint", 0) + c.checkpoint
+        totals["straggler"] = totals.get("straggler", 0) + c.straggler
         lost = {cause: totals.pop(cause, 0) / NS for cause in CAUSES}
         if totals:
             raise AssertionError(f"time booked under unknown labels: {totals}")

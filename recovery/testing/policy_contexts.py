@@ -13,6 +13,7 @@ left out is derived the way the engine derives it. Needs hypothesis (the `testin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, get_args
@@ -27,6 +28,7 @@ from policies import (
     AttemptSummary,
     Catalog,
     CheckpointContext,
+    LossSample,
     PastIncident,
     RankActivity,
     RescheduleContext,
@@ -46,7 +48,9 @@ JOB_SIGNALS = ("process.exited", "process.hang", "network.collective_timeout")
 NODE_SIGNALS = tuple(t for t in kinds.NODE_EVENTS if t != "node.heartbeat")
 """node events: every one reaches the detection policy of the job on the node, but the agent's heartbeat, which the
 engine keeps for the watchdog (`WatchdogView.agents_heard`)"""
-SIGNAL_TYPES = JOB_SIGNALS + NODE_SIGNALS
+LOSS_SIGNAL = "progress.loss"
+"""a loss a rank reported with its step (data a `LossSample`, the job's recent losses in `Signal.losses`)"""
+SIGNAL_TYPES = JOB_SIGNALS + NODE_SIGNALS + (LOSS_SIGNAL,)
 
 PAYLOADS: dict[str, dict[str, Any]] = {
     "process.exited": {"rank": 0, "exit_code": 139},
@@ -65,7 +69,7 @@ PAYLOADS: dict[str, dict[str, Any]] = {
 """the payload of each signal type when a test names no field of it"""
 
 _SIGNAL_FIELDS = frozenset({"ts", "node", "ranks", "device_fault_times", "node_fault_times", "step_time_ns",
-                            "world", "node_ranks"})
+                            "world", "node_ranks", "losses"})
 _MODELS: dict[str, type[Frozen]] = {**kinds.JOB_EVENTS, **kinds.NODE_EVENTS}
 
 
@@ -78,6 +82,8 @@ def make_signal(type_: str = "process.exited", /, *, nodes: Sequence[str] = NODE
     (or give the payload whole as `data`). A node event comes from the first node unless `node` says otherwise;
     `ranks` and `node_ranks` are the job's ranks there (on the device, for a device event), and a device fault's
     history holds this fault alone, as the engine derives them."""
+    if type_ == LOSS_SIGNAL:
+        return _loss_signal(nodes, ranks_per_node, data, fields)
     if type_ not in _MODELS:
         raise ValueError(f"{type_!r} is not an event type (one of {', '.join(SIGNAL_TYPES)})")
     own = {key: value for key, value in fields.items() if key in _SIGNAL_FIELDS}
@@ -108,6 +114,18 @@ def make_signal(type_: str = "process.exited", /, *, nodes: Sequence[str] = NODE
                   own.get("node_ranks", ()))
 
 
+def _loss_signal(nodes: Sequence[str], ranks_per_node: int, data: Any, fields: Mapping[str, Any]) -> Signal:
+    """A `progress.loss` signal: `rank`, `step` and `loss` (default rank 0 at step 10, a NaN) or a `LossSample` as
+    `data`; `losses` the job's recent ones (default: 16 around 1.0)."""
+    own = {key: value for key, value in fields.items() if key in _SIGNAL_FIELDS}
+    payload = {key: value for key, value in fields.items() if key not in _SIGNAL_FIELDS}
+    sample = data if isinstance(data, LossSample) else LossSample(
+        int(payload.get("rank", 0)), int(payload.get("step", 10)), float(payload.get("loss", math.nan)))
+    losses = tuple(own.get("losses", tuple(1.0 + (i % 4) / 10 for i in range(16))))
+    return Signal(LOSS_SIGNAL, sample, own.get("ts", NOW), None, own.get("ranks", (sample.rank,)), (), (),
+                  own.get("step_time_ns"), own.get("world", len(nodes) * ranks_per_node), (), losses=losses)
+
+
 def _per_rank(value: int | Sequence[int] | Mapping[int, int], world: int, default: int) -> list[int]:
     """One value per rank from a scalar, a sequence, or {rank: value} over `default`."""
     if isinstance(value, Mapping):
@@ -126,15 +144,20 @@ def make_watchdog_view(*, now: int = NOW, nodes: Sequence[str] = NODES, ranks_pe
                        step_time_ns: int | None = NS, last_seen: int | Sequence[int] | Mapping[int, int] | None = None,
                        last_progress: int | Sequence[int] | Mapping[int, int] | None = None,
                        steps: int | Sequence[int] | Mapping[int, int] = 100,
-                       agents_heard: Sequence[int | None] = (), sdk: bool = True) -> WatchdogView:
+                       agents_heard: Sequence[int | None] = (), sdk: bool = True,
+                       compute_steps: int | Sequence[int] | Mapping[int, int] = 0,
+                       compute_ns: int | Sequence[int] | Mapping[int, int] = 0) -> WatchdogView:
     """What the watchdog sees of a job on `nodes` at `now`. Per-rank values are one number for every rank, one per
-    rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100. `agents_heard`
-    is per node the last heartbeat of its agent (None: it sends none; empty: unknown)."""
+    rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100, with no compute
+    time reported (`compute_steps` steps measured in all `compute_ns`). `agents_heard` is per node the last heartbeat
+    of its agent (None: it sends none; empty: unknown)."""
     world = len(nodes) * ranks_per_node
     seen = _per_rank(now if last_seen is None else last_seen, world, now)
     progress = _per_rank(now if last_progress is None else last_progress, world, now)
     at = _per_rank(steps, world, 100)
-    return WatchdogView(now, step_time_ns, tuple(RankActivity(r, seen[r], progress[r], at[r]) for r in range(world)),
+    measured, spent = _per_rank(compute_steps, world, 0), _per_rank(compute_ns, world, 0)
+    return WatchdogView(now, step_time_ns, tuple(RankActivity(r, seen[r], progress[r], at[r], measured[r], spent[r])
+                                                 for r in range(world)),
                         tuple(nodes), ranks_per_node, tuple(agents_heard), sdk)
 
 
@@ -262,6 +285,12 @@ def signals(draw: st.DrawFn, types: Sequence[str] = SIGNAL_TYPES) -> Signal:
     on (no ranks, a world of 0), which the engine has the built-in detection judge."""
     nodes, rpn = draw(placements())
     type_ = draw(st.sampled_from(list(types)))
+    if type_ == LOSS_SIGNAL:
+        finite = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
+        loss = draw(finite | st.sampled_from([math.nan, math.inf, -math.inf]))
+        sample = LossSample(draw(st.integers(0, len(nodes) * rpn - 1)), draw(st.integers(0, 10**9)), loss)
+        return make_signal(type_, nodes=nodes, ranks_per_node=rpn, data=sample, ts=draw(_TIMES),
+                           step_time_ns=draw(_STEP_TIMES), losses=tuple(draw(st.lists(finite, max_size=40))))
     data = _MODELS[type_].model_validate(draw(_payload(type_, len(nodes) * rpn, rpn)))
     ts = draw(_TIMES)
     fields: dict[str, Any] = {"ts": ts, "step_time_ns": draw(_STEP_TIMES)}
@@ -281,7 +310,7 @@ def signals(draw: st.DrawFn, types: Sequence[str] = SIGNAL_TYPES) -> Signal:
 @st.composite
 def watchdog_views(draw: st.DrawFn) -> WatchdogView:
     """What the watchdog could see: each rank last seen no later than now, last progressing no later than last
-    seen, at a step that is not negative; now and then a whole node silent."""
+    seen, at a step that is not negative; now and then a whole node silent; now and then compute times."""
     nodes, rpn = draw(placements())
     world = len(nodes) * rpn
     now = draw(_TIMES)
@@ -297,9 +326,12 @@ def watchdog_views(draw: st.DrawFn) -> WatchdogView:
     # Agents that send heartbeats (heard no later than now), that send none, or a placement whose agents are unknown.
     agents: list[int | None] = [draw(st.none() | st.integers(0, 2 * NS).map(lambda d: now - d) | ago.map(
         lambda d: now - d)) for _ in nodes] if draw(st.booleans()) else []
+    # Compute times as the engine tallies them (up to 512 steps), each rank its own mean: some stand out.
+    measured = [draw(st.integers(0, 512)) for _ in range(world)] if draw(st.booleans()) else [0] * world
+    spent = [n * draw(st.integers(0, 10 * NS)) for n in measured]
     return make_watchdog_view(now=now, nodes=nodes, ranks_per_node=rpn, step_time_ns=draw(_STEP_TIMES),
                               last_seen=seen, last_progress=progress, steps=steps, agents_heard=agents,
-                              sdk=draw(st.integers(0, 4)) > 0)
+                              sdk=draw(st.integers(0, 4)) > 0, compute_steps=measured, compute_ns=spent)
 
 
 _LADDER = [Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE, Granularity.RESTART_JOB,

@@ -1,0 +1,262 @@
+"""The executors: the commands the engine sends, carried out on the simulated job after the cost model's durations,
+and acknowledged as real executors do (accepted at once, then done or failed; with the configured probabilities
+they fail or never answer)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from events.commands import CommandBase
+from events.values import STORAGE_HOLDER, ResumePlan, Tier
+from recovery.sim.config import NS
+from recovery.sim.training import _RESTARTS, TrainingState
+
+
+class Executors(TrainingState):
+    # -- executors ------------------------------------------------------------------------------------
+    def command_cost_s(self, command: CommandBase) -> float:
+        c = self.cfg.costs
+        kind = getattr(command, "kind", "")
+        data: Any = command
+        if kind == "stop_ranks":
+            return c.stop_kill_s if data.mode == "kill" else min(c.stop_graceful_s, data.grace_s)
+        if kind == "save_checkpoint":
+            return c.save_s(len(data.ranks), self.shard_bytes)
+        if kind == "retry_step":
+            return c.retry_step_s
+        if kind == "restart_ranks":
+            return c.restart_in_place_s + (c.device_reset_s if data.reset_devices else 0.0)
+        if kind == "migrate_ranks":
+            return c.migrate_s
+        if kind in ("restart_job", "scale_job"):
+            return c.restart_job_s(len(data.nodes))
+        if kind in ("isolate_node", "isolate_device"):
+            return c.isolate_s
+        return c.fail_job_s
+
+    def execute(self, command: CommandBase) -> None:
+        """Carry out a command like an executor: ack `accepted` at once, then `done` (or `failed`) after its
+        cost; with the configured probabilities it fails, or never answers."""
+        c = self.cfg.costs
+        kind = getattr(command, "kind", "")
+        now = self.sched.now
+        lat = int(c.ack_latency_s * NS)
+        self.sched.at(now + lat, lambda: self._ack(command, "accepted"))
+        u = self.exec_rng.random()
+        outcome = "failed" if u < c.fail_probability else (
+            "timeout" if u < c.fail_probability + c.timeout_probability else "ok")
+        self._count(f"{kind}:{outcome}")
+        if kind in ("stop_ranks", *_RESTARTS, "retry_step"):
+            self._stop_training()
+        if kind in _RESTARTS:
+            self.inflight[command.id] = (command.attempt, frozenset(self._command_ranks(command)))
+        cost = int(self.command_cost_s(command) * NS)
+        self.sched.at(now + lat + cost, lambda: self._complete(command, outcome))
+
+    def _ack(self, command: CommandBase, status: str, reason: str = "") -> None:
+        self.job_event("command.ack", {"command_id": command.id, "status": status, "reason": reason},
+                       source="executor")
+
+    def _command_ranks(self, command: Any) -> list[int]:
+        kind = command.kind
+        if kind in ("restart_ranks", "migrate_ranks"):
+            return list(command.ranks)
+        if kind == "restart_job":
+            return list(range(self.world_size))
+        if kind == "scale_job":  # the ranks whose processes it keeps are live replicas, not restarted
+            kept = set(command.kept)
+            return [r for r in range(command.dp * self.tp * self.pp) if r not in kept]
+        return []
+
+    def _complete(self, command: Any, outcome: str) -> None:
+        kind = command.kind
+        self.inflight.pop(command.id, None)
+        if self.failed and kind != "fail_job":
+            return
+        if outcome == "timeout":
+            self._maybe_resume()
+            return
+        if outcome == "failed":
+            self._ack(command, "failed", "executor error (simulated)")
+            self._maybe_resume()
+            return
+        why = getattr(self, f"_do_{kind}")(command)
+        if why:
+            self._count(f"{kind}:refused")
+            self._ack(command, "failed", why)
+            self._maybe_resume()
+            return
+        if kind != "save_checkpoint":
+            self._ack(command, "done")
+        self._maybe_resume()
+
+    def _others_blocked(self, ranks: set[int], generation: int) -> str:
+        """Ranks outside the restart must still run (they roll back in place) unless another restart of the same
+        generation is bringing them back."""
+        covered = set(ranks)
+        for gen, others in self.inflight.values():
+            if gen == generation:
+                covered |= others
+        missing = sorted((self.dead | self.hung) - covered)
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            return f"ranks {missing[:8]}{more} are not running and cannot roll back"
+        return ""
+
+    def _plan_missing(self, plan: ResumePlan, restarting: set[int]) -> str:
+        """An in-memory snapshot the plan relies on that no host holds any more. Hosts keep their latest snapshot
+        only and lose it when they power-cycle; a rank whose named holder lost it reads the same shard of the same
+        step from another replica's host if one has it (as Gemini recovers from a peer's memory)."""
+        step = plan.checkpoint_step
+        if step is not None and any(s.tier is Tier.PEER for s in plan.shards):
+            return self._peers_missing(plan, step, restarting)
+        memory = [s for s in plan.shards if s.tier is Tier.MEMORY]
+        if step is None or not memory:
+            return ""
+        held = {r % self.shards for r in self.reporters()
+                if self.mem_step.get(self.node_of(r)) == step and not self.hw[self.node_of(r)].down}
+        for source in memory:
+            if source.shard not in held:
+                return f"no host holds shard {source.shard} of step {step} in memory any more"
+            if not any(self.mem_step.get(h) == step and not self.hw[h].down for h in source.holders):
+                self._count("memory_read_from_peer")
+        return ""
+
+    def _restarting(self, command: Any) -> set[int]:
+        """The command's ranks and those other restarts of its attempt brought back already."""
+        earlier = self.restarted if command.attempt == self.generation else set()
+        return set(self._command_ranks(command)) | earlier
+
+    def _peers_missing(self, plan: ResumePlan, step: int, restarting: set[int]) -> str:
+        """A live replica to send each shard: its process running and not restarted itself, on a healthy node, at
+        the plan's step (the job halted there: a peer cannot send a step it is not at)."""
+        if step != self.halted_step:
+            return f"the live replicas are at step {self.halted_step}, not {step}"
+        gone = self.dead | self.hung | restarting
+        for source in plan.shards:
+            if source.tier is not Tier.PEER:
+                continue
+            if not any(r not in gone and self.hw[self.node_of(r)].healthy
+                       for r in range(source.shard, self.world_size, self.shards)
+                       if self.node_of(r) in source.holders):
+                return f"no live replica of shard {source.shard} on {source.holders} to send it"
+        self._count("state_from_peers")
+        return ""
+
+    def _restarted(self, command: Any, ranks: list[int]) -> None:
+        if command.attempt != self.generation:
+            self.generation = command.attempt
+            self.restarted = set()
+        self.restarted.update(ranks)
+        self.dead.difference_update(ranks)
+        self.hung.difference_update(ranks)
+        self.plan = command.plan
+        self.retried = False
+        self._epoch += 1
+
+    def _do_stop_ranks(self, command: Any) -> str:
+        self.dead.update(command.ranks)
+        self.hung.difference_update(command.ranks)
+        return ""
+
+    def _do_save_checkpoint(self, command: Any) -> str:
+        for rank in command.ranks:
+            if rank >= self.world_size or rank in self.dead or rank in self.hung:
+                return f"rank {rank} is not running: it cannot save"
+            hw = self.hw[self.node_of(rank)]
+            device = rank % self.rpn
+            if hw.down or hw.gpu_lost == device or device in hw.bad:
+                return f"rank {rank}'s {'node' if hw.down else 'device'} on {hw.name} is gone"
+        shards = sorted({r % self.shards for r in command.ranks})
+        self.job_event("checkpoint.saved", {"step": command.step, "tier": Tier.DYING, "holder": STORAGE_HOLDER,
+                                            "shards": shards}, source="executor")
+        self._ack(command, "done")
+        return ""
+
+    def _do_retry_step(self, command: Any) -> str:
+        why = self._unhealthy(self.placement) or self._others_blocked(set(), self.generation)
+        if why:
+            return f"the step failed again: {why}"
+        if command.attempt != self.generation:  # a retry is a new generation of the same processes
+            self.generation = command.attempt
+            self.restarted = set()
+        self.retried = True
+        self._epoch += 1
+        return ""
+
+    def _do_restart_ranks(self, command: Any) -> str:
+        for name, devices in command.reset_devices.items():
+            if name in self.hw:  # a reset clears what needs one (an XID 48); a lemon may fault again
+                self.hw[name].bad.difference_update(devices)
+        nodes = sorted({self.node_of(r) for r in command.ranks})
+        why = (self._unhealthy(nodes) or self._others_blocked(set(command.ranks), command.attempt)
+               or self._plan_missing(command.plan, self._restarting(command)))
+        if why:
+            return why
+        self._restarted(command, list(command.ranks))
+        return ""
+
+    def _do_migrate_ranks(self, command: Any) -> str:
+        if command.from_node not in self.placement:
+            return f"{command.from_node} is not in the job"
+        why = (self._unhealthy([command.to_node]) or self._others_blocked(set(command.ranks), command.attempt)
+               or self._plan_missing(command.plan, self._restarting(command)))
+        if why:
+            return why
+        self._place([command.to_node if n == command.from_node else n for n in self.placement])
+        self._restarted(command, list(command.ranks))
+        return ""
+
+    def _do_restart_job(self, command: Any) -> str:
+        why = self._unhealthy(list(command.nodes)) or self._plan_missing(command.plan, self._restarting(command))
+        if why:
+            return why
+        self._place(list(command.nodes))
+        self.dead.clear()
+        self.hung.clear()
+        self._restarted(command, list(range(self.world_size)))
+        return ""
+
+    def _place(self, nodes: list[str]) -> None:
+        """The job now runs on `nodes`. A node it left that is healthy goes back to the spare pool once the
+        scheduler has cleaned it up; a broken one when its repair is done."""
+        keep = set(nodes)
+        left = [n for n in self.placement if n not in keep]
+        self.placement = nodes
+        for name in left:
+            hw = self.hw[name]
+            if not hw.repairing:
+                hw.repairing = True
+                self.later(int(self.cfg.durations.node_return_s * NS), partial(self._repaired, name))
+
+    def _do_scale_job(self, command: Any) -> str:
+        why = self._unhealthy(list(command.nodes)) or self._plan_missing(command.plan, self._restarting(command))
+        if why:
+            return why
+        self._place(list(command.nodes))
+        self.dp = command.dp
+        self.dead.clear()
+        self.hung.clear()
+        self._restarted(command, list(range(self.world_size)))
+        return ""
+
+    def _do_isolate_node(self, command: Any) -> str:
+        hw = self.hw[command.node]
+        hw.isolated = True
+        self.replaced.update((command.node, device) for device in range(self.rpn))
+        self._repair_later(command.node, int(self.cfg.durations.node_repair_mean_s * NS))
+        return ""
+
+    def _do_isolate_device(self, command: Any) -> str:
+        hw = self.hw[command.node]
+        hw.bad.add(command.device)
+        self.replaced.add((command.node, command.device))
+        self._repair_later(command.node, int(self.cfg.durations.device_repair_mean_s * NS))
+        return ""
+
+    def _do_fail_job(self, command: Any) -> str:
+        self._stop_training()
+        self.failed = True
+        return ""
+

@@ -1,0 +1,154 @@
+"""Fault injection: a fault of the mix or the trace, applied to the simulated hardware and job, and the events a real
+cluster emits for it (device probes, node agents, the platform)."""
+
+from __future__ import annotations
+
+from policies.codes import Action, nvidia_xid
+from recovery.sim.config import NS
+from recovery.sim.faults import FOLLOW_UPS, Fault
+from recovery.sim.training import LINK, TrainingState
+
+
+class FaultInjection(TrainingState):
+    # -- faults ---------------------------------------------------------------------------------------
+    def inject(self, fault: Fault) -> bool:
+        """Apply a fault and emit its events. Returns whether it struck the job (its nodes or processes)."""
+        node = fault.node if fault.node in self.hw else self.placement[fault.position % len(self.placement)]
+        if fault.repeat and (node, fault.device) in self.replaced:
+            self._count("repeats_on_replaced_devices")
+            return False
+        hw = self.hw[node]
+        switch = fault.signal == "network" and fault.scope == "switch"
+        nodes = list(self.by_switch[hw.switch]) if switch else [node]
+        struck = any(n in self.placement for n in nodes) and not self.failed
+        if fault.signal == "device":
+            meaning = nvidia_xid(fault.code or "79")
+            struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
+        if struck and fault.signal != "straggler":  # a straggler stops nothing: the job goes on, slower
+            self._stop_training()
+            self._arm_collective_timeout()
+        getattr(self, f"_fault_{fault.signal}")(fault, node, nodes)
+        return struck
+
+    def _rank_on(self, node: str, device: int) -> int | None:
+        if node not in self.placement:
+            return None
+        return self.placement.index(node) * self.rpn + device % self.rpn
+
+    def _exit(self, rank: int, exit_code: int | None, signal: int | None) -> None:
+        self.dead.add(rank)
+        self.hung.discard(rank)
+        self.job_event("process.exited", {"rank": rank, "exit_code": exit_code, "signal": signal,
+                                          "attempt": self.generation}, source=f"agent@{self.node_of(rank)}")
+
+    def _fault_device(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        code = fault.code or "79"
+        meaning = nvidia_xid(code)
+        hw = self.hw[node]
+        self.node_event(node, "device.fault", {"device": fault.device, "vendor": "nvidia", "code": code,
+                                               "severity": "critical"})
+        follow = FOLLOW_UPS.get(code)
+        if follow is not None:
+            self.later(NS, lambda: self.node_event(node, "device.fault", {"device": fault.device, "vendor": "nvidia",
+                                                                           "code": follow, "severity": "warning"}))
+        if meaning.action in (Action.IGNORE, Action.WATCH):
+            return
+        if meaning.action in (Action.RESET_DEVICE, Action.ISOLATE_DEVICE, Action.ISOLATE_NODE):
+            if meaning.fault_class is not None and meaning.fault_class.value == "node":
+                hw.gpu_lost = fault.device
+            else:
+                hw.bad.add(fault.device)
+            self._repair_later(node, fault.repair_ns)
+        rank = self._rank_on(node, fault.device)
+        if rank is not None and rank not in self.dead:
+            gen = self.generation
+
+            def crash() -> None:
+                if self.generation == gen and rank not in self.dead and not self.failed:
+                    # the CUDA error aborts the process (SIGABRT) unless the fault says otherwise
+                    given = fault.exit_code is not None or fault.exit_signal is not None
+                    self._exit(rank, fault.exit_code, fault.exit_signal if given else 6)
+            self.later(int(self.cfg.agents.exit_report_s * NS), crash)
+
+    def _fault_process(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        if node not in self.placement:
+            return
+        if fault.scope == "job":
+            for rank in range(self.world_size):  # a dependency every rank uses is gone: all of them fail
+                if rank not in self.dead:
+                    self._exit(rank, 1, None)
+            return
+        struck = self._rank_on(node, fault.device)
+        if struck is not None and struck not in self.dead:
+            self._exit(struck, fault.exit_code, fault.exit_signal)
+
+    def _fault_straggler(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        """The node computes `slowdown` times slower (a throttled GPU, a host short of CPU) for the fault's
+        `repair_ns`, unless the job drains it first (a drained node is looked at before it rejoins the pool). Nothing
+        is emitted: only the ranks' compute times tell of it."""
+        hw = self.hw[node]
+        hw.slowdown = max(hw.slowdown, fault.slowdown)
+        hw.slow_since = fault.index
+        self._count("stragglers")
+        if node in self.placement:
+            self.retime()
+
+        def ends() -> None:
+            if hw.slow_since == fault.index and hw.slowdown > 1.0:
+                hw.slowdown = 1.0
+                if node in self.placement:
+                    self.retime()
+        self.later(fault.repair_ns, ends)
+
+    def _fault_hang(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        rank = self._rank_on(node, fault.device)
+        if rank is None or rank in self.dead:
+            return
+        self.hung.add(rank)
+        gen = self.generation
+        delay = self.cfg.agents.hang_detect_s
+
+        def report() -> None:
+            if rank in self.hung and self.generation == gen and not self.failed:
+                self.job_event("process.hang", {"rank": rank, "seconds_without_progress": delay,
+                                                "attempt": gen}, source=f"agent@{self.node_of(rank)}")
+        self.later(int(delay * NS), report)
+
+    def _fault_network(self, fault: Fault, node: str, nodes: list[str]) -> None:
+        switch = self.hw[node].switch
+        for name in nodes:
+            self.hw[name].link_down = True
+            self.node_event(name, "network.link_down", {"link": LINK, "switch": switch})
+        if fault.outage_ns > 0:  # a switch reboot or a cable flap: the links come back by themselves
+            def up() -> None:
+                for name in nodes:
+                    hw = self.hw[name]
+                    if hw.link_down and not hw.repairing:
+                        hw.link_down = False
+                        self.node_event(name, "network.link_up", {"link": LINK})
+                self._maybe_resume()  # restarted processes waiting in NCCL init can now connect
+            self.later(fault.outage_ns, up)
+            return
+        # a dead NIC: the platform's health check marks the node not ready, and it waits for a repair
+        def check() -> None:
+            hw = self.hw[node]
+            if hw.link_down and not hw.not_ready:
+                hw.not_ready = True
+                self.node_event(node, "node.not_ready", {"reason": f"health check: {LINK} down"}, source="k8s")
+        self.later(int(self.cfg.agents.link_health_check_s * NS), check)
+        self._repair_later(node, fault.repair_ns)
+
+    def _fault_node(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        hw = self.hw[node]
+        hw.down = True
+        self.mem_step.pop(node, None)
+        if node in self.placement:
+            self.dead.update(self.ranks_on(node))  # the agent dies with the host: nobody reports the exits
+
+        def not_ready() -> None:
+            if hw.down and not hw.not_ready:
+                hw.not_ready = True
+                self.node_event(node, "node.not_ready", {"reason": fault.component}, source="k8s")
+        self.later(int(self.cfg.agents.node_not_ready_s * NS), not_ready)
+        self._repair_later(node, fault.repair_ns)
+

@@ -1,0 +1,135 @@
+"""The fleet bench's simulated agents: one process (`python tools/bench_fleet_agents.py '<spec json>'`) plays the
+`recovery-agent` of every node of a slice of the fleet, over real NATS, never inside a daemon's process.
+
+For each of its nodes it does what the agent does: it folds the node's 8 ranks' heartbeats and steps into one
+`progress.report` per `report_s` (the engine also takes a report for the agent's sign of life, so a `node.heartbeat`
+goes only in a period without one), it acks the commands addressed to the node, and its ranks report in the newest
+generation a command of their job names. The bench strikes a fault by asking on `bench.fleet.fault.<node>` (core
+NATS, the bench's own control subject): the agent publishes that rank's `process.exited` through JetStream and,
+once it is stored, answers with the monotonic time it was sent and the job's generation then.
+
+The spec: `{"url": ..., "jobs": [[job, its first node, the first node here, nodes here], ...], "report_s": s,
+"step_s": s, "seconds": s}`, nodes as indices: node names are global (`f00000` ...), and a job's ranks are numbered
+from 0 on its own first node (a process may play a slice of a job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import orjson
+
+from events import subjects
+from recovery.log.jetstream import publish_with_retry
+
+RPN = 8
+MSG_ID = "Nats-Msg-Id"
+CONTROL = "bench.fleet"
+"""core-NATS subjects of the bench's own control of its simulated agents (nothing of the product's)"""
+
+
+def node_name(index: int) -> str:
+    return f"f{index:05d}"
+
+
+@dataclass
+class SimJob:
+    name: str
+    generation: int = 0
+    dead: set[int] = field(default_factory=set)
+
+
+def envelope(type_: str, data: dict[str, Any], ident: str, node: str, job: str | None) -> bytes:
+    # The wire's JSON as an agent writes it, without a model per message: thousands a second per process.
+    head: dict[str, Any] = {"id": ident, "type": type_, "source": "bench-agent", "node": node}
+    if job is not None:
+        head["job"] = job
+    return orjson.dumps({**head, "data": data})
+
+
+async def agents(spec: dict[str, Any]) -> None:
+    """The nodes of `spec["jobs"]` for `spec["seconds"]`: reports, heartbeats, acks and the faults asked for."""
+    nc = await nats.connect(spec["url"].split(","), max_reconnect_attempts=-1, pending_size=256 * 1024 * 1024)
+    js = nc.jetstream(timeout=30)
+    report_s, step_s, seconds = float(spec["report_s"]), float(spec["step_s"]), float(spec["seconds"])
+    jobs: dict[str, SimJob] = {}
+    nodes: dict[str, tuple[SimJob, int]] = {}  # node -> (its job, its index in the job)
+    for name, job_first, first, count in spec["jobs"]:
+        job = jobs.setdefault(name, SimJob(name))
+        for index in range(first, first + count):
+            nodes[node_name(index)] = (job, index - job_first)
+    start = time.monotonic()
+
+    async def on_command(msg: Any) -> None:
+        node, job_id, kind = subjects.command_parts(msg.subject)
+        job = jobs.get(job_id)
+        if job is None:
+            return
+        command = orjson.loads(msg.data)
+        # every node of the job learns the generation (its ranks rejoin in it), not only those the command names
+        job.generation = max(job.generation, int(command.get("attempt", 0)))
+        if node not in nodes:
+            return
+        if kind in ("restart_ranks", "migrate_ranks"):
+            job.dead.difference_update(command["ranks"])  # started again, in the command's generation
+        elif kind == "restart_job":
+            job.dead.clear()
+        ident = f"{command['id']}@{node}:done"
+        ack = {"command_id": command["id"], "status": "done", "reason": "", "result": {"node": node}}
+        # as the agent's outbox: kept and sent again through an outage of its server
+        await publish_with_retry(js, subjects.job_event(job_id, "command.ack"),
+                                 envelope("command.ack", ack, ident, node, job_id), headers={MSG_ID: ident},
+                                 retry_for=60)
+
+    async def on_fault(msg: Any) -> None:
+        node = msg.subject.rsplit(".", 1)[-1]
+        job, _ = nodes[node]
+        rank = int(msg.data)
+        job.dead.add(rank)
+        data = {"rank": rank, "exit_code": 1, "attempt": job.generation}
+        ident = f"{job.name}-exit-{rank}-{time.monotonic_ns()}"
+        sent = time.monotonic()
+        generation = job.generation
+        ack = await publish_with_retry(js, subjects.job_event(job.name, "process.exited"),
+                                       envelope("process.exited", data, ident, node, job.name),
+                                       headers={MSG_ID: ident}, retry_for=60)
+        await msg.respond(orjson.dumps({"sent": sent, "generation": generation, "id": ident, "seq": ack.seq}))
+
+    await nc.subscribe(subjects.COMMANDS, cb=on_command)
+    for node in nodes:
+        await nc.subscribe(f"{CONTROL}.fault.{node}", cb=on_fault)
+    await nc.flush()
+    tick = 0
+    slot = report_s / max(1, len(nodes))  # agents tick on their own clocks: spread the nodes' reports over the period
+    while (now := time.monotonic()) - start < seconds:
+        step = int((now - start) / step_s) + 1
+        for n, (node, (job, index)) in enumerate(nodes.items()):
+            if n % 64 == 0:
+                due = start + tick * report_s + n * slot - time.monotonic()
+                if due > 0:
+                    await asyncio.sleep(due)  # this node's place in the period
+            ranks = [{"rank": r, "step": step, "attempt": job.generation}
+                     for r in range(index * RPN, (index + 1) * RPN) if r not in job.dead]
+            ident = f"{node}-r{tick}"
+            await nc.publish(subjects.job_event(job.name, "progress.report"),
+                             envelope("progress.report", {"ranks": ranks}, ident, node, job.name),
+                             headers={MSG_ID: ident})
+            if tick == 0 or not ranks:  # as the agent: a period it reported in needs no heartbeat besides
+                ident = f"{node}-h{tick}"
+                await nc.publish(subjects.node_event(node, "node.heartbeat"),
+                                 envelope("node.heartbeat", {}, ident, node, None), headers={MSG_ID: ident})
+        await nc.flush(timeout=60)
+        tick += 1
+        delay = start + tick * report_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the reporting period
+    await nc.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(agents(orjson.loads(sys.argv[1])))

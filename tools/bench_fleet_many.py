@@ -1,0 +1,347 @@
+"""`python tools/bench.py fleet --only fleet`: case (b), a fleet of `--fleet-gpus` GPUs (200,000: 1,000 jobs of 25
+nodes x 8) on three nats-servers routed as one JetStream cluster (streams and buckets at 3 replicas) and three
+`recovery-daemon`s that share `--partitions` partitions of the jobs through their leases.
+
+The agents are simulated in processes of their own (`tools/bench_fleet_agents.py`), each a slice of the jobs; every
+node reports once per `--fleet-report-s`. Faults strike throughout, one every `--fleet-fault-every-s` on a job with no
+incident open. A third of the way into the window the daemon that owns the most partitions is SIGKILLed; two thirds
+of the way in, the nats-server that leads the log stream is SIGKILLed, and started again on its store
+`--fleet-server-down-s` later.
+
+What it reports:
+- `fleet_inputs_per_s`: inputs the daemons applied a second, together, over the window;
+- `fleet_daemon_cpu_cores`: the three daemons' CPU seconds over the window's seconds (the control plane's share of the
+  machine per second of fleet time), and `fleet_rss_mb_max` the largest daemon's RSS;
+- `fleet_fault_to_command_p50_ms` / `_p99_ms`: from a fault's `process.exited` being sent to the first command of the
+  job's next generation on the wire, for the faults no failover held up (those are `fleet_failover_held_faults`);
+- `fleet_failover_s`: from the SIGKILL until the survivors own and serve every partition (each claimed, restored and
+  active in a survivor's `/status`), against `fleet_lease_ttl_s`: the goal is the TTL + 2 s or less;
+- `fleet_lost`: faults stored by JetStream that no command answered by the end, or that the log does not hold;
+- `fleet_doubled`: commands stored twice (by message id), decisions stored twice (by their cause and index), and
+  attempts started twice for one job.
+
+Every process it starts (servers, daemons, agents) is stopped when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from bench_daemon import Daemon, note, publish_all
+from bench_fleet_agents import CONTROL, RPN, node_name
+from nats.aio.client import Client
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from events import subjects
+from events.codec import encode_envelope
+from events.envelope import make_envelope
+from events.values import JobSpec
+from recovery.log import MSG_ID
+from recovery.log.pull import PullReader
+from recovery.testing.nats import NatsCluster, NatsServer
+
+Emit = Callable[[str, str, float, str], None]
+BENCH = "fleet"
+AGENTS = Path(__file__).resolve().parent / "bench_fleet_agents.py"
+NODES_PER_JOB = 25
+
+
+@dataclass
+class Fault:
+    job: str
+    partition: int
+    sent: float
+    generation: int
+    ident: str
+    commanded: float | None = None
+    held: bool = False
+    """struck while its partition had no owner (the killed daemon's, before the failover ended)"""
+
+
+@dataclass
+class Watch:
+    """What the bench sees on the wire: the first command of each (job, generation), and closed incidents."""
+
+    first_command: dict[tuple[str, int], float] = field(default_factory=dict)
+    open_jobs: set[str] = field(default_factory=set)
+
+    async def on_command(self, msg: Any) -> None:
+        _, job, _ = subjects.command_parts(msg.subject)
+        attempt = int(orjson.loads(msg.data).get("attempt", 0))
+        self.first_command.setdefault((job, attempt), time.monotonic())
+
+    async def on_decision(self, msg: Any) -> None:
+        if b'"incident.closed"' in msg.data:
+            self.open_jobs.discard(msg.subject.rsplit(".", 1)[-1])
+
+
+def job_name(index: int) -> str:
+    return f"fleet-{index:04d}"
+
+
+def submissions(jobs: int) -> list[tuple[str, bytes, str]]:
+    items = []
+    for j in range(jobs):
+        job = job_name(j)
+        spec = JobSpec.model_validate({"nodes": [node_name(j * NODES_PER_JOB + i) for i in range(NODES_PER_JOB)],
+                                       "ranks_per_node": RPN, "layout": {"dp": NODES_PER_JOB * RPN},
+                                       "watchdog_interval_s": 5.0})
+        for type_, data in (("job.submitted", {"spec": spec.model_dump(mode="json")}), ("job.started", {})):
+            env = make_envelope(type_, data, id=f"{job}-{type_}", job=job, source="bench")
+            items.append((subjects.job_event(job, type_), encode_envelope(env), env.id))
+    return items
+
+
+def owned(daemon: Daemon) -> list[int]:
+    """The partitions `daemon` serves now: claimed, restored and active (empty when it does not answer)."""
+    status = daemon.status()
+    parts = status.get("partition_status") or {}
+    return sorted(int(k) for k in status.get("owned", []) if (parts.get(str(k)) or {}).get("role") == "active")
+
+
+def coverage(daemons: list[Daemon]) -> list[int]:
+    return sorted(k for d in daemons if d.proc is not None and d.proc.poll() is None for k in owned(d))
+
+
+def wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.02)  # polling interval of a deadline-bounded wait (each poll is a request a daemon serves)
+
+
+async def stored(nc: Client, stream: str, subject: str) -> list[tuple[str, str, bytes]]:
+    """(subject, message id, data) of every message of `stream` on `subject`, in stream order."""
+    js = nc.jetstream(timeout=30)
+    reader = PullReader(nc, js, stream, ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True,
+                                                       filter_subject=subject), batch=1000)
+    out: list[tuple[str, str, bytes]] = []
+    await reader.open(1)
+    try:
+        while not reader.caught_up or reader.lag:
+            for msg in await reader.next_batch(reader.stall_s):
+                out.append((msg.subject, (msg.headers or {}).get(MSG_ID, ""), msg.data))
+    finally:
+        await reader.close()
+    return out
+
+
+async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, partitions: int, seconds: float,
+                        every_s: float, seed: int, server_down_s: float
+                        ) -> tuple[list[Fault], float, Daemon, list[int]]:
+    """Faults throughout the window, the SIGKILL of the busiest daemon a third into it and of the log stream's
+    leading nats-server two thirds into it: (faults, failover seconds, the daemon killed, its partitions)."""
+    url = cluster.url
+    import nats
+
+    nc = await nats.connect(url.split(","), max_reconnect_attempts=-1)
+    watch = Watch()
+    await nc.subscribe(subjects.COMMANDS, cb=watch.on_command)
+    await nc.subscribe(subjects.DECISIONS, cb=watch.on_decision)
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    victim = max(daemons, key=lambda d: len(owned(d)))
+    lost = owned(victim)
+    failover_s = float("nan")
+    killed_at: float | None = None
+    server_killed: tuple[NatsServer, float] | None = None
+    t0 = time.monotonic()
+    try:
+        while (now := time.monotonic()) - t0 < seconds:
+            if killed_at is None and now - t0 >= seconds / 3:
+                victim.stop(kill=True)
+                killed_at = time.monotonic()
+            if server_killed is None and now - t0 >= 2 * seconds / 3:
+                leader = await asyncio.to_thread(cluster.leader_of, "RECOVERY")
+                if leader is not None:
+                    leader.kill()
+                    server_killed = (leader, time.monotonic())
+                    note(f"nats-server {cluster.names[cluster.servers.index(leader)]} (the log's leader) SIGKILLed")
+            elif server_killed and not server_killed[0].running and now - server_killed[1] > server_down_s:
+                await asyncio.to_thread(server_killed[0].start)
+            if killed_at is not None and failover_s != failover_s:  # still failing over
+                survivors = [d for d in daemons if d is not victim]
+                if await asyncio.to_thread(coverage, survivors) == list(range(partitions)):
+                    failover_s = time.monotonic() - killed_at
+            choices = [j for j in range(jobs) if job_name(j) not in watch.open_jobs]
+            if choices:
+                j = rng.choice(choices)
+                job = job_name(j)
+                rank = rng.randrange(NODES_PER_JOB * RPN)
+                node = node_name(j * NODES_PER_JOB + rank // RPN)
+                with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+                    reply = orjson.loads((await nc.request(f"{CONTROL}.fault.{node}", str(rank).encode(),
+                                                           timeout=30)).data)
+                    watch.open_jobs.add(job)
+                    part = subjects.partition_of(job, partitions)
+                    held = killed_at is not None and failover_s != failover_s and part in lost
+                    faults.append(Fault(job, part, reply["sent"], reply["generation"], reply["id"], held=held))
+            await asyncio.sleep(every_s)  # the pace of the faults
+        # the last faults' commands, within a bound
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any((f.job, f.generation + 1) not in watch.first_command
+                                                  for f in faults):
+            await asyncio.sleep(0.05)  # polling the subscription's record, within the deadline
+        for f in faults:
+            f.commanded = watch.first_command.get((f.job, f.generation + 1))
+    finally:
+        await nc.close()
+    return faults, failover_s, victim, lost
+
+
+async def read_back(url: str, faults: list[Fault]) -> tuple[int, int, str]:
+    """(lost, doubled, what they are) from the log and the command stream."""
+    import nats
+
+    nc = await nats.connect(url.split(","))
+    try:
+        exits = {ident for _, ident, _ in await stored(nc, "RECOVERY", "recovery.p.*.ev.job.*.process.exited")}
+        decisions = await stored(nc, "RECOVERY", subjects.DECISIONS)
+        commands = await stored(nc, "RECOVERY_CMD", subjects.COMMANDS)
+    finally:
+        await nc.close()
+    unanswered = [f for f in faults if f.commanded is None]
+    missing = [f for f in faults if f.ident not in exits]
+    causes: Counter[tuple[str, int, int]] = Counter()
+    started: Counter[tuple[str, str, int]] = Counter()
+    for _, _, data in decisions:
+        body = orjson.loads(data).get("data", {})
+        causes[(body.get("job"), body.get("cause_seq"), body.get("index"))] += 1
+        if body.get("kind") == "attempt.started":
+            started[(body.get("job"), body.get("incident"), int(body.get("detail", {}).get("attempt", 0)))] += 1
+    doubled_decisions = sum(n - 1 for n in causes.values() if n > 1)
+    doubled_attempts = sum(n - 1 for n in started.values() if n > 1)
+    doubled_commands = sum(n - 1 for n in Counter(ident for _, ident, _ in commands).values() if n > 1)
+    lost = len({f.ident for f in unanswered + missing})
+    doubled = doubled_decisions + doubled_attempts + doubled_commands
+    what = (f"{len(unanswered)} faults unanswered, {len(missing)} not in the log; doubled: {doubled_decisions} "
+            f"decisions, {doubled_attempts} attempts, {doubled_commands} commands (of {len(commands)})")
+    return lost, doubled, what
+
+
+def stream_messages(url: str) -> int:
+    """Messages the log holds now (inputs and outputs)."""
+    async def count() -> int:
+        import nats
+
+        nc = await nats.connect(url.split(","))
+        try:
+            return int((await nc.jetstream(timeout=30).stream_info("RECOVERY")).state.messages)
+        finally:
+            await nc.close()
+
+    return asyncio.run(count())
+
+
+def lag(daemons: list[Daemon]) -> int:
+    """Inputs stored and not yet applied, over every partition the running daemons serve."""
+    return sum(int(part.get("lag") or 0) for d in daemons if d.proc is not None and d.proc.poll() is None
+               for part in (d.status().get("partition_status") or {}).values())
+
+
+def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
+    gpus = args.fleet_gpus or (20_000 if args.quick else 200_000)
+    jobs = max(1, gpus // (NODES_PER_JOB * RPN))
+    seconds = args.seconds or (30.0 if args.quick else 90.0)
+    partitions, ttl = args.partitions, args.lease_ttl_s
+    cluster = NatsCluster(work / "nats", size=3)
+    daemons: list[Daemon] = []
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        cluster.start()
+        settings = {"partitions": partitions, "lease_ttl_s": ttl, "replicas": 3, "log_level": "WARNING"}
+        daemons.extend(Daemon(work / f"daemon-{name}", cluster.url, instance=f"daemon-{name}", **settings)
+                       for name in "abc")
+        for daemon in daemons:
+            daemon.start()
+        wait(lambda: coverage(daemons) == list(range(partitions)) and all(owned(d) for d in daemons), 120,
+             "three daemons to share the partitions")
+
+        async def submit() -> None:
+            import nats
+
+            nc = await nats.connect(cluster.url.split(","), max_reconnect_attempts=-1)
+            await publish_all(nc.jetstream(timeout=30), submissions(jobs))
+            await nc.close()
+
+        asyncio.run(submit())
+        per = -(-jobs // args.workers)
+        for w in range(args.workers):
+            mine = [[job_name(j), j * NODES_PER_JOB, j * NODES_PER_JOB, NODES_PER_JOB]
+                    for j in range(w * per, min(jobs, (w + 1) * per))]
+            if mine:
+                spec = {"url": cluster.url, "jobs": mine, "report_s": args.fleet_report_s, "step_s": args.step_s,
+                        "seconds": seconds + args.warmup_s + 90}
+                workers.append(subprocess.Popen([sys.executable, str(AGENTS), orjson.dumps(spec).decode()],
+                                                stdin=subprocess.DEVNULL, start_new_session=True))
+        time.sleep(args.warmup_s)  # the agents' first reports, before the window is measured
+        stored0 = stream_messages(cluster.url)
+        cpu0 = [d.cpu_s() for d in daemons]
+        t0 = time.monotonic()
+        faults, failover_s, victim, lost_parts = asyncio.run(strike_faults(
+            cluster, daemons, jobs, partitions, seconds, args.fleet_fault_every_s, args.seed, args.fleet_server_down_s))
+        wall = time.monotonic() - t0
+        survivors = [d for d in daemons if d is not victim]
+        # the victim's CPU counts until it died: it is a daemon of the fleet for that part of the window
+        cpu = sum(d.cpu_s() - c for d, c in zip(daemons, cpu0, strict=True) if d is not victim)
+        behind = lag(survivors)
+        applied = (stream_messages(cluster.url) - stored0 - behind) / wall
+        rss = max(d.rss_mb() for d in survivors)
+    finally:
+        for proc in workers:
+            proc.kill()
+            proc.wait()
+        for daemon in daemons:
+            daemon.close()
+    try:
+        lost, doubled, what = asyncio.run(read_back(cluster.url, faults))
+    finally:
+        cluster.stop()
+    served = sorted(f.commanded - f.sent for f in faults if f.commanded is not None and not f.held)
+    slowest = sorted((f for f in faults if f.commanded is not None), key=lambda f: f.sent - f.commanded)[:5]
+    note("slowest: " + "; ".join(f"{f.job} (partition {f.partition}, {f.sent - t0:.1f} s into the window): "
+                                 f"{(f.commanded or 0) - f.sent:.2f} s" for f in slowest))
+    held = [f for f in faults if f.held]
+    note(f"fleet of {jobs * NODES_PER_JOB * RPN:,} GPUs in {jobs:,} jobs, {partitions} partitions over 3 daemons "
+         f"and 3 nats-servers: {len(faults)} faults, {len(held)} of them held up by the failover of partitions "
+         f"{lost_parts}; {what}")
+    emit(BENCH, "fleet_gpus", jobs * NODES_PER_JOB * RPN, "GPUs")
+    emit(BENCH, "fleet_jobs", jobs, "jobs")
+    emit(BENCH, "fleet_inputs_per_s", round(applied, 1), f"messages stored and applied a second ({behind:,} not yet "
+         "applied at the end)")
+    emit(BENCH, "fleet_daemon_cpu_cores", round(cpu / wall, 3), "cores (the survivors' CPU s / wall s)")
+    emit(BENCH, "fleet_rss_mb_max", round(rss, 1), "MB (the largest daemon)")
+    if served:
+        emit(BENCH, "fleet_fault_to_command_p50_ms", round(statistics.median(served) * 1000, 2), "ms")
+        emit(BENCH, "fleet_fault_to_command_p99_ms",
+             round(served[min(len(served) - 1, int(0.99 * len(served)))] * 1000, 2), f"ms ({len(served)} faults)")
+    emit(BENCH, "fleet_failover_held_faults", len(held), "faults struck in a partition being failed over")
+    emit(BENCH, "fleet_lease_ttl_s", ttl, "s")
+    emit(BENCH, "fleet_failover_s", round(failover_s, 3), f"s (goal: lease TTL + 2 = {ttl + 2:g} s or less)")
+    emit(BENCH, "fleet_lost", lost, "faults (goal 0)")
+    emit(BENCH, "fleet_doubled", doubled, "decisions, attempts or commands (goal 0)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet-gpus", type=int, default=0, help="GPUs of the fleet, in jobs of 25 nodes x 8 "
+                        "(default 200,000; --quick 20,000)")
+    parser.add_argument("--partitions", type=int, default=12, help="partitions the three daemons share")
+    parser.add_argument("--lease-ttl-s", type=float, default=5.0, help="the daemons' lease TTL")
+    parser.add_argument("--fleet-report-s", type=float, default=1.0, help="each node's report period")
+    parser.add_argument("--fleet-fault-every-s", type=float, default=0.25, help="the pace of the faults")
+    parser.add_argument("--fleet-server-down-s", type=float, default=5.0,
+                        help="how long the killed nats-server stays down")
