@@ -155,9 +155,12 @@ async def test_the_power_off_checkpoint_of_a_healthy_replica_resumes_a_restarted
     pids = w.pids()
     assert len(pids[victim]) == 2 and all(len(pids[r]) == 1 for r in range(4) if r != victim), pids
     [dying] = w.decided("checkpoint.dying")
-    savers, step = dying["data"]["detail"]["savers"], dying["data"]["detail"]["step"]
+    savers, asked = dying["data"]["detail"]["savers"], dying["data"]["detail"]["step"]
     assert victim not in savers and "checkpoint.dying_done" in w.kinds(), w.kinds()
-    assert [e["data"]["step"] for e in w.of("checkpoint.saved") if e["data"]["tier"] == "dying"] == [step]
+    # A replica saves the state of the step it stands at: the one the engine last heard of, or the next, if its
+    # report of that step was still in its agent's period when the rank died.
+    [step] = [e["data"]["step"] for e in w.of("checkpoint.saved") if e["data"]["tier"] == "dying"]
+    assert step in (asked, asked + 1), (asked, step)
     assert resumed_from(cluster, "power-off", step) == [f"n1/power-off.rank{victim}.gen1.log"]
     assert w.decided("incident.closed")[0]["data"]["detail"]["lost_steps"] == 0
     assert_bitwise_equal(params, fault_free)

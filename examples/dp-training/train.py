@@ -266,6 +266,7 @@ def main() -> None:
         except RuntimeError as exc:
             failed = str(exc)  # a peer died or timed out: recover outside this block, which holds the old group
         if failed is not None:
+            print(f"step {step + 1} failed in generation {client.generation}: {failed[:300]}", flush=True)
             group.recover(failed)  # a timeout is reported: the engine's retry is a new generation, no restart
             step = group.synchronize(step, get_state, set_state)
             continue
