@@ -10,6 +10,7 @@ reference run are paid for once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -125,6 +126,11 @@ async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str
                 await fault(w, explain)
             await wait_until(lambda: "job.completed" in w.kinds() and out.exists(), 120, f"{job} to complete",
                              explain)
+            # Each node's agent sends its ranks' last words in its own report, which may land after the job's
+            # completion (decided on the exits of every node): the tests read every rank's last step, so it is waited
+            # for too, within a bound (a job that ends otherwise, scaled or failed, is the test's own to judge).
+            with contextlib.suppress(TimeoutError):
+                await wait_until(lambda: all(w.step(r) >= STEPS for r in range(4)), 10, "every rank's last step")
         finally:
             cluster.started.extend(pid for pids in w.pids().values() for pid in pids)
     finally:

@@ -503,20 +503,10 @@ class Agent(Relay, Rescale):
                 return {}
             case RetryStep():
                 assert job is not None
-                return await self._retry(job, command)
+                return await job.retry(command.attempt, self.cfg.store_wait_s)
             case IsolateNode() | IsolateDevice():
                 return {}
         raise CommandFailed(f"unknown command {command.kind}")
-
-    async def _retry(self, job: JobOnNode, command: RetryStep) -> dict[str, Any]:
-        """A step retry is a new generation with no process restarted: asking the job store for its torch store (as
-        an in-place restart's agents do, for the running formation) announces it, and every rank waiting in
-        `recover()` forms its group there in its own process and trains the step again. Every agent of the job asks;
-        the first request makes the announcement, the others read it."""
-        if await job.torch_port(command.attempt, False, self.cfg.store_wait_s) is None:
-            raise CommandFailed(f"the job store of {job.id} did not announce generation {command.attempt}: the "
-                                "ranks cannot form it")
-        return {"retried": sorted(r for r, p in job.processes.items() if p.alive)}
 
     async def _dump(self, job: JobOnNode, command: DumpStacks) -> dict[str, Any]:
         """Every live process of the job here, its stack, as one `process.stacks` event (see `stacks`)."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 from anyio.abc import Process
@@ -63,6 +64,16 @@ class JobOnNode:
         """Does a restart of `restarted` start every rank of the job (a new formation, even if it came as a restart
         of ranks: every other had ended), or do they join ranks that run on?"""
         return set(restarted) >= set(range(self.layout.world))
+
+    async def retry(self, generation: int, wait_s: float) -> dict[str, Any]:
+        """A step retry is a new generation with no process restarted: asking the job store for its torch store (as
+        an in-place restart's agents do, for the running formation) announces it, and every rank waiting in
+        `recover()` forms its group there in its own process and trains the step again. Every agent of the job asks;
+        the first request makes the announcement, the others read it."""
+        if await self.torch_port(generation, False, wait_s) is None:
+            raise CommandFailed(f"the job store of {self.id} did not announce generation {generation}: the ranks "
+                                "cannot form it")
+        return {"retried": sorted(r for r, p in self.processes.items() if p.alive)}
 
     async def torch_port(self, generation: int, whole: bool, wait_s: float) -> int | None:
         """The port of the torch store of the ranks this node starts in `generation` (`whole`: every rank of the
