@@ -8,10 +8,16 @@
     recovery-ctl inject TYPE (--job J | --node N) [--data JSON] [--id ID]
     recovery-ctl scale J DP | pause J [--reason R] | resume J | cancel J [--reason R]
     recovery-ctl force J GRANULARITY [--reason R]
+    recovery-ctl partitions                    how many partitions the control plane has
 
 The server: `--nats URL`, else RECOVERY_NATS_URL, else the embedded daemon's `<data dir>/nats.url`
 (`--data-dir`, RECOVERY_DATA_DIR, default ./recovery-data), else nats://127.0.0.1:4222. `--json` prints the
 daemon's answer as JSON. `--timeout S` (default 5) bounds the whole exchange: connecting and the answer.
+
+On a partitioned control plane (several active daemons, `partitions` P > 1) the daemons say P when asked, and each
+request goes where it belongs (`recovery.cli.ctl_routes`): a job's to the job's partition, status, jobs and
+incidents to every partition, merged, each row with its partition; a partition that gives no answer within the
+timeout is named (exit 5) and the others' answers shown. `--partitions P` skips asking.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import nats.errors
 import orjson
 from nats.aio.client import Client
 
-from recovery.service.control import SUBJECT
+from recovery.cli import ctl_routes
+from recovery.service.control import PARTITIONS_VERB, SUBJECT, partition_subject
 from recovery.service.embedded import URL_FILE
 
 EXIT_OK = 0
@@ -41,6 +48,7 @@ EXIT_REFUSED = 1
 EXIT_USAGE = 2  # argparse's own code for a bad command line
 EXIT_NO_NATS = 3
 EXIT_NO_DAEMON = 4
+EXIT_PARTIAL = 5
 DEFAULT_TIMEOUT_S = 5.0
 
 EXIT_CODES = f"""exit status:
@@ -48,7 +56,9 @@ EXIT_CODES = f"""exit status:
   {EXIT_REFUSED}  the daemon refused the request, or rejected the event
   {EXIT_USAGE}  bad usage: arguments, spec file or --data
   {EXIT_NO_NATS}  no NATS server could be reached at the URL within --timeout
-  {EXIT_NO_DAEMON}  NATS is up but no recovery-daemon answered on {SUBJECT}.<verb> within --timeout"""
+  {EXIT_NO_DAEMON}  NATS is up but no recovery-daemon answered on {SUBJECT}.<verb> within --timeout (on a
+     partitioned control plane: the partition asked, or not one of them)
+  {EXIT_PARTIAL}  some partitions did not answer within --timeout: the others' answer is shown, the silent named"""
 
 
 class CtlFailure(Exception):
@@ -96,28 +106,71 @@ def default_url(data_dir: str | None = None) -> str:
     return "nats://127.0.0.1:4222"
 
 
-async def request(url: str, verb: str, body: dict[str, Any], timeout: float = DEFAULT_TIMEOUT_S
-                  ) -> dict[str, Any]:
+async def request(url: str, verb: str, body: dict[str, Any], timeout: float = DEFAULT_TIMEOUT_S,
+                  partitions: int | None = None) -> dict[str, Any]:
     """The daemon's answer to one request; CtlFailure with EXIT_NO_NATS or EXIT_NO_DAEMON if there is none
-    within `timeout` seconds in all."""
+    within `timeout` seconds in all. On a partitioned control plane (`partitions`, else as the daemons say) the
+    answer of the job's partition, or the partitions' answers merged (`recovery.cli.ctl_routes`)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     nc = await connect(url, timeout)
-    subject = f"{SUBJECT}.{verb}"
     try:
-        msg = await nc.request(subject, orjson.dumps(body), timeout=max(deadline - loop.time(), 0.001))
-    except nats.errors.NoRespondersError:
-        raise CtlFailure(f"no recovery-daemon answered on {subject} at {url}: none is subscribed",
-                         EXIT_NO_DAEMON) from None
-    except (TimeoutError, nats.errors.TimeoutError):
-        raise CtlFailure(f"no recovery-daemon answered on {subject} at {url} within {timeout:g}s",
-                         EXIT_NO_DAEMON) from None
-    except nats.errors.Error as exc:  # the connection closed under the request: NATS went away
-        raise CtlFailure(f"lost the connection to NATS at {url}: {_describe(exc)}", EXIT_NO_NATS) from None
+        if partitions is None or partitions == 1:
+            reply = await _exchange(nc, url, f"{SUBJECT}.{verb}", body, deadline, timeout)
+            count = reply.get("partitions")
+            # only a partitioned daemon's refusal names a count: an unpartitioned one has done what was asked
+            if partitions is not None or reply.get("ok") or not isinstance(count, int) or count <= 1:
+                return reply
+            partitions = count
+        return await _partitioned(nc, url, verb, body, partitions, deadline, timeout)
     finally:
         # Bounded: closing flushes, and a server that just went away must not hold the answer back.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), 1.0)
+
+
+async def _partitioned(nc: Client, url: str, verb: str, body: dict[str, Any], count: int, deadline: float,
+                       timeout: float) -> dict[str, Any]:
+    asked = ctl_routes.targets(verb, body, count)
+    if verb not in ctl_routes.FLEET_VERBS:
+        (index,) = asked
+        reply = await _exchange(nc, url, partition_subject(index, verb), body, deadline, timeout,
+                                f" (partition {index} of {count}: no daemon serves it now)")
+        return {**reply, "partition": index, "partitions": count}
+
+    async def ask(index: int) -> dict[str, Any] | str:
+        try:
+            reply = await _exchange(nc, url, partition_subject(index, verb), body, deadline, timeout)
+        except CtlFailure as exc:
+            if exc.code == EXIT_NO_NATS:
+                raise
+            return "none is subscribed" if "none is subscribed" in str(exc) else f"no answer within {timeout:g}s"
+        return reply if reply.get("ok") else str(reply.get("error"))
+
+    replies = await asyncio.gather(*(ask(k) for k in asked))
+    answers = {k: r for k, r in zip(asked, replies, strict=True) if isinstance(r, dict)}
+    missing = {k: r for k, r in zip(asked, replies, strict=True) if isinstance(r, str)}
+    if not answers:
+        why = "; ".join(f"{k}: {r}" for k, r in sorted(missing.items()))
+        raise CtlFailure(f"no partition of {count} answered on {SUBJECT}.p.<k>.{verb} at {url} ({why})",
+                         EXIT_NO_DAEMON)
+    return ctl_routes.merge(verb, count, answers, missing)
+
+
+async def _exchange(nc: Client, url: str, subject: str, body: dict[str, Any], deadline: float, timeout: float,
+                    which: str = "") -> dict[str, Any]:
+    """One request and its answer by `deadline` (the event loop's clock); CtlFailure if none."""
+    loop = asyncio.get_running_loop()
+    try:
+        msg = await nc.request(subject, orjson.dumps(body), timeout=max(deadline - loop.time(), 0.001))
+    except nats.errors.NoRespondersError:
+        raise CtlFailure(f"no recovery-daemon answered on {subject} at {url}: none is subscribed{which}",
+                         EXIT_NO_DAEMON) from None
+    except (TimeoutError, nats.errors.TimeoutError):
+        raise CtlFailure(f"no recovery-daemon answered on {subject} at {url} within {timeout:g}s{which}",
+                         EXIT_NO_DAEMON) from None
+    except nats.errors.Error as exc:  # the connection closed under the request: NATS went away
+        raise CtlFailure(f"lost the connection to NATS at {url}: {_describe(exc)}", EXIT_NO_NATS) from None
     reply: dict[str, Any] = orjson.loads(msg.data)
     return reply
 
@@ -213,15 +266,16 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
 
     console = Console()
     if verb in ("jobs", "incidents"):
+        columns = JOB_COLUMNS if verb == "jobs" else INCIDENT_COLUMNS
+        if "partitions" in reply:  # a partitioned control plane's merged answer: where each row lives, third
+            columns = (*columns[:2], "partition", *columns[2:])
         if verb == "jobs":
             rows = [{c: str(row["alive"]) + f"/{row['world']}" if c == "alive" else
-                     ("-" if row[c] is None else str(row[c])) for c in JOB_COLUMNS} for row in reply["jobs"]]
-            columns = JOB_COLUMNS
+                     ("-" if row[c] is None else str(row[c])) for c in columns} for row in reply["jobs"]]
         else:
-            rows = [{c: "-" if cells[c] is None else str(cells[c]) for c in INCIDENT_COLUMNS}
+            rows = [{c: "-" if cells[c] is None else str(cells[c]) for c in columns}
                     for cells in ({**row, "opened": _when(row["opened"]), "attempts": " -> ".join(row["attempts"])}
                                   for row in reply["incidents"])]
-            columns = INCIDENT_COLUMNS
         shown = columns if wide else fitting_columns(columns, rows, console.width)
         if wide:  # every column whole: wider than the terminal if need be, never cut to a few letters
             console = Console(width=max(console.width, table_width(columns, rows)))
@@ -234,15 +288,24 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
             table.add_row(*(Text(row[c]) for c in shown))
         console.print(table)
     elif verb == "status":
-        table = Table(title="recovery-daemon", show_header=False)
-        for key, value in reply["status"].items():
-            table.add_row(key, Text(str(value)))
-        console.print(table)
+        # a partitioned control plane's answer: each partition's owner's status, by partition
+        statuses = ({f"partition {k} of {reply['partitions']}": v for k, v in reply["status"].items()}
+                    if "partitions" in reply else {"recovery-daemon": reply["status"]})
+        for title, status in statuses.items():
+            table = Table(title=title, show_header=False)
+            for key, value in status.items():
+                table.add_row(key, Text(str(value)))
+            console.print(table)
+    elif verb == PARTITIONS_VERB:
+        owned = reply.get("owned")
+        console.print(f"{reply['partitions']} partition(s)" + ("" if owned is None else
+                      f"; {reply.get('instance')}, which answered, owns {owned}"))
     elif verb == "job":
         console.print_json(orjson.dumps(reply["job"]).decode())
     else:
         applied = reply.get("applied")
-        console.print(f"{reply['subject']} seq {reply['seq']} id {reply['id']}"
+        where = f" (partition {reply['partition']} of {reply['partitions']})" if "partition" in reply else ""
+        console.print(f"{reply['subject']} seq {reply['seq']} id {reply['id']}{where}"
                       + (" (duplicate)" if reply.get("duplicate") else "")
                       + ("" if applied else " - not applied yet"))
         for d in reply.get("decisions", []):
@@ -271,8 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help=f"give up after S seconds in all, connecting included (default {DEFAULT_TIMEOUT_S:g}); "
                              f"exit {EXIT_NO_NATS} if NATS cannot be reached, {EXIT_NO_DAEMON} if no daemon answers")
+    parser.add_argument("--partitions", type=int, metavar="P",
+                        help="the control plane's partitions (default: as the daemons say; 1 is one daemon's wire)")
     sub = parser.add_subparsers(dest="verb", required=True)
-    sub.add_parser("status", help="the daemon's state")
+    sub.add_parser("status", help="the daemon's state (each partition's, on a partitioned control plane)")
+    sub.add_parser(PARTITIONS_VERB, help="how many partitions the control plane has")
     p = sub.add_parser("jobs", help="live job states (the columns that fit the terminal; --wide for all)")
     p.add_argument("--wide", action="store_true", help="every column, however wide the terminal")
     p = sub.add_parser("incidents", help="open incidents (the columns that fit the terminal; --wide for all)")
@@ -319,7 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = args.nats or default_url(args.data_dir)
     try:
         body = build_body(args)
-        reply = asyncio.run(request(url, args.verb, body, args.timeout))
+        if args.partitions is not None and args.partitions < 1:
+            raise CtlFailure(f"--partitions {args.partitions}: give 1 or more")
+        reply = asyncio.run(request(url, args.verb, body, args.timeout, args.partitions))
     except CtlFailure as exc:
         print(f"recovery-ctl: {exc}", file=sys.stderr)
         return exc.code
@@ -334,6 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         render(args.verb, reply, wide=getattr(args, "wide", False))
     if not reply.get("ok") or reply.get("rejections"):
         return EXIT_REFUSED
+    if reply.get("missing"):
+        silent = ", ".join(f"{m['partition']} ({m['why']})" for m in reply["missing"])
+        print(f"recovery-ctl: partition(s) {silent} of {reply['partitions']} did not answer: "
+              f"their jobs are not in this answer", file=sys.stderr)
+        return EXIT_PARTIAL
     return EXIT_OK
 
 

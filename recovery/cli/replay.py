@@ -41,23 +41,18 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
-from itertools import chain, islice
 from typing import Any
 
 import orjson
 
-from events import subjects
 from events.codec import encode_record
 from events.envelope import RawRecord, Record
 from events.subjects import is_output
-from recovery.core.engine import Engine
-from recovery.core.partition import Partition
-from recovery.log import ExportHeader, export_filter, iter_numbered, read_header, rejection_jobs
-from recovery.log.partitions import partition_located, partitions_of
+from recovery.cli.replay_source import connect_log, partition_replays, records, report_records
+from recovery.log import ExportHeader, export_filter, rejection_jobs
 from recovery.log.verify import (
     DEAD_LETTER_SUBJECTS,
     DECISION_SUBJECTS,
-    Located,
     LogReplay,
     UnreadableLog,
     canonical,
@@ -67,7 +62,6 @@ from recovery.log.verify import (
     in_scope,
     rejection_divergence,
     rejection_in_scope,
-    replay_log,
     unfired_timers,
 )
 from recovery.report import source as report_source
@@ -77,61 +71,6 @@ from recovery.report.html import write_html
 from recovery.report.whatif import whatif
 
 NS = 1_000_000_000
-PEEK = 64
-"""records read to tell a partitioned log (its first are its partitions' fence claims and job events)"""
-PARTITIONED = (f"{subjects.PARTITIONED_EVENTS}.", f"{subjects.FENCES}.")
-
-
-def _records(source: str | argparse.Namespace) -> Iterator[Record | RawRecord]:
-    """The records of a JSONL file, or of the JetStream stream when the arguments carry `--nats`."""
-    return (record for _, record in _located(source)[1])
-
-
-def _located(source: str | argparse.Namespace) -> tuple[ExportHeader | None, Iterator[Located]]:
-    """The export header (if the file has one) and the records with where each is: `LOG:<line>` or `seq <n>`."""
-    if isinstance(source, str):
-        path = source
-    elif getattr(source, "nats", None):
-        if source.log:
-            raise ValueError("give either a LOG file or --nats, not both")
-        records = asyncio.run(_read_nats(source.nats, source.stream))
-        return None, ((f"seq {record.seq}", record) for record in records)
-    elif not source.log:
-        raise ValueError("give a LOG file or --nats URL")
-    else:
-        path = source.log
-    return read_header(path), ((f"{path}:{number}", record) for number, record in iter_numbered(path))
-
-
-async def _connect_log(url: str, stream: str) -> Any:
-    """A read-only view of the stream: it is neither created nor reconfigured (that is the daemon's job)."""
-    # Imported here for start-up time: nats-py takes a tenth of a second to import, and only --nats needs it.
-    import nats
-    import nats.errors
-    import nats.js.errors
-
-    from recovery.log.jetstream import JetStreamLog
-
-    try:
-        # a cluster's servers, comma-separated: whichever answers
-        nc = await nats.connect(url.split(","), connect_timeout=3, max_reconnect_attempts=3, name="recovery-replay")
-    except (OSError, nats.errors.Error, TimeoutError) as exc:
-        raise OSError(f"cannot connect to {url}: {exc!r}") from None
-    js = nc.jetstream(timeout=10)
-    try:
-        await js.stream_info(stream)
-    except nats.js.errors.NotFoundError:
-        await nc.close()
-        raise OSError(f"no stream {stream!r} on {url}") from None
-    return JetStreamLog(nc, js, stream, owns_connection=True)
-
-
-async def _read_nats(url: str, stream: str) -> list[Record | RawRecord]:
-    log = await _connect_log(url, stream)
-    try:
-        return [record async for record in log.read()]
-    finally:
-        await log.close()
 
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -166,7 +105,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 async def _export(url: str, stream: str, output: str, job: str | None, since: int | None, start_seq: int) -> int:
-    log = await _connect_log(url, stream)
+    log = await connect_log(url, stream)
     try:
         if output != "-":
             return int(await log.export(output, start_seq, job, since, replayable=True))
@@ -211,46 +150,40 @@ def _json(obj: Any) -> bytes:
         return json.dumps(obj, indent=2, default=str).encode()
 
 
-def _replay_args(args: argparse.Namespace, job: str | None = None,
-                 source: tuple[ExportHeader | None, Iterator[Located]] | None = None,
-                 engine: Engine | None = None) -> LogReplay:
-    """Replay the log the arguments name (or `source`), for the job a per-job export holds (or `job`)."""
-    header, located = _located(args) if source is None else source
-    if header is not None and header.job is not None:
-        if job is not None and job != header.job:
-            raise ValueError(f"this export holds only job {header.job}'s outputs, not job {job}'s")
-        job = header.job
-    return replay_log(located, engine, job=job, header=header)
-
-
-def _partition_replays(args: argparse.Namespace, job: str | None) -> list[tuple[Partition | None, LogReplay]]:
-    """The replay of the log the arguments name, or of a partitioned log each partition's (only `job`'s, with
-    one), each through an engine of its partition: [(None, replay)] for a log of one partition."""
-    header, located = _located(args)
-    first = list(islice(located, PEEK))
-    if args.partitions is None and not any(r.subject.startswith(PARTITIONED) for _, r in first):
-        return [(None, _replay_args(args, job, (header, chain(first, located))))]
-    everything = [*first, *located]  # a partitioned log is read once per partition
-    count = args.partitions or partitions_of(r for _, r in everything) or 1
-    if count == 1:
-        return [(None, _replay_args(args, job, (header, iter(everything))))]
-    indices = range(count) if job is None else [subjects.partition_of(job, count)]
-    return [(part, _replay_args(args, job, (header, partition_located(everything, part)), Engine(part)))
-            for part in (Partition(k, count) for k in indices)]
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    result = _replay_args(args)
-    snapshot = result.engine.snapshot()
+    replays = partition_replays(args, None)
+    partitioned = replays[0].partition is not None
+    # A partitioned log's partitions each decided alone about their own jobs: their answers side by side are the
+    # log's, each job with its partition; a node event's dead letter, which every partition derives, counted once.
+    jobs: dict[str, dict[str, Any]] = {}
+    decisions: list[tuple[tuple[int, int, int], Any]] = []
+    rejections: dict[tuple[int, str, str], Any] = {}
+    notes: list[str] = []
+    for part in replays:
+        index = -1 if part.partition is None else part.partition.index
+        for job_id, job in part.replay.engine.snapshot()["jobs"].items():
+            jobs[job_id] = job if part.partition is None else {**job, "partition": index}
+        decisions += [((d.cause_seq, index, d.index), d) for d in part.replay.decisions]
+        for rej in part.replay.rejections:
+            rejections.setdefault((rej.seq, rej.code, rej.reason), rej)
+        notes += [n for n in [*(f"the replay cannot be exact: {c}" for c in caveats(part.replay)),
+                              *part.replay.unreadable] if n not in notes]
+    ordered = [d for _, d in sorted(decisions, key=lambda pair: pair[0])]
+    rejected = [r for _, r in sorted(rejections.items(), key=lambda pair: pair[0][0])]
+    inputs = replays[0].log_inputs
     if args.json:
-        out = {"inputs": result.inputs, "jobs": snapshot["jobs"],
-               "decisions": [d.model_dump(mode="json") for d in result.decisions],
-               "rejections": [r.model_dump(mode="json") for r in result.rejections]}
+        out: dict[str, Any] = {"inputs": inputs, "jobs": dict(sorted(jobs.items())),
+                               "decisions": [d.model_dump(mode="json") for d in ordered],
+                               "rejections": [r.model_dump(mode="json") for r in rejected]}
+        if partitioned:
+            out["partitions"] = replays[0].partition.count  # type: ignore[union-attr]
         sys.stdout.buffer.write(_json(out) + b"\n")
         return 0
-    print(f"{result.inputs} input records, {len(result.decisions)} decisions, {len(result.rejections)} rejections")
-    for job_id, job in snapshot["jobs"].items():
-        print(f"\njob {job_id}: {job['state']} at step {job['step']}, generation {job['generation']}, "
+    where = f" in {replays[0].partition.count} partitions" if partitioned else ""  # type: ignore[union-attr]
+    print(f"{inputs} input records, {len(ordered)} decisions, {len(rejected)} rejections{where}")
+    for job_id, job in sorted(jobs.items()):
+        part_of = f" (partition {job['partition']})" if partitioned else ""
+        print(f"\njob {job_id}{part_of}: {job['state']} at step {job['step']}, generation {job['generation']}, "
               f"{job['alive']}/{job['world']} ranks alive, nodes {', '.join(job['nodes'])}")
         print(f"  policies: {', '.join(job['policies'].values())}; restarts used {job['restarts_used']}")
         for inc in job["incidents"] + ([job["incident"]] if job["incident"] else []):
@@ -258,17 +191,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             grans = " -> ".join(f"{a['granularity']}({a['outcome']})" for a in inc["attempts"])
             print(f"  incident {inc['id']}: {inc['fault_class'] or inc['cause']}, {inc['outcome'] or 'open'}"
                   f"{mttr}, lost steps {'?' if inc['lost_steps'] is None else inc['lost_steps']}; {grans}")
-    for rej in result.rejections:
+    for rej in rejected:
         print(f"rejected seq {rej.seq} [{rej.code}]: {rej.reason}")
-    for note in caveats(result):
-        print(f"note: the replay cannot be exact: {note}")
-    for unreadable in result.unreadable:
-        print(f"note: {unreadable}")
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    replays = _partition_replays(args, args.job)
+    replays = [(r.partition, r.replay) for r in partition_replays(args, args.job)]
     if len(replays) == 1 and replays[0][0] is None:
         ok, out = _verify_one(replays[0][1], args, "")
         if args.json:
@@ -394,7 +325,7 @@ def timeline_rows(records: Sequence[Record | RawRecord] | Iterator[Record | RawR
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    rows = timeline_rows(_records(args), args.job, include_progress=args.all)
+    rows = timeline_rows(records(args), args.job, include_progress=args.all)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
         return 0
@@ -424,21 +355,10 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    """The records a report reads, one at a time: from the file, or streamed from JetStream."""
-    if args.nats:
-        if args.log:
-            raise ValueError("give either a LOG file or --nats, not both")
-        return report_source.iter_nats(args.nats, args.stream, _connect_log)
-    if not args.log:
-        raise ValueError("give a LOG file or --nats URL")
-    return report_source.iter_file(args.log)
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     since = parse_since(args.since) if args.since else None
     until = parse_since(args.until) if args.until else None
-    report = build_report(_report_records(args), job=args.job, since=since, until=until)
+    report = build_report(report_records(args), job=args.job, since=since, until=until)
     if args.html:
         write_html(report, args.html)
         print(f"report written to {args.html}", file=sys.stderr)
@@ -504,9 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--job", help="compare only this job's decisions and dead letters, and every job's "
                                          "acceptance (a per-job export names its job itself)")
+        if name in ("run", "verify"):
             p.add_argument("--partitions", type=int, metavar="P",
-                           help="the log's partitions (default: read from the log); a partitioned log is verified "
-                                "partition by partition, each through an engine of its own")
+                           help="the log's partitions (default: read from the log); a partitioned log is "
+                                "replayed partition by partition, each through an engine of its own")
     p = sub.add_parser("report", help="the postmortem of a log: incidents, phases, MTTR, lost GPU-hours, lemons",
                        description="The postmortem of a log, streamed (one record at a time): per incident the root "
                                    "faults, detection and decision latency, phases, escalations, checkpoint source, "

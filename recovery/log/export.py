@@ -15,7 +15,7 @@ import orjson
 
 from events import RawRecord, Record, encode_record
 from events.outputs import Rejection
-from events.subjects import PREFIX, is_output
+from events.subjects import PREFIX, is_output, unpartitioned
 from recovery.log.base import EventLog
 
 EXPORT_FORMAT = 1
@@ -76,8 +76,8 @@ class ExportHeader:
 
 def subject_job(subject: str) -> str | None:
     """The job a decision subject (`recovery.dec.<job>`) or job-event subject (`recovery.ev.job.<job>.<kind>`)
-    names, else None."""
-    tokens = subject.split(".")
+    names, else None; a partitioned log's job event (`recovery.p.<k>.ev.job...`) names its job as well."""
+    tokens = unpartitioned(subject).split(".")
     if len(tokens) >= 3 and tokens[0] == PREFIX and tokens[1] == "dec":
         return tokens[2]
     if len(tokens) >= 4 and tokens[0] == PREFIX and tokens[1] == "ev" and tokens[2] == "job":

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from events.subjects import unpartitioned
 from recovery.report.figures import job_report, lemons, mttr, restarts, sum_dicts
 from recovery.report.source import RawDict
 from recovery.report.stacks import StackGroups
@@ -411,7 +412,7 @@ class ReportFold:
         dead letters say the job is not being recovered."""
         code = str(data.get("code"))
         self.rejections[code] = self.rejections.get(code, 0) + 1
-        rejected = str(data.get("subject") or "")
+        rejected = unpartitioned(str(data.get("subject") or ""))  # a partitioned log's daemon read it so
         if not rejected.startswith(JOB_EVENTS):
             return
         job_id = rejected[len(JOB_EVENTS):].split(".", 1)[0]

@@ -2,6 +2,9 @@
 message. Both yield plain dicts (`seq`, `ts`, `subject`, `envelope`), one at a time, so that a report over a log of
 any length holds one record at a time: the reports read recorded decisions and inputs, they re-derive nothing, so
 they need no pydantic model of each record (decoding a million models would take most of the time budget).
+
+A partitioned log's job events come out on the subjects they were published on (`events.subjects.unpartitioned`),
+and its fence claims (no envelope) not at all: a report reads a partitioned log as one log.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import orjson
 
 from events.codec import encode_record
 from events.envelope import RawRecord, Record
+from events.subjects import PARTITIONED_EVENTS, unpartitioned
 
 RawDict = dict[str, Any]
 CHUNK = 256
 """records handed from the JetStream reader's thread to the fold at once"""
+_PARTITIONED = f"{PARTITIONED_EVENTS}."
 
 
 def iter_file(path: str | os.PathLike[str]) -> Iterator[RawDict]:
@@ -47,6 +52,8 @@ def iter_file(path: str | os.PathLike[str]) -> Iterator[RawDict]:
                 # input kept as received because it could not be decoded ("raw"): the engine rejected it, and its
                 # dead letter is what the reports count
                 continue
+            if obj["subject"].startswith(_PARTITIONED):
+                obj["subject"] = unpartitioned(obj["subject"])
             yield obj
 
 
@@ -55,6 +62,8 @@ def as_dict(record: Record | RawRecord) -> RawDict | None:
     if isinstance(record, RawRecord):
         return None
     obj: RawDict = orjson.loads(encode_record(record))
+    if record.subject.startswith(_PARTITIONED):
+        obj["subject"] = unpartitioned(record.subject)
     return obj
 
 

@@ -5,6 +5,13 @@ something (submit, inject, scale, pause, resume, cancel, force, release) publish
 any other source, with the request's id as its dedupe id (a retried request is the same event), wait until
 the engine has applied it and answer with the decisions or the rejection it caused. Queries (status, jobs,
 job, incidents) read the engine's state between two records.
+
+A partitioned control plane (`partitions` P > 1, `recovery.service.ownership`) answers per partition: the active
+owner of partition k serves `recovery.ctl.p.<k>.<verb>` in a queue group of that partition (a standby subscribes
+nothing until it holds the lease, and a handover's two owners never both answer), about its own jobs only. Each
+daemon process answers `recovery.ctl.partitions` with P and refuses every unpartitioned verb naming P, so that
+`recovery-ctl` learns where to ask (`recovery.cli.ctl_routes`): a job's request goes to `partition_of(job, P)`,
+fleet-wide queries to every partition.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from events.kinds import JOB_EVENTS, NODE_EVENTS
 from events.outputs import Decision
 from events.values import JobSpec
 from recovery.core.engine import Effect, Engine
+from recovery.core.partition import Partition
 from recovery.service.publisher import Outgoing, Publisher
 
 logger = logging.getLogger("recovery.control")
@@ -38,7 +46,19 @@ SUBJECT = f"{subjects.PREFIX}.ctl"
 SOURCE = "recovery-ctl"
 QUEUE = "recovery-daemon"
 VERBS = ("status", "jobs", "job", "incidents", "submit", "inject", "scale", "pause", "resume", "cancel", "force",
-         "release")
+         "release", "partitions")
+PARTITIONS_VERB = "partitions"
+"""how many partitions the control plane has: 1 from an unpartitioned daemon, P from a partitioned one"""
+
+
+def partition_subject(index: int, verb: str) -> str:
+    """Where partition `index`'s active owner answers `verb`."""
+    return f"{SUBJECT}.p.{index}.{verb}"
+
+
+def partition_queue(index: int) -> str:
+    """The queue group of partition `index`'s control service: one answer per request, whoever subscribed."""
+    return f"{QUEUE}-p{index}"
 
 
 class CtlError(Exception):
@@ -86,6 +106,11 @@ class Controlled(Protocol):
     def publisher(self) -> Publisher | None: ...
 
     @property
+    def partition(self) -> Partition | None:
+        """the partition the daemon owns, or None: every job"""
+        ...
+
+    @property
     def recent(self) -> Mapping[int, list[Effect]]:
         """the effects of the inputs applied last, by sequence"""
         ...
@@ -104,15 +129,21 @@ class ControlService:
         self.apply_timeout = apply_timeout
         self._sub: Subscription | None = None
         self._queue, self._requests = anyio.create_memory_object_stream[Msg](math.inf)
+        self.partition = daemon.partition
         self._handlers: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             "status": self._status, "jobs": self._jobs, "job": self._job, "incidents": self._incidents,
             "submit": self._submit, "inject": self._inject, "scale": self._operator, "pause": self._operator,
             "resume": self._operator, "cancel": self._operator, "force": self._operator,
-            "release": self._operator,
+            "release": self._operator, PARTITIONS_VERB: self._partitions,
         }
 
     async def subscribe(self, nc: Client) -> None:
-        self._sub = await nc.subscribe(f"{SUBJECT}.*", queue=QUEUE, cb=self._on_request)
+        part = self.partition
+        if part is None:
+            self._sub = await nc.subscribe(f"{SUBJECT}.*", queue=QUEUE, cb=self._on_request)
+        else:
+            self._sub = await nc.subscribe(partition_subject(part.index, "*"), queue=partition_queue(part.index),
+                                           cb=self._on_request)
 
     async def serve(self) -> None:
         async with anyio.create_task_group() as answering, self._requests:
@@ -154,6 +185,10 @@ class ControlService:
                 await msg.respond(orjson.dumps(reply, default=str))
 
     # -- queries ------------------------------------------------------------------------------------------
+    async def _partitions(self, body: dict[str, Any]) -> dict[str, Any]:
+        part = self.partition
+        return {"partitions": 1} if part is None else {"partitions": part.count, "partition": part.index}
+
     async def _status(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"status": await self.daemon.status()}
 
@@ -180,6 +215,12 @@ class ControlService:
         job = body.get("job")
         if not isinstance(job, str) or not job:
             raise CtlError("'job' is required")
+        part = self.partition
+        if part is not None and not part.owns_job(job):
+            # a client that routed with another partition count: its event would be applied by another engine
+            owner = subjects.partition_of(job, part.count)
+            raise CtlError(f"job {job!r} belongs to partition {owner} of {part.count}, not to this one "
+                           f"({part.index}): ask {partition_subject(owner, str(body.get('_verb', '<verb>')))}")
         if known and job not in self.daemon.engine.jobs:
             raise CtlError(f"no job {job!r}")
         return job
@@ -243,6 +284,34 @@ class ControlService:
             return {**out, "applied": False}
         effects = self.daemon.recent.get(seq)
         return {**out, "applied": True, **effect_summary(effects or [])}
+
+
+class PartitionDirectory:
+    """A partitioned daemon process's answer on the unpartitioned subjects (`recovery.ctl.<verb>`): `partitions`
+    says how many there are and which this process owns; every other verb is refused naming the count, so that a
+    client that does not route says why rather than timing out, and one that does learns where to ask."""
+
+    def __init__(self, count: int, instance: str, owned: Callable[[], list[int]]) -> None:
+        self.count = count
+        self.instance = instance
+        self.owned = owned
+
+    async def subscribe(self, nc: Client) -> None:
+        """Answer until the connection closes (the process's own, closed when it stops)."""
+        await nc.subscribe(f"{SUBJECT}.*", queue=QUEUE, cb=self._on_request)
+
+    def answer(self, verb: str) -> dict[str, Any]:
+        if verb == PARTITIONS_VERB:
+            return {"ok": True, "partitions": self.count, "instance": self.instance, "owned": self.owned()}
+        return {"ok": False, "partitions": self.count,
+                "error": f"the control plane has {self.count} partitions: each answers on "
+                         f"{SUBJECT}.p.<k>.{verb} about its own jobs "
+                         f"(recovery-ctl routes there by itself)"}
+
+    async def _on_request(self, msg: Msg) -> None:
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(orjson.dumps(self.answer(msg.subject.rsplit(".", 1)[-1])))
 
 
 def _errors(exc: ValidationError) -> str:

@@ -38,6 +38,7 @@ from nats.js.kv import KeyValue
 from recovery.core.partition import Partition
 from recovery.service import connection, speedups
 from recovery.service.config import DaemonConfig
+from recovery.service.control import PartitionDirectory
 from recovery.service.daemon import Daemon, DaemonFailed
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, default_instance
@@ -91,9 +92,9 @@ class Ownership:
             self._stop.set()
 
     def worker_config(self) -> DaemonConfig:
-        # The partitions' daemons share this process's HTTP server and answer no recovery-ctl requests: one
-        # answer per request, not one per partition.
-        return self.cfg.model_copy(update={"http_port": -1, "ctl_enabled": False, "instance": self.instance})
+        # The partitions' daemons share this process's HTTP server; each answers recovery-ctl about its own jobs on
+        # its partition's subjects (`recovery.service.control`), once active.
+        return self.cfg.model_copy(update={"http_port": -1, "instance": self.instance})
 
     async def run(self, *, task_status: TaskStatus[Ownership] = anyio.TASK_STATUS_IGNORED) -> None:
         """Connect, register, and balance every period until a stop; then stop every partition's daemon."""
@@ -113,6 +114,9 @@ class Ownership:
                 lease = Lease(js, cfg.lease_bucket, "", self.instance, cfg.lease_ttl_s, cfg.replicas)
                 await connection.retry(lease.ensure, "lease bucket", lambda: self.stopping)
                 self._kv = lease.kv
+                if cfg.ctl_enabled:  # where recovery-ctl learns how many partitions to ask
+                    directory = PartitionDirectory(self.count, self.instance, self.owned)
+                    await directory.subscribe(nc)
                 task_status.started(self)
                 while not self.stopping:
                     try:
