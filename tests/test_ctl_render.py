@@ -36,3 +36,14 @@ def test_jobs_wide_shows_every_column_whole(monkeypatch: pytest.MonkeyPatch,
     for column in JOB_COLUMNS:
         assert column.replace("_", " ") in text
     assert "--wide" not in text
+
+
+def test_a_partitioned_answer_shows_each_jobs_partition_and_each_partitions_status(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    render("jobs", {"ok": True, "partitions": 4, "jobs": [{**JOB, "partition": 3}]})
+    header, row = (line for line in _lines(capsys) if "partition" in line or "llama" in line)
+    assert header.index("partition") > header.index("state") and "3" in row.split("│")[3]
+    render("status", {"ok": True, "partitions": 4, "status": {"0": {"role": "active"}, "2": {"role": "active"}}})
+    text = "\n".join(_lines(capsys))
+    assert "partition 0 of 4" in text and "partition 2 of 4" in text

@@ -27,6 +27,7 @@ import pytest
 from events.subjects import partition_of
 from events.values import JobSpec
 from recovery.cli.ctl import EXIT_NO_DAEMON, EXIT_PARTIAL, request
+from recovery.cli.ctl_routes import merge, targets
 from recovery.service.control import partition_subject
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import ROOT, DaemonProcess, async_wait_for
@@ -70,6 +71,16 @@ def export(plane: Plane) -> Path:
     return plane.log
 
 
+def test_a_jobs_request_goes_to_its_partition_and_a_fleet_query_to_every_one() -> None:
+    assert targets("pause", {"job": "job1"}, P) == [partition_of("job1", P)] == [3]
+    assert targets("inject", {"type": "device.fault", "node": "n3"}, P) == [partition_of("n3", P)]
+    assert targets("jobs", {}, P) == targets("status", {}, P) == targets("incidents", {"all": True}, P) == [0, 1, 2, 3]
+    merged = merge("jobs", P, {0: {"jobs": [{"job": "b"}]}, 2: {"jobs": [{"job": "a"}, {"job": "c"}]}},
+                   {1: "none is subscribed", 3: "no answer within 5s"})
+    assert merged["jobs"] == [{"job": "a", "partition": 2}, {"job": "b", "partition": 0}, {"job": "c", "partition": 2}]
+    assert merged["answered"] == [0, 2] and [m["partition"] for m in merged["missing"]] == [1, 3]
+
+
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     tmp = tmp_path_factory.mktemp("parttools")
@@ -89,7 +100,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
             assert ctl(plane, "inject", type="job.started", job=job)["decisions"][0]["state"] == "running"
         for job in ("job0", "job1"):
             failed = ctl(plane, "inject", type="process.exited", job=job, data={"rank": 1, "exit_code": 1})
-            assert [d["kind"] for d in failed["decisions"]][0] == "fault.confirmed", failed
+            assert failed["decisions"][0]["kind"] == "fault.confirmed", failed
         # a device of n3 (job1's node) fails: partition 2 owns n3 and answers; job1's partition 3 reads it too
         crossing = ctl(plane, "inject", type="device.fault", node="n3",
                        data={"device": 0, "vendor": "nvidia", "code": "79"})
@@ -177,6 +188,13 @@ def test_the_postmortem_tools_read_the_exported_partitioned_log(plane: Plane) ->
     live_report = orjson.loads(cli("recovery.cli.replay", "report", "--nats", plane.url, "--job", "job1",
                                    "--json").stdout)
     assert [job["job"] for job in live_report["jobs"]] == ["job1"] and len(live_report["jobs"][0]["incidents"]) == 1
+
+    whatif = cli("recovery.cli.replay", "whatif", log, "--job", "job1", "--json",
+                 "--policy", "rescheduling=torchelastic-like-rescheduling")
+    answer = orjson.loads(whatif.stdout)
+    assert whatif.returncode == 0 and answer["job"] == "job1", whatif.stderr
+    assert answer["cluster"]["partition"] == {"index": partition_of("job1", P), "count": P}
+    assert answer["inputs"]["kept"]["process.exited"] == 1  # job1's fault, found under its partition's subjects
 
     same = cli("recovery.cli.replay", "diff", log, log, "--json")
     assert same.returncode == 0 and orjson.loads(same.stdout)["same"], same.stdout[-2000:]

@@ -94,3 +94,19 @@ def test_whatif_takes_the_model_size_from_the_recorded_layout_not_a_405b_default
                    model_params=405e9)
     assert given["cluster"]["model_params_from"] == "--model-params"
     assert given["simulated"]["recorded policies"]["mttr_by_fault_class"]["device"]["p50_s"] > mttr
+
+
+def test_whatif_of_a_partitioned_log_gives_the_job_only_its_partitions_spares() -> None:
+    """move_skips_broken_spare: spares s0 (whose device fails) and s1. Under 4 partitions job llm is partition 0's and
+    both spares other partitions' (s0: 2, s1: 1): the recorded engine could grant neither, so the simulated cluster
+    has no spare, and s0's fault, which never reached the job, is not replayed on a node of the job."""
+    log = GOLDEN / "move_skips_broken_spare.jsonl"
+    whole = whatif(log, ["rescheduling=torchelastic-like-rescheduling"], tail_s=60)
+    assert whole["cluster"]["spares"] == 2 and whole["cluster"]["partition"] is None
+    assert whole["inputs"]["kept"] == {"device.fault": 2}
+    split = whatif(log, ["rescheduling=torchelastic-like-rescheduling"], tail_s=60, partitions=4)
+    assert split["cluster"]["spares"] == 0 and split["cluster"]["partition"] == {"index": 0, "count": 4}
+    assert split["inputs"]["kept"] == {"device.fault": 1} and split["inputs"]["resimulated"]["device.fault"] == 1
+    assert [f["from"] for f in split["inputs"]["fault_list"]] == ["device.fault XID 48 (seq 77)"]  # n1's, the job's
+    two = whatif(log, ["rescheduling=torchelastic-like-rescheduling"], tail_s=60, partitions=2)
+    assert two["cluster"]["spares"] == 1  # s0 is partition 0's of 2, as llm is; s1 is partition 1's

@@ -48,7 +48,7 @@ import orjson
 from events.codec import encode_record
 from events.envelope import RawRecord, Record
 from events.subjects import is_output
-from recovery.cli.replay_source import connect_log, partition_replays, records, report_records
+from recovery.cli.replay_source import connect_log, log_partitions, partition_replays, records, report_records
 from recovery.log import ExportHeader, export_filter, rejection_jobs
 from recovery.log.verify import (
     DEAD_LETTER_SUBJECTS,
@@ -392,7 +392,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_whatif(args: argparse.Namespace) -> int:
     result = whatif(args.log, args.policy, job=args.job, model_params=args.model_params,
-                    executor_failures=args.executor_failures, keep_logs=args.keep_logs, tail_s=args.tail_s)
+                    executor_failures=args.executor_failures, keep_logs=args.keep_logs, tail_s=args.tail_s,
+                    partitions=log_partitions(args.log, args.partitions))
     if args.json:
         sys.stdout.buffer.write(_json(result) + b"\n")
     else:
@@ -463,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulate this long past the log's end, with no new faults, so that recoveries under way "
                         "finish (default 3600)")
     p.add_argument("--keep-logs", metavar="DIR", help="keep both simulated logs in DIR (for report, diff, verify)")
+    p.add_argument("--partitions", type=int, metavar="P",
+                   help="the log's partitions (default: read from the log); on a partitioned log the job has only "
+                        "its partition's spares, as it had")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--limit", type=int, default=40, help="rows of differing decisions shown (default 40)")
     p.set_defaults(func=cmd_whatif)

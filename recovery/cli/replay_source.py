@@ -145,6 +145,17 @@ def partition_replays(args: argparse.Namespace, job: str | None) -> list[Partiti
     return out
 
 
+def log_partitions(path: str, given: int | None = None) -> int | None:
+    """How many partitions the export at `path` was written with (`given` if given): None for a log of one."""
+    if given is not None:
+        return given
+    where = iter_numbered(path)
+    first = [record for _, record in islice(where, PEEK)]
+    if not any(r.subject.startswith(PARTITIONED) for r in first):
+        return None
+    return partitions_of(chain(first, (record for _, record in where)))
+
+
 def _sequence(everything: Sequence[Located]) -> tuple[int | None, int, int | None, int | None, int]:
     """The whole log's first sequence, records missing from it, the first gap, the first step back (as
     `recovery.log.verify.replay_log` counts them over what it reads), and its input records (fence claims left

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from events.subjects import partition_of
 from events.values import PolicyRef, PolicySelection
 from policies.registry import load_set
 from recovery.log import FileLog
@@ -412,11 +413,26 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | None = None,
            model_params: float | None = None, executor_failures: bool = False,
-           keep_logs: str | os.PathLike[str] | None = None, tail_s: float = TAIL_S) -> dict[str, Any]:
+           keep_logs: str | os.PathLike[str] | None = None, tail_s: float = TAIL_S,
+           partitions: int | None = None) -> dict[str, Any]:
     """The what-if of a recorded log (a JSONL export) under `overrides` (`FAMILY=NAME[:k=v,...]`). Both simulated
-    runs last the log's span plus `tail_s`, so that a recovery under way when the log ends can finish."""
+    runs last the log's span plus `tail_s`, so that a recovery under way when the log ends can finish. A log of
+    `partitions` P > 1 gave the job only its partition's spares (`recovery.core.partition`): so does the what-if."""
     agents = Agents()
     cluster = read_recorded(iter_file(path), job, agents)
+    partition = None
+    if partitions is not None and partitions > 1:
+        partition = partition_of(cluster.job, partitions)
+        others = {node for node in cluster.spares if partition_of(node, partitions) != partition}
+        cluster.spares = [node for node in cluster.spares if node not in others]
+        # a fault on another partition's spare never reached this job: the simulated cluster has no such node
+        for draft in [d for d in cluster.drafts if d.node in others]:
+            cluster.drafts.remove(draft)
+            kind = draft.source.split(" ", 1)[0]
+            cluster.kept[kind] = cluster.kept.get(kind, 1) - 1
+            if cluster.kept[kind] <= 0:
+                del cluster.kept[kind]
+            cluster.resimulated[kind] = cluster.resimulated.get(kind, 0) + 1
     base_selection = selection_with(cluster.spec, [])
     chosen = selection_with(cluster.spec, overrides)
     faults = _faults(cluster, SimConfig().durations)
@@ -436,6 +452,7 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
         "whatif": WHATIF_VERSION, "log": str(path), "job": cluster.job,
         "policies": {"recorded": base_selection.model_dump(), "what-if": chosen.model_dump()},
         "cluster": {"nodes": len(cluster.nodes), "spares": len(cluster.spares), "ranks_per_node": cluster.rpn,
+                    "partition": None if partition is None else {"index": partition, "count": partitions},
                     "layout": cluster.spec["layout"], "step_time_s": round(base_config.training.step_time_s, 3),
                     "storage_every_s": base_config.training.storage_every_s,
                     "memory_every_steps": base_config.training.memory_every_steps,

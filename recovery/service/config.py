@@ -68,7 +68,8 @@ class DaemonConfig(FileSettings):
                                                   "deciding never waits for one; off: pickle in the event loop")
     timers_enabled: bool = Field(True, description="fire the engine's timers as timer.fired events "
                                                    "(off: something else publishes them, as in replay tests)")
-    ctl_enabled: bool = Field(True, description="answer recovery-ctl requests on recovery.ctl.>")
+    ctl_enabled: bool = Field(True, description="answer recovery-ctl requests on recovery.ctl.> (with "
+                                                "partitions > 1: each active partition on recovery.ctl.p.<k>.>)")
     # -- service ---------------------------------------------------------------------------------------
     http_host: str = Field("127.0.0.1", description="address of /healthz, /readyz and /metrics")
     http_port: int = Field(9464, ge=-1, le=65535, description="port of /healthz, /readyz and /metrics "
