@@ -51,13 +51,13 @@ EXIT_NO_DAEMON = 4
 EXIT_PARTIAL = 5
 DEFAULT_TIMEOUT_S = 5.0
 
-_PARTITIONED_NO_DAEMON = " (partitioned: the job's partition, or none)"
+_PARTITION_NOTE = " (partitioned: the job's partition, or none)"
 EXIT_CODES = f"""exit status:
   {EXIT_OK}  done
   {EXIT_REFUSED}  the daemon refused the request, or rejected the event
   {EXIT_USAGE}  bad usage: arguments, spec file or --data
   {EXIT_NO_NATS}  no NATS server could be reached at the URL within --timeout
-  {EXIT_NO_DAEMON}  NATS is up but no recovery-daemon answered on {SUBJECT}.<verb> within --timeout{_PARTITIONED_NO_DAEMON}
+  {EXIT_NO_DAEMON}  NATS is up but no recovery-daemon answered on {SUBJECT}.<verb> within --timeout{_PARTITION_NOTE}
   {EXIT_PARTIAL}  some partitions did not answer within --timeout: the others' answer is shown, the silent named"""
 
 
