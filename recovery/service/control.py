@@ -297,8 +297,10 @@ class PartitionDirectory:
         self.owned = owned
 
     async def subscribe(self, nc: Client) -> None:
-        """Answer until the connection closes (the process's own, closed when it stops)."""
-        await nc.subscribe(f"{SUBJECT}.*", queue=QUEUE, cb=self._on_request)
+        """Answer until the connection closes (the process's own, closed when it stops). In no queue group: every
+        daemon process answers alike and the client takes the first answer, so that one frozen process, which would
+        get its share of a queue group's requests, holds no request up."""
+        await nc.subscribe(f"{SUBJECT}.*", cb=self._on_request)
 
     def answer(self, verb: str) -> dict[str, Any]:
         if verb == PARTITIONS_VERB:
