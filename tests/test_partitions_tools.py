@@ -158,6 +158,20 @@ def test_ctl_routes_each_job_to_its_partition_and_merges_the_fleet(plane: Plane)
     assert told.returncode == 0 and orjson.loads(told.stdout)["partitions"] == P
     print(f"ctl checks took {time.monotonic() - started:.1f}s")
 
+    async def latencies(verb: str, body: dict[str, Any], partitions: int | None) -> float:
+        """The median of 20 requests, connection included (as one recovery-ctl run makes one), in ms."""
+        took = []
+        for _ in range(20):
+            begun = time.perf_counter()
+            assert (await request(plane.url, verb, body, timeout=20, partitions=partitions))["ok"]
+            took.append((time.perf_counter() - begun) * 1000)
+        return sorted(took)[len(took) // 2]
+
+    for verb, body in (("jobs", {}), ("job", {"job": "job1"})):
+        asked, given = (asyncio.run(latencies(verb, body, count)) for count in (None, P))
+        print(f"recovery-ctl {verb} over {P} partitions: median {asked:.1f} ms asking the count, {given:.1f} ms "
+              f"with --partitions {P}")
+
 
 def test_the_postmortem_tools_read_the_exported_partitioned_log(plane: Plane) -> None:
     log = str(export(plane))
@@ -201,6 +215,14 @@ def test_the_postmortem_tools_read_the_exported_partitioned_log(plane: Plane) ->
     verified = cli("recovery.cli.replay", "verify", "--nats", plane.url, "--json")
     answer = orjson.loads(verified.stdout)
     assert verified.returncode == 0 and answer["ok"] and all(r["exact"] for r in answer["results"]), answer
+    # an incident's export (`export --job`): its job's partition is verified, and its timeline is the job's
+    incident = plane.log.with_name("job1.jsonl")
+    exported = cli("recovery.cli.replay", "export", "--nats", plane.url, "--job", "job1", "-o", str(incident))
+    assert exported.returncode == 0, exported.stderr
+    verified = cli("recovery.cli.replay", "verify", str(incident), "--json")
+    answer = orjson.loads(verified.stdout)
+    assert verified.returncode == 0 and [r["partition"] for r in answer["results"]] == [partition_of("job1", P)]
+    assert orjson.loads(cli("recovery.cli.replay", "timeline", str(incident), "--job", "job1", "--json").stdout) == rows
 
 
 def test_a_partition_whose_daemon_is_gone_is_named_not_waited_for(plane: Plane) -> None:

@@ -151,7 +151,7 @@ def _json(obj: Any) -> bytes:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    replays = partition_replays(args, None)
+    replays = partition_replays(args, None, every=True)
     partitioned = replays[0].partition is not None
     # A partitioned log's partitions each decided alone about their own jobs: their answers side by side are the
     # log's, each job with its partition; a node event's dead letter, which every partition derives, counted once.

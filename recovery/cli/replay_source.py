@@ -120,9 +120,10 @@ class PartitionReplay:
     log_inputs: int
 
 
-def partition_replays(args: argparse.Namespace, job: str | None) -> list[PartitionReplay]:
-    """The replay of the log the arguments name, or of a partitioned log each partition's (only `job`'s, with
-    one), each through an engine of its partition: one replay of partition None for a log of one partition."""
+def partition_replays(args: argparse.Namespace, job: str | None, every: bool = False) -> list[PartitionReplay]:
+    """The replay of the log the arguments name, or of a partitioned log each partition's (only the partition of
+    `job`, or of the job a per-job export holds, unless `every`), each through an engine of its partition: one
+    replay of partition None for a log of one partition."""
     header, where = located(args)
     first = list(islice(where, PEEK))
     if args.partitions is None and not any(r.subject.startswith(PARTITIONED) for _, r in first):
@@ -133,7 +134,8 @@ def partition_replays(args: argparse.Namespace, job: str | None) -> list[Partiti
     if count == 1:
         result = replay_args(args, job, (header, iter(everything)))
         return [PartitionReplay(None, result, result.inputs)]
-    indices = range(count) if job is None else [subjects.partition_of(job, count)]
+    scope = job if job is not None else None if header is None else header.job
+    indices = range(count) if scope is None or every else [subjects.partition_of(scope, count)]
     whole = _sequence(everything)
     out = []
     for part in (Partition(k, count) for k in indices):
