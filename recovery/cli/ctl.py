@@ -67,6 +67,14 @@ class CtlFailure(Exception):
         self.code = code
 
 
+class NoAnswer(CtlFailure):
+    """Nobody answered a request: `why` says how (nobody subscribed, or not within the timeout)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message, EXIT_NO_DAEMON)
+        self.why = why
+
+
 def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
@@ -141,10 +149,8 @@ async def _partitioned(nc: Client, url: str, verb: str, body: dict[str, Any], co
     async def ask(index: int) -> dict[str, Any] | str:
         try:
             reply = await _exchange(nc, url, partition_subject(index, verb), body, deadline, timeout)
-        except CtlFailure as exc:
-            if exc.code == EXIT_NO_NATS:
-                raise
-            return "none is subscribed" if "none is subscribed" in str(exc) else f"no answer within {timeout:g}s"
+        except NoAnswer as exc:
+            return exc.why
         return reply if reply.get("ok") else str(reply.get("error"))
 
     replies = await asyncio.gather(*(ask(k) for k in asked))
@@ -164,11 +170,11 @@ async def _exchange(nc: Client, url: str, subject: str, body: dict[str, Any], de
     try:
         msg = await nc.request(subject, orjson.dumps(body), timeout=max(deadline - loop.time(), 0.001))
     except nats.errors.NoRespondersError:
-        raise CtlFailure(f"no recovery-daemon answered on {subject} at {url}: none is subscribed{which}",
-                         EXIT_NO_DAEMON) from None
+        raise NoAnswer(f"no recovery-daemon answered on {subject} at {url}: none is subscribed{which}",
+                       "none is subscribed") from None
     except (TimeoutError, nats.errors.TimeoutError):
-        raise CtlFailure(f"no recovery-daemon answered on {subject} at {url} within {timeout:g}s{which}",
-                         EXIT_NO_DAEMON) from None
+        raise NoAnswer(f"no recovery-daemon answered on {subject} at {url} within {timeout:g}s{which}",
+                       f"no answer within {timeout:g}s") from None
     except nats.errors.Error as exc:  # the connection closed under the request: NATS went away
         raise CtlFailure(f"lost the connection to NATS at {url}: {_describe(exc)}", EXIT_NO_NATS) from None
     reply: dict[str, Any] = orjson.loads(msg.data)
