@@ -231,6 +231,7 @@ async def test_ctl_verbs_and_the_cli(daemon: Daemon, nats_server: NatsServer, tm
     assert unknown == {"ok": False, "error": "no job 'nope'"}
     bad_spec = await ctl(url, "submit", job="x", spec={"nodes": ["a"], "ranks_per_node": 2, "layout": {"dp": 1}})
     assert not bad_spec["ok"] and "invalid job spec" in bad_spec["error"]
+    assert await ctl(url, "partitions") == {"ok": True, "partitions": 1}  # one daemon: recovery-ctl asks it alone
     status = await ctl(url, "status")
     assert status["status"]["ready"] is True and status["status"]["jobs"] == 1
     refused_cli = await asyncio.to_thread(subprocess.run, [*cli, "cancel", "nope"], capture_output=True, text=True,

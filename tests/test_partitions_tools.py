@@ -195,6 +195,8 @@ def test_the_postmortem_tools_read_the_exported_partitioned_log(plane: Plane) ->
     whats = [row["what"] for row in rows]
     assert "process.exited" in whats and "decision fault.confirmed" in whats, whats
     assert "device.fault" in whats  # node n3's event, stored once, read by job1's partition
+    live_rows = cli("recovery.cli.replay", "timeline", "--nats", plane.url, "--job", "job1", "--json")
+    assert orjson.loads(live_rows.stdout) == rows
 
     report = orjson.loads(cli("recovery.cli.replay", "report", log, "--json").stdout)
     assert report["summary"]["jobs"] == len(JOBS)

@@ -152,7 +152,8 @@ def _json(obj: Any) -> bytes:
 
 def cmd_run(args: argparse.Namespace) -> int:
     replays = partition_replays(args, None, every=True)
-    partitioned = replays[0].partition is not None
+    first = replays[0].partition
+    count = None if first is None else first.count  # None: a log of one partition
     # A partitioned log's partitions each decided alone about their own jobs: their answers side by side are the
     # log's, each job with its partition; a node event's dead letter, which every partition derives, counted once.
     jobs: dict[str, dict[str, Any]] = {}
@@ -169,20 +170,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         notes += [n for n in [*(f"the replay cannot be exact: {c}" for c in caveats(part.replay)),
                               *part.replay.unreadable] if n not in notes]
     ordered = [d for _, d in sorted(decisions, key=lambda pair: pair[0])]
+    if count is not None:  # several engines' jobs: in the order of their ids (one engine's: in its own order)
+        jobs = dict(sorted(jobs.items()))
     rejected = [r for _, r in sorted(rejections.items(), key=lambda pair: pair[0][0])]
     inputs = replays[0].log_inputs
     if args.json:
-        out: dict[str, Any] = {"inputs": inputs, "jobs": dict(sorted(jobs.items())),
+        out: dict[str, Any] = {"inputs": inputs, "jobs": jobs,
                                "decisions": [d.model_dump(mode="json") for d in ordered],
                                "rejections": [r.model_dump(mode="json") for r in rejected]}
-        if partitioned:
-            out["partitions"] = replays[0].partition.count  # type: ignore[union-attr]
+        if count is not None:
+            out["partitions"] = count
         sys.stdout.buffer.write(_json(out) + b"\n")
         return 0
-    where = f" in {replays[0].partition.count} partitions" if partitioned else ""  # type: ignore[union-attr]
+    where = "" if count is None else f" in {count} partitions"
     print(f"{inputs} input records, {len(ordered)} decisions, {len(rejected)} rejections{where}")
-    for job_id, job in sorted(jobs.items()):
-        part_of = f" (partition {job['partition']})" if partitioned else ""
+    for job_id, job in jobs.items():
+        part_of = "" if count is None else f" (partition {job['partition']})"
         print(f"\njob {job_id}{part_of}: {job['state']} at step {job['step']}, generation {job['generation']}, "
               f"{job['alive']}/{job['world']} ranks alive, nodes {', '.join(job['nodes'])}")
         print(f"  policies: {', '.join(job['policies'].values())}; restarts used {job['restarts_used']}")
