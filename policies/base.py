@@ -9,7 +9,7 @@ every decision records `name@version` so a replay can tell a changed policy from
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -167,22 +167,77 @@ class RankActivity:
     rank; in synchronous data parallelism the wall step time is every rank's alike, this is where a slow one shows"""
 
 
-@dataclass(frozen=True, slots=True)
 class WatchdogView:
-    """What the periodic watchdog check sees: the job's ranks' activity at log time `now`."""
+    """What the periodic watchdog check sees: the job's ranks' activity at log time `now`.
 
-    now: int
-    step_time_ns: int | None
-    ranks: tuple[RankActivity, ...]
-    nodes: tuple[str, ...] = ()
-    """the job's placement: rank r runs on nodes[r // ranks_per_node] (empty: unknown)"""
-    ranks_per_node: int = 1
-    agents_heard: tuple[int | None, ...] = ()
-    """per node of `nodes`, log time of its agent's last heartbeat (None: its agent sends none); empty: unknown"""
-    sdk: bool = True
-    """the job's script reports through the SDK (some rank sent a heartbeat or a step): its ranks' silence and
-    stalls mean something. False: a stock script, which sends neither; only its processes' exits and its agents'
-    heartbeats tell of it, and no rank of it is ever silent for lacking heartbeats"""
+    Per rank it is held in columns (`last_seen`, `last_progress`, `steps`, `compute_steps`, `compute_ns`: rank r's
+    value at index r), which the engine copies at C speed: a job of 131,072 ranks is checked every few seconds, and one
+    object per rank made each check a tenth of a second of the control plane's time. A policy that reads rank by rank
+    reads `ranks` (made from the columns on first use); one made of `RankActivity` values (`WatchdogView(now, step,
+    ranks, ...)`, as tests do) has its columns made from them. Read-only: a policy never changes what it is shown."""
+
+    __slots__ = ("_ranks", "agents_heard", "compute_ns", "compute_steps", "last_progress", "last_seen", "nodes", "now",
+                 "ranks_per_node", "sdk", "step_time_ns", "steps")
+
+    def __init__(self, now: int, step_time_ns: int | None, ranks: Sequence[RankActivity] = (),
+                 nodes: tuple[str, ...] = (), ranks_per_node: int = 1, agents_heard: tuple[int | None, ...] = (),
+                 sdk: bool = True, *, columns: RankColumns | None = None) -> None:
+        self.now = now
+        self.step_time_ns = step_time_ns
+        self.nodes = nodes
+        """the job's placement: rank r runs on nodes[r // ranks_per_node] (empty: unknown)"""
+        self.ranks_per_node = ranks_per_node
+        self.agents_heard = agents_heard
+        """per node of `nodes`, log time of its agent's last heartbeat (None: its agent sends none); empty: unknown"""
+        self.sdk = sdk
+        """the job's script reports through the SDK (some rank sent a heartbeat or a step): its ranks' silence and
+        stalls mean something. False: a stock script, which sends neither; only its processes' exits and its agents'
+        heartbeats tell of it, and no rank of it is ever silent for lacking heartbeats"""
+        if columns is None:
+            ranks = tuple(ranks)
+            columns = RankColumns(tuple(a.last_seen for a in ranks), tuple(a.last_progress for a in ranks),
+                                  tuple(a.step for a in ranks), tuple(a.compute_steps for a in ranks),
+                                  tuple(a.compute_ns for a in ranks))
+            self._ranks: tuple[RankActivity, ...] | None = ranks
+        else:
+            self._ranks = None
+        self.last_seen = columns.last_seen
+        """per rank, log time of its last heartbeat, step or start"""
+        self.last_progress = columns.last_progress
+        """per rank, log time at which its step last advanced"""
+        self.steps = columns.steps
+        """per rank, its newest step"""
+        self.compute_steps = columns.compute_steps
+        """per rank, the steps whose compute time it reported in the job's current generation (0: none)"""
+        self.compute_ns = columns.compute_ns
+        """per rank, their compute time in all, ns (`RankActivity.compute_ns`)"""
+
+    @property
+    def world(self) -> int:
+        return len(self.last_seen)
+
+    @property
+    def ranks(self) -> tuple[RankActivity, ...]:
+        """Each rank's activity as one value, in rank order (made once, on first use)."""
+        if self._ranks is None:
+            self._ranks = tuple(map(RankActivity, range(len(self.last_seen)), self.last_seen, self.last_progress,
+                                    self.steps, self.compute_steps, self.compute_ns))
+        return self._ranks
+
+    def __repr__(self) -> str:
+        return (f"WatchdogView(now={self.now}, step_time_ns={self.step_time_ns}, world={self.world}, "
+                f"nodes={len(self.nodes)}, ranks_per_node={self.ranks_per_node}, sdk={self.sdk})")
+
+
+@dataclass(frozen=True, slots=True)
+class RankColumns:
+    """A job's per-rank activity as columns, rank r at index r (`WatchdogView`)."""
+
+    last_seen: tuple[int, ...]
+    last_progress: tuple[int, ...]
+    steps: tuple[int, ...]
+    compute_steps: tuple[int, ...]
+    compute_ns: tuple[int, ...]
 
 
 @runtime_checkable

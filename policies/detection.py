@@ -31,7 +31,6 @@ from policies.base import (
     Ignore,
     LossSample,
     Params,
-    RankActivity,
     Signal,
     Suspect,
     Verdict,
@@ -299,14 +298,18 @@ class DefaultDetection(DetectionPolicyBase):
             # whether the host died or only the agent did. Move them now.
             names = [view.nodes[i] for i in lost]
             rpn = view.ranks_per_node
-            ranks = tuple(r for i in lost for r in range(i * rpn, (i + 1) * rpn) if r < len(view.ranks))
+            ranks = tuple(r for i in lost for r in range(i * rpn, (i + 1) * rpn) if r < view.world)
             return [Fault(f"agent of {', '.join(names)} silent for more than {p.agent_silence_s:g}s: the host or "
                           f"its agent is gone", FaultClass.NODE, "node", ranks, names[0] if len(names) == 1 else None)]
         if not view.sdk:
             # A stock script sends no heartbeats and reports no steps: its silence is no sign of a hang. Its exits
             # and its agents' heartbeats are what tell of it.
             return []
-        silent = tuple(a.rank for a in view.ranks if view.now - a.last_seen > silence)
+        # Each test first asks the columns' min or max (C speed): a rank at a time only when one may be found.
+        now, seen, progress, steps = view.now, view.last_seen, view.last_progress, view.steps
+        silent: tuple[int, ...] = ()
+        if seen and now - min(seen) > silence:
+            silent = tuple(r for r, at in enumerate(seen) if now - at > silence)
         if silent:
             gone = _silent_nodes(view, set(silent))
             if gone and all(r // view.ranks_per_node in gone for r in silent):
@@ -318,12 +321,15 @@ class DefaultDetection(DetectionPolicyBase):
                                 "node", silent, names[0] if len(names) == 1 else None)]
             return [Fault(f"ranks {list(silent)} silent for more than {silence / NS:.1f}s",
                           FaultClass.HANG, "rank", silent)]
-        newest = max((a.last_progress for a in view.ranks), default=view.now)
-        if view.now - newest > stall:
-            return [Fault(f"no rank advanced for {(view.now - newest) / NS:.1f}s",
-                          FaultClass.HANG, "job", tuple(a.rank for a in view.ranks))]
-        top = max((a.step for a in view.ranks), default=0)
-        behind: tuple[int, ...] = tuple(a.rank for a in view.ranks if _stuck(a, top, view.now, stall))
+        newest = max(progress, default=now)
+        if now - newest > stall:
+            return [Fault(f"no rank advanced for {(now - newest) / NS:.1f}s",
+                          FaultClass.HANG, "job", tuple(range(view.world)))]
+        top = max(steps, default=0)
+        behind: tuple[int, ...] = ()
+        if steps and min(steps) < top and now - min(progress) > stall:
+            behind = tuple(r for r, (step, at) in enumerate(zip(steps, progress, strict=True))
+                           if step < top and now - at > stall)
         if behind:
             return [Fault(f"ranks {list(behind)} stuck behind step {top} for more than "
                           f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
@@ -333,20 +339,30 @@ class DefaultDetection(DetectionPolicyBase):
         """A drain of each node that holds a rank persistently slower than its peers. In synchronous data
         parallelism every rank waits for the slowest in the collective, so one slow GPU or throttled host slows the
         whole job without a fault: its compute time (before the collective) is what shows it. Judged on the engine's
-        tally of the rank's recent steps (the last few hundred: `RankActivity.compute_ns`), once the rank and at
+        tally of the rank's recent steps (the last few hundred: `WatchdogView.compute_ns`), once the rank and at
         least one peer measured `straggler_window_steps`."""
         p = self.params
-        if not view.nodes or len(view.nodes) * view.ranks_per_node != len(view.ranks):
+        world, window = view.world, p.straggler_window_steps
+        if not view.nodes or len(view.nodes) * view.ranks_per_node != world:
             return []  # the placement is unknown: no node to drain
-        measured = [(a.compute_ns // a.compute_steps, a.rank, a.compute_steps) for a in view.ranks
-                    if a.compute_steps >= p.straggler_window_steps]
-        if len(measured) < 2:
+        counts, spent = view.compute_steps, view.compute_ns
+        if world < 2 or max(counts) < window:
+            return []  # no rank measured the window yet (most checks of a job that reports no compute time)
+        means = [ns // steps for steps, ns in zip(counts, spent, strict=True) if steps >= window]
+        if len(means) < 2:
             return []
-        ordered = sorted(measured)
+        means.sort()
+        # The ranks judged are the slowest, from the slowest down, until one is within the ratio of its peers'
+        # median. Removing any rank above the middle lowers the median the most, so a rank below the ratio of the
+        # median without the slowest rank is below it for every peer median: only ranks at or above it can be drains.
+        top = len(means) - 1
+        floor = p.straggler_ratio * _median_without(means, top)
+        slow = sorted((ns // steps, rank, steps) for rank, (steps, ns) in enumerate(zip(counts, spent, strict=True))
+                      if steps >= window and ns // steps >= floor)
         drains: dict[str, Drain] = {}
-        for position in reversed(range(len(ordered))):  # slowest first
-            mean, rank, steps = ordered[position]
-            median = _median_without(ordered, position)
+        for k in reversed(range(len(slow))):  # slowest first; the k-th of `slow` is the (top - ...)-th of all means
+            mean, rank, steps = slow[k]
+            median = _median_without(means, top - (len(slow) - 1 - k))
             if mean < p.straggler_ratio * median:
                 break  # every rank from here on is faster still
             if mean - median < p.straggler_min_excess_s * NS:
@@ -363,12 +379,12 @@ class DefaultDetection(DetectionPolicyBase):
         return [drains[node] for node in sorted(drains, key=view.nodes.index)]
 
 
-def _median_without(ordered: list[tuple[int, int, int]], position: int) -> int:
-    """The median mean of `ordered` (sorted by mean) without its entry at `position`: the peers' median, in O(1)."""
-    count = len(ordered) - 1
+def _median_without(means: list[int], position: int) -> int:
+    """The median of `means` (sorted) without its entry at `position`: the peers' median, in O(1)."""
+    count = len(means) - 1
 
     def peer(k: int) -> int:  # the k-th smallest mean of the others
-        return ordered[k if k < position else k + 1][0]
+        return means[k if k < position else k + 1]
 
     half = count // 2
     return peer(half) if count % 2 else (peer(half - 1) + peer(half)) // 2
@@ -384,10 +400,6 @@ def _silent_agents(view: WatchdogView, silence: int) -> list[int]:
 def _silent_nodes(view: WatchdogView, silent: set[int]) -> set[int]:
     """Indices of the nodes all of whose ranks are silent (none when the placement is unknown)."""
     rpn = view.ranks_per_node
-    if rpn < 2 or not view.nodes or rpn * len(view.nodes) != len(view.ranks):
+    if rpn < 2 or not view.nodes or rpn * len(view.nodes) != view.world:
         return set()  # with one rank per node a silent host and a silent process look the same
     return {i for i in range(len(view.nodes)) if all(r in silent for r in range(i * rpn, (i + 1) * rpn))}
-
-
-def _stuck(activity: RankActivity, top: int, now: int, stall: int) -> bool:
-    return activity.step < top and now - activity.last_progress > stall

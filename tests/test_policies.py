@@ -5,6 +5,8 @@ from __future__ import annotations
 from importlib.metadata import EntryPoint, entry_points
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events.values import FaultClass, Granularity, Layout, PolicyRef, PolicySelection, Tier
 from policies import registry
@@ -16,6 +18,7 @@ from policies.base import (
     Drain,
     Fail,
     RankActivity,
+    RankColumns,
     RescheduleContext,
     ReschedulingPolicyBase,
     Resume,
@@ -220,3 +223,76 @@ def test_no_straggler_below_the_ratio_the_excess_or_the_window() -> None:
     assert policy.check(_computing([0.2] * 7 + [0.5], steps=19)) == []  # not yet the window's 20 steps
     tuned = DefaultDetection({"straggler_window_steps": 10, "straggler_ratio": 1.2, "straggler_min_excess_s": 0})
     assert [d.node for d in tuned.check(_computing([0.2] * 7 + [0.25], steps=10))] == ["n3"]
+
+
+def _rank_by_rank(policy: DefaultDetection, view: WatchdogView) -> list[object]:
+    """The watchdog rule as it reads one rank at a time (as it was written before the columns): the columnar check
+    must answer the same, verdict for verdict."""
+    p = policy.params
+    step_time = view.step_time_ns or 0
+    silence = max(int(p.hang_min_silence_s * NS), int(p.hang_silence_factor * step_time))
+    stall = (max(int(p.stall_min_s * NS), int(p.stall_factor * step_time)) if view.step_time_ns
+             else int(p.first_steps_s * NS))
+    ranks = view.ranks
+    if any(view.now - a.last_seen > silence for a in ranks):
+        return policy.check(view)  # silence takes the same path in both (not what the columns changed)
+    newest = max((a.last_progress for a in ranks), default=view.now)
+    if view.now - newest > stall:
+        return [("job", tuple(a.rank for a in ranks))]
+    top = max((a.step for a in ranks), default=0)
+    behind = tuple(a.rank for a in ranks if a.step < top and view.now - a.last_progress > stall)
+    if behind:
+        return [("rank", behind)]
+    measured = sorted((a.compute_ns // a.compute_steps, a.rank, a.compute_steps) for a in ranks
+                      if a.compute_steps >= p.straggler_window_steps)
+    if len(measured) < 2:
+        return []
+    drains: dict[str, tuple[int, int]] = {}
+    for position in reversed(range(len(measured))):
+        mean, rank, _ = measured[position]
+        others = [m for k, (m, _, _) in enumerate(measured) if k != position]
+        half = len(others) // 2
+        median = others[half] if len(others) % 2 else (others[half - 1] + others[half]) // 2
+        if mean < p.straggler_ratio * median:
+            break
+        if mean - median < p.straggler_min_excess_s * NS:
+            continue
+        drains.setdefault(view.nodes[rank // view.ranks_per_node], (rank, mean))
+    return [("drain", node, *drains[node]) for node in sorted(drains, key=view.nodes.index)]
+
+
+def _as_compared(verdicts: list[object]) -> list[object]:
+    out: list[object] = []
+    for v in verdicts:
+        if isinstance(v, Drain):
+            evidence = dict(v.evidence)
+            out.append(("drain", v.node, evidence["rank"], round(evidence["compute_s"] * NS)))
+        elif hasattr(v, "scope") and v.scope in ("job", "rank") and "silent" not in v.reason:
+            out.append((v.scope, v.ranks))
+        else:
+            out.append(v)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 25),
+                          st.sampled_from((100, 100, 100, 120, 150, 160, 180, 240)) | st.integers(1, 900)),
+                min_size=8, max_size=8).map(tuple),
+       st.integers(90, 100))
+def test_the_columnar_watchdog_answers_as_the_rank_by_rank_rule(
+        activity: tuple[tuple[int, int, int, int], ...], now_s: int) -> None:
+    """Stalls, ranks behind, and stragglers (ties, the ratio's edge, one node's two slow ranks) as each rank read
+    alone would find them; the straggler's means are whole milliseconds, most at a ratio of 1.2 or 1.5 to 100 ms, so
+    that ties and the ratio's edge happen."""
+    now = now_s * NS
+    ranks = tuple(RankActivity(r, now, now - lag * NS, 50 - behind, steps, ms * 1_000_000 * steps)
+                  for r, (behind, lag, steps, ms) in enumerate(activity))
+    view = WatchdogView(now, NS, ranks, ("n0", "n1", "n2", "n3"), 2)
+    for policy in (DefaultDetection(), DefaultDetection({"straggler_window_steps": 10, "straggler_ratio": 1.2,
+                                                         "straggler_min_excess_s": 0})):
+        expected = _rank_by_rank(policy, view)
+        assert _as_compared(policy.check(view)) == expected
+        # the same view given as columns (as the engine gives it) answers the same
+        columns = WatchdogView(now, NS, (), view.nodes, 2, columns=RankColumns(
+            view.last_seen, view.last_progress, view.steps, view.compute_steps, view.compute_ns))
+        assert _as_compared(policy.check(columns)) == expected

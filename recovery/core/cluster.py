@@ -7,6 +7,7 @@ order of dicts) or from sorting, so a replay walks it the same way every time.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 HISTORY = 64
 """fault times kept per device and per node: enough for any frequency window a policy uses"""
@@ -80,6 +81,20 @@ class ClusterView:
         self.journal: dict[str, NodeState | None] | None = None
         """while the engine applies a record: each node as it was before the record first touched it (None: the
         record registered it), so that a record that fails half way changes nothing"""
+        self.maybe_impaired: dict[str, None] = {}
+        """every node changed since it was last found as healthy as a new one (`impaired`): a node not here is usable
+        and reachable. Every change goes through `node()`, which notes the node here; so the nodes of a fault's job
+        that it must leave are found among these few, not by asking each of a 16,384-node job's nodes."""
+
+    def __getstate__(self) -> dict[str, object]:
+        # `maybe_impaired` is a superset kept to find impaired nodes fast, not state: a restored view starts from
+        # every node (the first `impaired()` sorts them out), and two views of the same nodes compare equal.
+        return {"nodes": self.nodes, "journal": self.journal}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.nodes = state["nodes"]
+        self.journal = state["journal"]
+        self.maybe_impaired = dict.fromkeys(self.nodes)
 
     def node(self, name: str) -> NodeState:
         """The node, to read or change; registered on first sight: a job placed on it by the scheduler is proof
@@ -90,9 +105,19 @@ class ClusterView:
             journal[name] = None if state is None else state.copy()
         if state is None:
             state = self.nodes[name] = NodeState(name)
+        self.maybe_impaired[name] = None
         return state
 
+    def impaired(self) -> list[str]:
+        """The registered nodes that are not usable now (in the order they were noted), forgetting the ones noted
+        that are: O(nodes changed since the last call), not O(nodes)."""
+        nodes, noted = self.nodes, self.maybe_impaired
+        for name in [name for name in noted if name not in nodes or nodes[name].usable]:
+            del noted[name]
+        return list(noted)
+
     def rollback(self, journal: dict[str, NodeState | None]) -> None:
+        self.maybe_impaired.update(dict.fromkeys(journal))  # as they were: impaired, maybe
         for name, before in journal.items():
             if before is None:
                 self.nodes.pop(name, None)  # registered last, so its removal restores the order

@@ -15,7 +15,7 @@ from events import kinds
 from events.commands import DumpStacks, IsolateDevice, IsolateNode
 from events.names import AttemptOutcome, AttemptPurpose, DecisionKind, IncidentCause, TimerPurpose
 from events.values import FaultClass, Granularity
-from policies.base import NS, Clear, Drain, Fault, Ignore, RankActivity, Signal, Suspect, Verdict, WatchdogView
+from policies.base import NS, Clear, Drain, Fault, Ignore, RankColumns, Signal, Suspect, Verdict, WatchdogView
 from policies.detection import DefaultDetection
 from recovery.core.cluster import ClusterView
 from recovery.core.incidents import Incidents
@@ -361,11 +361,13 @@ class Detection:
                     self.cluster.node(name).heard = out.ts
             return
         agents = self.cluster.nodes
-        view = WatchdogView(out.ts, job.step_time, tuple(
-            RankActivity(r, job.last_seen[r], job.last_progress[r], job.steps[r], job.compute_steps[r],
-                         job.compute_ns[r]) for r in range(job.world)),
-            tuple(job.nodes), job.rpn,
-            tuple(agents[n].heard if n in agents else None for n in job.nodes), job.sdk)
+        world = job.world
+        # Columns copied at C speed (a 131,072-rank job is checked every few seconds); a rank's own slot only.
+        columns = RankColumns(tuple(job.last_seen[:world]), tuple(job.last_progress[:world]), tuple(job.steps[:world]),
+                              tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]))
+        view = WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn,
+                            tuple(agents[n].heard if n in agents else None for n in job.nodes), job.sdk,
+                            columns=columns)
         verdicts = consult(out, job, "detection", "check", view)
         for verdict in verdicts:
             if job.state != "running" or job.incident is not None:

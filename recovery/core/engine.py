@@ -88,7 +88,7 @@ class Engine(Progress):
     def __getstate__(self) -> dict[str, Any]:
         # The journal and the last record are about the record just applied, not the engine's state: a
         # snapshot leaves them out (and the envelope models made at import time do not pickle).
-        return {**self.__dict__, "journal": None, "_last": None}
+        return {**self.__dict__, "journal": None, "_last": None, "closing": False}
 
     def apply(self, record: Record | RawRecord) -> list[Effect]:
         """Apply one log record; return its effects. Bad input becomes a Rejection and changes nothing.
@@ -228,8 +228,13 @@ class Engine(Progress):
                 raise Rejected("duplicate", f"event id {env.id!r} already applied to job {env.job}")
             if type_ in _PROGRESS:
                 incident = job.incident
-                if incident is not None and incident.phase == "restoring":
-                    self.guard(job)  # progress past the resume point closes the incident
+                entries = env.data.ranks if type_ == "progress.report" else [env.data]
+                self.closing = (incident is not None and incident.phase == "restoring"
+                                and self.incidents.may_close(job, entries))
+                if self.closing:
+                    # Progress past the resume point closes the incident: journaled, should a later entry fail it.
+                    # Only such a record is (every report of every rank until then would copy the job's state).
+                    self.guard(job)
                 if type_ == "progress.report":
                     if len(env.data.ranks) > 1 and self.report_refused(job, env.data.ranks):
                         self.guard(job)  # a later rank's entry that is refused must undo the earlier ones

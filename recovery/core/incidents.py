@@ -9,8 +9,10 @@ a fault outside the attempt ends it and the policy is asked again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from events import kinds
 from events.commands import FailJob
 from events.names import (
     ATTEMPT_ENDED,
@@ -303,20 +305,45 @@ class Incidents(Restarts):
             return job.incident.fault_step
         return attempt.plan.checkpoint_step or 0 if attempt.plan else 0
 
-    def check_restored(self, out: RecordEffects, job: Job, rank: int, step: int, current: bool = True) -> None:
-        """`rank` reported `step`; `current`: in the job's newest generation."""
+    def closes(self, job: Job, rank: int, step: int | None, current: bool) -> bool:
+        """Would `rank` reporting `step` (`current`: in the job's newest generation) close the incident?"""
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        if attempt is None or step is None or job.phase != "restoring":
+            return False
+        retry = attempt.granularity is G.RETRY
+        if retry and not current:
+            return False  # a step of the failed group's generation: the retry shows only in the new one
+        if step <= self._resume_step(job, attempt):
+            return False
+        return retry or rank in attempt.restarted  # the step first: `restarted` is a set made on first use
+
+    def may_close(self, job: Job, entries: Sequence[kinds.RankProgress | kinds.StepReported | kinds.Heartbeat]
+                  ) -> bool:
+        """Could one of these progress entries close the incident (`closes`)? Asked once per record, before any
+        entry is applied: a restoring job's every report asks it."""
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
         if attempt is None or job.phase != "restoring":
-            return
-        if attempt.granularity is G.RETRY and not current:
-            return  # a step of the failed group's generation: the retry shows only in the new one
-        if attempt.granularity is not G.RETRY and rank not in attempt.ranks:
-            return
+            return False
         resume = self._resume_step(job, attempt)
-        if step <= resume:
+        steps = [(entry.rank, entry.attempt, step) for entry in entries
+                 if (step := getattr(entry, "step", None)) is not None and step > resume]
+        if not steps:
+            return False
+        if attempt.granularity is G.RETRY:
+            return any(generation == job.generation for _, generation, _ in steps)
+        restarted = attempt.restarted
+        return any(rank in restarted for rank, _, _ in steps)
+
+    def check_restored(self, out: RecordEffects, job: Job, rank: int, step: int, current: bool = True) -> None:
+        """`rank` reported `step`; `current`: in the job's newest generation."""
+        if not self.closes(job, rank, step, current):
             return
-        assert incident is not None
+        incident = job.incident
+        attempt = incident.attempt if incident is not None else None
+        assert incident is not None and attempt is not None
+        resume = self._resume_step(job, attempt)
         lost = max(0, incident.fault_step - resume) if incident.cause is IncidentCause.FAULT else 0
         self._recovered(out, job, attempt, f"progress to step {step} past resume point {resume}", lost)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 from typing import Any
 
@@ -42,6 +42,7 @@ class Attempt:
     outcome: AttemptOutcome | None = None
     budget_keys: tuple[str, ...] = ()
     covered: frozenset[int] | None = None  # ranks + stopping, built on first use
+    ranks_set: frozenset[int] | None = None  # ranks, built on first use (a restoring job's reports ask per entry)
     awaiting: int | None = None  # the step of a dying checkpoint the restart is held for
     reset: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """devices the restart resets first, by node (a fallback when no spare came for a fault a reset clears)"""
@@ -58,6 +59,21 @@ class Attempt:
     """migrations sent and not yet done: command id -> (from node, to node). The placement is changed when the
     command is sent; one that fails or never answers did not move the ranks, and is undone."""
 
+    @property
+    def restarted(self) -> frozenset[int]:
+        """`ranks` as a set."""
+        if self.ranks_set is None:
+            self.ranks_set = frozenset(self.ranks)
+        return self.ranks_set
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        # `ranks_set` is a cache of `ranks`, made when first asked (maybe by a record that fails): not state.
+        return tuple(None if name == "ranks_set" else getattr(self, name) for name in _ATTEMPT_FIELDS)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(_ATTEMPT_FIELDS, state, strict=True):
+            object.__setattr__(self, name, value)
+
     def copy(self) -> Attempt:
         twin = replace(self)
         twin.pending = dict(self.pending)
@@ -70,6 +86,9 @@ class Attempt:
                 "purpose": self.purpose, "started": self.started,
                 "ranks": list(self.ranks), "vacate": list(self.vacate), "outcome": self.outcome,
                 "resume_step": None if self.plan is None else self.plan.checkpoint_step}
+
+
+_ATTEMPT_FIELDS = tuple(f.name for f in fields(Attempt))
 
 
 @dataclass(slots=True)
@@ -247,7 +266,8 @@ class Job:
         job's size: the per-rank arrays and the catalog are not copied (at 16,384 ranks that cost 0.1 ms a record,
         and a job-wide crash brings one record per rank); from here on each write to them is logged with the value it
         replaced (`put`, `add_checkpoint`), and the incident's faults, only ever appended to, are cut back to their
-        length. `seen` is left out: the engine adds an event id only once the record has succeeded."""
+        length. The placement is kept by reference: it is only ever replaced, never changed in place (`replace_node`).
+        `seen` is left out: the engine adds an event id only once the record has succeeded."""
         self.catalog_log = []
         self.rank_log = []
         incident = self.incident
@@ -255,7 +275,7 @@ class Job:
             kept, faults = None, -1
         else:
             kept, faults = incident.copy(), len(incident.faults)
-        return (_SCALARS(self), self.nodes[:], self.closed[:], dict(self.drains), dict(self.suspects),
+        return (_SCALARS(self), self.nodes, self.closed[:], dict(self.drains), dict(self.suspects),
                 dict(self.used), kept, faults, self.catalog_log, self.rank_log)
 
     def restore(self, memento: Memento) -> None:
@@ -312,6 +332,13 @@ class Job:
         """The phase of the recovery under way (its incident's), or None while no incident is open."""
         incident = self.incident
         return incident.phase if incident is not None else None
+
+    def replace_node(self, old: str, new: str) -> None:
+        """`new` takes `old`'s place (its ranks). A new list, never a change in place: a journal's memento holds the
+        placement as it was by reference (a 16,384-node job's placement is not copied for each record)."""
+        nodes = self.nodes[:]
+        nodes[nodes.index(old)] = new
+        self.nodes = nodes
 
     def ranks_on(self, node: str) -> range:
         index = self.nodes.index(node)

@@ -19,7 +19,14 @@ class Placement:
         self.cluster = cluster
 
     def vacate(self, job: Job) -> list[str]:
-        return [name for name in job.nodes if not self.cluster.usable_by(name, job.rpn)]
+        """The job's nodes its ranks cannot stay on, in placement order: among the cluster's impaired nodes and any
+        of the job's it never registered (a set difference, at C speed), never by asking each node of a large job."""
+        cluster = self.cluster
+        leave = {name for name in cluster.impaired() if not cluster.usable_by(name, job.rpn)}
+        leave.update(set(job.nodes).difference(cluster.nodes))
+        if not leave:
+            return []
+        return [name for name in job.nodes if name in leave]
 
     def split_by_reset(self, vacate: list[str]) -> tuple[list[str], dict[str, tuple[int, ...]]]:
         """The nodes to vacate that a device reset would make usable again (only bad devices a reset clears keep them

@@ -32,6 +32,9 @@ a job train in lockstep, a few steps apart at most (asynchronous schemes such as
 class Progress:
     incidents: Incidents
     detection: Detection
+    closing: bool = False
+    """the progress record being applied may close its job's incident (`Incidents.may_close`, asked once per
+    record): only then is each of its steps checked against the resume point"""
 
     def guard(self, job: Job | None) -> object:
         """Open the journal for this record (the engine's)."""
@@ -116,7 +119,7 @@ class Progress:
             # The first report through the SDK: the script is not a stock one, and its ranks' silence means something.
             self.guard(job)
             job.sdk = True
-        if step is not None and job.incident is not None and job.incident.phase == "restoring":
+        if step is not None and self.closing:  # the record may close the incident (`Incidents.may_close`)
             self.incidents.check_restored(out, job, rank, step, current)
 
     def step_loss(self, out: RecordEffects, job: Job, data: kinds.StepReported) -> None:

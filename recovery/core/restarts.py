@@ -60,14 +60,23 @@ class Restarts:
             dying_allowed = peer_allowed = False
         alive = tuple(alive_list)
         # Built at C speed: a 131,072-rank job's contexts are most of the time its fault takes to become commands.
-        placement = tuple(chain.from_iterable(repeat(name, job.rpn) for name in job.nodes))[:job.world]
+        placement = tuple(chain.from_iterable(zip(*repeat(job.nodes, job.rpn), strict=True)))[:job.world]
         return CheckpointContext(
             layout=job.layout, catalog=catalog, placement=placement,
-            unreachable=frozenset(n for n in job.nodes if not self.cluster.reachable(n)) | incident.dead_hosts,
+            unreachable=self._unreachable(job) | incident.dead_hosts,
             alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
             restarting=frozenset(attempt.ranks),
             exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),
         )
+
+    def _unreachable(self, job: Job) -> frozenset[str]:
+        """The job's nodes whose memory and disk cannot be read now: impaired nodes only can be (`ClusterView`)."""
+        cluster = self.cluster
+        found = [name for name in cluster.impaired() if not cluster.reachable(name)]
+        if not found:
+            return frozenset()
+        mine = set(job.nodes)
+        return frozenset(name for name in found if name in mine)
 
     def _refresh_plan(self, out: RecordEffects, job: Job, attempt: Attempt) -> None:
         """The plan a restart carries is made from what is known when the command is sent: while processes were
@@ -234,7 +243,7 @@ class Restarts:
                     ranks = list(job.ranks_on(name))
                     self.cluster.release(name, job.id)
                     self.cluster.assign(target, job.id)
-                    job.nodes[job.nodes.index(name)] = target
+                    job.replace_node(name, target)
                     move = MigrateRanks(id=cid if index == 0 else out.command_id(job.id), job=job.id,
                                         attempt=gen, deadline_s=300, ranks=ranks, from_node=name,
                                         to_node=target, plan=plan)
@@ -384,7 +393,7 @@ class Restarts:
             source, target = move
             owner = self.cluster.nodes[source].job if source in self.cluster.nodes else None
             if target in job.nodes and source not in job.nodes and owner is None:
-                job.nodes[job.nodes.index(target)] = source
+                job.replace_node(target, source)
                 self.cluster.release(target, job.id)
                 self.cluster.node(target).spare = True
                 self.cluster.assign(source, job.id)

@@ -134,7 +134,7 @@ def answer_problem(family: str, method: str, answer: Any, argument: Any) -> str 
         if not isinstance(answer, list | tuple):
             return f"answered {answer!r} from check, not a list of verdicts"
         for verdict in answer:
-            problem = _check_verdict(verdict, len(argument.ranks))
+            problem = _check_verdict(verdict, argument.world)
             if problem is not None:
                 return problem
         return None

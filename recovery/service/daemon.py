@@ -492,20 +492,24 @@ class Daemon:
         reader, publisher = self.reader, self.publisher
         assert reader is not None and publisher is not None
         live = reader.caught_up
-        done = self.processor.process(batch, self.server_clock.observe if live else None)
-        if done.out:
-            await publisher.publish(done.out)
-            self.processor.published(done.out)
-        if done.last is not None:
-            await reader.ack(done.last)
-            self.last_ts = max(self.last_ts, done.last.ts)
-        engine = self.engine
-        self.clean_seq = engine.last_seq
-        assert self.snapshotter is not None
-        self.snapshotter.records_since += done.applied
-        self.metrics.observe_batch(done, time.time_ns(), engine.last_seq, reader.lag)
-        self.timer_service.reschedule()
-        self._applied.reached(self.clean_seq)
+        while batch:
+            # Live, a command is published as soon as it is made; the rest of the batch follows (a replay of the
+            # backlog keeps whole batches: nobody waits on its commands, and fewer, larger publishes go faster).
+            done = self.processor.process(batch, self.server_clock.observe if live else None, first_command=live)
+            if done.out:
+                await publisher.publish(done.out)
+                self.processor.published(done.out)
+            if done.last is not None:
+                await reader.ack(done.last)
+                self.last_ts = max(self.last_ts, done.last.ts)
+            engine = self.engine
+            self.clean_seq = engine.last_seq
+            assert self.snapshotter is not None
+            self.snapshotter.records_since += done.applied
+            self.metrics.observe_batch(done, time.time_ns(), engine.last_seq, reader.lag)
+            self.timer_service.reschedule()
+            self._applied.reached(self.clean_seq)
+            batch = done.rest
 
     async def wait_applied(self, seq: int, timeout: float) -> bool:
         """Wait until the input at `seq` is applied and its effects published; TimeoutError after `timeout`."""

@@ -47,6 +47,8 @@ class Processed:
     out: list[Outgoing] = field(default_factory=list)
     applied: int = 0
     last: Delivery | None = None
+    rest: list[Delivery] = field(default_factory=list)
+    """the deliveries after the one that gave a command, left for the next call: the command goes out first"""
     timed: list[int] = field(default_factory=list)
     """log times of the inputs that had effects: their decision latency is measured once published"""
     types: Counter[str] = field(default_factory=Counter)
@@ -69,14 +71,20 @@ class Processor(EffectRouter):
         self.listeners: list[Listener] = []
         self._batch = Processed()
 
-    def process(self, batch: list[Delivery], observe: Callable[[int], None] | None = None) -> Processed:
+    def process(self, batch: list[Delivery], observe: Callable[[int], None] | None = None,
+                first_command: bool = False) -> Processed:
         """Apply `batch` (deliveries already applied are skipped) and say what to publish; `observe` is given each
-        delivery's log time (the timer service's server clock)."""
+        delivery's log time (the timer service's server clock). With `first_command` it stops after the first
+        delivery that gave a command and leaves the others in `rest`: an agent waits on a command, which should not
+        wait for a batch of reports behind the fault (half a batch of a 131,072-GPU job's reports is 30 ms)."""
         engine = self.engine
         self._batch = done = Processed()
         types = done.types
         recent, listeners = self.recent, self.listeners
-        for d in batch:
+        for index, d in enumerate(batch):
+            if first_command and done.commands:
+                done.rest = batch[index:]
+                break
             done.last = d
             if observe is not None:
                 observe(d.ts)

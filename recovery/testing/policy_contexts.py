@@ -30,7 +30,7 @@ from policies import (
     CheckpointContext,
     LossSample,
     PastIncident,
-    RankActivity,
+    RankColumns,
     RescheduleContext,
     Scope,
     Signal,
@@ -156,9 +156,8 @@ def make_watchdog_view(*, now: int = NOW, nodes: Sequence[str] = NODES, ranks_pe
     progress = _per_rank(now if last_progress is None else last_progress, world, now)
     at = _per_rank(steps, world, 100)
     measured, spent = _per_rank(compute_steps, world, 0), _per_rank(compute_ns, world, 0)
-    return WatchdogView(now, step_time_ns, tuple(RankActivity(r, seen[r], progress[r], at[r], measured[r], spent[r])
-                                                 for r in range(world)),
-                        tuple(nodes), ranks_per_node, tuple(agents_heard), sdk)
+    return WatchdogView(now, step_time_ns, (), tuple(nodes), ranks_per_node, tuple(agents_heard), sdk,
+                        columns=RankColumns(tuple(seen), tuple(progress), tuple(at), tuple(measured), tuple(spent)))
 
 
 def incident_usage(fault_class: FaultClass, previous: Iterable[AttemptSummary]) -> dict[str, int]:
