@@ -22,8 +22,9 @@ import pytest
 
 from recovery.log.nats_server import NatsProcess
 from recovery.service import config as config_mod
-from recovery.service.daemon import Daemon, DaemonFailed, run
+from recovery.service.daemon import Daemon, DaemonFailed
 from recovery.service.embedded import EmbeddedNats
+from recovery.service.process import run
 from recovery.service.snapshots import capture
 from recovery.service.timers import TimerService
 from recovery.testing import NatsServer, Scenario

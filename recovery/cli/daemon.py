@@ -19,7 +19,7 @@ import orjson
 from recovery.service import config as config_mod
 from recovery.service import jsonlog, ownership
 from recovery.service.config import ConfigError
-from recovery.service.daemon import run
+from recovery.service.process import run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,10 +32,8 @@ So every input takes effect once and no command id is stored twice.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import signal
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -54,7 +52,7 @@ from recovery.core.partition import Partition
 from recovery.core.timers import Firing
 from recovery.log.jetstream import is_transient
 from recovery.log.pull import Delivery
-from recovery.service import connection, speedups
+from recovery.service import connection
 from recovery.service.config import DaemonConfig
 from recovery.service.consumer import InputReader
 from recovery.service.control import ControlService
@@ -560,45 +558,3 @@ class Daemon:
                 "server_clock_offset_s": round(self.server_clock.offset_ns / 1e9, 6),
                 "publish_retries": self.publisher.retries if self.publisher else 0,
                 "duplicates_dropped": self.publisher.duplicates if self.publisher else 0, "partition": self.key}
-
-
-async def _stop_on_signals(daemon: Daemon) -> None:
-    try:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                daemon.request_stop()
-    except (NotImplementedError, RuntimeError, ValueError):
-        return  # no signal handlers here (another platform, or not the main thread)
-
-
-async def _stop_after(daemon: Daemon, seconds: float) -> None:
-    await anyio.sleep(seconds)
-    daemon.request_stop()
-
-
-async def run(cfg: DaemonConfig, companion: Companion | None = None) -> int:
-    """Run a daemon until SIGTERM/SIGINT (or `duration_s`); 0 on a clean stop, 1 if it failed."""
-    tuned = speedups.apply()
-    asyncio.get_running_loop().set_default_executor(connection.ShortLivedThreads())
-    daemon = Daemon(cfg)
-
-    async def serve(*, task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED) -> None:
-        try:
-            await daemon.run(companion, task_status=task_status)
-        except DaemonFailed:
-            pass  # logged where it failed
-        except Exception:
-            daemon.failed = True
-            logger.exception("daemon failed")
-        finally:
-            group.cancel_scope.cancel()  # the signal relay and the duration end with the daemon
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(_stop_on_signals, daemon, name="recovery-signals")
-        if cfg.duration_s is not None:
-            group.start_soon(_stop_after, daemon, cfg.duration_s, name="recovery-duration")
-        await group.start(serve, name="recovery-daemon")
-        if not daemon.stopping:
-            speedups.freeze()  # the restored state is long-lived: keep it out of later collections
-            logger.info("tuned", extra=_fields(applied=tuned))
-    return 1 if daemon.failed else 0
