@@ -264,7 +264,7 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
     workers: list[subprocess.Popen[bytes]] = []
     try:
         cluster.start()
-        settings = {"partitions": partitions, "lease_ttl_s": ttl, "replicas": 3, "log_level": "WARNING"}
+        settings = {"partitions": partitions, "lease_ttl_s": ttl, "replicas": 3, "log_level": "INFO"}
         daemons.extend(Daemon(work / f"daemon-{name}", cluster.url, instance=f"daemon-{name}", **settings)
                        for name in "abc")
         for daemon in daemons:
@@ -308,6 +308,8 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
             proc.wait()
         for daemon in daemons:
             daemon.close()
+        import shutil
+        shutil.copytree(work, "/tmp/fa/fleetlogs", dirs_exist_ok=True, ignore=shutil.ignore_patterns("nats", "data"))
     try:
         lost, doubled, what = asyncio.run(read_back(cluster.url, faults))
     finally:

@@ -49,8 +49,9 @@ from recovery.log.jetstream import JetStreamLog
 from recovery.log.verify import first_divergence
 from recovery.service import jsonlog
 from recovery.service.config import DaemonConfig
-from recovery.service.daemon import Daemon, run
+from recovery.service.daemon import Daemon
 from recovery.service.demo_view import LiveView
+from recovery.service.process import run
 from recovery.service.publisher import Outgoing, Publisher
 from recovery.sim.demo import DEMO_FAULTS, DemoCluster
 from recovery.sim.faults import Fault
