@@ -47,6 +47,9 @@ class DaemonConfig(FileSettings):
     # -- processing ------------------------------------------------------------------------------------
     consumer: str = Field("recovery-daemon", description="durable consumer name of the input events")
     batch_size: int = Field(1000, ge=1, le=100_000, description="records pulled and applied per batch")
+    backlog_reader_at: int = Field(1000, ge=1, description="with partitions > 1: a partition with this many inputs "
+                                   "pending when its consumer opens (taken over, restarted) reads them through one "
+                                   "consumer per filter merged by sequence, which JetStream serves far faster")
     ack_wait_s: float = Field(60.0, gt=0, description="redelivery delay of an unacknowledged input")
     snapshot_bucket: str = Field("RECOVERY_SNAPSHOTS", description="KV bucket of engine snapshots")
     partition: str = Field("default", description="snapshot and lease key: the partition of jobs this daemon owns "

@@ -54,7 +54,7 @@ from recovery.log.jetstream import is_transient
 from recovery.log.pull import Delivery
 from recovery.service import connection
 from recovery.service.config import DaemonConfig
-from recovery.service.consumer import InputReader
+from recovery.service.consumer import InputReader, read_backlog
 from recovery.service.control import ControlService
 from recovery.service.embedded import DataDirInUse, DataDirLock, EmbeddedNats
 from recovery.service.fence import Fence, Fenced
@@ -454,9 +454,12 @@ class Daemon:
                         await anyio.sleep(0.05)  # waiting for the reconnect the client does by itself
                         continue
                     pending = await reader.open(self.engine.last_seq + 1)
-                    self._reader_ok = True
                     if self.replayed < 0:
                         self.replayed = pending  # inputs after the restored snapshot: the tail to replay
+                    if self.partition is not None and pending >= self.cfg.backlog_reader_at:
+                        await self._read_backlog(pending)
+                        pending = await reader.open(self.engine.last_seq + 1)
+                    self._reader_ok = True
                     logger.info("consumer at sequence", extra=_fields(start=self.engine.last_seq + 1, pending=pending))
                     self._check_caught_up()
                 batch = await reader.next_batch(0.2, self.engine.last_seq)
@@ -477,6 +480,22 @@ class Daemon:
             if self.snapshotter is not None:
                 self.snapshotter.maybe(self.engine, self.clean_seq, self.last_ts, self.role == "active")
 
+    async def _read_backlog(self, pending: int) -> None:
+        """Apply a partition's backlog through `read_backlog` (its own consumer of two filters is slow to read
+        one), up to the log's last sequence now; the partition's consumer goes on after it."""
+        assert self.nc is not None and self.js is not None and self.partition is not None
+        t0, start = time.monotonic(), self.engine.last_seq + 1
+        end = int((await self.js.stream_info(self.cfg.stream)).state.last_seq)
+        filters = subjects.partition_inputs(self.partition.index)
+        async with contextlib.aclosing(read_backlog(self.nc, self.js, self.cfg.stream, filters, start, end,
+                                                    self.cfg.batch_size)) as batches:
+            async for batch in batches:
+                await self._process(batch, ack=False)
+                if self._parts["processor"].stopping:
+                    return
+        logger.info("backlog applied", extra=_fields(start=start, end=end, pending=pending,
+                                                     seconds=round(time.monotonic() - t0, 3)))
+
     def _check_caught_up(self) -> None:
         if self.reader is not None and self.reader.caught_up and not self._caught_up_logged:
             self._caught_up_logged = True
@@ -486,7 +505,7 @@ class Daemon:
                 last_seq=self.engine.last_seq, seconds=round(time.monotonic() - self._start_wall, 3)))
         self.metrics.ready.set(1 if self.readiness()[0] else 0)
 
-    async def _process(self, batch: list[Delivery]) -> None:
+    async def _process(self, batch: list[Delivery], ack: bool = True) -> None:
         reader, publisher = self.reader, self.publisher
         assert reader is not None and publisher is not None
         live = reader.caught_up
@@ -498,7 +517,8 @@ class Daemon:
                 await publisher.publish(done.out)
                 self.processor.published(done.out)
             if done.last is not None:
-                await reader.ack(done.last)
+                if ack:  # (not a backlog's: its consumer is made again after what was applied)
+                    await reader.ack(done.last)
                 self.last_ts = max(self.last_ts, done.last.ts)
             engine = self.engine
             self.clean_seq = engine.last_seq
