@@ -4,6 +4,8 @@ and agent's silence."""
 
 from __future__ import annotations
 
+from events import subjects
+from events.envelope import make_envelope
 from recovery.testing.scenario import Scenario
 
 
@@ -70,3 +72,35 @@ def test_a_job_that_stays_silent_after_an_outage_is_found_a_silence_window_later
     s.advance(4)  # past the window: a real silence, not an outage
     [confirmed] = s.find("fault.confirmed", "j")
     assert "silent" in confirmed.reason
+
+
+def _report(s: Scenario, job: str, node: str, ranks: list[int]) -> None:
+    """The node's agent's report of its ranks' steps (its sign of life: no heartbeat goes in a period with one)."""
+    state = s.engine.jobs[job]
+    entries = [{"rank": r, "step": state.steps[r] + 1, "attempt": state.generation} for r in ranks]
+    s.send(subjects.job_event(job, "progress.report"),
+           make_envelope("progress.report", {"ranks": entries}, id=s._id("report"), job=job, node=node, source="t"))
+
+
+def test_a_gone_hosts_agent_that_reports_again_brings_it_back() -> None:
+    """An agent cut off for longer than agent_silence_s (its NATS server down, say) has its host declared gone; with
+    no spare the job waits for nodes. When the agent reports again, the host is back, as a heartbeat would say, and
+    the job does not wait for nodes it has."""
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, policies={
+        "detection": {"name": "default", "params": {"hang_min_silence_s": 30.0, "agent_silence_s": 3.0}}})
+    beat(s, ["n0", "n1"])  # each agent's first sign of life; reports after it
+    for _ in range(3):
+        s.advance(1)
+        _report(s, "j", "n0", [0, 1])
+        _report(s, "j", "n1", [2, 3])
+    for _ in range(6):  # n0's agent is cut off
+        s.advance(1)
+        _report(s, "j", "n1", [2, 3])
+    [confirmed] = s.find("fault.confirmed", "j")
+    assert confirmed.reason.startswith("agent of n0 silent")
+    assert s.phase("j") == "waiting" and s.engine.cluster.nodes["n0"].gone
+    _report(s, "j", "n0", [0, 1])  # back
+    assert not s.engine.cluster.nodes["n0"].gone
+    assert s.phase("j") != "waiting", s.kinds("j")[-4:]
+    assert s.outstanding(), "the job was not restarted on the nodes it has"

@@ -127,15 +127,20 @@ def wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 async def stored(nc: Client, stream: str, subject: str) -> list[tuple[str, str, bytes]]:
     """(subject, message id, data) of every message of `stream` on `subject`, in stream order."""
+    return [(subj, ident, data) for subj, ident, data, _ in await stored_at(nc, stream, subject)]
+
+
+async def stored_at(nc: Client, stream: str, subject: str) -> list[tuple[str, str, bytes, int]]:
+    """(subject, message id, data, stream sequence) of every message of `stream` on `subject`, in stream order."""
     js = nc.jetstream(timeout=30)
     reader = PullReader(nc, js, stream, ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True,
                                                        filter_subject=subject), batch=1000)
-    out: list[tuple[str, str, bytes]] = []
+    out: list[tuple[str, str, bytes, int]] = []
     await reader.open(1)
     try:
         while not reader.caught_up or reader.lag:
             for msg in await reader.next_batch(reader.stall_s):
-                out.append((msg.subject, (msg.headers or {}).get(MSG_ID, ""), msg.data))
+                out.append((msg.subject, (msg.headers or {}).get(MSG_ID, ""), msg.data, msg.seq))
     finally:
         await reader.close()
     return out
@@ -211,12 +216,28 @@ async def read_back(url: str, faults: list[Fault]) -> tuple[int, int, str]:
 
     nc = await nats.connect(url.split(","))
     try:
-        exits = {ident for _, ident, _ in await stored(nc, "RECOVERY", "recovery.p.*.ev.job.*.process.exited")}
+        exit_seqs = {ident: seq for _, ident, _, seq in await stored_at(nc, "RECOVERY",
+                                                                      "recovery.p.*.ev.job.*.process.exited")}
+        exits = set(exit_seqs)
         decisions = await stored(nc, "RECOVERY", subjects.DECISIONS)
+        dead_letters = await stored(nc, "RECOVERY", f"{subjects.PREFIX}.dlq.>")
         commands = await stored(nc, "RECOVERY_CMD", subjects.COMMANDS)
     finally:
         await nc.close()
-    unanswered = [f for f in faults if f.commanded is None]
+    # Answered if the command stream holds the job's next generation's command: the bench's own live subscription
+    # can miss one while the nats-server it is connected to is down, the stream cannot.
+    stored_commands = {(subjects.command_parts(subject)[1], int(orjson.loads(data).get("attempt", 0)))
+                       for subject, _, data in commands}
+    unanswered = [f for f in faults if f.commanded is None and (f.job, f.generation + 1) not in stored_commands]
+    unseen = sum(1 for f in faults if f.commanded is None) - len(unanswered)
+    for f in unanswered:  # what the engine made of it, for the note
+        seq = exit_seqs.get(f.ident)
+        made = [f"{body.get('kind')}: {body.get('reason')}" for _, _, data in decisions
+                if (body := orjson.loads(data).get("data", {})).get("cause_seq") == seq]
+        made += [f"refused: {body.get('reason')}" for _, _, data in dead_letters
+                 if (body := orjson.loads(data).get("data", {})).get("seq") == seq]
+        note(f"unanswered {f.job} (partition {f.partition}, exit at seq {seq}, agent's generation {f.generation}): "
+             + ("; ".join(made) or "no decision, no refusal"))
     missing = [f for f in faults if f.ident not in exits]
     causes: Counter[tuple[str, int, int]] = Counter()
     started: Counter[tuple[str, str, int]] = Counter()
@@ -230,9 +251,15 @@ async def read_back(url: str, faults: list[Fault]) -> tuple[int, int, str]:
     doubled_commands = sum(n - 1 for n in Counter(ident for _, ident, _ in commands).values() if n > 1)
     lost = len({f.ident for f in unanswered + missing})
     doubled = doubled_decisions + doubled_attempts + doubled_commands
-    what = (f"{len(unanswered)} faults unanswered, {len(missing)} not in the log; doubled: {doubled_decisions} "
+    what = (f"{len(unanswered)} faults unanswered ({unseen} more answered in the command stream, unseen live), "
+            f"{len(missing)} not in the log{_which(unanswered + missing)}; doubled: {doubled_decisions} "
             f"decisions, {doubled_attempts} attempts, {doubled_commands} commands (of {len(commands)})")
     return lost, doubled, what
+
+
+def _which(faults: list[Fault]) -> str:
+    return "" if not faults else " (" + ", ".join(f"{f.job} of partition {f.partition} in generation {f.generation}"
+                                                   for f in faults[:5]) + ")"
 
 
 def stream_messages(url: str) -> int:

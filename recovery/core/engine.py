@@ -246,9 +246,12 @@ class Engine(Progress):
                         # The agent's report is its sign of life too: it sends no node.heartbeat in a period it
                         # reported in (half the inputs of a large job). Last, once every entry was applied: nothing
                         # after it refuses the record, so only an open journal needs to hear of it.
-                        if self.journal is not None:
-                            node = self.cluster.node(node.name)
-                        node.heard = out.ts
+                        if node.gone:
+                            self._agent_back(out, node.name)
+                        else:
+                            if self.journal is not None:
+                                node = self.cluster.node(node.name)
+                            node.heard = out.ts
                 else:
                     if getattr(env.data, "loss", None) is not None:
                         self.guard(job)  # the step after its loss may yet be refused (backwards, ahead)
@@ -516,6 +519,17 @@ class Engine(Progress):
             self._capacity_returned(out)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):
             self.incidents.timer_fired(out, job, timer_id)
+
+    def _agent_back(self, out: RecordEffects, name: str) -> None:
+        """The agent of a host a node fault declared gone speaks again, by its report (in a period it reports in it
+        sends no heartbeat, so its report must say what a heartbeat says): the host is back, as `_node_event` has
+        it for a heartbeat, and jobs waiting for nodes may go on."""
+        self.guard(None)
+        node = self.cluster.node(name)
+        node.gone = False
+        node.heard = out.ts
+        if node.usable:
+            self._capacity_returned(out)
 
     def _capacity_returned(self, out: RecordEffects) -> None:
         """Nodes came back: waiting jobs try again, elastic jobs below their size grow."""
