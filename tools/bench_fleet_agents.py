@@ -3,7 +3,8 @@
 
 For each of its nodes it does what the agent does: it folds the node's 8 ranks' heartbeats and steps into one
 `progress.report` per `report_s` (the engine also takes a report for the agent's sign of life, so a `node.heartbeat`
-goes only in a period without one), it acks the commands addressed to the node, and its ranks report in the newest
+goes only in a period without one) and, as the agent's outbox, sends again what JetStream did not acknowledge, it acks
+the commands addressed to the node, and its ranks report in the newest
 generation a command of their job names. The bench strikes a fault by asking on `bench.fleet.fault.<node>` (core
 NATS, the bench's own control subject): the agent publishes that rank's `process.exited` through JetStream and,
 once it is stored, answers with the monotonic time it was sent and the job's generation then.
@@ -108,6 +109,16 @@ async def agents(spec: dict[str, Any]) -> None:
     slot = report_s / max(1, len(nodes))  # agents tick on their own clocks: spread the nodes' reports over the period
     while (now := time.monotonic()) - start < seconds:
         step = int((now - start) / step_s) + 1
+        # As the agent's outbox: each event acknowledged by JetStream, and sent again (same id) when it was not, in
+        # order per node (a period's unacknowledged ones go again before the node's next). Acknowledged in bulk: a
+        # process plays thousands of agents.
+        sent: list[tuple[str, bytes, str, asyncio.Future[Any]]] = []
+
+        async def send(subject: str, data: bytes, ident: str,
+                       sent: list[tuple[str, bytes, str, asyncio.Future[Any]]] = sent) -> None:
+            future = await js.publish_async(subject, data, headers={MSG_ID: ident}, wait_stall=60)
+            sent.append((subject, data, ident, future))
+
         for n, (node, (job, index)) in enumerate(nodes.items()):
             if n % 64 == 0:
                 due = start + tick * report_s + n * slot - time.monotonic()
@@ -116,14 +127,16 @@ async def agents(spec: dict[str, Any]) -> None:
             ranks = [{"rank": r, "step": step, "attempt": job.generation}
                      for r in range(index * RPN, (index + 1) * RPN) if r not in job.dead]
             ident = f"{node}-r{tick}"
-            await nc.publish(subjects.job_event(job.name, "progress.report"),
-                             envelope("progress.report", {"ranks": ranks}, ident, node, job.name),
-                             headers={MSG_ID: ident})
+            await send(subjects.job_event(job.name, "progress.report"),
+                       envelope("progress.report", {"ranks": ranks}, ident, node, job.name), ident)
             if tick == 0 or not ranks:  # as the agent: a period it reported in needs no heartbeat besides
                 ident = f"{node}-h{tick}"
-                await nc.publish(subjects.node_event(node, "node.heartbeat"),
-                                 envelope("node.heartbeat", {}, ident, node, None), headers={MSG_ID: ident})
-        await nc.flush(timeout=60)
+                await send(subjects.node_event(node, "node.heartbeat"),
+                           envelope("node.heartbeat", {}, ident, node, None), ident)
+        acks = await asyncio.gather(*(asyncio.wait_for(future, 5) for *_, future in sent), return_exceptions=True)
+        for (subject, data, ident, _), ack in zip(sent, acks, strict=True):
+            if isinstance(ack, BaseException):  # lost in a server's outage or a leader's election: again
+                await publish_with_retry(js, subject, data, headers={MSG_ID: ident}, retry_for=60)
         tick += 1
         delay = start + tick * report_s - time.monotonic()
         if delay > 0:
