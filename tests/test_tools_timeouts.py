@@ -147,6 +147,10 @@ async def test_a_real_429_is_what_the_retry_classifies(busy_server: NatsServer) 
     assert not is_retryable(nats.errors.TimeoutError(), idempotent=False)
     assert is_retryable(nats.errors.TimeoutError(), idempotent=True)
     assert not is_retryable(nats.js.errors.BadRequestError(code=400), idempotent=True)
+    # The same id still being stored (a retry overtook its first send on a replicated stream): asked again, the
+    # server says stored or duplicate; without an id there is no such answer.
+    in_process = nats.js.errors.APIError(code=409, err_code=10158, description="duplicate message id is in process")
+    assert is_retryable(in_process, idempotent=True) and not is_retryable(in_process, idempotent=False)
 
 
 async def test_the_log_appends_without_ids_through_429s(busy_server: NatsServer) -> None:

@@ -90,13 +90,21 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, TRANSIENT) or is_too_many_requests(exc)
 
 
+DUPLICATE_IN_PROCESS = 10158
+"""JetStream's answer to a message whose `Nats-Msg-Id` is that of one it is still storing (the first send of a
+publish retried after its acknowledgement was late, on a replicated stream): asked again, it says stored or
+duplicate"""
+
+
 def is_retryable(exc: BaseException, idempotent: bool) -> bool:
     """Whether a failed publish may be sent again. A 429 always: the server refused it, nothing was stored.
     The other transient failures (a timeout, an outage) may hide a publish that was stored after all, so only a
-    message with a `Nats-Msg-Id` (`idempotent`), whose repeat the server drops, is sent again after them."""
+    message with a `Nats-Msg-Id` (`idempotent`), whose repeat the server drops, is sent again after them; so is one
+    whose first send the server is still storing (`DUPLICATE_IN_PROCESS`)."""
     if is_too_many_requests(exc):
         return True
-    return idempotent and isinstance(exc, TRANSIENT)
+    in_process = isinstance(exc, nats.js.errors.APIError) and exc.err_code == DUPLICATE_IN_PROCESS
+    return idempotent and (in_process or isinstance(exc, TRANSIENT))
 
 
 class Backoff:
