@@ -490,7 +490,7 @@ class Daemon:
         async with contextlib.aclosing(read_backlog(self.nc, self.js, self.cfg.stream, filters, start, end,
                                                     self.cfg.batch_size)) as batches:
             async for batch in batches:
-                await self._process(batch, ack=False)
+                await self._process(batch, backlog=True)
                 if self._parts["processor"].stopping:
                     return
         logger.info("backlog applied", extra=_fields(start=start, end=end, pending=pending,
@@ -505,10 +505,12 @@ class Daemon:
                 last_seq=self.engine.last_seq, seconds=round(time.monotonic() - self._start_wall, 3)))
         self.metrics.ready.set(1 if self.readiness()[0] else 0)
 
-    async def _process(self, batch: list[Delivery], ack: bool = True) -> None:
+    async def _process(self, batch: list[Delivery], backlog: bool = False) -> None:
+        """Apply `batch` and publish its effects; `backlog`: read by `_read_backlog` (old inputs, on consumers of
+        their own: neither live, nor to acknowledge on the partition's consumer)."""
         reader, publisher = self.reader, self.publisher
         assert reader is not None and publisher is not None
-        live = reader.caught_up
+        live = reader.caught_up and not backlog
         while batch:
             # Live, a command is published as soon as it is made; the rest of the batch follows (a replay of the
             # backlog keeps whole batches: nobody waits on its commands, and fewer, larger publishes go faster).
@@ -517,7 +519,7 @@ class Daemon:
                 await publisher.publish(done.out)
                 self.processor.published(done.out)
             if done.last is not None:
-                if ack:  # (not a backlog's: its consumer is made again after what was applied)
+                if not backlog:  # (a backlog's: the partition's consumer is made again after what was applied)
                     await reader.ack(done.last)
                 self.last_ts = max(self.last_ts, done.last.ts)
             engine = self.engine
