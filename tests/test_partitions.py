@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from prometheus_client.parser import text_string_to_metric_families
 
 from events import subjects
 from events.codec import encode_envelope
@@ -259,6 +260,18 @@ async def test_a_daemon_that_joins_takes_a_fair_share_handed_over_gracefully(nat
         handed = [line for line in first.logs() if line.get("msg") == "partition handed over"]
         assert len(handed) == P // 2
         assert [line.get("msg") for line in first.logs()].count("lease released") == P // 2  # not a TTL later
+        # one /metrics per process, each partition it serves labelled with its index, as Prometheus parses it
+        mine = owned(second)
+        code, body = second.get("/metrics")
+        families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        assert code == 200 and len(families) == len(set(families))
+        active = {s.labels["partition"]: s.value for s in families["recovery_partition_active"].samples}
+        assert {k for k, v in active.items() if v == 1} == {str(k) for k in mine}, active
+        applied = {s.labels["partition"] for s in families["recovery_last_applied_seq"].samples}
+        assert applied >= {str(k) for k in mine}
+        assert [s.labels for s in families["recovery_active"].samples] == [{}]  # the process's own, unlabelled
+        lag = second.metrics()
+        assert all(f'recovery_consumer_lag{{partition="{k}"}}' in lag for k in mine), sorted(lag)[:20]
     finally:
         first.close()
         second.close()

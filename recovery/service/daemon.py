@@ -245,7 +245,7 @@ class Daemon:
             teardown.callback(lock.release)
         if cfg.http_port >= 0:
             self.http = HttpServer(cfg.http_host, cfg.http_port, self.metrics, self.readiness,
-                                   self._refresh_gauges, self.status)
+                                   self.refresh_gauges, self.status)
             self.http_port = await self.http.listen()
             logger.info("http listening", extra=_fields(host=cfg.http_host, port=self.http_port))
             teardown.push_async_callback(self._parts.start("http", self.http.serve).end)
@@ -563,7 +563,7 @@ class Daemon:
                     "stopping": self.stopping, "last_seq": self.engine.last_seq,
                     "lag": self.reader.lag if self.reader else None}
 
-    def _refresh_gauges(self) -> None:
+    def refresh_gauges(self) -> None:
         self.metrics.refresh(self.engine, self.role == "active", self.server_clock.offset_ns, self.snapshot_written,
                              self.readiness()[0], self.reader.lag if self.reader is not None else None)
 

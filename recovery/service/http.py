@@ -11,13 +11,14 @@ import logging
 import socket
 import time
 from collections import Counter as Tally
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import anyio
 import orjson
 from anyio.abc import SocketListener, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from recovery.core.engine import Engine
 from recovery.service.processor import Processed
@@ -179,3 +180,34 @@ class HttpServer:
         if path == "/status" and self._status is not None:
             return "200 OK", "application/json", orjson.dumps(await self._status(), default=str) + b"\n"
         return "404 Not Found", "text/plain", b"not found\n"
+
+
+PER_PROCESS = ("recovery_active", "recovery_ready")
+"""a partitioned process's own families; a partition's are named `recovery_partition_active` and `_ready`"""
+
+
+class PartitionMetrics:
+    """A partitioned daemon process's `/metrics` beside its own: every metric of each partition it serves (events,
+    lag, decision latency, incidents, snapshots...), the partition's index as the `partition` label, one family per
+    name across partitions. Each partition's daemon keeps its own registry; this reads them at scrape time, after
+    refreshing their gauges (`sources` gives (index, metrics, refresh) for the partitions running now)."""
+
+    def __init__(self, sources: Callable[[], list[tuple[int, Metrics, Callable[[], None]]]]) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for index, metrics, refresh in self._sources():
+            refresh()
+            for family in metrics.registry.collect():
+                name = family.name
+                if name in PER_PROCESS:
+                    name = name.replace("recovery_", "recovery_partition_", 1)
+                merged = families.get(name)
+                if merged is None:
+                    merged = families[name] = Metric(name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    merged.samples.append(sample._replace(
+                        name=sample.name.replace(family.name, name, 1),
+                        labels={**sample.labels, "partition": str(index)}))
+        yield from families.values()

@@ -25,6 +25,7 @@ import logging
 import re
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -40,7 +41,7 @@ from recovery.service import connection, speedups
 from recovery.service.config import DaemonConfig
 from recovery.service.control import PartitionDirectory
 from recovery.service.daemon import Daemon, DaemonFailed
-from recovery.service.http import HttpServer, Metrics
+from recovery.service.http import HttpServer, Metrics, PartitionMetrics
 from recovery.service.lease import Lease, default_instance
 
 logger = logging.getLogger("recovery.ownership")
@@ -75,6 +76,8 @@ class Ownership:
         self.target = 0
         self.nc: Client | None = None
         self.metrics = Metrics()
+        # each partition's own metrics, labelled with its index, on this process's one `/metrics`
+        self.metrics.registry.register(PartitionMetrics(self._partition_metrics))
         self.http_port: int | None = None
         self._kv: KeyValue | None = None
         self._waiting: set[int] = set()  # partitions whose worker stood by at the last balance
@@ -218,6 +221,9 @@ class Ownership:
                 del self.workers[index]
 
     # -- views ------------------------------------------------------------------------------------------------
+    def _partition_metrics(self) -> list[tuple[int, Metrics, Callable[[], None]]]:
+        return [(k, d.metrics, d.refresh_gauges) for k, d in sorted(self.workers.items())]
+
     def owned(self) -> list[int]:
         return sorted(k for k, d in self.workers.items() if d.role == "active" and not d.stopping)
 
