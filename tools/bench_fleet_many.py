@@ -290,53 +290,54 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
     cluster = NatsCluster(work / "nats", size=3)
     daemons: list[Daemon] = []
     workers: list[subprocess.Popen[bytes]] = []
-    try:
-        cluster.start()
-        settings = {"partitions": partitions, "lease_ttl_s": ttl, "replicas": 3, "log_level": "WARNING"}
-        daemons.extend(Daemon(work / f"daemon-{name}", cluster.url, instance=f"daemon-{name}", **settings)
-                       for name in "abc")
-        for daemon in daemons:
-            daemon.start()
-        wait(lambda: coverage(daemons) == list(range(partitions)) and all(owned(d) for d in daemons), 120,
-             "three daemons to share the partitions")
+    try:  # every server is stopped however it ends, a failure in the window too
+        try:
+            cluster.start()
+            settings = {"partitions": partitions, "lease_ttl_s": ttl, "replicas": 3, "log_level": "WARNING"}
+            daemons.extend(Daemon(work / f"daemon-{name}", cluster.url, instance=f"daemon-{name}", **settings)
+                           for name in "abc")
+            for daemon in daemons:
+                daemon.start()
+            wait(lambda: coverage(daemons) == list(range(partitions)) and all(owned(d) for d in daemons), 120,
+                 "three daemons to share the partitions")
 
-        async def submit() -> None:
-            import nats
+            async def submit() -> None:
+                import nats
 
-            nc = await nats.connect(cluster.url.split(","), max_reconnect_attempts=-1)
-            await publish_all(nc.jetstream(timeout=30), submissions(jobs))
-            await nc.close()
+                nc = await nats.connect(cluster.url.split(","), max_reconnect_attempts=-1)
+                await publish_all(nc.jetstream(timeout=30), submissions(jobs))
+                await nc.close()
 
-        asyncio.run(submit())
-        per = -(-jobs // args.workers)
-        for w in range(args.workers):
-            mine = [[job_name(j), j * NODES_PER_JOB, j * NODES_PER_JOB, NODES_PER_JOB]
-                    for j in range(w * per, min(jobs, (w + 1) * per))]
-            if mine:
-                spec = {"url": cluster.url, "jobs": mine, "report_s": args.fleet_report_s, "step_s": args.step_s,
-                        "seconds": seconds + args.warmup_s + 90}
-                workers.append(subprocess.Popen([sys.executable, str(AGENTS), orjson.dumps(spec).decode()],
-                                                stdin=subprocess.DEVNULL, start_new_session=True))
-        time.sleep(args.warmup_s)  # the agents' first reports, before the window is measured
-        stored0 = stream_messages(cluster.url)
-        cpu0 = [d.cpu_s() for d in daemons]
-        t0 = time.monotonic()
-        faults, failover_s, victim, lost_parts = asyncio.run(strike_faults(
-            cluster, daemons, jobs, partitions, seconds, args.fleet_fault_every_s, args.seed, args.fleet_server_down_s))
-        wall = time.monotonic() - t0
-        survivors = [d for d in daemons if d is not victim]
-        # the victim's CPU counts until it died: it is a daemon of the fleet for that part of the window
-        cpu = sum(d.cpu_s() - c for d, c in zip(daemons, cpu0, strict=True) if d is not victim)
-        behind = lag(survivors)
-        stored = (stream_messages(cluster.url) - stored0) / wall
-        rss = max(d.rss_mb() for d in survivors)
-    finally:
-        for proc in workers:
-            proc.kill()
-            proc.wait()
-        for daemon in daemons:
-            daemon.close()
-    try:
+            asyncio.run(submit())
+            per = -(-jobs // args.workers)
+            for w in range(args.workers):
+                mine = [[job_name(j), j * NODES_PER_JOB, j * NODES_PER_JOB, NODES_PER_JOB]
+                        for j in range(w * per, min(jobs, (w + 1) * per))]
+                if mine:
+                    spec = {"url": cluster.url, "jobs": mine, "report_s": args.fleet_report_s, "step_s": args.step_s,
+                            "seconds": seconds + args.warmup_s + 90}
+                    workers.append(subprocess.Popen([sys.executable, str(AGENTS), orjson.dumps(spec).decode()],
+                                                    stdin=subprocess.DEVNULL, start_new_session=True))
+            time.sleep(args.warmup_s)  # the agents' first reports, before the window is measured
+            stored0 = stream_messages(cluster.url)
+            cpu0 = [d.cpu_s() for d in daemons]
+            t0 = time.monotonic()
+            faults, failover_s, victim, lost_parts = asyncio.run(strike_faults(
+                cluster, daemons, jobs, partitions, seconds, args.fleet_fault_every_s, args.seed,
+                args.fleet_server_down_s))
+            wall = time.monotonic() - t0
+            survivors = [d for d in daemons if d is not victim]
+            # the victim's CPU counts until it died: it is a daemon of the fleet for that part of the window
+            cpu = sum(d.cpu_s() - c for d, c in zip(daemons, cpu0, strict=True) if d is not victim)
+            behind = lag(survivors)
+            stored = (stream_messages(cluster.url) - stored0) / wall
+            rss = max(d.rss_mb() for d in survivors)
+        finally:
+            for proc in workers:
+                proc.kill()
+                proc.wait()
+            for daemon in daemons:
+                daemon.close()
         lost, doubled, what = asyncio.run(read_back(cluster.url, faults))
     finally:
         cluster.stop()
