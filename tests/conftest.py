@@ -37,3 +37,32 @@ def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster
 @pytest.fixture(scope="session")
 def shared_fault_free(shared_cluster: Cluster) -> dict[str, Any]:
     return fault_free_run(shared_cluster, "shared-fault-free")
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+_deselected_gpu: list[str] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run only where torch sees a GPU (tools/gpu_check.py runs them on one); elsewhere they are
+    deselected, and the summary says how many and why."""
+    if not any(item.get_closest_marker("gpu") for item in items) or _gpu_available():
+        return
+    kept = [item for item in items if item.get_closest_marker("gpu") is None]
+    dropped = [item for item in items if item.get_closest_marker("gpu") is not None]
+    _deselected_gpu.extend(item.nodeid for item in dropped)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _deselected_gpu:
+        terminalreporter.write_line(f"{len(_deselected_gpu)} test(s) marked gpu deselected: no GPU found "
+                                    "(tools/gpu_check.py runs them on a machine with one)")

@@ -75,7 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     agents: list[AgentProcess] = []
     state = Cluster(server, daemon, store, agents, workdir, [])
     try:
-        daemon.start(PYTHONPATH=str(ROOT))
+        daemon.start(PYTHONPATH=environment()["PYTHONPATH"])
         daemon.wait_ready()
         store.wait_ready()
 
@@ -102,13 +102,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         server.stop()
 
 
-def spec(cluster: Cluster, out: Path) -> dict[str, Any]:
+def spec(cluster: Cluster, out: Path, script: Path = SCRIPT) -> dict[str, Any]:
     return {
         "nodes": ["n0", "n1"], "ranks_per_node": 2, "layout": {"dp": 4}, "watchdog_interval_s": 1.0,
         "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": 5.0,
                                                                  "agent_silence_s": 3.0}}},
         "entrypoint": {"command": sys.executable,
-                       "args": [str(SCRIPT), "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--step-time",
+                       "args": [str(script), "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--step-time",
                                 str(STEP_TIME_S), "--snapshot", str(out.with_suffix(".snapshot")), "--out", str(out)],
                        "cwd": str(ROOT), "rendezvous": "external",
                        "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cluster.store.port),
@@ -119,9 +119,10 @@ def spec(cluster: Cluster, out: Path) -> dict[str, Any]:
 Fault = Callable[[JobWatch, Callable[[], str]], Any]
 
 
-async def run_job(cluster: Cluster, job: str, fault: Fault | None = None) -> tuple[JobWatch, dict[str, Any]]:
-    """Submit the job, let `fault(watch, explain)` strike once every rank passed FAULT_AT_STEP, wait for the job to
-    complete; returns what was seen and the final parameters."""
+async def run_job(cluster: Cluster, job: str, fault: Fault | None = None,
+                  script: Path = SCRIPT) -> tuple[JobWatch, dict[str, Any]]:
+    """Submit the job (`script`: with_sdk.py's arguments), let `fault(watch, explain)` strike once every rank passed
+    FAULT_AT_STEP, wait for the job to complete; returns what was seen and the final parameters."""
     import torch
 
     out = cluster.workdir / f"{job}.pt"
@@ -135,7 +136,7 @@ async def run_job(cluster: Cluster, job: str, fault: Fault | None = None) -> tup
         return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{logs}\n{cluster.explain()}"
 
     try:
-        await submit(nc, job, spec(cluster, out))
+        await submit(nc, job, spec(cluster, out, script))
         await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), RUN_TIMEOUT_S,
                          f"{job} to train {FAULT_AT_STEP} steps", explain)
         if fault is not None:

@@ -34,6 +34,8 @@ CLIENT_TORCH = "recovery.client.torch"
 CLIENT_MEMORY = "recovery.client.memory"
 """the in-memory checkpoint tier's tensor copies: torch inside its functions, as in `recovery.client.torch`"""
 CLIENT_DDP = "recovery.client.ddp"
+CLIENT_BACKEND = "recovery.client._backend"  # the process group's backends (torch inside its functions)
+CLIENT_PINNED = "recovery.client._pinned"  # GPU tensors into the memory tier (torch inside its functions)
 """a DDP script's helpers, imported by the script itself (never by `recovery.client`): torch at its top"""
 CORE_MAY_NOT_IMPORT = frozenset({
     "anyio", "asyncio", "concurrent", "datetime", "glob", "http", "io", "logging", "multiprocessing", "nats", "os",
@@ -169,7 +171,7 @@ def test_the_client_imports_nothing_of_ours_and_only_the_standard_library() -> N
                     wrong.append(f"{where(name, line)}: {name} imports {module}")
                 continue
             top = target.split(".")[0]
-            if top == "torch" and name in (CLIENT_TORCH, CLIENT_MEMORY, CLIENT_DDP):
+            if top == "torch" and name in (CLIENT_TORCH, CLIENT_MEMORY, CLIENT_DDP, CLIENT_BACKEND, CLIENT_PINNED):
                 continue
             if top not in sys.stdlib_module_names:
                 wrong.append(f"{where(name, line)}: {name} imports {target}, not in the standard library")

@@ -63,6 +63,7 @@ from typing import Any
 import bench_daemon  # beside this script (`python tools/bench.py` puts tools/ on the path)
 import bench_e2e
 import bench_fleet
+import bench_gpu
 import bench_report
 import bench_soak
 import orjson
@@ -416,6 +417,12 @@ def run_e2e(args: argparse.Namespace) -> None:
     bench_e2e.run(args, emit)
 
 
+def run_gpu(args: argparse.Namespace) -> None:
+    """On a machine with an NVIDIA GPU: a warm standby's CUDA context, the in-memory tier's stall on GPU state, the
+    SDK's NCCL abort and formation again."""
+    bench_gpu.run(args, emit)
+
+
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
     "engine": ("Engine.apply over a prebuilt in-memory mix; bytes per tracked rank",
                lambda p: _workload_args(p, Sizes(1000, 12, 5), Sizes(10, 8, 2)), run_engine),
@@ -432,6 +439,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
             "SDK overhead", bench_e2e.add_arguments, run_e2e),
     "fleet": ("the control plane at a fleet's scale over real NATS, agents simulated in processes of their own: "
               "fault-to-command p99 and daemon CPU for a 131,072-GPU job", bench_fleet.add_arguments, run_fleet),
+    "gpu": ("on an NVIDIA GPU: a warm standby's CUDA context, the in-memory tier's stall on GPU tensors against "
+            "torch.save, NCCL's abort and formation again in process", bench_gpu.add_arguments, run_gpu),
     "soak": ("the daemon for --minutes under load with faults, its own SIGKILLs and NATS restarts: events lost, "
              "commands doubled, RSS and throughput over time (--png)", bench_soak.add_arguments, run_soak),
 }

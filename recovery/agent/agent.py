@@ -39,6 +39,7 @@ from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
 from recovery.agent.memory import MemoryTier, memory_root
 from recovery.agent.outbox import Outbox
+from recovery.agent.probes.nvml import open_nvml_probe, watch_nvml
 from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
 from recovery.agent.progress import ProgressFold, SilenceWatch
 from recovery.agent.relay import Relay
@@ -75,6 +76,7 @@ class Agent(Relay, Rescale):
         # Opened here, so that a probe that cannot work stops the agent at start with the key to fix.
         self.link_watcher = open_link_watcher(cfg.links, cfg.sysfs_net)
         self.xid_follower = open_xid_follower(cfg.kernel_log, cfg.gpu_bus_ids)
+        self.nvml = open_nvml_probe(cfg.nvml, cfg.kernel_log)
         self.progress = ProgressFold()
         self.silence = SilenceWatch()
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
@@ -167,6 +169,8 @@ class Agent(Relay, Rescale):
                     tg.start_soon(watch_links, self.link_watcher, self.node_event, self.cfg.link_poll_s)
                 if self.xid_follower is not None:
                     tg.start_soon(watch_xids, self.xid_follower, self.node_event, self.cfg.xid_poll_s)
+                if self.nvml is not None:
+                    tg.start_soon(watch_nvml, self.nvml, self.node_event, self.cfg.nvml_poll_s)
                 logger.info("agent ready", extra={"fields": {"node": self.node}})
                 task_status.started()
         finally:
@@ -220,8 +224,9 @@ class Agent(Relay, Rescale):
             if job.store is not None:
                 with contextlib.suppress(Exception):
                     await job.store.aclose()
-        if self.xid_follower is not None:
-            self.xid_follower.close()
+        for probe in (self.xid_follower, self.nvml):
+            if probe is not None:
+                probe.close()
         if self.outbox is not None:
             await self.outbox.flush(2.0)
         if self.nc is not None:

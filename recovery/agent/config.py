@@ -90,6 +90,11 @@ class AgentConfig(FileSettings):
     gpu_bus_ids: dict[str, int] = Field({}, description="PCI address -> device index of the node's GPUs, for XIDs "
                                                         "(JSON or a TOML table); empty: asked of nvidia-smi")
     xid_poll_s: float = Field(0.5, gt=0, le=60, description="how often the kernel log is read for XIDs")
+    nvml: Literal["auto", "on", "off"] = Field("auto", description="read the GPUs' health from NVML (XID events "
+                                                                  "where no kernel_log is followed, a GPU lost, "
+                                                                  "ECC and row-remapping counters): auto, where "
+                                                                  "NVML answers; on, or the agent does not start")
+    nvml_poll_s: float = Field(2.0, gt=0, le=600, description="how often NVML is read")
     standby: bool = Field(True, description="keep a warm standby interpreter per job on this node (torch imported) "
                                             "that a restarted rank is handed to; a job's entrypoint environment "
                                             "RECOVERY_STANDBY=0, N or all overrides this for the job")

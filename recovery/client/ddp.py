@@ -85,6 +85,10 @@ class Training:
         (False) is rebuilt after the first step in the order the gradients became ready, which overlaps the
         all_reduce with the backward pass better on a big model; a new DDP starts again from its initial layout,
         so the step after a recovery sums the gradients in another order than without the fault (last bits)."""
+        if self._optimizer is not optimizer and self.group.device.type == "cuda":
+            # NCCL returns to the host before a collective ran, and an aborted one returns no error: before the
+            # optimizer uses the gradients, the step's all_reduce must have completed in a live group
+            optimizer.register_step_pre_hook(lambda *_: self.group.settled())
         self._module, self._optimizer, self._ddp_kwargs = module, optimizer, ddp_kwargs
         self._fixed_buckets = fixed_buckets
         model = DistributedDataParallel.__new__(DistributedDataParallel)
@@ -137,8 +141,9 @@ class Training:
         """Agree on the position with every replica and take the state of the one furthest ahead (the lowest rank
         of those) where they differ; True if no process holds a position (a new formation: each keeps its own)."""
         group = self.group
-        mine = torch.tensor([-1 if self.step is None else self.step, self.steps_per_epoch or 0], dtype=torch.int64)
-        positions = [torch.zeros(2, dtype=torch.int64) for _ in range(group.world_size)]
+        mine = torch.tensor([-1 if self.step is None else self.step, self.steps_per_epoch or 0], dtype=torch.int64,
+                            device=group.device)
+        positions = [torch.zeros(2, dtype=torch.int64, device=group.device) for _ in range(group.world_size)]
         dist.all_gather(positions, mine)
         steps = [int(p[0]) for p in positions]
         best = max(steps)
@@ -146,7 +151,7 @@ class Training:
             return True
         source = steps.index(best)
         if len(set(steps)) > 1:
-            state = _broadcast(self.state() if group.rank == source else None, source, group.rank)
+            state = _broadcast(self.state() if group.rank == source else None, source, group.rank, group.device)
             if group.rank != source:
                 self.load(state)
         self.step, self.steps_per_epoch = best, int(positions[source][1]) or self.steps_per_epoch

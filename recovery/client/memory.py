@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recovery.client._pinned import PinnedMappings, on_gpu
+
 MEMORY_DIR_ENV = "RECOVERY_MEMORY_DIR"
 MAGIC = b"RCVMEM01"
 ALIGN = 64
@@ -122,6 +124,7 @@ class MemorySlots:
         self._created = 0
         self._lock = threading.Lock()  # the mappings, between the training thread and the one preparing a slot
         self._preparing: threading.Thread | None = None
+        self._pinned: PinnedMappings | None = None  # made at the first GPU tensor saved
 
     def _claim(self) -> Path:
         """A slot file of this rank: a free one (the oldest name first), else a new one."""
@@ -169,6 +172,8 @@ class MemorySlots:
                     self._mapped[key] = mapped
                 return mapped
             if mapped is not None:
+                if self._pinned is not None:
+                    self._pinned.unregister(mapped)
                 mapped.close()
             os.ftruncate(fd, size)
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -179,14 +184,15 @@ class MemorySlots:
             os.close(fd)
 
     def write(self, state: Any, path: Path) -> int:
-        """Copy `state` (tensors anywhere in it, on the CPU) into a slot and name it `path`, whole or not at all;
-        the number of bytes. The copy is the caller's stall: one memcpy per tensor into a mapped file."""
+        """Copy `state` (tensors anywhere in it, on the CPU or a GPU) into a slot and name it `path`, whole or not
+        at all; the number of bytes. The copy is the caller's stall: one memcpy per CPU tensor into a mapped file,
+        one device-to-host copy per GPU tensor into its page-locked pages (`recovery.client._pinned`)."""
 
         skeleton = io.BytesIO()
         packer = _Packer(skeleton)
         packer.dump(state)
-        # raw bytes of the process's memory: a tensor elsewhere (a GPU) comes to the CPU first, and whole
-        tensors = [t.cpu().contiguous() for t in packer.tensors]
+        # whole tensors; a GPU's stay there and are copied straight into the file, any other comes to the CPU first
+        tensors = [t.contiguous() if on_gpu(t) else t.cpu().contiguous() for t in packer.tensors]
         layout: list[tuple[str, tuple[int, ...], int, int]] = []
         offset = 0
         for tensor in tensors:
@@ -205,12 +211,19 @@ class MemorySlots:
         mapped[len(MAGIC) + 8: len(MAGIC) + 8 + len(header)] = header
         target = ctypes.c_char.from_buffer(mapped)
         base = ctypes.addressof(target) + data_start
+        from_gpu = []
         for tensor, (_, _, start, size) in zip(tensors, layout, strict=True):
-            if size:
+            if size and on_gpu(tensor):
+                from_gpu.append((tensor, data_start + start, size))
+            elif size:
                 # memmove, one thread, the GIL released: torch's own copy_ splits a large copy over its OpenMP
                 # threads, which on a busy node wait for each other (measured 2.5 times slower on 2 loaded cores)
                 ctypes.memmove(base + start, tensor.data_ptr(), size)
         del target  # the mapping cannot be unmapped while a pointer into it is exported
+        if from_gpu:
+            if self._pinned is None:
+                self._pinned = PinnedMappings()
+            self._pinned.copy(mapped, from_gpu)
         os.replace(slot, path)  # the agent's from here
         if self.prepare and len(self._mapped) < 2:
             self._preparing = threading.Thread(target=self._prepare, args=(total,), name="recovery-memory-slot",
@@ -223,6 +236,8 @@ class MemorySlots:
             self._preparing.join()
             self._preparing = None
         for mapped in self._mapped.values():
+            if self._pinned is not None:
+                self._pinned.unregister(mapped)
             mapped.close()
         self._mapped.clear()
 

@@ -64,6 +64,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from recovery.client import _backend
 from recovery.client._client import Client
 
 logger = logging.getLogger("recovery.client")
@@ -186,6 +187,8 @@ class ProcessGroupRecovery:
         (`Client.on_world_change` tells the script)"""
         self._world_known = client.generation  # the generation whose world this process knows
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = _backend.collective_device(backend, self._local_rank)
+        """where the SDK's own collectives keep their tensors: the GPU of this process on NCCL, the CPU on gloo"""
         self._store: _JobStore | None = None
         self.recoveries = 0
         self.holders: list[Callable[[], None]] = []
@@ -261,11 +264,22 @@ class ProcessGroupRecovery:
             raise GenerationChanged(f"generation {self._announced()} announced; this process is in "
                                     f"{self.client.generation}")
 
+    def settled(self) -> None:
+        """After a step's collectives were queued and before their result is used (an optimizer's step): wait for
+        them (NCCL returns to the host before they ran; nothing to wait for on gloo) and raise `GenerationChanged` if
+        the watcher aborted the group meanwhile, since an aborted NCCL kernel returns without an error and its
+        result is partial. `Training.wrap` calls it before every optimizer step on NCCL."""
+        _backend.settle(self.backend)
+        if self._aborted:
+            raise GenerationChanged("the process group was aborted: a peer failed or a newer generation began")
+
     def collective_failed(self, exc: BaseException) -> bool:
         """Is `exc` a failure of the group (a peer gone, the group shut down) rather than the script's own error?"""
         import torch.distributed as dist
 
-        return self._aborted or isinstance(exc, (GenerationChanged, dist.DistError)) or "gloo" in str(exc).lower()
+        text = str(exc).lower()
+        return self._aborted or isinstance(exc, (GenerationChanged, dist.DistError)) or "gloo" in text or \
+            "nccl" in text
 
     def timed_out(self, error: str) -> bool:
         """Did the group's own collective time out (`error`, the text of what it raised), every peer of this process
@@ -404,13 +418,13 @@ class ProcessGroupRecovery:
         import torch.distributed as dist
 
         form_timeout = min(self.timeout, timedelta(seconds=FORM_TIMEOUT_S))
+        options = _backend.prepare(self.backend, self._local_rank)
         before = _sockets()
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/{formation}/", self.store),
-                                    rank=self.rank, world_size=self.world_size, timeout=form_timeout)
+                                    rank=self.rank, world_size=self.world_size, timeout=form_timeout, **options)
         except RuntimeError:  # a peer's address never came, or it refused the connection: it died meanwhile
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            _backend.release(self.backend, aborted=True)
             return False
         if form_timeout < self.timeout:
             dist.distributed_c10d._set_pg_timeout(self.timeout)  # the collectives' timeout, as asked
@@ -433,24 +447,28 @@ class ProcessGroupRecovery:
                                 generation)
                     with self._lock:
                         if self._formed == generation and not self._aborted:
-                            self._aborted = True
-                            _shut(self._connections)
+                            self._interrupt()
                     return
             except Exception:  # the store unreachable: the group's own failures and timeout still end a collective
                 continue
 
-    def _teardown(self) -> None:
-        import torch.distributed as dist
+    def _interrupt(self) -> None:
+        """Under the lock: end the live group's collectives now, blocked or queued. The flag comes first: an aborted
+        NCCL kernel returns without an error, and `settled` reads the flag once the stream is through."""
+        self._aborted = True
+        if not _backend.abort(self.backend):
+            _shut(self._connections)
 
+    def _teardown(self) -> None:
         self._stop_watcher()
         with self._lock:
             if self._formed is not None and not self._aborted:
-                _shut(self._connections)  # peers blocked on this process are freed now, whatever holds the group
+                self._interrupt()  # peers blocked on this process are freed now, whatever holds the group
+            aborted = self._aborted
             self._formed, self._connections = None, {}
         for release in self.holders:
             release()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _backend.release(self.backend, aborted)
 
     def synchronize(self, step: int, get_state: Callable[[], Any], set_state: Callable[[Any], None],
                     live: bool = True) -> int:
@@ -462,36 +480,36 @@ class ProcessGroupRecovery:
         import torch
         import torch.distributed as dist
 
-        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(steps, torch.tensor([step if live else -1], dtype=torch.int64))
+        steps = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(steps, torch.tensor([step if live else -1], dtype=torch.int64, device=self.device))
         values = [int(s.item()) for s in steps]
         best = max(values)
         if best < 0:
             raise RuntimeError("no replica holds live state: restart from a checkpoint instead")
         source = values.index(best)
         if len(set(values)) > 1:  # every replica at one step holds one state (a restart from a checkpoint)
-            state = _broadcast(get_state() if self.rank == source else None, source, self.rank)
+            state = _broadcast(get_state() if self.rank == source else None, source, self.rank, self.device)
             if self.rank != source:
                 set_state(state)
         return best
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         self._stop_watcher()
         with self._lock:
+            aborted = self._aborted
             self._formed, self._connections = None, {}
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _backend.release(self.backend, aborted)
 
 
-def _broadcast(state: Any, source: int, rank: int) -> Any:
+def _broadcast(state: Any, source: int, rank: int, device: Any = None) -> Any:
     """`state` from `source` to every rank, serialised with torch.save (tensors byte for byte; broadcast_object_list
-    would need numpy, which a training environment may not have)."""
+    would need numpy, which a training environment may not have). `device`: where the group's collectives take
+    their tensors (the GPU on NCCL); tensors of the state come back on the devices they were saved from."""
     import torch
     import torch.distributed as dist
 
-    size = torch.zeros(1, dtype=torch.int64)
+    device = device if device is not None else torch.device("cpu")
+    size = torch.zeros(1, dtype=torch.int64, device=device)
     data = b""
     if rank == source:
         buffer = io.BytesIO()
@@ -499,20 +517,22 @@ def _broadcast(state: Any, source: int, rank: int) -> Any:
         data = buffer.getvalue()
         size[0] = len(data)
     dist.broadcast(size, src=source)
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == source else \
-        torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if rank == source else \
+        torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src=source)
     if rank == source:
         return state
+    payload = payload.cpu()
     # One copy of the bytes (bytes() of a storage reads it element by element: 30 s for a 6 MB state).
     return torch.load(io.BytesIO(ctypes.string_at(payload.data_ptr(), payload.numel())), weights_only=False)
 
 
 def warm_up() -> None:
     """Pay now what a new process pays on its first step: autograd's first backward pass, an optimizer's first step
-    (`torch._dynamo`'s import among it), a state's serialisation both ways. A warm standby calls it before it waits
-    (`recovery.client.torch:warm_up` in the agent's `standby_preload`); the global random state is left as it was,
-    so a rank handed to the standby draws the numbers a cold start would."""
+    (`torch._dynamo`'s import among it), a state's serialisation both ways, and on a node with a GPU CUDA's
+    initialisation and a device's context (seconds: see `warm_up_cuda`). A warm
+    standby calls it before it waits (`recovery.client.torch:warm_up` in the agent's `standby_preload`); the global
+    random state is left as it was, so a rank handed to the standby draws the numbers a cold start would."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
@@ -523,3 +543,38 @@ def warm_up() -> None:
         buffer = io.BytesIO()
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    warm_up_cuda()
+
+
+STANDBY_DEVICE_ENV = "RECOVERY_STANDBY_DEVICE"
+"""the GPU (an index) a warm standby creates its CUDA context on before it waits; unset: the only one, where one is
+visible, and none where several are (a context on a device the rank handed over does not use would hold hundreds of
+MiB of it for the rank's life)"""
+
+
+def warm_up_cuda() -> int | None:
+    """Initialise CUDA (the driver, the runtime, the libraries torch loads) and, on the standby's device
+    (`RECOVERY_STANDBY_DEVICE`, or the only visible one), create its context and run a first product, backward and
+    optimizer step there (cuBLAS's handle and workspace, the caching allocator's first segments, the kernels' first
+    loads): the device warmed, or None (no GPU, or several and none named). What of NCCL needs the rank (its
+    communicator) waits for the group; its library is loaded with torch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    named = os.environ.get(STANDBY_DEVICE_ENV, "")
+    if named:
+        index = int(named)
+    elif torch.cuda.device_count() == 1:
+        index = 0
+    else:
+        return None
+    device = torch.device("cuda", index)
+    # The CUDA generators are left alone (fork_rng(devices=[]) above forks none): nothing here draws from them.
+    model = torch.nn.Linear(8, 8).to(device)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 8, device=device)).sum().backward()
+    optimizer.step()
+    torch.cuda.synchronize(device)
+    return index
