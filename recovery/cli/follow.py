@@ -111,7 +111,7 @@ class JobFollower:
 
 def _said(error: object) -> str:
     """`: ValueError: bad lr (train.py:42 in main)` from an exit's `error`, if it carries one."""
-    if not isinstance(error, dict) or not error.get("message") and not error.get("type"):
+    if not isinstance(error, dict) or (not error.get("message") and not error.get("type")):
         return ""
     what = f"{error.get('type')}: {error.get('message')}" if error.get("type") else str(error.get("message"))
     return f": {what}" + (f" ({error['place']})" if error.get("place") else "")
