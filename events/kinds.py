@@ -110,6 +110,15 @@ class HangReport(Frozen):
     rank: Rank
     seconds_without_progress: Seconds = Field(description="0 .. 30 days")
     attempt: Attempt = 0
+    cause: Text = Field("", max_length=1024, description="what the agent saw: the SDK's silence (empty), a stopped "
+                                                         "process, a still one")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_cause(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not data.get("cause"):
+            data.pop("cause", None)  # added later: a report without one is written as before
+        return data
 
 
 class _OmitsUnmeasured(Frozen):

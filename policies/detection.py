@@ -130,6 +130,8 @@ class DefaultDetection(DetectionPolicyBase):
             return Fault(f"rank {data.rank}: {verdict.reason}{said}", verdict.fault_class, verdict.scope,
                          verdict.ranks, lost=verdict.lost, code=code)
         if isinstance(data, kinds.HangReport):
+            if data.cause:  # a stock script's rank, seen from outside: say what was seen
+                return Fault(f"rank {data.rank} hangs: {data.cause}", FaultClass.HANG, "rank", signal.ranks)
             return Fault(f"rank {data.rank} reports no progress for {data.seconds_without_progress:.0f}s",
                          FaultClass.HANG, "rank", signal.ranks)
         if isinstance(data, kinds.CollectiveTimeout):

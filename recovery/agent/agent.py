@@ -36,6 +36,7 @@ from events.values import JobSpec, Layout, ResumePlan
 from recovery.agent import errors, ranks
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
+from recovery.agent.hangs import StockHangs
 from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
 from recovery.agent.memory import MemoryTier, memory_root
 from recovery.agent.outbox import Outbox
@@ -157,6 +158,7 @@ class Agent(Relay, Rescale):
                 tg.start_soon(self._follow_commands, commands, command_start)
                 tg.start_soon(self._beat)
                 tg.start_soon(self.fold_reports)
+                tg.start_soon(StockHangs(self.cfg, self.jobs, self.job_event).run)
                 tg.start_soon(self.memory.run)
                 if self.cfg.spare:
                     pool = {"pool": self.cfg.pool} if self.cfg.pool is not None else {}

@@ -218,6 +218,7 @@ async def stop(proc: RankProcess, grace_s: float, kill_after_s: float) -> bool:
     of the kill."""
     if proc.alive and grace_s > 0:
         proc.signal(signal.SIGTERM)
+        proc.signal(signal.SIGCONT)  # a stopped rank (a hang that was a SIGSTOP) handles it only once continued
         with anyio.move_on_after(grace_s):
             await proc.ended.wait()
     return await kill(proc, kill_after_s)
