@@ -340,7 +340,8 @@ def test_a_script_failing_on_every_rank_before_its_first_step_fails_after_one_re
     last = output.strip().splitlines()[-1]
     assert "stock-bad-lr failed: deterministic error" in last, output
     assert "ValueError: lr must be positive, got -0.1 (bad_lr.py:7 in main)" in last, output
-    generations = {int(p.name.split(".gen")[1].split(".")[0]) for p in cluster.workdir.glob("n*/stock-bad-lr.rank*.log")}
+    logs = cluster.workdir.glob("n*/stock-bad-lr.rank*.log")
+    generations = {int(p.name.split(".gen")[1].split(".")[0]) for p in logs}
     assert generations <= {0, 1}, f"at most one retry: {sorted(generations)}"
     assert (cluster.workdir / "n0" / "stock-bad-lr.rank0.gen0.error.json").exists(), "@record wrote its error file"
     print(f"a script raising before its first step: recovery-run failed it in {took:.1f}s")
