@@ -8,7 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from recovery.agent import errors
+from recovery.cli.replay import main
+from recovery.log import write_file
+from recovery.report import build_report
+from recovery.report import iter_file as report_records
 from recovery.testing.scenario import Scenario
 
 NO_DYING: dict[str, Any] = {"checkpoint": {"name": "newest-complete", "params": {"dying": False}}}
@@ -24,7 +30,8 @@ def fail_everywhere(s: Scenario, job: str, world: int, error: dict[str, Any], sp
         s.advance(spread_s)
 
 
-def test_every_rank_failing_the_same_way_before_the_first_step_fails_the_job_after_one_retry() -> None:
+def typo() -> Scenario:
+    """A script that cannot start: both ranks fail at import, the retry's too."""
     s = Scenario()
     s.submit("typo", ["t0"], ranks_per_node=2, dp=2, policies=NO_DYING)
     fail_everywhere(s, "typo", 2, IMPORT_ERROR)
@@ -33,6 +40,11 @@ def test_every_rank_failing_the_same_way_before_the_first_step_fails_the_job_aft
     fail_everywhere(s, "typo", 2, IMPORT_ERROR)
     s.advance(10)  # the settle window for the other ranks' exits ends
     s.ack_all()
+    return s
+
+
+def test_every_rank_failing_the_same_way_before_the_first_step_fails_the_job_after_one_retry() -> None:
+    s = typo()
     assert s.state("typo") == "failed"
     assert len(s.find("attempt.started", "typo")) == 1, "one retry, not the whole budget"
     [failed] = s.find("job.failed", "typo")
@@ -94,6 +106,18 @@ def test_a_crash_loop_names_the_scripts_exception_not_the_sigabrt_of_the_rank_th
     [failed] = s.find("job.failed", "loop")
     assert failed.reason.startswith("crash loop"), failed.reason
     assert "the script's error: ValueError: bad batch (train.py:88 in step)" in failed.reason
+
+
+def test_the_report_quotes_the_scripts_error_in_the_fault_and_the_jobs_end(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "typo.jsonl"
+    write_file(log, typo().log.records())
+    [job] = build_report(report_records(log))["jobs"]
+    assert job["state"] == "failed" and QUOTED in job["end_reason"]
+    assert any(QUOTED in fault["reason"] for incident in job["incidents"] for fault in incident["faults"])
+    assert main(["report", str(log)]) == 0
+    flat = " ".join(capsys.readouterr().out.split())  # the terminal's table wraps long reasons
+    assert "failed: deterministic error" in flat and QUOTED in flat
 
 
 # -- the agent's side: what a failed rank said -----------------------------------------------------------------
