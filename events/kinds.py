@@ -66,11 +66,36 @@ class ProcessStarted(Frozen):
     attempt: Attempt = Field(0, description="the job's restart generation the process belongs to")
 
 
+MAX_ERROR_MESSAGE = 1024
+"""characters of a script's error message an exit carries: enough for the line a user needs, not a whole traceback"""
+
+
+class ScriptError(Frozen):
+    """Why a rank's script failed, as it said so itself: the exception its `@record` wrote to its error file
+    (`TORCHELASTIC_ERROR_FILE`, torchrun's contract), else the last error line of its output."""
+
+    type: Label = Field("", description="the exception's type, `ValueError` (empty: its output named none)")
+    message: Text = Field("", max_length=MAX_ERROR_MESSAGE, description="the exception's message, or the line")
+    place: Label = Field("", description="where it was raised: `train.py:42 in main` (empty: not known)")
+    source: Literal["error_file", "output"] = Field("error_file", description="where the agent read it")
+
+    def summary(self) -> str:
+        """One line for a decision, a report, `recovery-run`: `ValueError: bad lr (train.py:42 in main)`."""
+        what = f"{self.type}: {self.message}" if self.type else self.message
+        return f"{what} ({self.place})" if self.place else what
+
+
 class ProcessExited(Frozen):
     rank: Rank
     exit_code: ExitCode | None = None
     signal: SignalNumber | None = Field(None, description="the signal that ended the process, if any")
     attempt: Attempt = 0
+    error: ScriptError | None = Field(None, description="the script's own error, if it left one (a failed exit)")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_error(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Added later: an exit without one is written as before, so that older logs keep their bytes.
+        return drop_empty(handler(self), "error")
 
 
 class Heartbeat(Frozen):
@@ -85,6 +110,15 @@ class HangReport(Frozen):
     rank: Rank
     seconds_without_progress: Seconds = Field(description="0 .. 30 days")
     attempt: Attempt = 0
+    cause: Text = Field("", max_length=1024, description="what the agent saw: the SDK's silence (empty), a stopped "
+                                                         "process, a still one")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_cause(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not data.get("cause"):
+            data.pop("cause", None)  # added later: a report without one is written as before
+        return data
 
 
 class _OmitsUnmeasured(Frozen):

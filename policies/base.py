@@ -287,6 +287,25 @@ class PastIncident:
 
 
 @dataclass(frozen=True, slots=True)
+class FailedExits:
+    """The open incident's processes of one generation that failed one way (not a stop's SIGTERM or SIGKILL, not a
+    clean end), counted: what tells a script that fails the same way wherever it runs (a deterministic error) from a
+    fault of the infrastructure."""
+
+    generation: int
+    error: str
+    """the script's error as it said it (`ValueError: bad lr (train.py:42 in main)`), else `exit code N`/`signal N`"""
+    ranks: int
+    """how many ranks of the generation failed this way"""
+    said: bool
+    """the script said why (its error file or its output), not only an exit status"""
+    early: bool
+    """every one of them failed before the job's first step in that generation"""
+    first_ns: int
+    """log time of the first of them"""
+
+
+@dataclass(frozen=True, slots=True)
 class RescheduleContext:
     fault_class: FaultClass
     scope: Scope
@@ -338,6 +357,10 @@ class RescheduleContext:
     restart_times: tuple[int, ...] = ()
     """log times at which the job's restarts began (any granularity that starts processes), oldest first: at least
     the last 256"""
+    exits: tuple[FailedExits, ...] = ()
+    """the failed exits of the open incident's last two generations that had any, oldest first"""
+    world: int = 0
+    """the job's number of ranks (0: not told)"""
 
 
 # The rescheduling decision: one of four small variants (`Reschedule` is their union).

@@ -124,11 +124,14 @@ class DefaultDetection(DetectionPolicyBase):
                 return Fault(f"rank {data.rank}: {meaning.description}", FaultClass.PREEMPTION,
                              "job", tuple(range(signal.world)), code=code)
             verdict = self._from_meaning(meaning, signal, "rank", code=code)
+            said = f": {data.error.summary()}" if data.error is not None else ""  # the script's own words
             if isinstance(verdict, Ignore):
-                return Ignore(f"rank {data.rank}: {verdict.reason}", code=code)
-            return Fault(f"rank {data.rank}: {verdict.reason}", verdict.fault_class, verdict.scope, verdict.ranks,
-                         lost=verdict.lost, code=code)
+                return Ignore(f"rank {data.rank}: {verdict.reason}{said}", code=code)
+            return Fault(f"rank {data.rank}: {verdict.reason}{said}", verdict.fault_class, verdict.scope,
+                         verdict.ranks, lost=verdict.lost, code=code)
         if isinstance(data, kinds.HangReport):
+            if data.cause:  # a stock script's rank, seen from outside: say what was seen
+                return Fault(f"rank {data.rank} hangs: {data.cause}", FaultClass.HANG, "rank", signal.ranks)
             return Fault(f"rank {data.rank} reports no progress for {data.seconds_without_progress:.0f}s",
                          FaultClass.HANG, "rank", signal.ranks)
         if isinstance(data, kinds.CollectiveTimeout):

@@ -28,6 +28,7 @@ from policies.base import (
     StartRung,
     Wait,
 )
+from policies.script_errors import deterministic_error, quoting_the_script
 
 G = Granularity
 
@@ -122,7 +123,9 @@ class LadderRescheduling(ReschedulingPolicyBase):
         self.ladders = {**DEFAULT_LADDERS, **self.params.ladders}
 
     def decide(self, ctx: RescheduleContext) -> Reschedule:
-        answer = self._decide(ctx)
+        # A script that fails by itself the same way everywhere is no fault to climb a ladder for.
+        answer = None if ctx.forced is not None else deterministic_error(ctx)
+        answer = quoting_the_script(answer or self._decide(ctx), ctx)
         if isinstance(answer, StartRung):
             return replace(answer, grace_ns=int(self.params.running_grace_s * NS))
         return answer

@@ -271,3 +271,77 @@ def test_ctrl_c_cancels_the_job_and_stops_every_process_recovery_run_started(tmp
         except OSError:
             continue
     assert not left, f"processes left running: {left}"
+
+
+async def test_a_sigstopped_rank_of_the_stock_script_is_found_from_outside_and_the_job_restarts_and_completes(
+        cluster: Cluster, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    """No heartbeat tells of a stock script's hang: its agent sees the stopped process (state T) and reports it."""
+    job = "stock-stop"
+    nc = await connect(cluster.nats.url)
+    w: JobWatch = await watch(nc, job)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"policies": {"rescheduling": {"name": "ladder", "params": {"running_grace_s": 2}}}}))
+    proc = recovery_run(["--spec", str(spec), *cluster_args(cluster, job, tmp_path / "final.pt", tmp_path / "snap.pt")],
+                        tmp_path)
+    victim = cluster.workdir / "n1" / f"{job}.rank1.json"
+    stopped_pid = None
+    try:
+        def at_epoch_2() -> bool:
+            return any("Epoch 2 | Batchsize" in text for text in rank_logs(cluster, job).values())
+
+        await wait_until(at_epoch_2, RUN_TIMEOUT_S, "the job to reach its third epoch", cluster.explain)
+        stopped_pid = json.loads(victim.read_text())["pid"]
+        os.kill(stopped_pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        await wait_until(lambda: bool(w.decided("fault.confirmed")), 60 + 30, "the stopped rank to be found",
+                         cluster.explain)  # 60 s is the promise; the rest is a busy host's slack
+        found_s = w.decided("fault.confirmed")[0]["_seen"] - stopped
+        code, output = await asyncio.to_thread(finish, proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        if stopped_pid is not None:
+            kill_leftovers([stopped_pid])
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+    assert code == 0, f"{output}\n{cluster.explain()}"
+    [fault] = w.decided("fault.confirmed")
+    assert fault["data"]["reason"].startswith("rank 1 hangs: stopped (state T: SIGSTOP)"), fault
+    assert [d["data"]["detail"].get("granularity") for d in w.decided("attempt.started")] == ["restart_job"]
+    assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
+    print(f"stock script, SIGSTOP of rank 1: found {found_s:.1f}s later")
+
+
+RAISES_IN_MAIN = """
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main() -> None:
+    raise ValueError("lr must be positive, got -0.1")
+
+
+main()
+"""
+
+
+def test_a_script_failing_on_every_rank_before_its_first_step_fails_after_one_retry_quoting_its_error(
+        cluster: Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "bad_lr.py"
+    script.write_text(RAISES_IN_MAIN)
+    started = time.monotonic()
+    proc = recovery_run(["--nats-url", cluster.nats.url, "--nodes", "n0,n1", "--nproc-per-node", "1",
+                         "--rdzv-endpoint", f"127.0.0.1:{cluster.store.port}", "--rdzv-id", "stock-bad-lr",
+                         str(script)], tmp_path)
+    code, output = finish(proc, tmp_path)
+    took = time.monotonic() - started
+    assert code == 1, output
+    last = output.strip().splitlines()[-1]
+    assert "stock-bad-lr failed: deterministic error" in last, output
+    assert "ValueError: lr must be positive, got -0.1 (bad_lr.py:7 in main)" in last, output
+    logs = cluster.workdir.glob("n*/stock-bad-lr.rank*.log")
+    generations = {int(p.name.split(".gen")[1].split(".")[0]) for p in logs}
+    assert generations <= {0, 1}, f"at most one retry: {sorted(generations)}"
+    assert (cluster.workdir / "n0" / "stock-bad-lr.rank0.gen0.error.json").exists(), "@record wrote its error file"
+    print(f"a script raising before its first step: recovery-run failed it in {took:.1f}s")

@@ -60,3 +60,23 @@ def test_what_recovery_run_cannot_do_is_a_usage_error(capsys: pytest.CaptureFixt
     assert main(["--nats-url", "nats://127.0.0.1:1", "--nodes", "a", "--nnodes", "2", "train.py"]) == EXIT_USAGE
     assert main(["--standalone", "--rdzv-id", "a.b", "train.py"]) == EXIT_USAGE
     assert "--rdzv-id" in capsys.readouterr().err
+
+
+def test_a_script_that_is_not_there_or_a_bad_flag_exits_2_at_once_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    missing = str(tmp_path / "trian.py")
+    assert main(["--standalone", "--data-dir", str(data), missing]) == EXIT_USAGE
+    assert f"{missing}: no such script" in capsys.readouterr().err
+    assert not data.exists(), "no stack was started for it"
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for argv, said in ((["--nproc-per-node", "two"], "--nproc-per-node"), (["--env", "NOVALUE"], "--env"),
+                       (["--spares", "-1"], "--spares"), (["--max-restarts", "-2"], "--max-restarts"),
+                       (["--spec", str(tmp_path / "nospec.json")], "nospec.json"),
+                       (["--no-python"], "no such program")):
+        assert main(["--standalone", "--data-dir", str(data), *argv, str(script)]) == EXIT_USAGE, argv
+        assert said in capsys.readouterr().err, argv
+        assert not data.exists(), argv
+    assert main(["--nats-url", "nats://127.0.0.1:1", "--nodes", "a", missing]) == EXIT_USAGE
+    assert "no such script" in capsys.readouterr().err

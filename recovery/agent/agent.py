@@ -33,9 +33,10 @@ from events.commands import (
 from events.envelope import RawRecord, Record, make_envelope
 from events.kinds import JobSubmitted, RankStack
 from events.values import JobSpec, Layout, ResumePlan
-from recovery.agent import ranks
+from recovery.agent import errors, ranks
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
+from recovery.agent.hangs import StockHangs
 from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
 from recovery.agent.memory import MemoryTier, memory_root
 from recovery.agent.outbox import Outbox
@@ -159,6 +160,7 @@ class Agent(Relay, Rescale):
                 tg.start_soon(self._follow_commands, commands, command_start)
                 tg.start_soon(self._beat)
                 tg.start_soon(self.fold_reports)
+                tg.start_soon(StockHangs(self.cfg, self.jobs, self.job_event).run)
                 tg.start_soon(self.memory.run)
                 if self.cfg.spare:
                     pool = {"pool": self.cfg.pool} if self.cfg.pool is not None else {}
@@ -379,8 +381,9 @@ class Agent(Relay, Rescale):
         env = ranks.environment(job.spec.entrypoint, job.placement(rank), job=job.id, node=self.node,
                                 attempt=attempt, plan=plan, store_addr=job.store_addr, store_port=job.store_port,
                                 torch_port=torch_port, socket=job.channel.path, heartbeat_s=self.cfg.heartbeat_s,
-                                memory_dir=self.memory.job_dir(job.id))
-        output = self.runtime_dir / f"{job.id}.rank{rank}.gen{attempt}.log"
+                                memory_dir=self.memory.job_dir(job.id),
+                                error_file=errors.error_file(self.runtime_dir, job.id, rank, attempt))
+        output = errors.output_file(self.runtime_dir, job.id, rank, attempt)
         standby = self.standbys.take(job.id)
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
                                  standby=standby)
@@ -414,6 +417,9 @@ class Agent(Relay, Rescale):
             data["signal"] = signal
         else:
             data["exit_code"] = exit_code
+        error = errors.script_error(self.runtime_dir, job.id, proc.rank, proc.attempt, exit_code, signal)
+        if error is not None:
+            data["error"] = error.model_dump()
         self.job_event(job.id, "process.exited", data)
         if all(not p.alive and p.returncode == 0 for p in job.processes.values()):
             await self.standbys.discard(job.id, for_good=True)  # the job is done here: no rank to hand over

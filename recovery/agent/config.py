@@ -63,6 +63,16 @@ class AgentConfig(FileSettings):
     rank_silence_s: float = Field(8.0, ge=0, le=3600, description="a rank whose SDK spoke and then said nothing "
                                                                    "this long is reported hung (`process.hang`); "
                                                                    "0: the engine's watchdog alone finds it")
+    stock_stopped_s: float = Field(10.0, ge=0, le=3600, description="a rank of a script without the SDK whose "
+                                                                     "process is stopped (state T: SIGSTOP) this "
+                                                                     "long is reported hung; 0: not watched")
+    stock_hang_s: float = Field(45.0, ge=0, le=3600, description="a rank of a script without the SDK whose CPU time, "
+                                                                  "I/O and stack stay still this long, outside a "
+                                                                  "collective while a peer on the node waits in one, "
+                                                                  "is reported hung; 0: not watched")
+    hang_poll_s: float = Field(2.0, gt=0, le=60, description="how often the ranks of scripts without the SDK are "
+                                                             "looked at for those hangs (/proc, and py-spy once "
+                                                             "one is still)")
     outbox_capacity: int = Field(100_000, ge=1, description="events kept while NATS is away; beyond, the oldest "
                                                              "are dropped and counted")
     store_host: str = Field("0.0.0.0", description="address a rendezvous store this agent hosts listens on")

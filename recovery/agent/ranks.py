@@ -61,13 +61,14 @@ class RankProcess:
 
 def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node: str, attempt: int,
                 plan: ResumePlan | None, store_addr: str, store_port: int, torch_port: int | None, socket: Path,
-                heartbeat_s: float, memory_dir: Path | None = None) -> dict[str, str]:
+                heartbeat_s: float, memory_dir: Path | None = None, error_file: Path | None = None) -> dict[str, str]:
     """The agent's environment, the job's, then what the agent sets for the rank (which wins): torchrun's, with its
     agent-store contract (`TORCHELASTIC_USE_AGENT_STORE=True`: every rank, rank 0 too, is a client of the store at
     MASTER_ADDR:MASTER_PORT, which is the fresh torch store of the rank's formation, `torch_port`; the job store's
     own port without one), and the job store itself as RECOVERY_STORE_ADDR/RECOVERY_STORE_PORT, where the SDK's
     generations live across formations; RECOVERY_MEMORY_DIR, the job's shared memory on the node
-    (`recovery.agent.memory`)."""
+    (`recovery.agent.memory`); TORCHELASTIC_ERROR_FILE, where `@record` writes the exception the script dies of
+    (`recovery.agent.errors`)."""
     env = {**os.environ, **entrypoint.env}
     env.update({
         "RANK": str(placement.rank),
@@ -94,6 +95,10 @@ def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node:
         "RECOVERY_AGENT_SOCKET": str(socket),
         "RECOVERY_HEARTBEAT_S": str(heartbeat_s),
     })
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)  # one per process, as torchrun gives each worker its own
+    else:
+        env.pop("TORCHELASTIC_ERROR_FILE", None)
     if memory_dir is not None:
         env["RECOVERY_MEMORY_DIR"] = str(memory_dir)  # the node's shared memory for the job's checkpoints
     else:
@@ -110,6 +115,10 @@ async def start(entrypoint: Entrypoint, env: dict[str, str], output: Path, *, jo
     """Start the rank in a new session (so that a signal reaches everything it starts, and the agent's own
     terminal signals do not), its output appended to `output`; with a ready `standby`, hand the rank to it (a
     warm interpreter already in a session of its own) instead."""
+    if "TORCHELASTIC_ERROR_FILE" in env:
+        # An error file left by an earlier process of the same path would be taken for this one's (torchrun removes
+        # it too).
+        Path(env["TORCHELASTIC_ERROR_FILE"]).unlink(missing_ok=True)
     if standby is not None:
         process = await standby.hand_over(entrypoint, env, output)
         return RankProcess(job, rank, attempt, process, process.pid)
@@ -209,6 +218,7 @@ async def stop(proc: RankProcess, grace_s: float, kill_after_s: float) -> bool:
     of the kill."""
     if proc.alive and grace_s > 0:
         proc.signal(signal.SIGTERM)
+        proc.signal(signal.SIGCONT)  # a stopped rank (a hang that was a SIGSTOP) handles it only once continued
         with anyio.move_on_after(grace_s):
             await proc.ended.wait()
     return await kill(proc, kill_after_s)

@@ -68,8 +68,12 @@ class JobFollower:
                      f"{f', {lost} step(s) lost' if lost is not None else ''}")
         if self.state in ENDED and not self.ended.is_set():
             self.reason = reason
-            self.say(f"{self.job} {self.state}{f': {reason}' if reason else ''}")
+            self.say(self.verdict())
             self.ended.set()
+
+    def verdict(self) -> str:
+        """The job's end in one line, with the reason (a failed job's quotes the script's error when it said one)."""
+        return f"{self.job} {self.state}{f': {self.reason}' if self.reason else ''}"
 
     def on_event(self, envelope: dict[str, Any]) -> None:
         data = envelope.get("data") or {}
@@ -81,7 +85,7 @@ class JobFollower:
                          f"{data['signal']}")
             elif data.get("exit_code") not in (0, None):
                 self.say(f"rank {data.get('rank')} (generation {data.get('attempt')}) exited with "
-                         f"{data['exit_code']}")
+                         f"{data['exit_code']}{_said(data.get('error'))}")
 
     def tick(self) -> None:
         """Print the step now and then while the job runs."""
@@ -103,6 +107,14 @@ class JobFollower:
 
         await nc.subscribe(subjects.decision(self.job), cb=on_decision)
         await nc.subscribe(f"{subjects.PREFIX}.ev.job.{self.job}.>", cb=on_event)
+
+
+def _said(error: object) -> str:
+    """`: ValueError: bad lr (train.py:42 in main)` from an exit's `error`, if it carries one."""
+    if not isinstance(error, dict) or (not error.get("message") and not error.get("type")):
+        return ""
+    what = f"{error.get('type')}: {error.get('message')}" if error.get("type") else str(error.get("message"))
+    return f": {what}" + (f" ({error['place']})" if error.get("place") else "")
 
 
 class RankOutput:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -206,7 +207,44 @@ async def _job_state(url: str, job: str) -> str | None:
     return None
 
 
+def check_usage(args: argparse.Namespace) -> None:
+    """What can be checked before anything starts, so that a mistake costs no stack, no job and no restarts: the
+    flags' values and the spec file (the script: `check_script`). Raises UsageError with what to fix."""
+    nodes_count(args)
+    ranks_per_node(args)
+    for item in args.env:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env {item!r}: KEY=VALUE")
+    if args.spares < 0:
+        raise UsageError(f"--spares {args.spares}: 0 or more")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise UsageError(f"--max-restarts {args.max_restarts}: 0 or more")
+    if not 0 < args.master_port < 65536:
+        raise UsageError(f"--master-port {args.master_port}: a TCP port, 1..65535")
+    if args.spec:
+        try:
+            load_spec(args.spec)  # a file that is missing or not a spec: its own error, before anything starts
+        except CtlFailure as exc:
+            raise UsageError(f"--spec {args.spec}: {exc}") from None
+
+
+def check_script(args: argparse.Namespace) -> None:
+    """The script is there to run (checked once the flags are: a bad flag is the first thing to fix)."""
+    if args.module:
+        return  # found by the ranks' `python -m`, on their sys.path: nothing to look at here
+    if args.no_python:
+        if args.standalone and shutil.which(args.script) is None:
+            raise UsageError(f"{args.script}: no such program (with --no-python the script is run as a program)")
+        return
+    script = Path(args.script)
+    if not script.is_file():
+        raise UsageError(f"{args.script}: no such script in {os.getcwd()}" if not script.exists()
+                         else f"{args.script}: not a file")
+
+
 async def run(args: argparse.Namespace) -> int:
+    check_usage(args)
     allocation = slurm_allocation(args)
     job = args.rdzv_id or (allocation.run_name if allocation is not None else f"run-{secrets.token_hex(4)}")
     try:
@@ -223,6 +261,7 @@ async def run(args: argparse.Namespace) -> int:
     follower = JobFollower(job)
     try:
         if args.standalone:
+            check_script(args)
             data_dir = Path(args.data_dir or args.log_dir or tempfile.mkdtemp(prefix="recovery-run-")).resolve()
             nodes = [f"node{i}" for i in range(count or 1)]
             stack = LocalStack(data_dir, nodes, [f"spare{i}" for i in range(args.spares)], ranks_per_node(args))
@@ -254,6 +293,7 @@ async def run(args: argparse.Namespace) -> int:
                 store, rendezvous = (host, int(port)), "external"
             else:
                 store, rendezvous = (args.master_addr or nodes[0], args.master_port), "agent"
+            check_script(args)  # the nodes run it at the same path (a shared image or file system)
             url = args.nats_url
             spec = build_spec(args, nodes, store, rendezvous, allocation)
             try:
@@ -297,6 +337,8 @@ async def run(args: argparse.Namespace) -> int:
             follower.say("stopping the agents, the job store and the daemon")
             await asyncio.to_thread(stack.stop)
             follower.say(f"logs: {stack.data_dir}")
+            if follower.ended.is_set():
+                follower.say(follower.verdict())  # the last line says how the job ended, and why
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from events.values import FaultClass, Granularity
 from policies.base import NS, Clear, Drain, Fault, Ignore, RankColumns, Signal, Suspect, Verdict, WatchdogView
 from policies.detection import DefaultDetection
 from recovery.core.cluster import ClusterView
+from recovery.core.failures import note_exit
 from recovery.core.incidents import Incidents
 from recovery.core.job import Attempt, Incident, Job
 from recovery.core.placement import Placement
@@ -49,6 +50,14 @@ class Detection:
                     self.mark_hardware(verdict)
             return
         verdict = consult(out, job, "detection", "classify", signal)
+        note_exit(job, signal.data, signal.ts)  # counted before the plan this exit may bring about
+        if isinstance(verdict, Fault) and job.incident is None:
+            # A fault that opens the incident: its exit is counted in it before the first plan too.
+            self.fault(out, job, verdict, job.policies.labels["detection"], plan=False, signal_type=signal.type)
+            if job.incident is not None:
+                note_exit(job, signal.data, signal.ts)
+                self.incidents.plan(out, job)
+            return
         self.verdict(out, job, verdict, type_=signal.type)
 
     def mark_hardware(self, verdict: Fault) -> None:

@@ -34,6 +34,7 @@ from policies.base import Fault, Signal, label
 from policies.registry import PolicyError, load_set
 from recovery.core.cluster import ClusterView
 from recovery.core.detection import Detection
+from recovery.core.failures import note_exit
 from recovery.core.incidents import MAX_PLANS_PER_RECORD, Incidents
 from recovery.core.job import DEDUPE_WINDOW, Job, Memento
 from recovery.core.machine import FINAL
@@ -383,6 +384,7 @@ class Engine(Progress):
             if hasattr(data, "rank"):
                 stale = self._check_rank(job, data.rank, data.attempt, progress=False)
                 if stale:
+                    note_exit(job, data, out.ts)  # a replaced process's failure still tells how the script fails
                     if isinstance(data, kinds.ProcessExited) and not _stop_like(data):
                         out.decide(job, DecisionKind.SIGNAL_IGNORED, f"rank {data.rank}: the process of generation "
                                    f"{data.attempt} exited ({_exit_text(data)}) after generation "

@@ -83,7 +83,7 @@ class Incidents(Restarts):
             nodes_after_reset=len(self.placement.split_by_reset(vacate)[0]),
             sdk=job.sdk, now_ns=out.ts, fault_step=incident.fault_step,
             fault_ranks=tuple(sorted({r for f in incident.faults for r in f["ranks"]})),
-            recent=_recent(job), restart_times=job.restart_times,
+            recent=_recent(job), restart_times=job.restart_times, exits=incident.exits, world=job.world,
         )
         answer = consult(out, job, "rescheduling", "decide", ctx)
         loop = self._looping(out, job, incident, answer, ctx)

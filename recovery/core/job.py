@@ -8,7 +8,7 @@ from typing import Any
 
 from events.names import ATTEMPT_ENDED, AttemptOutcome, AttemptPurpose, IncidentCause, IncidentOutcome
 from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier
-from policies.base import NS, AttemptSummary, Fault, PolicySet, SaveRequest
+from policies.base import NS, AttemptSummary, FailedExits, Fault, PolicySet, SaveRequest
 from recovery.core.machine import fire_phase
 
 DEDUPE_WINDOW = 256
@@ -130,6 +130,9 @@ class Incident:
     bad_steps: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
     """the bad steps whose data its resume plans skip, as (generation, step, data named): one per generation, the
     earliest it reported (the later ones of a generation are its consequence: the all-reduce spread the bad state)"""
+    exits: tuple[FailedExits, ...] = ()
+    """the failed process exits of its last two generations that had any, counted by the way they failed
+    (`recovery.core.failures`)"""
 
     @property
     def attempt(self) -> Attempt | None:
