@@ -51,7 +51,8 @@ def recover_in_process() -> dict[str, object]:
     import recovery.client.ddp as resilient
     from recovery.client.torch import GENERATION_KEY, GenerationChanged
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    # the job store, served by this process for its life
+    _server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     figures: dict[str, object] = {"backend": "nccl", "nccl_version": ".".join(map(str, torch.cuda.nccl.version()))}
     _stage("forming the NCCL group of generation 0")
     started = time.monotonic()

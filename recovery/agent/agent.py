@@ -40,8 +40,8 @@ from recovery.agent.hangs import StockHangs
 from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
 from recovery.agent.memory import MemoryTier, memory_root
 from recovery.agent.outbox import Outbox
-from recovery.agent.probes.nvml import open_nvml_probe, watch_nvml
-from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_links, watch_xids
+from recovery.agent.probes.nvml import open_nvml_probe
+from recovery.agent.probes.watch import open_link_watcher, open_xid_follower, watch_probes
 from recovery.agent.progress import ProgressFold, SilenceWatch
 from recovery.agent.relay import Relay
 from recovery.agent.rescale import Rescale
@@ -167,12 +167,7 @@ class Agent(Relay, Rescale):
                     self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices, **pool})
                 else:
                     self.node_event("node.ready", {})
-                if self.link_watcher is not None:
-                    tg.start_soon(watch_links, self.link_watcher, self.node_event, self.cfg.link_poll_s)
-                if self.xid_follower is not None:
-                    tg.start_soon(watch_xids, self.xid_follower, self.node_event, self.cfg.xid_poll_s)
-                if self.nvml is not None:
-                    tg.start_soon(watch_nvml, self.nvml, self.node_event, self.cfg.nvml_poll_s)
+                tg.start_soon(watch_probes, self.link_watcher, self.xid_follower, self.nvml, self.node_event, self.cfg)
                 logger.info("agent ready", extra={"fields": {"node": self.node}})
                 task_status.started()
         finally:

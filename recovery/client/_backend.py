@@ -17,6 +17,7 @@ watchdog's handling is off unless the script set it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -72,11 +73,10 @@ def release(backend: str, aborted: bool) -> None:
     if not dist.is_initialized():
         return
     if aborted and on_device(backend):
-        try:
+        with contextlib.suppress(Exception):  # aborted twice, or already half gone: the destroy below clears it
             dist.distributed_c10d._abort_process_group()
+        if not dist.is_initialized():
             return
-        except Exception:  # noqa: BLE001  # aborted twice, or already half gone: a destroy clears the rest
-            pass
     dist.destroy_process_group()
 
 

@@ -15,7 +15,9 @@ from typing import Any
 
 import anyio
 
+from recovery.agent.config import AgentConfig
 from recovery.agent.probes.links import LinkWatcher
+from recovery.agent.probes.nvml import NvmlProbe, watch_nvml
 from recovery.agent.probes.xid import PciAddress, XidFault, XidFollower, parse_nvidia_smi_bus_ids
 from recovery.settings import ConfigError
 
@@ -25,6 +27,18 @@ Publish = Callable[[str, dict[str, Any]], None]
 """publish(event type, data) of a node event"""
 
 NVIDIA_SMI_QUERY = ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"]
+
+
+async def watch_probes(links: LinkWatcher | None, xids: XidFollower | None, nvml: NvmlProbe | None,
+                       publish: Publish, cfg: AgentConfig) -> None:
+    """Run every probe the agent opened, each at its configured interval, until cancelled."""
+    async with anyio.create_task_group() as tg:
+        if links is not None:
+            tg.start_soon(watch_links, links, publish, cfg.link_poll_s)
+        if xids is not None:
+            tg.start_soon(watch_xids, xids, publish, cfg.xid_poll_s)
+        if nvml is not None:
+            tg.start_soon(watch_nvml, nvml, publish, cfg.nvml_poll_s)
 
 
 async def watch_links(watcher: LinkWatcher, publish: Publish, interval_s: float) -> None:
