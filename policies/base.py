@@ -177,11 +177,11 @@ class WatchdogView:
     ranks, ...)`, as tests do) has its columns made from them. Read-only: a policy never changes what it is shown."""
 
     __slots__ = ("_ranks", "agents_heard", "compute_ns", "compute_steps", "last_progress", "last_seen", "nodes", "now",
-                 "ranks_per_node", "sdk", "step_time_ns", "steps")
+                 "ranks_per_node", "recovering", "sdk", "step_time_ns", "steps")
 
     def __init__(self, now: int, step_time_ns: int | None, ranks: Sequence[RankActivity] = (),
                  nodes: tuple[str, ...] = (), ranks_per_node: int = 1, agents_heard: tuple[int | None, ...] = (),
-                 sdk: bool = True, *, columns: RankColumns | None = None) -> None:
+                 sdk: bool = True, *, columns: RankColumns | None = None, recovering: bool = False) -> None:
         self.now = now
         self.step_time_ns = step_time_ns
         self.nodes = nodes
@@ -193,6 +193,10 @@ class WatchdogView:
         """the job's script reports through the SDK (some rank sent a heartbeat or a step): its ranks' silence and
         stalls mean something. False: a stock script, which sends neither; only its processes' exits and its agents'
         heartbeats tell of it, and no rank of it is ever silent for lacking heartbeats"""
+        self.recovering = recovering
+        """the job is recovering: its ranks are being stopped, saved or started, so their silence and stalls mean
+        nothing; only an agent's silence does (a host lost during a recovery must still be found). The engine acts on
+        node faults only while it is set"""
         if columns is None:
             ranks = tuple(ranks)
             columns = RankColumns(tuple(a.last_seen for a in ranks), tuple(a.last_progress for a in ranks),
@@ -226,7 +230,8 @@ class WatchdogView:
 
     def __repr__(self) -> str:
         return (f"WatchdogView(now={self.now}, step_time_ns={self.step_time_ns}, world={self.world}, "
-                f"nodes={len(self.nodes)}, ranks_per_node={self.ranks_per_node}, sdk={self.sdk})")
+                f"nodes={len(self.nodes)}, ranks_per_node={self.ranks_per_node}, sdk={self.sdk}, "
+                f"recovering={self.recovering})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -304,9 +304,10 @@ class DefaultDetection(DetectionPolicyBase):
             ranks = tuple(r for i in lost for r in range(i * rpn, (i + 1) * rpn) if r < view.world)
             return [Fault(f"agent of {', '.join(names)} silent for more than {p.agent_silence_s:g}s: the host or "
                           f"its agent is gone", FaultClass.NODE, "node", ranks, names[0] if len(names) == 1 else None)]
-        if not view.sdk:
+        if not view.sdk or view.recovering:
             # A stock script sends no heartbeats and reports no steps: its silence is no sign of a hang. Its exits
-            # and its agents' heartbeats are what tell of it.
+            # and its agents' heartbeats are what tell of it. Nor is a recovering job's: its ranks are being
+            # stopped and started.
             return []
         # Each test first asks the columns' min or max (C speed): a rank at a time only when one may be found.
         now, seen, progress, steps = view.now, view.last_seen, view.last_progress, view.steps

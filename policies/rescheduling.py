@@ -166,6 +166,11 @@ class LadderRescheduling(ReschedulingPolicyBase):
             # moves up once its rung has had its tries in a row.
             start = last.rung if last.outcome == "superseded" or _failed_in_a_row(ctx) < ladder[
                 min(last.rung, len(ladder) - 1)].tries else last.rung + 1
+            if last.outcome == "superseded":
+                # Superseded by a worse fault, the attempt was on another class's ladder (a crash's restart_job,
+                # rung 2, then its node found lost): its rung may be past this ladder's top, which is not the
+                # same as having failed there.
+                start = min(start, len(ladder) - 1)
         exhausted: list[str] = []
         blocked: list[str] = []  # rungs that cannot run on the job's nodes now, and why
         stock = False

@@ -80,7 +80,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
             await nc.subscribe("recovery.ev.node.>", cb=on_node)
             agents.extend(AgentProcess(workdir, node, server.url) for node in ("n0", "n1"))
-            await wait_until(lambda: ready >= {"n0", "n1"}, 30, "the agents to report their nodes", state.explain)
+            # a spare for the node-loss case, which runs last (it kills n1's agent for good)
+            agents.append(AgentProcess(workdir, "spare0", server.url, spare=True))
+            await wait_until(lambda: ready >= {"n0", "n1", "spare0"}, 30, "the agents to report their nodes",
+                             state.explain)
             await nc.close()
 
         asyncio.run(start_agents())
@@ -345,3 +348,52 @@ def test_a_script_failing_on_every_rank_before_its_first_step_fails_after_one_re
     assert generations <= {0, 1}, f"at most one retry: {sorted(generations)}"
     assert (cluster.workdir / "n0" / "stock-bad-lr.rank0.gen0.error.json").exists(), "@record wrote its error file"
     print(f"a script raising before its first step: recovery-run failed it in {took:.1f}s")
+
+
+async def test_a_lost_node_moves_the_job_to_the_spare_and_it_ends_as_the_fault_free_run(
+        cluster: Cluster, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    """n1's agent and rank are SIGKILLed together (the host is gone): with gloo the survivor on n0 exits at once
+    (`Connection reset by peer`), which opens a process-fault incident before n1's silence is seen. The job-level
+    restart it starts must not wait for n1's agent: the agent's silence is found while the job recovers, and the job
+    restarts whole on n0 and the spare from the script's own snapshot. Last in the module: n1 stays dead."""
+    job = "stock-nodeloss"
+    nc = await connect(cluster.nats.url)
+    w: JobWatch = await watch(nc, job)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"watchdog_interval_s": 0.5, "spares": 1, "policies": {
+        "rescheduling": {"name": "ladder", "params": {"running_grace_s": 2}}}}))
+    args = cluster_args(cluster, job, tmp_path / "final.pt", tmp_path / "snap.pt")
+    args[args.index("--max-restarts") + 1] = "3"  # as the issue's run: the budget three unanswered stops used up
+    proc = recovery_run(["--spec", str(spec), *args], tmp_path)
+    n1 = next(a for a in cluster.agents if a.node == "n1")
+    try:
+        def at_epoch_2() -> bool:
+            return any("Epoch 2 | Batchsize" in text for text in rank_logs(cluster, job).values())
+
+        await wait_until(at_epoch_2, RUN_TIMEOUT_S, "the job to reach its third epoch", cluster.explain)
+        rank1 = json.loads((cluster.workdir / "n1" / f"{job}.rank1.json").read_text())["pid"]
+        killed = time.monotonic()
+        n1.proc.kill()  # the agent first: no exit of the rank is reported
+        os.killpg(rank1, signal.SIGKILL)
+
+        def on_spare() -> bool:  # the spare's agent started a rank of the job
+            return any((cluster.workdir / "spare0").glob(f"{job}.rank*.gen*.log"))
+
+        await wait_until(on_spare, RUN_TIMEOUT_S, "the job to start on the spare", cluster.explain)
+        on_spare_s = time.monotonic() - killed
+        code, output = await asyncio.to_thread(finish, proc, tmp_path)
+        completed_s = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # recovery-run cancels the job and stops
+            proc.wait(timeout=60)
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+    assert code == 0, f"{output}\n{cluster.explain()}"
+    assert "job.failed" not in w.kinds() and not w.decided("attempt.timed_out"), w.kinds()
+    assert any(d["data"]["reason"].startswith("agent of n1 silent") for d in w.decisions), w.kinds()
+    restarts = w.decided("ranks.rescheduling")
+    assert restarts[-1]["data"]["detail"]["nodes"] == ["n0", "spare0"], restarts[-1]
+    assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
+    print(f"stock script, n1's agent and rank killed: running on the spare {on_spare_s:.2f}s later, completed "
+          f"{completed_s:.2f}s later; decisions {w.kinds()}")

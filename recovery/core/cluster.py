@@ -7,6 +7,7 @@ order of dicts) or from sorting, so a replay walks it the same way every time.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 HISTORY = 64
@@ -137,6 +138,11 @@ class ClusterView:
         if state.bad_devices and all(d >= ranks_per_node for d in state.bad_devices):
             return state.ready and not state.gone and not state.drained and not state.isolated and not state.links_down
         return state.usable
+
+    def agents_heard(self, names: Iterable[str]) -> bool:
+        """Has the agent of any of these nodes sent a heartbeat, so that its silence can be told?"""
+        nodes = self.nodes
+        return any(nodes[name].heard is not None for name in names if name in nodes)
 
     def reachable(self, name: str) -> bool:
         """Can a checkpoint held in this node's memory or disk still be read?"""

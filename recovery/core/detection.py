@@ -240,8 +240,7 @@ class Detection:
                                        f"{attempt.number}: {verdict.reason}", plan=plan)
             return
         # Pending suspicions stay: the other nodes behind a failed switch confirm later and join this incident.
-        cancelled = self.timekeeper.cancel(job.watchdog)
-        job.watchdog = None
+        cancelled = self.incidents.disarm_watchdog(job)
         job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                 fault_step=job.step, fault_class=verdict.fault_class, cause=IncidentCause.FAULT,
                                 faults=[fault])
@@ -305,7 +304,7 @@ class Detection:
         they held in memory or on local disk is no source for this incident's restarts, whatever the cluster view
         says of their readiness (a silent host has not said it is not ready)."""
         if verdict.fault_class is FaultClass.NODE and verdict.lost:
-            hosts = {job.nodes[r // job.rpn] for r in verdict.ranks if r < job.world}
+            hosts = _hosts(job, verdict)
             if not incident.dead_hosts.issuperset(hosts):
                 incident.dead_hosts = incident.dead_hosts | hosts
             for host in sorted(hosts):
@@ -329,6 +328,11 @@ class Detection:
         if verdict.node is not None and verdict.node not in attempt.vacate and (
                 verdict.needs_move or not self.cluster.usable_by(verdict.node, job.rpn)):
             return False  # the attempt restarts ranks on a node that can take none now: leave it, or wait for it
+        if verdict.fault_class is FaultClass.NODE and verdict.lost and not _hosts(job, verdict).issubset(
+                attempt.vacate):
+            # Hosts declared gone (several at once name no one node) that the attempt keeps: it would wait for their
+            # agents' answers until its deadline, and restart ranks where nothing runs.
+            return False
         if attempt.covered is None:  # built once: a burst of exits during a 16k-rank restart asks per exit
             attempt.covered = frozenset(attempt.ranks) | frozenset(attempt.stopping)
         covered = attempt.covered
@@ -355,8 +359,10 @@ class Detection:
         return replace(verdict, reason=f"confirmed: {verdict.reason}", ranks=ranks)
 
     def watchdog(self, out: RecordEffects, job: Job, late_ns: int = 0) -> None:
-        """A tick of the job's watchdog, logged `late_ns` after it was due."""
-        if job.state != "running":
+        """A tick of the job's watchdog, logged `late_ns` after it was due. It ticks through a recovery when the job's
+        agents send heartbeats (`Incidents.disarm_watchdog`), looking for lost hosts only."""
+        recovering = job.state == "recovering"
+        if job.state != "running" and not recovering:
             return
         if late_ns >= int(job.spec.watchdog_interval_s * NS):
             # The tick could not be logged on time: the control plane itself was away (NATS restarting, the daemon
@@ -376,12 +382,30 @@ class Detection:
                               tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]))
         view = WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn,
                             tuple(agents[n].heard if n in agents else None for n in job.nodes), job.sdk,
-                            columns=columns)
+                            columns=columns, recovering=recovering)
         verdicts = consult(out, job, "detection", "check", view)
+        if recovering:
+            self._hosts_lost(out, job, verdicts)
+            return
         for verdict in verdicts:
             if job.state != "running" or job.incident is not None:
                 break
             self.verdict(out, job, verdict, type_="watchdog")
+
+    def _hosts_lost(self, out: RecordEffects, job: Job, verdicts: list[Verdict]) -> None:
+        """The watchdog's verdicts while the job recovers: only a host lost (its agent fell silent) is news. The ranks
+        are being stopped and started, so a policy's word on their silence or progress means nothing now; and a host
+        this incident declared gone already stays silent at every tick."""
+        incident = job.incident
+        if incident is None:
+            return
+        for verdict in verdicts:
+            if not (isinstance(verdict, Fault) and verdict.fault_class is FaultClass.NODE and verdict.lost):
+                continue
+            if _hosts(job, verdict).issubset(incident.dead_hosts):
+                continue
+            self.verdict(out, job, verdict, type_="watchdog")
+            return  # the fault replanned the incident: the next tick sees what is left
 
     def suspicion_due(self, out: RecordEffects, job: Job, timer_id: str, due: int) -> bool:
         """A confirmation timer fired: confirm its suspicion, with every other one due by now. False if
@@ -402,3 +426,8 @@ class Detection:
         for index, verdict in enumerate(confirmed):
             self.fault(out, job, verdict, policy, plan=index == len(confirmed) - 1)
         return True
+
+
+def _hosts(job: Job, verdict: Fault) -> frozenset[str]:
+    """The job's nodes that run the ranks a fault names."""
+    return frozenset(job.nodes[r // job.rpn] for r in verdict.ranks if r < job.world)

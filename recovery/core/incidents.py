@@ -10,6 +10,7 @@ a fault outside the attempt ends it and the policy is asked again.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from events import kinds
@@ -92,8 +93,18 @@ class Incidents(Restarts):
         policy = job.policies.labels["rescheduling"]
         out.plans += 1
         short = None
+        if isinstance(answer, StartRung) and answer.granularity is G.MIGRATE and forced is G.MIGRATE and not job.sdk:
+            # A stock script's surviving processes cannot join restarted peers: an operator's move of its ranks is a
+            # job-level restart with the nodes moved off replaced by spares.
+            vacate = migrate
+            answer = replace(answer, granularity=G.RESTART_JOB, reason=f"{answer.reason}: the script does not use the "
+                             f"SDK, so every rank restarts, off {', '.join(migrate) or 'no node'}")
         if isinstance(answer, StartRung):
             short = self._unplaceable(job, answer, vacate, migrate, len(spares), forced)
+        if short is not None and forced is not None:
+            # An operator's order the cluster cannot carry out is refused as a whole (the attempt under way goes on),
+            # with the reason `recovery-ctl` shows: made to wait for nodes, it would look accepted and do nothing.
+            raise Rejected("invalid_request", f"cannot force {forced.value} on job {job.id}: {short}")
         if short is None and out.plans > MAX_PLANS_PER_RECORD:
             short = f"asked {out.plans} times within one record"
         if short is not None:
@@ -222,6 +233,8 @@ class Incidents(Restarts):
             if g is G.MIGRATE and len(must_move) > spares:
                 return f"{len(must_move)} node(s) to move after the reset, {spares} spare(s)"
             return None
+        if g is G.MIGRATE and not migrate:
+            return "no node to move: none is unusable and no rank is faulty or gone"
         if g is G.MIGRATE and len(migrate) > spares:
             return f"{len(migrate)} node(s) to move, {spares} spare(s)"
         if g in (G.RESTART_JOB, G.DUMP) and len(vacate) > spares:
@@ -357,7 +370,8 @@ class Incidents(Restarts):
         incident.lost_steps = lost
         self.close(job, out.ts, IncidentOutcome.RECOVERED)
         out.decide(job, DecisionKind.INCIDENT_CLOSED, reason,
-                   trigger="recovered", cancelled=cancelled, timers=self.timekeeper.arm_watchdog(out, job),
+                   trigger="recovered", cancelled=cancelled,
+                   timers=self.timekeeper.arm_watchdog(out, job) if job.watchdog is None else [],
                    detail={"incident": incident.id, "lost_steps": lost, "attempts": len(incident.attempts),
                            "granularity": attempt.granularity.value,
                            "mttr_ns": out.ts - incident.opened})
@@ -440,16 +454,25 @@ class Incidents(Restarts):
             out.decide(job, DecisionKind.ATTEMPT_SUPERSEDED, reason, cancelled=cancelled,
                        detail={"attempt": attempt.number})
 
+    def disarm_watchdog(self, job: Job) -> list[str]:
+        """An incident opens: the watchdog stops, unless the agents of the job's nodes send heartbeats. Then it goes
+        on through the recovery, watching the agents only (`Detection.watchdog`): a host lost while the job recovers
+        is found as one lost while it runs, not by an attempt waiting out its agent's answer."""
+        if self.cluster.agents_heard(job.nodes):
+            return []
+        cancelled = self.timekeeper.cancel(job.watchdog)
+        job.watchdog = None
+        return cancelled
+
     def open(self, out: RecordEffects, job: Job, cause: IncidentCause) -> Incident:
         if job.incident is None:
-            cancelled = self.timekeeper.cancel(job.watchdog)
-            job.watchdog = None
+            cancelled = self.disarm_watchdog(job)
             job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                     fault_step=job.step, fault_class=None, cause=cause)
             if cancelled:
                 out.decide(job, DecisionKind.WATCHDOG_DISARMED, f"{cause} incident", trigger="recover",
                            cancelled=cancelled)
-            else:  # a running job always has its watchdog armed: kept so the machine stays right regardless
+            else:  # the watchdog goes on watching the agents (or was not armed): the job recovers all the same
                 fire(job, "recover")
         return job.incident
 

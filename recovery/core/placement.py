@@ -78,8 +78,8 @@ class Placement:
         return free[:max(0, quota - held)]
 
     def place(self, job: Job, attempt: Attempt) -> tuple[list[str], int] | None:
-        """Nodes and data-parallel size after a job-level restart or scale."""
-        usable = [n for n in job.nodes if self.cluster.usable_by(n, job.rpn)]
+        """Nodes and data-parallel size after a job-level restart or scale, off the nodes the attempt vacates."""
+        usable = [n for n in job.nodes if self.cluster.usable_by(n, job.rpn) and n not in attempt.vacate]
         spares = self.spares_for(job)
         per_replica = job.layout.tp * job.layout.pp
         if attempt.granularity is G.SCALE_IN:
