@@ -131,7 +131,9 @@ async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:
 def test_how_many_standbys_a_job_keeps() -> None:
     assert [standbys_wanted(choice, enabled, 4) for choice, enabled in
             ((None, False), (None, True), ("0", True), ("no", True), ("1", False), ("3", False), ("9", False),
-             ("all", False), ("yes", False))] == [0, 1, 0, 0, 1, 3, 4, 4, 1]
+             ("all", False), ("yes", False))] == [0, 2, 0, 0, 1, 3, 4, 4, 1]
+    # by default two per node, so that two ranks lost together both start warm; one where the job has one rank
+    assert (standbys_wanted(None, True, 1), standbys_wanted(None, True, 8)) == (1, 2)
 
 
 async def test_a_job_that_wants_two_standbys_keeps_two_and_hands_them_over(tmp_path: Path) -> None:

@@ -105,9 +105,10 @@ class AgentConfig(FileSettings):
                                                                   "ECC and row-remapping counters): auto, where "
                                                                   "NVML answers; on, or the agent does not start")
     nvml_poll_s: float = Field(2.0, gt=0, le=600, description="how often NVML is read")
-    standby: bool = Field(True, description="keep a warm standby interpreter per job on this node (torch imported) "
-                                            "that a restarted rank is handed to; a job's entrypoint environment "
-                                            "RECOVERY_STANDBY=0, N or all overrides this for the job")
+    standby: bool = Field(True, description="keep warm standby interpreters per job on this node (torch imported; "
+                                            "two, or one where the job has one rank here) that restarted ranks are "
+                                            "handed to; a job's entrypoint environment RECOVERY_STANDBY=0, N or "
+                                            "all overrides this for the job")
     standby_preload: str = Field("torch,torch.distributed,torch._dynamo,recovery.client.torch:warm_up",
                                  description="modules a standby imports before it waits, comma-separated, and "
                                              "`module:function` warm-ups it calls (a job's RECOVERY_STANDBY_PRELOAD "

@@ -4,8 +4,11 @@ the restarted rank its own start-up (about a second of `import torch` and `torch
 under load); then the agent starts the next standby, after `standby_delay_s`, so that its imports do not compete
 for the CPU with the recovery under way.
 
-On by default: the agent's `standby` setting for every job (a cold restart's `import torch` is most of a single rank's
-recovery, and an idle interpreter is cheap on a training node), or the job's own entrypoint environment
+On by default, two per job and node (one where the job has one rank there): the agent's `standby` setting for every
+job (a cold restart's `import torch` is most of a single rank's recovery, and an idle interpreter is cheap on a
+training node; two, because one fault often takes two ranks of a node together, a rank dying with the peer it
+crashed or a host's memory killer taking two, and with one standby the second rank starts cold and the whole
+recovery waits for it), or the job's own entrypoint environment
 `RECOVERY_STANDBY` (`0` opts a job out; a number N keeps N per node, `all` one per rank on the node: a job whose
 faults restart every rank, a script without the SDK, needs one for each); `RECOVERY_STANDBY_PRELOAD` (comma-separated
 modules) overrides the agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...`
@@ -36,6 +39,8 @@ logger = logging.getLogger("recovery.agent")
 STANDBY_ENV = "RECOVERY_STANDBY"
 PRELOAD_ENV = "RECOVERY_STANDBY_PRELOAD"
 INTERPRETER = "recovery.agent.interpreter"
+DEFAULT_PER_NODE = 2
+"""standbys a job keeps on a node when its entrypoint does not say (fewer where it has fewer ranks there)"""
 READY_TIMEOUT_S = 600.0
 
 
@@ -80,9 +85,10 @@ class Standby:
 
 def standbys_wanted(choice: str | None, enabled: bool, local_ranks: int) -> int:
     """How many standbys a job keeps on a node: `RECOVERY_STANDBY` of its entrypoint (`0`/`false`/`no`/empty: none,
-    a number: that many, `all`: one per rank here, anything else: one), else one if the agent's `standby` is on."""
+    a number: that many, `all`: one per rank here, anything else: one), else `DEFAULT_PER_NODE` (at most one per
+    rank here) if the agent's `standby` is on."""
     if choice is None:
-        return 1 if enabled else 0
+        return max(1, min(DEFAULT_PER_NODE, local_ranks)) if enabled else 0
     choice = choice.strip().lower()
     if choice in ("", "0", "false", "no"):
         return 0
