@@ -224,7 +224,10 @@ class LadderRescheduling(ReschedulingPolicyBase):
                    f"no rung of the {ctx.fault_class.value} ladder can recover this fault now")
             return self._restart_whole(ctx, why, ladder)
         if exhausted:
-            return Fail("restart budget exhausted: " + "; ".join(exhausted))
+            # A fault of the script: every rung was tried as often as its budget allows, and none got the job a step
+            # past where the fault struck it.
+            return Fail(f"no progress: {len(ctx.previous)} attempt(s) of this incident ended without a step past "
+                        f"{ctx.fault_step}; restart budget exhausted: " + "; ".join(exhausted))
         if stock:
             return Fail(f"no rung of the {ctx.fault_class.value} ladder can recover this fault: the script does not "
                         f"use the SDK, and only a job-level restart (restart_job) restarts every process")
