@@ -344,7 +344,8 @@ class LadderRescheduling(ReschedulingPolicyBase):
             return Fail(f"{short}: {waited}no fallback: the job is not elastic and no device reset clears the fault")
         wait = min(wait_s, self.params.reset_after_s) if in_place or partly else wait_s
         then = ("reset the device(s) and restart in place" if in_place else
-                "reset what a reset clears and move the rest" if partly else "fail")
+                "reset what a reset clears and move the rest" if partly else
+                "wait again" if self._persists(ctx) else "fail")
         return Wait(f"{short}: wait for nodes, at most {wait:g} s, then {then}", int(wait * NS))
 
 
