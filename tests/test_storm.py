@@ -149,3 +149,47 @@ def test_the_default_never_fails_and_leads_every_profile_through_short_storms() 
     """The short version of `python tools/bench.py storm` (1,024 GPUs for 7 days, two seeds; about 15 s)."""
     outcomes = sweep(1_024, 7.0, (1.0, 10.0, 30.0), (1, 2))
     assert not shortfalls(outcomes), table(outcomes)
+
+
+def test_a_move_superseded_in_flight_and_failed_later_is_undone_through_the_moves_after_it() -> None:
+    """A host lost, its ranks moving to a spare; a crash elsewhere supersedes the move before its ack, and the next
+    attempt moves the same slot on from the spare the first move named. Then the first move fails (its ranks never
+    left), and so does the second. Before, the placement drifted (the undo looked for the slot only where the first
+    move put it) and the next attempt raised `ValueError: ... is not in list` in `ranks_on` on every ack and timer.
+    Now the slot goes back to where its ranks are, every spare of the chain returns to the pool, and the job trains
+    again."""
+    s = Scenario()
+    for index in range(4):
+        s.spare(f"s{index}")
+    s.submit(JOB, list(NODES), ranks_per_node=2, dp=4, tp=2)
+    s.train(JOB, 3)
+    s.checkpoint(JOB, 3, "storage", "storage")
+    s.node_event("n1", "device.fault", device=0, vendor="nvidia", code="79")
+    while not s.outstanding("migrate_ranks"):
+        s.complete(s.outstanding()[0])
+    [first] = s.outstanding("migrate_ranks")
+    s.job_event(JOB, "process.exited", rank=6, exit_code=1, signal=None, attempt=s.engine.jobs[JOB].rank_gen[6])
+    s.advance(2)  # the settle window: the next attempt moves n1's slot on from the spare the first move named
+    while not s.outstanding("migrate_ranks"):
+        s.complete(s.outstanding()[0])
+    second = s.outstanding("migrate_ranks")
+    assert first.to_node in {m.from_node for m in second}
+    s.ack(first, "failed", "the ranks to move are not running")
+    for move in second:
+        s.ack(move, "failed", f"{move.from_node} is not in the job")
+    assert not [r for r in s.rejections if r.code in BROKEN], s.rejections
+    # The second attempt failed with its moves and the third moves n1's slot again (to a spare returned to the
+    # pool); n3's failed move left it where it was. The job's placement and the cluster's agree.
+    job = s.engine.jobs[JOB]
+    assert "n3" in job.nodes and len(set(job.nodes)) == len(job.nodes)
+    assert all(s.engine.cluster.nodes[name].job == JOB for name in job.nodes)
+    assert [m.from_node for m in s.outstanding("migrate_ranks")] == ["n1"]
+    for _ in range(100):
+        heal(s)
+        s.ack_all()
+        if s.engine.jobs[JOB].phase == "restoring":
+            s.train(JOB, 2)
+        if s.engine.jobs[JOB].state != "recovering":
+            break
+        s.advance(20)
+    assert s.state(JOB) == "running" and not [r for r in s.rejections if r.code in BROKEN]
