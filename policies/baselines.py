@@ -190,7 +190,7 @@ class MindClusterLikeRescheduling(LadderRescheduling):
         ladder = [Rung(granularity=g, budget=None, deadline_s=own.deadlines_s.get(g, d), wait_s=MAX_SECONDS)
                   for g, d in STRATEGY_ORDER for _ in range(own.job_level_tries if g is G.RESTART_JOB else 1)]
         super().__init__({"ladders": {fc: ladder for fc in FaultClass}, "elastic": True, "wait": True,
-                          "reset_after_s": MAX_SECONDS, "restart_budget": None, "loop_after": None,
+                          "reset_after_s": MAX_SECONDS, "loop_after": None, "no_progress_after": None, "persist": False,
                           "quick_widenings": 0})
 
 

@@ -6,6 +6,11 @@ start until the job makes progress past its resume point).
 An attempt that fails or misses its deadline moves the incident one rung up. A rung that cannot help
 (a step retry when a process is gone, an in-place restart on a dead node) is skipped; a rung that
 needs nodes the cluster does not have scales the job in if it is elastic, or waits for nodes.
+
+The ladder fails a job only for its script: a crash loop (the same step, again and again), no progress through its
+recoveries (`no_progress_after`), a fault no rung can recover in a job that does not persist. A fault of the
+infrastructure whose rungs are spent waits and restarts the whole job, or waits for nodes: every wait has a deadline
+and a way on after it (`persist`).
 """
 
 from __future__ import annotations
@@ -77,10 +82,18 @@ class LadderParams(Params):
                                                          "device a reset clears (XID 48), wait this long at most "
                                                          "for a spare, then reset it and restart in place: "
                                                          "1 ms .. 30 days")
-    restart_budget: Count | None = Field(48, description="restarts (any rung that starts processes) the job may "
-                                                          "begin within restart_window_s, across incidents; then the "
-                                                          "job fails and says so. None: unlimited")
-    restart_window_s: Interval = Field(24 * 3600.0, description="the window of restart_budget: 1 ms .. 30 days")
+    no_progress_after: PositiveCount | None = Field(5, description="recoveries in a row of a fault of the script "
+                                                                   "(a crash, a hang, a bad step) after which the job "
+                                                                   "got no step past the furthest it had reached "
+                                                                   "before: at the next such fault the job fails and "
+                                                                   "says so. Faults of the infrastructure neither "
+                                                                   "count nor end the run. None: never")
+    persist: Flag = Field(True, description="a fault of the infrastructure (device, node, network, preemption) never "
+                                            "fails the job: when the ladder has no rung left for it (its budgets "
+                                            "spent, no spare, a wait that ran out), the job waits retry_after_s "
+                                            "and restarts whole, or waits again for nodes")
+    retry_after_s: Interval = Field(300.0, description="with persist: the wait before a job-level restart once the "
+                                                       "ladder has no rung left: 1 ms .. 30 days")
     loop_after: PositiveCount | None = Field(2, description="a crash loop: the job crashes again where it crashed "
                                                             "before, after this many recoveries in a row; the job "
                                                             "fails and says so. None: never")
@@ -107,10 +120,11 @@ class LadderParams(Params):
 
 class LadderRescheduling(ReschedulingPolicyBase):
     name: ClassVar[str] = "ladder"
-    version: ClassVar[str] = "7"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps;
+    version: ClassVar[str] = "8"  # 2: a settle window after a superseded attempt; 3: tries per rung; 4: deadline_steps;
     # 5: every wait has a deadline and a fallback (a device reset in place, scale in, or fail with the reason);
     # 6: a stock script (no SDK) restarts whole; a restart budget over a window; crash loops fail the job;
-    # 7: the first quick_widenings of a crash restarted in place do not settle
+    # 7: the first quick_widenings of a crash restarted in place do not settle; 8: no restart budget over a window but
+    # a no-progress rule, a rung carried across ladders by granularity, and an infrastructure fault never fails the job
     # (the bad-step ladder is no new version: no log before it holds a bad step, so no decision of one changes)
 
     parameters = LadderParams
@@ -144,15 +158,8 @@ class LadderRescheduling(ReschedulingPolicyBase):
             return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline_ns=900 * NS)
         if ctx.max_restarts is not None and ctx.restarts_used >= ctx.max_restarts:
             return Fail(f"restart budget max_restarts exhausted: {ctx.restarts_used} of {ctx.max_restarts} used")
-        budget = self.params.restart_budget
-        if budget is not None:
-            window = int(self.params.restart_window_s * NS)
-            recent = sum(1 for ts in ctx.restart_times if ctx.now_ns - ts < window)
-            if recent >= budget:
-                return Fail(f"restart budget exhausted: {recent} restarts within {self.params.restart_window_s:g} s "
-                            f"(restart_budget {budget})")
         if not ctx.previous:  # a loop shows at an incident's first fault; its own failed attempts are the ladder's
-            loop = self._loop(ctx)
+            loop = self._loop(ctx) or self._no_progress(ctx)
             if loop is not None:
                 return Fail(loop)
         if ctx.widened and self.params.settle_s > 0 and not self._quick(ctx):
@@ -163,14 +170,14 @@ class LadderRescheduling(ReschedulingPolicyBase):
         if ctx.previous:
             last = ctx.previous[-1]
             # A superseded attempt did not fail: the widened incident starts again at the same rung. A failed one
-            # moves up once its rung has had its tries in a row.
-            start = last.rung if last.outcome == "superseded" or _failed_in_a_row(ctx) < ladder[
-                min(last.rung, len(ladder) - 1)].tries else last.rung + 1
+            # moves up once its rung has had its tries in a row. The incident may have changed ladders since (a host
+            # lost during a device fault's restart makes it a node fault, whose ladder is shorter): a superseded
+            # rung is kept within the new ladder, a failed one is found there by its granularity.
             if last.outcome == "superseded":
-                # Superseded by a worse fault, the attempt was on another class's ladder (a crash's restart_job,
-                # rung 2, then its node found lost): its rung may be past this ladder's top, which is not the
-                # same as having failed there.
-                start = min(start, len(ladder) - 1)
+                start = min(last.rung, len(ladder) - 1)
+            else:
+                at = _rung_in(ladder, last.rung, last.granularity)
+                start = at if _failed_in_a_row(ctx) < ladder[at].tries else at + 1
         exhausted: list[str] = []
         blocked: list[str] = []  # rungs that cannot run on the job's nodes now, and why
         stock = False
@@ -181,8 +188,7 @@ class LadderRescheduling(ReschedulingPolicyBase):
         for index in order:
             rung = ladder[index]
             g = rung.granularity
-            deadline = min(max(int(rung.deadline_s * NS), int(self.params.deadline_steps * (ctx.step_time_ns or 0))),
-                           int(MAX_SECONDS * NS))
+            deadline = _deadline(self, rung, ctx)
             key = f"{ctx.fault_class.value}/{g.value}"
             if g is G.FAIL:
                 return Fail(f"ladder for {ctx.fault_class.value} ends in fail")
@@ -211,17 +217,71 @@ class LadderRescheduling(ReschedulingPolicyBase):
             if g is G.SCALE_IN and ctx.scale_in_dp is None:
                 continue
             return StartRung(g, f"{ctx.fault_class.value} fault, rung {index}: {g.value}", deadline, index)
-        if exhausted:
-            return Fail("restart budget exhausted: " + "; ".join(exhausted))
         if blocked and self.params.wait:
             # The rungs left need nodes that cannot run processes now (a link down and being debounced, a node not
             # ready): a condition that often passes by itself. Wait for it, bounded, rather than fail at once.
             wait_s = max(ladder[i].wait_s for i in order)
             return self._wait_or_fall_back(ctx, "; ".join(blocked), wait_s, 0, max(order, default=0))
+        if self._persists(ctx):
+            why = ("restart budget exhausted: " + "; ".join(exhausted) if exhausted else
+                   f"no rung of the {ctx.fault_class.value} ladder can recover this fault now")
+            return self._restart_whole(ctx, why, ladder)
+        if exhausted:
+            # A fault of the script: every rung was tried as often as its budget allows, and none got the job a step
+            # past where the fault struck it.
+            return Fail(f"no progress: {len(ctx.previous)} attempt(s) of this incident ended without a step past "
+                        f"{ctx.fault_step}; restart budget exhausted: " + "; ".join(exhausted))
         if stock:
             return Fail(f"no rung of the {ctx.fault_class.value} ladder can recover this fault: the script does not "
                         f"use the SDK, and only a job-level restart (restart_job) restarts every process")
         return Fail(f"no rung of the {ctx.fault_class.value} ladder can recover this fault")
+
+    def _persists(self, ctx: RescheduleContext) -> bool:
+        """Is this a fault the job must outlast rather than fail for: the infrastructure's, under `persist`?"""
+        return self.params.persist and ctx.fault_class in INFRASTRUCTURE
+
+    def _restart_whole(self, ctx: RescheduleContext, why: str, ladder: list[Rung]) -> Reschedule:
+        """The ladder has no rung left for an infrastructure fault: restart the whole job once `retry_after_s` has
+        passed (the failures that spent the rungs may pass too: a flapping switch, an executor's bad minute), or, if
+        the nodes for that are missing, wait for them. Either way bounded, and never a failure of the job."""
+        wait_s = self.params.retry_after_s
+        if not ctx.wait_expired:
+            return Wait(f"{why}: wait {wait_s:g} s, then restart the whole job", int(wait_s * NS))
+        if ctx.nodes_to_replace > ctx.spares_available:
+            if self.params.elastic and ctx.scale_in_dp is not None:
+                return StartRung(G.SCALE_IN, f"{why}: scale in to dp={ctx.scale_in_dp}", _deadline(self, ladder[-1],
+                                 ctx), len(ladder) - 1)
+            longest = max(r.wait_s for r in ladder)
+            return Wait(f"{why}: {ctx.nodes_to_replace} node(s) to replace, {ctx.spares_available} spare(s): wait "
+                        f"for nodes, at most {longest:g} s", int(longest * NS))
+        return StartRung(G.RESTART_JOB, f"{why}: waited {ctx.waited_ns / NS:.0f} s, restart the whole job from the "
+                         f"newest complete checkpoint", _deadline(self, ladder[-1], ctx), len(ladder) - 1)
+
+    def _no_progress(self, ctx: RescheduleContext) -> str | None:
+        """Why the job makes no progress through its recoveries, or None: at a fault of its script, its last
+        `no_progress_after` recoveries from faults of its script each ended with the job no further than the furthest
+        step it had reached before (recoveries from faults of the infrastructure are passed over: they say nothing
+        of the script)."""
+        need = self.params.no_progress_after
+        if need is None or not ctx.sdk or ctx.fault_class in INFRASTRUCTURE or ctx.fault_step == 0:
+            return None
+        runs = list(ctx.recent)
+        # The furthest step reached before each recovery, and the step the job got to after it (where it was at the
+        # next incident's fault: the one after it, or the open one).
+        after = [run.fault_step for run in runs[1:]] + [ctx.fault_step] if runs else []
+        furthest = 0
+        stalled: list[int] = []
+        for run, reached in zip(runs, after, strict=True):
+            furthest = max(furthest, run.fault_step)
+            if run.outcome != "recovered" or reached > furthest:
+                stalled = []
+            elif run.fault_class not in INFRASTRUCTURE:
+                stalled.append(reached)
+        if len(stalled) < need:
+            return None
+        return (f"no progress: the job got no further than step {furthest} through its last {len(stalled)} recoveries "
+                f"from faults of its script (it reached steps {stalled} after them; no_progress_after {need}): "
+                f"recovering again would not get it further; fix the script or its data, then submit it again")
 
     def _loop(self, ctx: RescheduleContext) -> str | None:
         """Why the open incident is a crash loop, or None: after each of the last `loop_after` recoveries the job
@@ -279,11 +339,41 @@ class LadderRescheduling(ReschedulingPolicyBase):
                 return StartRung(G.MIGRATE, f"{short}: {waited}reset the device(s) a reset clears, restart those "
                                             f"ranks in place and move the ranks of {ctx.nodes_after_reset} node(s)",
                                  max(deadline, first), rung, reset_devices=True)
+            if self._persists(ctx):
+                # The cluster has not the nodes now; repairs bring them back. A new stretch of waiting, with its own
+                # deadline: the job is never failed for the hardware it lost.
+                return Wait(f"{short}: {waited}the job is not elastic and no device reset clears the fault: wait for "
+                            f"nodes again, at most {wait_s:g} s", int(wait_s * NS))
             return Fail(f"{short}: {waited}no fallback: the job is not elastic and no device reset clears the fault")
         wait = min(wait_s, self.params.reset_after_s) if in_place or partly else wait_s
         then = ("reset the device(s) and restart in place" if in_place else
-                "reset what a reset clears and move the rest" if partly else "fail")
+                "reset what a reset clears and move the rest" if partly else
+                "wait again" if self._persists(ctx) else "fail")
         return Wait(f"{short}: wait for nodes, at most {wait:g} s, then {then}", int(wait * NS))
+
+
+def _deadline(policy: LadderRescheduling, rung: Rung, ctx: RescheduleContext) -> int:
+    """A rung's deadline, at least `deadline_steps` of the job's steps, at most 30 days, in ns."""
+    return min(max(int(rung.deadline_s * NS), int(policy.params.deadline_steps * (ctx.step_time_ns or 0))),
+               int(MAX_SECONDS * NS))
+
+
+def _rung_in(ladder: list[Rung], rung: int, granularity: Granularity) -> int:
+    """The index in `ladder` of an attempt made at `rung` with `granularity` (maybe on another class's ladder): the
+    same index when it has that granularity there, else the first rung at least as large, else the top."""
+    if rung < len(ladder) and ladder[rung].granularity is granularity:
+        return rung
+    size = _SIZES.get(granularity, len(_SIZES))
+    for index, candidate in enumerate(ladder):
+        if _SIZES.get(candidate.granularity, len(_SIZES)) >= size:
+            return index
+    return len(ladder) - 1
+
+
+_SIZES = {g: i for i, g in enumerate((G.RETRY, G.IN_PLACE, G.MIGRATE, G.SCALE_IN, G.RESTART_JOB))}
+"""how much of the job each recovering granularity restarts, smallest first"""
+INFRASTRUCTURE = frozenset((FaultClass.DEVICE, FaultClass.NODE, FaultClass.NETWORK, FaultClass.PREEMPTION))
+"""fault classes of the hardware and the platform under the job, not of its script"""
 
 
 def _failed_in_a_row(ctx: RescheduleContext) -> int:

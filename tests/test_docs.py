@@ -222,6 +222,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "recovery-agent --node n0 --links ib0,ib1 --kernel-log /dev/kmsg":
         "tests/test_agent_probes.py::test_a_veth_taken_down_in_the_agents_namespace_is_published_and_decided_on",
     "python tools/bench.py policies --seeds 3": "tests/test_bench_smoke.py::test_bench_quick_prints_json_metrics",
+    "python tools/bench.py storm":
+        "tests/test_storm.py::test_the_default_never_fails_and_leads_every_profile_through_short_storms",
     "pip install -e examples/policy-plugin": "tests/test_plugin.py::test_an_installed_plugin_policy_drives_a_job",
     f"{SIM} --policy rescheduling=example-in-place-first:deadline_s=90 --log plugin.jsonl":
         "tests/test_plugin.py::test_the_simulator_runs_an_installed_plugin_on_the_same_faults",

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events.outputs import Rejection
+from events.outputs import Decision, Rejection
 from events.values import Granularity, JobSpec, Layout
 from policies.base import NS, PolicySet, Reschedule, RescheduleContext, ReschedulingPolicyBase, StartRung
 from recovery.core.engine import Engine
@@ -125,25 +125,33 @@ def test_a_plugin_that_keeps_erring_is_replaced_for_its_job_by_the_builtin() -> 
     assert len(s.find("incident.closed", "a")) == 3 and s.state("a") == "running"
 
 
-def test_our_own_policys_exception_still_fails_the_record_and_changes_nothing(
+def test_our_own_policys_exception_fails_the_record_and_moves_the_job_to_a_safe_restart(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A built-in policy that raises is a bug of ours, with nothing to fall back on: the record is undone and
-    dead-lettered, naming the policy, as before."""
+    dead-lettered, naming the policy, as before; then the job is moved on to a job-level restart from the newest
+    complete checkpoint, in decisions that say so, rather than left where the failed record found it."""
     from policies.rescheduling import LadderRescheduling
 
     s = Scenario()
     s.submit("a", ["a0", "a1"], ranks_per_node=2, dp=4)
     s.train("a", 3)
+    s.checkpoint("a", 3, "storage", "storage")
 
     def broken(self: Any, ctx: Any) -> Any:
         raise Boom("ours")
 
     monkeypatch.setattr(LadderRescheduling, "decide", broken)
-    before = engine_state(s.engine)
     effects = s.job_event("a", "process.exited", rank=1, exit_code=1)
-    assert len(effects) == 1 and isinstance(effects[0], Rejection) and effects[0].code == "policy_error"
+    assert isinstance(effects[0], Rejection) and effects[0].code == "policy_error"
     assert "rescheduling policy ladder@" in effects[0].reason and "Boom" in effects[0].reason
-    assert engine_state(s.engine) == before, "a policy's exception left the job half changed"
+    [started] = [e for e in effects if isinstance(e, Decision) and e.kind == "attempt.started"]
+    assert started.policy == "engine" and "(contained)" in started.reason and "Boom" in started.reason
+    assert started.detail["granularity"] == "restart_job"
+    monkeypatch.undo()
+    s.ack_all()
+    assert s.outstanding() == [] and s.commands_of("restart_job")
+    s.train("a", 2)
+    assert s.state("a") == "running"
 
 
 class FlakyDriver(Driver):

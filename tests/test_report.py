@@ -55,7 +55,7 @@ def test_migration_with_peer_plan_by_hand() -> None:
     assert phase_seconds(inc) == [("detection", 0.0), ("planning", 0.0), ("stopping", 0.0), ("rescheduling", 0.0),
                                   ("restoring", 21.0)]
     assert inc["granularity"] == "migrate" and inc["escalations"] == []
-    assert inc["attempts"][0]["vacate"] == ["n2"] and inc["attempts"][0]["policy"] == "ladder@7"
+    assert inc["attempts"][0]["vacate"] == ["n2"] and inc["attempts"][0]["policy"] == "ladder@8"
     assert inc["checkpoint"]["tiers"] == {"peer": 2} and inc["checkpoint"]["checkpoint_step"] == 15
     assert inc["checkpoint"]["next_step"] == 16 and inc["lost_steps"] == 0
     assert inc["ttr_s"] == 21.0 and inc["recovery_s"] == 21.0  # 1767225636 - 1767225615
@@ -136,7 +136,7 @@ def test_every_decision_says_why() -> None:
     inc = only_incident(report_of("recover_in_place_fallback"))
     by_seq = {d["seq"]: d for d in inc["decisions"]}
     started = by_seq[124]  # the ladder's second rung, chosen because the in-place restart's command failed
-    assert started["policy"] == "ladder@7" and started["rule"] == "process fault, rung 1: migrate"
+    assert started["policy"] == "ladder@8" and started["rule"] == "process fault, rung 1: migrate"
     assert started["inputs"]["cause"]["type"] == "command.ack"
     assert started["inputs"]["cause"]["data"]["reason"] == "CUDA context creation failed"
     assert started["inputs"]["detail"]["vacate"] == ["n0"]

@@ -1,7 +1,7 @@
 """No wait without an exit: under any stream of faults and repairs, a stretch of `waiting` for nodes ends by the
 deadline of the policy's latest answer (armed in the log), and that deadline is never later than the shipped
-ladder's longest wait after the stretch began. What ends it (a node back, a spare, the fallback, a failure) is up
-to the stream; that it ends is not.
+ladder's longest wait after the stretch began. What ends it (a node back, a spare, the fallback, a failure, or the
+deadline itself, after which the policy is asked again and may wait anew) is up to the stream; that it ends is not.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def waiting_stretches(s: Scenario) -> list[tuple[int, int | None, int | None]]:
             continue
         decision = envelope.data
         if decision.job != JOB:
+            continue
+        if decision.kind == "attempt.wait_expired" and start is not None:
+            # The deadline's exit: the policy is asked again, and may begin a new stretch with a deadline of its own
+            # (the ladder waits again for the nodes an infrastructure fault took, rather than fail the job).
+            stretches.append((start, record.ts, deadline))
+            start = None
             continue
         if decision.phase == "waiting" and start is None:
             start = record.ts

@@ -88,6 +88,7 @@ from recovery.core.job import DEDUPE_WINDOW
 from recovery.log import EPOCH, MSG_ID, iter_file, write_file
 from recovery.log.recorder import replay
 from recovery.sim import bench as sim_bench
+from recovery.sim import storm as sim_storm
 
 
 # -- output ------------------------------------------------------------------------------------------------
@@ -388,6 +389,32 @@ def run_policies(args: argparse.Namespace) -> None:
                    mixes=args.mixes)
 
 
+# -- storm: every profile through fault storms at 1x, 10x and 30x, seed by seed (recovery/sim/storm.py) ---------
+def _storm_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, default=4_096)
+    parser.add_argument("--days", type=float, default=54.0)
+    parser.add_argument("--rates", type=float, nargs="+", default=list(sim_storm.STORM_RATES),
+                        help="fault rates, in times the Llama 3 rate (1.97e-5 per GPU-hour)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[17, 19, 23, 29],
+                        help="seeds (the default ones were never used to tune the policies)")
+    parser.add_argument("--profiles", nargs="+", default=list(sim_storm.STORM_PROFILES))
+    parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
+
+
+def run_storm(args: argparse.Namespace) -> None:
+    """ETTR by rate, seed and profile with each rate's median; the seeds where `default` failed its job or trailed
+    another profile."""
+    outcomes = sim_storm.sweep(args.gpus, args.days, args.rates, args.seeds, args.profiles, args.workers, note)
+    note(sim_storm.table(outcomes))
+    for metric, value, unit in sim_bench.metrics(outcomes, args.days):
+        emit("storm", metric, value, unit)
+    short = sim_storm.shortfalls(outcomes)
+    emit("storm", "default.shortfalls", float(len(short)), f"of {len(outcomes) // max(len(args.profiles), 1)} "
+         f"rate-seed pairs (a failed job, or a lower ETTR than another profile)")
+    for line in short:
+        note(f"  shortfall: {line}")
+
+
 # -- daemon: the recovery-daemon process on a real nats-server (tools/bench_daemon.py) -----------------------
 def run_daemon(args: argparse.Namespace) -> None:
     """Throughput, fault-to-command latency under load, restart-to-ready, RSS; the raw nats-py ceiling."""
@@ -431,6 +458,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
     "policies": ("ETTR and lost GPU-hours of our policies and the baselines over fault rates, sizes and mixes "
                  "(simulated)",
                  _policies_args, run_policies),
+    "storm": ("ETTR of every profile through fault storms at 1x, 10x and 30x the Llama 3 rate, by seed, with "
+              "medians; where the default fails its job or trails (simulated)", _storm_args, run_storm),
     "daemon": ("recovery-daemon on nats-server: throughput, fault-to-command latency, restart-to-ready, RSS",
                bench_daemon.add_arguments, run_daemon),
     "report": ("recovery-replay report over 1,000,000 records and the 54-day 16,384-GPU simulated log: time, memory",

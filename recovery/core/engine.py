@@ -33,10 +33,12 @@ from events.subjects import is_output, job_event, node_event
 from policies.base import Fault, Signal, label
 from policies.registry import PolicyError, load_set
 from recovery.core.cluster import ClusterView
+from recovery.core.containment import contain
 from recovery.core.detection import Detection
 from recovery.core.failures import note_exit
 from recovery.core.incidents import MAX_PLANS_PER_RECORD, Incidents
-from recovery.core.job import DEDUPE_WINDOW, Job, Memento
+from recovery.core.job import DEDUPE_WINDOW, Job
+from recovery.core.journal import Journal
 from recovery.core.machine import FINAL
 from recovery.core.operators import Operators
 from recovery.core.partition import Partition
@@ -115,21 +117,23 @@ class Engine(Progress):
             effects = out.effects
             if effects:
                 check_encodable(effects)
-        except Rejected as exc:
-            self._rollback()
-            return [self._rejection(record, exc.code, exc.reason, envelope.id, envelope.job, envelope.node)]
         except Exception as exc:  # a bug must not stop the daemon; it is kept, with its cause, in the log
-            self._rollback()
-            where = traceback.extract_tb(exc.__traceback__)[-1]
-            return [self._rejection(record, "internal_error",
-                                    f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})",
-                                    envelope.id, envelope.job, envelope.node)]
+            self.rollback()
+            if isinstance(exc, Rejected):
+                code, reason = exc.code, exc.reason
+            else:
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                code, reason = "internal_error", f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})"
+            rejection = self._rejection(record, code, reason, envelope.id, envelope.job, envelope.node)
+            if code not in ("internal_error", "policy_error"):
+                return [rejection]
+            # A bug of ours (or of a built-in policy) must not strand the job: it moves on to a safe action.
+            undo = self.journal
+            effects = contain(self, record.seq, record.ts, envelope, reason)
+            self._last = (undo, record, envelope) if effects else None
+            return [rejection, *effects]
         undo = self.journal
-        if undo is not None:  # most heartbeats and steps never open one
-            self.cluster.journal = self.timekeeper.journal = None
-            for job, _ in undo.jobs.values():
-                job.end_journal()  # the record succeeded: later changes are not its to undo
-            self.journal = None
+        self.commit()
         if effects:
             self._last = (undo, record, envelope)  # what revoke() needs should its effects not encode
         if len(self._finished) > FINISHED_JOBS_KEPT:
@@ -143,14 +147,14 @@ class Engine(Progress):
             raise RuntimeError("revoke() follows an apply() that returned effects")
         undo, record, envelope = self._last
         self.journal, self._last = undo, None
-        self._rollback()
+        self.rollback()
         return self._rejection(record, "unencodable", reason, envelope.id, envelope.job, envelope.node)
 
     def guard(self, job: Job | None) -> Journal:
         """Open the journal for this record (most heartbeats and steps never do) and note `job` in it."""
         undo = self.journal
         if undo is None:
-            undo = self.journal = Journal(self)
+            undo = self.journal = Journal(self._submissions)
             self.cluster.journal = undo.nodes
             self.timekeeper.journal = undo
         if job is not None and job.id not in undo.jobs:
@@ -167,7 +171,16 @@ class Engine(Progress):
         if undo is not None and undo.hungry is None:
             undo.hungry, undo.finished = dict(self._hungry), dict(self._finished)
 
-    def _rollback(self) -> None:
+    def commit(self) -> None:
+        """The record succeeded: later changes are not its to undo."""
+        undo = self.journal
+        if undo is not None:  # most heartbeats and steps never open one
+            self.cluster.journal = self.timekeeper.journal = None
+            for job, _ in undo.jobs.values():
+                job.end_journal()
+            self.journal = None
+
+    def rollback(self) -> None:
         undo = self.journal
         self.journal = None
         if undo is None:
@@ -555,23 +568,6 @@ class Engine(Progress):
                 "jobs": {job_id: self.jobs[job_id].snapshot() for job_id in sorted(self.jobs)},
                 "timers": [{"id": t, "job": j, "due": d, "every": e} for t, (j, d, e) in self.timers.items()],
                 "nodes": [self.cluster.nodes[n].snapshot() for n in sorted(self.cluster.nodes)]}
-
-
-class Journal:
-    """What the record being applied changed, as it was before: enough to undo it exactly."""
-
-    __slots__ = ("created", "finished", "hungry", "jobs", "nodes", "seen", "submissions", "timer_order", "timers")
-
-    def __init__(self, engine: Engine) -> None:
-        self.jobs: dict[str, tuple[Job, Memento]] = {}
-        self.nodes: dict[str, Any] = {}
-        self.timers: dict[str, TimerEntry | None] = {}
-        self.timer_order: list[str] | None = None
-        self.hungry: dict[str, None] | None = None
-        self.finished: dict[str, None] | None = None
-        self.created: str | None = None
-        self.submissions = engine._submissions
-        self.seen: tuple[dict[str, None], str, str | None] | None = None
 
 
 def _stop_like(data: kinds.ProcessExited) -> bool:

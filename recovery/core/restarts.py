@@ -234,6 +234,15 @@ class Restarts:
                                              reset_devices={n: list(d) for n, d in attempt.reset.items()}))
             elif g is G.MIGRATE:
                 spares = self.placement.spares_for(job)
+                moved_off = [name for name in attempt.vacate if name not in job.nodes]
+                if moved_off:
+                    # A move of an earlier attempt failed while this one stopped its ranks, and was undone: the
+                    # nodes this attempt was to vacate no longer hold the job's ranks. Plan again on the placement
+                    # as it is now.
+                    job.generation -= 1
+                    self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED,
+                                     f"the placement changed under it: {', '.join(moved_off)} no longer in the job")
+                    return
                 if len(spares) < len(attempt.vacate):
                     job.generation -= 1
                     self.end_attempt(out, job, attempt, AttemptOutcome.SUPERSEDED, "the spare nodes it needed are gone")
@@ -383,7 +392,12 @@ class Restarts:
     def _settle_move(self, job: Job, incident: Incident, command_id: str, done: bool) -> None:
         """A migration's outcome is known: done, it stays; failed or unanswered, the ranks never left their node, so
         the placement goes back and the target returns to the spare pool. Without this the job's placement and the
-        cluster's drift apart: the next move names a node the job is not on, and the target is lost to the pool."""
+        cluster's drift apart: the next move names a node the job is not on, and the target is lost to the pool.
+
+        A later attempt may have moved the same ranks on from the target while this move was under way (it was
+        superseded before its ack): the ranks never reached the target, so every later move of that slot fails too.
+        The slot goes back to the source wherever the chain of moves put it, and each node of the chain is a free
+        spare again."""
         for attempt in reversed(incident.attempts):  # a superseded attempt's move may still be under way
             move = attempt.moves.pop(command_id, None)
             if move is None:
@@ -391,14 +405,33 @@ class Restarts:
             if done:
                 return
             source, target = move
+            chain = [target]
+            while chain[-1] not in job.nodes and len(chain) <= len(incident.attempts):
+                onward = self._onward_move(incident, chain[-1])
+                if onward is None:
+                    return  # the slot went elsewhere (a job-level restart placed it anew): nothing to undo
+                chain.append(onward)
+            holder = chain[-1]
             owner = self.cluster.nodes[source].job if source in self.cluster.nodes else None
-            if target in job.nodes and source not in job.nodes and owner is None:
-                job.replace_node(target, source)
-                self.cluster.release(target, job.id)
-                self.cluster.node(target).spare = True
+            if holder in job.nodes and source not in job.nodes and owner is None:
+                job.replace_node(holder, source)
+                for name in chain:
+                    self.cluster.release(name, job.id)
+                    if self.cluster.node(name).job is None:
+                        self.cluster.node(name).spare = True
                 self.cluster.assign(source, job.id)
             return
 
+    @staticmethod
+    def _onward_move(incident: Incident, node: str) -> str | None:
+        """The target of a move still under way from `node` (dropped: it cannot succeed once the move to `node`
+        failed), or None."""
+        for attempt in incident.attempts:
+            for command_id, (source, target) in list(attempt.moves.items()):
+                if source == node:
+                    del attempt.moves[command_id]
+                    return target
+        return None
 
 
 def _skipping(job: Job, plan: ResumePlan | None) -> ResumePlan | None:

@@ -41,8 +41,9 @@ class EffectRouter:
         """Route the effects the engine made of `record` (for a driver that applies records itself)."""
         if type(record) is Record and record.envelope.type == TIMER_FIRED:
             data = record.envelope.data
-            if encoded and type(encoded[0][0]) is Rejection:
-                # The engine changed nothing, so the timer is still due there: fire it again later, not never.
+            if encoded and all(type(effect) is Rejection for effect, *_ in encoded):
+                # The engine changed nothing, so the timer is still due there: fire it again later, not never. (A
+                # rejection followed by decisions is a failed handling the engine contained: the timer was taken.)
                 self.timers.refused(data.timer_id, record.envelope.job or "", data.due, record.ts)
             else:
                 self.timers.fired(data.timer_id, record.envelope.job or "", data.due, record.ts)
