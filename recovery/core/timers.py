@@ -231,6 +231,7 @@ class TimerTable:
             return
         every = entry[2]
         at = next_due(due, every, ts) if every is not None else ts + REFUSED_RETRY_NS
+        at = max(at, due)  # a refused early firing (`recovery.core.firings`) comes back at its due time, not before
         self._late[timer_id] = at
         heapq.heappush(self._heap, (at, next(self._order), timer_id))
 

@@ -19,6 +19,7 @@ from events.subjects import PREFIX, is_output
 from policies import registry
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Engine
+from recovery.core.firings import FORGED_FIRING_CODES
 from recovery.log.export import ExportHeader, rejection_jobs
 from recovery.log.recorder import Replay, decision_order, rejection_order
 
@@ -200,6 +201,18 @@ def unfired_timers(result: LogReplay, job: str | None = None) -> list[str]:
                      and (job is None or owner == job))
     return [f"timer {timer_id} of job {owner} was due {(result.daemon_ts - due) / 1e9:,.1f}s before the daemon's "
             f"last record and never fired" for due, timer_id, owner in overdue]
+
+
+def forged_timers(result: Replay, job: str | None = None) -> list[str]:
+    """Timer firings that were not real (`recovery.core.firings`): published by someone other than the timer
+    service, or before their due time. The replay dead-letters them as the daemon did, so the decisions match; they
+    are reported all the same, since a publisher that forges firings is trying to end or hurry a job. The daemon's
+    own verdicts count too: only it can check a seal's digest. One line each, in log order."""
+    found: dict[int, Rejection] = {}
+    for rejection in [*result.rejections, *result.recorded_rejections]:
+        if rejection.code in FORGED_FIRING_CODES and rejection_in_scope(rejection, job):
+            found.setdefault(rejection.seq, rejection)
+    return [f"seq {r.seq} [{r.code}]: {r.reason}" for _, r in sorted(found.items())]
 
 
 def caveats(result: Replay) -> list[str]:

@@ -431,6 +431,8 @@ class Daemon:
             self.last_ts = int(manifest.get("ts", 0))
             assert self.snapshotter is not None
             self.snapshotter.restored(opened.last_seq, manifest)
+        # The engine checks each timer firing's seal with the secret (a snapshot never holds it).
+        self.engine.firing_seal = self.processor.seal
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
         self.processor.skip_ids = await self._retry(lambda: published_after(
