@@ -52,6 +52,7 @@ from recovery.core.partition import Partition
 from recovery.core.timers import Firing
 from recovery.log.jetstream import is_transient
 from recovery.log.pull import Delivery
+from recovery.log.refusals import Refusals
 from recovery.service import connection
 from recovery.service.config import DaemonConfig
 from recovery.service.consumer import InputReader, read_backlog
@@ -97,6 +98,7 @@ class Daemon:
         self.key = cfg.partition_key(None if partition is None else partition.index)
         self.metrics = Metrics()
         self.processor = Processor(None if partition is None else Engine(partition))
+        self.refusals = Refusals(logger, "the daemon")
         self.fence: Fence | None = None
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
@@ -402,7 +404,8 @@ class Daemon:
             url=self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "?"))
 
     async def _on_error(self, exc: Exception) -> None:
-        logger.debug("nats error", extra=_fields(error=repr(exc)))
+        if not self.refusals.seen(exc):  # a refused publish is the credentials' fault, not the network's: an error
+            logger.debug("nats error", extra=_fields(error=repr(exc)))
 
     async def _ensure_streams(self) -> None:
         js = self.js
