@@ -120,6 +120,12 @@ def test_the_daemons_engine_checks_the_seals_digest(caplog: pytest.LogCaptureFix
     assert isinstance(rejection, Rejection) and rejection.code == "timer_forged"
     assert not s.find("fault.confirmed", "j")
     assert "firing_seal" not in s.engine.__getstate__()  # a snapshot never holds the secret
+    # A verify without the secret cannot check the digest: it fires the timer, and says the daemon called it forged.
+    offline = replay_log((f"LOG:{r.seq}", r) for r in s.log.records())
+    divergence = first_divergence(offline)
+    assert divergence is not None and divergence.recorded is None
+    assert "forged timer firing [timer_forged]" in divergence.verdict
+    assert [line.split(" [")[1][:12] for line in forged_timers(offline)] == ["timer_forged"]
     # The daemon logs such a dead letter as a warning, with its reason.
     processor = Processor(s.engine)
     processor.seal = SEAL

@@ -335,6 +335,10 @@ def explain(result: Replay, rec: Decision | None, der: Decision | None) -> str:
         cause = policies.cause(name, cause_seq)
         if cause is not None:
             return cause
+    forged = next((r for r in result.recorded_rejections if r.code in FORGED_FIRING_CODES and r.seq == cause_seq), None)
+    if forged is not None and rec is None:
+        return (f"the daemon dead-lettered seq {forged.seq} as a forged timer firing [{forged.code}]: {forged.reason}; "
+                f"this replay, without the deployment's secret, cannot check the seal and fired it")
     refused = None if rec is None else policies.rejections.get(rec.cause_seq)
     if refused is not None:
         return (f"the replay rejects seq {refused.seq} [{refused.code}]: {refused.reason}; the log has decisions "
