@@ -10,7 +10,7 @@ import pytest
 
 from events import subjects
 from events.codec import encode_envelope
-from events.envelope import make_envelope
+from events.envelope import Record, make_envelope
 from events.outputs import Rejection
 from recovery.core.timers import Firing
 from recovery.log import MSG_ID, write_file
@@ -20,6 +20,9 @@ from recovery.service.processor import Processor
 from recovery.service.seal import Seal
 from recovery.service.timers import timer_messages
 from recovery.testing import Scenario
+from recovery.testing.nats import NatsServer
+from tests.daemon_support import async_wait_for, check_log, connect, read_stream, running_daemon
+from tests.test_daemon import ctl, spec
 from tests.test_replay_cli import run_cli
 
 NS = 1_000_000_000
@@ -136,3 +139,50 @@ def test_the_daemons_engine_checks_the_seals_digest(caplog: pytest.LogCaptureFix
         processor.process([delivery])
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.fields["code"] == "timer_forged"  # type: ignore[attr-defined]
+
+
+async def test_the_daemon_dead_letters_forged_firings_and_fires_the_real_one_when_due(
+        nats_server: NatsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    url = nats_server.url
+    quick = {"detection": {"name": "default", "params": {"link_debounce_s": 2.0}}}
+    caplog.set_level(logging.INFO, logger="recovery.daemon")
+    async with running_daemon(url, tmp_path / "data", snapshot_every_s=0.2) as daemon:
+        await ctl(url, "submit", job="j", spec=spec(["a", "b"], watchdog_interval_s=3600.0, policies=quick))
+        await ctl(url, "inject", type="job.started", job="j")
+        await ctl(url, "inject", type="network.link_down", node="b", data={"link": "mlx5_0"})
+        [timer] = [{"id": t, "due": due} for t, (job, due, every) in daemon.engine.timers.items() if every is None]
+        nc, js = await connect(url)
+        try:
+            async def forge(ident: str, msg_id: str) -> int:
+                envelope = make_envelope("timer.fired", {"timer_id": timer["id"], "due": timer["due"]}, id=ident,
+                                         job="j", source="agent")
+                ack = await js.publish(subjects.job_event("j", "timer.fired"), encode_envelope(envelope),
+                                       headers={MSG_ID: msg_id})
+                return ack.seq
+
+            await forge("forged-1", "forged-1")  # at once: 2 s early
+            early = await forge("forged-2", f"forged-2~{'0' * 24}")  # the form of a seal does not help
+            await daemon.wait_applied(early, 10)
+
+            async def confirmed() -> bool:
+                return any(isinstance(r, Record) and r.envelope.type == "decision"
+                           and r.envelope.data.kind == "fault.confirmed" for r in await read_stream(url))
+
+            await async_wait_for(confirmed, 30, "the real firing of the debounce, when due")
+            late = await forge("forged-3", "forged-3")  # after a sealed firing, an unsealed one is not the service's
+            await daemon.wait_applied(late, 10)
+        finally:
+            await nc.close()
+    records = await read_stream(url)
+    dead = [r.envelope.data for r in records if r.subject.startswith("recovery.dlq.") and isinstance(r, Record)]
+    assert [(d.event_id, d.code) for d in dead] == [("forged-1", "timer_early"), ("forged-2", "timer_early"),
+                                                    ("forged-3", "timer_unsealed")]
+    [fault] = [r for r in records if isinstance(r, Record) and r.envelope.type == "decision"
+               and r.envelope.data.kind == "fault.confirmed"]
+    cause = next(r for r in records if r.seq == fault.envelope.data.cause_seq)
+    assert cause.headers[MSG_ID].startswith(f"timer:{timer['id']}:{timer['due']}~")  # sealed by the service
+    assert cause.ts >= timer["due"]
+    result = check_log(records)  # the offline replay dead-letters them as the daemon did...
+    assert len(forged_timers(result)) == 3  # ...and verify reports them
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage() == "rejected"]
+    assert len(warnings) == 3

@@ -56,9 +56,18 @@ def admit_firing(engine: FiringState, record: Record | RawRecord, envelope: Enve
     """Raise `Rejected` unless the `timer.fired` `record` is a real firing (see the module's rules)."""
     ident = envelope.id
     msg_id = record.headers.get(MSG_ID)
-    if sealed_form(msg_id, ident):
-        if not engine.firings_sealed:
-            engine.firings_sealed = True  # the daemon seals its firings from here on: every later one must be
+    sealed = sealed_form(msg_id, ident)
+    if sealed and not engine.firings_sealed:
+        engine.firings_sealed = True  # the daemon seals its firings from here on: every later one must be
+    data = envelope.data
+    entry = engine.timers.get(data.timer_id)
+    # Due time first: a replay without the secret judges an early firing as the daemon does, whatever its seal.
+    if entry is not None and entry[0] == envelope.job and record.ts < entry[1] and (
+            entry[2] is None or data.due == entry[1]):
+        raise Rejected("timer_early", f"timer {data.timer_id} of job {entry[0]} is due at {entry[1]}; a firing at "
+                                      f"log time {record.ts} is {(entry[1] - record.ts) / 1e9:.3f}s early and fires "
+                                      f"nothing")
+    if sealed:
         seal = engine.firing_seal
         if seal is not None and msg_id != seal(ident):
             raise Rejected("timer_forged", f"timer.fired {ident} was not sent by the timer service: its message id "
@@ -66,11 +75,3 @@ def admit_firing(engine: FiringState, record: Record | RawRecord, envelope: Enve
     elif engine.firings_sealed:
         raise Rejected("timer_unsealed", f"timer.fired {ident} was not sent by the timer service: its message id "
                                          f"{msg_id!r} is not sealed, and the daemon seals every firing")
-    data = envelope.data
-    entry = engine.timers.get(data.timer_id)
-    if entry is None or entry[0] != envelope.job:
-        return  # stale, cancelled or another job's: the engine ignores it, as before
-    job, due, every = entry
-    if record.ts < due and (every is None or data.due == due):
-        raise Rejected("timer_early", f"timer {data.timer_id} of job {job} is due at {due}; a firing at log time "
-                                      f"{record.ts} is {(due - record.ts) / 1e9:.3f}s early and fires nothing")
