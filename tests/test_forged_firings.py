@@ -12,7 +12,7 @@ from events import subjects
 from events.codec import encode_envelope
 from events.envelope import Record, make_envelope
 from events.outputs import Rejection
-from recovery.core.timers import Firing
+from recovery.core.timers import Firing, TimerTable
 from recovery.log import MSG_ID, write_file
 from recovery.log.pull import Delivery
 from recovery.log.verify import first_divergence, forged_timers, rejection_divergence, replay_log
@@ -186,3 +186,11 @@ async def test_the_daemon_dead_letters_forged_firings_and_fires_the_real_one_whe
     assert len(forged_timers(result)) == 3  # ...and verify reports them
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage() == "rejected"]
     assert len(warnings) == 3
+
+
+def test_a_refused_early_firing_is_sent_again_no_sooner_than_its_due_time() -> None:
+    table = TimerTable()
+    table.arm("j/deadline/3", "j", 600 * NS)  # a deadline ten minutes away
+    table.refused("j/deadline/3", "j", 600 * NS, 1 * NS)  # a firing the engine found early, at 1 s
+    assert table.due(599 * NS) == []  # not a minute after the refusal, as a refused on-time firing would be
+    assert [f.timer_id for f in table.due(600 * NS)] == ["j/deadline/3"]

@@ -229,9 +229,13 @@ class TimerTable:
         entry = self._timers.get(timer_id)
         if entry is None or entry[0] != job or entry[1] != due:
             return
+        if ts < due:
+            # An early firing (`recovery.core.firings`: forged, or a clock stepped back): the timer fires at its due
+            # time, as if the firing had never come. Its entry may have been taken already: one more, not a late one.
+            heapq.heappush(self._heap, (due, next(self._order), timer_id))
+            return
         every = entry[2]
         at = next_due(due, every, ts) if every is not None else ts + REFUSED_RETRY_NS
-        at = max(at, due)  # a refused early firing (`recovery.core.firings`) comes back at its due time, not before
         self._late[timer_id] = at
         heapq.heappush(self._heap, (at, next(self._order), timer_id))
 
@@ -256,10 +260,12 @@ class TimerTable:
     def due(self, now: int) -> list[Firing]:
         """Take every timer due at or before `now`, in due order."""
         out = []
+        taken: set[str] = set()  # a timer refused as early has two entries at its due time: it fires once
         heap = self._heap
         while heap and heap[0][0] <= now:
             firing = self.take()
-            if firing is not None:
+            if firing is not None and firing.timer_id not in taken:
+                taken.add(firing.timer_id)
                 out.append(firing)
         return out
 
