@@ -192,5 +192,10 @@ def test_a_refused_early_firing_is_sent_again_no_sooner_than_its_due_time() -> N
     table = TimerTable()
     table.arm("j/deadline/3", "j", 600 * NS)  # a deadline ten minutes away
     table.refused("j/deadline/3", "j", 600 * NS, 1 * NS)  # a firing the engine found early, at 1 s
-    assert table.due(599 * NS) == []  # not a minute after the refusal, as a refused on-time firing would be
+    assert table.due(599 * NS) == []  # not a minute after the refusal, as a refused on-time firing is
     assert [f.timer_id for f in table.due(600 * NS)] == ["j/deadline/3"]
+    # The service's own firing, found early (a server clock behind the service's): fired again, under another id.
+    table.refused("j/deadline/3", "j", 600 * NS, 590 * NS)
+    assert table.due(649 * NS) == []
+    [again] = table.due(650 * NS)
+    assert again.refired_at == 650 * NS and again.due == 600 * NS
