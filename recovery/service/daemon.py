@@ -65,7 +65,7 @@ from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Publisher, reraise_cancel
 from recovery.service.restore import open_newest, published_after
-from recovery.service.seal import load_seal
+from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
 from recovery.service.timers import ServerClock, TimerService, timer_messages
@@ -434,8 +434,10 @@ class Daemon:
             self.last_ts = int(manifest.get("ts", 0))
             assert self.snapshotter is not None
             self.snapshotter.restored(opened.last_seq, manifest)
-        # The engine checks each timer firing's seal with the secret (a snapshot never holds it).
-        self.engine.firing_seal = self.processor.seal
+        # The engine checks each timer firing's seal with the secret (a snapshot never holds it); before the seal is
+        # loaded there is none to check against, and the engine checks the seal's form only.
+        seal = self.processor.seal
+        self.engine.firing_seal = seal if isinstance(seal, Seal) else None
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
         self.processor.skip_ids = await self._retry(lambda: published_after(
