@@ -4,6 +4,7 @@ under its own user."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
 from recovery.log.pull import PullReader
+from recovery.log.refusals import Refusals
 from recovery.service.auth import authorization, main, urls, users
 from recovery.service.daemon import Daemon
 from recovery.testing.nats import NatsServer
@@ -196,3 +198,15 @@ async def test_an_agent_with_another_nodes_credentials_says_the_server_refuses_i
         assert len({line["error"] for line in refusals()}) == len(refusals())  # each said once
     finally:
         agent.stop()
+
+
+def test_a_refusal_is_logged_once_per_subject_as_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    refusals = Refusals(logging.getLogger("recovery.agent"), "the agent of node n2")
+    consumer = 'nats: permissions violation for publish to "$js.api.consumer.create.recovery_cmd.{}.recovery.cmd.n2.>"'
+    with caplog.at_level(logging.DEBUG, logger="recovery.agent"):
+        for name in ("htvoplpcphbnwumw84lby0", "Zq0k3oWc8TfyUQvH5Ab2xY"):  # each retry names a new consumer
+            assert refusals.seen(Exception(consumer.format(name)))
+        assert refusals.seen(Exception('nats: permissions violation for publish to "recovery.ev.node.n2.node.ready"'))
+        assert not refusals.seen(Exception("nats: timeout"))
+    assert refusals.count == 3
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]
