@@ -105,6 +105,7 @@ COMMANDS = f"{PREFIX}.cmd.>"
 
 
 _OUTPUT_PREFIXES = (f"{PREFIX}.dec.", f"{PREFIX}.dlq.")
+_EVENTS_PREFIX = f"{PREFIX}.ev."
 
 # -- partitions -------------------------------------------------------------------------------------------------
 # With P > 1 partitions, the log stream maps every job event it stores into its partition's subject space
@@ -130,9 +131,25 @@ def partition_transform(count: int) -> tuple[str, str]:
     return f"{JOB_EVENTS}.*.>", f"{PARTITIONED_EVENTS}.{{{{partition({count},1)}}}}.ev.job.{{{{wildcard(1)}}}}.>"
 
 
+STRAYS_PARTITION = 0
+"""the partition that reads and dead-letters stray inputs (`stray_input`): one, so that each gets one dead letter"""
+
+
 def partition_inputs(index: int) -> list[str]:
-    """What partition `index` reads: its jobs' events and every node's."""
-    return [f"{PARTITIONED_EVENTS}.{index}.ev.>", NODE_EVENTS]
+    """What partition `index` reads: its jobs' events and every node's. Partition `STRAYS_PARTITION` reads all of
+    `recovery.ev.>` instead of the node events alone: the transform has moved every job event out of it, so what
+    is left there beside the node events is the stray inputs, which a single daemon dead-letters and so must one
+    of several partitions (none reading them, they were stored, answered by nobody and unseen by `verify`)."""
+    return [f"{PARTITIONED_EVENTS}.{index}.ev.>", EVENTS if index == STRAYS_PARTITION else NODE_EVENTS]
+
+
+def stray_input(subject: str) -> bool:
+    """Is `subject` under `recovery.ev.` but neither a job event's (`recovery.ev.job.<job>.<type>`, which the
+    partition transform moves into its partition) nor a node event's: `recovery.ev.job.X`, `recovery.ev.other.x`?"""
+    if not subject.startswith(_EVENTS_PREFIX):
+        return False
+    rest = subject[len(_EVENTS_PREFIX):]
+    return not (rest.startswith("node.") or (rest.startswith("job.") and rest.count(".") >= 2))
 
 
 def unpartitioned(subject: str) -> str:

@@ -4,11 +4,13 @@ under its own user."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
 import nats.errors
+import orjson
 import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -17,10 +19,12 @@ from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
 from recovery.log.pull import PullReader
+from recovery.log.refusals import Refusals
 from recovery.service.auth import authorization, main, urls, users
 from recovery.service.daemon import Daemon
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import async_wait_for, running_daemon
+from tests.e2e_support import AgentProcess
 from tests.test_daemon import ctl, spec
 
 PASSWORD = "pw-for-tests"
@@ -151,6 +155,58 @@ def test_the_generator_writes_a_block_and_urls_and_refuses_a_bad_node_name(tmp_p
     text = out.read_text()
     assert text.count("{user:") == 5 and "recovery.cmd.n2.>" in text
     assert secrets_path.stat().st_mode & 0o777 == 0o600
+    assert out.stat().st_mode & 0o777 == 0o600  # every password, in plain text
+    out.chmod(0o644)  # a file left readable by an earlier version is narrowed when written again
+    assert main(["--nodes", "n1", "--out", str(out), "--urls", str(secrets_path)]) == 0
+    assert out.stat().st_mode & 0o777 == 0o600
     assert main(["--nodes", "n1,bad.node", "--out", str(out), "--urls", str(secrets_path)]) == 2
     assert "bad.node" in capsys.readouterr().err
 
+
+
+async def test_an_agent_may_not_publish_a_timer_firing(secured: tuple[NatsServer, dict[str, dict[str, str]]]) -> None:
+    _, roles = secured
+    errors: list[str] = []
+    nc = await connect_as(roles["agent-n1"], errors)
+    try:
+        await nc.publish(subjects.job_event("j", "timer.fired"), b"{}")  # only the daemon's timer service may
+        await nc.publish(subjects.job_event("j", "process.exited"), b"{}")  # its ranks' job events it may
+        await nc.flush()
+        await async_wait_for(lambda: any("permissions violation" in e.lower() for e in errors), 5,
+                             "the server to refuse the firing")
+        assert len(errors) == 1 and "timer.fired" in errors[0]
+    finally:
+        await nc.close()
+
+
+async def test_an_agent_with_another_nodes_credentials_says_the_server_refuses_it(
+        secured: tuple[NatsServer, dict[str, dict[str, str]]], daemon: Daemon, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, roles = secured
+    monkeypatch.setenv("RECOVERY_AGENT_NATS_INBOX_PREFIX", roles["agent-n1"]["inbox_prefix"])
+    agent = AgentProcess(tmp_path, "n2", roles["agent-n1"]["url"])  # n1's user and password, on node n2
+    try:
+        def refusals() -> list[dict[str, str]]:
+            return [orjson.loads(text) for text in agent.log_path.read_text(errors="replace").splitlines()
+                    if text.startswith("{") and "nats permissions violation" in text]
+
+        def own_events_refused() -> bool:
+            return any('publish to "recovery.ev.node.n2.' in line["error"].lower() for line in refusals())
+
+        await async_wait_for(own_events_refused, 60, "the agent to log the server's refusal of its node's events")
+        assert all(line["level"] == "error" and "the agent of node n2" in line["hint"] for line in refusals())
+        assert len({line["error"] for line in refusals()}) == len(refusals())  # each said once
+    finally:
+        agent.stop()
+
+
+def test_a_refusal_is_logged_once_per_subject_as_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    refusals = Refusals(logging.getLogger("recovery.agent"), "the agent of node n2")
+    consumer = 'nats: permissions violation for publish to "$js.api.consumer.create.recovery_cmd.{}.recovery.cmd.n2.>"'
+    with caplog.at_level(logging.DEBUG, logger="recovery.agent"):
+        for name in ("htvoplpcphbnwumw84lby0", "Zq0k3oWc8TfyUQvH5Ab2xY"):  # each retry names a new consumer
+            assert refusals.seen(Exception(consumer.format(name)))
+        assert refusals.seen(Exception('nats: permissions violation for publish to "recovery.ev.node.n2.node.ready"'))
+        assert not refusals.seen(Exception("nats: timeout"))
+    assert refusals.count == 3
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]

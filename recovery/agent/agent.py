@@ -49,6 +49,7 @@ from recovery.agent.reset import ResetFailed, reset_device
 from recovery.agent.stacks import Dumps, dump_tool, take_stack
 from recovery.agent.standby import StandbyPool
 from recovery.log.jetstream import JetStreamLog
+from recovery.log.refusals import Refusals
 from recovery.log.waiting import Attempts, until_streams_exist
 
 logger = logging.getLogger("recovery.agent")
@@ -135,8 +136,9 @@ class Agent(Relay, Rescale):
                 logger.debug("nats error", extra={"fields": {"error": repr(exc)}})
 
         servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]  # a cluster: any of its servers
+        refusals = Refusals(logger, f"the agent of node {self.node}")  # a refused publish is said as such, once
         self.nc = await nats.connect(servers, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                     name=f"recovery-agent-{self.node}", error_cb=on_error,
+                                     name=f"recovery-agent-{self.node}", error_cb=refusals.around(on_error),
                                      inbox_prefix=self.cfg.nats_inbox_prefix)
         attempts.succeeded("NATS reached")
         js = self.nc.jetstream(timeout=5.0)

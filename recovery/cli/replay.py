@@ -59,6 +59,7 @@ from recovery.log.verify import (
     caveats,
     dead_letters_compared,
     first_divergence,
+    forged_timers,
     in_scope,
     rejection_divergence,
     rejection_in_scope,
@@ -240,7 +241,8 @@ def _verify_one(result: LogReplay, args: argparse.Namespace, label: str) -> tupl
     # A log with nothing in it (an empty file, a stream read before anything came, a job name mistyped) proves
     # nothing: "ok" there would pass a check that never ran.
     unfired = unfired_timers(result, job) if isinstance(result, LogReplay) else []
-    if unfired:
+    forged = forged_timers(result, job)
+    if unfired or forged:
         ok = False
     empty = (not result.inputs and not recorded and not result.recorded_rejections) or \
         (job is not None and job not in result.engine.jobs and not limits)  # a cut export may start after it
@@ -249,8 +251,8 @@ def _verify_one(result: LogReplay, args: argparse.Namespace, label: str) -> tupl
         notes.insert(0, "nothing to verify: the log holds no input event" if job is None else
                      f"nothing to verify: job {job} was never submitted in this log")
     if args.json:
-        out = {"ok": ok, "empty": empty, "unfired_timers": unfired, "job": job, "exact": not limits,
-               "caveats": limits, "notes": notes,
+        out = {"ok": ok, "empty": empty, "unfired_timers": unfired, "forged_timers": forged, "job": job,
+               "exact": not limits, "caveats": limits, "notes": notes,
                "inputs": result.inputs, "decisions": len(compared), "recorded": len(recorded),
                "divergence": None if divergence is None else divergence.as_dict(),
                "rejections_match": letters is None,
@@ -268,6 +270,10 @@ def _verify_one(result: LogReplay, args: argparse.Namespace, label: str) -> tupl
         print(f"{label}DIVERGENCE in rejections: {letters.verdict}")
     elif empty:
         print(f"{label}EMPTY: {notes.pop(0)}")
+    elif forged:
+        print(f"{label}FORGED TIMER FIRINGS: {len(forged)}, dead-lettered; decisions match otherwise")
+        for line in forged[:20]:
+            print(f"  {line}")
     elif unfired:
         print(f"{label}TIMERS NEVER FIRED: {len(unfired)}; decisions match otherwise")
         for line in unfired[:20]:

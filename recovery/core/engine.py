@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from events import kinds
@@ -35,7 +36,8 @@ from policies.registry import PolicyError, load_set
 from recovery.core.cluster import ClusterView
 from recovery.core.containment import contain
 from recovery.core.detection import Detection
-from recovery.core.failures import note_exit
+from recovery.core.failures import exit_text, note_exit, stop_like
+from recovery.core.firings import admit_firing
 from recovery.core.incidents import MAX_PLANS_PER_RECORD, Incidents
 from recovery.core.job import DEDUPE_WINDOW, Job
 from recovery.core.journal import Journal
@@ -58,6 +60,10 @@ a setting: a replay must forget exactly what the daemon forgot."""
 class Engine(Progress):
     partition: Partition | None = None
     """the partition of jobs this engine decides for (None: every job); it grants only the spares it owns"""
+    firing_seal: Callable[[str], str] | None = None
+    """the deployment's seal of timer firings, in the daemon (`recovery.core.firings`); never in a snapshot"""
+    firings_sealed = False
+    """whether the log has held a sealed timer firing: from there on, every firing must be sealed"""
 
     def __init__(self, partition: Partition | None = None) -> None:
         if partition is not None:  # unset otherwise: a single partition's snapshot is what it always was
@@ -91,7 +97,9 @@ class Engine(Progress):
     def __getstate__(self) -> dict[str, Any]:
         # The journal and the last record are about the record just applied, not the engine's state: a
         # snapshot leaves them out (and the envelope models made at import time do not pickle).
-        return {**self.__dict__, "journal": None, "_last": None, "closing": False}
+        state = {**self.__dict__, "journal": None, "_last": None, "closing": False}
+        state.pop("firing_seal", None)  # the secret stays in the daemon's bucket; the daemon sets it again
+        return state
 
     def apply(self, record: Record | RawRecord) -> list[Effect]:
         """Apply one log record; return its effects. Bad input becomes a Rejection and changes nothing.
@@ -113,6 +121,8 @@ class Engine(Progress):
             envelope = record.envelope
         out = RecordEffects(self, record.seq, record.ts)
         try:
+            if envelope.type == "timer.fired":
+                admit_firing(self, record, envelope)
             self._dispatch(out, record.subject, envelope)
             effects = out.effects
             if effects:
@@ -398,9 +408,9 @@ class Engine(Progress):
                 stale = self._check_rank(job, data.rank, data.attempt, progress=False)
                 if stale:
                     note_exit(job, data, out.ts)  # a replaced process's failure still tells how the script fails
-                    if isinstance(data, kinds.ProcessExited) and not _stop_like(data):
+                    if isinstance(data, kinds.ProcessExited) and not stop_like(data):
                         out.decide(job, DecisionKind.SIGNAL_IGNORED, f"rank {data.rank}: the process of generation "
-                                   f"{data.attempt} exited ({_exit_text(data)}) after generation "
+                                   f"{data.attempt} exited ({exit_text(data)}) after generation "
                                    f"{job.rank_gen[data.rank]} replaced it: no fault of the running process",
                                    detail={"signal": type_, "rank": data.rank, "attempt": data.attempt})
                     return
@@ -425,7 +435,7 @@ class Engine(Progress):
                 if incident is not None and data.rank in incident.exiting:
                     return  # the platform stopped the job: each rank's exit was expected, and is no news
                 if incident is not None and data.rank in incident.stopped and (
-                        incident.phase == "stopping" or _stop_like(data)):
+                        incident.phase == "stopping" or stop_like(data)):
                     return  # the engine's own stop (RANKS_STOPPING): no fault, and never a preemption
             ranks = (data.rank,) if hasattr(data, "rank") else ()
             # Who is gone matters to a collective failure only (a survey of every rank: not for each exit).
@@ -570,14 +580,6 @@ class Engine(Progress):
                 "nodes": [self.cluster.nodes[n].snapshot() for n in sorted(self.cluster.nodes)]}
 
 
-def _stop_like(data: kinds.ProcessExited) -> bool:
-    """Did the process end as a stop ends one: cleanly, or by SIGTERM or SIGKILL (as a signal or as the shell's
-    128 + signal)?"""
-    return data.exit_code in (0, 128 + 9, 128 + 15) if data.signal is None else data.signal in (9, 15)
-
-
-def _exit_text(data: kinds.ProcessExited) -> str:
-    return f"signal {data.signal}" if data.signal is not None else f"exit code {data.exit_code}"
 
 
 def _hungry(job: Job) -> bool:

@@ -29,6 +29,16 @@ def failed(data: kinds.ProcessExited) -> bool:
     return data.exit_code is not None and data.exit_code not in _STOP_CODES
 
 
+def stop_like(data: kinds.ProcessExited) -> bool:
+    """Did the process end as a stop ends one: cleanly, or by SIGTERM or SIGKILL (as a signal or as the shell's
+    128 + signal)?"""
+    return data.exit_code in _STOP_CODES if data.signal is None else data.signal in _STOP_SIGNALS
+
+
+def exit_text(data: kinds.ProcessExited) -> str:
+    return f"signal {data.signal}" if data.signal is not None else f"exit code {data.exit_code}"
+
+
 def way(data: kinds.ProcessExited) -> tuple[str, bool]:
     """How the process failed, as one line, and whether the script said it (not only an exit status)."""
     if data.error is not None:

@@ -230,7 +230,11 @@ class TimerTable:
         if entry is None or entry[0] != job or entry[1] != due:
             return
         every = entry[2]
-        at = next_due(due, every, ts) if every is not None else ts + REFUSED_RETRY_NS
+        # Never before its due time: a firing refused as early (`recovery.core.firings`: forged, or a server clock
+        # behind the timer service's) must not bring a ten-minute deadline forward to a minute after it. `at` stays
+        # distinct from one refusal to the next (it is in the next firing's id, which the log's duplicate window
+        # would otherwise drop); an entry at the due time that was never taken fires first (`due` takes it once).
+        at = next_due(due, every, ts) if every is not None else max(ts + REFUSED_RETRY_NS, due)
         self._late[timer_id] = at
         heapq.heappush(self._heap, (at, next(self._order), timer_id))
 
@@ -255,10 +259,12 @@ class TimerTable:
     def due(self, now: int) -> list[Firing]:
         """Take every timer due at or before `now`, in due order."""
         out = []
+        taken: set[str] = set()  # a timer refused as early may have two entries at its due time: it fires once
         heap = self._heap
         while heap and heap[0][0] <= now:
             firing = self.take()
-            if firing is not None:
+            if firing is not None and firing.timer_id not in taken:
+                taken.add(firing.timer_id)
                 out.append(firing)
         return out
 

@@ -3,7 +3,8 @@
 With P > 1 partitions the log stream stores a job event under its partition's subjects (`recovery.p.<k>.ev.job...`,
 `events.subjects.partition_transform`), and every partition reads every node event. The records of partition `k`
 are its jobs' events (on the subject they were published on, as the daemon applies them), every node event, the
-decisions about its jobs and the dead letters of its inputs; the fence claims are left out. Replayed through an
+decisions about its jobs and the dead letters of its inputs; the fence claims are left out. Partition
+`STRAYS_PARTITION` also has the stray inputs (`events.subjects.stray_input`), which it alone reads. Replayed through an
 engine of that partition (`replay(partition_log(records, p), Engine(p))`), they give the partition's decisions and
 its state.
 """
@@ -45,6 +46,9 @@ def partition_located(located: Iterable[tuple[Where, Record | RawRecord]], parti
             yield where, record.model_copy(update={"subject": subjects.unpartitioned(subject)})
         elif subject.startswith(_NODE):
             yield where, record
+        elif subjects.stray_input(subject):
+            if partition.index == subjects.STRAYS_PARTITION:  # the one partition that reads them
+                yield where, record
         elif subject.startswith(_DECISION):
             if partition.owns_job(_token(subject, _DECISION)):
                 yield where, record
@@ -78,6 +82,8 @@ def _rejects_mine(record: Record | RawRecord, partition: Partition) -> bool:
     if not isinstance(record, Record):
         return False
     rejected = getattr(record.envelope.data, "subject", "")
+    if isinstance(rejected, str) and subjects.stray_input(rejected):
+        return partition.index == subjects.STRAYS_PARTITION
     if isinstance(rejected, str) and rejected.startswith(_JOB):
         return partition.owns_job(_token(rejected, _JOB))
     return isinstance(rejected, str) and rejected.startswith(_NODE)

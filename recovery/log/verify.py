@@ -19,6 +19,7 @@ from events.subjects import PREFIX, is_output
 from policies import registry
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Engine
+from recovery.core.firings import FORGED_FIRING_CODES
 from recovery.log.export import ExportHeader, rejection_jobs
 from recovery.log.recorder import Replay, decision_order, rejection_order
 
@@ -202,6 +203,18 @@ def unfired_timers(result: LogReplay, job: str | None = None) -> list[str]:
             f"last record and never fired" for due, timer_id, owner in overdue]
 
 
+def forged_timers(result: Replay, job: str | None = None) -> list[str]:
+    """Timer firings that were not real (`recovery.core.firings`): published by someone other than the timer
+    service, or before their due time. The replay dead-letters them as the daemon did, so the decisions match; they
+    are reported all the same, since a publisher that forges firings is trying to end or hurry a job. The daemon's
+    own verdicts count too: only it can check a seal's digest. One line each, in log order."""
+    found: dict[int, Rejection] = {}
+    for rejection in [*result.rejections, *result.recorded_rejections]:
+        if rejection.code in FORGED_FIRING_CODES and rejection_in_scope(rejection, job):
+            found.setdefault(rejection.seq, rejection)
+    return [f"seq {r.seq} [{r.code}]: {r.reason}" for _, r in sorted(found.items())]
+
+
 def caveats(result: Replay) -> list[str]:
     """Why the replay of this log cannot be exact, if it cannot: a divergence is then no evidence of a bug."""
     if not isinstance(result, LogReplay):
@@ -322,6 +335,10 @@ def explain(result: Replay, rec: Decision | None, der: Decision | None) -> str:
         cause = policies.cause(name, cause_seq)
         if cause is not None:
             return cause
+    forged = next((r for r in result.recorded_rejections if r.code in FORGED_FIRING_CODES and r.seq == cause_seq), None)
+    if forged is not None and rec is None:
+        return (f"the daemon dead-lettered seq {forged.seq} as a forged timer firing [{forged.code}]: {forged.reason}; "
+                f"this replay, without the deployment's secret, cannot check the seal and fired it")
     refused = None if rec is None else policies.rejections.get(rec.cause_seq)
     if refused is not None:
         return (f"the replay rejects seq {refused.seq} [{refused.code}]: {refused.reason}; the log has decisions "

@@ -8,10 +8,11 @@ password per user, and the URL each role connects with (`nats://user:password@ho
 - `daemon`: everything (it alone writes decisions, dead letters, timer firings and commands, and answers
   `recovery-ctl`).
 - `agent-<node>`, one per node: publishes its node's events (`recovery.ev.node.<node>.>`) and job events (the ranks it
-  runs report through it, for jobs it does not know in advance); reads the log's job submissions and its own node's
-  commands (`recovery.cmd.<node>.>`, through a JetStream consumer filtered on them, the only one it may create on
-  the command stream); receives replies only on its own inbox prefix (`_INBOX_<node>`: the agent's
-  `nats_inbox_prefix`), so that it cannot watch another node's deliveries.
+  runs report through it, for jobs it does not know in advance) except timer firings, which only the daemon's timer
+  service sends (the engine also refuses a firing not sealed by it: `recovery.core.firings`); reads the log's job
+  submissions and its own node's commands (`recovery.cmd.<node>.>`, through a JetStream consumer filtered on them,
+  the only one it may create on the command stream); receives replies only on its own inbox prefix
+  (`_INBOX_<node>`: the agent's `nats_inbox_prefix`), so that it cannot watch another node's deliveries.
 - `operator`: `recovery-ctl` (its requests to the daemon, which publishes what they ask for) and every read of the
   log (`recovery-replay --nats`).
 - `auditor`: reads the log and the command stream; publishes nothing the control plane takes as input.
@@ -22,12 +23,19 @@ events cannot be forged under another's name even by a client this file does not
 For fleets of thousands of nodes, the same permissions map to NATS decentralized auth (JWT users signed per node by
 an account key), where a user's permissions are written once with `{{name()}}` templates instead of one block per
 node; this module writes the static form, which `nats-server --reload` picks up when nodes are added.
+
+Both files hold every password in plain text and are written readable by their owner alone (0600). NATS's nkeys
+would leave only public keys in the server's file, but nats-py needs the `nkeys` package (and PyNaCl) to sign with
+them, which this project does not depend on, and every client here is configured by one URL; the static form with
+passwords stays until the platform asks for nkeys or JWTs. A client whose user may not do something it asks is told
+so in its log (`recovery.log.refusals`), not only by a timeout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import sys
 from collections.abc import Sequence
@@ -51,13 +59,16 @@ class User:
     subscribe: list[str]
     inbox_prefix: str = "_INBOX"
     notes: list[str] = field(default_factory=list)
+    publish_deny: list[str] = field(default_factory=list)
+    """subjects refused although `publish` allows them"""
 
     def block(self) -> str:
         def quoted(items: list[str]) -> str:
             return ", ".join(json.dumps(item) for item in items)
 
+        deny = f", deny: [{quoted(self.publish_deny)}]" if self.publish_deny else ""
         return (f"    {{user: {json.dumps(self.name)}, password: {json.dumps(self.password)}, permissions: {{\n"
-                f"      publish: {{allow: [{quoted(self.publish)}]}}\n"
+                f"      publish: {{allow: [{quoted(self.publish)}]{deny}}}\n"
                 f"      subscribe: {{allow: [{quoted(self.subscribe)}]}}\n"
                 f"    }}}}")
 
@@ -95,7 +106,11 @@ def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_s
         f"{API}.CONSUMER.MSG.NEXT.{command_stream}.*",
         f"{API}.CONSUMER.DELETE.{command_stream}.*",
     ]
-    return User(f"agent-{node}", password, publish, [f"{agent_inbox(node)}.>"], inbox_prefix=agent_inbox(node))
+    # Job events are open to the agent (its ranks' jobs are not known in advance), except timer firings: only the
+    # daemon's timer service sends those, and a forged one must not even reach the log.
+    deny = [subjects.job_event("*", "timer.fired")]
+    return User(f"agent-{node}", password, publish, [f"{agent_inbox(node)}.>"], inbox_prefix=agent_inbox(node),
+                publish_deny=deny)
 
 
 def operator_user(password: str) -> User:
@@ -129,6 +144,15 @@ def urls(all_users: Sequence[User], host: str) -> dict[str, dict[str, str]]:
             for u in all_users}
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner alone (0600), from the first byte: a file written with the
+    default mode and narrowed after lies readable by everyone in between, and keeps a wider mode it had before."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(fd, 0o600)
+        out.write(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recovery.service.auth", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", required=True, help="comma-separated node names (one agent user each)")
@@ -141,10 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"python -m recovery.service.auth: {exc}", file=sys.stderr)
         return 2
-    Path(args.out).write_text(authorization(made))
-    secrets_path = Path(args.urls)
-    secrets_path.write_text(json.dumps(urls(made, args.host), indent=2) + "\n")
-    secrets_path.chmod(0o600)  # passwords
+    write_private(Path(args.out), authorization(made))  # both files hold every password, in plain text
+    write_private(Path(args.urls), json.dumps(urls(made, args.host), indent=2) + "\n")
     print(f"{len(made)} users written to {args.out}; their URLs to {args.urls}")
     return 0
 

@@ -52,6 +52,7 @@ from recovery.core.partition import Partition
 from recovery.core.timers import Firing
 from recovery.log.jetstream import is_transient
 from recovery.log.pull import Delivery
+from recovery.log.refusals import Refusals
 from recovery.service import connection
 from recovery.service.config import DaemonConfig
 from recovery.service.consumer import InputReader, read_backlog
@@ -64,7 +65,7 @@ from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Publisher, reraise_cancel
 from recovery.service.restore import open_newest, published_after
-from recovery.service.seal import load_seal
+from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
 from recovery.service.timers import ServerClock, TimerService, timer_messages
@@ -97,6 +98,7 @@ class Daemon:
         self.key = cfg.partition_key(None if partition is None else partition.index)
         self.metrics = Metrics()
         self.processor = Processor(None if partition is None else Engine(partition))
+        self.refusals = Refusals(logger, "the daemon")
         self.fence: Fence | None = None
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
@@ -402,7 +404,8 @@ class Daemon:
             url=self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "?"))
 
     async def _on_error(self, exc: Exception) -> None:
-        logger.debug("nats error", extra=_fields(error=repr(exc)))
+        if not self.refusals.seen(exc):  # a refused publish is the credentials' fault, not the network's: an error
+            logger.debug("nats error", extra=_fields(error=repr(exc)))
 
     async def _ensure_streams(self) -> None:
         js = self.js
@@ -431,6 +434,10 @@ class Daemon:
             self.last_ts = int(manifest.get("ts", 0))
             assert self.snapshotter is not None
             self.snapshotter.restored(opened.last_seq, manifest)
+        # The engine checks each timer firing's seal with the secret (a snapshot never holds it); before the seal is
+        # loaded there is none to check against, and the engine checks the seal's form only.
+        seal = self.processor.seal
+        self.engine.firing_seal = seal if isinstance(seal, Seal) else None
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
         self.processor.skip_ids = await self._retry(lambda: published_after(

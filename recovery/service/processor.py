@@ -25,6 +25,7 @@ from events.outputs import Decision, Rejection
 from events.subjects import unpartitioned
 from recovery.core.addressing import command_nodes
 from recovery.core.engine import Effect, Engine
+from recovery.core.firings import FORGED_FIRING_CODES
 from recovery.core.router import EffectRouter
 from recovery.core.timers import TimerTable
 from recovery.log import to_record
@@ -131,9 +132,11 @@ class Processor(EffectRouter):
 
     def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         self._batch.rejections[rejection.code] += 1
-        logger.info("rejected", extra={"fields": {"seq": rejection.seq, "subject": rejection.subject,
-                                                  "code": rejection.code, "reason": rejection.reason,
-                                                  "event_id": rejection.event_id}})
+        # A forged or early timer firing is someone publishing what only the timer service may: a warning.
+        log = logger.warning if rejection.code in FORGED_FIRING_CODES else logger.info
+        log("rejected", extra={"fields": {"seq": rejection.seq, "subject": rejection.subject,
+                                          "code": rejection.code, "reason": rejection.reason,
+                                          "event_id": rejection.event_id}})
         msg_id = self.seal(envelope.id)
         if not self._stored(envelope.id, msg_id):
             self._batch.out.append(Outgoing(subject, data, msg_id, "rejection"))

@@ -19,10 +19,10 @@ import os
 from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
 
+from recovery.core.firings import DIGEST_CHARS  # the engine checks a firing's seal by its form too
+
 SEAL_KEY = "_seal.secret"
 """the secret's key in the snapshot bucket (a partition's keys are `<partition>` and `<partition>.<slot>.<n>`)"""
-DIGEST_CHARS = 24
-"""96 bits of the HMAC: no publisher guesses that"""
 
 
 class Seal:

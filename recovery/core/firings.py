@@ -1,0 +1,77 @@
+"""Whether a `timer.fired` record is a real firing: one the timer service sent, at or after the timer's due time.
+
+Timer firings travel on job subjects, which every agent may publish, and name a timer id and due time that any
+decision lists: without a check, a forged firing fires a 20 s debounce or a 60 s deadline at once. Two rules, both
+read only the record and the engine's state, so a replay judges every firing as the daemon did:
+
+- **Never before its due time in log time.** A firing whose record is older than the due time the engine holds for
+  that timer is dead-lettered (`timer_early`). The timer service fires on its estimate of the server's clock, which
+  never runs ahead of it (`recovery.service.timers.ServerClock`), so a real firing is never early; one the engine
+  refuses is sent again no sooner than its due time (`TimerTable.refused`).
+- **Only from the timer service.** The daemon publishes each firing under its id sealed with an HMAC of a secret
+  only daemons read (`recovery.service.seal`). From the first sealed firing in the log on, a firing whose message id
+  is not sealed is dead-lettered (`timer_unsealed`); an engine given the deployment's seal (the daemon's) also checks
+  the digest (`timer_forged`). Logs made before seals, and drivers that do not seal (`Scenario`, the simulator,
+  file logs), hold no sealed firing and replay as they always did. A replay without the secret (`recovery-replay
+  verify` of an export) checks the seal's form only: a forger who imitates the form is dead-lettered by the daemon,
+  and such a verify shows it as the daemon's dead letter that the replay does not make.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from events.envelope import EnvelopeBase, RawRecord, Record
+from recovery.core.record import Rejected
+from recovery.core.timers import TimerEntry
+
+MSG_ID = "Nats-Msg-Id"
+DIGEST_CHARS = 24
+"""hex characters of the HMAC a sealed message id ends with (`<id>~<digest>`): 96 bits no publisher guesses"""
+_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_CHARS}}}")
+
+FORGED_FIRING_CODES = ("timer_early", "timer_unsealed", "timer_forged")
+"""the dead-letter codes of firings that are not real: `recovery-replay verify` reports every one"""
+
+
+class FiringState(Protocol):
+    """What the rules read and keep in the engine."""
+
+    firing_seal: Callable[[str], str] | None
+    firings_sealed: bool
+
+    @property
+    def timers(self) -> Mapping[str, TimerEntry]: ...
+
+
+def sealed_form(msg_id: str | None, ident: str) -> bool:
+    """Whether `msg_id` is `ident` followed by a seal's digest (whether the digest is right needs the secret)."""
+    return (msg_id is not None and len(msg_id) == len(ident) + 1 + DIGEST_CHARS and msg_id.startswith(ident)
+            and msg_id[len(ident)] == "~" and _DIGEST.fullmatch(msg_id, len(ident) + 1) is not None)
+
+
+def admit_firing(engine: FiringState, record: Record | RawRecord, envelope: EnvelopeBase) -> None:
+    """Raise `Rejected` unless the `timer.fired` `record` is a real firing (see the module's rules)."""
+    ident = envelope.id
+    msg_id = record.headers.get(MSG_ID)
+    sealed = sealed_form(msg_id, ident)
+    if sealed and not engine.firings_sealed:
+        engine.firings_sealed = True  # the daemon seals its firings from here on: every later one must be
+    data = envelope.data
+    entry = engine.timers.get(data.timer_id)
+    # Due time first: a replay without the secret judges an early firing as the daemon does, whatever its seal.
+    if entry is not None and entry[0] == envelope.job and record.ts < entry[1] and (
+            entry[2] is None or data.due == entry[1]):
+        raise Rejected("timer_early", f"timer {data.timer_id} of job {entry[0]} is due at {entry[1]}; a firing at "
+                                      f"log time {record.ts} is {(entry[1] - record.ts) / 1e9:.3f}s early and fires "
+                                      f"nothing")
+    if sealed:
+        seal = engine.firing_seal
+        if seal is not None and msg_id != seal(ident):
+            raise Rejected("timer_forged", f"timer.fired {ident} was not sent by the timer service: its message id "
+                                           f"{msg_id!r} carries a seal that does not verify")
+    elif engine.firings_sealed:
+        raise Rejected("timer_unsealed", f"timer.fired {ident} was not sent by the timer service: its message id "
+                                         f"{msg_id!r} is not sealed, and the daemon seals every firing")

@@ -1,0 +1,201 @@
+"""A `timer.fired` that the timer service did not send, or that comes before the timer's due time in log time, fires
+nothing: it is dead-lettered, the job goes on, and `recovery-replay verify` reports it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from events import subjects
+from events.codec import encode_envelope
+from events.envelope import Record, make_envelope
+from events.outputs import Rejection
+from recovery.core.timers import Firing, TimerTable
+from recovery.log import MSG_ID, write_file
+from recovery.log.pull import Delivery
+from recovery.log.verify import first_divergence, forged_timers, rejection_divergence, replay_log
+from recovery.service.processor import Processor
+from recovery.service.seal import Seal
+from recovery.service.timers import timer_messages
+from recovery.testing import Scenario
+from recovery.testing.nats import NatsServer
+from tests.daemon_support import async_wait_for, check_log, connect, read_stream, running_daemon
+from tests.test_daemon import ctl, spec
+from tests.test_replay_cli import run_cli
+
+NS = 1_000_000_000
+SEAL = Seal(b"the deployment's secret")
+
+
+def link_down(s: Scenario) -> tuple[str, int]:
+    """A running job whose node's link went down: the id and due time of the debounce timer its decision lists."""
+    s.submit("j", ["a", "b"], ranks_per_node=2, dp=4)
+    s.train("j", 3)
+    effects = s.node_event("b", "network.link_down", link="mlx5_0", switch="leaf1")
+    [timer] = [t for d in effects if not isinstance(d, Rejection) for t in d.timers]
+    assert timer.due > s.now + NS  # a debounce of seconds, not one already due
+    return timer.id, timer.due
+
+
+def fire(s: Scenario, timer_id: str, due: int, msg_id: str | None = None, ident: str = "forged") -> list[object]:
+    """Publish a `timer.fired` for `timer_id` as anyone allowed to publish the job's events could."""
+    envelope = make_envelope("timer.fired", {"timer_id": timer_id, "due": due}, id=ident, job="j", source="agent")
+    appended = s.log.append_sync(subjects.job_event("j", "timer.fired"), envelope,
+                                 headers={MSG_ID: msg_id or ident})
+    assert appended.record is not None
+    return [effect for effect, _, _, _ in s.recorder.apply(appended.record)]
+
+
+def sealed(s: Scenario, timer_id: str, due: int) -> None:
+    """The timer service's own firing of `timer_id`, sealed as the daemon publishes it."""
+    [out] = timer_messages([Firing(timer_id, "j", due)], SEAL)
+    appended = s.log.append_sync(out.subject, out.data, headers={MSG_ID: out.msg_id})
+    assert appended.record is not None
+    s.recorder.apply(appended.record)
+
+
+def test_a_firing_before_the_due_time_is_dead_lettered_and_the_timer_fires_when_due(tmp_path: Path) -> None:
+    s = Scenario()
+    timer_id, due = link_down(s)
+    s.advance(0.5)
+    [rejection] = fire(s, timer_id, due)  # names the timer and its due time exactly, 0.5 s after it was asked for
+    assert isinstance(rejection, Rejection) and rejection.code == "timer_early"
+    assert "early" in rejection.reason and timer_id in rejection.reason
+    assert not s.find("fault.confirmed", "j") and s.state("j") == "running"
+    assert timer_id in s.engine.timers
+    s.advance((due - s.now) / NS)  # the real firing, at its due time, still confirms the fault
+    assert s.find("fault.confirmed", "j")
+
+    log = tmp_path / "forged.jsonl"
+    write_file(log, s.log.records())
+    result = replay_log((f"LOG:{r.seq}", r) for r in s.log.records())
+    assert first_divergence(result) is None and rejection_divergence(result) is None  # the replay agrees...
+    [line] = forged_timers(result)  # ...and says a firing was forged all the same
+    assert "timer_early" in line
+    cli = run_cli("verify", str(log))
+    assert cli.returncode == 1 and cli.stdout.startswith("FORGED TIMER FIRINGS: 1"), cli.stdout
+
+
+def test_a_forged_firing_naming_a_passed_due_time_fires_nothing_before_the_timers_own() -> None:
+    s = Scenario()
+    timer_id, _ = link_down(s)
+    s.advance(1)
+    [rejection] = fire(s, timer_id, s.now - NS)  # a due time already passed: the engine's own due time counts
+    assert isinstance(rejection, Rejection) and rejection.code == "timer_early"
+    assert not s.find("fault.confirmed", "j")
+
+
+def test_once_the_log_holds_sealed_firings_an_unsealed_one_is_dead_lettered() -> None:
+    s = Scenario()
+    s.submit("j", ["a"], ranks_per_node=2, dp=2)
+    watchdog = s.engine.jobs["j"].watchdog
+    assert watchdog is not None
+    _, due, _ = s.engine.timers[watchdog]
+    s.now = due
+    sealed(s, watchdog, due)  # the daemon's firing: from here on every firing must be sealed
+    assert s.engine.firings_sealed and s.engine.timers[watchdog][1] > due
+    timer_id, due = link_down_on(s)
+    s.now = due + NS  # due: only the seal is missing
+    [rejection] = fire(s, timer_id, due)
+    assert isinstance(rejection, Rejection) and rejection.code == "timer_unsealed"
+    assert not s.find("fault.confirmed", "j")
+    [rejection] = fire(s, timer_id, due, msg_id=f"forged~{'0' * 24}", ident="forged-2")  # the form of a seal...
+    assert isinstance(rejection, Rejection) and rejection.code == "timer_unsealed"  # ...on another id
+    sealed(s, timer_id, due)
+    assert s.find("fault.confirmed", "j")
+
+
+def link_down_on(s: Scenario) -> tuple[str, int]:
+    effects = s.node_event("a", "network.link_down", link="mlx5_0", switch="leaf1")
+    [timer] = [t for d in effects if not isinstance(d, Rejection) for t in d.timers]
+    return timer.id, timer.due
+
+
+def test_the_daemons_engine_checks_the_seals_digest(caplog: pytest.LogCaptureFixture) -> None:
+    s = Scenario()
+    s.engine.firing_seal = SEAL
+    timer_id, due = link_down(s)
+    s.now = due
+    ident = f"timer:{timer_id}:{due}"
+    [rejection] = fire(s, timer_id, due, msg_id=f"{ident}~{'0' * 24}", ident=ident)  # a seal's form, not its digest
+    assert isinstance(rejection, Rejection) and rejection.code == "timer_forged"
+    assert not s.find("fault.confirmed", "j")
+    assert "firing_seal" not in s.engine.__getstate__()  # a snapshot never holds the secret
+    # A verify without the secret cannot check the digest: it fires the timer, and says the daemon called it forged.
+    offline = replay_log((f"LOG:{r.seq}", r) for r in s.log.records())
+    divergence = first_divergence(offline)
+    assert divergence is not None and divergence.recorded is None
+    assert "forged timer firing [timer_forged]" in divergence.verdict
+    assert [line.split(" [")[1][:12] for line in forged_timers(offline)] == ["timer_forged"]
+    # The daemon logs such a dead letter as a warning, with its reason.
+    processor = Processor(s.engine)
+    processor.seal = SEAL
+    envelope = make_envelope("timer.fired", {"timer_id": timer_id, "due": due}, id=ident + ":x", job="j")
+    delivery = Delivery(s.engine.last_seq + 1, due, 0, 1, subjects.job_event("j", "timer.fired"),
+                        {MSG_ID: f"{ident}:x~{'1' * 24}"}, encode_envelope(envelope), "")
+    with caplog.at_level(logging.INFO, logger="recovery.daemon"):
+        processor.process([delivery])
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.fields["code"] == "timer_forged"  # type: ignore[attr-defined]
+
+
+async def test_the_daemon_dead_letters_forged_firings_and_fires_the_real_one_when_due(
+        nats_server: NatsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    url = nats_server.url
+    quick = {"detection": {"name": "default", "params": {"link_debounce_s": 2.0}}}
+    caplog.set_level(logging.INFO, logger="recovery.daemon")
+    async with running_daemon(url, tmp_path / "data", snapshot_every_s=0.2) as daemon:
+        await ctl(url, "submit", job="j", spec=spec(["a", "b"], watchdog_interval_s=3600.0, policies=quick))
+        await ctl(url, "inject", type="job.started", job="j")
+        await ctl(url, "inject", type="network.link_down", node="b", data={"link": "mlx5_0"})
+        [timer] = [{"id": t, "due": due} for t, (job, due, every) in daemon.engine.timers.items() if every is None]
+        nc, js = await connect(url)
+        try:
+            async def forge(ident: str, msg_id: str) -> int:
+                envelope = make_envelope("timer.fired", {"timer_id": timer["id"], "due": timer["due"]}, id=ident,
+                                         job="j", source="agent")
+                ack = await js.publish(subjects.job_event("j", "timer.fired"), encode_envelope(envelope),
+                                       headers={MSG_ID: msg_id})
+                return ack.seq
+
+            await forge("forged-1", "forged-1")  # at once: 2 s early
+            early = await forge("forged-2", f"forged-2~{'0' * 24}")  # the form of a seal does not help
+            await daemon.wait_applied(early, 10)
+
+            async def confirmed() -> bool:
+                return any(isinstance(r, Record) and r.envelope.type == "decision"
+                           and r.envelope.data.kind == "fault.confirmed" for r in await read_stream(url))
+
+            await async_wait_for(confirmed, 30, "the real firing of the debounce, when due")
+            late = await forge("forged-3", "forged-3")  # after a sealed firing, an unsealed one is not the service's
+            await daemon.wait_applied(late, 10)
+        finally:
+            await nc.close()
+    records = await read_stream(url)
+    dead = [r.envelope.data for r in records if r.subject.startswith("recovery.dlq.") and isinstance(r, Record)]
+    assert [(d.event_id, d.code) for d in dead] == [("forged-1", "timer_early"), ("forged-2", "timer_early"),
+                                                    ("forged-3", "timer_unsealed")]
+    [fault] = [r for r in records if isinstance(r, Record) and r.envelope.type == "decision"
+               and r.envelope.data.kind == "fault.confirmed"]
+    cause = next(r for r in records if r.seq == fault.envelope.data.cause_seq)
+    assert cause.headers[MSG_ID].startswith(f"timer:{timer['id']}:{timer['due']}~")  # sealed by the service
+    assert cause.ts >= timer["due"]
+    result = check_log(records)  # the offline replay dead-letters them as the daemon did...
+    assert len(forged_timers(result)) == 3  # ...and verify reports them
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage() == "rejected"]
+    assert len(warnings) == 3
+
+
+def test_a_refused_early_firing_is_sent_again_no_sooner_than_its_due_time() -> None:
+    table = TimerTable()
+    table.arm("j/deadline/3", "j", 600 * NS)  # a deadline ten minutes away
+    table.refused("j/deadline/3", "j", 600 * NS, 1 * NS)  # a firing the engine found early, at 1 s
+    assert table.due(599 * NS) == []  # not a minute after the refusal, as a refused on-time firing is
+    assert [f.timer_id for f in table.due(600 * NS)] == ["j/deadline/3"]
+    # The service's own firing, found early (a server clock behind the service's): fired again, under another id.
+    table.refused("j/deadline/3", "j", 600 * NS, 590 * NS)
+    assert table.due(649 * NS) == []
+    [again] = table.due(650 * NS)
+    assert again.refired_at == 650 * NS and again.due == 600 * NS
