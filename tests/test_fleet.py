@@ -8,11 +8,14 @@ from typing import Any
 
 import pytest
 
+from events.codec import decode_envelope
+from events.names import DecisionKind
 from recovery.cli.ctl import build_parser, render
 from recovery.cli.ctl_routes import merge, targets
 from recovery.core.engine import Engine
 from recovery.core.partition import Partition
 from recovery.service.control import ControlService
+from recovery.service.unserved import UnservedWatch
 from recovery.testing.scenario import Scenario
 
 
@@ -78,3 +81,36 @@ def test_a_partitioned_nodes_answer_is_one_row_per_node_with_the_job_its_partiti
     out = merge("nodes", 3, {0: {"nodes": [idle]}, 2: {"nodes": [busy]}}, {1: "no answer"})
     assert out["nodes"] == [{**busy, "seen": 5, "partition": 2}]
     assert out["missing"] == [{"partition": 1, "why": "no answer"}]
+
+
+def test_a_job_waiting_on_nodes_without_an_agent_says_so_in_its_decision_once_the_daemon_saw_it_wait() -> None:
+    s = fleet()
+    now = [100.0]
+    watch = UnservedWatch(lambda: s.engine, None, lambda ident: ident, after_s=60.0,  # type: ignore[arg-type]
+                          clock=lambda: now[0])
+    assert watch.due() == []
+    now[0] += 30
+    assert watch.due() == []
+    now[0] += 30
+    due = watch.due()
+    assert due == [("tiny", ["n1"], 60.0)]
+    assert watch.due() == []  # once per set of nodes
+    [message] = watch.messages(due)
+    assert message.subject == "recovery.ev.job.tiny.job.unserved"
+    envelope = decode_envelope(message.data)
+    assert not isinstance(envelope, Exception)
+    s.send(message.subject, envelope)
+    [decision] = s.find(DecisionKind.JOB_UNSERVED, "tiny")
+    assert decision.state == "submitted" and decision.detail == {"nodes": ["n1"]}
+    assert "no agent serves n1" in decision.reason
+
+
+def test_job_unserved_names_only_the_jobs_own_unserved_nodes_and_only_before_it_started() -> None:
+    s = fleet()
+    s.job_event("tiny", "job.unserved", nodes=["n0"], waited_s=60.0)  # n0's agent is heard
+    s.job_event("tiny", "job.unserved", nodes=["x9"], waited_s=60.0)  # not the job's
+    assert [r.code for r in s.rejections] == ["invalid_state", "invalid_request"]
+    assert s.find(DecisionKind.JOB_UNSERVED, "tiny") == []
+    s.job_event("tiny", "job.started")
+    s.job_event("tiny", "job.unserved", nodes=["n1"], waited_s=60.0)
+    assert s.rejections[-1].code == "invalid_state"
