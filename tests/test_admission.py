@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from events import subjects
+from events.codec import encode_envelope
+from events.envelope import make_envelope
 from recovery.agent.tcpstore import StoreError, TorchStore
 from recovery.log.jetstream import ensure_stream, stream_config
 from recovery.testing.nats import NatsServer, free_port
@@ -97,6 +99,13 @@ async def test_a_job_the_daemon_rejected_starts_no_rank(nats_server: NatsServer,
             for job in ("bad-policy", "bad-param"):
                 assert watches[job].of("process.started") == [], f"{job} was rejected, yet its ranks started"
             assert agent.log_tail(200).count("the daemon did not accept its submission") == 2
+            # the rejected id, fixed and submitted again (the good job gone): it starts now
+            await nc.jetstream().publish(subjects.job_event("good", "job.cancelled"), encode_envelope(make_envelope(
+                "job.cancelled", {"reason": "done"}, id="good:cancelled", job="good", source="test")))
+            await wait_until(lambda: daemon.engine.jobs["good"].state == "cancelled", 30, "the good job's end")
+            await submit(nc, "bad-policy", stand_in_job(tmp_path, ["n1"]), again=1)
+            await wait_until(lambda: watches["bad-policy"].step(0) >= 2, 60, "the fixed job's rank to train",
+                             agent.log_tail)
     finally:
         if agent is not None:
             agent.stop()
@@ -108,7 +117,7 @@ async def test_jobs_share_a_store_port_a_taken_port_fails_one_job_and_a_restarte
         streams: NatsServer, tmp_path: Path) -> None:
     nc = await connect(streams.url)
     port = free_port()
-    watches = {job: await watch(nc, job) for job in ("first", "second", "squatted")}
+    watches = {job: await watch(nc, job) for job in ("first", "second", "squatted", "late")}
     squatter = socket.socket()  # a process that is not this agent's holds the third job's port
     squatter.bind(("0.0.0.0", 0))
     squatter.listen()
@@ -136,12 +145,16 @@ async def test_jobs_share_a_store_port_a_taken_port_fails_one_job_and_a_restarte
 
         agent.proc.kill()  # its store goes with it (its stdin closes); its ranks run on in their own sessions
         agent.proc.wait(timeout=10)
+        # accepted while no agent runs here: the next one starts it
+        await submit(nc, "late", stand_in_job(tmp_path, ["n1"], rendezvous="external"), accepted=True)
         restarted = AgentProcess(tmp_path, "n1", streams.url)
         # the same log file: the old agent's line is the first
         await wait_until(lambda: restarted.log_path.read_text(errors="replace").count("rendezvous store of") >= 2, 90,
                          "the restarted agent to serve the store again", restarted.log_tail)
         assert await store_answers(port)
         assert len(watches["first"].of("process.started")) == 1  # taken back, not started again
+        await wait_until(lambda: watches["late"].step(0) >= 2, 60, "the job accepted while no agent ran to train",
+                         restarted.log_tail)
     finally:
         squatter.close()
         agent.stop()

@@ -27,6 +27,7 @@ from recovery.testing.nats import NatsServer
 from tests.e2e_support import (
     AgentProcess,
     JobWatch,
+    accept,
     connect,
     environment,
     kill_leftovers,
@@ -240,7 +241,7 @@ async def test_an_agent_started_after_a_job_was_submitted_knows_it_and_carries_o
     nc = await connect(streams.url)
     w = await watch(nc, "old")
     spec = stand_in_job(tmp_path, ["elsewhere", "n4"], 1, 2)
-    await submit(nc, "old", spec, accepted=True)
+    await accept(nc, "old", await submit(nc, "old", spec), state="running")  # started before this agent
     ready = await node_heard(nc, "recovery.ev.node.n4.>")
     agent = AgentProcess(tmp_path, "n4", streams.url)
     try:

@@ -12,7 +12,7 @@ and as a `job.cancelled` event with the reason (the engine ends the job and reco
 other jobs' ranks would die with it.
 
 A restarted agent takes back its duties for the jobs still live: the job store of a job whose first node this is
-(the old agent's went with it) and, for a job accepted while no agent ran here, its ranks.
+(the old agent's went with it) and, for a job accepted but not started while no agent ran here, its ranks.
 
 `Admission` is the part of the agent (`recovery.agent.agent.Agent` derives from it) that does this.
 """
@@ -146,7 +146,7 @@ class Admission:
                         ProcessChannel(self.runtime_dir / f"{job_id}.sock", lambda m, j=job_id: self._report(j, m)))
         self.jobs[job_id] = job
         assert self._tg is not None
-        await self._tg.start(job.channel.serve)
+        await self._tg.start(job.serve_channel)
         if known:
             # A job from before this agent: its ranks that outlived the old agent are adopted, so that their exits
             # are reported and a restart replaces them instead of doubling them.
@@ -160,15 +160,23 @@ class Admission:
     async def _admit(self, log: JetStreamLog, job: JobOnNode, seq: int, known: bool) -> None:
         """Start what this node serves of `job` once the engine accepted it; a failure is the job's alone."""
         try:
+            accepted: bool | None = None
             if known:
                 state = await standing(log, job.id, seq)
-                if state is not None:
-                    if state not in FINAL:
-                        await self._serve_store(job)  # the old agent's store went with it: the job's ranks need one
+                if state in FINAL:
                     return
-            if not await answer(log, job.id, seq):
+                if state is not None and (state != "submitted" or job.processes):
+                    await self._serve_store(job)  # the old agent's store went with it: the job's ranks need one
+                    return
+                # Accepted and not started, with no rank of it here: this agent came up late (or the old one went
+                # before it started them), and starts them now.
+                accepted = True if state is not None else None
+            if accepted is None:
+                accepted = await answer(log, job.id, seq)
+            if not accepted:
                 logger.info("not starting %s: the daemon did not accept its submission (see the dead letters)",
                             job.id)
+                self._forget(job)
                 return
             await self._start(job)
         except Exception as exc:
@@ -176,6 +184,13 @@ class Admission:
             self.job_event(job.id, "job.cancelled", {"reason": f"the agent of {self.node} could not start the job: "
                                                                f"{exc}"[:1024]},
                            event_id=f"{job.id}:{seq}:not-started@{self.node}")
+
+    def _forget(self, job: JobOnNode) -> None:
+        """A rejected job is not known: the same id may be submitted again, fixed, and must start then."""
+        if self.jobs.get(job.id) is job and not job.processes:
+            del self.jobs[job.id]
+            job.serving.cancel()
+            job.channel.path.unlink(missing_ok=True)
 
     async def _serve_store(self, job: JobOnNode) -> None:
         assert job.spec.entrypoint is not None

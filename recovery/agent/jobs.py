@@ -41,6 +41,12 @@ class JobOnNode:
     caught_up: anyio.Event = field(default_factory=anyio.Event)  # with the commands missed before this agent ran
     torch_ports: dict[int, int | None] = field(default_factory=dict)  # generation -> its torch store's port
     torch_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    serving: anyio.CancelScope = field(default_factory=anyio.CancelScope)  # cancelled: its socket is closed
+
+    async def serve_channel(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve the job's socket until `serving` is cancelled (a job the daemon rejected is forgotten)."""
+        with self.serving:
+            await self.channel.serve(task_status=task_status)
 
     @property
     def rpn(self) -> int:
