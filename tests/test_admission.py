@@ -15,6 +15,7 @@ import pytest
 from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
+from recovery.agent.stores import JobStores, StoreUnavailable
 from recovery.agent.tcpstore import StoreError, TorchStore
 from recovery.log.jetstream import ensure_stream, stream_config
 from recovery.testing.nats import NatsServer, free_port
@@ -66,6 +67,17 @@ async def store_answers(port: int) -> bool:
             return True
     except StoreError:
         return False
+
+
+async def test_a_port_another_process_holds_is_the_jobs_failure_named_at_once() -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        stores = JobStores("127.0.0.1")
+        with pytest.raises(StoreUnavailable, match=rf"j cannot listen on 127.0.0.1:{port}: another process holds it"):
+            await stores.serve("j", port)
+        assert stores.jobs_on(port) == []
 
 
 @pytest.fixture

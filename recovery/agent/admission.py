@@ -37,7 +37,7 @@ from recovery.agent.channel import ProcessChannel
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import DEFAULT_STORE_PORT, JobOnNode
 from recovery.agent.standby import StandbyPool
-from recovery.agent.stores import JobStores
+from recovery.agent.stores import PORT_FREED_S, JobStores
 from recovery.core.machine import FINAL
 from recovery.log.jetstream import JetStreamLog
 
@@ -166,7 +166,8 @@ class Admission:
                 if state in FINAL:
                     return
                 if state is not None and (state != "submitted" or job.processes):
-                    await self._serve_store(job)  # the old agent's store went with it: the job's ranks need one
+                    # The old agent's store went with it (its stdin closed): the job's ranks need one again.
+                    await self._serve_store(job, PORT_FREED_S)
                     return
                 # Accepted and not started, with no rank of it here: this agent came up late (or the old one went
                 # before it started them), and starts them now.
@@ -178,7 +179,7 @@ class Admission:
                             job.id)
                 self._forget(job)
                 return
-            await self._start(job)
+            await self._start(job, PORT_FREED_S if known else 0.0)
         except Exception as exc:
             logger.exception("job %s could not start on %s: the agent and its other jobs go on", job.id, self.node)
             self.job_event(job.id, "job.cancelled", {"reason": f"the agent of {self.node} could not start the job: "
@@ -192,13 +193,14 @@ class Admission:
             job.serving.cancel()
             job.channel.path.unlink(missing_ok=True)
 
-    async def _serve_store(self, job: JobOnNode) -> None:
+    async def _serve_store(self, job: JobOnNode, freed_s: float = 0.0) -> None:
         assert job.spec.entrypoint is not None
         if job.spec.nodes[0] == self.node and job.spec.entrypoint.rendezvous == "agent":
-            await self.stores.serve(job.id, job.store_port)
+            await self.stores.serve(job.id, job.store_port, freed_s)
 
-    async def _start(self, job: JobOnNode) -> None:
-        """The first start of an accepted job's ranks on this node, and of its job store on its first node."""
+    async def _start(self, job: JobOnNode, freed_s: float) -> None:
+        """The first start of an accepted job's ranks on this node, and of its job store on its first node (waiting
+        `freed_s` for its port, as a restarted agent does for the old one's store)."""
         spec = job.spec
         assert spec.entrypoint is not None and self._tg is not None
         await self._serve_store(job)

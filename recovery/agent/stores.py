@@ -49,9 +49,10 @@ class JobStores:
     def jobs_on(self, port: int) -> list[str]:
         return list(self._jobs.get(port, []))
 
-    async def serve(self, job: str, port: int) -> None:
+    async def serve(self, job: str, port: int, freed_s: float = 0.0) -> None:
         """Serve the store of `job` on `port`: the one already there for another job of this agent, or a new one;
-        raise `StoreUnavailable` if none can listen there."""
+        raise `StoreUnavailable` if none can listen there (within `freed_s`: a restarted agent waits for the old
+        one's store to let go of the port)."""
         async with self._lock:  # two jobs submitted at once must not both start a store on the port
             running = self._stores.get(port)
             if running is not None and running.returncode is None:
@@ -60,13 +61,13 @@ class JobStores:
                     logger.info("job store on port %d serves %s too (with %s)", port, job,
                                 ", ".join(self._jobs[port][:-1]))
                 return
-            await self._until_free(job, port)
+            await self._until_free(job, port, freed_s)
             self._stores[port] = await self._start(job, port)
             self._jobs[port] = [job]
 
-    async def _until_free(self, job: str, port: int) -> None:
+    async def _until_free(self, job: str, port: int, freed_s: float) -> None:
         # Said before torch is imported, and in words: a store that cannot bind only prints torch's trace and exits.
-        deadline = anyio.current_time() + PORT_FREED_S
+        deadline = anyio.current_time() + freed_s
         while True:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds: TIME_WAIT is free
