@@ -303,6 +303,15 @@ class JobCancelled(Frozen):
     reason: Text = ""
 
 
+class JobUnserved(Frozen):
+    """The daemon found no agent serving these nodes of a job that has not started yet (none heard from, or declared
+    gone) for `waited_s`: the job's ranks there cannot start, and its decision says so."""
+
+    nodes: list[Token] = Field(min_length=1, max_length=4096, description="the nodes no agent serves, at most 4096 "
+                                                                          "named")
+    waited_s: Seconds = Field(description="how long the daemon saw them unserved")
+
+
 # --- checkpoints ------------------------------------------------------------------------------------
 class CheckpointSaved(Frozen):
     """Shards of the model state at `step` are available in `tier` on `holder` (a node, or 'storage')."""
@@ -384,6 +393,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "job.started": JobStarted,
     "job.completed": JobCompleted,
     "job.cancelled": JobCancelled,
+    "job.unserved": JobUnserved,
     "checkpoint.saved": CheckpointSaved,
     "checkpoint.failed": CheckpointFailed,
     "command.ack": CommandAck,

@@ -17,6 +17,7 @@ class DecisionKind(StrEnum):
 
     # the job's lifecycle
     JOB_ACCEPTED = "job.accepted"
+    JOB_UNSERVED = "job.unserved"  # no agent serves some of its nodes: its ranks there cannot start
     JOB_STARTED = "job.started"
     JOB_PAUSED = "job.paused"
     JOB_COMPLETED = "job.completed"

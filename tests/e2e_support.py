@@ -23,6 +23,8 @@ from nats.aio.msg import Msg
 from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
+from events.names import DecisionKind
+from events.outputs import Decision
 from recovery.testing.nats import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,9 +193,27 @@ def job_spec(out: Path, steps: int, step_time: float, nodes: list[str], master_p
     }
 
 
-async def submit(nc: Client, job: str, spec: dict[str, Any]) -> None:
-    envelope = make_envelope("job.submitted", {"spec": spec}, id=f"{job}:submitted", job=job, source="test")
-    await nc.jetstream().publish(subjects.job_event(job, "job.submitted"), encode_envelope(envelope),
+async def submit(nc: Client, job: str, spec: dict[str, Any], *, accepted: bool = False, again: int = 0) -> int:
+    """Submit `job`; the sequence of its submission comes back. `accepted`: also write the daemon's acceptance of
+    it (agents start nothing before it), for tests that run agents without a daemon; `again`: the how-manieth
+    submission of the job id this is (each its own event)."""
+    ident = f"{job}:submitted" + (f":{again}" if again else "")
+    envelope = make_envelope("job.submitted", {"spec": spec}, id=ident, job=job, source="test")
+    ack = await nc.jetstream().publish(subjects.job_event(job, "job.submitted"), encode_envelope(envelope),
+                                       headers={"Nats-Msg-Id": envelope.id})
+    if accepted:
+        await accept(nc, job, ack.seq)
+    return int(ack.seq)
+
+
+async def accept(nc: Client, job: str, seq: int, kind: DecisionKind = DecisionKind.JOB_ACCEPTED,
+                 state: str = "submitted") -> None:
+    """The decision a daemon writes for the submission of `job` at `seq` (`kind`: its acceptance, or another;
+    `state`: the job's after it)."""
+    decision = Decision(job=job, cause_seq=seq, index=0, kind=kind, previous="submitted", state=state,
+                        reason="written by the test")
+    envelope = make_envelope("decision", decision, id=f"dec:{job}:{seq}:0", job=job, source="test")
+    await nc.jetstream().publish(subjects.decision(job), encode_envelope(envelope),
                                  headers={"Nats-Msg-Id": envelope.id})
 
 
@@ -208,5 +228,5 @@ def kill_leftovers(pids: list[int]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-__all__ = ["AgentProcess", "JobWatch", "RendezvousProcess", "connect", "free_port", "job_spec", "kill_leftovers",
-           "submit", "wait_until", "watch"]
+__all__ = ["AgentProcess", "JobWatch", "RendezvousProcess", "accept", "connect", "free_port", "job_spec",
+           "kill_leftovers", "submit", "wait_until", "watch"]

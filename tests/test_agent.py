@@ -27,6 +27,7 @@ from recovery.testing.nats import NatsServer
 from tests.e2e_support import (
     AgentProcess,
     JobWatch,
+    accept,
     connect,
     environment,
     kill_leftovers,
@@ -137,7 +138,7 @@ async def test_the_agent_runs_its_ranks_relays_them_and_carries_out_its_commands
     try:
         await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
         spec = stand_in_job(tmp_path, ["elsewhere", "n1"], 2, 4)
-        await submit(nc, "j", spec)
+        await submit(nc, "j", spec, accepted=True)
         await wait_until(lambda: set(w.pids()) == {2, 3} and w.step(2) >= 3 and w.step(3) >= 3, 30,
                          "ranks 2 and 3 to run and report steps", agent.log_tail)
         # heartbeats and steps travel folded, one report per period, of only the agent's own ranks
@@ -190,7 +191,7 @@ async def test_a_dying_save_that_the_sdk_could_not_write_is_acked_failed_with_it
         await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
         spec = stand_in_job(tmp_path, ["elsewhere", "n7"], 2, 4)
         (tmp_path / "stand_in.py").write_text(SAVER)
-        await submit(nc, "saves", spec)
+        await submit(nc, "saves", spec, accepted=True)
         await wait_until(lambda: w.step(2) >= 3 and w.step(3) >= 3, 30, "both ranks to report steps", agent.log_tail)
         await command(nc, "n7", {"id": "saves:9:0", "job": "saves", "attempt": 0, "deadline_s": 30.0,
                                  "kind": "save_checkpoint", "ranks": [2, 3], "step": 3})
@@ -219,7 +220,7 @@ async def test_a_graceful_stop_of_a_rank_without_the_sdk_sends_sigterm_at_once(
         await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
         spec = stand_in_job(tmp_path, ["elsewhere", "n8"], 1, 2)
         (tmp_path / "stand_in.py").write_text("import time\ntime.sleep(600)\n")
-        await submit(nc, "stock", spec)
+        await submit(nc, "stock", spec, accepted=True)
         await wait_until(lambda: 1 in w.pids(), 30, "rank 1 to start", agent.log_tail)
         stopped = time.monotonic()
         await command(nc, "n8", {"id": "stock:3:0", "job": "stock", "attempt": 0, "deadline_s": 60.0,
@@ -240,7 +241,7 @@ async def test_an_agent_started_after_a_job_was_submitted_knows_it_and_carries_o
     nc = await connect(streams.url)
     w = await watch(nc, "old")
     spec = stand_in_job(tmp_path, ["elsewhere", "n4"], 1, 2)
-    await submit(nc, "old", spec)
+    await accept(nc, "old", await submit(nc, "old", spec), state="running")  # started before this agent
     ready = await node_heard(nc, "recovery.ev.node.n4.>")
     agent = AgentProcess(tmp_path, "n4", streams.url)
     try:
@@ -288,7 +289,7 @@ async def test_a_restart_in_place_resets_its_devices_between_the_kill_and_the_st
     try:
         await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
         spec = stand_in_job(tmp_path, ["elsewhere", "n1"], 2, 4)
-        await submit(nc, "r", spec)
+        await submit(nc, "r", spec, accepted=True)
         await wait_until(lambda: set(w.pids()) == {2, 3} and w.step(2) >= 2 and w.step(3) >= 2, 30,
                          "ranks 2 and 3 to run", agent.log_tail)
         old = w.pids()[2][0]
@@ -343,7 +344,7 @@ async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(stre
     try:
         await wait_until(lambda: bool(ready), 30, "the agent's node.ready", old.log_tail)
         spec = stand_in_job(tmp_path, ["n6"], 4, 4)
-        await submit(nc, "ad", spec)
+        await submit(nc, "ad", spec, accepted=True)
         await wait_until(lambda: set(w.pids()) == {0, 1, 2, 3} and min(w.step(r) for r in range(4)) >= 2, 30,
                          "four ranks to run", old.log_tail)
         pids = {rank: p[0] for rank, p in w.pids().items()}

@@ -221,6 +221,11 @@ async def test_ctl_verbs_and_the_cli(daemon: Daemon, nats_server: NatsServer, tm
     table = await asyncio.to_thread(subprocess.run, [*cli, "jobs"], capture_output=True, text=True, cwd=ROOT,
                                     check=False, env={**os.environ, "COLUMNS": "160"})
     assert "train" in table.stdout and "running" in table.stdout
+    assert rows[0]["no_agent"] == ["t0", "t1"]  # no agent ever ran there: said, not left to guess from 0 alive
+    nodes = await asyncio.to_thread(subprocess.run, [*cli, "nodes"], capture_output=True, text=True, cwd=ROOT,
+                                    check=False, env={**os.environ, "COLUMNS": "160"})
+    assert nodes.returncode == 0, nodes.stderr
+    assert "t0" in nodes.stdout and "train (running)" in nodes.stdout and "none" in nodes.stdout
     paused = await ctl(url, "pause", job="train", reason="maintenance")
     assert (paused["ok"] and "job.paused" in [d["kind"] for d in paused["decisions"]]) or paused["decisions"]
     incidents = await ctl(url, "incidents")

@@ -205,6 +205,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "curl -s localhost:9464/readyz; curl -s localhost:9464/metrics | grep recovery_":
         "tests/test_daemon.py::test_http_endpoints_and_metrics",
     "recovery-ctl jobs": "tests/test_daemon.py::test_ctl_verbs_and_the_cli",
+    "recovery-ctl nodes": "tests/test_daemon.py::test_ctl_verbs_and_the_cli",
     "recovery-ctl incidents --all": "tests/test_daemon.py::test_ctl_verbs_and_the_cli",
     "recovery-ctl submit docs/job.json": "tests/test_daemon.py::test_ctl_verbs_and_the_cli",
     "recovery-ctl inject process.exited --job llama-7b --data '{\"rank\": 3, \"exit_code\": 139}'":

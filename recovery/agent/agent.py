@@ -30,14 +30,14 @@ from events.commands import (
     ScaleJob,
     StopRanks,
 )
-from events.envelope import RawRecord, Record, make_envelope
-from events.kinds import JobSubmitted, RankStack
-from events.values import JobSpec, Layout, ResumePlan
+from events.envelope import make_envelope
+from events.kinds import RankStack
+from events.values import Layout, ResumePlan
 from recovery.agent import errors, ranks
-from recovery.agent.channel import ProcessChannel
+from recovery.agent.admission import Admission
 from recovery.agent.config import AgentConfig
 from recovery.agent.hangs import StockHangs
-from recovery.agent.jobs import DEFAULT_STORE_PORT, CommandFailed, JobOnNode, end_torch_stores, host_store
+from recovery.agent.jobs import CommandFailed, JobOnNode, end_torch_stores
 from recovery.agent.memory import MemoryTier, memory_root
 from recovery.agent.outbox import Outbox
 from recovery.agent.probes.nvml import open_nvml_probe
@@ -48,6 +48,7 @@ from recovery.agent.rescale import Rescale
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.agent.stacks import Dumps, dump_tool, take_stack
 from recovery.agent.standby import StandbyPool
+from recovery.agent.stores import JobStores
 from recovery.log.jetstream import JetStreamLog
 from recovery.log.refusals import Refusals
 from recovery.log.waiting import Attempts, until_streams_exist
@@ -55,10 +56,9 @@ from recovery.log.waiting import Attempts, until_streams_exist
 logger = logging.getLogger("recovery.agent")
 
 COMMANDS: TypeAdapter[Command] = TypeAdapter(Command)
-SUBMITTED = "recovery.ev.job.*.job.submitted"
 
 
-class Agent(Relay, Rescale):
+class Agent(Relay, Rescale, Admission):
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.node = cfg.node
@@ -81,6 +81,7 @@ class Agent(Relay, Rescale):
         self.nvml = open_nvml_probe(cfg.nvml, cfg.kernel_log)
         self.progress = ProgressFold()
         self.silence = SilenceWatch()
+        self.stores = JobStores(cfg.store_host)  # by port: jobs naming the same MASTER_PORT share one
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
         self.dumps = Dumps()
         self.memory = MemoryTier(memory_root(cfg.memory_dir, cfg.node, self.runtime_dir), self.checkpoint_saved)
@@ -146,8 +147,8 @@ class Agent(Relay, Rescale):
         log = JetStreamLog(self.nc, js, self.cfg.stream, owns_connection=False)
         commands = JetStreamLog(self.nc, js, self.cfg.command_stream, owns_connection=False)
         # Commands from before the agent started are another run's; jobs submitted before are read back (see
-        # _follow_jobs), launching only what comes after. A daemon creates the streams: an agent started first
-        # waits for them.
+        # recovery.agent.admission), starting only what the old agent had not. A daemon creates the streams: an agent
+        # started first waits for them.
         streams = f"{self.cfg.stream}, {self.cfg.command_stream}"
         log_start = await until_streams_exist(lambda: _next_seq(log), logger, streams)
         command_start = await until_streams_exist(lambda: _next_seq(commands), logger, streams)
@@ -219,10 +220,7 @@ class Agent(Relay, Rescale):
             for job in self.jobs.values():
                 for proc in job.processes.values():
                     tg.start_soon(ranks.stop, proc, self.cfg.kill_grace_s, self.cfg.kill_grace_s)
-        for job in self.jobs.values():
-            if job.store is not None:
-                with contextlib.suppress(Exception):
-                    await job.store.aclose()
+        await self.stores.aclose()
         for probe in (self.xid_follower, self.nvml):
             if probe is not None:
                 probe.close()
@@ -231,25 +229,6 @@ class Agent(Relay, Rescale):
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.close()
-
-    async def _known_jobs(self, log: JetStreamLog, start: int) -> None:
-        """The jobs submitted with an entrypoint before `start` (this agent was restarted): known again without
-        launching anything, so that their commands are carried out, their ranks that outlived the old agent are
-        adopted, and those reach this one through the job's socket (the SDK connects again by itself)."""
-        async for record in log.read(1, start - 1, SUBMITTED):
-            await self._job_record(record, launch=False)
-
-    async def _follow_jobs(self, log: JetStreamLog, start: int) -> None:
-        """Every job submitted with an entrypoint from `start` on: its ranks placed here are launched."""
-        async for record in log.follow(start, SUBMITTED):
-            await self._job_record(record, launch=True)
-
-    async def _job_record(self, record: Record | RawRecord, launch: bool) -> None:
-        if not isinstance(record, Record) or record.envelope.job is None:
-            return
-        data = record.envelope.data
-        if isinstance(data, JobSubmitted) and data.spec.entrypoint is not None:
-            await self._submitted(record.envelope.job, data.spec, launch=launch)
 
     async def _follow_commands(self, log: JetStreamLog, start: int) -> None:
         async for record in log.follow(start, subjects.node_commands(self.node)):
@@ -270,34 +249,6 @@ class Agent(Relay, Rescale):
             self._tg.start_soon(self._carry_out, command)
 
     # -- jobs ------------------------------------------------------------------------------------------
-    async def _submitted(self, job_id: str, spec: JobSpec, launch: bool = True) -> None:
-        if job_id in self.jobs:
-            return
-        assert spec.entrypoint is not None
-        env = spec.entrypoint.env
-        job = JobOnNode(job_id, spec, list(spec.nodes), spec.layout, env.get("MASTER_ADDR", "127.0.0.1"),
-                        int(env.get("MASTER_PORT", DEFAULT_STORE_PORT)),
-                        ProcessChannel(self.runtime_dir / f"{job_id}.sock", lambda m, j=job_id: self._report(j, m)))
-        self.jobs[job_id] = job
-        assert self._tg is not None
-        await self._tg.start(job.channel.serve)
-        if not launch:
-            # A job from before this agent: nothing is started for it, and its ranks that outlived the old agent
-            # are adopted, so that their exits are reported and a restart replaces them instead of doubling them.
-            self._adopt(job)
-            self._tg.start_soon(self._fence, job)
-            return
-        job.caught_up.set()  # a job that starts under this agent missed nothing
-        if spec.nodes[0] == self.node and spec.entrypoint.rendezvous == "agent":
-            await host_store(job, self.cfg.store_host)
-        for rank in job.ranks_on(self.node):
-            await self._launch(job, rank, 0, None, whole=True)
-        if spec.nodes[0] == self.node:
-            self.job_event(job_id, "job.started", {}, event_id=f"{job_id}:started")
-        wanted = self.standbys.wanted(spec.entrypoint, len(job.ranks_on(self.node)))
-        for _ in range(wanted):  # one after the other: each waits its delay, then for its imports
-            self._tg.start_soon(self.standbys.keep, job_id, spec.entrypoint, wanted)
-
     def _adopt(self, job: JobOnNode) -> None:
         prefix = f"{job.id}.rank"
         for path in sorted(self.runtime_dir.glob("*.json")):
@@ -447,6 +398,10 @@ class Agent(Relay, Rescale):
         except CommandFailed as exc:
             logger.warning("command %s failed: %s", command.id, exc)
             self.ack(command, "failed", str(exc), **exc.result)
+            return
+        except Exception as exc:  # one job's command that breaks is that job's failure, never the agent's
+            logger.exception("command %s of %s failed unexpectedly", command.id, command.job)
+            self.ack(command, "failed", f"{type(exc).__name__}: {exc}")
             return
         self.ack(command, "done", **result)
 

@@ -4,14 +4,11 @@ rendezvous store, `recovery.agent.rendezvous`) and the torch store of each forma
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.abc import Process
 
 from events.values import JobSpec, Layout
 from recovery.agent import ranks
@@ -40,11 +37,16 @@ class JobOnNode:
     processes: dict[int, ranks.RankProcess] = field(default_factory=dict)
     saves: dict[str, anyio.Event] = field(default_factory=dict)  # save request id -> answered
     save_failures: dict[str, str] = field(default_factory=dict)  # save request id -> the SDK's reason
-    store: Process | None = None
     finished: bool = False
     caught_up: anyio.Event = field(default_factory=anyio.Event)  # with the commands missed before this agent ran
     torch_ports: dict[int, int | None] = field(default_factory=dict)  # generation -> its torch store's port
     torch_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    serving: anyio.CancelScope = field(default_factory=anyio.CancelScope)  # cancelled: its socket is closed
+
+    async def serve_channel(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve the job's socket until `serving` is cancelled (a job the daemon rejected is forgotten)."""
+        with self.serving:
+            await self.channel.serve(task_status=task_status)
 
     @property
     def rpn(self) -> int:
@@ -130,19 +132,6 @@ async def end_torch_stores(host: str, port: int, run_id: str) -> None:
                     await store.queue_push(REQUESTS, f"end 0 {run_id}")
     except (StoreError, TimeoutError) as exc:
         logger.info("could not tell the job store that %s ended: %s", run_id, exc)
-
-
-async def host_store(job: JobOnNode, host: str) -> None:
-    """Start the job's store beside the agent (`rendezvous: agent`) and wait until it listens."""
-    job.store = await anyio.open_process(
-        [sys.executable, "-m", "recovery.agent.rendezvous", "--host", host, "--port", str(job.store_port)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
-    assert job.store.stdout is not None
-    with anyio.fail_after(60):
-        line = b""
-        while not line.endswith(b"\n"):
-            line += await job.store.stdout.receive(1)
-    logger.info("rendezvous store of %s: %s", job.id, line.decode().strip())
 
 
 class CommandFailed(Exception):

@@ -1,6 +1,7 @@
 """`recovery-ctl`: talk to a running `recovery-daemon` over NATS request/reply (`recovery.ctl.<verb>`).
 
     recovery-ctl jobs                          live job states
+    recovery-ctl nodes                         the nodes: their agents (seen when, in what state), jobs and ranks
     recovery-ctl incidents [--all]             open incidents (and closed ones with --all)
     recovery-ctl job J                         one job in full (JSON)
     recovery-ctl status                        the daemon: readiness, last sequence, snapshot, lag
@@ -15,7 +16,7 @@ The server: `--nats URL`, else RECOVERY_NATS_URL, else the embedded daemon's `<d
 daemon's answer as JSON. `--timeout S` (default 5) bounds the whole exchange: connecting and the answer.
 
 On a partitioned control plane (several active daemons, `partitions` P > 1) the daemons say P when asked, and each
-request goes where it belongs (`recovery.cli.ctl_routes`): a job's to the job's partition, status, jobs and
+request goes where it belongs (`recovery.cli.ctl_routes`): a job's to the job's partition, status, jobs, nodes and
 incidents to every partition, merged, each row with its partition; a partition that gives no answer within the
 timeout is named (exit 5) and the others' answers shown. `--partitions P` skips asking.
 """
@@ -228,6 +229,18 @@ def build_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
+def _listed(names: Sequence[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """Consecutive ranks as a range: a node of 8 ranks is `8-15`."""
+    if not ranks:
+        return "-"
+    return str(ranks[0]) if len(ranks) == 1 else (f"{ranks[0]}-{ranks[-1]}" if ranks[-1] - ranks[0] == len(ranks) - 1
+                                                  else ",".join(map(str, ranks)))
+
+
 def _when(ns: int | None) -> str:
     if not ns:
         return "-"
@@ -278,6 +291,9 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
         if verb == "jobs":
             rows = [{c: str(row["alive"]) + f"/{row['world']}" if c == "alive" else
                      ("-" if row[c] is None else str(row[c])) for c in columns} for row in reply["jobs"]]
+            for row, job in zip(rows, reply["jobs"], strict=True):
+                if job.get("no_agent"):  # why it does not start: said where a narrow terminal still shows it
+                    row["state"] += f" (no agent on {_listed(job['no_agent'])})"
         else:
             rows = [{c: "-" if cells[c] is None else str(cells[c]) for c in columns}
                     for cells in ({**row, "opened": _when(row["opened"]), "attempts": " -> ".join(row["attempts"])}
@@ -292,6 +308,16 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
             table.add_column(column.replace("_", " "), no_wrap=column in ("job", "state"), overflow="fold")
         for row in rows:
             table.add_row(*(Text(row[c]) for c in shown))
+        console.print(table)
+    elif verb == "nodes":
+        columns = ("node", "agent", "seen", "job", "ranks", *(("partition",) if "partitions" in reply else ()))
+        table = Table(title=f"{len(reply['nodes'])} node(s)")
+        for column in columns:
+            table.add_column(column, no_wrap=column in ("node", "agent"), overflow="fold")
+        for row in reply["nodes"]:
+            cells = {**row, "seen": _when(row["seen"]), "job": "-" if row["job"] is None else
+                     f"{row['job']} ({row['job_state']})", "ranks": _ranks(row["ranks"])}
+            table.add_row(*(Text("-" if cells.get(c) is None else str(cells[c])) for c in columns))
         console.print(table)
     elif verb == "status":
         # a partitioned control plane's answer: each partition's owner's status, by partition
@@ -347,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(PARTITIONS_VERB, help="how many partitions the control plane has")
     p = sub.add_parser("jobs", help="live job states (the columns that fit the terminal; --wide for all)")
     p.add_argument("--wide", action="store_true", help="every column, however wide the terminal")
+    sub.add_parser("nodes", help="the nodes: their agents (seen when; ready, spare, gone, none), jobs and ranks")
     p = sub.add_parser("incidents", help="open incidents (the columns that fit the terminal; --wide for all)")
     p.add_argument("--all", action="store_true", help="closed incidents too")
     p.add_argument("--wide", action="store_true", help="every column, however wide the terminal")

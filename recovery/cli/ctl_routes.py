@@ -4,8 +4,8 @@ With P > 1 partitions each partition's active owner answers on `recovery.ctl.p.<
 (`recovery.service.control`). A request about one job goes to the job's partition, `partition_of(job, P)` (the hash
 the log stream files the job's events under); an event about a node to the node's partition (every partition reads
 node events: one publish reaches them all, and the node's partition answers with its own decisions); the fleet-wide
-queries (status, jobs, incidents) to every partition at once, merged into the answer one daemon would give, each row
-with its partition, and the partitions that gave no answer within the timeout named rather than waited for.
+queries (status, jobs, nodes, incidents) to every partition at once, merged into the answer one daemon would give,
+each row with its partition, and the partitions that gave no answer within the timeout named rather than waited for.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from events.subjects import partition_of
 
-FLEET_VERBS = ("status", "jobs", "incidents")
+FLEET_VERBS = ("status", "jobs", "nodes", "incidents")
 """asked of every partition and merged"""
 
 
@@ -41,8 +41,26 @@ def merge(verb: str, count: int, answers: Mapping[int, dict[str, Any]], missing:
     if verb == "status":
         out["status"] = {str(k): answers[k]["status"] for k in sorted(answers)}
         return out
+    if verb == "nodes":
+        out["nodes"] = merge_nodes(answers)
+        return out
     key = "jobs" if verb == "jobs" else "incidents"
     rows = [{**row, "partition": k} for k in sorted(answers) for row in answers[k][key]]
     # one daemon lists jobs in order of their id, and a job's incidents together (stable: each partition's order)
     out[key] = sorted(rows, key=lambda row: str(row["job"]))
     return out
+
+
+def merge_nodes(answers: Mapping[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every partition reads every node's events, so each knows every node's agent; a node's job only the partition
+    of that job knows. One row per node: the one that names a job (with its partition), the latest sighting."""
+    rows: dict[str, dict[str, Any]] = {}
+    for k in sorted(answers):
+        for row in answers[k]["nodes"]:
+            have = rows.get(row["node"])
+            if have is None or (have["job"] is None and row["job"] is not None):
+                seen = row["seen"] if have is None else max(have["seen"] or 0, row["seen"] or 0) or None
+                rows[row["node"]] = {**row, "seen": seen, "partition": k if row["job"] is not None else None}
+            elif row["seen"] is not None and (have["seen"] is None or row["seen"] > have["seen"]):
+                have["seen"] = row["seen"]
+    return [rows[name] for name in sorted(rows)]

@@ -384,6 +384,8 @@ class Engine(Progress):
                 self.detection.drain(out, job, data.step)
         elif type_ == "checkpoint.failed":
             pass  # a save that did not land leaves the catalog as it was; the log keeps the failure
+        elif type_ == "job.unserved":
+            self.operators.unserved(out, job, data)
         elif type_ == "process.stacks":
             outside = sorted({s.rank for s in data.ranks if s.rank >= job.world})
             if outside:

@@ -1,4 +1,5 @@
-"""Operator requests: cancel, pause, resume, scale and force a recovery, each checked against the job's state."""
+"""Operator requests: cancel, pause, resume, scale and force a recovery, each checked against the job's state; and the
+control plane's own word about a job that cannot start, `job.unserved`."""
 
 from __future__ import annotations
 
@@ -47,6 +48,24 @@ class Operators:
                    + (f": {data.reason}" if data.reason else ""),
                    detail={"node": data.node, "device": data.device, "by": "operator"})
         return True
+
+    def unserved(self, out: RecordEffects, job: Job, data: Any) -> None:
+        """The daemon saw no agent on some of a job's nodes while the job waited to start: say so in the job's
+        decisions (its state stays `submitted`: an agent that comes starts the ranks). Only the nodes the engine too
+        has never heard an agent on, or holds gone, are named; a report about none of them changes nothing."""
+        if job.state != "submitted":
+            raise Rejected("invalid_state", f"job {job.id} is {job.state}: its ranks started")
+        placed = set(job.nodes)
+        outside = sorted(set(data.nodes) - placed)
+        if outside:
+            raise Rejected("invalid_request", f"nodes {outside} are not job {job.id}'s")
+        known = self.cluster.nodes
+        nodes = [n for n in data.nodes if n not in known or known[n].heard is None or known[n].gone]
+        if not nodes:
+            raise Rejected("invalid_state", f"agents serve every node of job {job.id} named")
+        shown = ", ".join(nodes[:8]) + (f" and {len(nodes) - 8} more" if len(nodes) > 8 else "")
+        out.decide(job, DecisionKind.JOB_UNSERVED, f"no agent serves {shown} after {data.waited_s:g}s: the job's "
+                   "ranks there cannot start until one runs", detail={"nodes": nodes})
 
     def handle(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
         if type_ == "operator.cancel":

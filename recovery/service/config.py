@@ -71,6 +71,9 @@ class DaemonConfig(FileSettings):
                                                   "deciding never waits for one; off: pickle in the event loop")
     timers_enabled: bool = Field(True, description="fire the engine's timers as timer.fired events "
                                                    "(off: something else publishes them, as in replay tests)")
+    unserved_after_s: float = Field(60.0, ge=0, le=86400, description="a job still waiting to start this long on "
+                                    "nodes no agent serves (none heard from, or gone) gets a job.unserved event, "
+                                    "which its decisions and recovery-ctl jobs show (0: never)")
     ctl_enabled: bool = Field(True, description="answer recovery-ctl requests on recovery.ctl.> (with "
                                                 "partitions > 1: each active partition on recovery.ctl.p.<k>.>)")
     # -- service ---------------------------------------------------------------------------------------

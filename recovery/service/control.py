@@ -39,14 +39,15 @@ from events.outputs import Decision
 from events.values import JobSpec
 from recovery.core.engine import Effect, Engine
 from recovery.core.partition import Partition
+from recovery.service.fleet import node_rows, unserved
 from recovery.service.publisher import Outgoing, Publisher
 
 logger = logging.getLogger("recovery.control")
 SUBJECT = f"{subjects.PREFIX}.ctl"
 SOURCE = "recovery-ctl"
 QUEUE = "recovery-daemon"
-VERBS = ("status", "jobs", "job", "incidents", "submit", "inject", "scale", "pause", "resume", "cancel", "force",
-         "release", "partitions")
+VERBS = ("status", "jobs", "nodes", "job", "incidents", "submit", "inject", "scale", "pause", "resume", "cancel",
+         "force", "release", "partitions")
 PARTITIONS_VERB = "partitions"
 """how many partitions the control plane has: 1 from an unpartitioned daemon, P from a partitioned one"""
 
@@ -65,7 +66,8 @@ class CtlError(Exception):
     """A request the daemon refuses: the message goes back to the caller."""
 
 
-def job_row(snapshot: dict[str, Any]) -> dict[str, Any]:
+def job_row(snapshot: dict[str, Any], no_agent: list[str] | None = None) -> dict[str, Any]:
+    """`jobs`' row of a job; `no_agent`: its nodes no agent serves (`recovery.service.fleet.unserved`)."""
     incident = snapshot["incident"]
     attempt = incident["attempts"][-1] if incident and incident["attempts"] else None
     return {"job": snapshot["job"], "state": snapshot["state"], "step": snapshot["step"],
@@ -74,7 +76,8 @@ def job_row(snapshot: dict[str, Any]) -> dict[str, Any]:
             "incident": incident["id"] if incident else None,
             "phase": incident["phase"] if incident else None,
             "attempt": None if attempt is None else attempt["granularity"],
-            "incidents_closed": len(snapshot["incidents"]), "restarts_used": snapshot["restarts_used"]}
+            "incidents_closed": len(snapshot["incidents"]), "restarts_used": snapshot["restarts_used"],
+            "no_agent": no_agent or []}
 
 
 def incident_row(job: str, inc: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +134,8 @@ class ControlService:
         self._queue, self._requests = anyio.create_memory_object_stream[Msg](math.inf)
         self.partition = daemon.partition
         self._handlers: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
-            "status": self._status, "jobs": self._jobs, "job": self._job, "incidents": self._incidents,
+            "status": self._status, "jobs": self._jobs, "nodes": self._nodes, "job": self._job,
+            "incidents": self._incidents,
             "submit": self._submit, "inject": self._inject, "scale": self._operator, "pause": self._operator,
             "resume": self._operator, "cancel": self._operator, "force": self._operator,
             "release": self._operator, PARTITIONS_VERB: self._partitions,
@@ -194,7 +198,11 @@ class ControlService:
 
     async def _jobs(self, body: dict[str, Any]) -> dict[str, Any]:
         engine = self.daemon.engine
-        return {"jobs": [job_row(engine.jobs[j].snapshot()) for j in sorted(engine.jobs)]}
+        return {"jobs": [job_row(engine.jobs[j].snapshot(), unserved(engine, engine.jobs[j].nodes))
+                         for j in sorted(engine.jobs)]}
+
+    async def _nodes(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"nodes": node_rows(self.daemon.engine)}
 
     async def _job(self, body: dict[str, Any]) -> dict[str, Any]:
         job = self._job_id(body)

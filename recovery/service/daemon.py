@@ -63,12 +63,13 @@ from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost, default_instance
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
-from recovery.service.publisher import Publisher, reraise_cancel
+from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
 from recovery.service.restore import open_newest, published_after
 from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
 from recovery.service.timers import ServerClock, TimerService, timer_messages
+from recovery.service.unserved import UnservedWatch
 
 logger = logging.getLogger("recovery.daemon")
 
@@ -292,6 +293,9 @@ class Daemon:
         self._parts.start("processor", self._process_inputs)
         if cfg.timers_enabled:
             self._parts.start("timers", self.timer_service.run)
+        if cfg.unserved_after_s > 0:  # a job waiting on nodes no agent serves: its decisions say so
+            watch = UnservedWatch(lambda: self.engine, self._publish, self.processor.seal, cfg.unserved_after_s)
+            self._parts.start("unserved", watch.run)
         if companion is not None:
             self._parts.start("companion", partial(self._accompany, companion))
 
@@ -302,8 +306,9 @@ class Daemon:
             await parts["companion"].end(COMPANION_GRACE_S)
         self._until()  # the shutdown budget starts now
         budget = max(self.cfg.shutdown_timeout_s - 1.5, 0.5)
-        if "timers" in parts:
-            await parts["timers"].end()
+        for name in ("timers", "unserved"):  # nothing more to publish once the inputs stop
+            if name in parts:
+                await parts[name].end()
         if "processor" in parts and not await parts["processor"].end(budget * 0.5):
             logger.warning("batch not finished in time: it is applied again at the next start")
         for name in ("lease", "control"):
@@ -541,6 +546,10 @@ class Daemon:
     async def wait_applied(self, seq: int, timeout: float) -> bool:
         """Wait until the input at `seq` is applied and its effects published; TimeoutError after `timeout`."""
         return await self._applied.wait(seq, self.clean_seq, timeout)
+
+    async def _publish(self, out: list[Outgoing]) -> None:
+        assert self.publisher is not None
+        await self.publisher.publish(out, deadline=time.monotonic() + 30)
 
     async def _fire_timers(self, fired: list[Firing]) -> None:
         publisher = self.publisher
