@@ -32,6 +32,21 @@ TRAIN = ROOT / "examples" / "dp-training" / "train.py"
 POLL_S = 0.01
 
 
+STAND_IN = '''
+import signal, sys, time
+import recovery.client as recovery
+client = recovery.connect()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+step = 0
+while not client.should_stop():
+    step += 1
+    client.report_step(step)
+    time.sleep(0.05)
+client.close()
+'''
+"""a rank of a job that trains nothing: it reports a step every 50 ms until asked to stop (SIGTERM ends it as 143)"""
+
+
 def environment() -> dict[str, str]:
     """Every process a test starts imports this checkout's code."""
     path = os.environ.get("PYTHONPATH", "")

@@ -20,20 +20,7 @@ from recovery.agent.tcpstore import StoreError, TorchStore
 from recovery.log.jetstream import ensure_stream, stream_config
 from recovery.testing.nats import NatsServer, free_port
 from tests.daemon_support import running_daemon
-from tests.e2e_support import AgentProcess, connect, kill_leftovers, submit, wait_until, watch
-
-STAND_IN = '''
-import signal, sys, time
-import recovery.client as recovery
-client = recovery.connect()
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-step = 0
-while not client.should_stop():
-    step += 1
-    client.report_step(step)
-    time.sleep(0.05)
-client.close()
-'''
+from tests.e2e_support import STAND_IN, AgentProcess, connect, kill_leftovers, submit, wait_until, watch
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ from recovery.agent.reset import ResetFailed, reset_device
 from recovery.log.jetstream import JetStreamLog, ensure_stream, stream_config
 from recovery.testing.nats import NatsServer
 from tests.e2e_support import (
+    STAND_IN,
     AgentProcess,
     JobWatch,
     accept,
@@ -35,19 +36,6 @@ from tests.e2e_support import (
     wait_until,
     watch,
 )
-
-STAND_IN = '''
-import signal, sys, time
-import recovery.client as recovery
-client = recovery.connect()
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-step = 0
-while not client.should_stop():
-    step += 1
-    client.report_step(step)
-    time.sleep(0.05)
-client.close()
-'''
 
 
 @pytest.fixture(autouse=True)
