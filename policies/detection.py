@@ -90,12 +90,13 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 
 class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "9"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    version: ClassVar[str] = "10"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s;
     # 6: a lemon is isolated only when a spare can replace it or the job can do without it, for isolation_s; a
     # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled; 8: a straggler's
     # node is drained (a loss check is no new version: no log before it holds a loss, so no decision of one
-    # changes); 9: a rank's collective timeout with every rank alive is a network fault of the job (a retry first)
+    # changes); 9: a rank's collective timeout with every rank alive is a network fault of the job (a retry first);
+    # 10: a node that joins again (rebooted, repaired) clears its pending not-ready suspicion, as a ready one does
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -156,6 +157,10 @@ class DefaultDetection(DetectionPolicyBase):
                            key=f"node:{signal.node}", confirm_after_ns=self._grace)
         if isinstance(data, kinds.NodeReady):
             return Clear(f"node {signal.node} ready", key=f"node:{signal.node}")
+        if isinstance(data, kinds.NodeJoined):
+            # The engine takes a joined node as ready (it has booted since): a not-ready suspicion of it must not be
+            # confirmed after it came back.
+            return Clear(f"node {signal.node} joined again", key=f"node:{signal.node}")
         if isinstance(data, kinds.NodeDrained):
             # The node is being taken away but its processes still run: they can save before leaving.
             return Fault(f"node {signal.node} drained: {data.reason}".rstrip(": "),

@@ -172,3 +172,19 @@ def test_the_ladder_replans_a_widened_incident_from_a_rung_its_class_has() -> No
     answer = LadderRescheduling().decide(ctx)
     assert isinstance(answer, StartRung) and answer.granularity is Granularity.RESTART_JOB, answer
 
+
+
+def test_a_node_that_joins_again_before_its_not_ready_grace_is_not_confirmed_gone() -> None:
+    """A node reported not ready reboots and joins again within the detection's grace (20 s): the suspicion is
+    cleared by the join, as by a `node.ready`, and the job never opens an incident for it."""
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4)
+    s.train("j", 3)
+    s.node_event("n1", "node.not_ready", reason="rebooting")
+    assert s.find("fault.suspected", "j")
+    s.advance(5)
+    s.node_event("n1", "node.joined", spare=False, devices=2)
+    [cleared] = s.find("fault.cleared", "j")
+    assert cleared.reason == "node n1 joined again"
+    s.train("j", 30)  # past the grace, the ranks training on
+    assert not s.find("fault.confirmed", "j") and s.state("j") == "running"
