@@ -47,6 +47,17 @@ client.close()
 """a rank of a job that trains nothing: it reports a step every 50 ms until asked to stop (SIGTERM ends it as 143)"""
 
 
+async def node_heard(nc: Any, subject: str) -> list[str]:
+    """The subjects of the node events on `subject` from now on (an agent's `node.ready` says it is up)."""
+    heard: list[str] = []
+
+    async def on_node(msg: Any) -> None:
+        heard.append(msg.subject)
+
+    await nc.subscribe(subject, cb=on_node)
+    return heard
+
+
 def environment() -> dict[str, str]:
     """Every process a test starts imports this checkout's code."""
     path = os.environ.get("PYTHONPATH", "")

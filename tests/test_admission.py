@@ -20,7 +20,7 @@ from recovery.agent.tcpstore import StoreError, TorchStore
 from recovery.log.jetstream import ensure_stream, stream_config
 from recovery.testing.nats import NatsServer, free_port
 from tests.daemon_support import running_daemon
-from tests.e2e_support import STAND_IN, AgentProcess, connect, kill_leftovers, submit, wait_until, watch
+from tests.e2e_support import STAND_IN, AgentProcess, connect, kill_leftovers, node_heard, submit, wait_until, watch
 
 
 @pytest.fixture(autouse=True)
@@ -36,16 +36,6 @@ def stand_in_job(tmp_path: Path, nodes: list[str], master_port: int = 1, rendezv
     return {"nodes": nodes, "ranks_per_node": 1, "layout": {"dp": len(nodes)}, **spec,
             "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
                            "rendezvous": rendezvous, "env": {"MASTER_PORT": str(master_port)}}}
-
-
-async def node_heard(nc: Any, subject: str) -> list[str]:
-    heard: list[str] = []
-
-    async def on_node(msg: Any) -> None:
-        heard.append(msg.subject)
-
-    await nc.subscribe(subject, cb=on_node)
-    return heard
 
 
 async def store_answers(port: int) -> bool:

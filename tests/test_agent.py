@@ -32,6 +32,7 @@ from tests.e2e_support import (
     connect,
     environment,
     kill_leftovers,
+    node_heard,
     submit,
     wait_until,
     watch,
@@ -95,17 +96,6 @@ async def command(nc: Any, node: str, body: dict[str, Any]) -> None:
 
 def acks(w: JobWatch, command_id: str) -> list[str]:
     return [e["data"]["status"] for e in w.of("command.ack") if e["data"]["command_id"] == command_id]
-
-
-async def node_heard(nc: Any, subject: str) -> list[str]:
-    """The subjects of the node events on `subject` from now on (an agent's `node.ready` says it is up)."""
-    heard: list[str] = []
-
-    async def on_node(msg: Any) -> None:
-        heard.append(msg.subject)
-
-    await nc.subscribe(subject, cb=on_node)
-    return heard
 
 
 def stand_in_job(tmp_path: Path, nodes: list[str], ranks_per_node: int, dp: int) -> dict[str, Any]:
