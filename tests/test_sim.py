@@ -505,3 +505,24 @@ def test_the_summary_says_when_a_policy_raised_and_inputs_were_dead_lettered() -
     text = loud.export_text()
     assert "599 dead letter(s) (policy_error 597, schema_violation 2)" in text
     assert "a policy raised 597 time(s)" in text
+
+
+def test_a_job_level_restart_the_executor_refuses_still_moves_the_job_to_the_nodes_it_names() -> None:
+    """A job-level reschedule recreates every pod on the nodes it names; one that fails to start fails the command,
+    but the job has left its old nodes, as the engine that placed it there expects. Before, the simulated executor
+    kept the old placement: when those nodes were repaired it announced them as the job's own (`spare: false`), the
+    engine held them in no job, and they were lost to the pool for the rest of the run."""
+    from events.commands import RestartJob
+    from events.values import ResumePlan
+
+    sim = Simulator(config())
+    world = sim.world
+    old = list(world.placement)
+    target = old[:-1] + list(world.initial_spares[:1])
+    world.hw[target[0]].down = True  # the restart cannot start there
+    command = RestartJob(id="c1", job=sim.cfg.job, attempt=1, deadline_s=600, nodes=target,
+                         plan=ResumePlan(checkpoint_step=None, next_step=0))
+    world._complete(command, "ok")
+    assert world.stats.get("restart_job:refused") == 1
+    assert world.placement == target
+    assert world.hw[old[-1]].repairing  # left: back to the pool once cleaned up

@@ -205,3 +205,29 @@ def test_a_lost_node_joining_a_short_reset_wait_moves_its_deadline_out() -> None
     assert longer.due - short.due == 4 * 3600 * NS - 300 * NS
     s.advance(301)
     assert s.phase(JOB) == "waiting" and not s.find("attempt.wait_expired", JOB) and not s.find("job.failed", JOB)
+
+
+def test_a_reset_never_answered_leaves_its_device_bad_not_counted_usable() -> None:
+    """The in-place restart that resets an XID 48 device times out unanswered: the reset may never have run, so the
+    device counts bad again (a reset may still clear it). Before, the engine counted it usable from the attempt's
+    start, and each job-level restart after it put a rank on a device the executor refused until the job ended."""
+    s = Scenario()
+    s.submit(JOB, ["w0", "w1", "w2"], ranks_per_node=2, dp=6)
+    s.train(JOB, 3)
+    s.checkpoint(JOB, 3, "storage", "storage")
+    s.node_event("w2", "device.fault", device=1, vendor="nvidia", code="48")
+    s.advance(301)  # no spare comes: the ladder resets the device and restarts the rank where it is
+    for _ in range(10):
+        pending = [c for c in s.outstanding() if c.kind != "restart_ranks"]
+        if not pending:
+            break
+        for command in pending:
+            s.complete(command)
+    [restart] = [c for c in s.outstanding("restart_ranks") if c.reset_devices]
+    assert restart.reset_devices == {"w2": [1]}
+    assert not s.engine.cluster.nodes["w2"].bad_devices  # counted usable while the reset is under way
+    s.advance(restart.deadline_s + 1)  # the executor never answers
+    assert s.find("attempt.timed_out", JOB)
+    node = s.engine.cluster.nodes["w2"]
+    assert node.bad_devices == {1} and 1 in node.resettable
+    assert not s.find("job.failed", JOB)

@@ -421,6 +421,8 @@ class Incidents(Restarts):
         attempt.outcome = outcome
         gone = list(cancelled or [])
         gone += self.timekeeper.cancel(attempt.deadline_timer, *(timer for _, timer in attempt.pending.values()))
+        if outcome is AttemptOutcome.TIMED_OUT:
+            self._reset_unconfirmed(attempt)
         attempt.pending.clear()
         attempt.acks_due.clear()
         if outcome is AttemptOutcome.SUPERSEDED:

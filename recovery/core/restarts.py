@@ -389,6 +389,18 @@ class Restarts:
         if failed and node in self.cluster.nodes:
             self.cluster.node(node).bad_devices.update(failed)
 
+    def _reset_unconfirmed(self, attempt: Attempt) -> None:
+        """The attempt timed out while the restart that resets its devices was unanswered: the reset may never have
+        run. (A superseded attempt's restart is still under way: its executor does the reset.) Its devices count
+        bad again, as before the attempt (`start` counted them usable), and a reset may still clear them. Counted
+        usable, a job-level restart put ranks on a device that still needed a reset, and every executor refused it
+        for as long as the job lived."""
+        if attempt.reset and any(kind == "restart_ranks" for kind, _ in attempt.pending.values()):
+            for name, devices in sorted(attempt.reset.items()):
+                if name in self.cluster.nodes:
+                    self.cluster.node(name).bad_devices.update(devices)
+                    self.cluster.node(name).resettable.update(devices)
+
     def _settle_move(self, job: Job, incident: Incident, command_id: str, done: bool) -> None:
         """A migration's outcome is known: done, it stays; failed or unanswered, the ranks never left their node, so
         the placement goes back and the target returns to the spare pool. Without this the job's placement and the

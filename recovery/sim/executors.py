@@ -209,10 +209,13 @@ class Executors(TrainingState):
         return ""
 
     def _do_restart_job(self, command: Any) -> str:
+        # A job-level reschedule recreates every pod on the nodes it names, also when one of them fails to start:
+        # the job has left its old nodes either way, as the engine (which placed it there) expects. Keeping the old
+        # placement on a refusal made the two disagree, and the nodes the engine released came back as the job's.
+        self._place(list(command.nodes))
         why = self._unhealthy(list(command.nodes)) or self._plan_missing(command.plan, self._restarting(command))
         if why:
             return why
-        self._place(list(command.nodes))
         self.dead.clear()
         self.hung.clear()
         self._restarted(command, list(range(self.world_size)))
