@@ -22,7 +22,8 @@ from recovery.report import iter_file as report_records
 from recovery.report.diff import diff_logs
 from tests.daemon_support import check_log
 from tests.golden.scenarios import SCENARIOS, path
-from tests.test_properties import Plan, dumped, plans, run_plan
+from tests.property_plans import Plan, plans
+from tests.test_properties import dumped, run_plan
 
 RUN_NAMES = sorted(SCENARIOS)
 

@@ -18,7 +18,8 @@ from policies.base import NS, PolicySet, Reschedule, RescheduleContext, Reschedu
 from recovery.core.engine import Engine
 from recovery.core.job import _JOURNALED, Job
 from recovery.testing.scenario import Scenario
-from tests.test_properties import CheckedScenario, Driver, JobPlan, Plan, engine_state, plans
+from tests.property_plans import JobPlan, Plan, plans
+from tests.test_properties import CheckedScenario, Driver, engine_state
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,161 +13,40 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import orjson
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from events.codec import encode_envelope
 from events.commands import CommandBase, MigrateRanks, RestartJob, RestartRanks, SaveCheckpoint, ScaleJob, StopRanks
 from events.envelope import EnvelopeBase, Record
 from events.outputs import Decision, Rejection
-from events.values import STORAGE_HOLDER, Elastic, Granularity, ResumePlan, Tier
-from policies.codes import NVIDIA_XID
+from events.values import STORAGE_HOLDER, Elastic, ResumePlan, Tier
 from recovery.core.engine import Effect, Engine
 from recovery.core.machine import FINAL, PHASES, STATES
 from recovery.log import write_file
 from recovery.log.recorder import replay
 from recovery.testing.scenario import Scenario
-
-T = TypeVar("T")
-Op = tuple[Any, ...]
-
-XIDS: list[str] = [str(x) for x in sorted(NVIDIA_XID)] + ["9999"]  # plus one unknown XID
-TIERS: list[Tier] = [tier for tier in Tier if tier is not Tier.PEER]  # peer is no saved tier (a bad input)
-EXIT_CODES: list[int | None] = [0, 1, 2, 126, 127, 134, 137, 139, 143, -9, -15, None]
-SIGNALS: list[int | None] = [None, None, 2, 6, 9, 11, 15]
-ADVANCE_S: list[float] = [0.5, 3.0, 3.0, 11.0, 11.0, 25.0, 61.0, 130.0, 310.0, 1000.0]  # past watchdog, debounce,
-# ack and attempt deadlines, with the long jumps rarer so that some incidents get to recover
-GRANULARITIES: list[Granularity] = list(Granularity)
-OP_WEIGHTS: dict[str, int] = {
-    "train": 6, "checkpoint": 5, "xid": 2, "exit": 2, "started": 1, "hang": 1, "collective": 1, "link_down": 1,
-    "link_up": 1, "node": 2, "duplicate": 2, "ack": 6, "ack_stale": 1, "recover": 3, "advance": 4, "operator": 2,
-    "lifecycle": 1, "resubmit": 1,
-}
-OP_KINDS: list[str] = [kind for kind, weight in OP_WEIGHTS.items() for _ in range(weight)]
-
-
-# -- plans ---------------------------------------------------------------------------------------------
-class Picker(Protocol):
-    """A source of choices: hypothesis draws or a seeded random generator."""
-
-    def int(self, lo: int, hi: int) -> int: ...
-
-
-class RandomPicker:
-    def __init__(self, seed: int) -> None:
-        self._rng = random.Random(seed)
-
-    def int(self, lo: int, hi: int) -> int:
-        return self._rng.randint(lo, hi)
-
-
-class DrawPicker:
-    def __init__(self, draw: Callable[[st.SearchStrategy[int]], int]) -> None:
-        self._draw = draw
-
-    def int(self, lo: int, hi: int) -> int:
-        return self._draw(st.integers(lo, hi))
-
-
-def choose(pick: Picker, items: Sequence[T]) -> T:
-    return items[pick.int(0, len(items) - 1)]
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    name: str
-    dp: int
-    tp: int
-    pp: int
-    ranks_per_node: int
-    elastic: tuple[int, int] | None
-    max_restarts: int | None
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @property
-    def nodes(self) -> list[str]:
-        return [f"{self.name}-n{i}" for i in range(self.world // self.ranks_per_node)]
-
-
-@dataclass(frozen=True)
-class Plan:
-    jobs: list[JobPlan]
-    spares: int
-    ops: list[Op]
-
-
-def build_job(pick: Picker, index: int) -> JobPlan:
-    dp, tp, pp = pick.int(1, 4), pick.int(1, 2), pick.int(1, 2)
-    world = dp * tp * pp
-    # Whole nodes only; half the time a divisor of one replica's ranks, so that any dp fits whole nodes.
-    fits = tp * pp if pick.int(0, 1) else world
-    rpn = choose(pick, [d for d in range(1, fits + 1) if fits % d == 0])
-    elastic = (pick.int(1, dp), pick.int(dp, 4)) if pick.int(0, 1) else None
-    max_restarts = choose(pick, [None, None, None, None, 1, 4])
-    return JobPlan(f"job{index}", dp, tp, pp, rpn, elastic, max_restarts)
-
-
-def build_op(pick: Picker) -> Op:
-    """One operation as raw numbers; `Driver.play` gives them meaning against the state of the moment."""
-    kind = choose(pick, OP_KINDS)
-    n = pick.int
-    if kind == "train":
-        return (kind, n(0, 9), n(1, 3), n(0, 3))  # job, steps, 0: all ranks report; else one rank is silent
-    if kind == "checkpoint":
-        return (kind, n(0, 9), n(0, 3), n(0, len(TIERS) - 1), n(0, 3), n(0, 99), n(0, 3))
-    if kind == "xid":
-        return (kind, n(0, 99), n(0, 8), n(0, len(XIDS) - 1))
-    if kind == "exit":
-        return (kind, n(0, 9), n(0, 99), n(0, len(EXIT_CODES) - 1), n(0, len(SIGNALS) - 1), n(0, 5))
-    if kind in ("hang", "started"):
-        return (kind, n(0, 9), n(0, 99), n(0, 5))
-    if kind == "collective":
-        return (kind, n(0, 9), n(1, 2**16 - 1), n(0, 2**16 - 1))
-    if kind in ("link_down", "link_up"):
-        return (kind, n(0, 99), n(0, 1))
-    if kind == "node":
-        return (kind, n(0, 99), choose(pick, ["not_ready", "ready", "drained", "joined", "joined_busy"]))
-    if kind == "duplicate":
-        return (kind, n(0, 10_000), n(0, 1))  # which earlier input; 0: same envelope, 1: same bytes (no Msg-Id)
-    if kind == "ack":
-        return (kind, n(0, 99), choose(pick, ["done", "done", "done", "failed", "accepted"]), n(0, 3))
-    if kind == "ack_stale":
-        return (kind, n(0, 10_000), choose(pick, ["done", "failed", "accepted"]))
-    if kind == "recover":
-        return (kind, n(1, 3))  # executors complete everything outstanding, then this many steps train
-    if kind == "advance":
-        return (kind, n(0, len(ADVANCE_S) - 1))
-    if kind == "operator":
-        what = ["pause", "resume", "resume", "scale", "scale", "force", "force", "cancel"]
-        return (kind, n(0, 9), choose(pick, what), n(1, 4), n(0, len(GRANULARITIES) - 1))
-    if kind == "resubmit":
-        return (kind, n(0, 9))
-    # lifecycle: the scheduler ends the job, rarely; mostly a started event that comes too late
-    return (kind, n(0, 9), choose(pick, ["completed", "cancelled", "started", "started", "started"]))
-
-
-def build_plan(pick: Picker, max_ops: int) -> Plan:
-    jobs = [build_job(pick, i) for i in range(pick.int(1, 2))]
-    spares = pick.int(0, 2)
-    ops = [build_op(pick) for _ in range(pick.int(1, max_ops))]
-    return Plan(jobs, spares, ops)
-
-
-@st.composite
-def plans(draw: st.DrawFn, max_ops: int = 80) -> Plan:
-    return build_plan(DrawPicker(draw), max_ops)
+from tests.property_plans import (
+    ADVANCE_S,
+    EXIT_CODES,
+    GRANULARITIES,
+    SIGNALS,
+    TIERS,
+    XIDS,
+    JobPlan,
+    Op,
+    Plan,
+    RandomPicker,
+    build_plan,
+    plans,
+)
 
 
 # -- playing a plan ----------------------------------------------------------------------------------------
@@ -625,126 +504,3 @@ def test_replay_is_byte_identical_under_different_hash_seeds(tmp_path: Path) -> 
         assert zero == other, f"{path.name}: replay differs between PYTHONHASHSEED=0 and 12345"
         assert orjson.loads(zero)["decisions"] == decisions, f"{path.name}: replay differs from the recording"
         assert decisions, f"{path.name}: the scenario made no decision at all"
-
-
-# -- regressions the properties found (each was an internal_error before its fix in recovery/core/engine.py) -----
-def no_internal_errors(scenario: Scenario) -> None:
-    assert not [r for r in scenario.rejections if r.code == "internal_error"], scenario.rejections
-
-
-def test_resume_without_enough_nodes_waits_instead_of_failing_the_transition() -> None:
-    """paused -> wait was an IllegalTransition: a resume that finds a node gone must leave `paused` first."""
-    s = Scenario()
-    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
-    s.train("job", 3)
-    s.job_event("job", "operator.pause")
-    s.ack_all()
-    assert s.state("job") == "paused"
-    s.node_event("n1", "node.not_ready", reason="rebooting")
-    s.job_event("job", "operator.resume")
-    no_internal_errors(s)
-    assert s.phase("job") == "waiting"
-    assert s.find("attempt.started", "job")[-1].previous == "paused"
-
-
-def test_resume_stops_processes_that_came_back_while_paused() -> None:
-    """paused -> stop was an IllegalTransition: a process that started while the job was paused is stopped."""
-    s = Scenario()
-    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
-    s.train("job", 3)
-    s.job_event("job", "operator.pause")
-    s.ack_all()
-    s.job_event("job", "process.started", rank=0, pid=4242, attempt=s.engine.jobs["job"].generation)
-    s.job_event("job", "operator.resume")
-    no_internal_errors(s)
-    assert s.phase("job") == "stopping"
-    assert [c.ranks for c in s.outstanding() if isinstance(c, StopRanks)] == [[0]]
-
-
-def test_suspicion_that_comes_due_while_paused_is_dropped() -> None:
-    """A link went down during an incident, then an operator paused the job: the confirmation used to open a
-    recovery from `paused` (an IllegalTransition); a paused job takes no signals."""
-    s = Scenario()
-    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
-    s.train("job", 3)
-    s.job_event("job", "process.exited", rank=0, exit_code=1)
-    s.node_event("n1", "network.link_down", link="mlx5_0")
-    s.job_event("job", "operator.pause")
-    s.ack_all()
-    assert s.state("job") == "paused"
-    s.advance(11)  # past the 10 s link debounce
-    no_internal_errors(s)
-    assert s.state("job") == "paused"
-    assert s.find("fault.cleared", "job")[-1].reason.endswith("job is paused")
-
-
-def test_forced_scale_in_never_places_the_job_on_too_few_nodes() -> None:
-    """A forced scale-in that could not shrink (dp already at min_dp) sent restart_job with no nodes, and the
-    next planning indexed past the placement."""
-    s = Scenario()
-    s.submit("job", ["n0"], ranks_per_node=1, dp=1, elastic={"min_dp": 1, "max_dp": 1})
-    s.train("job", 3)
-    s.node_event("n0", "node.not_ready", reason="gone")
-    s.advance(21)  # past the not-ready grace: node fault, no spare: wait
-    assert s.phase("job") == "waiting"
-    s.job_event("job", "operator.force", granularity="scale_in")
-    s.job_event("job", "operator.force", granularity="scale_in")
-    no_internal_errors(s)
-    for command in s.commands_of("restart_job") + s.commands_of("scale_job"):
-        assert command.nodes, command
-    assert s.phase("job") == "waiting"
-
-
-def suspicion_across_scale_in(link_node: str) -> Scenario:
-    """dp=3 elastic job on n0..n2 with no spare; n0 is drained, so it scales in to n1, n2, while a link on
-    `link_node` is down and its debounce still counts (the link goes down once the new placement is chosen:
-    a node whose link is down already is not chosen)."""
-    s = Scenario()
-    s.submit("job", ["n0", "n1", "n2"], ranks_per_node=1, dp=3, elastic={"min_dp": 1, "max_dp": 3})
-    s.train("job", 3)
-    s.node_event("n0", "node.drained", reason="maintenance")
-    if link_node == "n0":  # drained anyway: its link changes no placement
-        s.node_event(link_node, "network.link_down", link="mlx5_0")
-    while not s.outstanding("scale_job"):
-        [command] = s.outstanding()
-        s.complete(command)
-    if link_node != "n0":
-        s.node_event(link_node, "network.link_down", link="mlx5_0")
-    s.ack_all()
-    assert s.engine.jobs["job"].nodes == ["n1", "n2"]
-    s.train("job", 12)  # recovers at the first step, and trains on past the 10 s link debounce
-    no_internal_errors(s)
-    assert s.find("incident.closed", "job")
-    return s
-
-
-def test_suspicion_confirmed_after_scale_in_names_the_renumbered_rank() -> None:
-    """n2's rank was 2 when its link went down and is 1 after the scale-in: the confirmation used rank 2 and
-    indexed past the smaller job."""
-    s = suspicion_across_scale_in("n2")
-    fault = s.find("fault.confirmed", "job")[-1]
-    assert fault.detail["fault"]["ranks"] == [1]
-    assert fault.detail["fault"]["node"] == "n2"
-
-
-def test_suspicion_about_a_node_the_job_left_is_dropped() -> None:
-    s = suspicion_across_scale_in("n0")
-    assert s.find("fault.cleared", "job")[-1].reason.endswith("job no longer on n0")
-    assert s.state("job") == "running"
-
-
-def test_in_place_restart_after_scale_in_ignores_ranks_the_job_no_longer_has() -> None:
-    """Rank 1 failed, then a drain scaled the job in to one rank within the same incident; an in-place restart
-    after that took rank 1 from the incident's faults and indexed past the smaller job."""
-    s = Scenario()
-    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2, elastic={"min_dp": 1, "max_dp": 2})
-    s.train("job", 3)
-    s.job_event("job", "process.exited", rank=1, exit_code=1)
-    s.node_event("n0", "node.drained", reason="maintenance")
-    s.ack_all()
-    s.advance(2)  # the drain widened the incident: the scale-in starts after the ladder's settle window
-    s.ack_all()
-    assert s.engine.jobs["job"].world == 1
-    s.job_event("job", "operator.force", granularity="in_place")
-    no_internal_errors(s)
-    assert s.find("attempt.started", "job")[-1].detail["ranks"] == [0]

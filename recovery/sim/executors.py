@@ -209,13 +209,20 @@ class Executors(TrainingState):
         return ""
 
     def _do_restart_job(self, command: Any) -> str:
-        # A job-level reschedule recreates every pod on the nodes it names, also when one of them fails to start:
-        # the job has left its old nodes either way, as the engine (which placed it there) expects. Keeping the old
-        # placement on a refusal made the two disagree, and the nodes the engine released came back as the job's.
-        self._place(list(command.nodes))
-        why = self._unhealthy(list(command.nodes)) or self._plan_missing(command.plan, self._restarting(command))
+        why = self._unhealthy(list(command.nodes))
+        if why:
+            # A job-level reschedule recreates every pod on the nodes it names, also when one of them fails to
+            # start: the job has left its old nodes either way, as the engine (which placed it there) expects.
+            # Keeping the old placement made the two disagree: the nodes the engine released came back, repaired,
+            # as the job's own (`spare: false`) and were lost to the pool.
+            self._place(list(command.nodes))
+            return why
+        # The resume plan's sources are checked before the job is torn down (where its ranks run now): a plan no
+        # host can serve fails the command with the job where it was.
+        why = self._plan_missing(command.plan, self._restarting(command))
         if why:
             return why
+        self._place(list(command.nodes))
         self.dead.clear()
         self.hung.clear()
         self._restarted(command, list(range(self.world_size)))

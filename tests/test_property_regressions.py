@@ -1,0 +1,129 @@
+"""Regressions the property tests of `tests/test_properties.py` found: each sequence was an `internal_error` (an
+illegal transition, an index past the placement) before its fix in the engine."""
+
+from __future__ import annotations
+
+from events.commands import StopRanks
+from recovery.testing.scenario import Scenario
+
+
+def no_internal_errors(scenario: Scenario) -> None:
+    assert not [r for r in scenario.rejections if r.code == "internal_error"], scenario.rejections
+
+
+def test_resume_without_enough_nodes_waits_instead_of_failing_the_transition() -> None:
+    """paused -> wait was an IllegalTransition: a resume that finds a node gone must leave `paused` first."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
+    s.train("job", 3)
+    s.job_event("job", "operator.pause")
+    s.ack_all()
+    assert s.state("job") == "paused"
+    s.node_event("n1", "node.not_ready", reason="rebooting")
+    s.job_event("job", "operator.resume")
+    no_internal_errors(s)
+    assert s.phase("job") == "waiting"
+    assert s.find("attempt.started", "job")[-1].previous == "paused"
+
+
+def test_resume_stops_processes_that_came_back_while_paused() -> None:
+    """paused -> stop was an IllegalTransition: a process that started while the job was paused is stopped."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
+    s.train("job", 3)
+    s.job_event("job", "operator.pause")
+    s.ack_all()
+    s.job_event("job", "process.started", rank=0, pid=4242, attempt=s.engine.jobs["job"].generation)
+    s.job_event("job", "operator.resume")
+    no_internal_errors(s)
+    assert s.phase("job") == "stopping"
+    assert [c.ranks for c in s.outstanding() if isinstance(c, StopRanks)] == [[0]]
+
+
+def test_suspicion_that_comes_due_while_paused_is_dropped() -> None:
+    """A link went down during an incident, then an operator paused the job: the confirmation used to open a
+    recovery from `paused` (an IllegalTransition); a paused job takes no signals."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2)
+    s.train("job", 3)
+    s.job_event("job", "process.exited", rank=0, exit_code=1)
+    s.node_event("n1", "network.link_down", link="mlx5_0")
+    s.job_event("job", "operator.pause")
+    s.ack_all()
+    assert s.state("job") == "paused"
+    s.advance(11)  # past the 10 s link debounce
+    no_internal_errors(s)
+    assert s.state("job") == "paused"
+    assert s.find("fault.cleared", "job")[-1].reason.endswith("job is paused")
+
+
+def test_forced_scale_in_never_places_the_job_on_too_few_nodes() -> None:
+    """A forced scale-in that could not shrink (dp already at min_dp) sent restart_job with no nodes, and the
+    next planning indexed past the placement."""
+    s = Scenario()
+    s.submit("job", ["n0"], ranks_per_node=1, dp=1, elastic={"min_dp": 1, "max_dp": 1})
+    s.train("job", 3)
+    s.node_event("n0", "node.not_ready", reason="gone")
+    s.advance(21)  # past the not-ready grace: node fault, no spare: wait
+    assert s.phase("job") == "waiting"
+    s.job_event("job", "operator.force", granularity="scale_in")
+    s.job_event("job", "operator.force", granularity="scale_in")
+    no_internal_errors(s)
+    for command in s.commands_of("restart_job") + s.commands_of("scale_job"):
+        assert command.nodes, command
+    assert s.phase("job") == "waiting"
+
+
+def suspicion_across_scale_in(link_node: str) -> Scenario:
+    """dp=3 elastic job on n0..n2 with no spare; n0 is drained, so it scales in to n1, n2, while a link on
+    `link_node` is down and its debounce still counts (the link goes down once the new placement is chosen:
+    a node whose link is down already is not chosen)."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1", "n2"], ranks_per_node=1, dp=3, elastic={"min_dp": 1, "max_dp": 3})
+    s.train("job", 3)
+    s.node_event("n0", "node.drained", reason="maintenance")
+    if link_node == "n0":  # drained anyway: its link changes no placement
+        s.node_event(link_node, "network.link_down", link="mlx5_0")
+    while not s.outstanding("scale_job"):
+        [command] = s.outstanding()
+        s.complete(command)
+    if link_node != "n0":
+        s.node_event(link_node, "network.link_down", link="mlx5_0")
+    s.ack_all()
+    assert s.engine.jobs["job"].nodes == ["n1", "n2"]
+    s.train("job", 12)  # recovers at the first step, and trains on past the 10 s link debounce
+    no_internal_errors(s)
+    assert s.find("incident.closed", "job")
+    return s
+
+
+def test_suspicion_confirmed_after_scale_in_names_the_renumbered_rank() -> None:
+    """n2's rank was 2 when its link went down and is 1 after the scale-in: the confirmation used rank 2 and
+    indexed past the smaller job."""
+    s = suspicion_across_scale_in("n2")
+    fault = s.find("fault.confirmed", "job")[-1]
+    assert fault.detail["fault"]["ranks"] == [1]
+    assert fault.detail["fault"]["node"] == "n2"
+
+
+def test_suspicion_about_a_node_the_job_left_is_dropped() -> None:
+    s = suspicion_across_scale_in("n0")
+    assert s.find("fault.cleared", "job")[-1].reason.endswith("job no longer on n0")
+    assert s.state("job") == "running"
+
+
+def test_in_place_restart_after_scale_in_ignores_ranks_the_job_no_longer_has() -> None:
+    """Rank 1 failed, then a drain scaled the job in to one rank within the same incident; an in-place restart
+    after that took rank 1 from the incident's faults and indexed past the smaller job."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=1, dp=2, elastic={"min_dp": 1, "max_dp": 2})
+    s.train("job", 3)
+    s.job_event("job", "process.exited", rank=1, exit_code=1)
+    s.node_event("n0", "node.drained", reason="maintenance")
+    s.ack_all()
+    s.advance(2)  # the drain widened the incident: the scale-in starts after the ladder's settle window
+    s.ack_all()
+    assert s.engine.jobs["job"].world == 1
+    s.job_event("job", "operator.force", granularity="in_place")
+    no_internal_errors(s)
+    assert s.find("attempt.started", "job")[-1].detail["ranks"] == [0]
