@@ -57,7 +57,8 @@ from recovery.service import connection
 from recovery.service.config import DaemonConfig
 from recovery.service.consumer import InputReader, read_backlog
 from recovery.service.control import ControlService
-from recovery.service.embedded import DataDirInUse, DataDirLock, EmbeddedNats
+from recovery.service.datadir import DataDirLock, StartRefused
+from recovery.service.embedded import EmbeddedNats
 from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost, default_instance
@@ -240,12 +241,11 @@ class Daemon:
 
     async def _start(self, teardown: AsyncExitStack, companion: Companion | None) -> None:
         cfg = self.cfg
-        if not self.url:
-            # The data directory first, before any port is taken or logged: a second daemon on it must be refused
-            # before it does anything (its embedded server would share the first one's JetStream store).
-            lock = DataDirLock(cfg.data_dir)
-            lock.acquire()
-            teardown.callback(lock.release)
+        # The data directory first, before any port is taken or anything connects, whatever the flags: a second daemon
+        # on it must be refused before it does anything (`recovery.service.datadir`).
+        lock = DataDirLock(cfg.data_dir)
+        lock.acquire()
+        teardown.callback(lock.release)
         if cfg.http_port >= 0:
             self.http = HttpServer(cfg.http_host, cfg.http_port, self.metrics, self.readiness,
                                    self.refresh_gauges, self.status)
@@ -335,8 +335,8 @@ class Daemon:
     def _fail(self, what: str, exc: BaseException) -> None:
         """A part (or the start) failed: the daemon stops, every part in order, and exits 1."""
         # A refusal that says all there is to say is logged without its traceback.
-        logger.error(f"{what} failed: stopping" + (f": {exc}" if isinstance(exc, DataDirInUse) else ""),
-                     exc_info=None if isinstance(exc, DataDirInUse) else exc)
+        logger.error(f"{what} failed: stopping" + (f": {exc}" if isinstance(exc, StartRefused) else ""),
+                     exc_info=None if isinstance(exc, StartRefused) else exc)
         if self.failure is None:
             self.failure, self._failed_part = exc, what
         self.failed = True
