@@ -61,7 +61,7 @@ from recovery.service.datadir import DataDirLock, StartRefused
 from recovery.service.embedded import EmbeddedNats
 from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
-from recovery.service.lease import Lease, LeaseLost, default_instance
+from recovery.service.lease import Lease, LeaseLost
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
@@ -69,6 +69,7 @@ from recovery.service.restore import open_newest, published_after
 from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
+from recovery.service.tenure import Tenure
 from recovery.service.timers import ServerClock, TimerService, timer_messages
 from recovery.service.unserved import UnservedWatch
 
@@ -260,13 +261,11 @@ class Daemon:
         teardown.push_async_callback(self._close_nats)
         await self._connect()
         await self._ensure_streams()
-        if cfg.lease_ttl_s > 0:
-            assert self.js is not None
-            lease = self.lease = Lease(self.js, cfg.lease_bucket, self.key,
-                                       cfg.instance or default_instance(cfg.data_dir), cfg.lease_ttl_s, cfg.replicas)
-            await self._retry(lease.ensure, "lease bucket")
+        if cfg.lease_ttl_s > 0:  # on a connection of its own (`recovery.service.tenure`)
+            tenure = Tenure(cfg, self.key, self._on_error)
+            teardown.push_async_callback(lambda: tenure.close(self.role == "active", self._until(0.5)))
+            lease = self.lease = await tenure.open(self.url, self._retry)
             self.role = "standby"
-            teardown.push_async_callback(self._release_lease)
             await self._retry(lease.acquire, "lease")
             logger.info("lease acquired: active", extra=_fields(partition=self.key, instance=lease.instance))
             self._parts.start("lease", self._hold_lease)
@@ -370,12 +369,6 @@ class Daemon:
         if self.control is not None:
             with anyio.move_on_after(self._until(0.5), shield=True):
                 await self.control.close()
-
-    async def _release_lease(self) -> None:
-        if self.lease is not None and self.role == "active":
-            with anyio.move_on_after(self._until(0.5), shield=True), contextlib.suppress(Exception):
-                await self.lease.release()  # the standby takes over now, not a TTL later
-                logger.info("lease released")
 
     async def _close_nats(self) -> None:
         if self.nc is not None:
