@@ -5,7 +5,8 @@ It is wiring. Its parts are tasks of one anyio task group, each in a cancel scop
 
 - `http`: `/healthz`, `/readyz`, `/metrics`, `/status` (`recovery.service.http`), from the start, so that a
   standby answers too;
-- `lease`: renews the partition's lease (`recovery.service.lease`), when there is one;
+- `lease`: renews the partition's lease (`recovery.service.lease`) on a connection of its own
+  (`recovery.service.tenure`), when there is one;
 - `processor`: pulls the next batch of input records (`recovery.ev.>`) from a durable consumer in stream order
   (`recovery.service.consumer`), has the processor (`recovery.service.processor`: batch in, messages out) apply
   it, publishes the messages (each with its deterministic id as `Nats-Msg-Id`), waits for JetStream to
