@@ -131,6 +131,15 @@ def partition_transform(count: int) -> tuple[str, str]:
     return f"{JOB_EVENTS}.*.>", f"{PARTITIONED_EVENTS}.{{{{partition({count},1)}}}}.ev.job.{{{{wildcard(1)}}}}.>"
 
 
+def stored_job_events(type_: str, partitioned: bool) -> str:
+    """The subjects a log stores every job's events of `type_` under: `recovery.ev.job.*.<type_>`, or with
+    partitions `recovery.p.*.ev.job.*.<type_>` (where the transform moved them). A reader of the log filters on
+    these; a core-NATS subscriber sees the published subject, which the transform does not change."""
+    if partitioned:
+        return f"{PARTITIONED_EVENTS}.*.ev.job.*.{type_}"
+    return job_event("*", type_)
+
+
 STRAYS_PARTITION = 0
 """the partition that reads and dead-letters stray inputs (`stray_input`): one, so that each gets one dead letter"""
 

@@ -18,6 +18,9 @@ from events.envelope import make_envelope
 from recovery.agent.stores import JobStores, StoreUnavailable
 from recovery.agent.tcpstore import StoreError, TorchStore
 from recovery.log.jetstream import ensure_stream, stream_config
+from recovery.service import config as config_mod
+from recovery.service.connection import retry
+from recovery.service.streams import ensure_streams
 from recovery.testing.nats import NatsServer, free_port
 from tests.daemon_support import running_daemon
 from tests.e2e_support import STAND_IN, AgentProcess, connect, kill_leftovers, node_heard, submit, wait_until, watch
@@ -149,5 +152,31 @@ async def test_jobs_share_a_store_port_a_taken_port_fails_one_job_and_a_restarte
         agent.stop()
         if restarted is not None:
             restarted.stop()
+        kill_leftovers([pid for w in watches.values() for pids in w.pids().values() for pid in pids])
+        await nc.close()
+
+
+async def test_an_agent_starts_accepted_jobs_of_every_partition(nats_server: NatsServer, tmp_path: Path) -> None:
+    """With several partitions the log stores each job event in its partition (`recovery.p.<k>.ev.job...`): the agent
+    reads the submissions there, and starts each accepted job whatever its partition."""
+    count = 2
+    cfg = config_mod.load(nats_url=nats_server.url, data_dir=tmp_path / "data", partitions=count)
+    nc = await connect(nats_server.url)
+    await ensure_streams(nc.jetstream(), cfg, lambda op, what: retry(op, what, lambda: False))
+    jobs = ["a", "b"]
+    assert sorted(subjects.partition_of(job, count) for job in jobs) == [0, 1]
+    watches = {job: await watch(nc, job) for job in jobs}
+    ready = await node_heard(nc, "recovery.ev.node.n1.node.ready")
+    agent = AgentProcess(tmp_path, "n1", nats_server.url)
+    try:
+        await wait_until(lambda: bool(ready), 60, "the agent's node.ready", agent.log_tail)
+        for job in jobs:
+            seq = await submit(nc, job, stand_in_job(tmp_path, ["n1"], rendezvous="external"), accepted=True)
+            stored = (await nc.jetstream().get_msg(cfg.stream, seq)).subject
+            assert stored == f"recovery.p.{subjects.partition_of(job, count)}.ev.job.{job}.job.submitted"
+        for job in jobs:
+            await wait_until(lambda j=job: watches[j].step(0) >= 1, 60, f"job {job}'s rank to train", agent.log_tail)
+    finally:
+        agent.stop()
         kill_leftovers([pid for w in watches.values() for pids in w.pids().values() for pid in pids])
         await nc.close()

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
+import nats.js.errors
 import orjson
+import pytest
 
 from events import subjects
+from events.codec import encode_envelope
+from events.envelope import make_envelope
 from recovery.log import MSG_ID
 from recovery.service.demo import BuiltinCluster, Bus, DemoSettings
+from recovery.service.lease import Lease, LeaseLost
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import (
     DaemonProcess,
@@ -143,3 +149,88 @@ async def test_a_daemon_whose_lease_changed_hands_stops(nats_server: NatsServer,
     finally:
         active.close()
         await nc.close()
+
+
+class Clock:
+    """The lease's monotonic clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _lapsed(kv: Any, key: str) -> bool:
+    try:
+        await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:
+        return True
+    return False
+
+
+async def test_a_refused_renewal_reads_the_key_before_it_gives_the_lease_up(nats_server: NatsServer) -> None:
+    """A renewal whose compare-and-set fails is not yet a lost lease: its own write stored after a timeout, or a key
+    that expired while nobody could take it (renewed less than two TTLs ago), keep it; another's entry, or a key gone
+    for longer, lose it."""
+    nc, js = await connect(nats_server.url)
+    clock = Clock()
+    try:
+        lease = Lease(js, "LEASES_RECHECK", "p", "me", 1.0, clock=clock)
+        await lease.ensure()
+        assert await lease.try_acquire()
+        kv = lease.kv
+        await kv.put("p", lease._value())  # a renewal that timed out here but was stored: a revision not ours yet
+        clock.now += 0.3
+        await lease.renew()
+        assert lease.renewed == clock.now and lease.revision == (await kv.get("p")).revision
+        await async_wait_for(lambda: _lapsed(kv, "p"), 15, "the key to expire")  # renewals held up for a TTL
+        clock.now += 1.5  # less than two TTLs since the last renewal: nobody else can have held it
+        await lease.renew()
+        assert orjson.loads((await kv.get("p")).value or b"{}")["token"] == lease.token
+        await async_wait_for(lambda: _lapsed(kv, "p"), 15, "the key to expire again")
+        clock.now += 2.5  # gone longer than that: another daemon may have held it and gone
+        with pytest.raises(LeaseLost, match=r"lapsed 2\.5s"):
+            await lease.renew()
+        assert await lease.try_acquire()
+        await kv.put("p", orjson.dumps({"instance": "other", "pid": 7}))
+        with pytest.raises(LeaseLost, match="held by other"):
+            await lease.renew()
+    finally:
+        await nc.close()
+
+
+async def test_a_slow_consumer_does_not_take_the_only_daemon_down(tmp_path: Path) -> None:
+    """A server that holds at most 4 MB for a client (`max_pending`) and inputs of 1 MB: pulls sized from the server's
+    `max_payload` are never cut off as a slow consumer, the lease is renewed on a connection of its own, and the only
+    daemon reads every input and stays active (with pulls of 8 MiB it was cut off again and again, its lease lapsed,
+    and it stopped with 296 inputs of 300 unread)."""
+    conf = tmp_path / "nats.conf"
+    conf.write_text("max_pending: 4MB\n")
+    server = NatsServer(tmp_path / "nats", extra_args=["-c", str(conf)])
+    daemon = DaemonProcess(tmp_path / "d", server.url, timers_enabled=False, lease_ttl_s=TTL_S)
+    server.start()
+    try:
+        daemon.start()
+        await asyncio.to_thread(daemon.wait_ready, 60)
+        nc, js = await connect(server.url)
+        try:
+            pad = "x" * 1_000_000
+            last = 0
+            for i in range(60):
+                envelope = orjson.loads(encode_envelope(make_envelope("node.heartbeat", {}, id=f"big-{i}", node="n1",
+                                                                      source="test")))
+                envelope["pad"] = pad  # 1 MB: a bad input, dead-lettered, but read and applied like any other
+                ack = await js.publish(subjects.node_event("n1", "node.heartbeat"), orjson.dumps(envelope),
+                                       headers={MSG_ID: f"big-{i}"})
+                last = ack.seq
+        finally:
+            await nc.close()
+        await async_wait_for(lambda: daemon.status()["published_seq"] >= last, 120, "the daemon to apply every input",
+                             daemon.log_tail)
+        assert daemon.running() and role(daemon) == "active"
+        assert "Slow Consumer" not in server.log_tail(10_000)
+        assert not [e for e in daemon.logs() if e.get("msg") in ("lease lost: stopping", "disconnected from NATS")]
+    finally:
+        daemon.close()
+        server.stop()

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ import pytest
 from recovery.log.nats_server import NatsProcess
 from recovery.service import config as config_mod
 from recovery.service.daemon import Daemon, DaemonFailed
-from recovery.service.embedded import EmbeddedNats
+from recovery.service.embedded import EmbeddedNats, EmbeddedPortBusy
 from recovery.service.process import run
 from recovery.service.snapshots import capture
 from recovery.service.timers import TimerService
@@ -115,6 +116,21 @@ def test_the_embedded_server_is_started_without_python_between_fork_and_exec(tmp
     if sys.platform.startswith("linux"):  # a shim sets the parent-death signal, then execs the server
         assert command[:4] == [sys.executable, "-I", "-S", "-c"] and command[5] == str(os.getpid())
         assert command[6:] == NatsProcess.command(server)
+
+
+async def test_an_embedded_port_another_process_holds_is_waited_for_then_refused(tmp_path: Path) -> None:
+    """The port clients know stays held past the wait: the start is refused, naming it, rather than moved to a port
+    no client knows (`tests/test_daemon_process.py` restarts a daemon on its own port)."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        server = EmbeddedNats(tmp_path, port=port, port_wait_s=0.3)
+        started = time.monotonic()
+        with pytest.raises(EmbeddedPortBusy, match=rf"port {port} of the embedded nats-server is held"):
+            await server.start_async()
+        assert 0.3 <= time.monotonic() - started < 10 and not server.running
+        assert not (tmp_path / "nats.url").exists()
 
 
 def test_a_snapshot_forks_only_while_the_process_runs_no_other_thread() -> None:

@@ -168,7 +168,7 @@ def test_embedded_nats_server_starts_and_stops_with_the_daemon(how: str, tmp_pat
         if how == "sigterm":
             code, seconds = daemon.terminate()
             assert code == 0 and seconds < 5
-            assert not url_file.exists()
+            assert url_file.read_text().strip() == url  # the URL the next start serves again
         else:
             daemon.kill()
         deadline = time.monotonic() + 10
@@ -177,30 +177,81 @@ def test_embedded_nats_server_starts_and_stops_with_the_daemon(how: str, tmp_pat
         daemon.close()
 
 
-def test_a_second_daemon_on_the_same_data_directory_is_refused_and_the_first_keeps_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("second_nats", ["embedded", "nats-url"])
+def test_a_second_daemon_on_the_same_data_directory_is_refused_and_the_first_keeps_it(second_nats: str,
+                                                                                   tmp_path: Path) -> None:
+    """Refused whatever its flags: with `--nats-url` (the first one's server, say) it would take the same default
+    instance name and so the first one's lease, and the first would stop, its embedded server with it."""
     first = DaemonProcess(tmp_path / "a", "", embedded_port=0)
-    second = DaemonProcess(tmp_path / "b", "", embedded_port=0, data_dir=first.settings["data_dir"])
+    second: DaemonProcess | None = None
     first.start()
     try:
         first.wait_ready()
         url_file = Path(first.settings["data_dir"]) / "nats.url"
         url = url_file.read_text()
+        second = DaemonProcess(tmp_path / "b", "" if second_nats == "embedded" else url.strip(), embedded_port=0,
+                               data_dir=first.settings["data_dir"])
         second.start()
         assert second.proc is not None
         code = second.proc.wait(timeout=30)
-        assert code != 0
+        assert code == 2, second.log_tail()  # a configuration error: the supervisor must not just start it again
         refusal = [e for e in second.logs() if e.get("level") == "error"]
         assert refusal and "is in use by another recovery-daemon" in refusal[0]["msg"], second.log_tail()
         assert f"pid {first.pid}" in refusal[0]["msg"]
         assert "exc" not in refusal[0]  # the refusal says it all: no traceback
-        assert not any(e.get("msg") == "embedded nats-server ready" for e in second.logs())
-        assert url_file.read_text() == url and first.ready()
-        first.kill()  # the kernel drops a SIGKILLed holder's lock: the directory is free again at once
-        second.start()
-        second.wait_ready()
+        assert not any(e.get("msg") in ("embedded nats-server ready", "connected") for e in second.logs())
+        assert url_file.read_text() == url and first.ready() and first.status()["role"] == "active"
+        if second_nats == "embedded":
+            first.kill()  # the kernel drops a SIGKILLed holder's lock: the directory is free again at once
+            second.start()
+            second.wait_ready()
     finally:
         first.close()
-        second.close()
+        if second is not None:
+            second.close()
+
+
+def _client_across_a_stop(port: int) -> socket.socket:
+    """A NATS client (an agent, say) connected to the server on `port`: the server closes its connection as it stops,
+    which leaves the server's end in TIME_WAIT on the port."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.recv(4096)  # INFO
+    sock.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+    assert b"PONG" in sock.recv(4096)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket) -> None:
+    with sock:
+        while sock.recv(4096):  # until the server's FIN; then our close completes the handshake
+            pass
+
+
+@pytest.mark.parametrize("port", ["any", "configured"])
+def test_a_restarted_daemon_serves_its_embedded_nats_on_the_same_url(port: str, tmp_path: Path) -> None:
+    """Agents are configured with the embedded server's URL: a restart after SIGTERM (the server's old connections in
+    TIME_WAIT on its port) or after SIGKILL (the old server still shutting down) serves the same one, whether the port
+    was configured or picked free at the first start (then kept in nats.url)."""
+    daemon = DaemonProcess(tmp_path, "", embedded_port=0 if port == "any" else free_port())
+    url_file = tmp_path / "data" / "nats.url"
+    daemon.start()
+    try:
+        daemon.wait_ready()
+        url = url_file.read_text().strip()
+        client = _client_across_a_stop(int(url.rsplit(":", 1)[1]))
+        code, _ = daemon.terminate()
+        assert code == 0, daemon.log_tail()
+        _closed_by_server(client)
+        daemon.start()
+        daemon.wait_ready()
+        assert url_file.read_text().strip() == url and daemon.status()["url"] == url
+        daemon.kill()
+        daemon.start()
+        daemon.wait_ready(60)
+        assert daemon.status()["url"] == url
+        assert not [e for e in daemon.logs() if e.get("level") in ("warning", "error")], daemon.log_tail()
+    finally:
+        daemon.close()
 
 
 def test_a_daemon_waiting_for_nats_says_so_at_info_with_its_attempts_then_starts(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from recovery.log.jetstream import TRANSIENT, ensure_stream, stream_config
-from recovery.log.pull import Delivery, PullReader, ReaderLost, parse_reply
+from recovery.log.pull import DELIVERY_OVERHEAD, Delivery, PullReader, ReaderLost, parse_reply
 from recovery.testing.nats import NatsServer
 
 STREAM = "PULL"
@@ -205,7 +205,7 @@ async def test_pulls_are_bounded_by_bytes_and_bring_a_backlog_of_large_messages_
         got = await read_count(reader, 60)
         assert [orjson.loads(d.data[: d.data.index(b"}") + 1])["i"] for d in got] == list(range(60))
         await monitor.flush()
-        assert requests and all(r["max_bytes"] == 1024 * 1024 for r in requests)
+        assert requests and all(r["max_bytes"] == 1024 * 1024 + DELIVERY_OVERHEAD for r in requests)
         assert len(requests) >= 24  # 1 MB a pull: at least 24 MB / 1 MB of them
     finally:
         await reader.close()
@@ -217,4 +217,5 @@ def test_a_byte_bound_below_the_largest_message_is_raised_to_it() -> None:
         max_payload = 8 * 1024 * 1024
 
     reader = PullReader(Connection(), None, STREAM, no_ack(), max_bytes=1024)  # type: ignore[arg-type]
-    assert reader.max_bytes == 8 * 1024 * 1024  # or a message that size could never be delivered
+    # or a message that size could never be delivered (its subject and reply count too)
+    assert reader.max_bytes == 8 * 1024 * 1024 + DELIVERY_OVERHEAD

@@ -11,6 +11,10 @@ Each job's start runs in a task of its own, and whatever fails in it is the job'
 and as a `job.cancelled` event with the reason (the engine ends the job and records why): never the agent's, whose
 other jobs' ranks would die with it.
 
+The agent reads submissions where the log stores them: with several partitions (`partitions` > 1) the log's subject
+transform moves every job event to `recovery.p.<k>.ev.job...` (`events.subjects.stored_job_events`), so a filter on
+the published subject alone would see none of them.
+
 A restarted agent takes back its duties for the jobs still live: the job store of a job whose first node this is
 (the old agent's went with it) and, for a job accepted but not started while no agent ran here, its ranks.
 
@@ -25,6 +29,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
+from nats.js.api import StreamInfo
 from pydantic import BaseModel
 
 from events import subjects
@@ -43,7 +48,19 @@ from recovery.log.jetstream import JetStreamLog
 
 logger = logging.getLogger("recovery.agent")
 
-SUBMITTED = "recovery.ev.job.*.job.submitted"
+
+def submissions(info: StreamInfo) -> list[str]:
+    """The subjects the log `info` describes stores job submissions under. A partitioned log (one with a subject
+    transform) stores them in its partitions only; an unpartitioned one that holds messages can never become
+    partitioned (the daemon refuses: the partition count is the log's for life), so its plain subject will do, and
+    one filter reads faster than two. An empty unpartitioned log may still be given a transform by the first daemon:
+    then both."""
+    if info.config.subject_transform is not None:
+        return [subjects.stored_job_events("job.submitted", partitioned=True)]
+    plain = subjects.stored_job_events("job.submitted", partitioned=False)
+    if info.state.messages:
+        return [plain]
+    return [plain, subjects.stored_job_events("job.submitted", partitioned=True)]
 
 
 async def answer(log: JetStreamLog, job: str, seq: int) -> bool:
@@ -113,16 +130,16 @@ class Admission:
         raise NotImplementedError
 
     # -- submissions -------------------------------------------------------------------------------------
-    async def _known_jobs(self, log: JetStreamLog, start: int) -> None:
+    async def _known_jobs(self, log: JetStreamLog, start: int, submitted: list[str]) -> None:
         """The jobs submitted with an entrypoint before `start` (this agent was restarted): known again without
         launching what the old agent launched, so that their commands are carried out, their ranks that outlived the
         old agent are adopted, and those reach this one through the job's socket (the SDK connects again by itself)."""
-        async for record in log.read(1, start - 1, SUBMITTED):
+        async for record in log.read(1, start - 1, submitted):
             await self._job_record(log, record, known=True)
 
-    async def _follow_jobs(self, log: JetStreamLog, start: int) -> None:
+    async def _follow_jobs(self, log: JetStreamLog, start: int, submitted: list[str]) -> None:
         """Every job submitted with an entrypoint from `start` on: its ranks placed here start once it is accepted."""
-        async for record in log.follow(start, SUBMITTED):
+        async for record in log.follow(start, submitted):
             await self._job_record(log, record, known=False)
 
     async def _job_record(self, log: JetStreamLog, record: Record | RawRecord, known: bool) -> None:

@@ -34,7 +34,7 @@ from events.envelope import make_envelope
 from events.kinds import RankStack
 from events.values import Layout, ResumePlan
 from recovery.agent import errors, ranks
-from recovery.agent.admission import Admission
+from recovery.agent.admission import Admission, submissions
 from recovery.agent.config import AgentConfig
 from recovery.agent.hangs import StockHangs
 from recovery.agent.jobs import CommandFailed, JobOnNode, end_torch_stores
@@ -158,8 +158,9 @@ class Agent(Relay, Rescale, Admission):
                 self._tg = tg
                 tg.start_soon(self.outbox.run)
                 # The jobs from before come first: a command for one of them must find it known.
-                await self._known_jobs(log, log_start)
-                tg.start_soon(self._follow_jobs, log, log_start)
+                submitted = submissions(await log.stream_info())
+                await self._known_jobs(log, log_start, submitted)
+                tg.start_soon(self._follow_jobs, log, log_start, submitted)
                 tg.start_soon(self._follow_commands, commands, command_start)
                 tg.start_soon(self._beat)
                 tg.start_soon(self.fold_reports)

@@ -289,9 +289,9 @@ class JetStreamLog:
         return int(info.state.last_seq)
 
     async def read(self, start_seq: int = 1, end_seq: int | None = None,
-                   filter_subject: str | None = None) -> AsyncIterator[Record | RawRecord]:
+                   filter_subject: str | list[str] | None = None) -> AsyncIterator[Record | RawRecord]:
         """Every record from `start_seq` to `end_seq` (default: the stream's last sequence when iteration starts),
-        in order; only those on `filter_subject`, when given."""
+        in order; only those on `filter_subject` (one subject, or several), when given."""
         state = (await self.stream_info()).state
         end = int(state.last_seq) if end_seq is None else min(end_seq, int(state.last_seq))
         next_seq = max(start_seq, int(state.first_seq), 1)
@@ -300,7 +300,8 @@ class JetStreamLog:
         async for record in self._records(next_seq, end, filter_subject):
             yield record
 
-    async def follow(self, start_seq: int, filter_subject: str | None = None) -> AsyncIterator[Record | RawRecord]:
+    async def follow(self, start_seq: int,
+                     filter_subject: str | list[str] | None = None) -> AsyncIterator[Record | RawRecord]:
         """Every record from `start_seq` on (those on `filter_subject` only, when given), in order, waiting for new
         ones forever: the same reader as `read` with no end, opened again at the next sequence it needs after an
         outage."""
@@ -308,13 +309,17 @@ class JetStreamLog:
             yield record
 
     async def _records(self, next_seq: int, end: int | None,
-                       filter_subject: str | None) -> AsyncIterator[Record | RawRecord]:
+                       filter_subject: str | list[str] | None) -> AsyncIterator[Record | RawRecord]:
         """The records from `next_seq` through `end` (None: forever), through one pull reader opened again at the
         next sequence needed after an outage. With an end, an outage longer than `stall_timeout` is an error; a
         follower waits for NATS to come back however long it takes."""
         # Memory storage and no acks: a read holds no state worth keeping, and the server none worth writing.
         consumer = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
-                                  inactive_threshold=max(self.stall_timeout, 5.0), filter_subject=filter_subject)
+                                  inactive_threshold=max(self.stall_timeout, 5.0))
+        if isinstance(filter_subject, list) and len(filter_subject) > 1:
+            consumer.filter_subjects = filter_subject
+        else:  # one filter where one will do: JetStream serves a consumer of several far slower
+            consumer.filter_subject = filter_subject[0] if isinstance(filter_subject, list) else filter_subject
         reader = PullReader(self.nc, self.js, self.stream, consumer, batch=self.read_batch,
                             pull_expires_s=self.pull_expires, end_seq=end)
         what = "reading" if end is not None else "following"

@@ -59,8 +59,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_free(host: str, port: int) -> bool:
-    """Whether `port` can be bound now."""
+    """Whether a server can listen on `port` now. With SO_REUSEADDR, as nats-server (Go) binds: the connections of a
+    server that stopped a moment ago linger in TIME_WAIT on its port, and they do not keep a new server from it; a
+    socket still listening there does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -74,8 +74,22 @@ def parse_reply(reply: str) -> tuple[int, int, int, int, int]:
 
 PENDING_BYTES_LIMIT = 64 * 1024 * 1024
 """what the inbox's subscription holds before the client drops deliveries as a slow consumer (nats-py's default)"""
-PULL_MAX_BYTES = 8 * 1024 * 1024
-"""bytes one pull request may bring: two in flight stay well under `PENDING_BYTES_LIMIT`"""
+DELIVERY_OVERHEAD = 4096
+"""what a pull's byte bound counts of a delivery beside its stored headers and data (its subject, its reply, the
+framing): a bound of `max_payload` alone would never deliver a message of the largest size the server takes"""
+PULLS = 2
+"""pull requests kept outstanding: the server sends the next while the caller works on the last"""
+
+
+def pull_max_bytes(nc: Client) -> int:
+    """The byte bound of one pull request, from the limit the server reports in its INFO (`max_payload`): the largest
+    message it takes, and no more. nats-server cuts a client off as a slow consumer once more than its
+    `max_pending` (64 MB by default) waits to be written to it, and it refuses to start with a `max_payload`
+    above `max_pending`; what it does not report is `max_pending` itself. So the bytes asked for at once stay at
+    `PULLS` of the largest message: under any `max_pending` of at least twice `max_payload` (a server configured
+    with 4 MB and inputs of 1 MB, say), however slowly the caller reads, where pulls of a fixed 8 MiB were cut 29
+    times in 25 s. Messages of a few hundred bytes fill a batch long before this bound."""
+    return int(getattr(nc, "max_payload", 0) or 1024 * 1024) + DELIVERY_OVERHEAD
 
 
 class PullReader:
@@ -99,8 +113,9 @@ class PullReader:
         batch: int = 1000,
         pull_expires_s: float = 2.0,
         end_seq: int | None = None,
-        max_bytes: int = PULL_MAX_BYTES,
+        max_bytes: int | None = None,
         pending_bytes_limit: int = PENDING_BYTES_LIMIT,
+        pulls: int = PULLS,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -119,10 +134,12 @@ class PullReader:
         """the reader has reached the end of what its consumer matches at least once since it was made"""
         self.done = False
         """with `end_seq`: everything up to it was delivered (or nothing more is pending)"""
-        # Bounded by bytes as well as by count: 1,000 inputs of 1 MB each asked for at once are more than the
-        # client's pending limit holds, and a slow-consumer drop then resets the connection again and again. Never
-        # below the largest message the server takes, or one such message could never be delivered.
-        self.max_bytes = max(max_bytes, int(getattr(nc, "max_payload", 0) or 0))
+        # Bounded by bytes as well as by count (`pull_max_bytes`): 1,000 inputs of 1 MB each asked for at once are
+        # more than the server holds for a client before it cuts it off as a slow consumer. Never below the largest
+        # message the server takes, or one such message could never be delivered.
+        self._max_bytes = max_bytes
+        self.max_bytes = max(max_bytes or 0, pull_max_bytes(nc))
+        self.pulls = pulls
         self.pending_bytes_limit = pending_bytes_limit
         self._request = self._pull_request(batch)
         self._next_subject = ""
@@ -155,6 +172,9 @@ class PullReader:
             if config.inactive_threshold is None:
                 config.inactive_threshold = max(self.stall_s, 5.0)
         self._reconnects = self.nc.stats["reconnects"]
+        # Asked again at each open: a reconnect may have reached another server, with other limits.
+        self.max_bytes = max(self._max_bytes or 0, pull_max_bytes(self.nc))
+        self._request = self._pull_request(self.batch)
         inbox = self.nc.new_inbox()
         self._sub = await self.nc.subscribe(inbox, cb=self._on_msg, pending_bytes_limit=self.pending_bytes_limit)
         self._inbox = inbox
@@ -204,9 +224,9 @@ class PullReader:
         return orjson.dumps({"batch": count, "expires": int(self.pull_expires_s * 1e9), "max_bytes": self.max_bytes})
 
     async def _pull(self) -> None:
-        # Two batches asked for keep the server sending while the caller works on one; with an end, never more
+        # `pulls` batches asked for keep the server sending while the caller works on one; with an end, never more
         # than the range still needs (it is contiguous unless filtered: a short count only means one more pull).
-        limit = 2 * self.batch
+        limit = self.pulls * self.batch
         needed = math.inf if self.end_seq is None else self.end_seq - self._highest - self._outstanding
         while self._outstanding < limit and needed > 0:
             if needed >= self.batch:

@@ -34,9 +34,11 @@ class DaemonConfig(FileSettings):
     nats_url: str = Field("", description="NATS server URL(s), comma-separated; empty: start an embedded "
                                           "nats-server with JetStream in data_dir")
     data_dir: Path = Field(Path("recovery-data"), description="embedded nats-server store and the daemon's "
-                                                               "local files (nats.url for recovery-ctl)")
+                                                               "local files (nats.url for recovery-ctl); one "
+                                                               "daemon's alone (daemon.lock)")
     embedded_port: int = Field(4222, ge=0, le=65535, description="client port of the embedded nats-server "
-                                                                  "(0: any free port)")
+                                                                  "(0: a free one, picked at the first start and "
+                                                                  "kept in data_dir/nats.url for every later one)")
     replicas: int = Field(1, ge=1, le=5, description="replicas of the streams and the snapshot bucket")
     # -- streams ---------------------------------------------------------------------------------------
     stream: str = Field("RECOVERY", description="the audit log stream: inputs, decisions, dead letters")

@@ -111,9 +111,10 @@ async def read_backlog(nc: Client, js: JetStreamContext, stream: str, filters: l
     `docs/platform.md`). Live, that is enough; a backlog (a partition taken over, a restart) would take minutes.
     So the backlog is read through one ephemeral consumer per filter, each in stream order, and merged by stream
     sequence: the order the partition's own consumer would give. ReaderLost as `PullReader` raises it."""
+    # One pull outstanding each: the readers share one connection, and what the server holds for it (`pull_max_bytes`).
     readers = [PullReader(nc, js, stream, ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
                                                          filter_subject=subject),
-                          batch=batch, end_seq=end_seq) for subject in filters]
+                          batch=batch, end_seq=end_seq, pulls=1) for subject in filters]
     queues: list[deque[Delivery]] = [deque() for _ in readers]
     try:
         for reader in readers:

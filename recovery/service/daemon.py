@@ -5,7 +5,8 @@ It is wiring. Its parts are tasks of one anyio task group, each in a cancel scop
 
 - `http`: `/healthz`, `/readyz`, `/metrics`, `/status` (`recovery.service.http`), from the start, so that a
   standby answers too;
-- `lease`: renews the partition's lease (`recovery.service.lease`), when there is one;
+- `lease`: renews the partition's lease (`recovery.service.lease`) on a connection of its own
+  (`recovery.service.tenure`), when there is one;
 - `processor`: pulls the next batch of input records (`recovery.ev.>`) from a durable consumer in stream order
   (`recovery.service.consumer`), has the processor (`recovery.service.processor`: batch in, messages out) apply
   it, publishes the messages (each with its deterministic id as `Nats-Msg-Id`), waits for JetStream to
@@ -57,10 +58,11 @@ from recovery.service import connection
 from recovery.service.config import DaemonConfig
 from recovery.service.consumer import InputReader, read_backlog
 from recovery.service.control import ControlService
-from recovery.service.embedded import DataDirInUse, DataDirLock, EmbeddedNats
+from recovery.service.datadir import DataDirLock, StartRefused
+from recovery.service.embedded import EmbeddedNats
 from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
-from recovery.service.lease import Lease, LeaseLost, default_instance
+from recovery.service.lease import Lease, LeaseLost
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
@@ -68,6 +70,7 @@ from recovery.service.restore import open_newest, published_after
 from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
+from recovery.service.tenure import Tenure
 from recovery.service.timers import ServerClock, TimerService, timer_messages
 from recovery.service.unserved import UnservedWatch
 
@@ -240,12 +243,11 @@ class Daemon:
 
     async def _start(self, teardown: AsyncExitStack, companion: Companion | None) -> None:
         cfg = self.cfg
-        if not self.url:
-            # The data directory first, before any port is taken or logged: a second daemon on it must be refused
-            # before it does anything (its embedded server would share the first one's JetStream store).
-            lock = DataDirLock(cfg.data_dir)
-            lock.acquire()
-            teardown.callback(lock.release)
+        # The data directory first, before any port is taken or anything connects, whatever the flags: a second daemon
+        # on it must be refused before it does anything (`recovery.service.datadir`).
+        lock = DataDirLock(cfg.data_dir)
+        lock.acquire()
+        teardown.callback(lock.release)
         if cfg.http_port >= 0:
             self.http = HttpServer(cfg.http_host, cfg.http_port, self.metrics, self.readiness,
                                    self.refresh_gauges, self.status)
@@ -260,13 +262,11 @@ class Daemon:
         teardown.push_async_callback(self._close_nats)
         await self._connect()
         await self._ensure_streams()
-        if cfg.lease_ttl_s > 0:
-            assert self.js is not None
-            lease = self.lease = Lease(self.js, cfg.lease_bucket, self.key,
-                                       cfg.instance or default_instance(cfg.data_dir), cfg.lease_ttl_s, cfg.replicas)
-            await self._retry(lease.ensure, "lease bucket")
+        if cfg.lease_ttl_s > 0:  # on a connection of its own (`recovery.service.tenure`)
+            tenure = Tenure(cfg, self.key, self._on_error)
+            teardown.push_async_callback(lambda: tenure.close(self.role == "active", self._until(0.5)))
+            lease = self.lease = await tenure.open(self.url, self._retry)
             self.role = "standby"
-            teardown.push_async_callback(self._release_lease)
             await self._retry(lease.acquire, "lease")
             logger.info("lease acquired: active", extra=_fields(partition=self.key, instance=lease.instance))
             self._parts.start("lease", self._hold_lease)
@@ -335,8 +335,8 @@ class Daemon:
     def _fail(self, what: str, exc: BaseException) -> None:
         """A part (or the start) failed: the daemon stops, every part in order, and exits 1."""
         # A refusal that says all there is to say is logged without its traceback.
-        logger.error(f"{what} failed: stopping" + (f": {exc}" if isinstance(exc, DataDirInUse) else ""),
-                     exc_info=None if isinstance(exc, DataDirInUse) else exc)
+        logger.error(f"{what} failed: stopping" + (f": {exc}" if isinstance(exc, StartRefused) else ""),
+                     exc_info=None if isinstance(exc, StartRefused) else exc)
         if self.failure is None:
             self.failure, self._failed_part = exc, what
         self.failed = True
@@ -370,12 +370,6 @@ class Daemon:
         if self.control is not None:
             with anyio.move_on_after(self._until(0.5), shield=True):
                 await self.control.close()
-
-    async def _release_lease(self) -> None:
-        if self.lease is not None and self.role == "active":
-            with anyio.move_on_after(self._until(0.5), shield=True), contextlib.suppress(Exception):
-                await self.lease.release()  # the standby takes over now, not a TTL later
-                logger.info("lease released")
 
     async def _close_nats(self) -> None:
         if self.nc is not None:

@@ -2,8 +2,15 @@
 
 The same `nats-server` process as the test fixture's (`recovery.log.nats_server`), plus what a service
 needs. The server dies with the daemon even when the daemon is SIGKILLed (Linux parent-death
-signal), a busy default port falls back to a free one, and the URL is written to `<data_dir>/nats.url`
-so that `recovery-ctl` finds it.
+signal), and the URL is written to `<data_dir>/nats.url` so that `recovery-ctl` finds it.
+
+Its URL is the deployment's: agents and `recovery-ctl` are configured with it, so a restarted daemon serves the same
+one or does not start. `embedded_port` names the port; with 0 (any free port) the first start picks one and
+`nats.url`, which outlives the daemon, keeps it for every later start. A port still held when the server starts
+(the old server, which the parent-death signal stops a moment after a SIGKILLed daemon, is still shutting down) is
+waited for, up to `PORT_WAIT_S`; then the start is refused, naming the port, rather than moved to another that no
+client knows. A port whose old connections linger in TIME_WAIT is free: nats-server binds with SO_REUSEADDR, and so
+does the check (`recovery.log.nats_server.port_free`).
 
 The parent-death signal is set by a small exec shim (`python -c`, then `exec nats-server`), not by a
 `preexec_fn`: Python code between fork and exec in a process that runs threads can deadlock on a lock another
@@ -14,55 +21,39 @@ the daemon: the signal follows the thread that forked, so a worker thread that e
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
 
 from recovery.log.nats_server import NatsProcess, free_port, port_free
+from recovery.service.datadir import StartRefused
 
 logger = logging.getLogger("recovery.embedded")  # the name operators filter on: kept since it moved
 URL_FILE = "nats.url"
-LOCK_FILE = "daemon.lock"
+PORT_WAIT_S = 15.0
+"""how long a start waits for its port to be released (an old server still shutting down) before it is refused"""
+PORT_POLL_S = 0.05
 
 
-class DataDirInUse(RuntimeError):
-    """Another process holds the data directory: two embedded nats-servers on one JetStream store would corrupt
-    it, and the second would overwrite the first's `nats.url`."""
+class EmbeddedPortBusy(StartRefused):
+    """The embedded server's port stayed held by another process: serving another would strand its clients."""
 
 
-class DataDirLock:
-    """A daemon's hold on its data directory: an advisory `flock` on `daemon.lock`, which the kernel drops when the
-    process ends, however it ends, so a SIGKILLed daemon never leaves a stale lock behind."""
+def remembered_port(url_file: Path, host: str) -> int | None:
+    """The port of the URL an earlier start served on `host` (`nats.url`), if any."""
+    with contextlib.suppress(OSError, ValueError):
+        url = urlsplit(url_file.read_text().strip())
+        if url.hostname == host and url.port:
+            return url.port
+    return None
 
-    def __init__(self, data_dir: str | Path) -> None:
-        self.data_dir = Path(data_dir)
-        self._fd: int | None = None
 
-    def acquire(self) -> None:
-        """Take the directory, or raise `DataDirInUse` naming the holder's pid."""
-        if self._fd is not None:
-            return
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DataDirInUse(f"data directory {self.data_dir} is in use by another recovery-daemon (pid "
-                               f"{holder}), whose embedded nats-server owns the JetStream store there: give each "
-                               f"daemon its own --data-dir, or point them all at one NATS with --nats-url") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = None
 
 _DIE_WITH_PARENT = """\
 import ctypes, os, signal, sys
@@ -79,15 +70,21 @@ class EmbeddedNats(NatsProcess):
 
     name = "embedded nats-server"
 
-    def __init__(self, data_dir: str | Path, port: int = 4222, host: str = "127.0.0.1") -> None:
+    def __init__(self, data_dir: str | Path, port: int = 4222, host: str = "127.0.0.1",
+                 port_wait_s: float = PORT_WAIT_S) -> None:
         data = Path(data_dir)
-        if port == 0 or not port_free(host, port):
-            if port:
-                logger.warning("port %d is busy: the embedded nats-server takes a free port", port)
-            port = free_port(host)
+        url_file = data / URL_FILE
+        remembered = remembered_port(url_file, host)
+        if port == 0:
+            port = remembered or free_port(host)  # any port the first time; the same one ever after
+        elif remembered is not None and remembered != port:
+            logger.warning("embedded_port is %d, but an earlier start served port %d: clients configured with %s "
+                           "must be given the new URL", port, remembered, url_file.read_text().strip())
         super().__init__(data / "jetstream", port=port, host=host, log_file=data / "nats-server.log")
         self.data_dir = data
-        self.url_file = data / URL_FILE
+        self.url_file = url_file
+        self.port_wait_s = port_wait_s
+        self._port_waited = False
 
     def command(self) -> list[str]:
         server = super().command()
@@ -103,6 +100,10 @@ class EmbeddedNats(NatsProcess):
         if self.running:
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.port_wait_s
+        while not port_free(self.host, self.port):
+            self._check_port(deadline)
+            time.sleep(PORT_POLL_S)  # polling interval of a deadline-bounded wait for the port
         self._start(timeout)
         self._started()
 
@@ -110,24 +111,25 @@ class EmbeddedNats(NatsProcess):
         if self.running:
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.port_wait_s
+        while not port_free(self.host, self.port):
+            self._check_port(deadline)
+            await anyio.sleep(PORT_POLL_S)  # polling interval of a deadline-bounded wait for the port
         await super().start_async(timeout)
         self._started()
+
+    def _check_port(self, deadline: float) -> None:
+        """Called while the port is held: refuse once the deadline has passed (said at the first call)."""
+        if not self._port_waited:
+            self._port_waited = True
+            logger.info("port %d is held: waiting up to %gs for it (a server shutting down?)", self.port,
+                        self.port_wait_s)
+        if time.monotonic() >= deadline:
+            raise EmbeddedPortBusy(
+                f"port {self.port} of the embedded nats-server is held by another process after {self.port_wait_s:g}s: "
+                f"it must serve {self.url}, the URL its clients use (kept in {self.url_file}); stop what holds the "
+                f"port, or set embedded_port to another and give the clients the new URL")
 
     def _started(self) -> None:
         self.url_file.write_text(self.url + "\n")
         logger.info("embedded nats-server ready", extra={"fields": {"url": self.url, "store": str(self.store_dir)}})
-
-    def stop(self, timeout: float = 15.0) -> None:
-        super().stop(timeout)
-        self._stopped()
-
-    async def stop_async(self, timeout: float = 15.0) -> None:
-        try:
-            await super().stop_async(timeout)
-        finally:
-            self._stopped()
-
-    def _stopped(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.url_file.read_text().strip() == self.url:
-                self.url_file.unlink()

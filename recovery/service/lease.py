@@ -7,11 +7,21 @@ on the revision it wrote last. A standby tries to create the key every `min(ttl 
 the active one has stopped renewing (crashed, partitioned) or released it (a graceful stop deletes the key).
 
 Fencing without synchronised clocks: the holder reads input only while its last successful renewal is younger
-than `ttl / 2` on its own monotonic clock, while a standby can take the key only `ttl` after that write; and a
-renewal that finds another revision (someone else took the key) ends the holder. Any revision change is
-fatal, even when the key looks free again: another daemon may have applied inputs meanwhile, which this one's
-engine never saw, so it must start again from the snapshot rather than carry on. Duplicate effects of the
-handover are dropped by their deterministic message ids.
+than `ttl / 2` on its own monotonic clock, while a standby can take the key only `ttl` after that write. A renewal
+whose compare-and-set fails reads the key before it concludes anything (`renew`):
+
+- the key holds this lease's own token: a renewal that timed out was stored after all, and its revision is adopted;
+- the key is gone, not deleted (it expired: renewals could not get through for a TTL) and this holder's last
+  successful renewal was sent less than `2 * ttl` ago: nobody else can have held it meanwhile (another daemon could
+  take it only `ttl` after that renewal, and its own entries, renewed every `ttl / 3` or deleted at its release,
+  would still be there), so it is created again;
+- anything else (another daemon's entry, a delete marker of another's release, a key gone for longer) is a lost
+  lease: another daemon may have applied inputs meanwhile, which this one's engine never saw, so it must start
+  again from the snapshot rather than carry on (`LeaseLost`, naming the holder).
+
+Duplicate effects of a handover are dropped by their deterministic message ids. The lease has a NATS connection of
+its own (`recovery.service.daemon`): a reader that the server cuts off as a slow consumer, or whose replies queue
+behind large deliveries, must not take the renewals down with it.
 
 The same `instance` (by default host name and data directory) takes its own lease back at once: a daemon that
 was SIGKILLed and restarted does not wait out the TTL.
@@ -28,6 +38,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +78,8 @@ class Lease:
         self.revision: int | None = None
         self.renewed: float | None = None
         self.holder: dict[str, Any] | None = None  # the holder seen last while waiting
+        self.token = uuid.uuid4().hex  # this holder's, in every value it writes: its own writes are recognised
+        self.sent: float | None = None  # when the last successful renewal (or the take) was sent
 
     async def ensure(self) -> None:
         try:
@@ -87,10 +100,12 @@ class Lease:
         return self._kv
 
     def _value(self) -> bytes:
-        return orjson.dumps({"instance": self.instance, "pid": os.getpid(), "since": time.time_ns()})
+        return orjson.dumps({"instance": self.instance, "pid": os.getpid(), "since": time.time_ns(),
+                             "token": self.token})
 
     async def try_acquire(self) -> bool:
         """Take the lease if it is free or ours from an earlier life; False while another daemon holds it."""
+        sent = self._clock()
         try:
             self.revision = await self.kv.create(self.key, self._value())
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -106,7 +121,7 @@ class Lease:
                 self.revision = await self.kv.update(self.key, self._value(), last=entry.revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 return False
-        self.renewed = self._clock()
+        self.renewed, self.sent = self._clock(), sent
         self.holder = None
         return True
 
@@ -121,19 +136,59 @@ class Lease:
             await anyio.sleep(min(self.ttl_s / 4, 0.5))  # the retry period: a released lease is taken within it
 
     async def renew(self) -> None:
-        """Write the lease again on the revision we wrote last; LeaseLost if another daemon wrote since."""
+        """Write the lease again on the revision we wrote last. When that compare-and-set fails, the key says why
+        (the module's docstring): our own write, or a lapse nobody else can have used, and the lease is kept;
+        LeaseLost if another daemon may have held it since."""
+        sent = self._clock()
         try:
             self.revision = await self.kv.update(self.key, self._value(), last=self.revision)
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError) as exc:
-            raise LeaseLost(f"the lease of partition {self.key} changed hands: {exc}") from exc
-        self.renewed = self._clock()
+            sent = await self._recheck(exc)
+        self.renewed, self.sent = self._clock(), sent
+
+    async def _recheck(self, refused: Exception) -> float:
+        """After a refused renewal: write the lease again from what the key holds, and return when that write was
+        sent (what `fresh` and the next recheck count from); or raise LeaseLost."""
+        try:
+            entry = await self.kv.get(self.key)
+        except nats.js.errors.KeyDeletedError as exc:  # released: only a holder releases, and we did not
+            raise LeaseLost(f"the lease of partition {self.key} changed hands: released by another daemon "
+                            f"({refused})") from exc
+        except nats.js.errors.KeyNotFoundError:
+            # Measured now, when the key was seen gone (not from the refused write's send): the later, the safer.
+            lapsed = self._clock() - self.sent if self.sent is not None else float("inf")
+            if lapsed >= 2 * self.ttl_s:
+                raise LeaseLost(f"the lease of partition {self.key} lapsed {lapsed:.1f}s after its last renewal: "
+                                f"another daemon may have held it meanwhile ({refused})") from refused
+            sent = self._clock()
+            try:
+                self.revision = await self.kv.create(self.key, self._value())
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return await self._recheck(refused)  # someone took it this instant: who?
+            logger.warning("lease expired unrenewed (%.1fs since the last renewal), nobody took it: taken again",
+                           lapsed, extra={"fields": {"partition": self.key}})
+            return sent
+        holder = orjson.loads(entry.value or b"{}")
+        if isinstance(holder, dict) and holder.get("token") == self.token:
+            # A renewal that timed out here was stored after all. When, nobody knows: written again now, on it.
+            sent = self._clock()
+            try:
+                self.revision = await self.kv.update(self.key, self._value(), last=entry.revision)
+            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
+                return await self._recheck(refused)
+            return sent
+        self.holder = holder if isinstance(holder, dict) else {}
+        raise LeaseLost(f"the lease of partition {self.key} changed hands: held by {self.holder.get('instance')} "
+                        f"(pid {self.holder.get('pid')}) ({refused})") from refused
 
     async def hold(self) -> None:
         """Renew the lease every third of its TTL until cancelled; LeaseLost once another daemon has taken it.
-        A renewal that fails because NATS is away is tried again at the next period: meanwhile `fresh` says no,
-        so the holder reads no input another daemon may read."""
+        A renewal that fails because NATS is away (or busy: a 429) is tried again with backoff, within the period:
+        meanwhile `fresh` says no, so the holder reads no input another daemon may read."""
+        period = self.ttl_s / 3
+        delay = period
         while True:
-            await anyio.sleep(self.ttl_s / 3)
+            await anyio.sleep(delay)
             try:
                 await self.renew()
             except Exception as exc:
@@ -141,6 +196,9 @@ class Lease:
                     raise
                 reraise_cancel(exc)
                 logger.warning("lease not renewed: retrying", extra={"fields": {"error": repr(exc)}})
+                delay = min(period / 8 if delay >= period else delay * 2, period / 2)  # retry backoff
+                continue
+            delay = period
 
     def fresh(self) -> bool:
         """May the holder read input now: renewed within half the TTL?"""

@@ -41,6 +41,7 @@ from recovery.service import connection, speedups
 from recovery.service.config import DaemonConfig
 from recovery.service.control import PartitionDirectory
 from recovery.service.daemon import Daemon, DaemonFailed
+from recovery.service.datadir import DataDirInUse, DataDirLock
 from recovery.service.http import HttpServer, Metrics, PartitionMetrics
 from recovery.service.lease import Lease, default_instance
 
@@ -242,7 +243,22 @@ class Ownership:
 
 
 async def run(cfg: DaemonConfig) -> int:
-    """Run this daemon's share of the partitions until SIGTERM/SIGINT (or `duration_s`); 0 on a clean stop."""
+    """Run this daemon's share of the partitions until SIGTERM/SIGINT (or `duration_s`); 0 on a clean stop, 2 if
+    another daemon holds the data directory."""
+    # The data directory first, before the HTTP port or the membership: its partitions' daemons share this hold.
+    lock = DataDirLock(cfg.data_dir)
+    try:
+        lock.acquire()
+    except DataDirInUse as exc:
+        logger.error(f"start failed: stopping: {exc}")
+        return 2
+    try:
+        return await _run(cfg)
+    finally:
+        lock.release()
+
+
+async def _run(cfg: DaemonConfig) -> int:
     speedups.apply()
     # Threads that end after each call, as the single daemon's: a snapshot forks only while no other thread runs.
     asyncio.get_running_loop().set_default_executor(connection.ShortLivedThreads())

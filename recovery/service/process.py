@@ -14,6 +14,7 @@ from anyio.abc import TaskStatus
 from recovery.service import connection, speedups
 from recovery.service.config import DaemonConfig
 from recovery.service.daemon import Companion, Daemon, DaemonFailed
+from recovery.service.datadir import StartRefused
 
 logger = logging.getLogger("recovery.daemon")
 
@@ -33,7 +34,8 @@ async def _stop_after(daemon: Daemon, seconds: float) -> None:
 
 
 async def run(cfg: DaemonConfig, companion: Companion | None = None) -> int:
-    """Run a daemon until SIGTERM/SIGINT (or `duration_s`); 0 on a clean stop, 1 if it failed."""
+    """Run a daemon until SIGTERM/SIGINT (or `duration_s`); 0 on a clean stop, 1 if it failed, 2 if it was refused
+    at start (its data directory another daemon's, its embedded server's port held)."""
     tuned = speedups.apply()
     asyncio.get_running_loop().set_default_executor(connection.ShortLivedThreads())
     daemon = Daemon(cfg)
@@ -57,4 +59,6 @@ async def run(cfg: DaemonConfig, companion: Companion | None = None) -> int:
         if not daemon.stopping:
             speedups.freeze()  # the restored state is long-lived: keep it out of later collections
             logger.info("tuned", extra={"fields": {"applied": tuned}})
+    if isinstance(daemon.failure, StartRefused):
+        return 2
     return 1 if daemon.failed else 0
