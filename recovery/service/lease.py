@@ -125,8 +125,27 @@ class Lease:
         try:
             self.revision = await self.kv.update(self.key, self._value(), last=self.revision)
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError) as exc:
-            raise LeaseLost(f"the lease of partition {self.key} changed hands: {exc}") from exc
+            mine = await self._own_revision()
+            if mine is None:
+                raise LeaseLost(f"the lease of partition {self.key} changed hands: {exc}") from exc
+            # A renewal of ours whose acknowledgement was lost (sent while NATS was away, stored on its return)
+            # wrote the revision after the one we know: every write since ours was ours, so the lease still is.
+            try:
+                self.revision = await self.kv.update(self.key, self._value(), last=mine)
+            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError) as again:
+                raise LeaseLost(f"the lease of partition {self.key} changed hands: {again}") from again
         self.renewed = self._clock()
+
+    async def _own_revision(self) -> int | None:
+        """The lease's revision if this very process wrote it (its instance and pid), else None."""
+        try:
+            entry = await self.kv.get(self.key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None  # expired or released: someone may have held it meanwhile
+        holder = orjson.loads(entry.value or b"{}")
+        if isinstance(holder, dict) and holder.get("instance") == self.instance and holder.get("pid") == os.getpid():
+            return entry.revision
+        return None
 
     async def hold(self) -> None:
         """Renew the lease every third of its TTL until cancelled; LeaseLost once another daemon has taken it.
