@@ -312,6 +312,17 @@ class JobUnserved(Frozen):
     waited_s: Seconds = Field(description="how long the daemon saw them unserved")
 
 
+class ControlOutage(Frozen):
+    """The daemon was cut off from NATS for `away_s` up to this record (its own connection lost, so neither the
+    job's events nor its timers could be logged): time the control plane was away is not the job's silence. The
+    daemon publishes one per job it watches before any timer that fell due meanwhile, and the engine counts no
+    node's or rank's silence within the outage when `away_s` is at most `bound_s`."""
+
+    away_s: Seconds = Field(description="how long the daemon was away, measured on its own clock, up to this record")
+    bound_s: Seconds = Field(description="the longest outage whose silence is not counted (the daemon's "
+                                         "outage_bound_s); a longer one's silence counts as any other")
+
+
 # --- checkpoints ------------------------------------------------------------------------------------
 class CheckpointSaved(Frozen):
     """Shards of the model state at `step` are available in `tier` on `holder` (a node, or 'storage')."""
@@ -394,6 +405,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "job.completed": JobCompleted,
     "job.cancelled": JobCancelled,
     "job.unserved": JobUnserved,
+    "control.outage": ControlOutage,
     "checkpoint.saved": CheckpointSaved,
     "checkpoint.failed": CheckpointFailed,
     "command.ack": CommandAck,

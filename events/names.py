@@ -23,6 +23,7 @@ class DecisionKind(StrEnum):
     JOB_COMPLETED = "job.completed"
     JOB_CANCELLED = "job.cancelled"
     JOB_FAILED = "job.failed"
+    CONTROL_OUTAGE = "control.outage"  # the control plane was away: whether silence within the outage counts
     PROGRESS_CORRECTED = "progress.corrected"  # a rank's step counter that had jumped implausibly far ahead
     # detection: signals, suspicions, confirmed faults, hardware and drains
     SIGNAL_IGNORED = "signal.ignored"

@@ -234,3 +234,19 @@ async def test_a_slow_consumer_does_not_take_the_only_daemon_down(tmp_path: Path
     finally:
         daemon.close()
         server.stop()
+async def test_a_renewal_stored_after_its_acknowledgement_was_lost_keeps_the_lease(nats_server: NatsServer) -> None:
+    """A renewal sent while NATS was away is stored when it comes back, after the client gave up waiting for its
+    acknowledgement: the next renewal finds a revision it did not know of, but one this process wrote."""
+    nc, js = await connect(nats_server.url)
+    try:
+        lease = Lease(js, "RECOVERY_LEASES", "default", "daemon-a", TTL_S)
+        await lease.ensure()
+        assert await lease.try_acquire()
+        await lease.kv.update("default", lease._value(), last=lease.revision)  # the renewal whose ack was lost
+        await lease.renew()
+        assert lease.revision == (await lease.kv.get("default")).revision
+        await lease.kv.put("default", orjson.dumps({"instance": "daemon-a", "pid": 0, "since": 0}))  # a new life
+        with pytest.raises(LeaseLost):
+            await lease.renew()
+    finally:
+        await nc.close()

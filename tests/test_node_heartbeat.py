@@ -104,3 +104,42 @@ def test_a_gone_hosts_agent_that_reports_again_brings_it_back() -> None:
     assert not s.engine.cluster.nodes["n0"].gone
     assert s.phase("j") != "waiting", s.kinds("j")[-4:]
     assert s.outstanding(), "the job was not restarted on the nodes it has"
+
+
+def test_a_gone_hosts_ranks_heard_again_bring_it_back() -> None:
+    """An agent that relays its ranks' words one by one (no folded report) and whose heartbeats were lost in a burst:
+    the host declared gone is back at its ranks' first heartbeat, not only at a node event or a report."""
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, policies={
+        "detection": {"name": "default", "params": {"hang_min_silence_s": 30.0, "agent_silence_s": 3.0}}})
+    beat(s, ["n0", "n1"])
+    for _ in range(6):  # n0's agent's heartbeats stop reaching the log; its ranks had gone quiet for a moment too
+        s.advance(1)
+        beat(s, ["n1"])
+    [confirmed] = s.find("fault.confirmed", "j")
+    assert confirmed.reason.startswith("agent of n0 silent")
+    assert s.phase("j") == "waiting" and s.engine.cluster.nodes["n0"].gone
+    s.job_event("j", "process.heartbeat", rank=0, attempt=0)
+    assert not s.engine.cluster.nodes["n0"].gone
+    assert s.phase("j") != "waiting", s.kinds("j")[-4:]
+
+
+def test_a_gone_host_the_job_left_is_back_in_service_when_its_agent_answers_and_the_move_stands() -> None:
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4)
+    s.spare("s0")
+    beat(s, ["n0", "n1", "s0"])
+    for _ in range(8):
+        s.advance(1)
+        beat(s, ["n1", "s0"])
+        s.steps("j", s.engine.jobs["j"].step + 1)
+    [confirmed] = s.find("fault.confirmed", "j")
+    assert confirmed.reason.startswith("agent of n0 silent")
+    [migrate] = s.outstanding("migrate_ranks")
+    s.ack(migrate, node="s0")
+    assert s.engine.jobs["j"].nodes == ["s0", "n1"] and s.engine.cluster.nodes["n0"].gone
+    s.ack(migrate, node="n0")  # n0's agent was cut off, not dead: it stopped its ranks and says so
+    n0 = s.engine.cluster.nodes["n0"]
+    assert not n0.gone and n0.usable
+    assert s.engine.jobs["j"].nodes == ["s0", "n1"], "the move was undone"
+    assert s.state("j") in ("recovering", "running") and not s.find("attempt.failed", "j")

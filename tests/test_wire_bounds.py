@@ -74,6 +74,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "job.completed": {},
     "job.cancelled": {"reason": "done"},
     "job.unserved": {"nodes": ["n1"], "waited_s": 30.0},
+    "control.outage": {"away_s": 90.0, "bound_s": 300.0},
     "checkpoint.saved": {"step": 7, "tier": "memory", "shards": [0, 1], "holder": "n0"},
     "checkpoint.failed": {"step": 7, "tier": "storage", "reason": "EIO"},
     "command.ack": {"command_id": "j:12:0", "status": "done", "reason": ""},

@@ -13,6 +13,7 @@ and hands the rest to the engine's parts, one concern each:
 - `recovery.core.incidents`: the incident lifecycle (plan, save, stop, reschedule, restore, ack, deadline, close);
 - `recovery.core.placement`: vacating nodes, spares, fitting data-parallel replicas;
 - `recovery.core.operators`: operator requests;
+- `recovery.core.liveness`: signs of life from hosts declared gone, and the control plane's own outages;
 - `recovery.core.timers`: the timer table and the periodic rule;
 - `recovery.core.record`: the one object per record that collects the effects.
 """
@@ -37,10 +38,11 @@ from recovery.core.cluster import ClusterView
 from recovery.core.containment import contain
 from recovery.core.detection import Detection
 from recovery.core.failures import exit_text, note_exit, stop_like
-from recovery.core.firings import admit_firing
+from recovery.core.firings import admit_firing, admit_outage
 from recovery.core.incidents import MAX_PLANS_PER_RECORD, Incidents
 from recovery.core.job import DEDUPE_WINDOW, Job
 from recovery.core.journal import Journal
+from recovery.core.liveness import Liveness
 from recovery.core.machine import FINAL
 from recovery.core.operators import Operators
 from recovery.core.partition import Partition
@@ -84,6 +86,7 @@ class Engine(Progress):
         self.incidents = Incidents(self.cluster, self.timekeeper, self.placement)
         self.detection = Detection(self.cluster, self.timekeeper, self.placement, self.incidents)
         self.operators = Operators(self.cluster, self.timekeeper, self.placement, self.incidents)
+        self.liveness = Liveness(self.cluster, self.guard, self._capacity_returned)
 
     @property
     def timers(self) -> dict[str, TimerEntry]:
@@ -123,6 +126,8 @@ class Engine(Progress):
         try:
             if envelope.type == "timer.fired":
                 admit_firing(self, record, envelope)
+            elif envelope.type == "control.outage":
+                admit_outage(self, record, envelope)
             self._dispatch(out, record.subject, envelope)
             effects = out.effects
             if effects:
@@ -250,6 +255,7 @@ class Engine(Progress):
             seen = job.seen
             if env.id in seen:
                 raise Rejected("duplicate", f"event id {env.id!r} already applied to job {env.job}")
+            speaker = self.liveness.speaker(job, type_, env)  # before the event may move the job
             if type_ in _PROGRESS:
                 incident = job.incident
                 entries = env.data.ranks if type_ == "progress.report" else [env.data]
@@ -265,17 +271,6 @@ class Engine(Progress):
                     self.report_losses(out, job, env.data.ranks)
                     for entry in env.data.ranks:  # each as its rank's own heartbeat or step would be
                         self._progress(out, job, entry)
-                    node = self.cluster.nodes.get(env.node) if env.node is not None else None
-                    if node is not None and node.heard is not None and node.job == job.id:
-                        # The agent's report is its sign of life too: it sends no node.heartbeat in a period it
-                        # reported in (half the inputs of a large job). Last, once every entry was applied: nothing
-                        # after it refuses the record, so only an open journal needs to hear of it.
-                        if node.gone:
-                            self._agent_back(out, node.name)
-                        else:
-                            if self.journal is not None:
-                                node = self.cluster.node(node.name)
-                            node.heard = out.ts
                 else:
                     if getattr(env.data, "loss", None) is not None:
                         self.guard(job)  # the step after its loss may yet be refused (backwards, ahead)
@@ -284,6 +279,10 @@ class Engine(Progress):
             else:
                 self.guard(job)
                 self._job_event(out, job, type_, env.data)
+            if speaker is not None:
+                # The agent's report is its sign of life too: it sends no node.heartbeat in a period it reported in
+                # (half the inputs of a large job). Any event of a host declared gone brings it back.
+                self.liveness.heard_from(out, job, speaker, report=type_ == "progress.report")
             if self.journal is None:  # the hot path: Engine._remember without the journal
                 seen[env.id] = None
                 if len(seen) > DEDUPE_WINDOW:
@@ -386,6 +385,8 @@ class Engine(Progress):
             pass  # a save that did not land leaves the catalog as it was; the log keeps the failure
         elif type_ == "job.unserved":
             self.operators.unserved(out, job, data)
+        elif type_ == "control.outage":
+            self.liveness.outage(out, job, data)
         elif type_ == "process.stacks":
             outside = sorted({s.rank for s in data.ranks if s.rank >= job.world})
             if outside:
@@ -546,17 +547,6 @@ class Engine(Progress):
             self._capacity_returned(out)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):
             self.incidents.timer_fired(out, job, timer_id)
-
-    def _agent_back(self, out: RecordEffects, name: str) -> None:
-        """The agent of a host a node fault declared gone speaks again, by its report (in a period it reports in it
-        sends no heartbeat, so its report must say what a heartbeat says): the host is back, as `_node_event` has
-        it for a heartbeat, and jobs waiting for nodes may go on."""
-        self.guard(None)
-        node = self.cluster.node(name)
-        node.gone = False
-        node.heard = out.ts
-        if node.usable:
-            self._capacity_returned(out)
 
     def _capacity_returned(self, out: RecordEffects) -> None:
         """Nodes came back: waiting jobs try again, elastic jobs below their size grow."""

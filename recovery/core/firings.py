@@ -1,4 +1,5 @@
-"""Whether a `timer.fired` record is a real firing: one the timer service sent, at or after the timer's due time.
+"""Whether a `timer.fired` record is a real firing: one the timer service sent, at or after the timer's due time;
+and whether a `control.outage` record is the daemon's own (the seal rule alone).
 
 Timer firings travel on job subjects, which every agent may publish, and name a timer id and due time that any
 decision lists: without a check, a forged firing fires a 20 s debounce or a 60 s deadline at once. Two rules, both
@@ -32,8 +33,9 @@ DIGEST_CHARS = 24
 """hex characters of the HMAC a sealed message id ends with (`<id>~<digest>`): 96 bits no publisher guesses"""
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_CHARS}}}")
 
-FORGED_FIRING_CODES = ("timer_early", "timer_unsealed", "timer_forged")
-"""the dead-letter codes of firings that are not real: `recovery-replay verify` reports every one"""
+FORGED_FIRING_CODES = ("timer_early", "timer_unsealed", "timer_forged", "outage_unsealed", "outage_forged")
+"""the dead-letter codes of firings (and outage records, `control.outage`) that are not real: `recovery-replay
+verify` reports every one"""
 
 
 class FiringState(Protocol):
@@ -67,11 +69,27 @@ def admit_firing(engine: FiringState, record: Record | RawRecord, envelope: Enve
         raise Rejected("timer_early", f"timer {data.timer_id} of job {entry[0]} is due at {entry[1]}; a firing at "
                                       f"log time {record.ts} is {(entry[1] - record.ts) / 1e9:.3f}s early and fires "
                                       f"nothing")
+    _check_seal(engine, msg_id, ident, sealed, "timer", "timer.fired", "the timer service")
+
+
+def admit_outage(engine: FiringState, record: Record | RawRecord, envelope: EnvelopeBase) -> None:
+    """Raise `Rejected` unless the `control.outage` `record` comes from the daemon. A forged one would have the
+    engine overlook a real silence; the daemon seals it as it seals its firings, and the same rule holds."""
+    ident = envelope.id
+    msg_id = record.headers.get(MSG_ID)
+    sealed = sealed_form(msg_id, ident)
+    if sealed and not engine.firings_sealed:
+        engine.firings_sealed = True  # the daemon seals what it sends: every later firing must be sealed too
+    _check_seal(engine, msg_id, ident, sealed, "outage", "control.outage", "the daemon")
+
+
+def _check_seal(engine: FiringState, msg_id: str | None, ident: str, sealed: bool, code: str, type_: str,
+                sender: str) -> None:
     if sealed:
         seal = engine.firing_seal
         if seal is not None and msg_id != seal(ident):
-            raise Rejected("timer_forged", f"timer.fired {ident} was not sent by the timer service: its message id "
-                                           f"{msg_id!r} carries a seal that does not verify")
+            raise Rejected(f"{code}_forged", f"{type_} {ident} was not sent by {sender}: its message id "
+                                             f"{msg_id!r} carries a seal that does not verify")
     elif engine.firings_sealed:
-        raise Rejected("timer_unsealed", f"timer.fired {ident} was not sent by the timer service: its message id "
-                                         f"{msg_id!r} is not sealed, and the daemon seals every firing")
+        raise Rejected(f"{code}_unsealed", f"{type_} {ident} was not sent by {sender}: its message id "
+                                           f"{msg_id!r} is not sealed, and the daemon seals every firing")

@@ -106,9 +106,9 @@ def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_s
         f"{API}.CONSUMER.MSG.NEXT.{command_stream}.*",
         f"{API}.CONSUMER.DELETE.{command_stream}.*",
     ]
-    # Job events are open to the agent (its ranks' jobs are not known in advance), except timer firings: only the
-    # daemon's timer service sends those, and a forged one must not even reach the log.
-    deny = [subjects.job_event("*", "timer.fired")]
+    # Job events are open to the agent (its ranks' jobs are not known in advance), except timer firings and outage
+    # records: only the daemon sends those, and a forged one must not even reach the log.
+    deny = [subjects.job_event("*", "timer.fired"), subjects.job_event("*", "control.outage")]
     return User(f"agent-{node}", password, publish, [f"{agent_inbox(node)}.>"], inbox_prefix=agent_inbox(node),
                 publish_deny=deny)
 

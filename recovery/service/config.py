@@ -76,6 +76,10 @@ class DaemonConfig(FileSettings):
     unserved_after_s: float = Field(60.0, ge=0, le=86400, description="a job still waiting to start this long on "
                                     "nodes no agent serves (none heard from, or gone) gets a job.unserved event, "
                                     "which its decisions and recovery-ctl jobs show (0: never)")
+    outage_bound_s: float = Field(300.0, ge=0, le=86400, description="an outage of the control plane (this "
+                                  "daemon cut off from NATS) up to this long counts in no node's or rank's silence: "
+                                  "the daemon logs it (control.outage) when it is back, before any timer that fell "
+                                  "due meanwhile; a longer one's silence counts as any other (0: every outage's)")
     ctl_enabled: bool = Field(True, description="answer recovery-ctl requests on recovery.ctl.> (with "
                                                 "partitions > 1: each active partition on recovery.ctl.p.<k>.>)")
     # -- service ---------------------------------------------------------------------------------------

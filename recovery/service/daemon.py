@@ -12,7 +12,8 @@ It is wiring. Its parts are tasks of one anyio task group, each in a cancel scop
   it, publishes the messages (each with its deterministic id as `Nats-Msg-Id`), waits for JetStream to
   acknowledge them all, and only then acknowledges the inputs;
 - `timers`: the timer service (`recovery.service.timers`), which fires the engine's timers from the processor's
-  timer table as `timer.fired` events on the server's clock;
+  timer table as `timer.fired` events on the server's clock, after the record of an outage of the daemon's own
+  connection (`recovery.service.outage`);
 - `snapshots`: uploads the snapshots captured between two batches into the KV bucket
   (`recovery.service.snapshots`);
 - `control`: the `recovery-ctl` request/reply service (`recovery.service.control`);
@@ -63,6 +64,7 @@ from recovery.service.embedded import EmbeddedNats
 from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost
+from recovery.service.outage import OutageRecorder
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
@@ -71,7 +73,7 @@ from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
 from recovery.service.tenure import Tenure
-from recovery.service.timers import ServerClock, TimerService, timer_messages
+from recovery.service.timers import ServerClock, TimerService, fire_through
 from recovery.service.unserved import UnservedWatch
 
 logger = logging.getLogger("recovery.daemon")
@@ -112,7 +114,12 @@ class Daemon:
         self.reader: InputReader | None = None
         self.snapshots: SnapshotStore | None = None
         self.server_clock = ServerClock()
-        self.timer_service = TimerService(self.processor, self._fire_timers, self.server_clock)
+        # Timers wait while NATS is away, and then for the outage's record (`recovery.service.outage`).
+        self.outage = OutageRecorder(
+            lambda: self.engine, self._publish, lambda ident: self.processor.seal(ident), cfg.outage_bound_s,
+            lambda: self.connected and self.nc is not None and self.nc.is_connected,  # nats-py's own word first
+            lambda: self.lease is None or self.lease.fresh())
+        self.timer_service = TimerService(self.processor, self._fire_timers, self.server_clock, self.outage.clear)
         self.lease: Lease | None = None
         self.role = "starting"  # standby (waiting for the lease), active, or deposed (lost it)
         self.http: HttpServer | None = None
@@ -149,10 +156,6 @@ class Daemon:
     @property
     def listeners(self) -> list[Listener]:
         return self.processor.listeners
-
-    @property
-    def skip_ids(self) -> set[str]:
-        return self.processor.skip_ids
 
     @property
     def stopping(self) -> bool:
@@ -394,6 +397,9 @@ class Daemon:
             logger.warning("disconnected from NATS")
         self.connected = False
         self._reader_ok = False
+        if self.role == "active":  # only an active daemon's outage keeps the log from its jobs
+            self.outage.disconnected()
+            self.timer_service.interrupt()
 
     async def _on_reconnected(self) -> None:
         self.connected = True
@@ -443,7 +449,7 @@ class Daemon:
             nc, js, cfg.stream, cfg.command_stream, self.restored_seq, self.last_ts), "published-id scan")
         logger.info("restored", extra=_fields(
             snapshot_seq=self.restored_seq, jobs=len(self.engine.jobs), timers=len(self.engine.timers),
-            already_published=len(self.skip_ids), seconds=round(time.monotonic() - t0, 3)))
+            already_published=len(self.processor.skip_ids), seconds=round(time.monotonic() - t0, 3)))
 
     # -- processing ---------------------------------------------------------------------------------------
     async def _process_inputs(self) -> None:
@@ -546,16 +552,9 @@ class Daemon:
         await self.publisher.publish(out, deadline=time.monotonic() + 30)
 
     async def _fire_timers(self, fired: list[Firing]) -> None:
-        publisher = self.publisher
-        assert publisher is not None
-        out = timer_messages(fired, self.processor.seal)
-        try:
-            await publisher.publish(out, deadline=time.monotonic() + 30)
-        except TimeoutError:
-            for firing in fired:
-                self.processor.timers.retry(firing)  # try again: the id makes a repeat harmless
-            return
-        self.metrics.timers_fired.inc(len(out))
+        assert self.publisher is not None
+        self.metrics.timers_fired.inc(await fire_through(self.publisher, self.processor.seal, self.processor.timers,
+                                                         fired))
 
     # -- views --------------------------------------------------------------------------------------------
     @property

@@ -19,8 +19,8 @@ from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
 from recovery.core.router import EffectRouter
-from recovery.core.timers import Firing
-from recovery.service.publisher import Outgoing
+from recovery.core.timers import Firing, TimerTable
+from recovery.service.publisher import Outgoing, Publisher
 
 logger = logging.getLogger("recovery.daemon")  # a firing that cannot be made is the daemon's line, as before
 
@@ -68,15 +68,22 @@ class ServerClock:
 class TimerService:
     """Fires the timers of `router`'s table when `clock` reaches their due time, through `fire` (which publishes
     them and, if it cannot, puts them back with `TimerTable.retry`). The engine's own table is the truth at firing
-    time: a timer it no longer holds at that due is not fired, and the table follows the engine."""
+    time: a timer it no longer holds at that due is not fired, and the table follows the engine.
+
+    `gate`, awaited before each firing, holds the service while the daemon is cut off from NATS and until its outage
+    is in the log (`recovery.service.outage`): a timer that fell due meanwhile must land after that record.
+    `interrupt` gives up a firing under way when the connection is lost, so that the client does not keep it to
+    send first on its return; the timers are fired again once the gate opens."""
 
     def __init__(self, router: EffectRouter, fire: Callable[[list[Firing]], Awaitable[None]],
-                 clock: Callable[[], int] = time.time_ns) -> None:
+                 clock: Callable[[], int] = time.time_ns, gate: Callable[[], Awaitable[None]] | None = None) -> None:
         self._router = router
         self._fire = fire
         self._clock = clock
+        self.gate = gate
         self._wake: anyio.Event | None = None  # set to look at the table again before the sleep is over
         self._asleep_until: int | None = None  # due time the service sleeps towards, while it sleeps
+        self._firing: anyio.CancelScope | None = None  # the firing under way
 
     def due(self, now: int) -> list[Firing]:
         """Take the timers due at `now` that the engine still holds at their due time."""
@@ -103,14 +110,27 @@ class TimerService:
     def describe(self) -> dict[str, object]:
         return self._router.timers.describe()
 
+    def interrupt(self) -> None:
+        """Give up the firing under way (the connection is lost): its timers are fired again later."""
+        if self._firing is not None:
+            self._firing.cancel()
+
     async def run(self) -> None:
         """Fire timers as they fall due, until cancelled."""
         table = self._router.timers
         while True:
+            if self.gate is not None:
+                await self.gate()
             now = self._clock()
             fired = self.due(now)
             if fired:
-                await self._fire(fired)
+                with anyio.CancelScope() as scope:
+                    self._firing = scope
+                    await self._fire(fired)
+                self._firing = None
+                if scope.cancelled_caught:
+                    for firing in fired:
+                        table.retry(firing)  # its id makes a repeat harmless, should it have landed after all
                 continue
             next_at = table.next_at()
             if next_at is None:
@@ -122,6 +142,20 @@ class TimerService:
             with anyio.move_on_after(wait):
                 await wake.wait()
             self._asleep_until = None
+
+
+async def fire_through(publisher: Publisher, seal: Callable[[str], str], table: TimerTable, fired: list[Firing]
+                       ) -> int:
+    """Publish the firings of `fired` (`timer_messages`), or put them back in `table` if they are not acknowledged
+    within 30 s: their ids make a repeat harmless. How many were published."""
+    out = timer_messages(fired, seal)
+    try:
+        await publisher.publish(out, deadline=time.monotonic() + 30)
+    except TimeoutError:
+        for firing in fired:
+            table.retry(firing)
+        return 0
+    return len(out)
 
 
 def timer_messages(fired: list[Firing], seal: Callable[[str], str]) -> list[Outgoing]:

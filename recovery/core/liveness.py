@@ -1,0 +1,115 @@
+"""Liveness: who is heard from, and what silence counts.
+
+Two rules, both read only the record and the engine's state:
+
+- **A sign of life brings a host back.** A host a node fault declared gone (its agent and ranks fell silent) is back
+  as soon as anything of it is heard again: its node events, and the job events its agent or its ranks send (a
+  report naming the node, a rank's heartbeat, step or exit from the process the placement runs there, an ack that
+  names the node). Only a job the node belongs to, or whose incident declared it gone, can vouch for it: job
+  subjects are open to every agent. A recovery that already moved the job off the host stands; the host is usable
+  again for whatever needs it next.
+- **The control plane's outage is not the job's silence.** The daemon whose NATS connection broke records, when it
+  is back and before any timer that fell due meanwhile, a `control.outage` of each job it watches. Within the bound
+  the platform sets (`bound_s`), no node's or rank's silence counts for the time the control plane was away: each
+  liveness mark is moved on by the part of the outage after it, so a silence that began within the outage counts
+  from the record, and one that began before keeps only what was measured while the daemon was connected. Past
+  the bound, silence counts as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from events import kinds
+from events.envelope import EnvelopeBase
+from events.names import DecisionKind
+from policies.base import NS
+from recovery.core.cluster import ClusterView
+from recovery.core.job import Job
+from recovery.core.record import RecordEffects
+
+
+def _excused(mark: int, start: int, end: int) -> int:
+    """`mark` (log time of the last sign of life) moved on by the part of the outage [start, end] after it."""
+    if mark >= end:
+        return mark
+    return mark + end - max(mark, start)
+
+
+class Liveness:
+    """The engine's part that keeps who is alive: signs of life from hosts declared gone, and outages of the control
+    plane. `guard` opens the record's journal (the engine's), `capacity_returned` lets waiting jobs try again."""
+
+    def __init__(self, cluster: ClusterView, guard: Callable[[Job | None], object],
+                 capacity_returned: Callable[[RecordEffects], None]) -> None:
+        self.cluster = cluster
+        self.guard = guard
+        self.capacity_returned = capacity_returned
+
+    @staticmethod
+    def speaker(job: Job, type_: str, env: EnvelopeBase) -> str | None:
+        """The node whose agent or ranks sent this job event, if the event tells (asked before the event is applied:
+        it may move the job). A rank's event speaks for the node the placement runs it on only if it comes from
+        the process running there now; a replaced one's may come from anywhere."""
+        if env.node is not None:
+            return env.node
+        data = env.data
+        if type_ == "command.ack":
+            node = data.result.get("node")
+            return node if isinstance(node, str) else None
+        if type_ == "progress.report":
+            data = data.ranks[0] if data.ranks else None
+        rank = getattr(data, "rank", None)
+        if rank is None or rank >= job.world or rank // job.rpn >= len(job.nodes):
+            return None
+        if data.attempt < job.rank_gen[rank]:  # type: ignore[union-attr]
+            return None
+        return job.nodes[rank // job.rpn]
+
+    def heard_from(self, out: RecordEffects, job: Job, name: str, report: bool) -> None:
+        """`name` spoke through a job event of `job` that was applied; `report`: its agent's progress report, which
+        stands for the heartbeat the agent does not send in a period it reported in."""
+        node = self.cluster.nodes.get(name)
+        if node is None:
+            return
+        if node.gone:
+            incident = job.incident
+            if name in job.nodes or (incident is not None and name in incident.dead_hosts):
+                self.back(out, name)
+            return
+        if report and node.heard is not None and node.job == job.id:
+            # Last, once every entry was applied: nothing after it refuses the record, so only an open journal needs
+            # to hear of it (the hot path writes the node in place).
+            if self.cluster.journal is not None:
+                node = self.cluster.node(name)
+            node.heard = out.ts
+
+    def back(self, out: RecordEffects, name: str) -> None:
+        """The host a node fault declared gone speaks again: it is back, and jobs waiting for nodes may go on. Its
+        agent's silence counts from now, if its agent sends heartbeats at all."""
+        self.guard(None)
+        node = self.cluster.node(name)
+        node.gone = False
+        if node.heard is not None:
+            node.heard = out.ts
+        if node.usable:
+            self.capacity_returned(out)
+
+    def outage(self, out: RecordEffects, job: Job, data: kinds.ControlOutage) -> None:
+        """The control plane was away for `data.away_s` up to this record: within the bound, the time is not counted
+        in any silence of the job's ranks (heartbeats and progress) and nodes (their agents' heartbeats)."""
+        away = int(data.away_s * NS)
+        excused = data.away_s <= data.bound_s
+        if excused and job.last_seen and job.state != "submitted":
+            end, start = out.ts, out.ts - away
+            # Whole lists, not rank by rank: the journal restores the old ones.
+            job.last_seen = [_excused(mark, start, end) for mark in job.last_seen]
+            job.last_progress = [_excused(mark, start, end) for mark in job.last_progress]
+            for name in job.nodes:
+                node = self.cluster.nodes.get(name)
+                if node is not None and node.heard is not None and node.heard < end:
+                    self.cluster.node(name).heard = _excused(node.heard, start, end)
+        how = ("silence within it does not count" if excused else
+               f"longer than the {data.bound_s:g}s bound: silence within it counts")
+        out.decide(job, DecisionKind.CONTROL_OUTAGE, f"the control plane was away for {data.away_s:g}s: {how}",
+                   detail={"away_s": data.away_s, "bound_s": data.bound_s, "excused": excused})
