@@ -454,3 +454,10 @@ def dead_ranks(alive: bytearray) -> tuple[int, ...]:
 
 def _copied_step(by_tier: dict[Tier, dict[int, set[str]]]) -> dict[Tier, dict[int, set[str]]]:
     return {tier: {shard: set(holders) for shard, holders in shards.items()} for tier, shards in by_tier.items()}
+
+
+def hungry(job: Job) -> bool:
+    """Can nodes coming back help this job: is it waiting for nodes, or elastic and below its target size?"""
+    return (job.phase == "waiting"
+            or (job.state == "running" and not job.suspects and job.spec.elastic is not None
+                and job.layout.dp < job.target_dp))
