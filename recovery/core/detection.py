@@ -197,7 +197,7 @@ class Detection:
         if verdict.lost:
             for rank in verdict.ranks:
                 job.put(job.alive, rank, 0)
-        fault = self._fault_record(out, verdict)
+        fault = self._fault_record(out, verdict, job)
         incident = job.incident
         if incident is not None:
             incident.faults.append(fault)
@@ -270,7 +270,7 @@ class Detection:
                 return
             incident.bad_steps = tuple(sorted((*(e for e in incident.bad_steps if e[0] != generation), entry)))
             incident.bad_step = min(incident.bad_step, step)
-            incident.faults.append(self._fault_record(out, verdict))
+            incident.faults.append(self._fault_record(out, verdict, job))
             attempt = incident.attempt
             if attempt is not None and incident.phase in ("rescheduling", "restoring") and first is None:
                 # The processes the roll-back started report a bad step of their own: the attempt did not work.
@@ -294,10 +294,15 @@ class Detection:
         self.incidents.plan(out, job)
 
     @staticmethod
-    def _fault_record(out: RecordEffects, verdict: Fault) -> dict[str, Any]:
+    def _fault_record(out: RecordEffects, verdict: Fault, job: Job) -> dict[str, Any]:
+        # The nodes the fault struck, named now: a move takes its ranks elsewhere, and a policy that looks for a
+        # node in repeated incidents (`PastIncident.nodes`) must see where they ran when it struck.
+        nodes = {job.node_of(rank) for rank in verdict.ranks}
+        if verdict.node is not None:
+            nodes.add(verdict.node)
         return {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
                 "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
-                "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
+                "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts, "nodes": sorted(nodes)}
 
     def _note_dead_hosts(self, job: Job, incident: Incident, verdict: Fault) -> None:
         """A node fault declares its hosts gone (their ranks fell silent together, or a host stayed not ready): what

@@ -461,3 +461,10 @@ def hungry(job: Job) -> bool:
     return (job.phase == "waiting"
             or (job.state == "running" and not job.suspects and job.spec.elastic is not None
                 and job.layout.dp < job.target_dp))
+
+
+def fault_nodes(fault: dict[str, Any]) -> list[str]:
+    """The nodes one of an incident's fault records struck (a record from before they were kept: the node it
+    named, if any)."""
+    nodes: list[str] = fault.get("nodes") or ([fault["node"]] if fault.get("node") else [])
+    return nodes
