@@ -41,17 +41,30 @@ class _Worker:
         self.policy_bytes = policy_bytes
         self.label = label
         self.proc: subprocess.Popen[bytes] | None = None
+        self.ready = False  # the process said it loaded the policy
 
-    def _start(self) -> subprocess.Popen[bytes]:
+    def launch(self) -> None:
+        """Start the process and send it the policy, without waiting for it to be ready: it loads while its host
+        goes on, and the first call finds it ready (a host that waits on a call waits on nothing else)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
         # The worker imports the plugin as this process does: the same module search path.
         path = os.pathsep.join(p for p in sys.path if p)
         proc = subprocess.Popen([sys.executable, "-m", "recovery.plugins.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": path}, close_fds=True)
         assert proc.stdin is not None
-        self.proc = proc
-        try:
+        self.proc, self.ready = proc, False
+        with contextlib.suppress(BrokenPipeError):  # an early exit is found by the first call
             proc.stdin.write(HEADER.pack(len(self.policy_bytes)) + self.policy_bytes)
             proc.stdin.flush()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        self.launch()
+        proc = self.proc
+        assert proc is not None
+        if self.ready:
+            return proc
+        try:
             kind, detail = self._read(START_BUDGET_S)
         except Abandoned:
             self.close()
@@ -62,10 +75,11 @@ class _Worker:
         if kind != "ready":
             self.close()
             raise PolicyRaised(str(detail))
+        self.ready = True
         return proc
 
     def call(self, method: str, argument: Any, budget_s: float) -> Any:
-        proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+        proc = self.proc if self.ready and self.proc is not None and self.proc.poll() is None else self._start()
         assert proc.stdin is not None
         try:
             proc.stdin.write(frame((method, argument)))
@@ -106,7 +120,7 @@ class _Worker:
             data, need, header_read = data[HEADER.size:], size, True
 
     def close(self) -> int | None:
-        proc, self.proc = self.proc, None
+        proc, self.proc, self.ready = self.proc, None, False
         if proc is None:
             return None
         if proc.poll() is None:
@@ -150,7 +164,7 @@ class PolicyWorkers:
         self._workers: dict[int, tuple[Any, _Worker | None]] = {}  # id(policy) -> (the policy, kept alive; worker)
         self._finalizer = weakref.finalize(self, _close_all, self._workers)
 
-    def call(self, policy: Any, method: str, argument: Any) -> Any:
+    def _worker(self, policy: Any) -> _Worker | None:
         entry = self._workers.get(id(policy))
         if entry is None:
             try:
@@ -158,7 +172,16 @@ class PolicyWorkers:
             except Exception:  # cannot be pickled (a class made inside a function): a thread, not a process
                 worker = None
             entry = self._workers[id(policy)] = (policy, worker)
-        worker = entry[1]
+        return entry[1]
+
+    def prepare(self, policy: Any) -> None:
+        """Start `policy`'s worker now, not at its first call (a job that names it was accepted)."""
+        worker = self._worker(policy)
+        if worker is not None:
+            worker.launch()
+
+    def call(self, policy: Any, method: str, argument: Any) -> Any:
+        worker = self._worker(policy)
         if worker is None:
             return _in_thread(policy, method, argument, self.budget_s)
         return worker.call(method, argument, self.budget_s)

@@ -25,11 +25,13 @@ from events.envelope import EnvelopeBase, RawRecord, Record
 from events.kinds import PolicyOverran as PolicyOverranFact
 from events.outputs import Decision, Rejection
 from events.subjects import unpartitioned
+from policies.base import FAMILIES
 from recovery.core.addressing import command_nodes
 from recovery.core.engine import Effect, Engine
 from recovery.core.firings import FORGED_FIRING_CODES
 from recovery.core.overruns import fact_message
 from recovery.core.router import EffectRouter
+from recovery.core.sandbox import builtin
 from recovery.core.timers import TimerTable
 from recovery.log import to_record
 from recovery.log.pull import Delivery
@@ -127,6 +129,16 @@ class Processor(EffectRouter):
         engine.policy_calls = self.policy_workers
         self._engine = engine
 
+    def _prepare(self, job_id: str) -> None:
+        """Start the workers of a job's third-party policies as it is accepted: their first call need not wait
+        for an interpreter to start, and neither does the daemon's loop."""
+        job = self.engine.jobs.get(job_id)
+        if job is not None:
+            for family in FAMILIES:
+                policy = getattr(job.policies, family)
+                if not builtin(policy):
+                    self.policy_workers.prepare(policy)
+
     def published(self, out: list[Outgoing]) -> None:
         """`out` is stored: a later restart's scan finds it, this run needs not remember it."""
         if self.skip_ids:
@@ -143,6 +155,8 @@ class Processor(EffectRouter):
 
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         self._batch.decisions[decision.kind] += 1
+        if decision.kind == "job.accepted":
+            self._prepare(decision.job)
         msg_id = self.seal(envelope.id)
         if not self._stored(envelope.id, msg_id):
             self._batch.out.append(Outgoing(subject, data, msg_id, "decision"))
