@@ -27,7 +27,7 @@ from events.names import (
 from events.values import FaultClass, Granularity, Tier
 from policies.base import NS, Fail, PastIncident, RescheduleContext, Scope, Settle, StartRung, Wait
 from recovery.core.cluster import ClusterView
-from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job, dead_ranks, fault_nodes
+from recovery.core.job import CLOSED_INCIDENTS, RESTART_TIMES, Attempt, Incident, Job, dead_ranks
 from recovery.core.machine import fire
 from recovery.core.placement import Placement, fit_dp
 from recovery.core.record import RecordEffects, Rejected
@@ -583,7 +583,7 @@ def _recent(job: Job) -> tuple[PastIncident, ...]:
             closed_ns=summary["closed"] if summary["closed"] is not None else summary["opened"],
             outcome=str(summary["outcome"]),
             ranks=tuple(sorted({r for f in summary["faults"] for r in f["ranks"]})),
-            nodes=tuple(sorted({n for f in summary["faults"] for n in fault_nodes(f)}))))
+            nodes=tuple(summary.get("nodes", ()))))  # none kept before nodes were: say none, not a guess
     return tuple(recent)
 
 

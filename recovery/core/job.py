@@ -119,6 +119,7 @@ class Incident:
     """ranks an in-place attempt of this incident restarted whose new process no fault has named since"""
     awaited: bool = False  # an attempt held its restart for their dying checkpoint already
     dead_hosts: frozenset[str] = frozenset()  # hosts a node fault declared gone: no source of state
+    struck: frozenset[str] = frozenset()  # nodes its faults struck, where their ranks ran then (PastIncident.nodes)
     waiting_since: int | None = None  # log time the incident began to wait for nodes; None: not waiting
     wait_timer: str | None = None  # the wait's deadline: when it fires the policy is asked to fall back
     wait_expired: bool = False  # the wait ran out: the next answer is the policy's fallback
@@ -174,7 +175,8 @@ class Incident:
                 "fault_step": self.fault_step, "outcome": self.outcome, "lost_steps": self.lost_steps,
                 "faults": self.faults, "attempts": [a.summary() for a in self.attempts],
                 "phase": self.phase, "phases": [list(p) for p in self.phases],
-                **({"bad_step": self.bad_step} if self.bad_step is not None else {})}
+                **({"bad_step": self.bad_step} if self.bad_step is not None else {}),
+                **({"nodes": sorted(self.struck)} if self.struck else {})}
 
 
 class Job:
@@ -461,10 +463,3 @@ def hungry(job: Job) -> bool:
     return (job.phase == "waiting"
             or (job.state == "running" and not job.suspects and job.spec.elastic is not None
                 and job.layout.dp < job.target_dp))
-
-
-def fault_nodes(fault: dict[str, Any]) -> list[str]:
-    """The nodes one of an incident's fault records struck (a record from before they were kept: the node it
-    named, if any)."""
-    nodes: list[str] = fault.get("nodes") or ([fault["node"]] if fault.get("node") else [])
-    return nodes
