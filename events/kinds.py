@@ -33,6 +33,7 @@ from events.values import (
     PositiveCount,
     Rank,
     Seconds,
+    Seq,
     SignalNumber,
     Size,
     Step,
@@ -359,6 +360,19 @@ class TimerFired(Frozen):
     due: DueTime = Field(description="the due time the timer was asked for, nanoseconds of log time (< 2^63)")
 
 
+class PolicyOverran(Frozen):
+    """A fact the daemon (or the simulator, or `Scenario`) records when a third-party policy's call did not answer
+    within its budget and was abandoned: the engine answers that call with its family's built-in, at the input
+    `seq`, in every replay alike, so that no replay depends on how long the call took there."""
+
+    seq: Seq = Field(description="the input whose handling made the call")
+    family: Literal["detection", "rescheduling", "checkpoint"]
+    method: Literal["classify", "check", "decide", "plan"]
+    call: Count = Field(description="which call of that policy's method within the input's handling, from 0")
+    policy: Label = Field(description="the policy abandoned, name@version")
+    budget_s: Seconds = Field(description="how long the call was given")
+
+
 class OperatorScale(Frozen):
     dp: Size
 
@@ -410,6 +424,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "checkpoint.failed": CheckpointFailed,
     "command.ack": CommandAck,
     "timer.fired": TimerFired,
+    "policy.overran": PolicyOverran,
     "operator.scale": OperatorScale,
     "operator.pause": OperatorPause,
     "operator.resume": OperatorResume,

@@ -289,6 +289,8 @@ class PastIncident:
     """recovered, failed, cancelled, ..."""
     ranks: tuple[int, ...]
     """the ranks its faults named"""
+    nodes: tuple[str, ...] = ()
+    """the nodes its faults struck, sorted: where those ranks ran when each fault came, and a node a fault named"""
 
 
 @dataclass(frozen=True, slots=True)

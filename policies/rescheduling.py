@@ -33,6 +33,7 @@ from policies.base import (
     StartRung,
     Wait,
 )
+from policies.no_progress import INFRASTRUCTURE, no_progress
 from policies.script_errors import deterministic_error, quoting_the_script
 
 G = Granularity
@@ -258,30 +259,8 @@ class LadderRescheduling(ReschedulingPolicyBase):
                          f"newest complete checkpoint", _deadline(self, ladder[-1], ctx), len(ladder) - 1)
 
     def _no_progress(self, ctx: RescheduleContext) -> str | None:
-        """Why the job makes no progress through its recoveries, or None: at a fault of its script, its last
-        `no_progress_after` recoveries from faults of its script each ended with the job no further than the furthest
-        step it had reached before (recoveries from faults of the infrastructure are passed over: they say nothing
-        of the script)."""
-        need = self.params.no_progress_after
-        if need is None or not ctx.sdk or ctx.fault_class in INFRASTRUCTURE or ctx.fault_step == 0:
-            return None
-        runs = list(ctx.recent)
-        # The furthest step reached before each recovery, and the step the job got to after it (where it was at the
-        # next incident's fault: the one after it, or the open one).
-        after = [run.fault_step for run in runs[1:]] + [ctx.fault_step] if runs else []
-        furthest = 0
-        stalled: list[int] = []
-        for run, reached in zip(runs, after, strict=True):
-            furthest = max(furthest, run.fault_step)
-            if run.outcome != "recovered" or reached > furthest:
-                stalled = []
-            elif run.fault_class not in INFRASTRUCTURE:
-                stalled.append(reached)
-        if len(stalled) < need:
-            return None
-        return (f"no progress: the job got no further than step {furthest} through its last {len(stalled)} recoveries "
-                f"from faults of its script (it reached steps {stalled} after them; no_progress_after {need}): "
-                f"recovering again would not get it further; fix the script or its data, then submit it again")
+        """Why the job makes no progress through its recoveries (`policies.no_progress`), or None."""
+        return no_progress(ctx, self.params.no_progress_after)
 
     def _loop(self, ctx: RescheduleContext) -> str | None:
         """Why the open incident is a crash loop, or None: after each of the last `loop_after` recoveries the job
@@ -372,8 +351,6 @@ def _rung_in(ladder: list[Rung], rung: int, granularity: Granularity) -> int:
 
 _SIZES = {g: i for i, g in enumerate((G.RETRY, G.IN_PLACE, G.MIGRATE, G.SCALE_IN, G.RESTART_JOB))}
 """how much of the job each recovering granularity restarts, smallest first"""
-INFRASTRUCTURE = frozenset((FaultClass.DEVICE, FaultClass.NODE, FaultClass.NETWORK, FaultClass.PREEMPTION))
-"""fault classes of the hardware and the platform under the job, not of its script"""
 
 
 def _failed_in_a_row(ctx: RescheduleContext) -> int:

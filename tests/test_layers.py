@@ -1,7 +1,7 @@
 """The layers, checked by reading every module's imports (at the top, inside functions, under TYPE_CHECKING alike).
 
-    events < policies < recovery.core < recovery.settings < recovery.log < recovery.agent < recovery.slurm
-        < recovery.sim < recovery.report < recovery.service < recovery.cli
+    events < policies < recovery.core < recovery.plugins < recovery.settings < recovery.log < recovery.agent
+        < recovery.slurm < recovery.sim < recovery.report < recovery.service < recovery.cli
 
 `recovery.client`, the SDK training scripts import, stands alone: it imports nothing of ours and only the standard
 library, so that it installs into any training environment (torch only in `recovery.client.torch` and
@@ -23,8 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("events", "policies", "recovery")
-LAYERS = ("events", "policies", "recovery.core", "recovery.settings", "recovery.log", "recovery.agent",
-          "recovery.slurm", "recovery.sim", "recovery.report", "recovery.service", "recovery.cli")
+LAYERS = ("events", "policies", "recovery.core", "recovery.plugins", "recovery.settings", "recovery.log",
+          "recovery.agent", "recovery.slurm", "recovery.sim", "recovery.report", "recovery.service", "recovery.cli")
 """lowest first"""
 TESTING = "recovery.testing"
 TESTING_MAY_IMPORT = LAYERS[: LAYERS.index("recovery.sim") + 1]

@@ -79,6 +79,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "checkpoint.failed": {"step": 7, "tier": "storage", "reason": "EIO"},
     "command.ack": {"command_id": "j:12:0", "status": "done", "reason": ""},
     "timer.fired": {"timer_id": "j/watchdog/3", "due": 1_767_225_600 * NS},
+    "policy.overran": {"seq": 42, "family": "rescheduling", "method": "decide", "call": 0, "policy": "my-plugin@1",
+                       "budget_s": 2.0},
     "operator.scale": {"dp": 2},
     "operator.pause": {"reason": "investigating"},
     "operator.resume": {},

@@ -64,6 +64,7 @@ import bench_daemon  # beside this script (`python tools/bench.py` puts tools/ o
 import bench_e2e
 import bench_fleet
 import bench_gpu
+import bench_policy_calls
 import bench_report
 import bench_soak
 import orjson
@@ -444,6 +445,16 @@ def run_e2e(args: argparse.Namespace) -> None:
     bench_e2e.run(args, emit)
 
 
+def run_policy_calls(args: argparse.Namespace) -> None:
+    """A third-party policy's call through its worker process against the same call in-process."""
+    bench_policy_calls.run(args, emit)
+
+
+def _policy_calls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--calls", type=int, default=2000, help="calls per run (the 131,072-rank view: 1/200 of them)")
+
+
 def run_gpu(args: argparse.Namespace) -> None:
     """On a machine with an NVIDIA GPU: a warm standby's CUDA context, the in-memory tier's stall on GPU state, the
     SDK's NCCL abort and formation again."""
@@ -455,6 +466,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                lambda p: _workload_args(p, Sizes(1000, 12, 5), Sizes(10, 8, 2)), run_engine),
     "replay": ("recovery.log.replay(iter_file(path)) of a recorded JSONL log, end to end",
                lambda p: _workload_args(p, Sizes(1000, 6, 3), Sizes(10, 8, 2)), run_replay),
+    "policy-calls": ("a third-party policy's call through its worker process against in-process, per family",
+                     _policy_calls_args, run_policy_calls),
     "policies": ("ETTR and lost GPU-hours of our policies and the baselines over fault rates, sizes and mixes "
                  "(simulated)",
                  _policies_args, run_policies),

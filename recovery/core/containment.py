@@ -25,6 +25,7 @@ from recovery.core.cluster import ClusterView
 from recovery.core.incidents import MAX_WAIT_NS, Incidents
 from recovery.core.job import Attempt, Job
 from recovery.core.machine import FINAL
+from recovery.core.overruns import PolicyOverran
 from recovery.core.placement import Placement
 from recovery.core.record import Effect, RecordEffects, check_encodable
 from recovery.core.timers import Timekeeper
@@ -88,8 +89,10 @@ def _try(engine: Engine, seq: int, ts: int, job: Job, action: Callable[[RecordEf
         effects = out.effects
         if effects:
             check_encodable(effects)
-    except Exception:  # the safe action failed too: undo it and try the next, smaller one
+    except Exception as exc:  # the safe action failed too: undo it and try the next, smaller one
         engine.rollback()
+        if isinstance(exc, PolicyOverran):
+            raise  # a plugin's call abandoned: the driver applies the record again (`recovery.core.overruns`)
         return None
     engine.commit()
     return effects

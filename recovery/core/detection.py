@@ -201,6 +201,7 @@ class Detection:
         incident = job.incident
         if incident is not None:
             incident.faults.append(fault)
+            incident.struck |= self._struck(job, verdict)
             if incident.fresh.intersection(verdict.ranks):
                 incident.fresh = incident.fresh.difference(verdict.ranks)  # a new process that failed: none to carry
             if _SEVERITY.get(verdict.fault_class, 0) > _SEVERITY.get(incident.fault_class, 0):
@@ -243,7 +244,7 @@ class Detection:
         cancelled = self.incidents.disarm_watchdog(job)
         job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                 fault_step=job.step, fault_class=verdict.fault_class, cause=IncidentCause.FAULT,
-                                faults=[fault])
+                                faults=[fault], struck=self._struck(job, verdict))
         self._note_exiting(job.incident, verdict)
         self._note_dead_hosts(job, job.incident, verdict)
         out.decide(job, DecisionKind.FAULT_CONFIRMED, verdict.reason, trigger="recover", policy=policy,
@@ -271,6 +272,7 @@ class Detection:
             incident.bad_steps = tuple(sorted((*(e for e in incident.bad_steps if e[0] != generation), entry)))
             incident.bad_step = min(incident.bad_step, step)
             incident.faults.append(self._fault_record(out, verdict))
+            incident.struck |= self._struck(job, verdict)
             attempt = incident.attempt
             if attempt is not None and incident.phase in ("rescheduling", "restoring") and first is None:
                 # The processes the roll-back started report a bad step of their own: the attempt did not work.
@@ -298,6 +300,16 @@ class Detection:
         return {"class": verdict.fault_class.value if verdict.fault_class else None, "scope": verdict.scope,
                 "ranks": list(verdict.ranks), "node": verdict.node, "device": verdict.device,
                 "code": verdict.code, "reason": verdict.reason, "seq": out.seq, "ts": out.ts}
+
+    @staticmethod
+    def _struck(job: Job, verdict: Fault) -> frozenset[str]:
+        """The nodes a fault struck, named when it comes: a move takes its ranks elsewhere, and a policy that looks for
+        a node in repeated incidents (`PastIncident.nodes`) must see where they ran then. Kept beside the fault's
+        record, which decisions carry: a log written before must replay to the decisions it holds."""
+        struck = {job.node_of(rank) for rank in verdict.ranks}
+        if verdict.node is not None:
+            struck.add(verdict.node)
+        return frozenset(struck)
 
     def _note_dead_hosts(self, job: Job, incident: Incident, verdict: Fault) -> None:
         """A node fault declares its hosts gone (their ranks fell silent together, or a host stayed not ready): what

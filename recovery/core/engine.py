@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from events import kinds
 from events.codec import DecodeError, decode_envelope
 from events.envelope import EnvelopeBase, RawRecord, Record
 from events.kinds import JOB_EVENTS, NODE_EVENTS
+from events.kinds import PolicyOverran as PolicyOverranFact
 from events.names import DecisionKind, IncidentCause, IncidentOutcome
 from events.outputs import Rejection
 from events.subjects import is_output, job_event, node_event
@@ -40,11 +42,12 @@ from recovery.core.detection import Detection
 from recovery.core.failures import exit_text, note_exit, stop_like
 from recovery.core.firings import admit_firing, admit_outage
 from recovery.core.incidents import MAX_PLANS_PER_RECORD, Incidents
-from recovery.core.job import DEDUPE_WINDOW, Job
+from recovery.core.job import DEDUPE_WINDOW, Job, hungry
 from recovery.core.journal import Journal
 from recovery.core.liveness import Liveness
 from recovery.core.machine import FINAL
 from recovery.core.operators import Operators
+from recovery.core.overruns import CallKey, PolicyCalls, PolicyOverran
 from recovery.core.partition import Partition
 from recovery.core.placement import Placement
 from recovery.core.progress import Progress
@@ -66,6 +69,10 @@ class Engine(Progress):
     """the deployment's seal of timer firings, in the daemon (`recovery.core.firings`); never in a snapshot"""
     firings_sealed = False
     """whether the log has held a sealed timer firing: from there on, every firing must be sealed"""
+    policy_calls: PolicyCalls | None = None
+    """where the host runs third-party policies, within a budget (`recovery.plugins`); never in a snapshot"""
+    overruns: Mapping[CallKey, PolicyOverranFact] = MappingProxyType({})
+    """the calls the log says were abandoned (`recovery.core.overruns`), set by the driver; never in a snapshot"""
 
     def __init__(self, partition: Partition | None = None) -> None:
         if partition is not None:  # unset otherwise: a single partition's snapshot is what it always was
@@ -102,6 +109,7 @@ class Engine(Progress):
         # snapshot leaves them out (and the envelope models made at import time do not pickle).
         state = {**self.__dict__, "journal": None, "_last": None, "closing": False}
         state.pop("firing_seal", None)  # the secret stays in the daemon's bucket; the daemon sets it again
+        state.pop("policy_calls", None), state.pop("overruns", None)  # the host's, and the log's: set again there
         return state
 
     def apply(self, record: Record | RawRecord) -> list[Effect]:
@@ -134,6 +142,8 @@ class Engine(Progress):
                 check_encodable(effects)
         except Exception as exc:  # a bug must not stop the daemon; it is kept, with its cause, in the log
             self.rollback()
+            if isinstance(exc, PolicyOverran):
+                raise  # the record is undone: its driver writes the fact and applies it again (`core.overruns`)
             if isinstance(exc, Rejected):
                 code, reason = exc.code, exc.reason
             else:
@@ -315,7 +325,7 @@ class Engine(Progress):
 
     def indexed(self, job: Job, previous: str) -> None:
         """Keep the indexes of jobs by state up to date after a decision (every change of state is one)."""
-        if _hungry(job):
+        if hungry(job):
             self.note_indexes()
             self._hungry[job.id] = None
         if job.state in FINAL and previous not in FINAL:
@@ -346,7 +356,7 @@ class Engine(Progress):
                    detail={"policies": dict(policies.labels)})
 
     def _job_event(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
-        if job.state in FINAL and type_ not in ("checkpoint.saved", "process.stacks"):
+        if job.state in FINAL and type_ not in ("checkpoint.saved", "process.stacks", "policy.overran"):
             raise Rejected("invalid_state", f"job {job.id} is {job.state}; {type_} has no effect")
         if type_ == "job.started":
             if job.state != "submitted":
@@ -381,8 +391,8 @@ class Engine(Progress):
                 self.incidents.checkpoint(out, job, attempt)
             if job.drains and job.state == "running" and not job.suspects and job.complete_at(data.step):
                 self.detection.drain(out, job, data.step)
-        elif type_ == "checkpoint.failed":
-            pass  # a save that did not land leaves the catalog as it was; the log keeps the failure
+        elif type_ in ("checkpoint.failed", "policy.overran"):
+            pass  # a save that did not land; a call answered when its input was applied (`core.overruns`)
         elif type_ == "job.unserved":
             self.operators.unserved(out, job, data)
         elif type_ == "control.outage":
@@ -561,7 +571,7 @@ class Engine(Progress):
                   and job.layout.dp < job.target_dp):
                 self.incidents.scale(out, job, job.target_dp, "nodes returned: scale out",
                                      cause=IncidentCause.SCALE)
-            if not _hungry(job):
+            if not hungry(job):
                 self.note_indexes()
                 self._hungry.pop(job_id, None)
 
@@ -572,13 +582,6 @@ class Engine(Progress):
                 "nodes": [self.cluster.nodes[n].snapshot() for n in sorted(self.cluster.nodes)]}
 
 
-
-
-def _hungry(job: Job) -> bool:
-    """Can nodes coming back help this job: is it waiting for nodes, or elastic and below its target size?"""
-    return (job.phase == "waiting"
-            or (job.state == "running" and not job.suspects and job.spec.elastic is not None
-                and job.layout.dp < job.target_dp))
 
 
 __all__ = ["MAX_PLANS_PER_RECORD", "Effect", "Engine", "label"]

@@ -584,7 +584,8 @@ def _recent(job: Job) -> tuple[PastIncident, ...]:
             resume_step=resumes[-1] if resumes else None, opened_ns=summary["opened"],
             closed_ns=summary["closed"] if summary["closed"] is not None else summary["opened"],
             outcome=str(summary["outcome"]),
-            ranks=tuple(sorted({r for f in summary["faults"] for r in f["ranks"]}))))
+            ranks=tuple(sorted({r for f in summary["faults"] for r in f["ranks"]})),
+            nodes=tuple(summary.get("nodes", ()))))  # none kept before nodes were: say none, not a guess
     return tuple(recent)
 
 

@@ -119,6 +119,7 @@ class Incident:
     """ranks an in-place attempt of this incident restarted whose new process no fault has named since"""
     awaited: bool = False  # an attempt held its restart for their dying checkpoint already
     dead_hosts: frozenset[str] = frozenset()  # hosts a node fault declared gone: no source of state
+    struck: frozenset[str] = frozenset()  # nodes its faults struck, where their ranks ran then (PastIncident.nodes)
     waiting_since: int | None = None  # log time the incident began to wait for nodes; None: not waiting
     wait_timer: str | None = None  # the wait's deadline: when it fires the policy is asked to fall back
     wait_expired: bool = False  # the wait ran out: the next answer is the policy's fallback
@@ -174,7 +175,8 @@ class Incident:
                 "fault_step": self.fault_step, "outcome": self.outcome, "lost_steps": self.lost_steps,
                 "faults": self.faults, "attempts": [a.summary() for a in self.attempts],
                 "phase": self.phase, "phases": [list(p) for p in self.phases],
-                **({"bad_step": self.bad_step} if self.bad_step is not None else {})}
+                **({"bad_step": self.bad_step} if self.bad_step is not None else {}),
+                **({"nodes": sorted(self.struck)} if self.struck else {})}
 
 
 class Job:
@@ -454,3 +456,10 @@ def dead_ranks(alive: bytearray) -> tuple[int, ...]:
 
 def _copied_step(by_tier: dict[Tier, dict[int, set[str]]]) -> dict[Tier, dict[int, set[str]]]:
     return {tier: {shard: set(holders) for shard, holders in shards.items()} for tier, shards in by_tier.items()}
+
+
+def hungry(job: Job) -> bool:
+    """Can nodes coming back help this job: is it waiting for nodes, or elastic and below its target size?"""
+    return (job.phase == "waiting"
+            or (job.state == "running" and not job.suspects and job.spec.elastic is not None
+                and job.layout.dp < job.target_dp))

@@ -8,11 +8,13 @@ a rejection changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from events.names import DecisionKind
 from events.outputs import Decision, Rejection, TimerRequest
 from recovery.core.machine import JOB_DEST, fire
+from recovery.core.overruns import CallKey, PolicyCalls
 
 if TYPE_CHECKING:
     from recovery.core.job import Job
@@ -33,6 +35,11 @@ class Rejected(Exception):
 
 
 class StateIndex(Protocol):
+    overruns: Mapping[CallKey, Any]
+    """calls of third-party policies the log says were abandoned (`recovery.core.overruns`)"""
+    policy_calls: PolicyCalls | None
+    """where the host runs third-party policies' calls (None: in-process, with no budget)"""
+
     def indexed(self, job: Job, previous: str) -> None:
         """Keep the indexes of jobs by state up to date after `job` left `previous`."""
 
@@ -41,7 +48,7 @@ class RecordEffects:
     """Effects of one record, with the counters that make command ids and decision indexes (made on first
     use: most records, the heartbeats and steps, decide nothing)."""
 
-    __slots__ = ("commands", "decisions", "effects", "engine", "plans", "seq", "ts")
+    __slots__ = ("calls", "commands", "decisions", "effects", "engine", "plans", "seq", "ts")
 
     def __init__(self, engine: StateIndex, seq: int, ts: int) -> None:
         self.engine = engine
@@ -51,6 +58,17 @@ class RecordEffects:
         self.effects: list[Effect] = []
         self.commands: dict[str, int] | None = None
         self.decisions: dict[str, int] | None = None
+        self.calls: dict[tuple[str, str, str], int] | None = None
+
+    def call_index(self, job: str, family: str, method: str) -> int:
+        """Which call of the job's `family` policy's `method` this is within the record, from 0: what names a call
+        in a `policy.overran` fact (a record applied again makes the same calls in the same order)."""
+        if self.calls is None:
+            self.calls = {}
+        key = (job, family, method)
+        index = self.calls.get(key, 0)
+        self.calls[key] = index + 1
+        return index
 
     def command_id(self, job: str) -> str:
         if self.commands is None:

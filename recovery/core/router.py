@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from events.commands import Command
 from events.envelope import EnvelopeBase, RawRecord, Record
+from events.kinds import PolicyOverran as PolicyOverranFact
 from events.outputs import Decision, Rejection
 from recovery.core.effects import Encoded, apply_encoded
 from recovery.core.engine import Engine
+from recovery.core.overruns import PolicyOverran, key_of
 from recovery.core.timers import TimerTable
 
 TIMER_FIRED = "timer.fired"
@@ -32,7 +34,18 @@ class EffectRouter:
     def apply(self, record: Record | RawRecord) -> list[Encoded]:
         """Apply one input record and route its effects; they come back encoded as they are written into a log
         (a record whose effects cannot be encoded is revoked: `recovery.core.effects.apply_encoded`)."""
-        encoded = apply_encoded(self.engine, record)
+        engine = self.engine
+        while True:
+            try:
+                encoded = apply_encoded(engine, record)
+                break
+            except PolicyOverran as overran:
+                # The record is undone. The fact goes into the log, and the record is applied again knowing it: the
+                # built-in answers that call, as it will in every replay. Older facts are no longer needed here.
+                fact = overran.fact
+                kept = {key: seen for key, seen in engine.overruns.items() if key[0] >= fact.seq}
+                engine.overruns = {**kept, key_of(overran.job, fact): fact}
+                self.overran(overran.job, fact)
         if encoded or (type(record) is Record and record.envelope.type == TIMER_FIRED):
             self.route(record, encoded)  # most records have no effects: heartbeats and steps
         return encoded
@@ -71,3 +84,7 @@ class EffectRouter:
 
     def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         """A rejected input, for the dead letters."""
+
+    def overran(self, job: str, fact: PolicyOverranFact) -> None:
+        """A third-party policy's call was abandoned while applying the input `fact.seq`: write the fact into the
+        log as an input (`recovery.core.overruns.fact_message`), before the input is applied again."""

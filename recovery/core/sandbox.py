@@ -12,14 +12,19 @@ bug, and fails the record as before (`policy_error`).
 Loops are answers that are each valid but together never end: `recovery.core.incidents` counts a rescheduling
 policy's settle windows and re-waits in a row, and how often it is asked within a short stretch of log time, and
 hands a policy that loops to `fail_over` like one that errs.
+
+A plugin's call that never returns is the host's to abandon (`recovery.core.overruns`: the engine reads no clock), and
+the built-in answers it like a call that raised. Answers that are each valid and together keep a job that gets no
+further recovering for ever (a restart at every fault of a script that crashes before its next checkpoint) meet the
+built-in ladder's no-progress rule (`policies.no_progress`), which the engine keeps around every plugin.
 """
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import replace
 from typing import Any
 
+from events.kinds import PolicyOverran as OverranFact
 from events.names import DecisionKind
 from events.values import MAX_SECONDS, Granularity
 from policies.base import (
@@ -30,6 +35,8 @@ from policies.base import (
     Fail,
     Fault,
     Ignore,
+    Reschedule,
+    RescheduleContext,
     Resume,
     SaveDying,
     Settle,
@@ -40,12 +47,17 @@ from policies.base import (
 )
 from policies.checkpoint import NewestCompleteCheckpoint
 from policies.detection import DefaultDetection
+from policies.no_progress import no_progress
 from policies.rescheduling import LadderRescheduling
 from recovery.core.job import Job
+from recovery.core.overruns import Abandoned, PolicyCalls, PolicyOverran, PolicyRaised, raised_problem
 from recovery.core.record import RecordEffects, Rejected
 
 POLICY_STRIKES = 3
 """errors (or loops) of one family's plugin in one job before the built-in replaces it for that job"""
+PLUGIN_NO_PROGRESS_AFTER = 5
+"""recoveries in a row from faults of the script with no step past the furthest before, after which the engine fails
+a job whose rescheduling plugin would restart it again: the built-in ladder's `no_progress_after` default"""
 MIN_DURATION_NS = NS // 1000
 """the shortest duration a policy may answer: anything shorter is taken for seconds given as nanoseconds"""
 MAX_DURATION_NS = int(MAX_SECONDS * NS)
@@ -61,17 +73,58 @@ def builtin(policy: Any) -> bool:
 
 
 def consult(out: RecordEffects, job: Job, family: str, method: str, argument: Any) -> Any:
-    """Ask the job's `family` policy; an exception or an answer that fails its checks is handed to `fail_over`."""
+    """Ask the job's `family` policy; an exception or an answer that fails its checks is handed to `fail_over`.
+
+    A third-party policy is asked where the host runs it (`policy_calls`), within a budget; a call the log says was
+    abandoned (`recovery.core.overruns`) is not made again, and one the host abandons now undoes the record
+    (`PolicyOverran`) for the driver to write the fact and apply it again."""
     policy = getattr(job.policies, family)
+    if builtin(policy):  # ours: in-process, the fast path, and an error of theirs is a bug (`fail_over`)
+        return _checked(out, job, family, method, argument, policy, None)
+    engine = out.engine
+    call = out.call_index(job.id, family, method)
+    name = job.policies.labels.get(family, "?")
+    known = engine.overruns.get((out.seq, job.id, family, method, call))
+    if known is not None and known.policy == name:
+        return fail_over(out, job, family, method, argument,
+                         f"did not answer within {known.budget_s:g} s: the call was abandoned")
     try:
-        answer = getattr(policy, method)(argument)
+        answer = _checked(out, job, family, method, argument, policy, engine.policy_calls)
+    except Abandoned as exc:
+        raise PolicyOverran(job.id, OverranFact(seq=out.seq, family=family, method=method, call=call, policy=name,
+                                                budget_s=exc.budget_s)) from None
+    if family == "rescheduling" and isinstance(answer, StartRung):
+        return _progress_rule(answer, argument, name)
+    return answer
+
+
+def _checked(out: RecordEffects, job: Job, family: str, method: str, argument: Any, policy: Any,
+             calls: PolicyCalls | None) -> Any:
+    try:
+        answer = getattr(policy, method)(argument) if calls is None else calls.call(policy, method, argument)
         problem = answer_problem(family, method, answer, argument)
+    except (Abandoned, PolicyOverran):
+        raise
+    except PolicyRaised as exc:  # raised in its worker: named there as it would be here
+        answer, problem = None, exc.problem
     except Exception as exc:  # third-party code: anything it raises is its error, never the engine's
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        answer, problem = None, f"raised {type(exc).__name__}: {exc} (at {where.name}:{where.lineno})"
+        answer, problem = None, raised_problem(exc)
     if problem is None:
         return answer
     return fail_over(out, job, family, method, argument, problem)
+
+
+def _progress_rule(answer: StartRung, ctx: RescheduleContext, name: str) -> Reschedule:
+    """The no-progress rule the built-in ladder keeps, kept by the engine around a plugin: a plugin that restarts the
+    job at every fault must not keep a job that never gets further recovering for ever (at an incident's first
+    decision only, as the ladder does: its own attempts are the plugin's business)."""
+    if ctx.previous or ctx.forced is not None:
+        return answer
+    stuck = no_progress(ctx, PLUGIN_NO_PROGRESS_AFTER)
+    if stuck is None:
+        return answer
+    return Fail(f"{stuck} (the engine's rule around rescheduling policy {name}, which chose "
+                f"{answer.granularity.value})")
 
 
 def fail_over(out: RecordEffects, job: Job, family: str, method: str, argument: Any, problem: str) -> Any:

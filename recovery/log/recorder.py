@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from events import subjects
 from events.envelope import EnvelopeBase, RawRecord, Record
+from events.kinds import PolicyOverran as PolicyOverranFact
 from events.outputs import Decision, Rejection
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Effect, Engine
+from recovery.core.overruns import fact_message, overruns_in
 from recovery.core.router import EffectRouter
 from recovery.core.timers import TimerTable
 from recovery.log.base import SyncLog
@@ -29,13 +31,22 @@ class Recorder(EffectRouter):
     def __init__(self, log: SyncLog, engine: Engine | None = None, timers: TimerTable | None = None) -> None:
         super().__init__(engine, timers)
         self.log = log
+        self._facts: list[Record | RawRecord] = []  # facts written while an input was applied, to apply after it
 
     def feed(self, subject: str, payload: EnvelopeBase | bytes) -> list[Effect]:
         """Append one input, apply the stored record, record its effects. Returns the effects."""
         appended = self.log.append_sync(subject, payload)
         if appended.duplicate or appended.record is None:
             return []  # the log dropped a repeated message id, as JetStream does
-        return [effect for effect, _, _, _ in self.apply(appended.record)]
+        effects = [effect for effect, _, _, _ in self.apply(appended.record)]
+        while self._facts:  # inputs too, after the one they are about, as the daemon reads them back
+            self.apply(self._facts.pop(0))
+        return effects
+
+    def overran(self, job: str, fact: PolicyOverranFact) -> None:
+        appended = self.log.append_sync(*fact_message(job, fact))
+        if not appended.duplicate and appended.record is not None:
+            self._facts.append(appended.record)
 
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         self.log.append_sync(subject, envelope, encoded=data)
@@ -81,6 +92,10 @@ def rejection_order(rejections: list[Rejection]) -> list[Rejection]:
 def replay(records: Iterable[Record | RawRecord], engine: Engine | None = None) -> Replay:
     """Apply every input record to a fresh engine; collect derived and recorded outputs separately."""
     engine = engine or Engine()
+    records = list(records)
+    overruns = overruns_in(records)
+    if overruns:  # calls the run abandoned: answered by the built-in here too, however long they would take
+        engine.overruns = overruns
     decisions: list[Decision] = []
     rejections: list[Rejection] = []
     recorded: list[Decision] = []

@@ -20,6 +20,7 @@ from policies import registry
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Engine
 from recovery.core.firings import FORGED_FIRING_CODES
+from recovery.core.overruns import overruns_in
 from recovery.log.export import ExportHeader, rejection_jobs
 from recovery.log.recorder import Replay, decision_order, rejection_order
 
@@ -94,6 +95,10 @@ def replay_log(located: Iterable[Located], engine: Engine | None = None, job: st
     daemon dead-letters). No single record stops the replay: one whose handling raises or whose effects cannot
     be encoded becomes a rejection, as the daemon must treat it."""
     engine = engine or Engine()
+    located = list(located)
+    overruns = overruns_in(record for _, record in located)
+    if overruns:  # calls the daemon abandoned: answered by the built-in here too, however long they would take
+        engine.overruns = overruns
     result = LogReplay(engine, [], [], [], [], 0, job=job, header=header)
     previous: int | None = None
     for where, record in located:

@@ -8,10 +8,10 @@ password per user, and the URL each role connects with (`nats://user:password@ho
 - `daemon`: everything (it alone writes decisions, dead letters, timer firings and commands, and answers
   `recovery-ctl`).
 - `agent-<node>`, one per node: publishes its node's events (`recovery.ev.node.<node>.>`) and job events (the ranks it
-  runs report through it, for jobs it does not know in advance) except timer firings, which only the daemon's timer
-  service sends (the engine also refuses a firing not sealed by it: `recovery.core.firings`); reads the log's job
-  submissions and its own node's commands (`recovery.cmd.<node>.>`, through a JetStream consumer filtered on them,
-  the only one it may create on the command stream); receives replies only on its own inbox prefix
+  runs report through it, for jobs it does not know in advance) except timer firings and `policy.overran` facts,
+  which only the daemon sends (the engine also refuses a firing not sealed by it: `recovery.core.firings`); reads the
+  log's job submissions and its own node's commands (`recovery.cmd.<node>.>`, through a JetStream consumer filtered
+  on them, the only one it may create on the command stream); receives replies only on its own inbox prefix
   (`_INBOX_<node>`: the agent's `nats_inbox_prefix`), so that it cannot watch another node's deliveries.
 - `operator`: `recovery-ctl` (its requests to the daemon, which publishes what they ask for) and every read of the
   log (`recovery-replay --nats`).
@@ -106,9 +106,10 @@ def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_s
         f"{API}.CONSUMER.MSG.NEXT.{command_stream}.*",
         f"{API}.CONSUMER.DELETE.{command_stream}.*",
     ]
-    # Job events are open to the agent (its ranks' jobs are not known in advance), except timer firings and outage
-    # records: only the daemon sends those, and a forged one must not even reach the log.
-    deny = [subjects.job_event("*", "timer.fired"), subjects.job_event("*", "control.outage")]
+    # Job events are open to the agent (its ranks' jobs are not known in advance), except timer firings, outage
+    # records and the facts of abandoned policy calls: only the daemon sends those, and a forged one must not even
+    # reach the log.
+    deny = [subjects.job_event("*", kind) for kind in ("timer.fired", "control.outage", "policy.overran")]
     return User(f"agent-{node}", password, publish, [f"{agent_inbox(node)}.>"], inbox_prefix=agent_inbox(node),
                 publish_deny=deny)
 

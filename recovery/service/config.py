@@ -71,6 +71,9 @@ class DaemonConfig(FileSettings):
                                       description="snapshot value size per KV entry (below max_payload)")
     snapshot_fork: bool = Field(True, description="pickle snapshots in a forked child (copy-on-write) so that "
                                                   "deciding never waits for one; off: pickle in the event loop")
+    policy_budget_s: float = Field(2.0, gt=0, le=600, description="how long one call of a third-party policy may "
+                                   "take: past it the call is abandoned (its worker process killed), the built-in "
+                                   "answers, and the log says so (policy.overran)")
     timers_enabled: bool = Field(True, description="fire the engine's timers as timer.fired events "
                                                    "(off: something else publishes them, as in replay tests)")
     unserved_after_s: float = Field(60.0, ge=0, le=86400, description="a job still waiting to start this long on "

@@ -103,7 +103,8 @@ class Daemon:
         self.partition = partition  # one of several (`recovery.service.ownership`), or None: every job
         self.key = cfg.partition_key(None if partition is None else partition.index)
         self.metrics = Metrics()
-        self.processor = Processor(None if partition is None else Engine(partition))
+        self.processor = Processor(None if partition is None else Engine(partition),
+                                   policy_budget_s=cfg.policy_budget_s)
         self.refusals = Refusals(logger, "the daemon")
         self.fence: Fence | None = None
         self.nc: Client | None = None

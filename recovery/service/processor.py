@@ -19,17 +19,23 @@ import anyio
 import orjson
 
 from events import subjects
+from events.codec import encode_envelope
 from events.commands import Command
 from events.envelope import EnvelopeBase, RawRecord, Record
+from events.kinds import PolicyOverran as PolicyOverranFact
 from events.outputs import Decision, Rejection
 from events.subjects import unpartitioned
+from policies.base import FAMILIES
 from recovery.core.addressing import command_nodes
 from recovery.core.engine import Effect, Engine
 from recovery.core.firings import FORGED_FIRING_CODES
+from recovery.core.overruns import fact_message
 from recovery.core.router import EffectRouter
+from recovery.core.sandbox import builtin
 from recovery.core.timers import TimerTable
 from recovery.log import to_record
 from recovery.log.pull import Delivery
+from recovery.plugins import DEFAULT_BUDGET_S, PolicyWorkers
 from recovery.service.publisher import Outgoing
 
 logger = logging.getLogger("recovery.daemon")
@@ -61,7 +67,10 @@ class Processed:
 class Processor(EffectRouter):
     """Applies batches of deliveries to the engine and turns their effects into messages to publish."""
 
-    def __init__(self, engine: Engine | None = None, timers: TimerTable | None = None) -> None:
+    def __init__(self, engine: Engine | None = None, timers: TimerTable | None = None,
+                 policy_budget_s: float = DEFAULT_BUDGET_S) -> None:
+        self.policy_workers = PolicyWorkers(policy_budget_s)
+        """where third-party policies run: a call past the budget is abandoned, and a fact in the log"""
         super().__init__(engine, timers)
         self.skip_ids: set[str] = set()
         """ids of effects stored before a restart, found by scanning the streams: routed, not published again"""
@@ -110,6 +119,26 @@ class Processor(EffectRouter):
                     listener(record, effects)
         return done
 
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        # Every engine this processor drives (a restored snapshot's too) runs plugins in its workers.
+        engine.policy_calls = self.policy_workers
+        self._engine = engine
+
+    def _prepare(self, job_id: str) -> None:
+        """Start the workers of a job's third-party policies as it is accepted: their first call need not wait
+        for an interpreter to start, and neither does the daemon's loop."""
+        job = self.engine.jobs.get(job_id)
+        if job is not None:
+            for family in FAMILIES:
+                policy = getattr(job.policies, family)
+                if not builtin(policy):
+                    self.policy_workers.prepare(policy)
+
     def published(self, out: list[Outgoing]) -> None:
         """`out` is stored: a later restart's scan finds it, this run needs not remember it."""
         if self.skip_ids:
@@ -126,9 +155,20 @@ class Processor(EffectRouter):
 
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         self._batch.decisions[decision.kind] += 1
+        if decision.kind == "job.accepted":
+            self._prepare(decision.job)
         msg_id = self.seal(envelope.id)
         if not self._stored(envelope.id, msg_id):
             self._batch.out.append(Outgoing(subject, data, msg_id, "decision"))
+
+    def overran(self, job: str, fact: PolicyOverranFact) -> None:
+        logger.warning("policy call abandoned", extra={"fields": {
+            "job": job, "seq": fact.seq, "policy": fact.policy, "family": fact.family, "method": fact.method,
+            "budget_s": fact.budget_s}})
+        subject, envelope = fact_message(job, fact)
+        # An input, read back and applied after the input it is about; sealed like a firing, so that no publisher
+        # of inputs can take its id first and make it a duplicate.
+        self._batch.out.append(Outgoing(subject, encode_envelope(envelope), self.seal(envelope.id), "input"))
 
     def rejected(self, rejection: Rejection, subject: str, envelope: EnvelopeBase, data: bytes) -> None:
         self._batch.rejections[rejection.code] += 1

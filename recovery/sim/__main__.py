@@ -118,7 +118,11 @@ def _config(args: argparse.Namespace) -> SimConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)  # a bad --policy raises PolicyError (a ValueError): main reports it and exits 2
-    result = simulate(config, log_path=args.log)
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)  # stdout holds the result (--json): progress never goes there
+
+    result = simulate(config, log_path=args.log, progress=progress if args.progress_s > 0 else None,
+                      progress_every_s=args.progress_s)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
                                 + b"\n")
@@ -171,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="probability that an executor never answers")
     run.add_argument("--log", help="write the run's log here (JSONL replay format)")
     run.add_argument("--json", action="store_true", help="the result as JSON")
+    run.add_argument("--progress-s", type=_number(float, 0, 86_400, "0 .. 86400"), default=10.0,
+                     help="a line on stderr every this many seconds of the run (simulated day, ETTR so far, "
+                          "faults, restarts); 0: none")
     run.set_defaults(func=cmd_run)
     titan = sub.add_parser("titan", help="convert Titan's gc_full.csv into a fault trace")
     titan.add_argument("csv")

@@ -26,6 +26,7 @@ from recovery.core.engine import Engine
 from recovery.core.job import Job
 from recovery.core.timers import TimerTable
 from recovery.log import EPOCH, CountingLog, FileLog, MemoryLog, Recorder, write_file
+from recovery.plugins import DEFAULT_BUDGET_S, PolicyWorkers
 from recovery.sim.accounting import CAUSES, STATE_LABEL, FaultOutcome, Ledger, Result
 from recovery.sim.config import NS, SimConfig
 from recovery.sim.faults import Fault, FaultMix, draw_faults, read_trace
@@ -72,13 +73,21 @@ class _Recording(Recorder):
 
 
 class Simulator:
+    progress: Callable[[str], None] | None = None
+    """told a line on the run's progress every `progress_every_s` of the machine's time (`python -m recovery.sim run`
+    prints it on stderr): a long run, or one a policy keeps busy, shows where it is"""
+    progress_every_s = 10.0
+
     def __init__(self, config: SimConfig, log: MemoryLog | FileLog | None = None,
-                 faults: list[Fault] | None = None) -> None:
+                 faults: list[Fault] | None = None, policy_budget_s: float = DEFAULT_BUDGET_S) -> None:
         self.cfg = config
         self._now = EPOCH
         self.log = log if log is not None else MemoryLog(clock=self._clock)
         self.log._clock = self._clock
         self.engine = Engine()
+        # Third-party policies run as the daemon runs them: a call past its budget is abandoned, and a fact in the log.
+        self.policy_workers = PolicyWorkers(policy_budget_s)
+        self.engine.policy_calls = self.policy_workers
         self._heap: list[tuple[int, int, Callable[[], None]]] = []
         self._order = itertools.count(1)  # one order for the world's actions and the timers due at the same time
         self.recorder = _Recording(self)
@@ -162,7 +171,12 @@ class Simulator:
         for fault in self.faults:
             self.at(EPOCH + fault.at_ns, partial(self._inject, fault))
         heap, timers, end = self._heap, self.timers, self.end
+        turns, report_at = 0, started + self.progress_every_s
         while True:
+            turns += 1
+            if self.progress is not None and not turns & 255 and time.perf_counter() >= report_at:
+                self.progress(self.progress_line(time.perf_counter() - started))
+                report_at = time.perf_counter() + self.progress_every_s
             timer = timers.peek()
             if heap and (timer is None or heap[0][0] < timer[0] or (heap[0][0] == timer[0] and heap[0][1] < timer[1])):
                 if heap[0][0] > end:
@@ -190,6 +204,19 @@ class Simulator:
         self._relabel()
         self.ledger.close(self.end)
         return self._result(time.perf_counter() - started)
+
+    def progress_line(self, seconds: float) -> str:
+        """Where the run is: the simulated day, the ETTR so far (training booked so far, and the interval under way
+        when it is training, over the time simulated), faults, recoveries, restarts and decisions."""
+        elapsed = self._now - EPOCH
+        ledger = self.ledger
+        training = self.world.counters.productive + (self._now - ledger.since if ledger.current == "train" else 0)
+        ettr = training / elapsed if elapsed > 0 else 1.0
+        recovered = sum(counts.get("recovered", 0) for counts in self.restarts.values())
+        started = sum(counts.get("started", 0) for counts in self.restarts.values())
+        return (f"sim: day {elapsed / NS / 86_400:.1f} of {self.cfg.days:g}, ETTR {ettr:.3f} so far, "
+                f"{len(self.outcomes)} faults, {recovered} incidents recovered, {started} restarts, "
+                f"{self.decisions:,} decisions, {self.policy_failures} policy failures ({seconds:.0f} s)")
 
     def _result(self, seconds: float) -> Result:
         totals = dict(self.ledger.totals)
@@ -233,17 +260,24 @@ class Simulator:
         return write_file(path, list(self.log.records()))
 
 
-def simulate(config: SimConfig, log_path: str | Path | None = None) -> Result:
+def simulate(config: SimConfig, log_path: str | Path | None = None,
+             progress: Callable[[str], None] | None = None, progress_every_s: float = 10.0) -> Result:
     """Run one simulation; with `log_path`, also write its log in the replay format (as it goes). Without one,
-    the run keeps no log in memory."""
+    the run keeps no log in memory. `progress` is told a line on the run's progress every `progress_every_s`."""
+    log: FileLog | CountingLog
     if log_path is None:
-        return Simulator(config, log=CountingLog()).run()
-    Path(log_path).unlink(missing_ok=True)
-    log = FileLog(log_path)
+        log = CountingLog()
+    else:
+        Path(log_path).unlink(missing_ok=True)
+        log = FileLog(log_path)
+    sim = Simulator(config, log=log)
+    sim.progress, sim.progress_every_s = progress, progress_every_s
     try:
-        return Simulator(config, log=log).run()
+        return sim.run()
     finally:
-        log.close_sync()
+        sim.policy_workers.close()
+        if isinstance(log, FileLog):
+            log.close_sync()
 
 
 def event(type_: str, data: dict[str, object], *, id: str, job: str | None = None,

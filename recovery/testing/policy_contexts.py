@@ -237,6 +237,8 @@ _XIDS = st.sampled_from(sorted(codes.NVIDIA_XID)).map(str) | st.integers(min_val
 _ASCEND = (st.sampled_from(sorted(codes.ASCEND_CODES)).map(lambda c: f"0x{c:08X}")
            | st.sampled_from(sorted(codes.ASCEND_LEVELS)) | st.integers(0, 2**32 - 1).map(lambda c: f"{c:x}"))
 _LINKS = st.sampled_from(["mlx5_0", "mlx5_1", "hccs3", "eth0"])
+_NODES = ("node-0", "node-1", "node-2")
+"""the nodes past incidents struck: few, so that a node struck twice comes often"""
 
 
 @st.composite
@@ -361,7 +363,8 @@ def reschedule_contexts(draw: st.DrawFn) -> RescheduleContext:
         step = max(0, fault_step - draw(st.integers(0, 20)))
         recent.insert(0, PastIncident(draw(st.sampled_from(list(FaultClass))), step,
                                       draw(st.none() | st.integers(0, step)), opened, closed,
-                                      draw(st.sampled_from(["recovered", "failed"])), (0,)))
+                                      draw(st.sampled_from(["recovered", "failed"])), (0,),
+                                      tuple(sorted(draw(st.sets(st.sampled_from(_NODES), max_size=2))))))
         closed = opened - draw(st.integers(1, 3600 * NS))
     return RescheduleContext(
         fault_class=fault_class, scope=draw(st.sampled_from(get_args(Scope))), needs_move=to_replace > 0,

@@ -22,6 +22,7 @@ from policies.base import NS
 from recovery.core.engine import Effect, Engine
 from recovery.log import EPOCH, FileLog, MemoryLog
 from recovery.log.recorder import Recorder
+from recovery.plugins import DEFAULT_BUDGET_S, PolicyWorkers
 
 
 class _Recording(Recorder):
@@ -45,12 +46,17 @@ class _Recording(Recorder):
 
 
 class Scenario:
-    def __init__(self, log: MemoryLog | FileLog | None = None, start_ns: int = EPOCH) -> None:
+    def __init__(self, log: MemoryLog | FileLog | None = None, start_ns: int = EPOCH,
+                 policy_budget_s: float = DEFAULT_BUDGET_S) -> None:
         self.now = start_ns
         self.log = log if log is not None else MemoryLog(clock=self._clock)
         if isinstance(self.log, MemoryLog | FileLog):
             self.log._clock = self._clock
         self.engine = Engine()
+        # Third-party policies run as the daemon runs them, where a call that never returns is abandoned after
+        # `policy_budget_s` (of the machine's time, not the scenario's) and written into the log as a fact.
+        self.policy_workers = PolicyWorkers(policy_budget_s)
+        self.engine.policy_calls = self.policy_workers
         self.decisions: list[Decision] = []
         self.rejections: list[Rejection] = []
         self.commands: dict[str, CommandBase] = {}
