@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from recovery.log.datadir import LOCK_FILE, URL_FILE
 from recovery.log.nats_server import NatsProcess, free_port, port_free
 
 logger = logging.getLogger("recovery.embedded")  # the name operators filter on: kept since it moved
-URL_FILE = "nats.url"
-LOCK_FILE = "daemon.lock"
+__all__ = ["LOCK_FILE", "URL_FILE", "DataDirInUse", "DataDirLock", "EmbeddedNats"]
 
 
 class DataDirInUse(RuntimeError):
