@@ -173,7 +173,7 @@ def test_json_output_is_the_versioned_shape(capsys: pytest.CaptureFixture[str]) 
     assert main(["report", str(GOLDEN / "pod_level_reschedule.jsonl"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["report"] == REPORT_VERSION == 1
-    assert set(out) == {"report", "filters", "records", "span", "summary", "jobs", "lemons", "notes"}
+    assert set(out) == {"report", "filters", "records", "span", "summary", "jobs", "never_ran", "lemons", "notes"}
     assert out["jobs"][0]["incidents"][0]["id"] == "llm#1"
 
 

@@ -15,8 +15,8 @@ import anyio
 
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import JobOnNode
-from recovery.agent.ranks import RankProcess
 from recovery.agent.probes.hang import HangRules, ProcSample, read_sample
+from recovery.agent.ranks import RankProcess
 from recovery.agent.stacks import dump_tool, take_stack
 
 logger = logging.getLogger("recovery.agent")

@@ -14,11 +14,11 @@
 Each of run, verify, timeline and report reads a JSONL export (LOG) or, with `--nats URL`, the live JetStream
 stream (`--stream`, default RECOVERY); whatif and diff read exports. Every command, export too, also takes a data
 directory as LOG: a `recovery-run --standalone` run's or a daemon's, read through a nats-server started on a copy of
-its store and stopped when the command ends (the log of a daemon that still runs, at its URL). Each takes `--json` for machine-readable
-output (report's shape is versioned and documented in docs/on-call.md, "report"); diff exits 1 when the decisions
-differ. Exit status: 0
-fine, 1 divergence, 2 bad usage or unreadable log (a line that is not a record, a last line cut short, a
-recorded decision of a schema this version cannot read: each named with its line).
+its store and stopped when the command ends (the log of a daemon that still runs, at its URL). Each takes `--json`
+for machine-readable output (report's shape is versioned and documented in docs/on-call.md, "report"); diff exits 1
+when the decisions differ. Exit status: 0 fine, 1 divergence, 2 bad usage or unreadable log (a line that is not a
+record, a last line cut short, a recorded decision of a schema this version cannot read: each named with its line;
+a data directory that holds no log).
 
 A per-job export (`export --job J`) keeps every input record, since the engine's decisions for J depend on
 the whole cluster (node events, spares other jobs took), and leaves out only other jobs' outputs except
