@@ -42,9 +42,10 @@ class JobFollower:
     sdk: bool = False
     """a rank spoke through the SDK: steps measure the job; without, only its processes and their output do"""
     fault_at: float | None = None
-    """when the open incident's fault was confirmed (this process's clock)"""
+    """when the latest incident's fault was confirmed (this process's clock); None once its restart was said to run"""
     generation: int | None = None
-    """the generation the open incident's latest restart started"""
+    """the generation the latest incident's latest restart started"""
+    recovering: bool = False
     _printed_step: int = -1
     _printed_at: float = 0.0
 
@@ -58,8 +59,8 @@ class JobFollower:
             self.say(f"{self.job}: running")
         elif kind == "fault.confirmed":
             self.incidents += 1
-            if self.fault_at is None:
-                self.fault_at = time.monotonic()
+            if not self.recovering:  # the first fault of an incident: its restart is measured from here
+                self.recovering, self.fault_at = True, time.monotonic()
             self.say(f"fault: {reason}")
         elif kind == "attempt.started":
             self.say(f"recovery: {detail.get('granularity', '?')} ({reason})")
@@ -82,7 +83,7 @@ class JobFollower:
             self.ended.set()
 
     def _closed(self, reason: str, detail: dict[str, Any]) -> None:
-        self.fault_at, self.generation = None, None
+        self.recovering = False  # a stock script's first output may come after the close: it is still said
         if not self.sdk:
             # A stock script's incident closes after the ladder's grace (its processes ran so long without exiting):
             # a wait, not a measure. When it ran again was said at its first output.

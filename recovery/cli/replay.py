@@ -399,8 +399,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    a, b = getattr(args, "shown", None) or (args.a, args.b)  # a data directory read as an export: named as given
     diff = diff_logs(report_source.iter_file(args.a), report_source.iter_file(args.b), job=args.job,
-                     labels=(args.a, args.b) if args.a != args.b else ("A", "B"))
+                     labels=(a, b) if a != b else ("A", "B"))
     if args.json:
         sys.stdout.buffer.write(_json(diff) + b"\n")
     else:

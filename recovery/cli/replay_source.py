@@ -96,6 +96,8 @@ def open_data_dirs(args: argparse.Namespace, held: contextlib.ExitStack) -> None
     those that read exports (whatif, diff) read an export of it. What is started is stopped when `held` closes."""
     stream = getattr(args, "stream", "RECOVERY")
     if args.command in ("whatif", "diff"):
+        if args.command == "diff":
+            args.shown = (args.a, args.b)
         for name in ("log",) if args.command == "whatif" else ("a", "b"):
             if Path(getattr(args, name)).is_dir():
                 setattr(args, name, _exported(Path(getattr(args, name)), stream, held))
