@@ -67,6 +67,16 @@ class ProcessStarted(Frozen):
     attempt: Attempt = Field(0, description="the job's restart generation the process belongs to")
 
 
+class ProcessOutput(Frozen):
+    """A rank's process wrote its first output (a line of its standard output or error), as its agent saw the file
+    grow: for a script that reports nothing to the control plane (no SDK), the first sign after a start that it runs
+    its own code. Sent once per process, and only while the rank has not connected through the SDK (whose steps say
+    more). The engine decides nothing from it: the postmortem measures a stock script's restart with it."""
+
+    rank: Rank
+    attempt: Attempt = Field(0, description="the job's restart generation the process belongs to")
+
+
 MAX_ERROR_MESSAGE = 1024
 """characters of a script's error message an exit carries: enough for the line a user needs, not a whole traceback"""
 
@@ -407,6 +417,7 @@ class OperatorRelease(Frozen):
 JOB_EVENTS: dict[str, type[Frozen]] = {
     "process.started": ProcessStarted,
     "process.exited": ProcessExited,
+    "process.output": ProcessOutput,
     "process.heartbeat": Heartbeat,
     "process.hang": HangReport,
     "process.collective_failed": CollectiveFailed,

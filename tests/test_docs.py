@@ -165,6 +165,12 @@ RUN_HERE: dict[str, int] = {
 # Too slow for this file, or needing a cluster, root or a plugin installed: the test that runs each (or its
 # equivalent on this host: a NATS server on a free port instead of nats-0, a test's own node names).
 COVERED_ELSEWHERE: dict[str, str] = {
+    "recovery-replay report recovery-run-data":
+        "tests/test_replay_cli.py::test_every_command_reads_a_stopped_runs_data_directory_and_stops_the_server_it_started",
+    "recovery-replay timeline recovery-run-data --job run-5f3a":
+        "tests/test_replay_cli.py::test_every_command_reads_a_stopped_runs_data_directory_and_stops_the_server_it_started",
+    "recovery-replay export recovery-run-data -o run.jsonl":
+        "tests/test_replay_cli.py::test_every_command_reads_a_stopped_runs_data_directory_and_stops_the_server_it_started",
     "sbatch --nodes=2 --requeue --wrap 'recovery-run --nats-url nats://nats-0:4222 --rdzv-endpoint store-0:29400 "
     "--nproc-per-node 8 train.py'":
         "tests/test_slurm.py::test_recovery_run_in_sbatch_takes_the_allocation_and_a_lost_node_requeues_it",
@@ -308,3 +314,36 @@ def test_every_relative_link_and_anchor_resolves() -> None:
             elif anchor and path.suffix == ".md" and anchor not in anchors(path):
                 broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_recovery_run_md_says_the_default_ladder_restarts_a_stock_script_whole_at_once() -> None:
+    """What the default ladder does with a stock script's crash, as the golden log of one recorded it, is what
+    docs/recovery-run.md says: straight to `restart_job`, no rank restarted alone first."""
+    from recovery.report import build_report, iter_file
+
+    report = build_report(iter_file(ROOT / "tests" / "golden" / "stock_script_restarts_whole.jsonl"))
+    [incident] = report["jobs"][0]["incidents"]
+    assert {a["granularity"] for a in incident["attempts"]} == {"restart_job"}
+    assert all(a["policy"].startswith("ladder@") for a in incident["attempts"])
+    doc = " ".join((ROOT / "docs" / "recovery-run.md").read_text().split())
+    assert "goes straight to `restart_job`" in doc
+    assert "first restarts the dead rank alone" not in doc
+
+
+def test_ml_engineer_md_gives_the_timeout_the_tutorial_uses_and_the_default_the_sdk_has() -> None:
+    import ast
+
+    # read, not imported: the SDK's module imports torch
+    tree = ast.parse((ROOT / "recovery" / "client" / "ddp.py").read_text())
+    [function] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "init_process_group"]
+    names = [a.arg for a in function.args.args]
+    value = function.args.defaults[names.index("timeout_s") - (len(names) - len(function.args.defaults))]
+    assert isinstance(value, ast.Constant)
+    default = float(value.value)
+    used = re.search(r"init_process_group\(timeout_s=(\d+)\)", (ROOT / "examples" / "ddp-tutorial" /
+                                                                  "with_sdk.py").read_text())
+    assert used is not None
+    guide = " ".join((ROOT / "docs" / "ml-engineer.md").read_text().split())
+    assert f"`timeout_s` (default {default:g}; the tutorial's {used.group(1)}:" in guide
+    assert f"The tutorial takes {used.group(1)} s" in guide
+    assert "`os._exit(0)` is not needed" in guide and "Iterating a loader yourself is allowed" in guide

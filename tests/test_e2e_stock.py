@@ -189,10 +189,24 @@ def test_the_documented_standalone_run_of_the_stock_script_completes_as_the_faul
     command = documented_standalone_command()
     assert command[:2] == ["recovery-run", "--standalone"] and "--nproc-per-node" in command
     args = [str(ROOT / a) if a.startswith("examples/") else a for a in command[1:]]
-    code, output = finish(recovery_run(["--data-dir", str(tmp_path / "data"), *args], tmp_path), tmp_path)
+    data = tmp_path / "data"
+    code, output = finish(recovery_run(["--data-dir", str(data), *args], tmp_path), tmp_path)
     assert code == 0, output
     assert re.search(r"completed", output) and "[rank0]: [rank 0] Epoch 0" in output and "[rank1]:" in output
     assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
+    # After the run nothing serves its log: the last line names the command that reads it from the data directory.
+    last = output.strip().splitlines()[-1]
+    assert last.endswith(f"postmortem: recovery-replay report {data}"), output
+    assert (data / "daemon.log").read_text().strip(), "the daemon's log lines are in daemon.log"
+    replay = [sys.executable, "-m", "recovery.cli.replay"]
+    report = subprocess.run([*replay, "report", str(data), "--json"], capture_output=True, text=True, timeout=120,
+                            env=environment(), check=False)
+    assert report.returncode == 0, report.stderr
+    [job] = json.loads(report.stdout)["jobs"]
+    assert job["state"] == "completed" and not job["incidents"] and not json.loads(report.stdout)["never_ran"]
+    verify = subprocess.run([*replay, "verify", str(data)], capture_output=True, text=True, timeout=120,
+                            env=environment(), check=False)
+    assert verify.returncode == 0 and verify.stdout.startswith("ok:"), verify.stdout + verify.stderr
 
 
 async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_and_ends_as_the_fault_free_run(
@@ -248,8 +262,22 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
                if p.name.endswith(f".gen{last}.log") and "Resuming training from snapshot at Epoch 2" in text]
     assert len(resumed) == 2, rank_logs(cluster, job).keys()  # both ranks of the job-level restart loaded it
     assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
-    print(f"stock script, SIGKILL of rank 1: trained past step {max(steps)} again {regained_s:.2f}s later; "
-          f"attempts {granularities}")
+    # What recovery-run and the report say of it is measured: the restart to a restarted rank's first output (the
+    # script reports no steps), never the grace the incident's close waits; no dying checkpoint was possible.
+    assert [e for e in w.of("process.output") if e["data"]["attempt"] == last], "the restarted ranks' first output"
+    assert "running again" in output and "recovered in" not in output, output
+    assert "checkpoint.dying_failed" not in output and "step 0" not in output, output
+    assert output.strip().splitlines()[-1].endswith(f"postmortem: recovery-replay report --nats {cluster.nats.url} "
+                                                    f"--job {job}"), output
+    report = subprocess.run([sys.executable, "-m", "recovery.cli.replay", "report", "--nats", cluster.nats.url,
+                             "--job", job, "--json"], capture_output=True, text=True, timeout=120, env=environment(),
+                            check=False)
+    assert report.returncode == 0, report.stderr
+    [incident] = json.loads(report.stdout)["jobs"][0]["incidents"]
+    assert incident["ttr_basis"].startswith("first output of a restarted process"), incident["ttr_basis"]
+    assert incident["checkpoint"]["source"] == "the script's own" and incident["ttr_s"] < regained_s + 5
+    print(f"stock script, SIGKILL of rank 1: trained past step {max(steps)} again {regained_s:.2f}s later "
+          f"(report: running again {incident['ttr_s']:.2f}s after its first signal); attempts {granularities}")
 
 
 def test_ctrl_c_cancels_the_job_and_stops_every_process_recovery_run_started(tmp_path: Path) -> None:
@@ -340,9 +368,10 @@ def test_a_script_failing_on_every_rank_before_its_first_step_fails_after_one_re
     code, output = finish(proc, tmp_path)
     took = time.monotonic() - started
     assert code == 1, output
-    last = output.strip().splitlines()[-1]
-    assert "stock-bad-lr failed: deterministic error" in last, output
-    assert "ValueError: lr must be positive, got -0.1 (bad_lr.py:7 in main)" in last, output
+    verdict, last = output.strip().splitlines()[-2:]
+    assert last.endswith("postmortem: recovery-replay report --nats " + cluster.nats.url + " --job stock-bad-lr")
+    assert "stock-bad-lr failed: deterministic error" in verdict, output
+    assert "ValueError: lr must be positive, got -0.1 (bad_lr.py:7 in main)" in verdict, output
     logs = cluster.workdir.glob("n*/stock-bad-lr.rank*.log")
     generations = {int(p.name.split(".gen")[1].split(".")[0]) for p in logs}
     assert generations <= {0, 1}, f"at most one retry: {sorted(generations)}"

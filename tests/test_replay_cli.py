@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 from policies.rescheduling import LadderRescheduling
 from recovery.cli.replay import main
+from recovery.log import iter_numbered
+from recovery.report import build_report, iter_file
 from tests.golden.scenarios import path
+
+
+def report_of_file(log: Path) -> dict[str, Any]:
+    return build_report(iter_file(log))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -113,3 +122,68 @@ def test_verify_fails_on_a_timer_the_daemon_never_fired(tmp_path: Path) -> None:
     assert result.stdout.startswith("TIMERS NEVER FIRED: 1")
     assert "w/watchdog" in result.stdout and "never fired" in result.stdout
     assert orjson.loads(run_cli("verify", str(log), "--json").stdout)["unfired_timers"]
+
+
+def _servers_of(directory: Path) -> list[str]:
+    """Processes whose command line names `directory`: a nats-server left behind on a copy made under it."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(directory).encode() in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+async def test_every_command_reads_a_stopped_runs_data_directory_and_stops_the_server_it_started(
+        tmp_path: Path) -> None:
+    """A `recovery-run --standalone` data directory after the run: its daemon's JetStream store under
+    daemon/jetstream, nothing serving it. Every command takes the directory (or the daemon's, inside it) as its log,
+    reads it through a nats-server of its own on a copy, and stops that server whether the command succeeded or not;
+    the directory itself is not written."""
+    from recovery.log.jetstream import JetStreamLog
+    from recovery.log.nats_server import NatsProcess, free_port
+
+    data = tmp_path / "run"
+    server = NatsProcess(data / "daemon" / "jetstream", port=free_port(), log_file=tmp_path / "nats-server.log")
+    server.start()
+    try:
+        log = await JetStreamLog.connect(server.url)
+        try:
+            for _, record in iter_numbered(path("pod_level_reschedule")):
+                await log.append(record.subject, record.envelope)
+        finally:
+            await log.close()
+    finally:
+        server.stop()
+    before = {p: p.stat().st_mtime_ns for p in data.rglob("*")}
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        # TMPDIR: the copy and its server live under `scratch`, where a server left running would be found
+        return subprocess.run([sys.executable, "-m", "recovery.cli.replay", *args], capture_output=True, text=True,
+                              check=False, timeout=180, env={**os.environ, "TMPDIR": str(scratch)})
+
+    expected = report_of_file(path("pod_level_reschedule"))
+    report = await asyncio.to_thread(cli, "report", str(data), "--json")
+    assert report.returncode == 0, report.stderr
+    assert orjson.loads(report.stdout)["summary"]["incidents"] == expected["summary"]["incidents"]
+    for args in (("run", str(data)), ("timeline", str(data / "daemon"), "--job", "llm"), ("verify", str(data)),
+                 ("export", str(data), "-o", str(tmp_path / "run.jsonl")),
+                 ("diff", str(data), str(tmp_path / "run.jsonl")),
+                 ("whatif", str(data), "--policy", "rescheduling=torchelastic-like-rescheduling", "--tail-s", "60")):
+        done = await asyncio.to_thread(cli, *args)
+        assert done.returncode in (0, 1), f"{args}: {done.stderr}"  # verify may differ: the stream's own clock
+        assert "Is a directory" not in done.stderr
+        assert not _servers_of(scratch), f"{args[0]} left its nats-server running"
+    assert sum(1 for _ in iter_numbered(tmp_path / "run.jsonl")) == sum(1 for _ in iter_numbered(
+        path("pod_level_reschedule")))
+    # a directory that holds no log: said, exit 2, nothing left running
+    wrong = await asyncio.to_thread(cli, "report", str(tmp_path / "scratch"))
+    assert wrong.returncode == 2 and "not a daemon's or a `recovery-run --standalone` data directory" in wrong.stderr
+    no_stream = await asyncio.to_thread(cli, "report", str(data), "--stream", "NOPE")
+    assert no_stream.returncode == 2 and "no stream 'NOPE'" in no_stream.stderr
+    assert not _servers_of(scratch)
+    assert {p: p.stat().st_mtime_ns for p in data.rglob("*")} == before, "the run's directory was written"

@@ -173,7 +173,7 @@ def test_json_output_is_the_versioned_shape(capsys: pytest.CaptureFixture[str]) 
     assert main(["report", str(GOLDEN / "pod_level_reschedule.jsonl"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["report"] == REPORT_VERSION == 1
-    assert set(out) == {"report", "filters", "records", "span", "summary", "jobs", "lemons", "notes"}
+    assert set(out) == {"report", "filters", "records", "span", "summary", "jobs", "never_ran", "lemons", "notes"}
     assert out["jobs"][0]["incidents"][0]["id"] == "llm#1"
 
 
@@ -300,3 +300,97 @@ def test_dead_letters_and_policy_errors_count_against_their_job_in_every_renderi
     html = render_html(report)
     assert "3 of this job's inputs were dead-lettered" in html
     assert "a policy failed 1 time(s); the built-in answered" in html and "plugin bug" in html
+
+
+# -- what is measured, and what is not ----------------------------------------------------------------------------
+NS = 1_000_000_000
+
+
+def _input(seq: int, ts: int, job: str, type_: str, data: dict[str, Any]) -> dict[str, Any]:
+    return {"seq": seq, "ts": ts, "subject": f"recovery.ev.job.{job}.{type_}", "headers": {},
+            "envelope": {"id": f"{type_}-{seq}", "type": type_, "job": job, "source": "test", "schema": 1,
+                         "data": data}}
+
+
+def test_a_stock_scripts_restart_is_measured_to_its_first_output_and_it_resumes_from_its_own_snapshot() -> None:
+    """The golden stock script's log with what its agents report of the last restart's processes: their starts and
+    the first output of one. Its time to recovery runs from the fault's signal to that output (not to the close
+    the ladder's 30 s grace makes), the grace after it is not lost, and its checkpoint is the script's own (the
+    engine's plan says "step 0", which the script never resumed from)."""
+    records = list(iter_file(GOLDEN / "stock_script_restarts_whole.jsonl"))
+    rescheduled = [r for r in records if r["subject"].startswith("recovery.dec.")
+                   and r["envelope"]["data"]["kind"] == "ranks.rescheduling"][-1]
+    generation = rescheduled["envelope"]["data"]["detail"]["generation"]
+    at = rescheduled["ts"]
+    added = [_input(10_000 + rank, at + (rank + 1) * NS // 10, "stock", "process.started",
+                    {"rank": rank, "pid": 100 + rank, "attempt": generation}) for rank in range(4)]
+    output_ts = at + 7 * NS  # the first line a restarted process printed, 7 s after the restart was commanded
+    added.append(_input(10_010, output_ts, "stock", "process.output", {"rank": 0, "attempt": generation}))
+    where = records.index(rescheduled) + 1
+    report = build_report(records[:where] + added + records[where:])
+    incident = only_incident(report)
+    first_signal = 1767225600 * NS + int(incident["first_signal_s"] * NS)
+    assert incident["ttr_s"] == round((output_ts - first_signal) / NS, 3)
+    assert incident["ttr_basis"].startswith("first output of a restarted process") and not incident["ttr_lower_bound"]
+    assert incident["ttr_s"] < incident["open_s"] - 20, "not the close after the grace"
+    assert incident["checkpoint"]["source"] == "the script's own" and incident["lost_steps"] is None
+    assert incident["dying_checkpoint"] is None
+    lost_restoring = incident["lost_s_by_phase"].get("restoring", 0.0)
+    restoring = sum(p["seconds"] for p in incident["phases"] if p["phase"] == "restoring")
+    assert lost_restoring < restoring - 20, "the grace in which it trained again is not lost"
+    [job] = report["jobs"]
+    assert job["ettr_upper_bound"] and report["summary"]["ettr_upper_bound"] and not job["reports_steps"]
+    # without its output, the processes' start: a lower bound, and said so
+    bare = only_incident(build_report(records[:where] + added[:4] + records[where:]))
+    assert bare["ttr_lower_bound"] and "lower bound" in bare["ttr_basis"]
+    assert bare["ttr_s"] == round((added[3]["ts"] - first_signal) / NS, 3)
+
+
+def test_the_step_and_step_time_come_from_the_agents_progress_reports() -> None:
+    """Agents fold their ranks' steps into one progress.report a period: what the engine (and so recovery-ctl jobs)
+    reads the job's step from, and the report too."""
+    start = 1767225600 * NS
+    records = [_input(1, start, "sdk", "job.submitted",
+                      {"spec": {"nodes": ["n0"], "ranks_per_node": 2, "layout": {"dp": 2}}}),
+               {"seq": 2, "ts": start, "subject": "recovery.dec.sdk", "headers": {},
+                "envelope": {"id": "d2", "type": "decision", "job": "sdk", "source": "engine", "schema": 1,
+                             "data": {"job": "sdk", "cause_seq": 1, "index": 0, "kind": "job.started",
+                                      "state": "running", "reason": "processes started"}}}]
+    for period in range(1, 21):  # a step every half second, reported every second
+        records.append(_input(2 + period, start + period * NS, "sdk", "progress.report",
+                              {"ranks": [{"rank": r, "step": 2 * period, "attempt": 0} for r in (0, 1)]}))
+    [job] = build_report(records)["jobs"]
+    assert job["step"] == 40 and job["step_time_s"] == 0.5 and job["reports_steps"]
+
+
+def test_jobs_that_never_ran_are_listed_apart_and_counted_in_no_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    records = list(iter_file(GOLDEN / "pod_level_reschedule.jsonl"))
+    alone = build_report(records)
+    last = records[-1]["ts"]
+    refused = _input(90_001, last, "aaa-refused", "job.submitted",
+                     {"spec": {"nodes": ["x0"], "ranks_per_node": 8, "layout": {"dp": 8}}})
+    letter = {"seq": 90_002, "ts": last, "subject": "recovery.dlq.placement_conflict", "headers": {},
+              "envelope": {"id": "r1", "type": "rejection", "source": "engine", "schema": 1,
+                           "data": {"seq": 90_001, "subject": refused["subject"], "code": "placement_conflict",
+                                    "reason": "node x0 already runs job llm"}}}
+    waiting = _input(90_003, records[0]["ts"], "aab-unserved", "job.submitted",
+                     {"spec": {"nodes": ["y0"], "ranks_per_node": 8, "layout": {"dp": 8}}})
+    report = build_report([waiting, *records, refused, letter])
+    assert [j["job"] for j in report["jobs"]] == [j["job"] for j in alone["jobs"]]
+    for figure in ("jobs", "ettr", "wall_s", "lost_s", "incidents"):
+        assert report["summary"][figure] == alone["summary"][figure], figure
+    never = {j["job"]: j for j in report["never_ran"]}
+    assert set(never) == {"aaa-refused", "aab-unserved"}
+    assert "node x0 already runs job llm" in never["aaa-refused"]["reason"]
+    assert never["aab-unserved"]["reason"] == "not started by the end of the log"
+    from rich.console import Console
+
+    from recovery.report.html import render_html
+    from recovery.report.terminal import render
+
+    render(report, Console(width=200, file=sys.stdout), decisions=False)
+    out = capsys.readouterr().out
+    assert "and 2 that never ran" in out and "jobs that never ran" in out and "job aaa-refused" not in out
+    page = render_html(report)
+    assert page.count('class="chart timeline"') == len(alone["jobs"])  # no empty chart for a job that never ran
+    assert page.index("timeline-0") < page.index("Jobs that never ran") and "aaa-refused" in page

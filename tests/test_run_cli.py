@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from events.values import JobSpec
-from recovery.cli.run import EXIT_USAGE, UsageError, build_parser, build_spec, main, nodes_count
+from recovery.cli.follow import JobFollower
+from recovery.cli.run import EXIT_NO_CONTROL_PLANE, EXIT_USAGE, UsageError, build_parser, build_spec, main, nodes_count
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def spec_of(argv: list[str], nodes: list[str], store: tuple[str, int] = ("store-0", 29400),
@@ -80,3 +86,71 @@ def test_a_script_that_is_not_there_or_a_bad_flag_exits_2_at_once_before_anythin
         assert not data.exists(), argv
     assert main(["--nats-url", "nats://127.0.0.1:1", "--nodes", "a", missing]) == EXIT_USAGE
     assert "no such script" in capsys.readouterr().err
+
+
+def test_a_data_dir_that_cannot_be_made_exits_4_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a directory cannot be made under a file, whoever runs the test (root included)
+    assert main(["--standalone", "--data-dir", str(blocker / "data"), str(script)]) == EXIT_NO_CONTROL_PLANE
+    err = capsys.readouterr().err
+    assert "--data-dir" in err and str(blocker / "data") in err
+    assert "starting" not in err, "nothing was started for a directory that cannot hold it"
+
+
+def test_the_ranks_environment_table_names_every_variable_the_agent_sets(tmp_path: Path) -> None:
+    """docs/recovery-run.md's table of the ranks' environment holds every variable `ranks.environment` sets."""
+    from events.values import Entrypoint, ResumePlan
+    from recovery.agent.ranks import Placement, environment
+
+    placement = Placement(rank=1, local_rank=1, world_size=2, local_world_size=2, group_rank=0, group_world_size=1)
+    env = environment(Entrypoint(command="python"), placement, job="j", node="n0", attempt=1,
+                      plan=ResumePlan(checkpoint_step=None, next_step=0), store_addr="h", store_port=1, torch_port=2,
+                      socket=tmp_path / "s", heartbeat_s=1.0, memory_dir=tmp_path / "m", error_file=tmp_path / "e")
+    table = (ROOT / "docs" / "recovery-run.md").read_text().split("## The ranks' environment")[1].split("\n## ")[0]
+    documented = set(re.findall(r"`([A-Z][A-Z_]+)`", table))
+    missing = sorted(set(env) - set(os.environ) - documented)
+    assert not missing, f"set for every rank but not in docs/recovery-run.md: {missing}"
+    assert "RECOVERY_STANDBY" in documented, "the standby choice a stock script needs (`all`) is said there"
+
+
+def _decision(kind: str, reason: str = "", **detail: object) -> dict[str, object]:
+    return {"kind": kind, "reason": reason, "state": "recovering", "detail": detail}
+
+
+def test_recovery_run_prints_the_step_of_the_progress_reports_and_measures_a_stock_restart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("recovery.cli.follow.time.monotonic", lambda: clock[0])
+    sdk = JobFollower("sdk", out=io.StringIO(), started=100.0)
+    sdk.on_event({"type": "progress.report", "data": {"ranks": [{"rank": 0, "step": 1973, "attempt": 0},
+                                                                {"rank": 1, "step": 1972, "attempt": 0}]}})
+    clock[0] = 111.0
+    sdk.tick()
+    assert "step 1973" in sdk.out.getvalue()  # type: ignore[attr-defined]
+    sdk.on_decision(_decision("checkpoint.dying_failed", "no ack for the dying checkpoint in time"))
+    sdk.on_decision(_decision("incident.closed", "step 1974 past the resume point", mttr_ns=4_100_000_000,
+                              lost_steps=0))
+    said = sdk.out.getvalue()  # type: ignore[attr-defined]
+    assert "checkpoint.dying_failed" in said  # an SDK rank could have saved one: its failure is news
+    assert "recovered in 4.1s (to the first step past the resume point)" in said
+
+    clock[0] = 100.0
+    stock = JobFollower("stock", out=io.StringIO(), started=100.0)
+    stock.on_decision(_decision("fault.confirmed", "rank 1: SIGKILL"))
+    stock.on_decision(_decision("checkpoint.dying_failed", "no live rank of [0] on node0 could be asked to save"))
+    stock.on_decision(_decision("checkpoint.plan", "no complete checkpoint: start from step 0", checkpoint_step=None,
+                                next_step=0))
+    stock.on_decision(_decision("ranks.rescheduling", "restart_job: 1 command(s)", generation=1))
+    clock[0] = 106.5
+    stock.on_event({"type": "process.output", "data": {"rank": 0, "attempt": 1}})
+    clock[0] = 131.0
+    stock.on_decision(_decision("incident.closed", "the 2 restarted process(es) ran 30 s without exiting",
+                                mttr_ns=31_000_000_000))
+    said = stock.out.getvalue()  # type: ignore[attr-defined]
+    assert "dying" not in said, "no rank of a stock script could ever save one"
+    assert "step 0" not in said and "the script's own snapshot" in said
+    assert "running again 6.5s after the fault (to a restarted rank's first output" in said
+    assert "recovered in" not in said and "incident closed: the 2 restarted process(es) ran 30 s" in said

@@ -36,7 +36,7 @@ from events.values import Layout, ResumePlan
 from recovery.agent import errors, ranks
 from recovery.agent.admission import Admission, submissions
 from recovery.agent.config import AgentConfig
-from recovery.agent.hangs import StockHangs
+from recovery.agent.hangs import StockHangs, first_output
 from recovery.agent.jobs import CommandFailed, JobOnNode, end_torch_stores
 from recovery.agent.memory import MemoryTier, memory_root
 from recovery.agent.outbox import Outbox
@@ -346,6 +346,7 @@ class Agent(Relay, Rescale, Admission):
         self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt})
         assert self._tg is not None
         self._tg.start_soon(self._watch, job, proc)
+        self._tg.start_soon(first_output, job, proc, output, self.job_event)
 
     async def _watch(self, job: JobOnNode, proc: ranks.RankProcess) -> None:
         await ranks.reap(proc)

@@ -1,12 +1,14 @@
 """The agent's watch over the ranks of stock scripts (no SDK connection): the rules of `probes.hang` applied every
 `hang_poll_s` to each job's ranks on this node, a rank found hung reported as `process.hang` (the engine restarts
-the job as it does for a silent SDK rank), each once per process."""
+the job as it does for a silent SDK rank), each once per process; and each process's first output, reported as
+`process.output` (the first sign a stock script gives that it runs again after a restart)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -14,9 +16,28 @@ import anyio
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import JobOnNode
 from recovery.agent.probes.hang import HangRules, ProcSample, read_sample
+from recovery.agent.ranks import RankProcess
 from recovery.agent.stacks import dump_tool, take_stack
 
 logger = logging.getLogger("recovery.agent")
+OUTPUT_POLL_S = 0.2
+"""how often a started process's output file is looked at until it grows: the precision of a stock script's
+measured restart"""
+
+
+async def first_output(job: JobOnNode, proc: RankProcess, output: Path,
+                       report: Callable[[str, str, dict[str, Any]], None]) -> None:
+    """Report `process.output` once `proc` has written to its output file; nothing for a process that ends first,
+    is replaced, or connects through the SDK (its steps are the measure then)."""
+    while proc.alive and job.processes.get(proc.rank) is proc and not job.channel.connected(proc.rank):
+        try:
+            grown = output.stat().st_size > 0
+        except OSError:
+            grown = False  # not created yet
+        if grown:
+            report(job.id, "process.output", {"rank": proc.rank, "attempt": proc.attempt})
+            return
+        await anyio.sleep(OUTPUT_POLL_S)  # the period of the look, until the process ends or writes
 
 
 class StockHangs:

@@ -39,6 +39,13 @@ class JobFollower:
     incidents: int = 0
     recovered_s: list[float] = field(default_factory=list)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    sdk: bool = False
+    """a rank spoke through the SDK: steps measure the job; without, only its processes and their output do"""
+    fault_at: float | None = None
+    """when the latest incident's fault was confirmed (this process's clock); None once its restart was said to run"""
+    generation: int | None = None
+    """the generation the latest incident's latest restart started"""
+    recovering: bool = False
     _printed_step: int = -1
     _printed_at: float = 0.0
 
@@ -52,24 +59,42 @@ class JobFollower:
             self.say(f"{self.job}: running")
         elif kind == "fault.confirmed":
             self.incidents += 1
+            if not self.recovering:  # the first fault of an incident: its restart is measured from here
+                self.recovering, self.fault_at = True, time.monotonic()
             self.say(f"fault: {reason}")
         elif kind == "attempt.started":
             self.say(f"recovery: {detail.get('granularity', '?')} ({reason})")
+        elif kind == "checkpoint.dying_failed" and not self.sdk:
+            pass  # no rank speaks through the SDK, so none could ever save one: nothing failed that could succeed
         elif kind in ("attempt.failed", "attempt.timed_out", "checkpoint.dying_failed", "job.paused"):
             self.say(f"{kind}: {reason}")
-        elif kind == "checkpoint.plan" and detail.get("checkpoint_step") is not None:
-            self.say(f"resuming from the checkpoint of step {detail['checkpoint_step']}")
+        elif kind == "checkpoint.plan":
+            if not self.sdk:
+                self.say("resuming from the script's own snapshot, if it keeps one (it reports no checkpoints)")
+            elif detail.get("checkpoint_step") is not None:
+                self.say(f"resuming from the checkpoint of step {detail['checkpoint_step']}")
+        elif kind == "ranks.rescheduling" and isinstance(detail.get("generation"), int):
+            self.generation = detail["generation"]
         elif kind == "incident.closed":
-            mttr = detail.get("mttr_ns")
-            if isinstance(mttr, int):
-                self.recovered_s.append(mttr / 1e9)
-            lost = detail.get("lost_steps")
-            self.say(f"recovered{f' in {mttr / 1e9:.1f}s' if isinstance(mttr, int) else ''}"
-                     f"{f', {lost} step(s) lost' if lost is not None else ''}")
+            self._closed(reason, detail)
         if self.state in ENDED and not self.ended.is_set():
             self.reason = reason
             self.say(self.verdict())
             self.ended.set()
+
+    def _closed(self, reason: str, detail: dict[str, Any]) -> None:
+        self.recovering = False  # a stock script's first output may come after the close: it is still said
+        if not self.sdk:
+            # A stock script's incident closes after the ladder's grace (its processes ran so long without exiting):
+            # a wait, not a measure. When it ran again was said at its first output.
+            self.say(f"incident closed: {reason}")
+            return
+        mttr = detail.get("mttr_ns")  # from the incident's opening to the first step past the resume point
+        if isinstance(mttr, int):
+            self.recovered_s.append(mttr / 1e9)
+        lost = detail.get("lost_steps")
+        took = f" in {mttr / 1e9:.1f}s (to the first step past the resume point)" if isinstance(mttr, int) else ""
+        self.say(f"recovered{took}{f', {lost} step(s) lost' if lost is not None else ''}")
 
     def verdict(self) -> str:
         """The job's end in one line, with the reason (a failed job's quotes the script's error when it said one)."""
@@ -77,9 +102,19 @@ class JobFollower:
 
     def on_event(self, envelope: dict[str, Any]) -> None:
         data = envelope.get("data") or {}
-        if envelope.get("type") == "progress.step" and isinstance(data.get("step"), int):
-            self.step = max(self.step, data["step"])
-        elif envelope.get("type") == "process.exited" and not self.ended.is_set():
+        type_ = envelope.get("type")
+        if type_ in ("progress.step", "progress.report", "process.heartbeat"):
+            # the agents fold their ranks' words into one progress.report a period (what recovery-ctl's step is)
+            self.sdk = True
+            for entry in data.get("ranks") or [] if type_ == "progress.report" else [data]:
+                if isinstance(entry, dict) and isinstance(entry.get("step"), int):
+                    self.step = max(self.step, entry["step"])
+        elif (type_ == "process.output" and self.fault_at is not None and not self.sdk
+              and data.get("attempt") == self.generation):
+            self.say(f"running again {time.monotonic() - self.fault_at:.1f}s after the fault (to a restarted rank's "
+                     f"first output: the script reports no steps)")
+            self.fault_at = None  # said once per incident
+        elif type_ == "process.exited" and not self.ended.is_set():
             if data.get("signal") is not None:
                 self.say(f"rank {data.get('rank')} (generation {data.get('attempt')}) killed by signal "
                          f"{data['signal']}")

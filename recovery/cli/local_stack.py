@@ -78,9 +78,11 @@ class LocalStack:
         url_file = daemon_dir / URL_FILE
         with contextlib.suppress(OSError):
             url_file.unlink()  # a previous run's
+        # INFO: daemon.log tells what the daemon did (its server, its start, its stop, what it dead-lettered),
+        # a line per change, never one per record
         daemon = self._start("daemon", ["-m", "recovery.cli.daemon", "--data-dir", str(daemon_dir),
                                         "--embedded-port", "0", "--http-port=-1", "--lease-ttl-s", "0",
-                                        "--log-format", "text", "--log-level", "WARNING"])
+                                        "--log-format", "text", "--log-level", "INFO"])
         self.store_port = free_port()
         store = self._start("job-store", ["-m", "recovery.agent.rendezvous", "--host", "127.0.0.1", "--port",
                                           str(self.store_port), "--serve"])

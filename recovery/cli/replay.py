@@ -12,11 +12,13 @@
     recovery-replay diff A B             the decisions that differ between two logs, side by side
 
 Each of run, verify, timeline and report reads a JSONL export (LOG) or, with `--nats URL`, the live JetStream
-stream (`--stream`, default RECOVERY); whatif and diff read exports. Each takes `--json` for machine-readable
-output (report's shape is versioned and documented in docs/on-call.md, "report"); diff exits 1 when the decisions
-differ. Exit status: 0
-fine, 1 divergence, 2 bad usage or unreadable log (a line that is not a record, a last line cut short, a
-recorded decision of a schema this version cannot read: each named with its line).
+stream (`--stream`, default RECOVERY); whatif and diff read exports. Every command, export too, also takes a data
+directory as LOG: a `recovery-run --standalone` run's or a daemon's, read through a nats-server started on a copy of
+its store and stopped when the command ends (the log of a daemon that still runs, at its URL). Each takes `--json`
+for machine-readable output (report's shape is versioned and documented in docs/on-call.md, "report"); diff exits 1
+when the decisions differ. Exit status: 0 fine, 1 divergence, 2 bad usage or unreadable log (a line that is not a
+record, a last line cut short, a recorded decision of a schema this version cannot read: each named with its line;
+a data directory that holds no log).
 
 A per-job export (`export --job J`) keeps every input record, since the engine's decisions for J depend on
 the whole cluster (node events, spares other jobs took), and leaves out only other jobs' outputs except
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import sys
@@ -48,7 +51,14 @@ import orjson
 from events.codec import encode_record
 from events.envelope import RawRecord, Record
 from events.subjects import is_output
-from recovery.cli.replay_source import connect_log, log_partitions, partition_replays, records, report_records
+from recovery.cli.replay_source import (
+    connect_log,
+    log_partitions,
+    open_data_dirs,
+    partition_replays,
+    records,
+    report_records,
+)
 from recovery.log import ExportHeader, export_filter, rejection_jobs
 from recovery.log.verify import (
     DEAD_LETTER_SUBJECTS,
@@ -72,6 +82,8 @@ from recovery.report.html import write_html
 from recovery.report.whatif import whatif
 
 NS = 1_000_000_000
+EXPORT_HELP = "JSONL export of the log, or the data directory of a `recovery-run --standalone` run or of a daemon"
+LOG_HELP = f"{EXPORT_HELP} (or --nats)"
 
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -98,6 +110,8 @@ def parse_since(text: str, now_ns: int | None = None) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if not args.nats:
+        raise ValueError("give a data directory or --nats URL")
     since = parse_since(args.since) if args.since else None
     count = asyncio.run(_export(args.nats, args.stream, args.output, args.job, since, args.start_seq))
     if args.output != "-":
@@ -385,8 +399,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    a, b = getattr(args, "shown", None) or (args.a, args.b)  # a data directory read as an export: named as given
     diff = diff_logs(report_source.iter_file(args.a), report_source.iter_file(args.b), job=args.job,
-                     labels=(args.a, args.b) if args.a != args.b else ("A", "B"))
+                     labels=(a, b) if a != b else ("A", "B"))
     if args.json:
         sys.stdout.buffer.write(_json(diff) + b"\n")
     else:
@@ -423,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  ("verify", cmd_verify, "re-derive decisions and diff with the recorded ones"),
                                  ("timeline", cmd_timeline, "events, states and decisions of one job")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("log", nargs="?", help="JSONL export of the log (or --nats)")
+        p.add_argument("log", nargs="?", help=LOG_HELP)
         p.add_argument("--nats", metavar="URL", help="read the live JetStream log instead of a file")
         p.add_argument("--stream", default="RECOVERY", help="the log's stream with --nats (default RECOVERY)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -444,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "lost steps and GPU-hours, and why each decision was taken; per job and overall "
                                    "ETTR, MTTR by fault class, restarts by granularity and restart loops; nodes in "
                                    "several incidents. --json prints the versioned shape of docs/on-call.md.")
-    p.add_argument("log", nargs="?", help="JSONL export of the log (or --nats)")
+    p.add_argument("log", nargs="?", help=LOG_HELP)
     p.add_argument("--nats", metavar="URL", help="read the live JetStream log instead of a file")
     p.add_argument("--stream", default="RECOVERY", help="the log's stream with --nats (default RECOVERY)")
     p.add_argument("--job", help="only this job's incidents and decisions")
@@ -460,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "once under the recorded policies and once under --policy; print which inputs "
                                    "were kept and which re-simulated, the decisions that differ, and the difference "
                                    "in ETTR, MTTR and lost GPU-hours.")
-    p.add_argument("log", help="JSONL export of the log")
+    p.add_argument("log", help=EXPORT_HELP)
     p.add_argument("--policy", action="append", default=[], metavar="FAMILY=NAME[:key=value,...]", required=True,
                    help="replace one family's policy, e.g. rescheduling=torchelastic-like-rescheduling or "
                         "checkpoint=newest-complete:peer=false (repeatable)")
@@ -483,8 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The first and every decision that differ between two logs, side by side with "
                                    "their causes, the policies (names, versions, parameters) that differ, and the "
                                    "first input that differs. Exit 0: the same decisions, 1: they differ.")
-    p.add_argument("a", help="JSONL export of the first log")
-    p.add_argument("b", help="JSONL export of the second log")
+    p.add_argument("a", help=f"the first log: {EXPORT_HELP}")
+    p.add_argument("b", help=f"the second log: {EXPORT_HELP}")
     p.add_argument("--job", help="only this job's decisions")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--limit", type=int, default=40, help="rows of differing decisions shown (default 40)")
@@ -492,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write the JetStream log as JSONL",
                        description="Write the JetStream log as JSONL. A per-job export starts with a header line "
                                    "naming the job and its filters, which verify reads.")
-    p.add_argument("--nats", metavar="URL", required=True, help="NATS server of the log")
+    p.add_argument("log", nargs="?", metavar="DATA_DIR", help="a stopped daemon's (or `recovery-run "
+                                                              "--standalone` run's) data directory (or --nats)")
+    p.add_argument("--nats", metavar="URL", help="NATS server of the log")
     p.add_argument("--stream", default="RECOVERY", help="the log's stream (default RECOVERY)")
     p.add_argument("--job", help="an incident of this job: every input record (every job's and node's events: the "
                                  "job's decisions depend on them), the job's decisions and dead letters, the dead "
@@ -509,7 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with contextlib.ExitStack() as held:  # a data directory's server, stopped however the command ends
+            open_data_dirs(args, held)
+            return int(args.func(args))
     except (OSError, ValueError) as exc:
         print(f"recovery-replay: {exc}", file=sys.stderr)
         return 2

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
+from pathlib import Path
 from typing import Any
 
 from events import subjects
@@ -21,6 +24,7 @@ from events.envelope import RawRecord, Record
 from recovery.core.engine import Engine
 from recovery.core.partition import Partition
 from recovery.log import ExportHeader, iter_numbered, read_header
+from recovery.log.datadir import served
 from recovery.log.partitions import partition_located, partitions_of
 from recovery.log.verify import Located, LogReplay, replay_log
 from recovery.report import source as report_source
@@ -82,6 +86,42 @@ async def read_nats(url: str, stream: str) -> list[Record | RawRecord]:
     log = await connect_log(url, stream)
     try:
         return [record async for record in log.read()]
+    finally:
+        await log.close()
+
+
+def open_data_dirs(args: argparse.Namespace, held: contextlib.ExitStack) -> None:
+    """A data directory given where a log is expected (a `recovery-run --standalone` run's, or a daemon's): the
+    commands that read JetStream read it through a server started on a copy of its store (`recovery.log.datadir`);
+    those that read exports (whatif, diff) read an export of it. What is started is stopped when `held` closes."""
+    stream = getattr(args, "stream", "RECOVERY")
+    if args.command in ("whatif", "diff"):
+        if args.command == "diff":
+            args.shown = (args.a, args.b)
+        for name in ("log",) if args.command == "whatif" else ("a", "b"):
+            if Path(getattr(args, name)).is_dir():
+                setattr(args, name, _exported(Path(getattr(args, name)), stream, held))
+        return
+    if getattr(args, "log", None) and Path(args.log).is_dir():
+        if args.nats:
+            raise ValueError("give either a LOG file (or data directory) or --nats, not both")
+        args.nats, args.log = held.enter_context(served(Path(args.log), stream)), None
+
+
+def _exported(directory: Path, stream: str, held: contextlib.ExitStack) -> str:
+    """The whole log of a data directory as a JSONL export in a scratch directory `held` removes; the server that
+    read it is stopped once it is written."""
+    scratch = held.enter_context(tempfile.TemporaryDirectory(prefix="recovery-replay-"))
+    path = str(Path(scratch) / f"{directory.name or 'log'}.jsonl")
+    with served(directory, stream) as url:
+        asyncio.run(_export_all(url, stream, path))
+    return path
+
+
+async def _export_all(url: str, stream: str, path: str) -> None:
+    log = await connect_log(url, stream)
+    try:
+        await log.export(path)
     finally:
         await log.close()
 

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -243,6 +244,15 @@ def check_script(args: argparse.Namespace) -> None:
                          else f"{args.script}: not a file")
 
 
+def usable_data_dir(data_dir: Path) -> None:
+    """The data directory exists, or can be made, and takes files: checked before anything starts, so that a
+    directory the daemon could not write is said as such rather than as a daemon that died at start."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if not data_dir.is_dir():
+        raise NotADirectoryError(20, "not a directory", str(data_dir))
+    tempfile.TemporaryFile(dir=data_dir).close()
+
+
 async def run(args: argparse.Namespace) -> int:
     check_usage(args)
     allocation = slurm_allocation(args)
@@ -259,10 +269,16 @@ async def run(args: argparse.Namespace) -> int:
         asyncio.get_running_loop().add_signal_handler(
             signum, lambda s=signum: interrupted.done() or interrupted.set_result(s))
     follower = JobFollower(job)
+    postmortem = ""
     try:
         if args.standalone:
             check_script(args)
             data_dir = Path(args.data_dir or args.log_dir or tempfile.mkdtemp(prefix="recovery-run-")).resolve()
+            try:
+                usable_data_dir(data_dir)
+            except OSError as exc:
+                follower.say(f"the control plane cannot start: --data-dir {data_dir}: {exc.strerror or exc}")
+                return EXIT_NO_CONTROL_PLANE
             nodes = [f"node{i}" for i in range(count or 1)]
             stack = LocalStack(data_dir, nodes, [f"spare{i}" for i in range(args.spares)], ranks_per_node(args))
             follower.say(f"starting a daemon, a job store and {len(nodes) + args.spares} agent(s) in {data_dir}")
@@ -310,9 +326,13 @@ async def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         ranks = len(nodes) * spec["ranks_per_node"]
         follower.say(f"submitted {job}: {ranks} rank(s) on {', '.join(nodes)}")
+        postmortem = (f"recovery-replay report {shlex.quote(str(stack.data_dir))}" if stack is not None else
+                      f"recovery-replay report --nats {shlex.quote(url)} --job {job}")
         following = asyncio.ensure_future(follow(follower, output, lambda: _job_state(url, job)))
         await asyncio.wait([following, interrupted], return_when=asyncio.FIRST_COMPLETED)
         if not interrupted.done():
+            if stack is None:
+                follower.say(f"postmortem: {postmortem}")  # the last line: where to read what happened
             return ENDS.get(following.result(), EXIT_FAILED)
         signum = interrupted.result()
         follower.say(f"{signal.Signals(signum).name}: cancelling {job}")
@@ -336,9 +356,12 @@ async def run(args: argparse.Namespace) -> int:
         if stack is not None:
             follower.say("stopping the agents, the job store and the daemon")
             await asyncio.to_thread(stack.stop)
-            follower.say(f"logs: {stack.data_dir}")
+            follower.say(f"logs: {stack.data_dir} (the daemon's in daemon.log, each agent's in agent-<node>.log)")
             if follower.ended.is_set():
-                follower.say(follower.verdict())  # the last line says how the job ended, and why
+                follower.say(follower.verdict())  # how the job ended, and why
+            if postmortem:
+                # the last line: the log stays in the data directory, which recovery-replay reads as it is
+                follower.say(f"postmortem: {postmortem}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

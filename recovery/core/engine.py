@@ -356,7 +356,8 @@ class Engine(Progress):
                    detail={"policies": dict(policies.labels)})
 
     def _job_event(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
-        if job.state in FINAL and type_ not in ("checkpoint.saved", "process.stacks", "policy.overran"):
+        if job.state in FINAL and type_ not in ("checkpoint.saved", "process.stacks", "policy.overran",
+                                                "process.output"):
             raise Rejected("invalid_state", f"job {job.id} is {job.state}; {type_} has no effect")
         if type_ == "job.started":
             if job.state != "submitted":
@@ -397,6 +398,10 @@ class Engine(Progress):
             self.operators.unserved(out, job, data)
         elif type_ == "control.outage":
             self.liveness.outage(out, job, data)
+        elif type_ == "process.output":
+            if data.rank >= job.world:
+                raise Rejected("unknown_rank", f"rank {data.rank} is not in job {job.id}")
+            # For the postmortem (a stock script's restart is measured to it): the engine decides nothing from it.
         elif type_ == "process.stacks":
             outside = sorted({s.rank for s in data.ranks if s.rank >= job.world})
             if outside:

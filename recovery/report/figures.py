@@ -38,9 +38,12 @@ def job_report(job: JobFold, end: int) -> dict[str, Any]:
         "policy_params": job.params,
         "state": job.end_state or job.state, "end_reason": job.end_reason, "started_ns": job.started,
         "ended_ns": job.ended,
-        "wall_s": _s(wall), "step": job.step,
+        "wall_s": _s(wall), "step": job.step, "reports_steps": job.sdk,
         "step_time_s": round(step_ns / NS, 3) if step_ns else None,
         "ettr": round(max(0.0, 1 - lost_s / (wall / NS)), 6) if wall else None,
+        # a script that reports no steps redid, after each restart, the work since its own last snapshot, which
+        # nothing measures: its ETTR is at most this
+        "ettr_upper_bound": bool(incidents) and not job.sdk,
         "lost_s": round(lost_s, 3), "lost_gpu_hours": round(lost_gpu_hours, 3),
         "lost_s_by_cause": lost_by_cause, "lost_gpu_hours_by_cause": by_cause,
         "mttr_by_fault_class": mttr(reports), "restarts_by_granularity": restarts(reports),
@@ -56,17 +59,53 @@ def job_report(job: JobFold, end: int) -> dict[str, Any]:
         "other_decisions": job.loose, "other_decisions_omitted": job.loose_omitted,
     }
 
+def never_ran(job: JobFold, end: int) -> dict[str, Any]:
+    """A job that never started: what it asked for and why it did not run (counted in no figure)."""
+    why = job.refused or job.unserved or (f"ended before it started: {job.end_reason}" if job.ended is not None
+                                          else "not started by the end of the log")
+    return {"job": job.id, "gpus": job.gpus, "nodes": len(job.nodes), "state": job.end_state or job.state,
+            "reason": why, "submitted_ns": job.first_seen,
+            "waited_s": _s((job.ended or end) - (job.first_seen or end))}
+
+
+LOWER_BOUND = "a lower bound (the script reports no steps, and its restarted processes printed nothing)"
+
+
+def ran_again(job: JobFold, inc: Incident) -> tuple[int | None, str]:
+    """When the job ran again after the incident's fault, and what that is measured to. A script that reports
+    steps: its first step past the resume point (the incident's close). One that reports none (a stock script): the
+    first output of a restarted process, which its agent sees; without one, the start of every restarted process,
+    which is only a lower bound. The engine's close of a stock script's incident (its restarted processes ran the
+    ladder's `running_grace_s` without exiting) is a wait, not a measurement, and is never the answer."""
+    if job.sdk:
+        if inc.outcome == "recovered":
+            return inc.closed, "first step past the resume point"
+        return None, "no step past the resume point was reported"
+    if inc.generation is None:
+        return None, "no restart started"
+    if inc.first_output is not None:
+        return inc.first_output, "first output of a restarted process (the script reports no steps)"
+    if inc.all_started is not None:
+        return inc.all_started, f"restarted processes started: {LOWER_BOUND}"
+    return None, "the restarted processes were not all seen to start: lost time runs until the incident closed"
+
+
 def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> dict[str, Any]:
     start = job.started if job.started is not None else (job.first_seen or inc.opened)
     first = inc.first_signal if inc.first_signal is not None else inc.opened
     closed = inc.closed
     stop = closed if closed is not None else end
+    back, basis = ran_again(job, inc)
     phases = [{"phase": "detection", "start_s": _s(first - start), "seconds": _s(inc.opened - first)}]
     phases += [{"phase": p.name, "start_s": _s(p.start - start), "seconds": _s((p.end or stop) - p.start)}
                for p in inc.phases]
-    seconds_by_phase: dict[str, float] = {}
-    for p in phases:
-        seconds_by_phase[p["phase"]] = seconds_by_phase.get(p["phase"], 0.0) + p["seconds"]
+    # Lost: the job's time until it ran again. A stock script's incident stays open through the grace in which
+    # its restarted processes already train: that time is not lost.
+    lost_until = back if back is not None and not job.sdk else stop
+    seconds_by_phase: dict[str, float] = {"detection": _s(inc.opened - first)}
+    for p in inc.phases:
+        seconds = _s(max(0, min(p.end or stop, lost_until) - p.start))
+        seconds_by_phase[p.name] = seconds_by_phase.get(p.name, 0.0) + seconds
     recompute_s = (inc.lost_steps or 0) * step_ns / NS
     if recompute_s:
         seconds_by_phase["recompute"] = recompute_s
@@ -89,11 +128,16 @@ def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> di
         "outcome": inc.outcome or "open",
         "detection_latency_s": _s(inc.opened - first),
         "decision_latency_s": _s(inc.first_command - inc.opened) if inc.first_command is not None else None,
-        "recovery_s": _s(stop - inc.opened), "ttr_s": _s(closed - first) if closed is not None else None,
+        "recovery_s": _s(stop - inc.opened), "ttr_s": _s(back - first) if back is not None else None,
+        "ttr_basis": basis, "ttr_lower_bound": basis.endswith(LOWER_BOUND),
         "open_s": _s(stop - first),
         "phases": phases, "granularity": grans[-1] if grans else None, "attempts": inc.attempts,
         "escalations": escalations,
-        "checkpoint": inc.checkpoint or None, "dying_checkpoint": inc.dying,
+        # a stock script resumes from its own snapshot, which the engine never hears of: its plan's "step 0" is not
+        # where it resumed
+        "checkpoint": ({**inc.checkpoint, "source": "the script's own"} if inc.checkpoint and not job.sdk else
+                       {**inc.checkpoint, "source": "the plan"} if inc.checkpoint else None),
+        "dying_checkpoint": inc.dying if job.sdk else None,
         "lost_steps": inc.lost_steps, "step_at_fault": inc.step_at_open,
         "lost_s_by_phase": seconds_by_phase, "lost_gpu_hours_by_phase": gpu_hours,
         "lost_gpu_hours": round(sum(gpu_hours.values()), 3),
@@ -101,6 +145,15 @@ def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> di
         "decisions": inc.decisions, "decisions_omitted": inc.decisions_omitted,
         "stacks": inc.stacks.report() if inc.stacks is not None else None,
     }
+
+def checkpoint_text(ckpt: dict[str, Any] | None) -> str:
+    """Where the incident's restart resumed from: the plan's checkpoint, or a stock script's own snapshot."""
+    if not ckpt:
+        return "-"
+    if ckpt.get("source") == "the script's own":
+        return "the script's own"
+    return f"step {ckpt['checkpoint_step']} " + ",".join(ckpt["tiers"])
+
 
 def lemons(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     nodes: dict[str, list[dict[str, Any]]] = {}
@@ -152,6 +205,7 @@ def mttr(incidents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 phases[p["phase"]] = phases.get(p["phase"], 0.0) + p["seconds"]
         p50, p95 = percentile(ttr, 50), percentile(ttr, 95)
         out[cls] = {"incidents": len(of), "recovered": len(ttr),
+                    "lower_bounds": sum(1 for i in of if i["ttr_s"] is not None and i["ttr_lower_bound"]),
                     "p50_s": None if math.isnan(p50) else round(p50, 3),
                     "p95_s": None if math.isnan(p95) else round(p95, 3),
                     "mean_phase_s": {k: round(v / len(of), 3) for k, v in phases.items()}}

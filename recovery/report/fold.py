@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from events.subjects import unpartitioned
-from recovery.report.figures import job_report, lemons, mttr, restarts, sum_dicts
+from recovery.report.figures import job_report, lemons, mttr, never_ran, restarts, sum_dicts
 from recovery.report.source import RawDict
 from recovery.report.stacks import StackGroups
 from recovery.report.state import Incident, JobFold, Phase
@@ -56,7 +56,7 @@ _FAULT_KINDS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault
 _ENDS = {"job.completed": "completed", "job.failed": "failed", "job.cancelled": "cancelled"}
 _ATTEMPT_ENDS = {"attempt.failed": "failed", "attempt.timed_out": "timed_out", "attempt.superseded": "superseded"}
 _QUIET_INPUTS = frozenset({"process.heartbeat"})
-_REPORTS = frozenset({"process.heartbeat", "progress.step"})
+_REPORTS = frozenset({"process.heartbeat", "progress.step", "progress.report"})
 _SILENCE_CLASSES = frozenset({"hang", "node"})
 _CLASS_OF_SIGNAL = {"process.exited": "process", "process.hang": "hang", "device.fault": "device",
                     "network.link_down": "network", "network.collective_timeout": "hang", "node.not_ready": "node",
@@ -133,9 +133,9 @@ class ReportFold:
             return
         if type_ in _REPORTS and job_id is not None:
             job = self.jobs.get(job_id)
-            rank = env["data"].get("rank")
-            if job is not None and isinstance(rank, int):
-                job.last_heard[rank] = ts
+            if job is not None:
+                for entry in env["data"]["ranks"] if type_ == "progress.report" else [env["data"]]:
+                    self._heard(job, entry, ts)
         if type_ == "process.stacks" and job_id is not None:
             self._stacks(job_id, env["data"])
             return  # big, and no decision's input: not kept among the recent inputs
@@ -149,12 +149,36 @@ class ReportFold:
             self.recent = dict(list(recent.items())[-RECENT_INPUTS:])
         if job_id is None:
             return
-        if type_ == "progress.step":
+        if type_ in ("process.started", "process.output"):
             job = self.jobs.get(job_id)
             if job is not None:
-                self._progress(job, int(env["data"]["step"]), ts)
+                self._restarted(job, type_, env["data"], ts)
         elif type_ == "job.submitted":
             self._submitted(job_id, env["data"]["spec"], ts)
+
+    def _heard(self, job: JobFold, entry: dict[str, Any], ts: int) -> None:
+        """A rank's heartbeat or step, alone or as an entry of its agent's `progress.report` (what the engine, and so
+        `recovery-ctl jobs`, reads the job's step from): the job's step is the highest reported."""
+        rank = entry.get("rank")
+        if isinstance(rank, int):
+            job.last_heard[rank] = ts
+        job.sdk = True
+        step = entry.get("step")
+        if step is not None:
+            self._progress(job, int(step), ts)  # a step that is no number: malformed, as the engine found it
+
+    def _restarted(self, job: JobFold, type_: str, data: dict[str, Any], ts: int) -> None:
+        """A process of the incident's restart started, or wrote its first output: when a script that reports no
+        steps ran again (the incident open, or just closed: its grace may have ended first)."""
+        incident = job.incident or (job.incidents[-1] if job.incidents else None)
+        if incident is None or incident.generation is None or data.get("attempt") != incident.generation:
+            return
+        if type_ == "process.output":
+            incident.first_output = incident.first_output or ts
+            return
+        incident.starts += 1
+        if incident.starts >= incident.restarted and incident.all_started is None:
+            incident.all_started = ts
 
     def _stacks(self, job_id: str, data: dict[str, Any]) -> None:
         """A node's stacks, taken for the hang its job's incident is about (the open one, else the one just closed:
@@ -206,6 +230,7 @@ class ReportFold:
 
     def _submitted(self, job_id: str, spec: dict[str, Any], ts: int) -> None:
         job = self._job(job_id, ts)
+        job.submitted = True
         job.nodes = list(spec.get("nodes", []))
         job.rpn = int(spec.get("ranks_per_node", 1))
         job.gpus = len(job.nodes) * job.rpn
@@ -252,6 +277,8 @@ class ReportFold:
         elif kind == "fault.cleared":
             for key in [str(detail.get("key", ""))] + [str(k) for k in detail.get("keys", [])]:
                 job.suspected.pop(key, None)
+        elif kind == "job.unserved":
+            job.unserved = str(d.get("reason", ""))
         elif kind == "progress.corrected":
             job.step = min(job.step, int(detail.get("step", job.step)))
         phase = d.get("phase")
@@ -335,8 +362,12 @@ class ReportFold:
                               else "written by exiting ranks", "outcome": None}
         elif kind in ("checkpoint.dying_done", "checkpoint.dying_failed") and incident.dying is not None:
             incident.dying["outcome"] = "done" if kind.endswith("done") else "failed"
-        elif kind == "ranks.rescheduling" and detail.get("nodes"):
-            job.nodes = list(detail["nodes"])  # the job's placement from here on: ranks map to these nodes
+        elif kind == "ranks.rescheduling":
+            if detail.get("nodes"):
+                job.nodes = list(detail["nodes"])  # the job's placement from here on: ranks map to these nodes
+            incident.generation = detail.get("generation")
+            incident.restarted = incident.attempts[-1]["ranks"] if incident.attempts else job.gpus
+            incident.starts, incident.all_started, incident.first_output = 0, None, None
 
     def _fault(self, job: JobFold, d: dict[str, Any], ts: int, detail: dict[str, Any]) -> dict[str, Any]:
         fault = detail.get("fault")
@@ -394,7 +425,7 @@ class ReportFold:
             incident.phases[-1].end = ts
         incident.closed = ts
         incident.outcome = "recovered" if kind == "incident.closed" else _ENDS.get(kind, kind)
-        lost = detail.get("lost_steps", 0) if kind == "incident.closed" else 0
+        lost = detail.get("lost_steps", 0) if kind == "incident.closed" and job.sdk else None
         incident.lost_steps = None if lost is None else int(lost)  # None: the script reports no steps
         job.incident = None
         job.incidents.append(incident)
@@ -421,6 +452,8 @@ class ReportFold:
         job = self.jobs.get(job_id)
         if job is None:
             return  # the job was never accepted: the whole log's count has it
+        if rejected.endswith(".job.submitted") and job.started is None and job.refused is None:
+            job.refused = f"refused [{code}]: {data.get('reason', '')}"[:300]
         job.dead_letters[code] = job.dead_letters.get(code, 0) + 1
         if len(job.first_dead_letters) < FIRST_DEAD_LETTERS:
             job.first_dead_letters.append({"seq": data.get("seq"), "ts": ts, "code": code,
@@ -431,7 +464,11 @@ class ReportFold:
         """The report (documented in docs/on-call.md, "report": `--json` prints exactly this)."""
         self._release_held()
         end = self.last_ts if self.last_ts is not None else 0
-        jobs = [job_report(job, end) for job in sorted(self.jobs.values(), key=lambda j: j.id)]
+        # A job that never ran (refused, or placed where no agent serves it) lost nothing and trained nothing: it is
+        # listed apart and counted in no figure, which its wall time as "effective" would raise.
+        ran = sorted((j for j in self.jobs.values() if not j.never_ran), key=lambda j: j.id)
+        never = [never_ran(j, end) for j in sorted(self.jobs.values(), key=lambda j: j.id) if j.never_ran]
+        jobs = [job_report(job, end) for job in ran]
         incidents = [inc for j in jobs for inc in j["incidents"]]
         wall = sum(j["wall_s"] for j in jobs)
         lost = sum(j["lost_s"] for j in jobs)
@@ -451,6 +488,7 @@ class ReportFold:
             "summary": {
                 "jobs": len(jobs), "incidents": len(incidents),
                 "ettr": round(1 - gpu_lost / gpu_wall, 6) if gpu_wall else None,
+                "ettr_upper_bound": any(j["ettr_upper_bound"] for j in jobs),
                 "wall_s": round(wall, 3), "lost_s": round(lost, 3),
                 "lost_gpu_hours": round(gpu_lost / 3600, 3),
                 "lost_gpu_hours_by_cause": sum_dicts(j["lost_gpu_hours_by_cause"] for j in jobs),
@@ -463,6 +501,7 @@ class ReportFold:
                 "policy_failures": sum(j["policy_failures"] for j in jobs),
             },
             "jobs": jobs,
+            "never_ran": never,
             "lemons": lemons(incidents),
             "notes": notes,
         }

@@ -13,6 +13,7 @@ import html
 import os
 from typing import Any
 
+from recovery.report.figures import checkpoint_text
 from recovery.report.fold import REPORT_VERSION
 from recovery.report.stacks import describe
 
@@ -156,12 +157,12 @@ def _incident_table(job: dict[str, Any]) -> str:
     rows = []
     for inc in job["incidents"]:
         grans = " &rarr; ".join(_e(a["granularity"]) for a in inc["attempts"]) or "-"
-        ckpt = inc["checkpoint"]
-        source = "-" if not ckpt else f'step {ckpt["checkpoint_step"]} ({_e(", ".join(ckpt["tiers"]))})'
-        ttr = "-" if inc["ttr_s"] is None else f'{inc["ttr_s"]:.1f}'
+        source = _e(checkpoint_text(inc["checkpoint"]))
+        ttr = "-" if inc["ttr_s"] is None else ("&ge;" if inc["ttr_lower_bound"] else "") + f'{inc["ttr_s"]:.1f}'
         rows.append(f'<tr><td>{_e(inc["id"])}</td><td>{_e(inc["fault_class"])}</td>'
                     f'<td>{inc["detection_latency_s"]:.1f}</td><td>{grans}</td><td>{source}</td>'
-                    f'<td>{"?" if inc["lost_steps"] is None else inc["lost_steps"]}</td><td>{ttr}</td>'
+                    f'<td>{"?" if inc["lost_steps"] is None else inc["lost_steps"]}</td>'
+                    f'<td title="{_e(inc["ttr_basis"])}">{ttr}</td>'
                     f'<td>{inc["lost_gpu_hours"]:.2f}</td><td>{_e(inc["outcome"])}</td></tr>')
         if inc.get("stacks"):
             # the hang's localization: who stood out in the stacks taken before it was acted on
@@ -207,11 +208,22 @@ def _job_dead_letters(job: dict[str, Any]) -> str:
             f'<ul class="bad">{items}</ul>') + failed
 
 
+def _never_ran(jobs: list[dict[str, Any]]) -> str:
+    """The jobs that never ran: a table after the charts of those that did (they have no chart and no figure)."""
+    if not jobs:
+        return ""
+    rows = "".join(f'<tr><td>{_e(j["job"])}</td><td>{j["gpus"]}</td><td>{_e(j["state"])}</td><td>{_e(j["reason"])}'
+                   f'</td></tr>' for j in jobs)
+    return (f'<h2>Jobs that never ran ({len(jobs)}): in no figure</h2><table class="never-ran"><thead><tr><th>job'
+            f'</th><th>GPUs</th><th>state</th><th>why</th></tr></thead><tbody>{rows}</tbody></table>')
+
+
 def render_html(report: dict[str, Any]) -> str:
     s = report["summary"]
-    ettr = "-" if s["ettr"] is None else f'{s["ettr"]:.4f}'
+    ettr = "-" if s["ettr"] is None else ("&le;" if s["ettr_upper_bound"] else "") + f'{s["ettr"]:.4f}'
     summary = (f'<table class="summary"><tr><td>records</td><td>{report["records"]:,}</td></tr>'
-               f'<tr><td>jobs / incidents</td><td>{s["jobs"]} / {s["incidents"]}</td></tr>'
+               f'<tr><td>jobs / incidents</td><td>{s["jobs"]} / {s["incidents"]}'
+               + (f' ({len(report["never_ran"])} more never ran)' if report["never_ran"] else "") + '</td></tr>'
                f'<tr><td>ETTR</td><td>{ettr}</td></tr>'
                f'<tr><td>lost GPU-hours</td><td>{s["lost_gpu_hours"]:,.2f} ('
                + _e(", ".join(f"{k} {v:,.2f}" for k, v in s["lost_gpu_hours_by_cause"].items())) + ')</td></tr>'
@@ -224,7 +236,8 @@ def render_html(report: dict[str, Any]) -> str:
     jobs, tables = [], []
     for index, job in enumerate(report["jobs"]):
         jobs.append(f'<h2>job {_e(job["job"])}: {job["gpus"]} GPUs, {_e(job["state"])} at step {job["step"]:,}, '
-                    f'ETTR {"-" if job["ettr"] is None else format(job["ettr"], ".4f")}</h2>'
+                    f'ETTR {"-" if job["ettr"] is None else ("&le;" if job["ettr_upper_bound"] else "")}'
+                    f'{"" if job["ettr"] is None else format(job["ettr"], ".4f")}</h2>'
                     + (f'<p class="bad">failed: {_e(job["end_reason"])}</p>' if job["state"] == "failed"
                        and job["end_reason"] else "") + _job_dead_letters(job) + _timeline(job, index))
         opened = " open" if len(job["incidents"]) <= 30 else ""
@@ -232,7 +245,7 @@ def render_html(report: dict[str, Any]) -> str:
                       f'</summary>{_incident_table(job)}</details>')
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>recovery postmortem</title>'
             f'<meta name="report-version" content="{REPORT_VERSION}"><style>{_CSS}</style></head><body>'
-            f'<h1>Postmortem</h1>{summary}{_legend()}{"".join(jobs)}'
+            f'<h1>Postmortem</h1>{summary}{_legend()}{"".join(jobs)}{_never_ran(report["never_ran"])}'
             f'<h2>Time to recovery by phase and fault class (mean seconds per incident)</h2>'
             f'{_mttr_chart(s["mttr_by_fault_class"])}'
             f'<h2>Lemon candidates: nodes in two or more incidents</h2>{_lemons(report["lemons"])}'

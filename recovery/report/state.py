@@ -54,6 +54,16 @@ class Incident:
     """opened before --since: its start is not in what was read"""
     stacks: StackGroups | None = None
     """the stacks the agents took before a hang was acted on, grouped"""
+    generation: int | None = None
+    """the generation the incident's latest restart started its processes in"""
+    restarted: int = 0
+    """the ranks that restart started"""
+    starts: int = 0
+    """of them, the processes reported started"""
+    all_started: int | None = None
+    """log time when every restarted process had started"""
+    first_output: int | None = None
+    """log time of the first output of a process of the restart (a stock script's first sign that it runs)"""
 
 
 @dataclass
@@ -94,11 +104,24 @@ class JobFold:
     policy_failures: int = 0
     """`policy.failed` decisions: a plugin erred or looped, and the built-in answered"""
     first_policy_failures: list[dict[str, Any]] = field(default_factory=list)
+    sdk: bool = False
+    """a rank spoke through the SDK (a heartbeat, a step): the job's progress is measured, not only its processes"""
+    submitted: bool = False
+    """its submission is among the records read (not before --since)"""
+    refused: str | None = None
+    """why the daemon refused the job's submission (it never ran)"""
+    unserved: str | None = None
+    """why it could not start: its nodes had no agent (the daemon's `job.unserved`)"""
     step_after_close: int | None = None
     """the step at which the last closed incident struck: the next one is a restart loop unless the job got past it"""
     decision_counts: dict[str, int] = field(default_factory=dict)
     loose: list[dict[str, Any]] = field(default_factory=list)
     loose_omitted: int = 0
+
+    @property
+    def never_ran(self) -> bool:
+        """Submitted in what was read, and never started (refused, unserved, cancelled first, or still waiting)."""
+        return self.started is None and self.submitted and not self.incidents and self.incident is None
 
     def node_of(self, rank: int) -> str | None:
         index = rank // self.rpn if self.rpn else -1

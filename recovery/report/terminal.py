@@ -10,6 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from recovery.report.figures import checkpoint_text
 from recovery.report.stacks import describe
 
 MAX_INCIDENTS = 50
@@ -18,6 +19,11 @@ MAX_INCIDENTS = 50
 
 def _num(value: float | None, unit: str = "", digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def _ettr(value: float | None, upper_bound: bool) -> str:
+    """ETTR, `≤` when it is a bound (a script that reports no steps: the work it redid is not known)."""
+    return ("≤" if upper_bound and value is not None else "") + _num(value, digits=4)
 
 
 def _cause_text(inputs: dict[str, Any]) -> str:
@@ -37,7 +43,8 @@ def render(report: dict[str, Any], console: Console | None = None, decisions: bo
     span = report["span"]
     console.print(Text.assemble(
         ("postmortem ", "bold"), f"of {report['records']:,} records over {span['seconds']:,.1f} s: ",
-        f"{s['jobs']} job(s), {s['incidents']} incident(s), ETTR ", (_num(s["ettr"], digits=4), "bold"),
+        f"{s['jobs']} job(s)", f" (and {len(report['never_ran'])} that never ran)" if report["never_ran"] else "",
+        f", {s['incidents']} incident(s), ETTR ", (_ettr(s["ettr"], s["ettr_upper_bound"]), "bold"),
         f", lost {s['lost_gpu_hours']:,.2f} GPU-hours, {s['restart_loops']} restart loop(s)",
         *_dead_letters(s["dead_letters"], s["policy_errors"] - s["policy_failures"], s["rejections"]),
         *_policy_failures(s["policy_failures"])))
@@ -52,6 +59,13 @@ def render(report: dict[str, Any], console: Console | None = None, decisions: bo
         console.print(lost)
     for job in report["jobs"]:
         _job(console, job, decisions)
+    if report["never_ran"]:
+        never = Table(title="jobs that never ran (in no figure above)")
+        for column in ("job", "GPUs", "state", "why"):
+            never.add_column(column, overflow="fold")
+        for job in report["never_ran"]:
+            never.add_row(job["job"], str(job["gpus"]), job["state"], Text(job["reason"]))
+        console.print(never)
     lemons = Table(title="lemon candidates: nodes in two or more incidents")
     for column in ("node", "incidents", "jobs", "devices repeating", "history"):
         lemons.add_column(column, overflow="fold")
@@ -85,8 +99,9 @@ def _policy_failures(count: int) -> list[str | tuple[str, str]]:
 def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
     policies = ", ".join(job["policies"].values()) or "?"
     console.rule(Text(f"job {job['job']}", style="bold"))
-    console.print(f"{job['gpus']} GPUs on {job['nodes']} nodes, {policies}; {job['state']} at step {job['step']:,}; "
-                  f"wall {job['wall_s']:,.1f} s, ETTR {_num(job['ettr'], digits=4)}, lost "
+    at = f"at step {job['step']:,}" if job["reports_steps"] else "(the script reports no steps)"
+    console.print(f"{job['gpus']} GPUs on {job['nodes']} nodes, {policies}; {job['state']} {at}; "
+                  f"wall {job['wall_s']:,.1f} s, ETTR {_ettr(job['ettr'], job['ettr_upper_bound'])}, lost "
                   f"{job['lost_gpu_hours']:,.3f} GPU-hours, step time {_num(job['step_time_s'], ' s', 3)}, "
                   f"{job['restart_loops']} restart loop(s)")
     if job["state"] == "failed" and job["end_reason"]:
@@ -109,16 +124,21 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
         root = inc["root_faults"][0] if inc["root_faults"] else {}
         fault = f"{inc['fault_class']} {root.get('code') or ''}".strip()
         grans = " -> ".join(a["granularity"] for a in inc["attempts"]) or "-"
-        ckpt = inc["checkpoint"]
-        source = "-" if not ckpt else f"step {ckpt['checkpoint_step']} " + ",".join(ckpt["tiers"])
         table.add_row(inc["id"], Text(fault), str(inc["first_failing_rank"] if inc["first_failing_rank"] is not None
                                                   else "-"),
                       _num(inc["detection_latency_s"], digits=2), _num(inc["decision_latency_s"], digits=2),
-                      grans, Text(source), "?" if inc["lost_steps"] is None else str(inc["lost_steps"]),
-                      _num(inc["ttr_s"]),
+                      grans, Text(checkpoint_text(inc["checkpoint"])),
+                      "?" if inc["lost_steps"] is None else str(inc["lost_steps"]),
+                      ("≥" if inc["ttr_lower_bound"] else "") + _num(inc["ttr_s"]),
                       _num(inc["lost_gpu_hours"], digits=3),
                       inc["outcome"] + (" (loop)" if inc["restart_loop"] else ""))
     console.print(table)
+    for measured, basis in dict.fromkeys((inc["ttr_s"] is not None, inc["ttr_basis"])
+                                         for inc in job["incidents"][:MAX_INCIDENTS]):
+        console.print(Text(f"TTR {'measured to' if measured else 'not measured'}: {basis}", style="dim"))
+    if job["incidents"] and not job["reports_steps"]:
+        console.print(Text("the script reports no steps: the work it redid since its own snapshot is not known, and "
+                           "lost time ends when it ran again", style="dim"))
     if len(job["incidents"]) > MAX_INCIDENTS:
         console.print(f"... and {len(job['incidents']) - MAX_INCIDENTS} more incidents (see --json or --html)")
     if not decisions:
@@ -155,8 +175,15 @@ def _mttr_table(mttr: dict[str, dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for column in ("class", "incidents", "recovered", "p50 s", "p95 s"):
         table.add_column(column, justify="left" if column == "class" else "right")
+    bounded = False
     for cls, m in mttr.items():
-        table.add_row(cls, str(m["incidents"]), str(m["recovered"]), _num(m["p50_s"]), _num(m["p95_s"]))
+        at_least = "≥" if m.get("lower_bounds") else ""  # some of the times are lower bounds: so are the figures
+        bounded = bounded or bool(at_least)
+        table.add_row(cls, str(m["incidents"]), str(m["recovered"]), at_least + _num(m["p50_s"]),
+                      at_least + _num(m["p95_s"]))
+    if bounded:
+        table.caption = ("≥: among the times, lower bounds (restarts of scripts that report no steps and printed "
+                         "nothing)")
     return table
 
 

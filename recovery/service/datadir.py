@@ -18,7 +18,7 @@ import fcntl
 import os
 from pathlib import Path
 
-LOCK_FILE = "daemon.lock"
+from recovery.log.datadir import LOCK_FILE
 
 _held: dict[Path, tuple[int, int]] = {}
 """this process's locks: the directory, resolved -> (descriptor, holds)"""

@@ -31,11 +31,11 @@ from urllib.parse import urlsplit
 
 import anyio
 
+from recovery.log.datadir import URL_FILE
 from recovery.log.nats_server import NatsProcess, free_port, port_free
 from recovery.service.datadir import StartRefused
 
 logger = logging.getLogger("recovery.embedded")  # the name operators filter on: kept since it moved
-URL_FILE = "nats.url"
 PORT_WAIT_S = 15.0
 """how long a start waits for its port to be released (an old server still shutting down) before it is refused"""
 PORT_POLL_S = 0.05
