@@ -151,6 +151,8 @@ RUN_HERE: dict[str, int] = {
     f"recovery-replay report {GOLDEN} --json > report.json": 0,
     f"recovery-replay report {GOLDEN} --html report.html": 0,
     f"recovery-replay whatif {GOLDEN} --policy rescheduling=torchelastic-like-rescheduling --keep-logs whatif": 0,
+    f"recovery-replay whatif {GOLDEN}": 0,
+    "recovery-replay whatif tests/golden/stock_script_restarts_whole.jsonl --step-time-s 2": 0,
     "recovery-replay diff whatif/recorded-policies.jsonl whatif/whatif.jsonl": 1,
     f"recovery-replay run {GOLDEN}": 0,
     f"recovery-replay verify {GOLDEN}": 0,

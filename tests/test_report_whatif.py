@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from recovery.cli.replay import main
 from recovery.log import write_file
 from recovery.report.diff import diff_logs
+from recovery.report.fold import build_report
 from recovery.report.source import iter_file
 from recovery.report.whatif import whatif
 from tests.golden.scenarios import _ttp
@@ -93,7 +95,12 @@ def test_whatif_takes_the_model_size_from_the_recorded_layout_not_a_405b_default
     given = whatif(GOLDEN / "pod_level_reschedule.jsonl", ["rescheduling=torchelastic-like-rescheduling"],
                    model_params=405e9)
     assert given["cluster"]["model_params_from"] == "--model-params"
-    assert given["simulated"]["recorded policies"]["mttr_by_fault_class"]["device"]["p50_s"] > mttr
+    # the recorded move loaded from live replicas in the time the log shows, whatever the model's size; the what-if's
+    # job-level restart loads from storage, which the log never timed: that load follows the model's size
+    assert given["calibration"]["load_peer_s"]["from"] == "measured"
+    assert given["simulated"]["recorded policies"]["mttr_by_fault_class"]["device"]["p50_s"] == mttr
+    assert (given["simulated"]["what-if"]["mttr_by_fault_class"]["device"]["p50_s"]
+            > result["simulated"]["what-if"]["mttr_by_fault_class"]["device"]["p50_s"])
 
 
 def test_whatif_of_a_partitioned_log_gives_the_job_only_its_partitions_spares() -> None:
@@ -110,3 +117,103 @@ def test_whatif_of_a_partitioned_log_gives_the_job_only_its_partitions_spares() 
     assert [f["from"] for f in split["inputs"]["fault_list"]] == ["device.fault XID 48 (seq 77)"]  # n1's, the job's
     two = whatif(log, ["rescheduling=torchelastic-like-rescheduling"], tail_s=60, partitions=2)
     assert two["cluster"]["spares"] == 1  # s0 is partition 0's of 2, as llm is; s1 is partition 1's
+
+
+# -- the recorded policies, simulated, reproduce the recorded night -------------------------------------------------
+NOT_REPRODUCIBLE = {
+    "bad_step_rollback": ("fault.confirmed on progress.report", "the loss spike is in the ranks' own reports"),
+    "crash_loop": ("restart loop", "the restarted script fails again at once; simulated processes train on"),
+    "double_fault_carries_restart": ("the recorded executors failed", "a restart the executor failed"),
+    "elastic_keeps_survivors": ("on a timer", "the host was found by its silence, which no fault stands for"),
+    "elastic_scale": ("operator.scale", "an operator scaled the job"),
+    "elastic_wait": ("on a timer", "the host was found by its silence"),
+    "lemon_isolated_with_spare": ("other jobs shared the cluster", "two jobs; the first completes at once"),
+    "memory_checkpoint_lost": ("on a timer", "the host was found by its silence"),
+    "recover_in_place_fallback": ("the recorded executors failed", "the in-place restart failed, the move timed out"),
+    "reset_fails_then_moves": ("the recorded executors failed", "the GPU reset failed"),
+    "restart_budget": ("restart loop", "the script fails deterministically until the budget ends the job"),
+    "retry_fails_then_in_place": ("process.collective_failed", "a failed collective: no simulated fault makes one"),
+    "retry_new_generation": ("process.collective_failed", "a failed collective"),
+    "stock_script_restarts_whole": ("the job reported no steps", "a stock script: the step time is assumed"),
+    "straggler_drained": ("node.drain_planned on a timer", "a straggler found by the ranks' compute times"),
+    "wait_ends_on_rejoin": ("on a timer", "the host was found by its silence; its death time is assumed"),
+    "watchdog_heartbeat": ("on a timer", "the hung rank was found by its silence"),
+}
+"""golden logs the simulator cannot reproduce, with what whatif must say about why, and why in a few words"""
+KNOWN_GAPS = {
+    "frequency_isolation": "the simulator's device does not fail on a watch-only XID 63, so the move finds no spare "
+                           "reason and the ladder restarts the job",
+    "graceful_exit": "SIGTERM exits are simulated as crashes: no dying checkpoint is written by the handlers",
+    "sigterm_storm": "SIGTERM exits are simulated as crashes: the restore takes the cost model's storage load",
+    "partial_restart_survivors": "the recorded restore (1 s) is shorter than a simulated step's report",
+    "power_off_checkpoint": "the dying checkpoint's save takes the cost model's time, not the recorded one",
+    "power_off_rank0": "the dying checkpoint's save takes the cost model's time, not the recorded one",
+    "step_retry": "the simulated hang is reported by the agent (process.hang) before the peers' collective timeout",
+    "watchdog_collective": "the simulated hang is reported by the agent (process.hang) before the peers' timeout",
+    "wait_deadline_reset": "the device's repair wait takes the cost model's reset time",
+}
+"""golden logs whatif does not reproduce yet and cannot explain from the log: the simulator's model differs"""
+
+
+def _attempts(report: dict[str, Any]) -> list[str]:
+    """The granularity of every attempt of the log's incidents, in order, as `report` reads them."""
+    return [str(a["granularity"]) for job in report["jobs"] for inc in job["incidents"] for a in inc["attempts"]]
+
+
+@pytest.mark.parametrize("log", sorted(GOLDEN.glob("*.jsonl")), ids=lambda p: p.stem)
+def test_whatif_under_the_recorded_policies_reproduces_the_golden_night(log: Path, tmp_path: Path) -> None:
+    """With no --policy, the simulated run under the recorded policies repeats the recorded recovery decisions
+    (each attempt with its granularity, failures, recoveries, the job's end) within the tolerance, and the MTTR
+    per class; where it cannot, whatif says why, and the why is one the log shows."""
+    result = whatif(log, [], keep_logs=tmp_path)
+    rep = result["reproduction"]
+    if log.stem in KNOWN_GAPS:
+        assert not rep["reproduced"], "reproduced now: move it out of KNOWN_GAPS"
+        pytest.xfail(KNOWN_GAPS[log.stem])
+    if log.stem in NOT_REPRODUCIBLE:
+        said, _ = NOT_REPRODUCIBLE[log.stem]
+        assert not rep["reproduced"]
+        assert any(said in reason for reason in rep["not_recreated"]), rep["not_recreated"]
+        return
+    assert rep["reproduced"], rep
+    tolerance = rep["tolerance_s"]
+    recorded_report = build_report(iter_file(log), job=result["job"])
+    simulated_report = build_report(iter_file(tmp_path / "recorded-policies.jsonl"), job=result["job"])
+    assert _attempts(simulated_report) == _attempts(recorded_report)  # the same attempts, read by another fold
+    assert [d["decision"] for d in rep["simulated"]] == [d["decision"] for d in rep["recorded"]]
+    assert all(abs(a["at_s"] - b["at_s"]) <= tolerance for a, b in zip(rep["recorded"], rep["simulated"], strict=True))
+    recorded_mttr = recorded_report["summary"]["mttr_by_fault_class"]
+    assert set(simulated_report["summary"]["mttr_by_fault_class"]) == set(recorded_mttr)
+    for cls, figures in recorded_mttr.items():
+        if figures["p50_s"] is not None:
+            assert abs(simulated_report["summary"]["mttr_by_fault_class"][cls]["p50_s"] - figures["p50_s"]) <= tolerance
+
+
+def test_a_repeated_watch_only_xid_is_a_fault_of_its_own_not_a_follow_up() -> None:
+    """frequency_isolation: XID 63 three times, 5 s apart, on one GPU. Only a 63 that follows a 48 is the simulator's
+    to send; the three are what frequency escalation counts, so all three are kept."""
+    result = whatif(GOLDEN / "frequency_isolation.jsonl", [], tail_s=60)
+    assert result["inputs"]["kept"] == {"device.fault": 3}
+
+
+def test_whatif_marks_the_step_time_of_a_job_that_reported_none_as_assumed() -> None:
+    """stock_script_restarts_whole reports no steps: the 6 s step is the cost model's, said to be assumed with the
+    flag that sets it; given with --step-time-s it is no longer assumed."""
+    log = GOLDEN / "stock_script_restarts_whole.jsonl"
+    assumed = whatif(log, [], tail_s=60)
+    assert assumed["cluster"]["step_time_from"] == "assumed" and "step_time_s" in assumed["assumed"]
+    assert "--step-time-s" in assumed["assumed"]["step_time_s"]["how"]
+    given = whatif(log, [], tail_s=60, step_time_s=2.5)
+    assert given["cluster"]["step_time_s"] == 2.5 and "step_time_s" not in given["assumed"]
+    measured = whatif(GOLDEN / "pod_level_reschedule.jsonl", [], tail_s=60)
+    assert measured["calibration"]["step_time_s"]["from"] == "measured"
+
+
+def test_whatif_cli_without_a_policy_says_whether_the_log_is_reproduced(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["whatif", str(GOLDEN / "pod_level_reschedule.jsonl"), "--tail-s", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced: the recorded policies, simulated, repeat the log's" in out
+    assert main(["whatif", str(GOLDEN / "recover_in_place_fallback.jsonl"), "--tail-s", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT reproduced" in out and "the recorded executors failed" in out
+    assert "compare the simulated columns with each other" in out

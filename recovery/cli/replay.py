@@ -79,7 +79,7 @@ from recovery.report import source as report_source
 from recovery.report.diff import diff_logs
 from recovery.report.fold import build_report
 from recovery.report.html import write_html
-from recovery.report.whatif import whatif
+from recovery.report.whatif import TOLERANCE_S, whatif
 
 NS = 1_000_000_000
 EXPORT_HELP = "JSONL export of the log, or the data directory of a `recovery-run --standalone` run or of a daemon"
@@ -417,7 +417,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_whatif(args: argparse.Namespace) -> int:
     result = whatif(args.log, args.policy, job=args.job, model_params=args.model_params,
                     executor_failures=args.executor_failures, keep_logs=args.keep_logs, tail_s=args.tail_s,
-                    partitions=log_partitions(args.log, args.partitions))
+                    partitions=log_partitions(args.log, args.partitions), step_time_s=args.step_time_s,
+                    tolerance_s=args.tolerance_s)
     if args.json:
         sys.stdout.buffer.write(_json(result) + b"\n")
     else:
@@ -476,12 +477,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "were kept and which re-simulated, the decisions that differ, and the difference "
                                    "in ETTR, MTTR and lost GPU-hours.")
     p.add_argument("log", help=EXPORT_HELP)
-    p.add_argument("--policy", action="append", default=[], metavar="FAMILY=NAME[:key=value,...]", required=True,
+    p.add_argument("--policy", action="append", default=[], metavar="FAMILY=NAME[:key=value,...]",
                    help="replace one family's policy, e.g. rescheduling=torchelastic-like-rescheduling or "
-                        "checkpoint=newest-complete:peer=false (repeatable)")
+                        "checkpoint=newest-complete:peer=false (repeatable); none: the recorded policies alone, "
+                        "to check that the simulator reproduces the log")
+    p.add_argument("--step-time-s", type=float, help="the step time of a job that reported no steps (default: the "
+                                                     "simulator's 6 s, marked assumed)")
+    p.add_argument("--tolerance-s", type=float, default=TOLERANCE_S,
+                   help=f"how far a simulated recovery decision or MTTR may be from the recorded one and still "
+                        f"reproduce it (default {TOLERANCE_S:g})")
     p.add_argument("--job", help="the job to replay (default: the log's first job)")
     p.add_argument("--model-params", type=float, help="model parameters for the cost of moving state (default: the "
-                                                      "simulator's, Llama 3 405B)")
+                                                      "most one replica of the layout holds, marked assumed)")
     p.add_argument("--executor-failures", action="store_true",
                    help="executors fail and time out with the cost model's probabilities (default: never)")
     p.add_argument("--tail-s", type=float, default=3600.0,

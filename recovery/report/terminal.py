@@ -271,10 +271,13 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
     console.print(Text.assemble(("what-if ", "bold"), f"of {result['log']} (job {result['job']}): ",
                                 "; ".join(changed) or "the recorded policies"))
     c = result["cluster"]
+    step_from = {"measured": "measured", "given": "--step-time-s"}.get(c["step_time_from"],
+                                                                      "assumed: the job reported none; --step-time-s")
+    params_from = ("as given" if c.get("model_params_from") == "--model-params"
+                   else "assumed: the most one replica holds; --model-params")
     console.print(f"the simulated cluster: {c['nodes']} nodes of {c['ranks_per_node']} ranks, {c['spares']} spares, "
-                  f"layout {c['layout']}, a {c['model_params'] / 1e9:,.3g}B-parameter model ("
-                  f"{'as given' if c.get('model_params_from') == '--model-params' else 'the most one replica holds'}"
-                  f"), {c['step_time_s']} s a step (measured), storage checkpoint every "
+                  f"layout {c['layout']}, a {c['model_params'] / 1e9:,.3g}B-parameter model ({params_from}"
+                  f"), {c['step_time_s']} s a step ({step_from}), storage checkpoint every "
                   f"{c['storage_every_s'] or '-'} s, {c['days'] * 86_400:,.0f} s (the log's span and "
                   f"{c['tail_s']:,.0f} s more with no faults); executors "
                   f"{'fail as the cost model says' if c['executor_failures'] else 'never fail'}")
@@ -287,18 +290,62 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                        + ", ".join(f"{k} {v}" for k, v in inputs["kept"].items())))
     console.print(Text("re-simulated (answers to the recorded decisions, training, timers): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["resimulated"].items()), style="dim"))
-    table = Table(title="figures (both columns simulated on the same faults; the log's own for reference)")
+    measured = [f"{k} {v['value']}" for k, v in result["calibration"].items() if v["from"] == "measured"]
+    console.print(Text("measured from the log: " + (", ".join(measured) or "nothing"), style="dim"))
+    for name, figure in result["assumed"].items():
+        console.print(Text(f"assumed: {name} {figure['value']} ({figure['how']})", style="yellow"))
+    _render_reproduction(result["reproduction"], console)
+    spans = result["figures"]
+    title = "figures over the log's span, as `report` counts them on every log"
+    if not result["reproduction"]["reproduced"]:
+        title += " (the simulated run does not reproduce the log: compare the simulated columns with each other)"
+    table = Table(title=title)
     for column in ("", "recorded log", "recorded policies", "what-if", "difference"):
         table.add_column(column, justify="right" if column else "left")
-    base, what, delta = result["simulated"]["recorded policies"], result["simulated"]["what-if"], result["delta"]
-    table.add_row("ETTR", _num(result["recorded"]["ettr"], digits=4), _num(base["ettr"], digits=4),
-                  _num(what["ettr"], digits=4), f"{delta['ettr']:+.4f}")
-    table.add_row("lost GPU-hours", _num(result["recorded"]["lost_gpu_hours"], digits=3),
-                  _num(base["lost_gpu_hours"], digits=3), _num(what["lost_gpu_hours"], digits=3),
-                  f"{delta['lost_gpu_hours']:+.3f}")
-    for cls, d in delta["mttr_p50_s"].items():
-        table.add_row(f"MTTR p50 {cls} (s)", _num(result["recorded"]["mttr_by_fault_class"].get(cls, {}).get("p50_s")),
-                      _num(base["mttr_by_fault_class"].get(cls, {}).get("p50_s")),
-                      _num(what["mttr_by_fault_class"].get(cls, {}).get("p50_s")), "-" if d is None else f"{d:+.1f}")
+    rec, base, what = spans["recorded log"], spans["recorded policies"], spans["what-if"]
+
+    def delta(x: float | None, y: float | None, digits: int) -> str:
+        return "-" if x is None or y is None else f"{y - x:+.{digits}f}"
+
+    table.add_row("ETTR", _num(rec["ettr"], digits=4), _num(base["ettr"], digits=4), _num(what["ettr"], digits=4),
+                  delta(base["ettr"], what["ettr"], 4))
+    table.add_row("lost GPU-hours", _num(rec["lost_gpu_hours"], digits=3), _num(base["lost_gpu_hours"], digits=3),
+                  _num(what["lost_gpu_hours"], digits=3), delta(base["lost_gpu_hours"], what["lost_gpu_hours"], 3))
+    classes = sorted(set(rec["mttr_by_fault_class"]) | set(base["mttr_by_fault_class"])
+                     | set(what["mttr_by_fault_class"]))
+    for cls in classes:
+        x, y, z = (side["mttr_by_fault_class"].get(cls, {}).get("p50_s") for side in (rec, base, what))
+        table.add_row(f"MTTR p50 {cls} (s)", _num(x), _num(y), _num(z), delta(y, z, 1))
     console.print(table)
+    sim = result["delta"]
+    console.print(Text(f"the simulator's own ledger over the span and the {result['cluster']['tail_s']:,.0f} s tail "
+                       f"(checkpoint stalls included, MTTR from the fault itself): ETTR {sim['ettr']:+.4f}, lost "
+                       f"GPU-hours {sim['lost_gpu_hours']:+.3f}", style="dim"))
     render_diff(result["diff"], console, limit)
+
+
+def _render_reproduction(rep: dict[str, Any], console: Console) -> None:
+    """Whether the recorded policies, simulated, repeat the recorded night; if not, where they part and why."""
+    tolerance = rep["tolerance_s"]
+    decisions = ", ".join(f"{d['decision']} {d['at_s']:g}s" for d in rep["recorded"][:12])
+    if rep["reproduced"]:
+        console.print(Text(f"reproduced: the recorded policies, simulated, repeat the log's {len(rep['recorded'])} "
+                           f"recovery decisions and its MTTR per class within {tolerance:g} s ({decisions})",
+                           style="green"))
+        return
+    first = rep["first_difference"]
+    where = "MTTR differs by more than the tolerance" if first is None else (
+        f"decision #{first['index']}: recorded {_decision_at(first['recorded'])}, "
+        f"simulated {_decision_at(first['simulated'])}")
+    console.print(Text(f"NOT reproduced within {tolerance:g} s: {where}", style="bold red"))
+    for cls, m in rep["mttr_by_fault_class"].items():
+        if not m["within_tolerance"]:
+            console.print(Text(f"  MTTR p50 {cls}: recorded {_num(m['recorded_p50_s'])} s, simulated "
+                               f"{_num(m['simulated_p50_s'])} s", style="red"))
+    why = rep["not_recreated"] or ["none the log shows: the simulator's model of the cluster differs from it"]
+    for reason in why:
+        console.print(Text(f"  the simulator does not re-create: {reason}", style="red"))
+
+
+def _decision_at(decision: dict[str, Any] | None) -> str:
+    return "nothing" if decision is None else f"{decision['decision']} at {decision['at_s']:g} s"

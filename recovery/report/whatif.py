@@ -17,302 +17,34 @@ import itertools
 import math
 import os
 import re
+import shutil
 import statistics
 import tempfile
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from events.subjects import partition_of
 from events.values import PolicyRef, PolicySelection
 from policies.registry import load_set
-from recovery.log import FileLog
+from recovery.log import EPOCH, FileLog
+from recovery.report.calibration import Calibration, calibrate
 from recovery.report.diff import diff_logs
 from recovery.report.fold import build_report
-from recovery.report.source import RawDict, iter_file
+from recovery.report.recorded import RecordedCluster, RecoveryDecision, faults_of, read_recorded
+from recovery.report.source import iter_file
 from recovery.sim.__main__ import parse_policy
 from recovery.sim.accounting import Result
 from recovery.sim.config import DAY_S, NS, Agents, Cluster, Costs, Profile, SimConfig, Training
-from recovery.sim.faults import FOLLOW_UPS, Fault
+from recovery.sim.faults import Fault
 from recovery.sim.sim import Simulator
 
-WHATIF_VERSION = 1
-SIGNAL_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added", "fault.suspected",
-                              "fault.absorbed"})
-"""decisions that say the engine took their cause as a fault signal (not as the echo of its own command)"""
-PENDING_RECORDS = 256
-"""how far after a process event the decision that takes it as a signal may come (it follows its cause at once)"""
+WHATIF_VERSION = 2
 TAIL_S = 3600.0
 """simulated time after the log's end (no new faults): recoveries under way then finish under either policy"""
-CAUSED_BY_DEVICE_S = 5.0
-"""a process exit this soon after a fault of its own device is that fault's crash, which the simulator re-creates"""
-
-
-@dataclass
-class Draft:
-    """A fault being read: its repair or outage is known only when the log says the hardware came back."""
-
-    at: int
-    signal: str
-    scope: str
-    source: str
-    position: int | None = None
-    node: str | None = None
-    device: int = 0
-    code: str | None = None
-    exit_code: int | None = None
-    exit_signal: int | None = None
-    back: int | None = None
-
-
-@dataclass
-class RecordedCluster:
-    """What the recorded log says about the cluster, the job and its faults."""
-
-    job: str
-    spec: dict[str, Any]
-    nodes: list[str]
-    spares: list[str]
-    start: int
-    end: int
-    step_times: list[float] = field(default_factory=list)
-    storage_steps: list[int] = field(default_factory=list)
-    memory_steps: list[int] = field(default_factory=list)
-    drafts: list[Draft] = field(default_factory=list)
-    kept: dict[str, int] = field(default_factory=dict)
-    resimulated: dict[str, int] = field(default_factory=dict)
-    other_jobs: set[str] = field(default_factory=set)
-    """jobs of the log the what-if leaves out: the simulator runs one job (their nodes are not in its cluster)"""
-
-    @property
-    def rpn(self) -> int:
-        return int(self.spec["ranks_per_node"])
-
-
-class _Reader:
-    """One pass over the recorded log, keeping the job's shape and its faults."""
-
-    def __init__(self, job: str | None, agents: Agents) -> None:
-        self.job = job
-        self.agents = agents
-        self.joined: dict[str, bool] = {}
-        """node -> joined as a spare, in the order they joined (before the job: the simulator's cluster)"""
-        self.cluster: RecordedCluster | None = None
-        self.placement: list[str] = []
-        self.pending: dict[int, tuple[Draft, str]] = {}
-        self.open: dict[str, list[Draft]] = {}
-        """node -> faults waiting for the node (or its device or link) to come back"""
-        self.device_faults: dict[tuple[str, int], int] = {}
-        self.last_step: tuple[int, int] | None = None
-        self.last_ts = 0
-        self.others: set[str] = set()
-        self.started = False
-        self.recovering = False
-
-    def count(self, table: str, kind: str) -> None:
-        assert self.cluster is not None
-        counts = self.cluster.kept if table == "kept" else self.cluster.resimulated
-        counts[kind] = counts.get(kind, 0) + 1
-
-    def read(self, records: Iterable[RawDict]) -> RecordedCluster:
-        for record in records:
-            self.last_ts = record["ts"]
-            if record["subject"].startswith("recovery.dlq."):
-                continue
-            if record["subject"].startswith("recovery.dec."):
-                if record["envelope"].get("type") == "decision":
-                    self.decision(record, record["envelope"]["data"])
-                continue
-            self.input(record)
-        if self.cluster is None:
-            raise ValueError("the log holds no job.submitted" + (f" of job {self.job}" if self.job else ""))
-        for _, kind in self.pending.values():
-            self.count("resimulated", kind)
-        self.cluster.end = self.last_ts
-        self.cluster.other_jobs = set(self.others)
-        return self.cluster
-
-    def input(self, record: RawDict) -> None:
-        env = record["envelope"]
-        kind: str = env.get("type", "?")
-        ts: int = record["ts"]
-        job, node = env.get("job"), env.get("node")
-        data: dict[str, Any] = env.get("data") or {}
-        cluster = self.cluster
-        if cluster is None:
-            if kind == "node.joined" and node is not None:
-                self.joined.setdefault(node, bool(data.get("spare")))
-            elif kind == "job.submitted" and (self.job is None or job == self.job):
-                spec = data["spec"]
-                self.placement = list(spec["nodes"])
-                spares = [n for n, spare in self.joined.items() if spare and n not in self.placement]
-                self.cluster = RecordedCluster(job=job, spec=spec, nodes=list(self.placement), spares=spares,
-                                               start=ts, end=ts)
-                self.job = job
-            return
-        if job is not None and job != cluster.job:
-            self.others.add(job)
-            return
-        self.expire(record["seq"])
-        if kind == "job.started":
-            if not self.started:  # the simulated run starts where the recorded job first started
-                self.started, cluster.start = True, ts
-            self.count("resimulated", kind)
-        elif kind == "progress.step":
-            step = int(data["step"])
-            # the pace of training only: a gap that spans a recovery is not a step time
-            if self.last_step is not None and step > self.last_step[1] and not self.recovering:
-                cluster.step_times.append((ts - self.last_step[0]) / NS / (step - self.last_step[1]))
-                del cluster.step_times[:-1000]
-            if self.last_step is None or step > self.last_step[1]:
-                self.last_step = (ts, step)
-            self.count("resimulated", kind)
-        elif kind == "checkpoint.saved":
-            tier = data.get("tier")
-            if tier in ("storage", "memory"):
-                steps = cluster.storage_steps if tier == "storage" else cluster.memory_steps
-                if not steps or steps[-1] != data["step"]:
-                    steps.append(int(data["step"]))
-                    del steps[:-1000]
-            self.count("resimulated", kind)
-        elif kind == "device.fault" and node is not None:
-            self.device_fault(node, data, ts, record["seq"])
-        elif kind == "device.recovered" and node is not None:
-            self.back(node, ts, "device")
-            self.count("resimulated", kind)
-        elif kind == "network.link_down" and node is not None:
-            self.fault(Draft(ts, "network", "node", f"network.link_down (seq {record['seq']})"), node, kind)
-        elif kind == "network.link_up" and node is not None:
-            self.back(node, ts, "network")
-            self.count("resimulated", kind)
-        elif kind == "node.not_ready" and node is not None:
-            if any(d.signal == "network" for d in self.open.get(node, [])):
-                self.count("resimulated", kind)  # the platform's health check after a link went down: simulated
-            else:  # the host went away; the platform noticed after its grace period
-                at = max(cluster.start, ts - int(self.agents.node_not_ready_s * NS))
-                self.fault(Draft(at, "node", "node", f"node.not_ready (seq {record['seq']})"), node, kind)
-        elif kind in ("node.ready", "node.joined") and node is not None:
-            self.back(node, ts, None)
-            self.count("resimulated", kind)
-        elif kind in ("process.exited", "process.hang", "network.collective_timeout") and job is not None:
-            self.process_signal(record["seq"], kind, data, ts)
-        else:
-            self.count("resimulated", kind)
-
-    def device_fault(self, node: str, data: dict[str, Any], ts: int, seq: int) -> None:
-        device, code = int(data.get("device", 0)), str(data.get("code", ""))
-        earlier = self.device_faults.get((node, device))
-        follow_up = any(code == after for after in FOLLOW_UPS.values())
-        self.device_faults[(node, device)] = ts
-        if follow_up and earlier is not None and ts - earlier <= CAUSED_BY_DEVICE_S * NS:
-            self.count("resimulated", "device.fault")  # the simulator sends the follow-up XID itself
-            return
-        draft = Draft(ts, "device", "device", f"device.fault XID {code} (seq {seq})", device=device, code=code or None)
-        self.fault(draft, node, "device.fault")
-
-    def fault(self, draft: Draft, node: str, kind: str) -> None:
-        if node in self.placement:
-            draft.position = self.placement.index(node)
-        elif node in self.joined:
-            draft.node = node
-        else:
-            self.count("resimulated", kind)  # a node the simulated cluster does not have
-            return
-        assert self.cluster is not None
-        self.cluster.drafts.append(draft)
-        self.open.setdefault(node, []).append(draft)
-        self.count("kept", kind)
-
-    def back(self, node: str, ts: int, signal: str | None) -> None:
-        waiting = self.open.get(node, [])
-        for draft in waiting:
-            if draft.back is None and (signal is None or draft.signal == signal):
-                draft.back = ts
-        self.open[node] = [d for d in waiting if d.back is None]
-
-    def process_signal(self, seq: int, kind: str, data: dict[str, Any], ts: int) -> None:
-        assert self.cluster is not None
-        rank = data.get("rank")
-        if kind == "network.collective_timeout":
-            draft = Draft(max(self.cluster.start, ts - int(self.agents.hang_detect_s * NS)), "hang", "rank",
-                          f"{kind} (seq {seq})")
-            self.pending[seq] = (draft, kind)
-            return
-        if not isinstance(rank, int):
-            self.count("resimulated", kind)
-            return
-        node_index = rank // self.cluster.rpn
-        device = rank % self.cluster.rpn
-        node = self.placement[node_index] if node_index < len(self.placement) else None
-        crashed = self.device_faults.get((node, device)) if node is not None else None
-        if kind == "process.exited" and crashed is not None and ts - crashed <= CAUSED_BY_DEVICE_S * NS:
-            self.count("resimulated", kind)  # the crash of a faulty device's process: the simulator makes it
-            return
-        if kind == "process.hang":
-            draft = Draft(max(self.cluster.start, ts - int(self.agents.hang_detect_s * NS)), "hang", "rank",
-                          f"{kind} rank {rank} (seq {seq})", position=node_index, device=device)
-        else:
-            draft = Draft(ts, "process", "rank", f"{kind} rank {rank} (seq {seq})", position=node_index,
-                          device=device, exit_code=data.get("exit_code"), exit_signal=data.get("signal"))
-        self.pending[seq] = (draft, kind)
-
-    def expire(self, seq: int) -> None:
-        while self.pending:
-            first = next(iter(self.pending))
-            if seq - first <= PENDING_RECORDS:
-                return
-            _, kind = self.pending.pop(first)
-            self.count("resimulated", kind)
-
-    def decision(self, record: RawDict, d: dict[str, Any]) -> None:
-        cluster = self.cluster
-        if cluster is None or d["job"] != cluster.job:
-            return
-        kind = d["kind"]
-        detail = d.get("detail") or {}
-        phase = d.get("phase")
-        if phase is not None and not self.recovering:
-            self.recovering = True
-        elif phase is None and self.recovering:
-            self.recovering = False
-            self.last_step = None  # the next report after a recovery starts a new stretch of training
-        if kind == "ranks.rescheduling" and detail.get("nodes"):
-            self.placement = list(detail["nodes"])
-        pending = self.pending.pop(d["cause_seq"], None)
-        if pending is not None:
-            draft, input_kind = pending
-            if kind in SIGNAL_DECISIONS:
-                fault = detail.get("fault")
-                if draft.signal == "hang" and draft.position is None and isinstance(fault, dict) and fault.get("ranks"):
-                    rank = int(fault["ranks"][0])
-                    draft.position, draft.device = rank // cluster.rpn, rank % cluster.rpn
-                if draft.position is not None:
-                    cluster.drafts.append(draft)
-                    self.count("kept", input_kind)
-                    return
-            self.count("resimulated", input_kind)
-
-
-def read_recorded(records: Iterable[RawDict], job: str | None = None, agents: Agents | None = None
-                  ) -> RecordedCluster:
-    return _Reader(job, agents or Agents()).read(records)
-
-
-def _faults(cluster: RecordedCluster, durations: Any) -> list[Fault]:
-    spares = {name: len(cluster.nodes) + i for i, name in enumerate(cluster.spares)}
-    faults = []
-    for draft in sorted(cluster.drafts, key=lambda d: d.at):
-        repair = (draft.back - draft.at) if draft.back is not None else {
-            "device": durations.device_repair_mean_s, "network": durations.nic_repair_mean_s,
-            "node": durations.node_repair_mean_s}.get(draft.signal, durations.node_repair_mean_s) * NS
-        outage = (draft.back - draft.at) if draft.signal == "network" and draft.back is not None else 0
-        node = f"n{spares[draft.node]:05d}" if draft.node in spares else None
-        faults.append(Fault(index=len(faults), at_ns=max(0, draft.at - cluster.start), component=draft.source,
-                            signal=draft.signal, scope=draft.scope, position=draft.position or 0, device=draft.device,
-                            code=draft.code, exit_code=draft.exit_code, exit_signal=draft.exit_signal,
-                            outage_ns=int(outage), repair_ns=int(max(repair, NS)), node=node))
-    return faults
+TOLERANCE_S = 3.0
+"""how far a simulated recovery decision, or a class's MTTR, may be from the recorded one and still reproduce it"""
 
 
 DEVICE_MEMORY_BYTES = 80e9
@@ -331,27 +63,31 @@ def layout_params(layout: dict[str, int]) -> float:
 
 
 def config_for(cluster: RecordedCluster, selection: PolicySelection, model_params: float | None = None,
-               executor_failures: bool = False, tail_s: float = 0.0) -> SimConfig:
-    """The simulator's configuration for the recorded job: its shape, its measured pace and checkpoint cadence, the
-    cost model's defaults for everything the log does not say; executors that never fail unless asked, so that a
-    difference comes from the policies rather than the executors' luck."""
+               executor_failures: bool = False, tail_s: float = 0.0, step_time_s: float | None = None
+               ) -> tuple[SimConfig, Calibration]:
+    """The simulator's configuration for the recorded job: its shape, its measured pace, checkpoint cadence,
+    executors' and restores' durations and detection delays (`recovery.report.calibration`), the cost model's
+    defaults for everything the log does not say; executors that never fail unless asked, so that a difference
+    comes from the policies rather than the executors' luck."""
     spec = cluster.spec
     layout = spec["layout"]
     gpus = len(cluster.nodes) * cluster.rpn
     if gpus != layout["dp"] * layout["tp"] * layout["pp"]:
         raise ValueError(f"job {cluster.job}: {gpus} ranks on its nodes is not dp x tp x pp of its layout {layout}")
-    step_s = statistics.median(cluster.step_times) if cluster.step_times else Training().step_time_s
+    costs = Costs() if executor_failures else replace(Costs(), fail_probability=0.0, timeout_probability=0.0)
+    calibration = calibrate(cluster, replace(Training(), params=model_params or layout_params(layout)), costs,
+                            step_time_s, "--model-params" if model_params else "layout")
+    step_s = calibration.training.step_time_s
     storage = _every(cluster.storage_steps)
     memory = _every(cluster.memory_steps)
-    training = replace(Training(), step_time_s=step_s, storage_every_s=storage * step_s if storage else None,
-                       memory_every_steps=memory,
-                       params=model_params or layout_params(layout))
-    costs = Costs() if executor_failures else replace(Costs(), fail_probability=0.0, timeout_probability=0.0)
-    return SimConfig(cluster=Cluster(gpus=gpus, gpus_per_node=cluster.rpn, tp=layout["tp"], pp=layout["pp"],
-                                     spare_nodes=len(cluster.spares)),
-                     training=training, costs=costs,
-                     profile=Profile("recorded", selection, memory_tier=memory is not None),
-                     days=(max(cluster.end - cluster.start, NS) / NS + tail_s) / DAY_S, job=cluster.job)
+    training = replace(calibration.training, storage_every_s=storage * step_s if storage else None,
+                       memory_every_steps=memory)
+    config = SimConfig(cluster=Cluster(gpus=gpus, gpus_per_node=cluster.rpn, tp=layout["tp"], pp=layout["pp"],
+                                       spare_nodes=len(cluster.spares)),
+                       training=training, costs=calibration.costs, agents=calibration.agents,
+                       profile=Profile("recorded", selection, memory_tier=memory is not None),
+                       days=(max(cluster.end - cluster.start, NS) / NS + tail_s) / DAY_S, job=cluster.job)
+    return config, calibration
 
 
 def _every(steps: list[int]) -> int | None:
@@ -411,15 +147,76 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "lost_gpu_hours": round(b["lost_gpu_hours"] - a["lost_gpu_hours"], 3), "mttr_p50_s": mttr}
 
 
+def simulated_decisions(path: Path, job: str) -> list[RecoveryDecision]:
+    """The recovery decisions of a simulated log (whose job starts at its first record), as `read_recorded` keeps
+    the recorded ones."""
+    return read_recorded(iter_file(path), job).night.decisions
+
+
+def reproduction(cluster: RecordedCluster, simulated: list[RecoveryDecision], recorded_report: dict[str, Any],
+                 simulated_report: dict[str, Any], tolerance_s: float, calibration: Calibration) -> dict[str, Any]:
+    """Whether the run under the recorded policies repeats the recorded night: the same recovery decisions in the
+    same order (each attempt with its granularity, how attempts ended, recoveries, the job's end), each within
+    `tolerance_s` of its recorded time, and the same MTTR per fault class within `tolerance_s`. Decisions the
+    simulated run takes after the log's end (recoveries under way finishing in the tail) are not the night's."""
+    night = cluster.night
+    span_s = (cluster.end - cluster.start) / NS
+    recorded = night.decisions
+    within = [d for d in simulated if d.at_s <= span_s + tolerance_s]
+    first = None
+    for i in range(max(len(recorded), len(within))):
+        a = recorded[i] if i < len(recorded) else None
+        b = within[i] if i < len(within) else None
+        if a is None or b is None or a.label != b.label or abs(a.at_s - b.at_s) > tolerance_s:
+            first = {"index": i, "recorded": None if a is None else {"decision": a.label, "at_s": a.at_s},
+                     "simulated": None if b is None else {"decision": b.label, "at_s": b.at_s}}
+            break
+    mttr: dict[str, dict[str, Any]] = {}
+    rec_mttr, sim_mttr = recorded_report["mttr_by_fault_class"], simulated_report["mttr_by_fault_class"]
+    for cls in sorted(set(rec_mttr) | set(sim_mttr)):
+        x, y = rec_mttr.get(cls, {}).get("p50_s"), sim_mttr.get(cls, {}).get("p50_s")
+        mttr[cls] = {"recorded_p50_s": x, "simulated_p50_s": y,
+                     "within_tolerance": x is not None and y is not None and abs(x - y) <= tolerance_s}
+    not_recreated = ([f"the recorded executors failed: {w}" for w in night.failed_commands]
+                     + [f"a person or the scheduler decided: {w}" for w in night.operator]
+                     + [f"a fault signal the what-if does not replay: {w}" for w in night.unmatched_signals]
+                     + ([f"other jobs shared the cluster: {', '.join(sorted(cluster.other_jobs))}"]
+                        if cluster.other_jobs else [])
+                     + ([f"the job reported no steps: the simulated one trains at an assumed "
+                         f"{calibration.training.step_time_s} s a step (--step-time-s)"]
+                        if calibration.figures["step_time_s"]["from"] != "measured" else [])
+                     + ([f"the recorded job failed again before it got past the step of the fault before "
+                         f"({recorded_report['restart_loops']} restart loop(s): a deterministic failure); the "
+                         f"simulator's restarted processes train on"] if recorded_report.get("restart_loops") else []))
+    same = first is None and all(m["within_tolerance"] or (m["recorded_p50_s"] is None and m["simulated_p50_s"]
+                                                           is None) for m in mttr.values())
+    return {"reproduced": same, "tolerance_s": tolerance_s, "first_difference": first,
+            "recorded": [{"decision": d.label, "at_s": d.at_s} for d in recorded[:200]],
+            "simulated": [{"decision": d.label, "at_s": d.at_s} for d in within[:200]],
+            "mttr_by_fault_class": mttr, "not_recreated": not_recreated[:50]}
+
+
+def _report_figures(report: dict[str, Any], wall_s: float | None = None) -> dict[str, Any]:
+    """`report`'s figures; with `wall_s`, its ETTR over that wall time (a simulated log goes quiet while the job
+    trains, so its last record is no end of the run: the recorded log's wall is the run's)."""
+    s = report["summary"]
+    ettr = s["ettr"] if wall_s is None or not wall_s else round(1 - float(s["lost_s"]) / wall_s, 6)
+    return {"ettr": ettr, "lost_gpu_hours": s["lost_gpu_hours"],
+            "mttr_by_fault_class": {k: {"incidents": v["incidents"], "p50_s": v["p50_s"], "p95_s": v["p95_s"]}
+                                    for k, v in s["mttr_by_fault_class"].items()}}
+
+
 def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | None = None,
            model_params: float | None = None, executor_failures: bool = False,
            keep_logs: str | os.PathLike[str] | None = None, tail_s: float = TAIL_S,
-           partitions: int | None = None) -> dict[str, Any]:
-    """The what-if of a recorded log (a JSONL export) under `overrides` (`FAMILY=NAME[:k=v,...]`). Both simulated
-    runs last the log's span plus `tail_s`, so that a recovery under way when the log ends can finish. A log of
-    `partitions` P > 1 gave the job only its partition's spares (`recovery.core.partition`): so does the what-if."""
-    agents = Agents()
-    cluster = read_recorded(iter_file(path), job, agents)
+           partitions: int | None = None, step_time_s: float | None = None,
+           tolerance_s: float = TOLERANCE_S) -> dict[str, Any]:
+    """The what-if of a recorded log (a JSONL export) under `overrides` (`FAMILY=NAME[:k=v,...]`; none: the
+    recorded policies, which checks that the simulator reproduces the log). Both simulated runs last the log's span
+    plus `tail_s`, so that a recovery under way when the log ends can finish. A log of `partitions` P > 1 gave the
+    job only its partition's spares (`recovery.core.partition`): so does the what-if. `step_time_s` is the step
+    time of a job that reported none."""
+    cluster = read_recorded(iter_file(path), job, Agents())
     partition = None
     if partitions is not None and partitions > 1:
         partition = partition_of(cluster.job, partitions)
@@ -435,18 +232,33 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
             cluster.resimulated[kind] = cluster.resimulated.get(kind, 0) + 1
     base_selection = selection_with(cluster.spec, [])
     chosen = selection_with(cluster.spec, overrides)
-    faults = _faults(cluster, SimConfig().durations)
-    base_config = config_for(cluster, base_selection, model_params, executor_failures, tail_s)
+    faults = faults_of(cluster, SimConfig().durations)
+    base_config, calibration = config_for(cluster, base_selection, model_params, executor_failures, tail_s,
+                                          step_time_s)
     what_config = replace(base_config, profile=Profile("what-if", chosen, memory_tier=base_config.profile.memory_tier))
-    recorded = build_report(iter_file(path), job=cluster.job)["summary"]
+    recorded_report = build_report(iter_file(path), job=cluster.job)
+    span_end = EPOCH + (cluster.end - cluster.start)
     with tempfile.TemporaryDirectory(prefix="recovery-whatif-") as tmp:
         where = Path(keep_logs) if keep_logs is not None else Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
         base_log, what_log = where / "recorded-policies.jsonl", where / "whatif.jsonl"
         base = _figures(_simulate(base_config, faults, base_log))
-        what = _figures(_simulate(what_config, faults, what_log))
+        if chosen == base_selection:  # the what-if is the recorded policies: the same run, byte for byte
+            shutil.copyfile(base_log, what_log)
+            what = base
+        else:
+            what = _figures(_simulate(what_config, faults, what_log))
         diff = diff_logs(iter_file(base_log), iter_file(what_log), job=cluster.job,
                          labels=("recorded policies", "what-if"))
+        base_report = build_report(iter_file(base_log), job=cluster.job)
+        # over the recorded span only, as the log's own figures: the tail has no faults and would dilute them
+        wall = recorded_report["summary"]["wall_s"]
+        spans = {"recorded log": _report_figures(recorded_report),
+                 "recorded policies": _report_figures(build_report(iter_file(base_log), job=cluster.job,
+                                                                   until=span_end), wall),
+                 "what-if": _report_figures(build_report(iter_file(what_log), job=cluster.job, until=span_end), wall)}
+        replayed = reproduction(cluster, simulated_decisions(base_log, cluster.job), recorded_report["summary"],
+                                base_report["summary"], tolerance_s, calibration)
     names = {f"n{i:05d}": n for i, n in enumerate(cluster.nodes + cluster.spares)}
     return _renamed({
         "whatif": WHATIF_VERSION, "log": str(path), "job": cluster.job,
@@ -454,20 +266,22 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
         "cluster": {"nodes": len(cluster.nodes), "spares": len(cluster.spares), "ranks_per_node": cluster.rpn,
                     "partition": None if partition is None else {"index": partition, "count": partitions},
                     "layout": cluster.spec["layout"], "step_time_s": round(base_config.training.step_time_s, 3),
+                    "step_time_from": calibration.figures["step_time_s"]["from"],
                     "storage_every_s": base_config.training.storage_every_s,
                     "memory_every_steps": base_config.training.memory_every_steps,
                     "model_params": base_config.training.params,
                     "model_params_from": "--model-params" if model_params else "layout",
                     "days": round(base_config.days, 6),
                     "executor_failures": executor_failures, "tail_s": tail_s},
+        "calibration": calibration.figures,
+        "assumed": calibration.assumed,
         "other_jobs": sorted(cluster.other_jobs),
         "inputs": {"faults": len(faults), "kept": dict(sorted(cluster.kept.items())),
                    "resimulated": dict(sorted(cluster.resimulated.items())),
                    "fault_list": [{"at_s": round(f.at_ns / NS, 3), "signal": f.signal, "from": f.component}
                                   for f in faults[:200]]},
-        "recorded": {"ettr": recorded["ettr"], "lost_gpu_hours": recorded["lost_gpu_hours"],
-                     "mttr_by_fault_class": {k: {"p50_s": v["p50_s"], "p95_s": v["p95_s"]}
-                                             for k, v in recorded["mttr_by_fault_class"].items()}},
+        "reproduction": replayed,
+        "figures": spans,
         "simulated": {"recorded policies": base, "what-if": what},
         "delta": _delta(base, what),
         "diff": diff,

@@ -397,6 +397,8 @@ class TrainingState:
             self._halt(self.sched.now)
             self._catch_up(step)
         elif self.loading or self.stalled:
+            if self.stalled:  # halted at a checkpoint's step: the ranks got there, and the engine must hear so
+                self._catch_up(self.halted_step)
             self.loading = self.stalled = False
             self._token += 1
 

@@ -1,0 +1,133 @@
+"""The simulator set to a recorded night: the figures the log holds, measured; the others assumed, and said so.
+
+A what-if compares two simulated runs, so the cost model need not match the recorded cluster for the difference
+to mean something; but the run under the recorded policies must reproduce the recorded night before its figures
+stand beside the log's. The executors' durations, the restores' and the agents' detection delays are what decide
+when each recovery decision comes and how long each incident lasts: where the log shows them they are taken from it
+(medians), and everything else is the cost model's default, listed as assumed with the flag that sets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from recovery.report.recorded import RecordedCluster, median
+from recovery.sim.config import Agents, Costs, Training
+
+INSTANT_BPS = 1e18
+"""bandwidth of a tier whose restore was measured: the measured time is the whole load, whatever the model size"""
+COMMAND_COSTS: dict[str, tuple[str, ...]] = {
+    "stop_ranks:kill": ("stop_kill_s",),
+    "stop_ranks:graceful": ("stop_graceful_s",),
+    "retry_step": ("retry_step_s",),
+    "restart_ranks": ("restart_in_place_s",),
+    "migrate_ranks": ("migrate_s",),
+    "restart_job": ("restart_job_small_s", "restart_job_large_s"),
+    "scale_job": ("restart_job_small_s", "restart_job_large_s"),
+    "isolate_node": ("isolate_s",),
+    "isolate_device": ("isolate_s",),
+    "fail_job": ("fail_job_s",),
+}
+"""command kind -> the cost model's fields its measured duration sets (a job-level restart: at any size)"""
+TIER_FIELDS = {"memory": ("memory_latency_s", ("memory_rank_Bps",)),
+               "peer": ("peer_latency_s", ("peer_rank_Bps",)),
+               "local": ("local_latency_s", ("local_rank_Bps",)),
+               "storage": ("storage_latency_s", ("storage_rank_Bps", "storage_read_Bps"))}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The simulator's figures for a recorded night, and where each came from."""
+
+    training: Training
+    costs: Costs
+    agents: Agents
+    figures: dict[str, dict[str, Any]]
+    """name -> {value, from: measured | assumed | given, how}"""
+
+    @property
+    def assumed(self) -> dict[str, dict[str, Any]]:
+        return {k: v for k, v in self.figures.items() if v["from"] == "assumed"}
+
+
+def _figure(value: Any, source: str, how: str) -> dict[str, Any]:
+    return {"value": value, "from": source, "how": how}
+
+
+def calibrate(cluster: RecordedCluster, training: Training, costs: Costs, step_time_s: float | None,
+              model_params_from: str) -> Calibration:
+    """`training` and `costs` (the cost model's, or as configured) with what the log measured put in; `step_time_s`
+    is the one given with `--step-time-s`, used when the job reported no steps."""
+    night = cluster.night
+    figures: dict[str, dict[str, Any]] = {}
+    measured_step = median(cluster.step_times)
+    if measured_step is not None:
+        step = measured_step
+        figures["step_time_s"] = _figure(round(step, 3), "measured", f"median of {len(cluster.step_times)} steps")
+    elif step_time_s is not None:
+        step = step_time_s
+        figures["step_time_s"] = _figure(step, "given", "--step-time-s (the job reported no steps)")
+    else:
+        step = training.step_time_s
+        figures["step_time_s"] = _figure(step, "assumed", "the job reported no steps: the cost model's; set it with "
+                                                          "--step-time-s")
+    figures["model_params"] = _figure(training.params, "given" if model_params_from == "--model-params" else
+                                      "assumed", "--model-params" if model_params_from == "--model-params" else
+                                      "the most one replica of the layout holds; set it with --model-params")
+    changes: dict[str, float] = {}
+    ack = median(night.ack_s)
+    if ack is not None:
+        changes["ack_latency_s"] = ack
+    figures["ack_latency_s"] = _figure(round(changes.get("ack_latency_s", costs.ack_latency_s), 3),
+                                       "measured" if ack is not None else "assumed",
+                                       f"median of {len(night.ack_s)} accepted acks" if ack is not None
+                                       else "the cost model's")
+    latency = changes.get("ack_latency_s", costs.ack_latency_s)
+    for kind, fields in COMMAND_COSTS.items():
+        seconds = median(night.command_s.get(kind, []))
+        if seconds is None:
+            continue
+        for name in fields:
+            changes[name] = max(0.0, seconds - latency)
+        figures[f"{kind}_s"] = _figure(round(changes[fields[0]], 3), "measured",
+                                       f"median of {len(night.command_s[kind])}, decision to done ack")
+    reset = median(night.command_s.get("restart_ranks:reset", []))
+    if reset is not None:
+        in_place = changes.get("restart_in_place_s", costs.restart_in_place_s)
+        changes["device_reset_s"] = max(0.0, reset - latency - in_place)
+        figures["device_reset_s"] = _figure(round(changes["device_reset_s"], 3), "measured",
+                                            "restart with a device reset, less the restart in place")
+    missing = sorted(kind for kind in COMMAND_COSTS if f"{kind}_s" not in figures)
+    figures["other_commands"] = _figure(missing, "assumed", "the cost model's durations (recovery/sim/README.md)")
+    for tier, seconds_list in sorted(night.restore_s.items()):
+        if tier not in TIER_FIELDS:
+            continue
+        # the restore is the load and one step (the step that closes the incident)
+        load = max(0.0, (median(seconds_list) or 0.0) - step)
+        latency_field, bandwidths = TIER_FIELDS[tier]
+        changes[latency_field] = load
+        for bandwidth in bandwidths:
+            changes[bandwidth] = INSTANT_BPS
+        figures[f"load_{tier}_s"] = _figure(round(load, 3), "measured",
+                                            f"median of {len(seconds_list)} restores, less a step")
+    unmeasured = sorted(t for t in TIER_FIELDS if f"load_{t}_s" not in figures)
+    figures["other_loads"] = _figure(unmeasured, "assumed", "the cost model's tiers at the model size")
+    agents = Agents()
+    hang = median(night.hang_detect_s)
+    if hang is not None:
+        agents = replace(agents, hang_detect_s=hang)
+    figures["hang_detect_s"] = _figure(agents.hang_detect_s, "measured" if hang is not None else "assumed",
+                                       "process.hang's seconds_without_progress" if hang is not None
+                                       else "the cost model's agent watchdog")
+    timeout = median(night.collective_timeout_s)
+    if timeout is not None:
+        agents = replace(agents, collective_timeout_s=timeout)
+    figures["collective_timeout_s"] = _figure(agents.collective_timeout_s,
+                                              "measured" if timeout is not None else "assumed",
+                                              "network.collective_timeout's timeout_s" if timeout is not None
+                                              else "NCCL's default")
+    figures["node_not_ready_s"] = _figure(agents.node_not_ready_s, "assumed",
+                                          "a host's death is not in the log: the platform's grace before not ready")
+    return Calibration(training=replace(training, step_time_s=step), costs=replace(costs, **changes),
+                       agents=agents, figures=figures)

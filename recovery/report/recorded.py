@@ -1,0 +1,453 @@
+"""What a recorded log says about its cluster, its job, its faults and its night, for the what-if.
+
+One pass over the log keeps what the cluster did on its own (the job's shape and policies from `job.submitted`, the
+nodes and spares, the faults: device faults, links going down and up, hosts going away, and the process exits and
+hangs the recorded engine took as fault signals) and measures what its answers took (each command kind's time from
+the decision to its `done` ack, each restore's time from `ranks.restoring` to the step that closed the incident,
+the agents' detection delays that the events state). It also keeps the recorded sequence of recovery decisions and
+what the simulator cannot re-create (executors that failed or never answered, operator commands, fault signals no
+`Fault` stands for), which is why a what-if under the recorded policies may not reproduce the night.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from recovery.report.source import RawDict
+from recovery.sim.config import NS, Agents, Durations
+from recovery.sim.faults import FOLLOW_UPS, Fault
+
+SIGNAL_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added", "fault.suspected",
+                              "fault.absorbed"})
+"""decisions that say the engine took their cause as a fault signal (not as the echo of its own command)"""
+OPENING_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added", "node.drain_planned"})
+"""decisions that open an incident or add a fault to it: a cause they name that no `Fault` stands for is a fault
+the simulated night does not have"""
+PENDING_RECORDS = 256
+"""how far after a process event the decision that takes it as a signal may come (it follows its cause at once)"""
+CAUSED_BY_DEVICE_S = 5.0
+"""a process exit this soon after a fault of its own device is that fault's crash, which the simulator re-creates"""
+RECOVERY_DECISIONS = frozenset({"attempt.started", "attempt.failed", "attempt.timed_out", "incident.closed",
+                                "job.failed", "job.completed", "job.cancelled"})
+"""the decisions a reproduction must repeat, in order: each attempt with its granularity, how attempts ended, and
+the job's recoveries and end"""
+TIER_OF_LOAD = {"memory": "memory", "peer": "peer", "local": "local", "dying": "storage", "storage": "storage"}
+"""the simulator's cost of loading from each recorded tier (a dying checkpoint is read from shared storage)"""
+
+
+@dataclass
+class Draft:
+    """A fault being read: its repair or outage is known only when the log says the hardware came back."""
+
+    at: int
+    signal: str
+    scope: str
+    source: str
+    position: int | None = None
+    node: str | None = None
+    device: int = 0
+    code: str | None = None
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    back: int | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    """One recorded recovery decision: its kind, the attempt's granularity, and when (s since the job started)."""
+
+    kind: str
+    at_s: float
+    granularity: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.granularity}" if self.granularity else self.kind
+
+
+@dataclass
+class Night:
+    """What the recorded night did beyond its faults: the figures the simulator is set to, and what it cannot
+    re-create."""
+
+    command_s: dict[str, list[float]] = field(default_factory=dict)
+    """command kind (`stop_ranks:kill`, `restart_ranks:reset`, ...) -> seconds from the decision to its done ack"""
+    ack_s: list[float] = field(default_factory=list)
+    """seconds from a decision to its command's accepted ack"""
+    restore_s: dict[str, list[float]] = field(default_factory=dict)
+    """the slowest tier of a restore -> seconds from `ranks.restoring` to the incident's close"""
+    hang_detect_s: list[float] = field(default_factory=list)
+    collective_timeout_s: list[float] = field(default_factory=list)
+    failed_commands: list[str] = field(default_factory=list)
+    """commands the recorded executors failed or never answered (the simulated ones never fail unless asked)"""
+    operator: list[str] = field(default_factory=list)
+    """operator commands and job ends the scheduler reported: decisions of people, not faults"""
+    unmatched_signals: list[str] = field(default_factory=list)
+    """records the recorded engine opened an incident on (or added to one) that no kept fault stands for"""
+    decisions: list[RecoveryDecision] = field(default_factory=list)
+
+
+@dataclass
+class RecordedCluster:
+    """What the recorded log says about the cluster, the job and its faults."""
+
+    job: str
+    spec: dict[str, Any]
+    nodes: list[str]
+    spares: list[str]
+    start: int
+    end: int
+    step_times: list[float] = field(default_factory=list)
+    storage_steps: list[int] = field(default_factory=list)
+    memory_steps: list[int] = field(default_factory=list)
+    drafts: list[Draft] = field(default_factory=list)
+    kept: dict[str, int] = field(default_factory=dict)
+    resimulated: dict[str, int] = field(default_factory=dict)
+    other_jobs: set[str] = field(default_factory=set)
+    """jobs of the log the what-if leaves out: the simulator runs one job (their nodes are not in its cluster)"""
+    night: Night = field(default_factory=Night)
+    started: bool = False
+    """the job started (`job.started`): a job that never ran has no night to reproduce"""
+
+    @property
+    def rpn(self) -> int:
+        return int(self.spec["ranks_per_node"])
+
+
+class _Reader:
+    """One pass over the recorded log, keeping the job's shape, its faults and what its recoveries took."""
+
+    def __init__(self, job: str | None, agents: Agents) -> None:
+        self.job = job
+        self.agents = agents
+        self.joined: dict[str, bool] = {}
+        """node -> joined as a spare, in the order they joined (before the job: the simulator's cluster)"""
+        self.cluster: RecordedCluster | None = None
+        self.placement: list[str] = []
+        self.pending: dict[int, tuple[Draft, str]] = {}
+        self.open: dict[str, list[Draft]] = {}
+        """node -> faults waiting for the node (or its device or link) to come back"""
+        self.device_faults: dict[tuple[str, int], int] = {}
+        self.device_codes: dict[tuple[str, int], str] = {}
+        """(node, device) -> the code of its last fault"""
+        self.last_step: tuple[int, int] | None = None
+        self.last_ts = 0
+        self.others: set[str] = set()
+        self.recovering = False
+        self.fault_seqs: set[int] = set()
+        """records kept as faults, or as the echo of one the simulator re-creates (a crash after its XID)"""
+        self.inputs: dict[int, str] = {}
+        """recent input records by sequence: what an incident-opening decision's cause was"""
+        self.commands: dict[str, tuple[str, int]] = {}
+        """command id -> (kind, when decided)"""
+        self.tiers: list[str] = []
+        """the current incident's checkpoint plan: the tiers its ranks load from"""
+        self.restoring: int | None = None
+
+    def count(self, table: str, kind: str) -> None:
+        assert self.cluster is not None
+        counts = self.cluster.kept if table == "kept" else self.cluster.resimulated
+        counts[kind] = counts.get(kind, 0) + 1
+
+    def read(self, records: Iterable[RawDict]) -> RecordedCluster:
+        for record in records:
+            self.last_ts = record["ts"]
+            if record["subject"].startswith("recovery.dlq."):
+                continue
+            if record["subject"].startswith("recovery.dec."):
+                if record["envelope"].get("type") == "decision":
+                    self.decision(record, record["envelope"]["data"])
+                continue
+            self.input(record)
+        if self.cluster is None:
+            raise ValueError("the log holds no job.submitted" + (f" of job {self.job}" if self.job else ""))
+        for _, kind in self.pending.values():
+            self.count("resimulated", kind)
+        self.cluster.end = self.last_ts
+        self.cluster.other_jobs = set(self.others)
+        return self.cluster
+
+    def input(self, record: RawDict) -> None:
+        env = record["envelope"]
+        kind: str = env.get("type", "?")
+        ts: int = record["ts"]
+        job, node = env.get("job"), env.get("node")
+        data: dict[str, Any] = env.get("data") or {}
+        cluster = self.cluster
+        if cluster is None:
+            if kind == "node.joined" and node is not None:
+                self.joined.setdefault(node, bool(data.get("spare")))
+            elif kind == "job.submitted" and (self.job is None or job == self.job):
+                spec = data["spec"]
+                self.placement = list(spec["nodes"])
+                spares = [n for n, spare in self.joined.items() if spare and n not in self.placement]
+                self.cluster = RecordedCluster(job=job, spec=spec, nodes=list(self.placement), spares=spares,
+                                               start=ts, end=ts)
+                self.job = job
+            return
+        if job is not None and job != cluster.job:
+            self.others.add(job)
+            return
+        self.inputs[record["seq"]] = kind
+        if len(self.inputs) > 2 * PENDING_RECORDS:
+            del self.inputs[next(iter(self.inputs))]
+        self.expire(record["seq"])
+        if kind == "job.started":
+            if not cluster.started:  # the simulated run starts where the recorded job first started
+                cluster.started, cluster.start = True, ts
+            self.count("resimulated", kind)
+        elif kind == "progress.step":
+            self.step(int(data["step"]), ts)
+            self.count("resimulated", kind)
+        elif kind == "checkpoint.saved":
+            tier = data.get("tier")
+            if tier in ("storage", "memory"):
+                steps = cluster.storage_steps if tier == "storage" else cluster.memory_steps
+                if not steps or steps[-1] != data["step"]:
+                    steps.append(int(data["step"]))
+                    del steps[:-1000]
+            self.count("resimulated", kind)
+        elif kind == "command.ack":
+            self.ack(data, ts)
+            self.count("resimulated", kind)
+        elif kind == "device.fault" and node is not None:
+            self.device_fault(node, data, ts, record["seq"])
+        elif kind == "device.recovered" and node is not None:
+            self.back(node, ts, "device")
+            self.count("resimulated", kind)
+        elif kind == "network.link_down" and node is not None:
+            self.fault(Draft(ts, "network", "node", f"network.link_down (seq {record['seq']})"), node, kind,
+                       record["seq"])
+        elif kind == "network.link_up" and node is not None:
+            self.back(node, ts, "network")
+            self.count("resimulated", kind)
+        elif kind == "node.not_ready" and node is not None:
+            if any(d.signal == "network" for d in self.open.get(node, [])):
+                self.fault_seqs.add(record["seq"])  # the platform's health check after a link went down: simulated
+                self.count("resimulated", kind)
+            else:  # the host went away; the platform noticed after its grace period
+                at = max(cluster.start, ts - int(self.agents.node_not_ready_s * NS))
+                self.fault(Draft(at, "node", "node", f"node.not_ready (seq {record['seq']})"), node, kind,
+                           record["seq"])
+        elif kind in ("node.ready", "node.joined") and node is not None:
+            self.back(node, ts, None)
+            self.count("resimulated", kind)
+        elif kind in ("process.exited", "process.hang", "network.collective_timeout") and job is not None:
+            self.process_signal(record["seq"], kind, data, ts)
+        else:
+            if kind.startswith("operator.") or kind in ("job.completed", "job.cancelled"):
+                self.night.operator.append(f"{kind} (seq {record['seq']})")
+            self.count("resimulated", kind)
+
+    @property
+    def night(self) -> Night:
+        assert self.cluster is not None
+        return self.cluster.night
+
+    def step(self, step: int, ts: int) -> None:
+        cluster = self.cluster
+        assert cluster is not None
+        # the pace of training only: a gap that spans a recovery is not a step time
+        if self.last_step is not None and step > self.last_step[1] and not self.recovering:
+            cluster.step_times.append((ts - self.last_step[0]) / NS / (step - self.last_step[1]))
+            del cluster.step_times[:-1000]
+        if self.last_step is None or step > self.last_step[1]:
+            self.last_step = (ts, step)
+
+    def ack(self, data: dict[str, Any], ts: int) -> None:
+        issued = self.commands.get(str(data.get("command_id")))
+        if issued is None:
+            return
+        kind, at = issued
+        status = data.get("status")
+        if status == "accepted":
+            self.night.ack_s.append((ts - at) / NS)
+        elif status == "done":
+            self.night.command_s.setdefault(kind, []).append((ts - at) / NS)
+        elif status == "failed":
+            reason = str(data.get("reason") or "")
+            self.night.failed_commands.append(f"{kind.split(':')[0]} failed" + (f": {reason}" if reason else ""))
+
+    def device_fault(self, node: str, data: dict[str, Any], ts: int, seq: int) -> None:
+        device, code = int(data.get("device", 0)), str(data.get("code", ""))
+        earlier = self.device_faults.get((node, device))
+        # only the code that follows the one before it (an XID 63 after a 48) is the simulator's to send: the same
+        # code again is a fault of its own, which frequency escalation counts
+        follow_up = earlier is not None and FOLLOW_UPS.get(self.device_codes.get((node, device), "")) == code
+        self.device_faults[(node, device)] = ts
+        self.device_codes[(node, device)] = code
+        if follow_up and earlier is not None and ts - earlier <= CAUSED_BY_DEVICE_S * NS:
+            self.fault_seqs.add(seq)
+            self.count("resimulated", "device.fault")  # the simulator sends the follow-up XID itself
+            return
+        draft = Draft(ts, "device", "device", f"device.fault XID {code} (seq {seq})", device=device, code=code or None)
+        self.fault(draft, node, "device.fault", seq)
+
+    def fault(self, draft: Draft, node: str, kind: str, seq: int) -> None:
+        if node in self.placement:
+            draft.position = self.placement.index(node)
+        elif node in self.joined:
+            draft.node = node
+        else:
+            self.count("resimulated", kind)  # a node the simulated cluster does not have
+            return
+        assert self.cluster is not None
+        self.cluster.drafts.append(draft)
+        self.open.setdefault(node, []).append(draft)
+        self.fault_seqs.add(seq)
+        self.count("kept", kind)
+
+    def back(self, node: str, ts: int, signal: str | None) -> None:
+        waiting = self.open.get(node, [])
+        for draft in waiting:
+            if draft.back is None and (signal is None or draft.signal == signal):
+                draft.back = ts
+        self.open[node] = [d for d in waiting if d.back is None]
+
+    def process_signal(self, seq: int, kind: str, data: dict[str, Any], ts: int) -> None:
+        assert self.cluster is not None
+        night = self.cluster.night
+        rank = data.get("rank")
+        if kind == "network.collective_timeout":
+            if isinstance(data.get("timeout_s"), int | float):
+                night.collective_timeout_s.append(float(data["timeout_s"]))
+            draft = Draft(max(self.cluster.start, ts - int(self.agents.hang_detect_s * NS)), "hang", "rank",
+                          f"{kind} (seq {seq})")
+            self.pending[seq] = (draft, kind)
+            return
+        if not isinstance(rank, int):
+            self.count("resimulated", kind)
+            return
+        node_index = rank // self.cluster.rpn
+        device = rank % self.cluster.rpn
+        node = self.placement[node_index] if node_index < len(self.placement) else None
+        crashed = self.device_faults.get((node, device)) if node is not None else None
+        if kind == "process.exited" and crashed is not None and ts - crashed <= CAUSED_BY_DEVICE_S * NS:
+            self.fault_seqs.add(seq)
+            self.count("resimulated", kind)  # the crash of a faulty device's process: the simulator makes it
+            return
+        if kind == "process.hang":
+            # the agent reports a hang once the rank made no progress for its watchdog's time: the hang began then
+            silent = data.get("seconds_without_progress")
+            delay = float(silent) if isinstance(silent, int | float) else self.agents.hang_detect_s
+            if isinstance(silent, int | float):
+                night.hang_detect_s.append(delay)
+            draft = Draft(max(self.cluster.start, ts - int(delay * NS)), "hang", "rank",
+                          f"{kind} rank {rank} (seq {seq})", position=node_index, device=device)
+        else:
+            draft = Draft(ts, "process", "rank", f"{kind} rank {rank} (seq {seq})", position=node_index,
+                          device=device, exit_code=data.get("exit_code"), exit_signal=data.get("signal"))
+        self.pending[seq] = (draft, kind)
+
+    def expire(self, seq: int) -> None:
+        while self.pending:
+            first = next(iter(self.pending))
+            if seq - first <= PENDING_RECORDS:
+                return
+            _, kind = self.pending.pop(first)
+            self.count("resimulated", kind)
+
+    def decision(self, record: RawDict, d: dict[str, Any]) -> None:
+        cluster = self.cluster
+        if cluster is None or d["job"] != cluster.job:
+            return
+        kind = d["kind"]
+        detail = d.get("detail") or {}
+        phase = d.get("phase")
+        ts: int = record["ts"]
+        if phase is not None and not self.recovering:
+            self.recovering = True
+        elif phase is None and self.recovering:
+            self.recovering = False
+            self.last_step = None  # the next report after a recovery starts a new stretch of training
+        self.night_of(kind, d, detail, ts)
+        if kind == "ranks.rescheduling" and detail.get("nodes"):
+            self.placement = list(detail["nodes"])
+        pending = self.pending.pop(d["cause_seq"], None)
+        if pending is not None:
+            draft, input_kind = pending
+            if kind in SIGNAL_DECISIONS:
+                fault = detail.get("fault")
+                if draft.signal == "hang" and draft.position is None and isinstance(fault, dict) and fault.get("ranks"):
+                    rank = int(fault["ranks"][0])
+                    draft.position, draft.device = rank // cluster.rpn, rank % cluster.rpn
+                if draft.position is not None:
+                    cluster.drafts.append(draft)
+                    self.fault_seqs.add(d["cause_seq"])
+                    self.count("kept", input_kind)
+                    return
+            self.count("resimulated", input_kind)
+        if kind in OPENING_DECISIONS and d["cause_seq"] not in self.fault_seqs:
+            cause = self.inputs.get(d["cause_seq"], "an earlier record")
+            if cause == "timer.fired":
+                cause = "a timer (a watchdog's tick: a silence or a straggler; or a suspicion confirmed later)"
+            elif cause in ("progress.report", "progress.step"):
+                cause = f"{cause} (the ranks' own reports: a bad step or a straggler)"
+            self.night.unmatched_signals.append(f"{kind} on {cause} (seq {d['cause_seq']})")
+
+    def night_of(self, kind: str, d: dict[str, Any], detail: dict[str, Any], ts: int) -> None:
+        """What the decision tells of the recorded night: its commands (to time their acks), its restore, and the
+        recovery decisions a reproduction must repeat."""
+        cluster = self.cluster
+        assert cluster is not None
+        night = cluster.night
+        for command in d.get("commands") or []:
+            if isinstance(command, dict) and "id" in command:
+                self.commands[str(command["id"])] = (_command_kind(command), ts)
+        if kind == "checkpoint.plan" and isinstance(detail.get("tiers"), dict):
+            self.tiers = [str(t) for t in detail["tiers"]]
+        elif kind == "ranks.restoring":
+            self.restoring = ts
+        elif kind == "attempt.timed_out":
+            night.failed_commands.append(f"attempt {detail.get('attempt', '?')} timed out: an executor never answered")
+        if kind == "incident.closed" and self.restoring is not None:
+            tiers = [TIER_OF_LOAD.get(t, "storage") for t in self.tiers] or ["none"]
+            slowest = max(tiers, key=lambda t: list(TIER_OF_LOAD.values()).index(t) if t in TIER_OF_LOAD else -1)
+            night.restore_s.setdefault(slowest, []).append((ts - self.restoring) / NS)
+        if kind in ("incident.closed", "job.failed", "job.cancelled", "job.completed"):
+            self.restoring, self.tiers = None, []
+        if kind in RECOVERY_DECISIONS:
+            granularity = detail.get("granularity") if kind == "attempt.started" else None
+            at = (ts - cluster.start) / NS if cluster.started else 0.0
+            night.decisions.append(RecoveryDecision(kind, round(at, 3), None if granularity is None
+                                                    else str(granularity)))
+
+
+def _command_kind(command: dict[str, Any]) -> str:
+    """The command's kind as the simulator's cost model tells them apart."""
+    kind = str(command.get("kind", "?"))
+    if kind == "stop_ranks":
+        return f"stop_ranks:{command.get('mode', 'kill')}"
+    if kind == "restart_ranks" and command.get("reset_devices"):
+        return "restart_ranks:reset"
+    return kind
+
+
+def read_recorded(records: Iterable[RawDict], job: str | None = None, agents: Agents | None = None
+                  ) -> RecordedCluster:
+    return _Reader(job, agents or Agents()).read(records)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def faults_of(cluster: RecordedCluster, durations: Durations) -> list[Fault]:
+    """The kept faults as the simulator's, at their time since the job started, on the same position of the job
+    (or the same spare); a repair the log does not show takes the cost model's mean."""
+    spares = {name: len(cluster.nodes) + i for i, name in enumerate(cluster.spares)}
+    faults = []
+    for draft in sorted(cluster.drafts, key=lambda d: d.at):
+        repair = (draft.back - draft.at) if draft.back is not None else {
+            "device": durations.device_repair_mean_s, "network": durations.nic_repair_mean_s,
+            "node": durations.node_repair_mean_s}.get(draft.signal, durations.node_repair_mean_s) * NS
+        outage = (draft.back - draft.at) if draft.signal == "network" and draft.back is not None else 0
+        node = f"n{spares[draft.node]:05d}" if draft.node in spares else None
+        faults.append(Fault(index=len(faults), at_ns=max(0, draft.at - cluster.start), component=draft.source,
+                            signal=draft.signal, scope=draft.scope, position=draft.position or 0, device=draft.device,
+                            code=draft.code, exit_code=draft.exit_code, exit_signal=draft.exit_signal,
+                            outage_ns=int(outage), repair_ns=int(max(repair, NS)), node=node))
+    return faults
