@@ -36,6 +36,9 @@ steps, the same seed everywhere. The fault is a SIGKILL of rank 2 once the job h
   (`memory_ckpt_stall_ratio_to_torch_save`, goal 0.1), and a restarted process's time until its state is loaded from
   its node's memory against from storage (`memory_restore_ratio_to_storage`); the agent's part is played by the
   agent's own channel and memory tier.
+- `faultfree`: nothing fails (`tools/bench_faultfree.py`): `stock.py` under both launchers and `with_sdk.py` under
+  `recovery-run` (warm standbys on, as by default) against `original.py` under torchrun, run to their end in
+  alternating pairs; `fault_free_ratio_to_torchrun` is the worse script's median ratio of wall times (goal 1.05).
 - `overhead`: the SDK's cost in a loop of 100 ms steps (single-threaded torch matmuls), in pairs of ten-step
   blocks, one with the SDK (a client connected to a socket, heartbeats every second, `report_step` every step)
   and one without, in alternating order; CPU time of the process (its heartbeat thread included), so that other
@@ -93,6 +96,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_ddp
+import bench_faultfree
 import bench_memory
 import bench_stock
 import nats
@@ -123,7 +127,7 @@ ENDING_SILENCE_S = 15.0
 interpreter with torch loaded can take more than 5 s to exit after that (the SIGSTOPped job is cancelled instead)"""
 WATCHDOG_S = 1.0
 POLL_S = 0.01
-CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock", "ddp", "memory")
+CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock", "ddp", "memory", "faultfree")
 BENCH = "e2e"
 
 Emit = Callable[[str, str, float, str], None]
@@ -497,6 +501,8 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
             bench_ddp.measure(args.repeat, workdir, emit, quick=args.quick)
         if "memory" in args.only:
             bench_memory.measure(workdir, emit, quick=args.quick)
+        if "faultfree" in args.only:
+            bench_faultfree.measure(args.repeat, workdir, emit, quick=args.quick)
     _report(emit, outcomes, detections)
     if "overhead" in args.only:
         step_ms = f"{overhead.step_s * 1000:.0f} ms"
