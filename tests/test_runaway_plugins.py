@@ -30,7 +30,8 @@ from events.envelope import Record, make_envelope
 from events.values import Granularity, JobSpec
 from policies import NS, Reschedule, RescheduleContext, ReschedulingPolicyBase, StartRung, registry
 from recovery.cli.ctl import request
-from recovery.log import write_file
+from recovery.log import iter_file, write_file
+from recovery.log.file import overruns_in_file
 from recovery.log.recorder import replay
 from recovery.sim import Cluster, SimConfig, simulate
 from recovery.sim.__main__ import chosen_profile
@@ -94,6 +95,11 @@ def test_a_looping_plugin_in_a_scenario_is_abandoned_and_the_fallback_is_a_fact(
     verify = subprocess.run([sys.executable, "-m", "recovery.cli.replay", "verify", str(log)], capture_output=True,
                             text=True, timeout=120, env=env, cwd=ROOT, check=False)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+    # An export's facts are read off the file first, so that its replay streams the records (never all in memory).
+    assert list(overruns_in_file(log).values()) == [fact.envelope.data]
+    streamed = replay(iter_file(log), overruns=overruns_in_file(log))
+    assert [dumps(d) for d in streamed.decisions] == [dumps(d) for d in streamed.recorded_decisions]
+    assert [d.kind for d in streamed.decisions].count("policy.failed") == 1
 
 
 def test_the_same_looping_plugin_in_the_simulator(runaway: Path) -> None:

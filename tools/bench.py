@@ -87,6 +87,7 @@ from policies.base import NS
 from recovery.core.engine import Engine
 from recovery.core.job import DEDUPE_WINDOW
 from recovery.log import EPOCH, MSG_ID, iter_file, write_file
+from recovery.log.file import overruns_in_file
 from recovery.log.recorder import replay
 from recovery.sim import bench as sim_bench
 from recovery.sim import storm as sim_storm
@@ -308,7 +309,7 @@ def run_replay(args: argparse.Namespace) -> None:
         baselines: list[float] = []
         for _ in range(args.repeat):
             before, _ = timed(partial(orjson_baseline, path))
-            seconds, result = timed(lambda: replay(iter_file(path)))
+            seconds, result = timed(lambda: replay(iter_file(path), overruns=overruns_in_file(path)))
             after, _ = timed(partial(orjson_baseline, path))
             baselines.append(2 * lines / (before + after))  # the load around the run, not just before it
             rates.append(result.inputs / seconds)
@@ -319,7 +320,7 @@ def run_replay(args: argparse.Namespace) -> None:
             inputs = result.inputs
             del result
         if args.profile:
-            profile(lambda: replay(iter_file(path)), args.profile)
+            profile(lambda: replay(iter_file(path), overruns=overruns_in_file(path)), args.profile)
     ratios = [r / b for r, b in zip(line_rates, baselines, strict=True)]
     note(f"replay events/s runs: {[round(r) for r in rates]}; orjson lines/s: {[round(b) for b in baselines]}; "
          f"ratios: {[round(r, 3) for r in ratios]}")

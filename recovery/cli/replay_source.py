@@ -25,6 +25,7 @@ from recovery.core.engine import Engine
 from recovery.core.partition import Partition
 from recovery.log import ExportHeader, iter_numbered, read_header
 from recovery.log.datadir import served
+from recovery.log.file import overruns_in_file
 from recovery.log.partitions import partition_located, partitions_of
 from recovery.log.verify import Located, LogReplay, replay_log
 from recovery.report import source as report_source
@@ -147,7 +148,9 @@ def replay_args(args: argparse.Namespace, job: str | None = None,
         if job is not None and job != header.job:
             raise ValueError(f"this export holds only job {header.job}'s outputs, not job {job}'s")
         job = header.job
-    return replay_log(where, engine, job=job, header=header)
+    path = args if isinstance(args, str) else None if getattr(args, "nats", None) else args.log
+    overruns = overruns_in_file(path) if source is None and path else None  # the file streams through the replay
+    return replay_log(where, engine, job=job, header=header, overruns=overruns)
 
 
 @dataclass(frozen=True, slots=True)

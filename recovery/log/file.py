@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from events import RawRecord, Record, decode_record_line, encode_record
 from events.envelope import EnvelopeBase
+from recovery.core.overruns import OVERRAN, CallKey, OverranFact, overruns_in
 from recovery.log.base import MSG_ID, Appended, Clock, Dedupe, prepare, stored
 from recovery.log.export import ExportHeader, export_log
 
@@ -122,6 +123,16 @@ def iter_numbered(path: str | os.PathLike[str]) -> Iterator[tuple[int, Record | 
 
 
 MAX_SEQ = 2**64 - 1
+
+
+def overruns_in_file(path: str | os.PathLike[str]) -> dict[CallKey, OverranFact]:
+    """The abandoned policy calls a JSONL export records (`recovery.core.overruns`), read before a replay of the
+    same file: a fact is written after the input it is about, so a replay must know it first. Only the lines that
+    name the fact are decoded, so that a replay of a large export keeps streaming its records."""
+    marker = OVERRAN.encode()
+    with open(path, "rb") as fh:
+        lines = [line for line in fh if marker in line]
+    return overruns_in(decode_record_line(line) for line in lines)
 
 
 def _brief(exc: ValueError) -> str:

@@ -16,7 +16,7 @@ from events.kinds import PolicyOverran as PolicyOverranFact
 from events.outputs import Decision, Rejection
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Effect, Engine
-from recovery.core.overruns import fact_message, overruns_in
+from recovery.core.overruns import CallKey, OverranFact, fact_message, overruns_in
 from recovery.core.router import EffectRouter
 from recovery.core.timers import TimerTable
 from recovery.log.base import SyncLog
@@ -89,11 +89,15 @@ def rejection_order(rejections: list[Rejection]) -> list[Rejection]:
     return sorted(rejections, key=lambda r: r.seq)
 
 
-def replay(records: Iterable[Record | RawRecord], engine: Engine | None = None) -> Replay:
-    """Apply every input record to a fresh engine; collect derived and recorded outputs separately."""
+def replay(records: Iterable[Record | RawRecord], engine: Engine | None = None,
+           overruns: dict[CallKey, OverranFact] | None = None) -> Replay:
+    """Apply every input record to a fresh engine; collect derived and recorded outputs separately. `overruns`: the
+    abandoned policy calls the records hold (`overruns_in_file` reads them off an export first, so that the records
+    stream); without it they are read from the records, which are then held in memory."""
     engine = engine or Engine()
-    records = list(records)
-    overruns = overruns_in(records)
+    if overruns is None:
+        records = records if isinstance(records, list | tuple) else list(records)
+        overruns = overruns_in(records)
     if overruns:  # calls the run abandoned: answered by the built-in here too, however long they would take
         engine.overruns = overruns
     decisions: list[Decision] = []

@@ -20,7 +20,7 @@ from policies import registry
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Engine
 from recovery.core.firings import FORGED_FIRING_CODES
-from recovery.core.overruns import overruns_in
+from recovery.core.overruns import CallKey, OverranFact, overruns_in
 from recovery.log.export import ExportHeader, rejection_jobs
 from recovery.log.recorder import Replay, decision_order, rejection_order
 
@@ -86,7 +86,7 @@ class LogReplay(Replay):
 
 
 def replay_log(located: Iterable[Located], engine: Engine | None = None, job: str | None = None,
-               header: ExportHeader | None = None) -> LogReplay:
+               header: ExportHeader | None = None, overruns: dict[CallKey, OverranFact] | None = None) -> LogReplay:
     """Apply every input record to a fresh engine; collect derived and recorded outputs separately.
 
     The subject says what a record is, never the envelope's type: recorded decisions are only those on
@@ -95,8 +95,9 @@ def replay_log(located: Iterable[Located], engine: Engine | None = None, job: st
     daemon dead-letters). No single record stops the replay: one whose handling raises or whose effects cannot
     be encoded becomes a rejection, as the daemon must treat it."""
     engine = engine or Engine()
-    located = list(located)
-    overruns = overruns_in(record for _, record in located)
+    if overruns is None:  # read off the records, which are then held in memory (`replay` says why)
+        located = located if isinstance(located, list | tuple) else list(located)
+        overruns = overruns_in(record for _, record in located)
     if overruns:  # calls the daemon abandoned: answered by the built-in here too, however long they would take
         engine.overruns = overruns
     result = LogReplay(engine, [], [], [], [], 0, job=job, header=header)

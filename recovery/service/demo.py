@@ -45,6 +45,7 @@ from events.commands import Command, CommandBase
 from events.envelope import EnvelopeBase, make_envelope
 from events.values import STORAGE_HOLDER, JobSpec, Layout, Tier
 from recovery.log import iter_file, replay
+from recovery.log.file import overruns_in_file
 from recovery.log.jetstream import JetStreamLog
 from recovery.log.verify import first_divergence
 from recovery.service import jsonlog
@@ -533,7 +534,7 @@ async def _export(daemon: Daemon, path: Path) -> tuple[Path, str]:
         with anyio.fail_after(5):
             log = JetStreamLog(daemon.nc, daemon.js, daemon.cfg.stream, owns_connection=False)
             count = await log.export(path)
-        result = replay(iter_file(path))
+        result = replay(iter_file(path), overruns=overruns_in_file(path))
         divergence = first_divergence(result)
         verdict = (f"{count} records; verify: ok, {len(result.decisions)} decisions re-derived"
                    if divergence is None else f"verify: DIVERGENCE at decision #{divergence.index}")
