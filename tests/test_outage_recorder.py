@@ -12,6 +12,8 @@ import anyio
 import orjson
 import pytest
 
+from recovery.service import config as config_mod
+from recovery.service.daemon import Daemon
 from recovery.service.outage import OutageRecorder, pending_path, takeover_window_s
 from recovery.service.publisher import Outgoing
 from recovery.testing.scenario import Scenario
@@ -230,3 +232,23 @@ async def test_the_active_daemon_logs_its_outage_however_late_it_can() -> None:
     active.took_over()  # (it held the partition all along)
     await active.clear()
     assert len(link.sent) == 1
+
+
+async def test_a_standby_daemon_keeps_the_outage_it_saw_and_a_stopping_one_sees_none(tmp_path: Path) -> None:
+    """The daemon's wiring: a standby's lost connection is an outage, kept in its data directory; the connection a
+    stopping daemon closes itself is not."""
+    cfg = config_mod.load(nats_url="nats://127.0.0.1:1", http_port=-1, data_dir=tmp_path / "data", lease_ttl_s=2.0)
+    cfg.data_dir.mkdir()  # as the daemon's start does, when it takes the directory's lock
+    standby = Daemon(cfg)
+    standby.role = "standby"
+    await standby._on_disconnected()
+    path = pending_path(cfg.data_dir, standby.key)
+    assert standby.outage.pending and path.exists()
+    await standby._on_reconnected()
+    assert orjson.loads(path.read_bytes())["back_wall_ns"] is not None
+    path.unlink()
+    stopping = Daemon(cfg)
+    stopping.role = "active"
+    stopping.request_stop()
+    await stopping._on_disconnected()
+    assert not stopping.outage.pending and not path.exists()
