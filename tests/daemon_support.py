@@ -28,7 +28,7 @@ from recovery.log import MSG_ID
 from recovery.log.jetstream import JetStreamLog, surface_async_ack_errors
 from recovery.log.recorder import Replay, replay
 from recovery.service import config as config_mod
-from recovery.service.daemon import Daemon
+from recovery.service.daemon import Daemon, DaemonFailed
 from recovery.testing.nats import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,4 +275,44 @@ async def running_daemon(url: str, data_dir: Path, **settings: Any) -> AsyncIter
         yield d
     finally:
         release.set()
+        await task
+
+
+class Supervised:
+    """The daemons of `supervised_daemon`: `daemon` is the one running now, `failures` why each earlier one
+    stopped."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.failures: list[BaseException] = []
+
+
+@contextlib.asynccontextmanager
+async def supervised_daemon(url: str, data_dir: Path, **settings: Any) -> AsyncIterator[Supervised]:
+    """The daemon in-process, ready, and started again on the same data directory whenever it stops failed (as a
+    deposed daemon's supervisor starts it again); stopped on the way out, also when the test fails."""
+    cfg = config_mod.load(nats_url=url, http_port=0, data_dir=data_dir, **settings)
+    supervised = Supervised(Daemon(cfg))
+    released = asyncio.Event()
+
+    async def supervise() -> None:
+        while True:
+            try:
+                await supervised.daemon.run()
+                return  # stopped as asked
+            except DaemonFailed as exc:
+                supervised.failures.append(exc.__cause__ or exc)
+            if released.is_set():
+                return
+            supervised.daemon = Daemon(cfg)
+
+    task = asyncio.create_task(supervise(), name="supervised-daemon")
+    try:
+        await async_wait_for(lambda: supervised.daemon.readiness()[0] or task.done(), 30, "the daemon to be ready")
+        if task.done():
+            task.result()
+        yield supervised
+    finally:
+        released.set()
+        supervised.daemon.request_stop()
         await task

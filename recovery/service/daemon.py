@@ -64,7 +64,7 @@ from recovery.service.embedded import EmbeddedNats
 from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost
-from recovery.service.outage import OutageRecorder
+from recovery.service.outage import OutageRecorder, pending_path, takeover_window_s
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
@@ -119,7 +119,8 @@ class Daemon:
         self.outage = OutageRecorder(
             lambda: self.engine, self._publish, lambda ident: self.processor.seal(ident), cfg.outage_bound_s,
             lambda: self.connected and self.nc is not None and self.nc.is_connected,  # nats-py's own word first
-            lambda: self.lease is None or self.lease.fresh())
+            lambda: (self.lease is None or self.lease.fresh()) and self._caught_up_logged,
+            path=pending_path(cfg.data_dir, self.key), window_s=takeover_window_s(cfg.lease_ttl_s), active=False)
         self.timer_service = TimerService(self.processor, self._fire_timers, self.server_clock, self.outage.clear)
         self.lease: Lease | None = None
         self.role = "starting"  # standby (waiting for the lease), active, or deposed (lost it)
@@ -265,6 +266,7 @@ class Daemon:
             self.url = self.embedded.url
         teardown.push_async_callback(self._close_nats)
         await self._connect()
+        self.outage.recover()  # an outage a deposed or stopped predecessor on this directory did not log
         await self._ensure_streams()
         if cfg.lease_ttl_s > 0:  # on a connection of its own (`recovery.service.tenure`)
             tenure = Tenure(cfg, self.key, self._on_error)
@@ -277,6 +279,7 @@ class Daemon:
             if self.partition is not None:
                 await self._claim(lease.instance)
         self.role = "active"
+        self.outage.took_over()
         await self._restore()
         assert self.nc is not None and self.js is not None
         part = self.partition  # its own durable consumer, over its jobs' events and every node's
@@ -398,14 +401,18 @@ class Daemon:
             logger.warning("disconnected from NATS")
         self.connected = False
         self._reader_ok = False
-        if self.role == "active":  # only an active daemon's outage keeps the log from its jobs
-            self.outage.disconnected()
+        if self.stopping:
+            return  # the daemon's own close, or a deposed daemon's: no outage
+        # A standby's outage too: after an outage of all of NATS it is often the one that takes the lease.
+        self.outage.disconnected()
+        if self.role == "active":
             self.timer_service.interrupt()
 
     async def _on_reconnected(self) -> None:
         self.connected = True
         self._reader_ok = False  # pull requests died with the connection: re-create the consumer
         self.metrics.reconnects.inc()
+        self.outage.reconnected()
         logger.info("reconnected to NATS", extra=_fields(
             url=self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "?"))
 
