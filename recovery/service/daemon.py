@@ -75,6 +75,7 @@ from recovery.service.streams import ensure_streams
 from recovery.service.tenure import Tenure
 from recovery.service.timers import ServerClock, TimerService, fire_through
 from recovery.service.unserved import UnservedWatch
+from recovery.service.views import daemon_status
 
 logger = logging.getLogger("recovery.daemon")
 
@@ -585,15 +586,4 @@ class Daemon:
                              self.readiness()[0], self.reader.lag if self.reader is not None else None)
 
     async def status(self) -> dict[str, object]:
-        ok, why = self.readiness()
-        return {"ready": ok, **why, "published_seq": self.clean_seq, "url": self.url, "jobs": len(self.engine.jobs),
-                "open_incidents": sum(1 for j in self.engine.jobs.values() if j.incident is not None),
-                "timers": len(self.engine.timers), "snapshot_seq": self.snapshot_seq,
-                "restored_snapshot_seq": self.restored_seq, "replayed_records": self.replayed,
-                "snapshot_age_s": None if self.snapshot_written is None else round(
-                    time.monotonic() - self.snapshot_written, 3),
-                "uptime_s": round(time.monotonic() - self.started_at, 3), "http_port": self.http_port,
-                "timer_service": self.timer_service.describe(),
-                "server_clock_offset_s": round(self.server_clock.offset_ns / 1e9, 6),
-                "publish_retries": self.publisher.retries if self.publisher else 0,
-                "duplicates_dropped": self.publisher.duplicates if self.publisher else 0, "partition": self.key}
+        return daemon_status(self)
