@@ -4,13 +4,11 @@ its snapshot, timers and clock; a view, read from the daemon's parts, that chang
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from recovery.service.daemon import Daemon
+from typing import Any
 
 
-def daemon_status(d: Daemon) -> dict[str, object]:
+def daemon_status(d: Any) -> dict[str, object]:
+    """`d`: a `recovery.service.daemon.Daemon` (not imported: the daemon imports this module)."""
     ok, why = d.readiness()
     return {"ready": ok, **why, "published_seq": d.clean_seq, "url": d.url, "jobs": len(d.engine.jobs),
             "open_incidents": sum(1 for j in d.engine.jobs.values() if j.incident is not None),
