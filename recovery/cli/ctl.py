@@ -238,7 +238,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     if not ranks:
         return "-"
     return str(ranks[0]) if len(ranks) == 1 else (f"{ranks[0]}-{ranks[-1]}" if ranks[-1] - ranks[0] == len(ranks) - 1
-                                                  else ",".join(map(str, ranks)))
+                                                  else ", ".join(map(str, ranks)))  # wraps between ranks
 
 
 def _when(ns: int | None) -> str:
@@ -252,6 +252,13 @@ JOB_COLUMNS = ("job", "state", "phase", "step", "alive", "incident", "attempt", 
 """`jobs`' columns, the most wanted first: a narrow terminal shows a prefix of them"""
 INCIDENT_COLUMNS = ("job", "incident", "cause", "phase", "outcome", "opened", "fault_class", "lost_steps", "faults",
                     "attempts")
+
+
+FREE_TEXT = frozenset({"cause", "attempts"})
+"""columns of words that may wrap at 80 columns: an incident's cause, its attempts; every other cell of `jobs` and
+`incidents` is a name or a number, never broken"""
+NODE_FREE_TEXT = frozenset({"job", "ranks"})
+"""`nodes`' columns that may wrap at their words: the node's job with its state, its ranks"""
 
 
 def _column_width(column: str, rows: Sequence[dict[str, str]]) -> int:
@@ -283,7 +290,9 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    console = Console()
+    from recovery.report.screen import screen_console
+
+    console = screen_console()
     if verb in ("jobs", "incidents"):
         columns = JOB_COLUMNS if verb == "jobs" else INCIDENT_COLUMNS
         if "partitions" in reply:  # a partitioned control plane's merged answer: where each row lives, third
@@ -305,7 +314,8 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
         table = Table(title=f"{len(rows)} {'job' if verb == 'jobs' else 'incident'}(s)",
                       caption=f"{hidden} more column(s): --wide, or --json" if hidden else None)
         for column in shown:
-            table.add_column(column.replace("_", " "), no_wrap=column in ("job", "state"), overflow="fold")
+            # every shown column fits whole (fitting_columns): only free text may wrap, and at its words
+            table.add_column(column.replace("_", " "), no_wrap=column not in FREE_TEXT, overflow="fold")
         for row in rows:
             table.add_row(*(Text(row[c]) for c in shown))
         console.print(table)
@@ -313,7 +323,7 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
         columns = ("node", "agent", "seen", "job", "ranks", *(("partition",) if "partitions" in reply else ()))
         table = Table(title=f"{len(reply['nodes'])} node(s)")
         for column in columns:
-            table.add_column(column, no_wrap=column in ("node", "agent"), overflow="fold")
+            table.add_column(column, no_wrap=column not in NODE_FREE_TEXT, overflow="fold")
         for row in reply["nodes"]:
             cells = {**row, "seen": _when(row["seen"]), "job": "-" if row["job"] is None else
                      f"{row['job']} ({row['job_state']})", "ranks": _ranks(row["ranks"])}
@@ -326,7 +336,7 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
         for title, status in statuses.items():
             table = Table(title=title, show_header=False)
             for key, value in status.items():
-                table.add_row(key, Text(str(value)))
+                table.add_row(Text(key, no_wrap=True), Text(str(value)))
             console.print(table)
     elif verb == PARTITIONS_VERB:
         owned = reply.get("owned")

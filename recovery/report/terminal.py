@@ -210,12 +210,14 @@ def _restarts_table(restarts: dict[str, dict[str, int]]) -> Table:
     return table
 
 
-def _side(row: dict[str, Any] | None) -> Text:
+def _side(row: dict[str, Any] | None, change: str = "") -> Text:
+    """One side of a differing decision; the policy on a line of its own, since half of 80 columns is less than a
+    decision and a plugin's name together. `change`: the hunk's (replace, insert, delete), on the left side."""
+    text = Text(f"{change}\n" if change else "", style="dim")
     if row is None:
-        return Text("-", style="dim")
-    text = Text()
+        return text.append("-")
     text.append(f"#{row['seq']} +{row['at_s']:.1f}s {row['kind']}", style="bold")
-    text.append(f" [{row['policy']}]\n{row['rule']}")
+    text.append(f"\n[{row['policy']}]\n{row['rule']}")
     if row["commands"]:
         text.append(f"\ncommands: {', '.join(row['commands'])}")
     text.append(f"\ncause: {row['cause']}", style="dim")
@@ -252,14 +254,13 @@ def render_diff(diff: dict[str, Any], console: Console | None = None, limit: int
             continue
         table = Table(title=f"job {job['job']}: decisions that differ ({job['decisions'][0]} and "
                             f"{job['decisions'][1]} decisions)", show_lines=True)
-        table.add_column("change")
         table.add_column(a, overflow="fold", ratio=1)
         table.add_column(b, overflow="fold", ratio=1)
         for hunk in job["hunks"]:
             for left, right in _pairs(hunk[a], hunk[b]):
                 if rows >= limit:
                     break
-                table.add_row(hunk["change"], _side(left), _side(right))
+                table.add_row(_side(left, hunk["change"]), _side(right))
                 rows += 1
         console.print(table)
     total = sum(max(len(h[a]), len(h[b])) for job in diff["jobs"] for h in job["hunks"])
