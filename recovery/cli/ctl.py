@@ -254,16 +254,24 @@ INCIDENT_COLUMNS = ("job", "incident", "cause", "phase", "outcome", "opened", "f
                     "attempts")
 
 
-FREE_TEXT = frozenset({"cause", "attempts"})
-"""columns of words that may wrap at 80 columns: an incident's cause, its attempts; every other cell of `jobs` and
-`incidents` is a name or a number, never broken"""
-NODE_FREE_TEXT = frozenset({"job", "ranks"})
-"""`nodes`' columns that may wrap at their words: the node's job with its state, its ranks"""
+FREE_TEXT = frozenset({"cause", "attempts", "state"})
+"""columns of words that may wrap at 80 columns: an incident's cause, its attempts, a job's state with the nodes it
+lacks an agent on; every other cell of `jobs` and `incidents` is a name or a number, never broken"""
+WRAPPED_MIN = 16
+"""the fewest characters a free-text column is counted at (recovery.report.screen.TEXT_MIN; not imported, for
+start-up time: rich is imported only to render)"""
+NODE_FREE_TEXT = frozenset({"ranks"})
+"""`nodes`' column that may wrap at its words: the node's ranks (its job is whole, over its state)"""
 
 
-def _column_width(column: str, rows: Sequence[dict[str, str]]) -> int:
-    """A column's characters in a box table: its widest cell or header, and 3 for padding and border."""
-    return max([len(column), *(len(row[column]) for row in rows)]) + 3
+def _column_width(column: str, rows: Sequence[dict[str, str]], wrapped: bool = False) -> int:
+    """A column's characters in a box table: its widest cell or header, and 3 for padding and border; `wrapped`: a
+    free-text column's, which wraps at its words, no more than its longest word or TEXT_MIN."""
+    widest = max([len(column), *(len(line) for row in rows for line in row[column].splitlines())])
+    if wrapped and column in FREE_TEXT:
+        words = max([len(column), *(len(word) for row in rows for word in row[column].split())])
+        widest = min(widest, max(words, WRAPPED_MIN))
+    return widest + 3
 
 
 def table_width(columns: Sequence[str], rows: Sequence[dict[str, str]]) -> int:
@@ -276,7 +284,7 @@ def fitting_columns(columns: Sequence[str], rows: Sequence[dict[str, str]], widt
     used = 1
     shown: list[str] = []
     for column in columns:
-        need = _column_width(column, rows)
+        need = _column_width(column, rows, wrapped=True)
         if len(shown) >= 2 and used + need > width:
             break
         shown.append(column)
@@ -302,7 +310,7 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
                      ("-" if row[c] is None else str(row[c])) for c in columns} for row in reply["jobs"]]
             for row, job in zip(rows, reply["jobs"], strict=True):
                 if job.get("no_agent"):  # why it does not start: said where a narrow terminal still shows it
-                    row["state"] += f" (no agent on {_listed(job['no_agent'])})"
+                    row["state"] += f"\n(no agent on {_listed(job['no_agent'])})"
         else:
             rows = [{c: "-" if cells[c] is None else str(cells[c]) for c in columns}
                     for cells in ({**row, "opened": _when(row["opened"]), "attempts": " -> ".join(row["attempts"])}
@@ -326,7 +334,7 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
             table.add_column(column, no_wrap=column not in NODE_FREE_TEXT, overflow="fold")
         for row in reply["nodes"]:
             cells = {**row, "seen": _when(row["seen"]), "job": "-" if row["job"] is None else
-                     f"{row['job']} ({row['job_state']})", "ranks": _ranks(row["ranks"])}
+                     f"{row['job']}\n({row['job_state']})", "ranks": _ranks(row["ranks"])}
             table.add_row(*(Text("-" if cells.get(c) is None else str(cells[c])) for c in columns))
         console.print(table)
     elif verb == "status":

@@ -57,6 +57,7 @@ from recovery.cli.replay_source import (
     report_records,
 )
 from recovery.cli.timeline import cmd_timeline
+from recovery.cli.timeline import timeline_rows as timeline_rows  # where it was defined before its own module
 from recovery.log import ExportHeader, export_filter
 from recovery.log.verify import (
     LogReplay,

@@ -120,6 +120,9 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
     rows = [_incident_row(inc) for inc in job["incidents"][:MAX_INCIDENTS]]
     for table in fitted_tables(f"incidents of {job['job']}", INCIDENT_COLUMNS, rows, console.width):
         console.print(table)
+    for inc in job["incidents"][:MAX_INCIDENTS]:
+        for line in _agent_exits(inc):
+            console.print(Text(line, style="bold red"))
     for measured, basis in dict.fromkeys((inc["ttr_s"] is not None, inc["ttr_basis"])
                                          for inc in job["incidents"][:MAX_INCIDENTS]):
         console.print(Text(f"TTR {'measured to' if measured else 'not measured'}: {basis}", style="dim"))
@@ -155,10 +158,20 @@ def _incident_row(inc: dict[str, Any]) -> list[str | Text]:
             inc["outcome"] + (" (loop)" if inc["restart_loop"] else "")]
 
 
+def _agent_exits(inc: dict[str, Any]) -> list[str]:
+    """The root cause when it was the control plane's own part: a node's agent that stopped (crashed, killed), as
+    the agent that started after it said."""
+    said = dict.fromkeys((node, f["agent_exit"]) for f in inc["root_faults"] if f.get("agent_exit")
+                         for node in f["nodes"])
+    return [f"{inc['id']}: the agent of {node} {why} (said by the agent that started after it)"
+            for node, why in said]
+
+
 def _incident_panel(inc: dict[str, Any]) -> Panel:
     phases = "  ".join(f"{p['phase']} {p['seconds']:.1f}s" for p in inc["phases"] if p["seconds"] or
                        p["phase"] != "detection")
     lines: list[Any] = [Text(f"phases: {phases}")]
+    lines.extend(Text(line, style="bold red") for line in _agent_exits(inc))
     for esc in inc["escalations"]:
         lines.append(Text(f"escalated {esc['from']} -> {esc['to']} ({esc['after']}): {esc['reason']}",
                           style="yellow"))
