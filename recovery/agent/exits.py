@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sysconfig
 import time
 import traceback
 from pathlib import Path
 
 import orjson
 
+_STDLIB = sysconfig.get_paths()["stdlib"]
 EXIT_FILE = "agent-exit.json"
 ENDED_WITHOUT_A_WORD = "ended without saying why: killed (SIGKILL, out of memory) or its host went down"
 MAX_REASON = 1024
@@ -33,7 +35,9 @@ def crash_reason(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     frames = traceback.extract_tb(exc.__traceback__)
-    ours = [f for f in frames if "/recovery/" in f.filename.replace(os.sep, "/")] or frames
+    # the innermost frame outside the libraries: where our code (or a plugin's) went wrong, not where anyio or
+    # nats-py passed the exception through
+    ours = [f for f in frames if "site-packages" not in f.filename and not f.filename.startswith(_STDLIB)] or frames
     place = f" ({Path(ours[-1].filename).name}:{ours[-1].lineno} in {ours[-1].name})" if ours else ""
     message = _UNSAYABLE.sub(" ", str(exc)).strip()
     what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
