@@ -90,12 +90,12 @@ class LiveView:
         feed.add_column("t", justify="right", no_wrap=True)
         feed.add_column("job", no_wrap=True)
         feed.add_column("decision / why", overflow="fold")
-        job_width = max([3, *(len(job_id) for _, job_id, _, _ in self.feed)])
-        why_width = max(20, width - 6 - 2 - job_width - 2)  # the time, the job and the gaps between columns
-        for at, job_id, what, why in list(reversed(self.feed))[: max(3, room // 2)]:
-            cell = Text(what, style="bold")
-            cell.append("\n" + shortened(why, why_width), style="")
-            feed.add_row(f"{at - self.started:5.1f}s", job_id, cell)
+        newest = [(f"{at - self.started:5.1f}s", job_id, what, why)
+                  for at, job_id, what, why in list(reversed(self.feed))[: max(3, room // 2)]]
+        # the reason gets what the time, the job and the gaps between the columns leave of the line
+        taken = max([6, *(len(t) for t, _, _, _ in newest)]) + max([3, *(len(j) for _, j, _, _ in newest)]) + 4
+        for at, job_id, what, why in newest:
+            feed.add_row(at, job_id, Text.assemble((what, "bold"), "\n", shortened(why, max(20, width - taken))))
         mttr = f"median MTTR {statistics.median(self.mttr):.1f}s" if self.mttr else "no incident closed yet"
         footer = Text(f"incidents opened {self.incidents}, closed {len(self.mttr)}; {mttr}. "
                       f"Ctrl-C stops early.", style="dim")
