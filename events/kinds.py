@@ -265,8 +265,24 @@ class NodeNotReady(Frozen):
     reason: Text = ""
 
 
+LAST_EXIT_DESCRIPTION = ("why this node's agent last stopped, said by the agent that starts after it (its runtime "
+                         "directory keeps it): an exception with its place, the signal that stopped it, or that it "
+                         "ended without a word (killed, its host down); null: a first start")
+
+
+def _without_last_exit(data: dict[str, Any]) -> dict[str, Any]:
+    # An agent's first start is written as before agents said why they last stopped, so logs stay byte for byte.
+    if data.get("last_exit", ...) is None:
+        del data["last_exit"]
+    return data
+
+
 class NodeReady(Frozen):
-    pass
+    last_exit: Text | None = Field(None, max_length=1024, description=LAST_EXIT_DESCRIPTION)
+
+    @model_serializer(mode="wrap")
+    def _first_start_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_last_exit(handler(self))
 
 
 class NodeDrained(Frozen):
@@ -281,13 +297,15 @@ class NodeJoined(Frozen):
     pool: Token | None = Field(None, description="the spare pool the node joins: only jobs whose `spare_pool` names it "
                                                  "take it; null: the shared pool")
 
+    last_exit: Text | None = Field(None, max_length=1024, description=LAST_EXIT_DESCRIPTION)
+
     @model_serializer(mode="wrap")
     def _without_shared_pool(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # A node of the shared pool is written as before pools existed, so logs stay byte for byte.
         data: dict[str, Any] = handler(self)
         if data.get("pool", ...) is None:
             del data["pool"]
-        return data
+        return _without_last_exit(data)
 
 
 class NodeHeartbeat(Frozen):

@@ -20,6 +20,7 @@ import pytest
 from events import subjects
 from events.envelope import make_envelope
 from recovery.agent.config import ConfigError, load
+from recovery.agent.exits import ENDED_WITHOUT_A_WORD
 from recovery.agent.ranks import RankProcess, in_session, start_time
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.log.jetstream import JetStreamLog, ensure_stream, stream_config
@@ -316,6 +317,12 @@ async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(stre
     nc = await connect(streams.url)
     w = await watch(nc, "ad")
     ready = await node_heard(nc, "recovery.ev.node.n6.node.ready")
+    said: list[dict[str, Any]] = []  # each node.ready's data: the new agent says how the old one ended
+
+    async def on_ready(msg: Any) -> None:
+        said.append(orjson.loads(msg.data)["data"])
+
+    await nc.subscribe("recovery.ev.node.n6.node.ready", cb=on_ready)
     old = AgentProcess(tmp_path, "n6", streams.url)
     new: AgentProcess | None = None
     plan = {"checkpoint_step": None, "next_step": 0, "shards": []}
@@ -335,6 +342,8 @@ async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(stre
         ready.clear()
         new = AgentProcess(tmp_path, "n6", streams.url)
         await wait_until(lambda: bool(ready), 30, "the new agent's node.ready", new.log_tail)
+        await wait_until(lambda: len(said) == 2, 10, "both node.ready's data", new.log_tail)
+        assert said == [{}, {"last_exit": ENDED_WITHOUT_A_WORD}]  # a first start, then the SIGKILL it could not say
         await wait_until(lambda: new.log_tail(50).count("outlived the previous agent") == 4, 30, "the four adoptions",
                          new.log_tail)
         # the missed restart ends rank 2's old process (a replacement may run elsewhere) and starts nothing

@@ -278,11 +278,13 @@ def test_demo_runs_a_cluster_live_and_stops_by_itself(tmp_path: Path) -> None:
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "recovery.cli.daemon", "--demo", "--duration", "8", "--demo-driver",
                            "builtin", "--data-dir", str(tmp_path / "demo")], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60, check=False, env={**os.environ, "COLUMNS": "160"})
+                          cwd=ROOT, timeout=60, check=False, env={**os.environ, "COLUMNS": "80"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert time.monotonic() - started < 30
     assert "verify: ok" in done.stdout, done.stdout
     assert "incident(s) opened" in done.stdout
+    assert max(len(line.rstrip()) for line in done.stdout.splitlines()) <= 80, done.stdout
+    assert "--job job0" in done.stdout and "<job>" not in done.stdout  # commands to paste, naming the demo's jobs
     assert (tmp_path / "demo" / "demo.jsonl").is_file()
 
 

@@ -36,6 +36,7 @@ from events.values import Layout, ResumePlan
 from recovery.agent import errors, ranks
 from recovery.agent.admission import Admission, submissions
 from recovery.agent.config import AgentConfig
+from recovery.agent.exits import take_last_exit
 from recovery.agent.hangs import StockHangs, first_output
 from recovery.agent.jobs import CommandFailed, JobOnNode, end_torch_stores
 from recovery.agent.memory import MemoryTier, memory_root
@@ -86,6 +87,8 @@ class Agent(Relay, Rescale, Admission):
         self.dumps = Dumps()
         self.memory = MemoryTier(memory_root(cfg.memory_dir, cfg.node, self.runtime_dir), self.checkpoint_saved)
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
+        self.last_exit: str | None = None
+        """why the previous agent on this node stopped, as it kept it in the runtime directory"""
 
     # -- events ----------------------------------------------------------------------------------------
     def _next_id(self) -> str:
@@ -128,6 +131,7 @@ class Agent(Relay, Rescale, Admission):
     # -- running ---------------------------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        self.last_exit = take_last_exit(self.runtime_dir)  # said in this run's first event of the node
         attempts = Attempts(logger, "NATS: the agent reports nothing until it connects", self.cfg.nats_url)
 
         async def on_error(exc: Exception) -> None:
@@ -166,11 +170,12 @@ class Agent(Relay, Rescale, Admission):
                 tg.start_soon(self.fold_reports)
                 tg.start_soon(StockHangs(self.cfg, self.jobs, self.job_event).run)
                 tg.start_soon(self.memory.run)
+                said = {"last_exit": self.last_exit} if self.last_exit is not None else {}
                 if self.cfg.spare:
                     pool = {"pool": self.cfg.pool} if self.cfg.pool is not None else {}
-                    self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices, **pool})
+                    self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices, **pool, **said})
                 else:
-                    self.node_event("node.ready", {})
+                    self.node_event("node.ready", said)
                 tg.start_soon(watch_probes, self.link_watcher, self.xid_follower, self.nvml, self.node_event, self.cfg)
                 logger.info("agent ready", extra={"fields": {"node": self.node}})
                 task_status.started()

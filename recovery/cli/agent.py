@@ -21,6 +21,7 @@ import anyio
 from recovery.agent import config as config_mod
 from recovery.agent.agent import Agent
 from recovery.agent.config import ConfigError
+from recovery.agent.exits import crash_reason, record_exit
 from recovery.service import jsonlog
 
 
@@ -34,14 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(agent: Agent) -> None:
+async def serve(agent: Agent) -> str:
+    """Run the agent until a signal stops it: what stopped it."""
+    stopped_by = "stopped"
     async with anyio.create_task_group() as tg:
         await tg.start(agent.run)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
+            async for signum in signals:
+                stopped_by = f"stopped by {signal.Signals(signum).name}"
                 break
         await agent.preempt()
         tg.cancel_scope.cancel()
+    return stopped_by
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,7 +58,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"recovery-agent: {exc}", file=sys.stderr)
         return 2
     jsonlog.setup(cfg.log_level, "json", None)
-    anyio.run(serve, agent)
+    try:
+        stopped_by = anyio.run(serve, agent)
+    except BaseException as exc:
+        # kept for the next agent on this node to say (recovery.agent.exits): otherwise only this agent's own log
+        # would tell a crash of the control plane's own part from a host that went down
+        record_exit(agent.runtime_dir, crash_reason(exc))
+        raise
+    record_exit(agent.runtime_dir, stopped_by)
     return 0
 
 

@@ -238,7 +238,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     if not ranks:
         return "-"
     return str(ranks[0]) if len(ranks) == 1 else (f"{ranks[0]}-{ranks[-1]}" if ranks[-1] - ranks[0] == len(ranks) - 1
-                                                  else ",".join(map(str, ranks)))
+                                                  else ", ".join(map(str, ranks)))  # wraps between ranks
 
 
 def _when(ns: int | None) -> str:
@@ -254,9 +254,24 @@ INCIDENT_COLUMNS = ("job", "incident", "cause", "phase", "outcome", "opened", "f
                     "attempts")
 
 
-def _column_width(column: str, rows: Sequence[dict[str, str]]) -> int:
-    """A column's characters in a box table: its widest cell or header, and 3 for padding and border."""
-    return max([len(column), *(len(row[column]) for row in rows)]) + 3
+FREE_TEXT = frozenset({"cause", "attempts", "state"})
+"""columns of words that may wrap at 80 columns: an incident's cause, its attempts, a job's state with the nodes it
+lacks an agent on; every other cell of `jobs` and `incidents` is a name or a number, never broken"""
+WRAPPED_MIN = 16
+"""the fewest characters a free-text column is counted at (recovery.report.screen.TEXT_MIN; not imported, for
+start-up time: rich is imported only to render)"""
+NODE_FREE_TEXT = frozenset({"ranks"})
+"""`nodes`' column that may wrap at its words: the node's ranks (its job is whole, over its state)"""
+
+
+def _column_width(column: str, rows: Sequence[dict[str, str]], wrapped: bool = False) -> int:
+    """A column's characters in a box table: its widest cell or header, and 3 for padding and border; `wrapped`: a
+    free-text column's, which wraps at its words, no more than its longest word or TEXT_MIN."""
+    widest = max([len(column), *(len(line) for row in rows for line in row[column].splitlines())])
+    if wrapped and column in FREE_TEXT:
+        words = max([len(column), *(len(word) for row in rows for word in row[column].split())])
+        widest = min(widest, max(words, WRAPPED_MIN))
+    return widest + 3
 
 
 def table_width(columns: Sequence[str], rows: Sequence[dict[str, str]]) -> int:
@@ -269,7 +284,7 @@ def fitting_columns(columns: Sequence[str], rows: Sequence[dict[str, str]], widt
     used = 1
     shown: list[str] = []
     for column in columns:
-        need = _column_width(column, rows)
+        need = _column_width(column, rows, wrapped=True)
         if len(shown) >= 2 and used + need > width:
             break
         shown.append(column)
@@ -283,7 +298,9 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    console = Console()
+    from recovery.report.screen import screen_console
+
+    console = screen_console()
     if verb in ("jobs", "incidents"):
         columns = JOB_COLUMNS if verb == "jobs" else INCIDENT_COLUMNS
         if "partitions" in reply:  # a partitioned control plane's merged answer: where each row lives, third
@@ -293,7 +310,7 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
                      ("-" if row[c] is None else str(row[c])) for c in columns} for row in reply["jobs"]]
             for row, job in zip(rows, reply["jobs"], strict=True):
                 if job.get("no_agent"):  # why it does not start: said where a narrow terminal still shows it
-                    row["state"] += f" (no agent on {_listed(job['no_agent'])})"
+                    row["state"] += f"\n(no agent on {_listed(job['no_agent'])})"
         else:
             rows = [{c: "-" if cells[c] is None else str(cells[c]) for c in columns}
                     for cells in ({**row, "opened": _when(row["opened"]), "attempts": " -> ".join(row["attempts"])}
@@ -305,7 +322,8 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
         table = Table(title=f"{len(rows)} {'job' if verb == 'jobs' else 'incident'}(s)",
                       caption=f"{hidden} more column(s): --wide, or --json" if hidden else None)
         for column in shown:
-            table.add_column(column.replace("_", " "), no_wrap=column in ("job", "state"), overflow="fold")
+            # every shown column fits whole (fitting_columns): only free text may wrap, and at its words
+            table.add_column(column.replace("_", " "), no_wrap=column not in FREE_TEXT, overflow="fold")
         for row in rows:
             table.add_row(*(Text(row[c]) for c in shown))
         console.print(table)
@@ -313,10 +331,10 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
         columns = ("node", "agent", "seen", "job", "ranks", *(("partition",) if "partitions" in reply else ()))
         table = Table(title=f"{len(reply['nodes'])} node(s)")
         for column in columns:
-            table.add_column(column, no_wrap=column in ("node", "agent"), overflow="fold")
+            table.add_column(column, no_wrap=column not in NODE_FREE_TEXT, overflow="fold")
         for row in reply["nodes"]:
             cells = {**row, "seen": _when(row["seen"]), "job": "-" if row["job"] is None else
-                     f"{row['job']} ({row['job_state']})", "ranks": _ranks(row["ranks"])}
+                     f"{row['job']}\n({row['job_state']})", "ranks": _ranks(row["ranks"])}
             table.add_row(*(Text("-" if cells.get(c) is None else str(cells[c])) for c in columns))
         console.print(table)
     elif verb == "status":
@@ -326,7 +344,7 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
         for title, status in statuses.items():
             table = Table(title=title, show_header=False)
             for key, value in status.items():
-                table.add_row(key, Text(str(value)))
+                table.add_row(Text(key, no_wrap=True), Text(str(value)))
             console.print(table)
     elif verb == PARTITIONS_VERB:
         owned = reply.get("owned")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from events import subjects
+from recovery.report.screen import terminal_width
 
 ENDED = ("completed", "failed", "cancelled")
 PROGRESS_EVERY_S = 10.0
@@ -50,7 +53,17 @@ class JobFollower:
     _printed_at: float = 0.0
 
     def say(self, message: str) -> None:
-        print(f"[recovery-run {time.monotonic() - self.started:6.1f}s] {message}", file=self.out, flush=True)
+        """What happens, under its prefix. In a terminal (or with COLUMNS given) wrapped at words to its width, since
+        the terminal itself would wrap a reason or a path inside a value; written to a file or a pipe without a
+        width, one line a message, which grep finds whole."""
+        prefix = f"[recovery-run {time.monotonic() - self.started:6.1f}s] "
+        if not (_is_terminal(self.out) or os.environ.get("COLUMNS", "").isdigit()):
+            print(prefix + message, file=self.out, flush=True)
+            return
+        width = max(terminal_width(self.out), len(prefix) + 20)
+        lines = textwrap.wrap(message, width, initial_indent=prefix, subsequent_indent=" " * len(prefix),
+                              break_long_words=False, break_on_hyphens=False) or [prefix.rstrip()]
+        print("\n".join(lines), file=self.out, flush=True)
 
     def on_decision(self, decision: dict[str, Any]) -> None:
         kind, reason, detail = decision.get("kind"), decision.get("reason", ""), decision.get("detail") or {}
@@ -142,6 +155,13 @@ class JobFollower:
 
         await nc.subscribe(subjects.decision(self.job), cb=on_decision)
         await nc.subscribe(f"{subjects.PREFIX}.ev.job.{self.job}.>", cb=on_event)
+
+
+def _is_terminal(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):  # a closed or foreign stream: not a terminal to fit
+        return False
 
 
 def _said(error: object) -> str:

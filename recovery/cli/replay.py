@@ -42,27 +42,24 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
 from events.codec import encode_record
-from events.envelope import RawRecord, Record
-from events.subjects import is_output
 from recovery.cli.replay_source import (
     connect_log,
     log_partitions,
     open_data_dirs,
     partition_replays,
-    records,
     report_records,
 )
-from recovery.log import ExportHeader, export_filter, rejection_jobs
+from recovery.cli.timeline import cmd_timeline
+from recovery.cli.timeline import timeline_rows as timeline_rows  # where it was defined before its own module
+from recovery.log import ExportHeader, export_filter
 from recovery.log.verify import (
-    DEAD_LETTER_SUBJECTS,
-    DECISION_SUBJECTS,
     LogReplay,
     UnreadableLog,
     canonical,
@@ -139,22 +136,6 @@ async def _export(url: str, stream: str, output: str, job: str | None, since: in
         return count
     finally:
         await log.close()
-
-
-def _clock(ts: int, origin: int) -> str:
-    return f"+{(ts - origin) / NS:10.3f}s"
-
-
-def _utc(ts: int) -> str:
-    return datetime.fromtimestamp(ts / NS, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-
-
-def _summary(envelope: Any) -> str:
-    data = envelope.data.model_dump(mode="json", exclude_defaults=True)
-    if envelope.type == "job.submitted":
-        spec = data["spec"]
-        return f"{len(spec['nodes'])} nodes, layout {spec['layout']}"
-    return " ".join(f"{k}={v}" for k, v in data.items())
 
 
 def _json(obj: Any) -> bytes:
@@ -304,80 +285,6 @@ def _verify_one(result: LogReplay, args: argparse.Namespace, label: str) -> tupl
     return ok, out
 
 
-def timeline_rows(records: Sequence[Record | RawRecord] | Iterator[Record | RawRecord], job: str,
-                  include_progress: bool = False) -> list[dict[str, Any]]:
-    """The job's inputs and decisions in log order, with the state after each decision. Decisions and dead
-    letters are what sits on their subjects; a record of another type there, or one typed `decision` on an
-    event subject, is not the engine's."""
-    rows: list[dict[str, Any]] = []
-    nodes: set[str] = set()
-    state = "submitted"
-    for record in records:
-        if isinstance(record, RawRecord):
-            continue
-        env = record.envelope
-        if is_output(record.subject):
-            if env.type == "decision" and record.subject.startswith(DECISION_SUBJECTS):
-                if env.data.job != job:
-                    continue
-                d = env.data
-                state = d.state
-                nodes.update(d.detail.get("nodes", ()))  # nodes the job moved to are its nodes from then on
-                rows.append({"seq": record.seq, "ts": record.ts, "what": f"decision {d.kind}",
-                             "detail": d.reason + (f" [{', '.join(c.kind for c in d.commands)}]" if d.commands else ""),
-                             "state": state, "policy": d.policy})
-            elif (env.type == "rejection" and record.subject.startswith(DEAD_LETTER_SUBJECTS)
-                  and job in rejection_jobs(env.data)):
-                rows.append({"seq": record.seq, "ts": record.ts, "what": f"rejected {env.data.code}",
-                             "detail": env.data.reason, "state": state, "policy": None})
-            continue
-        if env.job == job:
-            if env.type == "job.submitted":
-                nodes.update(env.data.spec.nodes)
-            if env.type in ("process.heartbeat", "progress.step") and not include_progress:
-                continue
-            if env.type == "timer.fired" and "/watchdog/" in env.data.timer_id and not include_progress:
-                continue
-        elif not (env.node is not None and env.node in nodes):
-            continue
-        # An input typed like an output is hostile or broken input (the daemon rejects it): never shown as one.
-        what = env.type if env.type not in ("decision", "rejection") else f"input typed {env.type}"
-        rows.append({"seq": record.seq, "ts": record.ts, "what": what, "detail": _summary(env),
-                     "state": state, "policy": None})
-    return rows
-
-
-def cmd_timeline(args: argparse.Namespace) -> int:
-    rows = timeline_rows(records(args), args.job, include_progress=args.all)
-    if args.json:
-        sys.stdout.buffer.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
-        return 0
-    if not rows:
-        print(f"nothing in the log for job {args.job}")
-        return 2
-    origin = rows[0]["ts"]
-    try:  # imported here for start-up time (rich takes 40 ms): --json and the other commands do without it
-        from rich.console import Console
-        from rich.table import Table
-        from rich.text import Text
-    except ImportError:  # pragma: no cover - rich is a dependency; plain text keeps the CLI usable without it
-        for r in rows:
-            print(f"{_clock(r['ts'], origin)} {r['seq']:>7} {r['what']:<28} {r['state']:<13} {r['detail']}")
-        return 0
-    table = Table(title=f"job {args.job} from {_utc(origin)}", show_lines=False)
-    for column in ("time", "seq", "event / decision", "state", "detail"):
-        table.add_column(column, overflow="fold")
-    for r in rows:
-        style = "bold" if r["what"].startswith("decision") else ("red" if r["what"].startswith("rejected") else "")
-        # Text cells: details such as "[migrate_ranks]" are data, not console markup.
-        table.add_row(*(Text(c) for c in (_clock(r["ts"], origin), str(r["seq"]), r["what"], r["state"], r["detail"])),
-                      style=style)
-    console = Console()
-    # Piped output has no terminal width: give the table room rather than folding every cell.
-    Console(width=console.width if console.is_terminal else 200).print(table)
-    return 0
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     since = parse_since(args.since) if args.since else None
     until = parse_since(args.until) if args.until else None
@@ -389,12 +296,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(_json(report) + b"\n")
     elif not args.html:
         # imported here for start-up time (rich takes 40 ms), as timeline does
-        from rich.console import Console
-
         from recovery.report.terminal import render
 
-        console = Console()
-        render(report, Console(width=console.width if console.is_terminal else 160), decisions=not args.brief)
+        render(report, decisions=not args.brief)
     return 0
 
 
@@ -405,12 +309,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.buffer.write(_json(diff) + b"\n")
     else:
-        from rich.console import Console
-
         from recovery.report.terminal import render_diff
 
-        console = Console()
-        render_diff(diff, Console(width=console.width if console.is_terminal else 200), limit=args.limit)
+        render_diff(diff, limit=args.limit)
     return 0 if diff["same"] else 1
 
 
@@ -422,12 +323,9 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.buffer.write(_json(result) + b"\n")
     else:
-        from rich.console import Console
-
         from recovery.report.terminal import render_whatif
 
-        console = Console()
-        render_whatif(result, Console(width=console.width if console.is_terminal else 200), limit=args.limit)
+        render_whatif(result, limit=args.limit)
     return 0
 
 
@@ -446,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         if name == "timeline":
             p.add_argument("--job", required=True)
-            p.add_argument("--all", action="store_true", help="include heartbeats, steps and watchdog ticks")
+            p.add_argument("--all", action="store_true", help="include the signs of life: heartbeats of ranks and "
+                                                             "agents, steps, progress reports and watchdog ticks")
         if name == "verify":
             p.add_argument("--job", help="compare only this job's decisions and dead letters, and every job's "
                                          "acceptance (a per-job export names its job itself)")

@@ -136,6 +136,8 @@ class ReportFold:
             if job is not None:
                 for entry in env["data"]["ranks"] if type_ == "progress.report" else [env["data"]]:
                     self._heard(job, entry, ts)
+        if type_ in ("node.ready", "node.joined") and env.get("node") and (env.get("data") or {}).get("last_exit"):
+            self._agent_back(str(env["node"]), str(env["data"]["last_exit"]), ts)
         if type_ == "process.stacks" and job_id is not None:
             self._stacks(job_id, env["data"])
             return  # big, and no decision's input: not kept among the recent inputs
@@ -155,6 +157,19 @@ class ReportFold:
                 self._restarted(job, type_, env["data"], ts)
         elif type_ == "job.submitted":
             self._submitted(job_id, env["data"]["spec"], ts)
+
+    def _agent_back(self, node: str, last_exit: str, ts: int) -> None:
+        """A node's agent started again and said why the one before it stopped: that is the root cause of each job's
+        latest node fault on the node (`agent of n0 silent`, a host not ready), which the silence alone cannot tell
+        from a host that went down."""
+        for job in self.jobs.values():
+            for incident in [job.incident, *reversed(job.incidents)]:
+                struck = [f for f in incident.faults if f["class"] == "node" and node in f["nodes"] and f["ts"] <= ts
+                          ] if incident is not None else []
+                if struck:
+                    for fault in struck:
+                        fault.setdefault("agent_exit", last_exit[:300])
+                    break
 
     def _heard(self, job: JobFold, entry: dict[str, Any], ts: int) -> None:
         """A rank's heartbeat or step, alone or as an entry of its agent's `progress.report` (what the engine, and so

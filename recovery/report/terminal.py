@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from recovery.report.figures import checkpoint_text
+from recovery.report.screen import Column, fitted_tables, screen_console
 from recovery.report.stacks import describe
 
 MAX_INCIDENTS = 50
@@ -38,7 +39,7 @@ def _cause_text(inputs: dict[str, Any]) -> str:
 
 def render(report: dict[str, Any], console: Console | None = None, decisions: bool = True) -> None:
     """Print the report. `decisions`: each incident's decisions with their why (policy, rule, inputs)."""
-    console = console or Console()
+    console = console or screen_console()
     s = report["summary"]
     span = report["span"]
     console.print(Text.assemble(
@@ -52,28 +53,28 @@ def render(report: dict[str, Any], console: Console | None = None, decisions: bo
     console.print(_restarts_table(s["restarts_by_granularity"]))
     if s["lost_gpu_hours_by_cause"]:
         lost = Table(title="lost GPU-hours by cause (whole log)")
-        lost.add_column("cause")
-        lost.add_column("GPU-hours", justify="right")
+        Column("cause").add_to(lost)
+        Column("GPU-hours", "number").add_to(lost)
         for cause, hours in s["lost_gpu_hours_by_cause"].items():
             lost.add_row(cause, f"{hours:,.3f}")
         console.print(lost)
     for job in report["jobs"]:
         _job(console, job, decisions)
     if report["never_ran"]:
-        never = Table(title="jobs that never ran (in no figure above)")
-        for column in ("job", "GPUs", "state", "why"):
-            never.add_column(column, overflow="fold")
-        for job in report["never_ran"]:
-            never.add_row(job["job"], str(job["gpus"]), job["state"], Text(job["reason"]))
-        console.print(never)
-    lemons = Table(title="lemon candidates: nodes in two or more incidents")
-    for column in ("node", "incidents", "jobs", "devices repeating", "history"):
-        lemons.add_column(column, overflow="fold")
+        never = [[job["job"], str(job["gpus"]), job["state"], Text(job["reason"])] for job in report["never_ran"]]
+        for table in fitted_tables("jobs that never ran (in no figure above)", NEVER_RAN_COLUMNS, never,
+                                   console.width):
+            console.print(table)
+    lemons: list[list[str | Text]] = []
     for lemon in report["lemons"]:
         history = "; ".join(f"{h['incident']} {h['class'] or ''} {h['code'] or ''}".strip() for h in lemon["history"])
-        lemons.add_row(lemon["node"], str(lemon["incidents"]), ", ".join(lemon["jobs"]),
-                       ", ".join(map(str, lemon["devices_repeating"])) or "-", Text(history))
-    console.print(lemons if report["lemons"] else Text("no lemon candidates: no node is in two incidents"))
+        lemons.append([lemon["node"], str(lemon["incidents"]), Text(", ".join(lemon["jobs"])),
+                       Text(", ".join(map(str, lemon["devices_repeating"])) or "-"), Text(history)])
+    for table in fitted_tables("lemon candidates: nodes in two or more incidents", LEMON_COLUMNS, lemons,
+                               console.width) if lemons else []:
+        console.print(table)
+    if not lemons:
+        console.print(Text("no lemon candidates: no node is in two incidents"))
     for note in report["notes"]:
         console.print(f"note: {note}")
 
@@ -116,23 +117,12 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
                            style="bold red"))
         for failure in job["first_policy_failures"]:
             console.print(Text(f"  seq {failure['seq']} {failure['reason']}", style="red"))
-    table = Table(title=f"incidents of {job['job']}")
-    for column in ("incident", "fault", "first rank", "detect s", "decide s", "granularity", "checkpoint",
-                   "lost steps", "TTR s", "GPU-h", "outcome"):
-        table.add_column(column, overflow="fold", justify="right" if column.endswith(("s", "GPU-h")) else "left")
+    rows = [_incident_row(inc) for inc in job["incidents"][:MAX_INCIDENTS]]
+    for table in fitted_tables(f"incidents of {job['job']}", INCIDENT_COLUMNS, rows, console.width):
+        console.print(table)
     for inc in job["incidents"][:MAX_INCIDENTS]:
-        root = inc["root_faults"][0] if inc["root_faults"] else {}
-        fault = f"{inc['fault_class']} {root.get('code') or ''}".strip()
-        grans = " -> ".join(a["granularity"] for a in inc["attempts"]) or "-"
-        table.add_row(inc["id"], Text(fault), str(inc["first_failing_rank"] if inc["first_failing_rank"] is not None
-                                                  else "-"),
-                      _num(inc["detection_latency_s"], digits=2), _num(inc["decision_latency_s"], digits=2),
-                      grans, Text(checkpoint_text(inc["checkpoint"])),
-                      "?" if inc["lost_steps"] is None else str(inc["lost_steps"]),
-                      ("≥" if inc["ttr_lower_bound"] else "") + _num(inc["ttr_s"]),
-                      _num(inc["lost_gpu_hours"], digits=3),
-                      inc["outcome"] + (" (loop)" if inc["restart_loop"] else ""))
-    console.print(table)
+        for line in _agent_exits(inc):
+            console.print(Text(line, style="bold red"))
     for measured, basis in dict.fromkeys((inc["ttr_s"] is not None, inc["ttr_basis"])
                                          for inc in job["incidents"][:MAX_INCIDENTS]):
         console.print(Text(f"TTR {'measured to' if measured else 'not measured'}: {basis}", style="dim"))
@@ -147,10 +137,41 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
         console.print(_incident_panel(inc))
 
 
+NEVER_RAN_COLUMNS = (Column("job"), Column("GPUs", "number"), Column("state"), Column("why", "text"))
+LEMON_COLUMNS = (Column("node"), Column("incidents", "number"), Column("jobs", "text"),
+                 Column("devices repeating", "text"), Column("history", "text"))
+INCIDENT_COLUMNS = (Column("incident"), Column("fault", "text"), Column("first\nrank", "number"),
+                    Column("detect\ns", "number"), Column("decide\ns", "number"), Column("granularity", "text"),
+                    Column("checkpoint", "text"), Column("lost\nsteps", "number"), Column("TTR s", "number"),
+                    Column("GPU-h", "number"), Column("outcome"))
+"""an incident's row: what names it first, then what struck and how it was answered, then the figures"""
+
+
+def _incident_row(inc: dict[str, Any]) -> list[str | Text]:
+    root = inc["root_faults"][0] if inc["root_faults"] else {}
+    fault = f"{inc['fault_class']} {root.get('code') or ''}".strip()
+    grans = " -> ".join(a["granularity"] for a in inc["attempts"]) or "-"
+    return [inc["id"], Text(fault), str(inc["first_failing_rank"] if inc["first_failing_rank"] is not None else "-"),
+            _num(inc["detection_latency_s"], digits=2), _num(inc["decision_latency_s"], digits=2), Text(grans),
+            Text(checkpoint_text(inc["checkpoint"])), "?" if inc["lost_steps"] is None else str(inc["lost_steps"]),
+            ("≥" if inc["ttr_lower_bound"] else "") + _num(inc["ttr_s"]), _num(inc["lost_gpu_hours"], digits=3),
+            inc["outcome"] + (" (loop)" if inc["restart_loop"] else "")]
+
+
+def _agent_exits(inc: dict[str, Any]) -> list[str]:
+    """The root cause when it was the control plane's own part: a node's agent that stopped (crashed, killed), as
+    the agent that started after it said."""
+    said = dict.fromkeys((node, f["agent_exit"]) for f in inc["root_faults"] if f.get("agent_exit")
+                         for node in f["nodes"])
+    return [f"{inc['id']}: the agent of {node} {why} (said by the agent that started after it)"
+            for node, why in said]
+
+
 def _incident_panel(inc: dict[str, Any]) -> Panel:
     phases = "  ".join(f"{p['phase']} {p['seconds']:.1f}s" for p in inc["phases"] if p["seconds"] or
                        p["phase"] != "detection")
     lines: list[Any] = [Text(f"phases: {phases}")]
+    lines.extend(Text(line, style="bold red") for line in _agent_exits(inc))
     for esc in inc["escalations"]:
         lines.append(Text(f"escalated {esc['from']} -> {esc['to']} ({esc['after']}): {esc['reason']}",
                           style="yellow"))
@@ -162,11 +183,15 @@ def _incident_panel(inc: dict[str, Any]) -> Panel:
     if inc["lost_gpu_hours_by_phase"]:
         lines.append(Text("GPU-hours lost: " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                          inc["lost_gpu_hours_by_phase"].items())))
+    # Three columns whatever the width: the decision and its policy are identifiers (never broken), the rule and
+    # its cause free text beneath each other, which at 80 columns leaves the text most of the line.
     why = Table(show_header=True, box=None, pad_edge=False)
-    for column in ("seq", "decision", "policy", "rule", "inputs"):
-        why.add_column(column, overflow="fold")
+    why.add_column("seq", justify="right", no_wrap=True)
+    why.add_column("decision / policy", no_wrap=True)
+    why.add_column("rule / cause", overflow="fold")
     for d in inc["decisions"]:
-        why.add_row(str(d["seq"]), d["kind"], d["policy"], Text(d["rule"]), Text(_cause_text(d["inputs"])))
+        why.add_row(str(d["seq"]), Text.assemble(d["kind"], "\n", (d["policy"], "dim")),
+                    Text.assemble(d["rule"], "\n", (_cause_text(d["inputs"]), "dim")))
     lines.append(why)
     return Panel(Group(*lines), title=f"{inc['id']}: {inc['fault_class']}, {inc['outcome']}", title_align="left")
 
@@ -174,7 +199,7 @@ def _incident_panel(inc: dict[str, Any]) -> Panel:
 def _mttr_table(mttr: dict[str, dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for column in ("class", "incidents", "recovered", "p50 s", "p95 s"):
-        table.add_column(column, justify="left" if column == "class" else "right")
+        Column(column, "ident" if column == "class" else "number").add_to(table)
     bounded = False
     for cls, m in mttr.items():
         at_least = "≥" if m.get("lower_bounds") else ""  # some of the times are lower bounds: so are the figures
@@ -190,20 +215,22 @@ def _mttr_table(mttr: dict[str, dict[str, Any]], title: str) -> Table:
 def _restarts_table(restarts: dict[str, dict[str, int]]) -> Table:
     outcomes = ("started", "recovered", "failed", "timed_out", "superseded")
     table = Table(title="recovery attempts by granularity")
-    table.add_column("granularity")
+    Column("granularity").add_to(table)
     for column in outcomes:
-        table.add_column(column, justify="right")
+        Column(column, "number").add_to(table)
     for granularity, counts in restarts.items():
         table.add_row(granularity, *(str(counts.get(o, 0)) for o in outcomes))
     return table
 
 
-def _side(row: dict[str, Any] | None) -> Text:
+def _side(row: dict[str, Any] | None, change: str = "") -> Text:
+    """One side of a differing decision; the policy on a line of its own, since half of 80 columns is less than a
+    decision and a plugin's name together. `change`: the hunk's (replace, insert, delete), on the left side."""
+    text = Text(f"{change}\n" if change else "", style="dim")
     if row is None:
-        return Text("-", style="dim")
-    text = Text()
+        return text.append("-")
     text.append(f"#{row['seq']} +{row['at_s']:.1f}s {row['kind']}", style="bold")
-    text.append(f" [{row['policy']}]\n{row['rule']}")
+    text.append(f"\n[{row['policy']}]\n{row['rule']}")
     if row["commands"]:
         text.append(f"\ncommands: {', '.join(row['commands'])}")
     text.append(f"\ncause: {row['cause']}", style="dim")
@@ -213,7 +240,7 @@ def _side(row: dict[str, Any] | None) -> Text:
 def render_diff(diff: dict[str, Any], console: Console | None = None, limit: int = 40) -> None:
     """Print a diff of two logs' decisions: policies that differ, the first differing input and decision, then
     every differing hunk side by side (the first `limit` rows)."""
-    console = console or Console()
+    console = console or screen_console()
     a, b = diff["labels"]
     if diff["same"]:
         console.print(f"same decisions: {a} and {b} decided alike ({diff['records'][0]:,} and "
@@ -240,14 +267,13 @@ def render_diff(diff: dict[str, Any], console: Console | None = None, limit: int
             continue
         table = Table(title=f"job {job['job']}: decisions that differ ({job['decisions'][0]} and "
                             f"{job['decisions'][1]} decisions)", show_lines=True)
-        table.add_column("change")
         table.add_column(a, overflow="fold", ratio=1)
         table.add_column(b, overflow="fold", ratio=1)
         for hunk in job["hunks"]:
             for left, right in _pairs(hunk[a], hunk[b]):
                 if rows >= limit:
                     break
-                table.add_row(hunk["change"], _side(left), _side(right))
+                table.add_row(_side(left, hunk["change"]), _side(right))
                 rows += 1
         console.print(table)
     total = sum(max(len(h[a]), len(h[b])) for job in diff["jobs"] for h in job["hunks"])
@@ -263,7 +289,7 @@ def _pairs(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> list[tupl
 def render_whatif(result: dict[str, Any], console: Console | None = None, limit: int = 40) -> None:
     """Print a what-if: what was kept and re-simulated, the figures of both simulated runs, the decisions that
     differ."""
-    console = console or Console()
+    console = console or screen_console()
     recorded, chosen = result["policies"]["recorded"], result["policies"]["what-if"]
     changed = [f"{f}: {recorded[f]['name']} -> {chosen[f]['name']}"
                + (f" {chosen[f]['params']}" if chosen[f]["params"] else "")

@@ -36,7 +36,6 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from pydantic import TypeAdapter
-from rich.console import Console
 from rich.live import Live
 
 from events import subjects
@@ -48,6 +47,7 @@ from recovery.log import iter_file, replay
 from recovery.log.file import overruns_in_file
 from recovery.log.jetstream import JetStreamLog
 from recovery.log.verify import first_divergence
+from recovery.report.screen import screen_console
 from recovery.service import jsonlog
 from recovery.service.config import DaemonConfig
 from recovery.service.daemon import Daemon
@@ -463,7 +463,7 @@ def run_demo(cfg: DaemonConfig) -> int:
 
 
 async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> int:
-    console = Console()
+    console = screen_console()
     factory = load_driver(cfg.demo_driver)
     where = "simulator world" if factory is sim_driver else ("built-in cluster" if factory is builtin_driver
                                                              else cfg.demo_driver)
@@ -486,11 +486,12 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
             driver = builtin_driver(bus, settings)
         view = LiveView(daemon, settings.seconds)
         state.update(view=view)
-        live = Live(view.render(), console=console, refresh_per_second=4, transient=False)
+        live = Live(view, console=console, refresh_per_second=4, transient=False)
         try:
             await bus.start(driver)
-            console.print(f"metrics on http://{cfg.http_host}:{daemon.http_port}/metrics; recovery-ctl --nats "
-                          f"{daemon.url} jobs")
+            # the command on a line of its own: wrapped into the sentence, it is broken for copying at 80 columns
+            console.print(f"metrics on http://{cfg.http_host}:{daemon.http_port}/metrics; the live jobs:")
+            console.print(f"  recovery-ctl --nats {daemon.url} jobs")
             live.start()
             async with anyio.create_task_group() as screen:
                 screen.start_soon(_refresh, live, view)
@@ -502,7 +503,7 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
             stopper = getattr(driver, "stop", None)
             if stopper is not None:
                 stopper()
-            live.update(view.render())
+            live.update(view, refresh=True)
             live.stop()
             await bus.close()
             await daemon.quiesce()
@@ -517,13 +518,17 @@ async def _demo(cfg: DaemonConfig, settings: DemoSettings, data_dir: Path) -> in
     if export is not None:
         path, verdict = export
         console.print(f"the log: {path} ({verdict})")
-        console.print(f"  recovery-replay timeline {path} --job <job>      recovery-replay run {path}")
+        jobs = view.job_ids() if view is not None else []
+        for job in jobs or ["<job>"]:  # the jobs the demo ran, by name: a command to paste, not a template
+            console.print(f"  recovery-replay timeline {path} --job {job}")
+        console.print(f"  recovery-replay report {path}")
+        console.print(f"  recovery-replay run {path}")
     return code
 
 
 async def _refresh(live: Live, view: LiveView) -> None:
     while True:
-        live.update(view.render())
+        live.update(view)
         await anyio.sleep(0.25)  # screen refresh interval
 
 

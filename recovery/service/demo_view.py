@@ -8,15 +8,21 @@ import time
 from collections import deque
 from typing import Any
 
-from rich.console import Group
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.table import Table
 from rich.text import Text
 
 from events.envelope import RawRecord, Record
 from events.outputs import Decision
+from recovery.report.screen import NARROWEST, Column, shortened
 from recovery.service.daemon import Daemon
 
 NS = 1_000_000_000
+JOB_COLUMNS = (Column("job"), Column("state\nphase"), Column("step", "number"), Column("gen", "number"),
+               Column("ranks", "number"), Column("incident\nattempt"), Column("closed", "number"),
+               Column("nodes", "text"))
+"""the jobs' columns: names and numbers whole, the nodes wrapped between them"""
 
 
 class LiveView:
@@ -26,7 +32,7 @@ class LiveView:
         self.daemon = daemon
         self.seconds = seconds
         self.started = time.monotonic()
-        self.feed: deque[tuple[float, str, str, str]] = deque(maxlen=14)
+        self.feed: deque[tuple[float, str, str, str]] = deque(maxlen=40)
         self.mttr: list[float] = []
         self.incidents = 0
         daemon.listeners.append(self.on_record)
@@ -44,32 +50,52 @@ class LiveView:
             self.feed.append((time.monotonic(), effect.job, f"{effect.kind} -> {effect.state}",
                               effect.reason + commands))
 
-    def render(self) -> Any:
+    def job_ids(self) -> list[str]:
+        """The jobs the demo ran, for the commands that read its log (`recovery-replay timeline ... --job`)."""
+        return sorted(self.daemon.engine.jobs)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.render(options.max_width, options.height or console.height)
+
+    def render(self, width: int = NARROWEST, height: int = 40) -> Group:
+        """The screen in `width` x `height`: the jobs, then the newest decisions first, as many as fit below them,
+        each on at most two lines (a live screen taller than the terminal loses its bottom, which is where the
+        newest were)."""
         engine = self.daemon.engine
         elapsed = time.monotonic() - self.started
         jobs = Table(title=f"recovery-daemon demo  {elapsed:4.0f}s / {self.seconds:.0f}s   "
                            f"log seq {engine.last_seq}   snapshot seq {self.daemon.snapshot_seq}",
-                     title_justify="left", expand=True)
-        for column in ("job", "state", "step", "gen", "ranks", "nodes", "incident", "attempt / phase", "closed"):
-            jobs.add_column(column)
+                     title_justify="left", expand=True, box=box.SIMPLE_HEAD, pad_edge=False)
+        # The state over its phase and the incident over its attempt's granularity: whole words in two narrow
+        # columns, where a column each cut them to `recover…` and `in_pla…` at 80 columns.
+        for column in JOB_COLUMNS:
+            column.add_to(jobs)
         colours = {"running": "green", "recovering": "yellow", "paused": "cyan", "failed": "red",
                    "cancelled": "red", "completed": "blue"}
-        for job_id in sorted(engine.jobs):
+        for job_id in self.job_ids():
             job = engine.jobs[job_id]
             incident = job.incident
             attempt = incident.attempt if incident is not None else None
-            phase = job.phase or ""
-            what = f"{attempt.granularity.value} / {phase}" if attempt is not None else phase
-            jobs.add_row(job_id, Text(job.state, style=colours.get(job.state, "magenta")), str(job.step),
-                         str(job.generation), f"{sum(job.alive)}/{job.world}", " ".join(job.nodes),
-                         incident.id if incident else "", what, str(len(job.closed)))
-        feed = Table(title="decisions", title_justify="left", expand=True, show_header=False)
-        feed.add_column("t", width=6)
-        feed.add_column("job", width=6)
-        feed.add_column("decision", width=34)
-        feed.add_column("why", overflow="fold")
-        for at, job_id, what, why in self.feed:
-            feed.add_row(f"{at - self.started:5.1f}s", job_id, what, Text(why))
+            state = Text(job.state, style=colours.get(job.state, "magenta"))
+            if job.phase:
+                state.append(f"\n{job.phase}", style="dim")
+            what = Text(incident.id if incident else "")
+            if attempt is not None:
+                what.append(f"\n{attempt.granularity.value}", style="dim")
+            jobs.add_row(job_id, state, str(job.step), str(job.generation), f"{sum(job.alive)}/{job.world}", what,
+                         str(len(job.closed)), Text(" ".join(job.nodes)))
+        room = height - 6 - 2 * len(engine.jobs) - 3  # the jobs' title, header, rows and rule; the feed's title; footer
+        feed = Table(title="decisions, newest first", title_justify="left", expand=True, show_header=False,
+                     box=None, pad_edge=False)
+        feed.add_column("t", justify="right", no_wrap=True)
+        feed.add_column("job", no_wrap=True)
+        feed.add_column("decision / why", overflow="fold")
+        newest = [(f"{at - self.started:5.1f}s", job_id, what, why)
+                  for at, job_id, what, why in list(reversed(self.feed))[: max(3, room // 2)]]
+        # the reason gets what the time, the job and the gaps between the columns leave of the line
+        taken = max([6, *(len(t) for t, _, _, _ in newest)]) + max([3, *(len(j) for _, j, _, _ in newest)]) + 4
+        for at, job_id, what, why in newest:
+            feed.add_row(at, job_id, Text.assemble((what, "bold"), "\n", shortened(why, max(20, width - taken))))
         mttr = f"median MTTR {statistics.median(self.mttr):.1f}s" if self.mttr else "no incident closed yet"
         footer = Text(f"incidents opened {self.incidents}, closed {len(self.mttr)}; {mttr}. "
                       f"Ctrl-C stops early.", style="dim")
