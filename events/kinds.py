@@ -313,6 +313,36 @@ class NodeHeartbeat(Frozen):
     tells a dead agent or host from processes that merely stopped reporting."""
 
     interval_s: Seconds = Field(1.0, description="how often the agent sends it, 0 .. 30 days")
+    live_s: Seconds | None = Field(None, description="the agent's liveness is off the log: it beats every `live_s` on "
+                                                     "core NATS (`recovery.live.<node>`), the daemon's liveness "
+                                                     "monitor watches the beats and logs `node.silent` and "
+                                                     "`node.heard`, and this record states the mode (sent once, not "
+                                                     "every period); null: every heartbeat is logged, as before")
+
+    @model_serializer(mode="wrap")
+    def _without_live(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A heartbeat of the logged kind is written as before the live mode existed, so logs stay byte for byte.
+        data: dict[str, Any] = handler(self)
+        if data.get("live_s", ...) is None:
+            del data["live_s"]
+        return data
+
+
+class NodeSilent(Frozen):
+    """The daemon's liveness monitor heard no live beat of the node for `silent_s` (its own monotonic clock, only
+    while it was connected and held the partition): the engine takes the node as its watchdog takes an agent whose
+    heartbeats stopped that long ago. Only the daemon sends it, sealed (`recovery.core.firings`)."""
+
+    silent_s: Seconds = Field(description="how long the monitor heard nothing of the node, up to this record")
+    bound_s: Seconds = Field(description="the silence the monitor waited for (the job's `agent_silence_s`)")
+
+
+class NodeHeard(Frozen):
+    """A node the engine holds silent or gone is heard again by the daemon's liveness monitor (a live beat): a sign
+    of life, as any event of the node. Only the daemon sends it, sealed."""
+
+    silent_s: Seconds | None = Field(None, description="how long the monitor heard nothing of it before this beat, "
+                                                       "when it knows")
 
 
 # --- job lifecycle ----------------------------------------------------------------------------------
@@ -474,5 +504,7 @@ NODE_EVENTS: dict[str, type[Frozen]] = {
     "node.drained": NodeDrained,
     "node.joined": NodeJoined,
     "node.heartbeat": NodeHeartbeat,
+    "node.silent": NodeSilent,
+    "node.heard": NodeHeard,
 }
 """Event types that concern one node: the envelope carries `node`."""

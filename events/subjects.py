@@ -59,6 +59,12 @@ def node_event(node: str, type_: str) -> str:
     return f"{PREFIX}.ev.node.{node}.{type_}"
 
 
+def live(node: str) -> str:
+    """The core-NATS subject of a node's live beats (`recovery-agent` with `liveness = "live"`): no stream captures
+    it, so a healthy node's "still alive" never reaches the log; the daemon's liveness monitor subscribes to `LIVE`."""
+    return f"{PREFIX}.live.{node}"
+
+
 def decision(job: str) -> str:
     return f"{PREFIX}.dec.{job}"
 
@@ -99,6 +105,7 @@ def command_msg_id(command_id: str, node: str) -> str:
 
 
 EVENTS = f"{PREFIX}.ev.>"
+LIVE = f"{PREFIX}.live.*"
 DECISIONS = f"{PREFIX}.dec.>"
 DEAD_LETTERS = f"{PREFIX}.dlq.>"
 COMMANDS = f"{PREFIX}.cmd.>"

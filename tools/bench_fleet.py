@@ -1,6 +1,9 @@
 """`python tools/bench.py fleet`: the control plane at a fleet's scale, its agents simulated in processes of their
 own that publish over real NATS (never inside a daemon's process).
 
+Case `steady` (c), `tools/bench_fleet_steady.py`: a healthy fleet and no fault, what the log stores a second
+(`fleet_steady_log_per_s`), with the nodes' liveness logged and off the log.
+
 Case `job` (a): one job of `--nodes` nodes of 8 ranks (16,384 x 8 = 131,072 GPUs; `--quick` 1,024 x 8) on one daemon
 and one nats-server. Each simulated agent does for its node what `recovery-agent` does: it folds its 8 ranks'
 heartbeats (1/s) and steps (one every `--step-s`, 2 s) into one `progress.report` per `--report-s`, which the engine
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_fleet_many
+import bench_fleet_steady
 import orjson
 from bench_daemon import Daemon, connect, nats_server, note, publish_all, sigterm_unwinds, wait_seq
 from bench_fleet_agents import CONTROL, RPN, node_name
@@ -160,9 +164,10 @@ def run_job(args: argparse.Namespace, work: Path, emit: Emit) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", choices=("job", "fleet"), default=None,
+    parser.add_argument("--only", choices=("job", "fleet", "steady"), default=None,
                         help="one case: `job` (a), one job of 131,072 GPUs; `fleet` (b), 200,000 GPUs in 1,000 jobs "
-                             "over 3 daemons and 3 nats-servers (default: both)")
+                             "over 3 daemons and 3 nats-servers; `steady` (c), what a healthy fleet writes into the "
+                             "log, liveness logged and live (default: all three)")
     parser.add_argument("--quick", action="store_true", help="1,024 nodes for 20 s")
     parser.add_argument("--nodes", type=int, default=0, help="nodes of 8 ranks in the job (default 16,384)")
     parser.add_argument("--seconds", type=float, default=0.0, help="the measured window (default 60)")
@@ -174,6 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault-every-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
     bench_fleet_many.add_arguments(parser)
+    bench_fleet_steady.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, emit: Emit) -> None:
@@ -182,4 +188,6 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
             run_job(args, Path(tmp) / "job", emit)
         if args.only in (None, "fleet"):
             bench_fleet_many.run_fleet(args, Path(tmp) / "fleet", emit)
+        if args.only in (None, "steady"):
+            bench_fleet_steady.run_steady(args, Path(tmp) / "steady", emit)
 

@@ -10,10 +10,13 @@ NATS, the bench's own control subject): the agent publishes that rank's `process
 once it is stored, answers with the monotonic time it was sent and the job's generation then.
 
 The spec: `{"url": ..., "jobs": [[job, its first node, the first node here, nodes here], ...], "report_s": s,
-"step_s": s, "seconds": s, "acked": bool}` (`acked` false: reports and heartbeats fire and forget, for one healthy
-server, where nothing is lost and the acknowledgements would only load the two cores the daemon is measured on),
-nodes as indices: node names are global (`f00000` ...), and a job's ranks are numbered from 0 on its own first node
-(a process may play a slice of a job).
+"step_s": s, "seconds": s, "acked": bool, "idle": [first node, nodes], "liveness": "log" | "live"}` (`acked` false:
+reports and heartbeats fire and forget, for one healthy server, where nothing is lost and the acknowledgements would
+only load the two cores the daemon is measured on; `idle`: nodes of no job, spares or between jobs, which only say
+they live, every `report_s`; `liveness` as the agent's setting: `log`, a `node.heartbeat` in the log in each period
+without a report, `live`, the mode stated once in the log and a beat on core NATS every period), nodes as indices:
+node names are global (`f00000` ...), and a job's ranks are numbered from 0 on its own first node (a process may
+play a slice of a job).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ async def agents(spec: dict[str, Any]) -> None:
     js = nc.jetstream(timeout=30)
     report_s, step_s, seconds = float(spec["report_s"]), float(spec["step_s"]), float(spec["seconds"])
     acked = bool(spec.get("acked", True))
+    live = spec.get("liveness", "log") == "live"
+    idle_first, idle_count = spec.get("idle", (0, 0))
+    idle = [node_name(i) for i in range(idle_first, idle_first + idle_count)]
     jobs: dict[str, SimJob] = {}
     nodes: dict[str, tuple[SimJob, int]] = {}  # node -> (its job, its index in the job)
     for name, job_first, first, count in spec["jobs"]:
@@ -125,6 +131,16 @@ async def agents(spec: dict[str, Any]) -> None:
             future = await js.publish_async(subject, data, headers={MSG_ID: ident}, wait_stall=60)
             sent.append((subject, data, ident, future))
 
+        async def alive(node: str, tick: int, reported: bool, send: Any = send) -> None:
+            """As the agent's `_beat`: logged in a period without a report, or live (the mode logged once)."""
+            if live:
+                await nc.publish(subjects.live(node), b"")
+            if tick == 0 or (not live and not reported):  # a period it reported in needs no heartbeat besides
+                ident = f"{node}-h{tick}"
+                data = {"interval_s": report_s, "live_s": report_s} if live else {}
+                await send(subjects.node_event(node, "node.heartbeat"),
+                           envelope("node.heartbeat", data, ident, node, None), ident)
+
         for n, (node, (job, index)) in enumerate(nodes.items()):
             if n % 64 == 0:
                 due = start + tick * report_s + n * slot - time.monotonic()
@@ -135,10 +151,9 @@ async def agents(spec: dict[str, Any]) -> None:
             ident = f"{node}-r{tick}"
             await send(subjects.job_event(job.name, "progress.report"),
                        envelope("progress.report", {"ranks": ranks}, ident, node, job.name), ident)
-            if tick == 0 or not ranks:  # as the agent: a period it reported in needs no heartbeat besides
-                ident = f"{node}-h{tick}"
-                await send(subjects.node_event(node, "node.heartbeat"),
-                           envelope("node.heartbeat", {}, ident, node, None), ident)
+            await alive(node, tick, reported=bool(ranks))
+        for node in idle:
+            await alive(node, tick, reported=False)
         await nc.flush(timeout=60)
         acks = await asyncio.gather(*(asyncio.wait_for(future, 5) for *_, future in sent), return_exceptions=True)
         for (subject, data, ident, _), ack in zip(sent, acks, strict=True):

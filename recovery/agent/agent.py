@@ -108,12 +108,22 @@ class Agent(Relay, Rescale, Admission):
     def node_event(self, type_: str, data: dict[str, Any], event_id: str | None = None) -> None:
         envelope = make_envelope(type_, data, id=event_id or self._next_id(), node=self.node, source=self.source)
         assert self.outbox is not None
+        # A logged heartbeat is dropped first when the outbox is full; the statement of the live mode never is.
         self.outbox.put(subjects.node_event(self.node, type_), encode_envelope(envelope), envelope.id,
-                        heartbeat=type_ == "node.heartbeat")
+                        heartbeat=type_ == "node.heartbeat" and "live_s" not in data)
 
     async def _beat(self) -> None:
         """The agent's own heartbeat: its absence is how the engine tells a dead agent or host (whose ranks' reports
-        stop with it) from ranks that stopped reporting."""
+        stop with it) from ranks that stopped reporting. With `liveness = "live"` the beats go on core NATS, off the
+        log, and the log holds the mode (stated once here) and what the daemon's liveness monitor finds."""
+        period = self.cfg.node_heartbeat_s
+        if self.cfg.liveness == "live":
+            self.node_event("node.heartbeat", {"interval_s": period, "live_s": period})
+            while True:
+                assert self.nc is not None
+                with contextlib.suppress(Exception):  # NATS away: this beat is lost, as a beat may be
+                    await self.nc.publish(subjects.live(self.node), b"")
+                await anyio.sleep(period)  # the live beat's period
         while True:
             # A report within the period of the slowest job's reports said it already (the engine's silence
             # threshold is several periods).

@@ -52,6 +52,14 @@ class AgentConfig(FileSettings):
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the SDK in every rank sends a heartbeat")
     node_heartbeat_s: float = Field(1.0, gt=0, le=60, description="how often the agent says it is alive "
                                                                   "(`node.heartbeat`)")
+    liveness: Literal["log", "live"] = Field("log", description="how the agent says it is alive: `log`, a "
+                                                                 "`node.heartbeat` in the log every "
+                                                                 "`node_heartbeat_s` it did not report in; `live`, a "
+                                                                 "beat on core NATS (`recovery.live.<node>`) every "
+                                                                 "`node_heartbeat_s`, which the daemon's liveness "
+                                                                 "monitor watches, the log holding only the mode "
+                                                                 "(once) and the node's silences (daemons first: "
+                                                                 "one that predates the mode refuses it)")
     report_s: float = Field(1.0, ge=0, le=60, description="how often the ranks' heartbeats and steps of each job "
                                                            "go out folded into one `progress.report`; 0: each on "
                                                            "its own, as older agents send them")

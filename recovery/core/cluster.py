@@ -27,10 +27,12 @@ class NodeState:
         "isolated_devices",
         "job",
         "links_down",
+        "live",
         "name",
         "pool",
         "ready",
         "resettable",
+        "silent",
         "spare",
     )
 
@@ -45,6 +47,11 @@ class NodeState:
         self.job: str | None = None
         self.heard: int | None = None  # log time of its agent's last heartbeat; None: it sends none
         self.gone = False  # a node fault declared the host gone (its agent and ranks fell silent) until it speaks
+        # Its agent's liveness is off the log (`node.heartbeat` with `live_s`): the daemon's monitor watches its beats,
+        # and `silent` is the log time from which the monitor's `node.silent` says it was heard no more (None: not
+        # silent). The watchdog sees such an agent heard at every tick until then (`recovery.core.liveness`).
+        self.live = False
+        self.silent: int | None = None
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
         self.resettable: set[int] = set()  # bad devices a reset clears (XID 48): sorted when read
         self.isolated_devices: set[int] = set()  # bad devices a policy isolated (lemons): released by a decision
@@ -64,6 +71,13 @@ class NodeState:
         twin.device_faults = {d: deque(times, maxlen=HISTORY) for d, times in self.device_faults.items()}
         return twin
 
+    def heard_at(self, now: int) -> int | None:
+        """The log time the watchdog takes the node's agent as last heard at `now` (None: it sends no heartbeats): its
+        last heartbeat's, or for an agent watched off the log, `now` until the monitor said it fell silent."""
+        if self.live:
+            return self.silent if self.silent is not None else now
+        return self.heard
+
     @property
     def usable(self) -> bool:
         # A node whose fabric link is down can hold no rank of a collective job: restarting ranks there fails.
@@ -73,7 +87,9 @@ class NodeState:
     def snapshot(self) -> dict[str, object]:
         return {"name": self.name, "devices": self.devices, "spare": self.spare, "ready": self.ready,
                 "drained": self.drained, "isolated": self.isolated, "gone": self.gone, "job": self.job,
-                "bad_devices": sorted(self.bad_devices), "links_down": sorted(self.links_down or ())}
+                "bad_devices": sorted(self.bad_devices), "links_down": sorted(self.links_down or ()),
+                # only when set: the snapshot of a node whose heartbeats are logged is what it always was
+                **({"live": True, "silent": self.silent} if self.live else {})}
 
 
 class ClusterView:

@@ -386,6 +386,8 @@ class Detection:
             for name in job.nodes:
                 if self.cluster.nodes.get(name) is not None and self.cluster.nodes[name].heard is not None:
                     self.cluster.node(name).heard = out.ts
+                    if self.cluster.nodes[name].silent is not None:
+                        self.cluster.node(name).silent = out.ts
             return
         agents = self.cluster.nodes
         world = job.world
@@ -393,7 +395,7 @@ class Detection:
         columns = RankColumns(tuple(job.last_seen[:world]), tuple(job.last_progress[:world]), tuple(job.steps[:world]),
                               tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]))
         view = WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn,
-                            tuple(agents[n].heard if n in agents else None for n in job.nodes), job.sdk,
+                            tuple(agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes), job.sdk,
                             columns=columns, recovering=recovering)
         verdicts = consult(out, job, "detection", "check", view)
         if recovering:

@@ -40,7 +40,7 @@ from recovery.core.cluster import ClusterView
 from recovery.core.containment import contain
 from recovery.core.detection import Detection
 from recovery.core.failures import exit_text, note_exit, stop_like
-from recovery.core.firings import admit_firing, admit_outage
+from recovery.core.firings import SEALED_FACTS, admit_fact, admit_firing
 from recovery.core.incidents import MAX_PLANS_PER_RECORD, Incidents
 from recovery.core.job import DEDUPE_WINDOW, Job, hungry
 from recovery.core.journal import Journal
@@ -93,7 +93,7 @@ class Engine(Progress):
         self.incidents = Incidents(self.cluster, self.timekeeper, self.placement)
         self.detection = Detection(self.cluster, self.timekeeper, self.placement, self.incidents)
         self.operators = Operators(self.cluster, self.timekeeper, self.placement, self.incidents)
-        self.liveness = Liveness(self.cluster, self.guard, self._capacity_returned)
+        self.liveness = Liveness(self.cluster, self.jobs, self.guard, self._capacity_returned)
 
     @property
     def timers(self) -> dict[str, TimerEntry]:
@@ -134,8 +134,8 @@ class Engine(Progress):
         try:
             if envelope.type == "timer.fired":
                 admit_firing(self, record, envelope)
-            elif envelope.type == "control.outage":
-                admit_outage(self, record, envelope)
+            elif envelope.type in SEALED_FACTS:
+                admit_fact(self, record, envelope)
             self._dispatch(out, record.subject, envelope)
             effects = out.effects
             if effects:
@@ -477,9 +477,15 @@ class Engine(Progress):
         device_times: tuple[int, ...] = ()
         node_times: tuple[int, ...] = ()
         back = node.gone  # the host a node fault declared gone speaks again: usable once its state says so
+        if isinstance(data, kinds.NodeSilent):  # the monitor's word: no sign of life, judged now as at a tick
+            job = self.liveness.silent(out, node, data)
+            if job is not None:
+                self.touch(job)
+                self.detection.watchdog(out, job)
+            return
         node.gone = False
-        if isinstance(data, kinds.NodeHeartbeat):
-            node.heard = out.ts  # the agent's sign of life: for the watchdog of the job on the node, no signal itself
+        if isinstance(data, kinds.NodeHeartbeat | kinds.NodeHeard):
+            self.liveness.alive(out, node, data)  # for the watchdog of the job on the node, no signal itself
             if back and node.usable:
                 self._capacity_returned(out)
             return
@@ -585,8 +591,6 @@ class Engine(Progress):
                 "jobs": {job_id: self.jobs[job_id].snapshot() for job_id in sorted(self.jobs)},
                 "timers": [{"id": t, "job": j, "due": d, "every": e} for t, (j, d, e) in self.timers.items()],
                 "nodes": [self.cluster.nodes[n].snapshot() for n in sorted(self.cluster.nodes)]}
-
-
 
 
 __all__ = ["MAX_PLANS_PER_RECORD", "Effect", "Engine", "label"]

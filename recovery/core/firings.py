@@ -1,5 +1,5 @@
 """Whether a `timer.fired` record is a real firing: one the timer service sent, at or after the timer's due time;
-and whether a `control.outage` record is the daemon's own (the seal rule alone).
+and whether a `control.outage`, `node.silent` or `node.heard` record is the daemon's own (the seal rule alone).
 
 Timer firings travel on job subjects, which every agent may publish, and name a timer id and due time that any
 decision lists: without a check, a forged firing fires a 20 s debounce or a 60 s deadline at once. Two rules, both
@@ -33,9 +33,13 @@ DIGEST_CHARS = 24
 """hex characters of the HMAC a sealed message id ends with (`<id>~<digest>`): 96 bits no publisher guesses"""
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_CHARS}}}")
 
-FORGED_FIRING_CODES = ("timer_early", "timer_unsealed", "timer_forged", "outage_unsealed", "outage_forged")
-"""the dead-letter codes of firings (and outage records, `control.outage`) that are not real: `recovery-replay
-verify` reports every one"""
+SEALED_FACTS = {"control.outage": "outage", "node.silent": "silence", "node.heard": "heard"}
+"""the daemon's own facts beside its timer firings (its outages, its liveness monitor's word on a node), by type:
+each sealed as a firing is, and its dead letters coded `<code>_unsealed`, `<code>_forged`"""
+FORGED_FIRING_CODES = ("timer_early", "timer_unsealed", "timer_forged",
+                       *(f"{code}_{how}" for code in SEALED_FACTS.values() for how in ("unsealed", "forged")))
+"""the dead-letter codes of firings (and of the daemon's other facts, `SEALED_FACTS`) that are not real:
+`recovery-replay verify` reports every one"""
 
 
 class FiringState(Protocol):
@@ -72,15 +76,16 @@ def admit_firing(engine: FiringState, record: Record | RawRecord, envelope: Enve
     _check_seal(engine, msg_id, ident, sealed, "timer", "timer.fired", "the timer service")
 
 
-def admit_outage(engine: FiringState, record: Record | RawRecord, envelope: EnvelopeBase) -> None:
-    """Raise `Rejected` unless the `control.outage` `record` comes from the daemon. A forged one would have the
-    engine overlook a real silence; the daemon seals it as it seals its firings, and the same rule holds."""
+def admit_fact(engine: FiringState, record: Record | RawRecord, envelope: EnvelopeBase) -> None:
+    """Raise `Rejected` unless the `record` of one of `SEALED_FACTS` comes from the daemon. A forged outage would
+    have the engine overlook a real silence, a forged `node.silent` move a healthy node's ranks; the daemon seals
+    them as it seals its firings, and the same rule holds."""
     ident = envelope.id
     msg_id = record.headers.get(MSG_ID)
     sealed = sealed_form(msg_id, ident)
     if sealed and not engine.firings_sealed:
         engine.firings_sealed = True  # the daemon seals what it sends: every later firing must be sealed too
-    _check_seal(engine, msg_id, ident, sealed, "outage", "control.outage", "the daemon")
+    _check_seal(engine, msg_id, ident, sealed, SEALED_FACTS[envelope.type], envelope.type, "the daemon")
 
 
 def _check_seal(engine: FiringState, msg_id: str | None, ident: str, sealed: bool, code: str, type_: str,

@@ -14,6 +14,12 @@ Two rules, both read only the record and the engine's state:
   liveness mark is moved on by the part of the outage after it, so a silence that began within the outage counts
   from the record, and one that began before keeps only what was measured while the daemon was connected. Past
   the bound, silence counts as before.
+- **A live agent's silence is the monitor's word.** An agent that states `live_s` in its `node.heartbeat` beats on
+  core NATS instead of the log; the daemon's liveness monitor logs `node.silent` when it heard nothing of the node for
+  the job's bound, and `node.heard` when it hears it again. Until a `node.silent`, the watchdog sees such an agent
+  heard at every tick (`NodeState.heard_at`); from it, heard last when the monitor last heard it; any sign of life
+  (the monitor's `node.heard`, a heartbeat, the job events its agent sends) ends the silence. The engine judges the
+  node at the `node.silent` record itself, as a watchdog tick would, so that the silence is answered at once.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from events import kinds
 from events.envelope import EnvelopeBase
 from events.names import DecisionKind
 from policies.base import NS
-from recovery.core.cluster import ClusterView
+from recovery.core.cluster import ClusterView, NodeState
 from recovery.core.job import Job
 from recovery.core.record import RecordEffects
 
@@ -40,9 +46,10 @@ class Liveness:
     """The engine's part that keeps who is alive: signs of life from hosts declared gone, and outages of the control
     plane. `guard` opens the record's journal (the engine's), `capacity_returned` lets waiting jobs try again."""
 
-    def __init__(self, cluster: ClusterView, guard: Callable[[Job | None], object],
+    def __init__(self, cluster: ClusterView, jobs: dict[str, Job], guard: Callable[[Job | None], object],
                  capacity_returned: Callable[[RecordEffects], None]) -> None:
         self.cluster = cluster
+        self.jobs = jobs  # the engine's
         self.guard = guard
         self.capacity_returned = capacity_returned
 
@@ -77,6 +84,8 @@ class Liveness:
             if name in job.nodes or (incident is not None and name in incident.dead_hosts):
                 self.back(out, name)
             return
+        if node.silent is not None and node.job == job.id:
+            self.cluster.node(name).silent = None  # its agent speaks for it: whatever the monitor missed, it lives
         if report and node.heard is not None and node.job == job.id:
             # Last, once every entry was applied: nothing after it refuses the record, so only an open journal needs
             # to hear of it (the hot path writes the node in place).
@@ -90,10 +99,35 @@ class Liveness:
         self.guard(None)
         node = self.cluster.node(name)
         node.gone = False
+        node.silent = None
         if node.heard is not None:
             node.heard = out.ts
         if node.usable:
             self.capacity_returned(out)
+
+    @staticmethod
+    def alive(out: RecordEffects, node: NodeState, data: kinds.NodeHeartbeat | kinds.NodeHeard) -> None:
+        """The node's agent is alive: a heartbeat (which states whether its liveness is logged or live), or the
+        monitor's `node.heard`. Its silence, if any, is over."""
+        if isinstance(data, kinds.NodeHeartbeat):
+            node.live = data.live_s is not None
+        node.heard = out.ts
+        node.silent = None
+
+    def silent(self, out: RecordEffects, node: NodeState, data: kinds.NodeSilent) -> Job | None:
+        """The monitor heard nothing of a live node for `data.silent_s`: from then on the watchdog sees its agent as
+        last heard that long before this record. The job to judge now (running or recovering on the node), if any.
+        A node whose heartbeats are logged is judged by them: the monitor's word (sent in a race with a change of
+        mode) is no evidence beside them."""
+        if not node.live:
+            return None
+        mark = out.ts - int(data.silent_s * NS)
+        if node.silent is None or mark < node.silent:
+            node.silent = mark
+        job = self.jobs.get(node.job) if node.job is not None else None
+        if job is None or job.state not in ("running", "recovering") or node.name not in job.nodes:
+            return None
+        return job
 
     def outage(self, out: RecordEffects, job: Job, data: kinds.ControlOutage) -> None:
         """The control plane was away for `data.away_s` up to this record: within the bound, the time is not counted
@@ -109,6 +143,8 @@ class Liveness:
                 node = self.cluster.nodes.get(name)
                 if node is not None and node.heard is not None and node.heard < end:
                     self.cluster.node(name).heard = _excused(node.heard, start, end)
+                if node is not None and node.silent is not None and node.silent < end:
+                    self.cluster.node(name).silent = _excused(node.silent, start, end)
         how = ("silence within it does not count" if excused else
                f"longer than the {data.bound_s:g}s bound: silence within it counts")
         out.decide(job, DecisionKind.CONTROL_OUTAGE, f"the control plane was away for {data.away_s:g}s: {how}",

@@ -7,7 +7,8 @@ password per user, and the URL each role connects with (`nats://user:password@ho
 
 - `daemon`: everything (it alone writes decisions, dead letters, timer firings and commands, and answers
   `recovery-ctl`).
-- `agent-<node>`, one per node: publishes its node's events (`recovery.ev.node.<node>.>`) and job events (the ranks it
+- `agent-<node>`, one per node: publishes its node's events (`recovery.ev.node.<node>.>`, but the liveness monitor's
+  `node.silent` and `node.heard`), its live beats (`recovery.live.<node>`) and job events (the ranks it
   runs report through it, for jobs it does not know in advance) except timer firings and `policy.overran` facts,
   which only the daemon sends (the engine also refuses a firing not sealed by it: `recovery.core.firings`); reads the
   log's job submissions and its own node's commands (`recovery.cmd.<node>.>`, through a JetStream consumer filtered
@@ -92,6 +93,7 @@ def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_s
     own_commands = subjects.node_commands(node)
     publish = [
         f"{subjects.PREFIX}.ev.node.{node}.>",
+        subjects.live(node),  # its live beats (`liveness = "live"`), on core NATS: no stream keeps them
         f"{subjects.PREFIX}.ev.job.>",
         f"{API}.INFO",
         f"{API}.STREAM.INFO.{log_stream}",
@@ -110,6 +112,8 @@ def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_s
     # records and the facts of abandoned policy calls: only the daemon sends those, and a forged one must not even
     # reach the log.
     deny = [subjects.job_event("*", kind) for kind in ("timer.fired", "control.outage", "policy.overran")]
+    # Nor the liveness monitor's word on a node (`recovery.service.liveness`): an agent would declare itself silent.
+    deny += [subjects.node_event(node, kind) for kind in ("node.silent", "node.heard")]
     return User(f"agent-{node}", password, publish, [f"{agent_inbox(node)}.>"], inbox_prefix=agent_inbox(node),
                 publish_deny=deny)
 

@@ -13,7 +13,8 @@ It is wiring. Its parts are tasks of one anyio task group, each in a cancel scop
   acknowledge them all, and only then acknowledges the inputs;
 - `timers`: the timer service (`recovery.service.timers`), which fires the engine's timers from the processor's
   timer table as `timer.fired` events on the server's clock, after the record of an outage of the daemon's own
-  connection (`recovery.service.outage`);
+  connection (`recovery.service.outage`); beside it `liveness`, the monitor of the nodes' live beats
+  (`recovery.service.liveness`);
 - `snapshots`: uploads the snapshots captured between two batches into the KV bucket
   (`recovery.service.snapshots`);
 - `control`: the `recovery-ctl` request/reply service (`recovery.service.control`);
@@ -64,6 +65,7 @@ from recovery.service.embedded import EmbeddedNats
 from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost
+from recovery.service.liveness import LivenessMonitor
 from recovery.service.outage import OutageRecorder, pending_path, takeover_window_s
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
@@ -242,7 +244,7 @@ class Daemon:
     async def quiesce(self, timeout: float = 2.0) -> None:
         """Stop taking input (timer firings too) after the batch under way, its effects published; the
         connections stay open."""
-        for name, grace in (("timers", 0.0), ("processor", timeout)):
+        for name, grace in (("timers", 0.0), ("liveness", 0.0), ("processor", timeout)):
             part = self._parts.get(name)
             if part is not None:
                 await part.end(grace)
@@ -301,6 +303,9 @@ class Daemon:
         self._parts.start("processor", self._process_inputs)
         if cfg.timers_enabled:
             self._parts.start("timers", self.timer_service.run)
+            monitor = LivenessMonitor(lambda: self.engine, self._publish, self.processor.seal, lambda: self.readiness(
+                )[0] and self.outage.may_publish() and not self.outage.pending)  # the daemon may write, caught up
+            self._parts.start("liveness", partial(monitor.run, self.nc))
         if cfg.unserved_after_s > 0:  # a job waiting on nodes no agent serves: its decisions say so
             watch = UnservedWatch(lambda: self.engine, self._publish, self.processor.seal, cfg.unserved_after_s)
             self._parts.start("unserved", watch.run)
@@ -314,7 +319,7 @@ class Daemon:
             await parts["companion"].end(COMPANION_GRACE_S)
         self._until()  # the shutdown budget starts now
         budget = max(self.cfg.shutdown_timeout_s - 1.5, 0.5)
-        for name in ("timers", "unserved"):  # nothing more to publish once the inputs stop
+        for name in ("timers", "liveness", "unserved"):  # nothing more to publish once the inputs stop
             if name in parts:
                 await parts[name].end()
         if "processor" in parts and not await parts["processor"].end(budget * 0.5):

@@ -45,9 +45,9 @@ RANKS_PER_NODE = 4
 
 JOB_SIGNALS = ("process.exited", "process.hang", "network.collective_timeout")
 """job events the engine hands to `classify` (the others it handles itself)"""
-NODE_SIGNALS = tuple(t for t in kinds.NODE_EVENTS if t != "node.heartbeat")
-"""node events: every one reaches the detection policy of the job on the node, but the agent's heartbeat, which the
-engine keeps for the watchdog (`WatchdogView.agents_heard`)"""
+NODE_SIGNALS = tuple(t for t in kinds.NODE_EVENTS if t not in ("node.heartbeat", "node.silent", "node.heard"))
+"""node events: every one reaches the detection policy of the job on the node, but the agent's heartbeat and the
+liveness monitor's word on it, which the engine keeps for the watchdog (`WatchdogView.agents_heard`)"""
 LOSS_SIGNAL = "progress.loss"
 """a loss a rank reported with its step (data a `LossSample`, the job's recent losses in `Signal.losses`)"""
 SIGNAL_TYPES = JOB_SIGNALS + NODE_SIGNALS + (LOSS_SIGNAL,)

@@ -1,0 +1,85 @@
+"""Node liveness off the log, on real processes: agents with `liveness = "live"` beat on core NATS, the log holds
+their mode and no heartbeat, and detection is no slower. A rank's process that dies is answered at once (its exit
+is a logged event, as before); an agent SIGKILLed is declared silent by the daemon's liveness monitor within its
+bound, and its ranks move to the spare."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from events.envelope import Record
+from recovery.testing.nats import NatsServer
+from tests.daemon_support import check_log, read_stream, running_daemon
+from tests.e2e_support import AgentProcess, connect, kill_leftovers, node_heard, submit, wait_until, watch
+from tests.test_e2e_outage import NODES, SILENCE_S, stand_in_job
+
+BEAT_S = 0.5
+LIVE = ("--liveness", "live", "--node-heartbeat-s", str(BEAT_S), "--preempt-linger-s", "0")
+SLACK_S = 6.0
+"""what a busy 2-core host may add to a bound: the monitor's look, the publish, the daemon's batch"""
+
+
+async def test_live_agents_log_no_heartbeat_and_a_dead_process_and_a_silent_node_are_answered_in_time(
+        nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")  # no job store (MASTER_PORT 1): the ranks start at once
+    nc = await connect(nats_server.url)
+    w = await watch(nc, "j")
+    ready = await node_heard(nc, "recovery.ev.node.*.node.ready")
+    joined = await node_heard(nc, "recovery.ev.node.*.node.joined")
+    agents: list[AgentProcess] = []
+
+    def explain() -> str:
+        return "\n".join(f"--- {a.node}\n{a.log_tail()}" for a in agents) + f"\n--- decisions {w.kinds()}"
+
+    try:
+        async with running_daemon(nats_server.url, tmp_path / "data") as daemon:
+            agents.extend(AgentProcess(tmp_path, node, nats_server.url, False, *LIVE) for node in NODES)
+            agents.append(AgentProcess(tmp_path, "s0", nats_server.url, True, *LIVE))
+            await wait_until(lambda: len(ready) >= len(NODES) and joined, 60, "the agents to be up", explain)
+            await submit(nc, "j", stand_in_job(tmp_path))
+            job = None
+
+            def training() -> bool:
+                nonlocal job
+                job = daemon.engine.jobs.get("j")
+                return job is not None and job.state == "running" and all(job.steps[r] >= 3 for r in range(4))
+
+            await wait_until(training, 60, "every rank to train", explain)
+            assert job is not None
+            # A dead process: its exit is a logged event, answered at once.
+            victim = w.pids()[3][-1]
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            await wait_until(lambda: w.decided("fault.confirmed"), SLACK_S, "the exit's fault", explain)
+            assert time.monotonic() - killed < SLACK_S
+            await wait_until(lambda: job.state == "running" and job.incident is None and all(
+                job.steps[r] > 0 for r in range(4)), 60, "the rank restarted and training", explain)
+            # A silent node: n0's agent SIGKILLed (its ranks are orphans that can tell nobody anything).
+            n0 = agents[0]
+            n0.proc.kill()
+            n0.proc.wait(timeout=10)
+            killed = time.monotonic()
+            await wait_until(lambda: len(w.decided("fault.confirmed")) >= 2, SILENCE_S + SLACK_S,
+                             "the silent node's fault", explain)
+            found = time.monotonic() - killed
+            confirmed = w.decided("fault.confirmed")[-1]["data"]
+            assert confirmed["reason"].startswith("agent of n0 silent"), confirmed
+            assert SILENCE_S - BEAT_S <= found < SILENCE_S + SLACK_S, found  # from its last beat, up to a beat before
+            await wait_until(lambda: "s0" in job.nodes, 30, "the ranks moved to the spare", explain)
+        records = [r for r in await read_stream(nats_server.url) if isinstance(r, Record)]
+        check_log(records)  # every decision is what a replay of the log derives
+        heartbeats = [r for r in records if r.envelope.type == "node.heartbeat"]
+        assert sorted(r.envelope.node or "" for r in heartbeats) == ["n0", "n1", "s0"], "only the modes are logged"
+        assert all(r.envelope.data.live_s for r in heartbeats)  # type: ignore[union-attr]
+        [silent] = [r for r in records if r.envelope.type == "node.silent"]
+        assert silent.envelope.node == "n0" and silent.envelope.data.silent_s > SILENCE_S  # type: ignore[union-attr]
+    finally:
+        for agent in agents:
+            agent.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
