@@ -69,6 +69,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "node.drained": {"reason": "maintenance"},
     "node.joined": {"spare": True, "devices": 8},
     "node.heartbeat": {"interval_s": 1.0},
+    "node.silent": {"silent_s": 3.2, "bound_s": 3.0},
+    "node.heard": {"silent_s": 4.1},
     "job.submitted": {"spec": {**SPEC, "spares": 1, "max_restarts": 3, "watchdog_interval_s": 2.0,
                                "elastic": {"min_dp": 2, "max_dp": 4}}},
     "job.started": {},
