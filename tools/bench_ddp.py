@@ -26,7 +26,6 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_stock import standbys_ready
+from bench_stock import launch, standbys_ready
 
 from recovery.agent.standby import DEFAULT_PER_NODE
 
@@ -86,15 +85,8 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
     script = TUTORIAL / ("original.py" if launcher == "torchrun" else "with_sdk.py")
     args = [str(script), "--epochs", str(epochs), "--samples", str(64 * nproc), "--step-time", str(step_time),
             "--snapshot", str(snapshot)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    if launcher == "torchrun":
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "--max-restarts", "3", *args]
-    else:
-        command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem),
-                   *(["--env", f"RECOVERY_STANDBY={standby}"] if standby is not None else []), *args]
+    command, env = launch(launcher, nproc, args, workdir / snapshot.stem,
+                          *(["--env", f"RECOVERY_STANDBY={standby}"] if standby is not None else []))
     warm = launcher != "torchrun" and standby != "0"
     ready_for = len(victims) if standby not in (None, "0") else min(len(victims), DEFAULT_PER_NODE)
     lines: list[tuple[float, bytes]] = []

@@ -21,11 +21,12 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from bench_stock import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "examples" / "ddp-tutorial"
@@ -39,14 +40,7 @@ def run_once(launcher: str, script: str, workdir: Path, nproc: int, step_time: f
     tag = f"{launcher}-{time.monotonic_ns()}"
     args = [str(TUTORIAL / script), "--epochs", str(epochs), "--samples", str(64 * nproc), "--step-time",
             str(step_time), "--snapshot", str(workdir / f"{tag}.pt")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    if launcher == "torchrun":
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "--max-restarts", "3", *args]
-    else:
-        command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "--max-restarts", "3", "--data-dir", str(workdir / tag), *args]
+    command, env = launch(launcher, nproc, args, workdir / tag)
     log = workdir / f"{tag}.out"
     started = time.monotonic()
     with log.open("wb") as out:

@@ -63,27 +63,32 @@ JOB_LEVEL_SPEC = """{"policies": {"rescheduling": {"name": "ladder", "params": {
 re-form their process group, so restarting the dead rank alone cannot work for it)"""
 
 
+def launch(launcher: str, nproc: int, script: list[str], data_dir: Path, *options: str) -> tuple[list[str],
+                                                                                          dict[str, str]]:
+    """The command line and environment that start `script` on `nproc` ranks of this host under `launcher`
+    (torchrun, or recovery-run with `options` and its data in `data_dir`), as the e2e benches run both."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    if launcher == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "--max-restarts", "3", *script], env
+    return [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
+            "--max-restarts", "3", "--data-dir", str(data_dir), *options, *script], env
+
+
 def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int,
              job_level: bool = False, warm: bool = False) -> float:
     snapshot = workdir / f"{launcher}-{time.monotonic_ns()}.pt"
     script = [str(STOCK), "--epochs", str(epochs), "--samples", str(64 * nproc), "--step-time", str(step_time),
               "--snapshot", str(snapshot)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    if launcher == "torchrun":
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "--max-restarts", "3", *script]
-    else:
-        command = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "--max-restarts", "3", "--data-dir", str(workdir / snapshot.stem)]
-        # warm: a standby interpreter per rank, torch imported, that a restarted rank is handed to; cold: none (the
-        # agents' default keeps one per node)
-        command += ["--env", "RECOVERY_STANDBY=all" if warm else "RECOVERY_STANDBY=0"]
-        if job_level:
-            spec = workdir / "job-level.json"
-            spec.write_text(JOB_LEVEL_SPEC)
-            command += ["--spec", str(spec)]
-        command += script
+    # warm: a standby interpreter per rank, torch imported, that a restarted rank is handed to; cold: none (the
+    # agents' default keeps two per node)
+    options = ["--env", "RECOVERY_STANDBY=all" if warm else "RECOVERY_STANDBY=0"]
+    if job_level:
+        spec = workdir / "job-level.json"
+        spec.write_text(JOB_LEVEL_SPEC)
+        options += ["--spec", str(spec)]
+    command, env = launch(launcher, nproc, script, workdir / snapshot.stem, *options)
     lines: list[tuple[float, bytes]] = []
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                             start_new_session=True)
