@@ -40,6 +40,10 @@ def test_whatif_under_torchelastic_restarts_the_whole_job_where_ours_moved_one_n
     assert result["delta"]["lost_gpu_hours"] > 0 and result["delta"]["ettr"] < 0
     assert result["delta"]["mttr_p50_s"]["device"] > 0
     assert len(result["logs"]) == 2 and all(Path(p).exists() for p in result["logs"])
+    # Again into the same directory: the same figures (the logs are written anew, not appended to).
+    again = whatif(GOLDEN / "pod_level_reschedule.jsonl", ["rescheduling=torchelastic-like-rescheduling"],
+                   model_params=1e9, keep_logs=tmp_path)
+    assert again["delta"] == result["delta"] and again["simulated"] == result["simulated"]
 
 
 def test_whatif_cli_prints_kept_and_resimulated_inputs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -111,6 +111,9 @@ def selection_with(spec: dict[str, Any], overrides: Sequence[str]) -> PolicySele
 
 
 def _simulate(config: SimConfig, faults: list[Fault], path: Path) -> Result:
+    # A fresh log: a FileLog appends to the file it finds (and dedupes against it), so a second what-if into the same
+    # `--keep-logs` directory replayed nothing new and compared a run with itself.
+    path.unlink(missing_ok=True)
     log = FileLog(path)
     try:
         return Simulator(config, log=log, faults=faults).run()
