@@ -225,7 +225,7 @@ async def test_ctl_verbs_and_the_cli(daemon: Daemon, nats_server: NatsServer, tm
     nodes = await asyncio.to_thread(subprocess.run, [*cli, "nodes"], capture_output=True, text=True, cwd=ROOT,
                                     check=False, env={**os.environ, "COLUMNS": "160"})
     assert nodes.returncode == 0, nodes.stderr
-    assert "t0" in nodes.stdout and "train (running)" in nodes.stdout and "none" in nodes.stdout
+    assert "t0" in nodes.stdout and "train" in nodes.stdout and "(running)" in nodes.stdout and "none" in nodes.stdout
     paused = await ctl(url, "pause", job="train", reason="maintenance")
     assert (paused["ok"] and "job.paused" in [d["kind"] for d in paused["decisions"]]) or paused["decisions"]
     incidents = await ctl(url, "incidents")

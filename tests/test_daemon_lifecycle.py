@@ -32,8 +32,8 @@ from recovery.testing import NatsServer, Scenario
 from tests.daemon_support import ROOT, async_wait_for
 
 STOP_ORDER = ["processor", "lease", "control", "snapshots", "http"]
-"""after the companion, the timer service and the watch of unserved jobs: what stops once the batch under way is done,
-HTTP last"""
+"""after the companion, the timer service, the liveness monitor and the watch of unserved jobs: what stops once the
+batch under way is done, HTTP last"""
 
 
 def stopped_parts(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -60,7 +60,7 @@ async def test_a_failing_part_stops_every_part_in_order_and_no_task_outlives_the
     with pytest.raises(DaemonFailed) as failed, anyio.fail_after(30):
         await daemon.run()
     assert failed.value.__cause__ is broken and daemon.failed
-    assert stopped_parts(caplog) == ["timers", "unserved", *STOP_ORDER]
+    assert stopped_parts(caplog) == ["timers", "liveness", "unserved", *STOP_ORDER]
     said = messages(caplog)
     assert said.index("timers failed: stopping") < said.index("lease released") < said.index("stopped")
     assert asyncio.all_tasks() - before == set(), "a task of the daemon outlived it"
@@ -83,7 +83,7 @@ async def test_sigterm_stops_every_part_in_order(nats_server: NatsServer, tmp_pa
     before = asyncio.all_tasks()
     with anyio.fail_after(30):
         assert await run(cfg, terminate) == 0
-    assert stopped_parts(caplog) == ["companion", "timers", "unserved", *STOP_ORDER]
+    assert stopped_parts(caplog) == ["companion", "timers", "liveness", "unserved", *STOP_ORDER]
     assert "lease released" in messages(caplog)
     assert asyncio.all_tasks() - before == set(), "a task of the daemon outlived it"
 

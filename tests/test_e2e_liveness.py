@@ -16,7 +16,7 @@ from events.envelope import Record
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import check_log, read_stream, running_daemon
 from tests.e2e_support import AgentProcess, connect, kill_leftovers, node_heard, submit, wait_until, watch
-from tests.test_e2e_outage import NODES, SILENCE_S, stand_in_job
+from tests.test_e2e_outage import NODES, SILENCE_S, WATCHDOG_S, stand_in_job
 
 BEAT_S = 0.5
 LIVE = ("--liveness", "live", "--node-heartbeat-s", str(BEAT_S), "--preempt-linger-s", "0")
@@ -41,7 +41,7 @@ async def test_live_agents_log_no_heartbeat_and_a_dead_process_and_a_silent_node
             agents.extend(AgentProcess(tmp_path, node, nats_server.url, False, *LIVE) for node in NODES)
             agents.append(AgentProcess(tmp_path, "s0", nats_server.url, True, *LIVE))
             await wait_until(lambda: len(ready) >= len(NODES) and joined, 60, "the agents to be up", explain)
-            await submit(nc, "j", stand_in_job(tmp_path))
+            await submit(nc, "j", stand_in_job(tmp_path, WATCHDOG_S))
             job = None
 
             def training() -> bool:
@@ -68,7 +68,9 @@ async def test_live_agents_log_no_heartbeat_and_a_dead_process_and_a_silent_node
                              "the silent node's fault", explain)
             found = time.monotonic() - killed
             confirmed = w.decided("fault.confirmed")[-1]["data"]
-            assert confirmed["reason"].startswith("agent of n0 silent"), confirmed
+            # The monitor's `node.silent`, or a watchdog tick that finds the node's ranks silent first (on a busy
+            # host either can come first): a node fault either way, within the bound.
+            assert confirmed["reason"].startswith(("agent of n0 silent", "all ranks on n0 silent")), confirmed
             assert SILENCE_S - BEAT_S <= found < SILENCE_S + SLACK_S, found  # from its last beat, up to a beat before
             await wait_until(lambda: "s0" in job.nodes, 30, "the ranks moved to the spare", explain)
         records = [r for r in await read_stream(nats_server.url) if isinstance(r, Record)]
@@ -76,8 +78,11 @@ async def test_live_agents_log_no_heartbeat_and_a_dead_process_and_a_silent_node
         heartbeats = [r for r in records if r.envelope.type == "node.heartbeat"]
         assert sorted(r.envelope.node or "" for r in heartbeats) == ["n0", "n1", "s0"], "only the modes are logged"
         assert all(r.envelope.data.live_s for r in heartbeats)  # type: ignore[union-attr]
-        [silent] = [r for r in records if r.envelope.type == "node.silent"]
-        assert silent.envelope.node == "n0" and silent.envelope.data.silent_s > SILENCE_S  # type: ignore[union-attr]
+        silent = [r for r in records if r.envelope.type == "node.silent"]
+        assert len(silent) <= 1 and all(r.envelope.node == "n0" and r.envelope.data.silent_s > SILENCE_S  # type: ignore[union-attr]
+                                        for r in silent)
+        if confirmed["reason"].startswith("agent of n0 silent"):
+            assert silent, "the monitor's fact is what the engine confirmed the node's fault on"
     finally:
         for agent in agents:
             agent.stop()
