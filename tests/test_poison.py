@@ -165,7 +165,7 @@ class FlakyDriver(Driver):
         super()._submit(job, name)
         state = self.scenario.engine.jobs.get(name)
         if state is not None and self.fail_at:
-            state.policies = Flaky(state.policies, self.fail_at).policy_set()
+            with_policies(self.scenario, name, Flaky(state.policies, self.fail_at).policy_set())
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
