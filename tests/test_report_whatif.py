@@ -150,8 +150,6 @@ KNOWN_GAPS = {
     "graceful_exit": "SIGTERM exits are simulated as crashes: no dying checkpoint is written by the handlers",
     "sigterm_storm": "SIGTERM exits are simulated as crashes: the restore takes the cost model's storage load",
     "partial_restart_survivors": "the recorded restore (1 s) is shorter than a simulated step's report",
-    "power_off_checkpoint": "the dying checkpoint's save takes the cost model's time, not the recorded one",
-    "power_off_rank0": "the dying checkpoint's save takes the cost model's time, not the recorded one",
     "step_retry": "the simulated hang is reported by the agent (process.hang) before the peers' collective timeout",
     "watchdog_collective": "the simulated hang is reported by the agent (process.hang) before the peers' timeout",
     "wait_deadline_reset": "the device's repair wait takes the cost model's reset time",

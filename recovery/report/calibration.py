@@ -98,6 +98,12 @@ def calibrate(cluster: RecordedCluster, training: Training, costs: Costs, step_t
         changes["device_reset_s"] = max(0.0, reset - latency - in_place)
         figures["device_reset_s"] = _figure(round(changes["device_reset_s"], 3), "measured",
                                             "restart with a device reset, less the restart in place")
+    save = median(night.command_s.get("save_checkpoint", []))
+    if save is not None:  # the dying checkpoint's save, whatever its size: the whole of it was measured
+        changes["dying_save_s"] = max(0.0, save - latency)
+        figures["save_checkpoint_s"] = _figure(round(changes["dying_save_s"], 3), "measured",
+                                               f"median of {len(night.command_s['save_checkpoint'])}, decision to "
+                                               f"done ack")
     missing = sorted(kind for kind in COMMAND_COSTS if f"{kind}_s" not in figures)
     figures["other_commands"] = _figure(missing, "assumed", "the cost model's durations (recovery/sim/README.md)")
     for tier, seconds_list in sorted(night.restore_s.items()):

@@ -105,6 +105,8 @@ class Costs:
     storage_latency_s: float = 5.0
     memory_save_stall_s: float = 0.2
     storage_save_stall_s: float = 1.8
+    dying_save_s: float | None = None
+    """a dying checkpoint's whole save, when measured (`recovery-replay whatif` sets it from the log); None: `save_s`"""
     # executors that misbehave
     fail_probability: float = 0.01
     timeout_probability: float = 0.005

@@ -22,7 +22,7 @@ class Executors(TrainingState):
         if kind == "stop_ranks":
             return c.stop_kill_s if data.mode == "kill" else min(c.stop_graceful_s, data.grace_s)
         if kind == "save_checkpoint":
-            return c.save_s(len(data.ranks), self.shard_bytes)
+            return c.dying_save_s if c.dying_save_s is not None else c.save_s(len(data.ranks), self.shard_bytes)
         if kind == "retry_step":
             return c.retry_step_s
         if kind == "restart_ranks":
