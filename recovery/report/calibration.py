@@ -93,11 +93,17 @@ def calibrate(cluster: RecordedCluster, training: Training, costs: Costs, step_t
         figures[f"{kind}_s"] = _figure(round(changes[fields[0]], 3), "measured",
                                        f"median of {len(night.command_s[kind])}, decision to done ack")
     reset = median(night.command_s.get("restart_ranks:reset", []))
-    if reset is not None:
-        in_place = changes.get("restart_in_place_s", costs.restart_in_place_s)
-        changes["device_reset_s"] = max(0.0, reset - latency - in_place)
+    if reset is not None and "restart_in_place_s" in changes:
+        changes["device_reset_s"] = max(0.0, reset - latency - changes["restart_in_place_s"])
         figures["device_reset_s"] = _figure(round(changes["device_reset_s"], 3), "measured",
                                             "restart with a device reset, less the restart in place")
+    elif reset is not None:
+        # No restart without a reset to split it by: the whole measured time is the restart's, and the cost model's
+        # restart in place is not added to it (a reset measured shorter than that came out as 0 s, and the
+        # simulated restart took the model's time instead of the log's).
+        changes["restart_in_place_s"], changes["device_reset_s"] = max(0.0, reset - latency), 0.0
+        figures["restart_ranks_s"] = _figure(round(changes["restart_in_place_s"], 3), "measured",
+                                             "restart with a device reset, decision to done ack (reset included)")
     save = median(night.command_s.get("save_checkpoint", []))
     if save is not None:  # the dying checkpoint's save, whatever its size: the whole of it was measured
         changes["dying_save_s"] = max(0.0, save - latency)
