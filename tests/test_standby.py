@@ -3,9 +3,7 @@ with the command line, environment, working directory, output and exit status a 
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 from pathlib import Path
 
 import anyio
@@ -17,7 +15,7 @@ from recovery.agent.standby import StandbyPool, can_hand_over, standbys_wanted
 from tests.e2e_support import environment
 
 SCRIPT = """
-import os, sys, threading
+import os, sys
 print("argv", sys.argv)
 print("path0", sys.path[0])
 print("cwd", os.getcwd())
@@ -25,21 +23,17 @@ print("rank", os.environ.get("RANK"), "agent-only", os.environ.get("ONLY_IN_THE_
 print("name", __name__)
 print("interpreter-stdin", sys.stdin.read() == "")
 print("warmed", getattr(sys.modules.get("tests.test_standby"), "WARMED", False))
-print("warmed-at-niceness", getattr(sys.modules.get("tests.test_standby"), "WARMED_AT", None))
-print("rank-niceness", os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 sys.exit(int(os.environ["EXIT_WITH"]))
 """
 
 
 WARMED = False
-WARMED_AT: int | None = None
 
 
 def mark_warm() -> None:
-    """A warm-up the standby of a test calls (`tests.test_standby:mark_warm`): it notes the niceness it ran at."""
-    global WARMED, WARMED_AT
+    """A warm-up the standby of a test calls (`tests.test_standby:mark_warm`)."""
+    global WARMED
     WARMED = True
-    WARMED_AT = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
 def test_the_torch_warm_up_leaves_the_random_state_as_it_was() -> None:
@@ -119,9 +113,6 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
     assert "name __main__" in lines
     assert "interpreter-stdin True" in lines
     assert "warmed True" in lines  # `module:function` in the preload: imported and called before the hand-over
-    # The imports ran at the lowest priority, beside the ranks; the rank itself runs at the priority it started at.
-    assert "warmed-at-niceness 19" in lines
-    assert f"rank-niceness {os.getpriority(os.PRIO_PROCESS, 0)}" in lines
 
 
 async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:

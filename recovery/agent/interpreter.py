@@ -16,53 +16,21 @@ before a hand-over (the agent is gone) ends it quietly.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
 import runpy
 import sys
-import threading
 import time
-
-IMPORT_NICENESS = 19
-"""the preloading thread's niceness: a standby's imports take only CPU the job's ranks leave (they start and train
-beside it; at the same priority, a torch import per standby slowed a fault-free run's first epochs by a third)"""
-
-
-def preload(modules: list[str]) -> None:
-    for name in modules:
-        module, _, function = name.partition(":")
-        loaded = importlib.import_module(module)
-        if function:
-            getattr(loaded, function)()
-
-
-def preload_quietly(modules: list[str]) -> None:
-    """Import in a thread of its own at the lowest priority (on Linux a thread's niceness is its own, so the main
-    thread, which becomes the rank, keeps the priority it started with: no privilege is needed to lower one thread's
-    and never raise it back). What fails there (a module that must be imported on the main thread) is imported
-    again on the main thread, at the normal priority."""
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        with contextlib.suppress(OSError, AttributeError):  # no per-thread niceness here: the normal priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMPORT_NICENESS)
-        try:
-            preload(modules)
-        except BaseException as exc:  # retried on the main thread, which raises it if it is not the thread's fault
-            failed.append(exc)
-
-    worker = threading.Thread(target=run, name="standby-preload")
-    worker.start()
-    worker.join()
-    if failed:
-        preload(modules)
 
 
 def main() -> None:
     started = time.monotonic()
-    preload_quietly(sys.argv[1:])
+    for preload in sys.argv[1:]:
+        module, _, function = preload.partition(":")
+        loaded = importlib.import_module(module)
+        if function:
+            getattr(loaded, function)()
     ready = f"ready {time.monotonic() - started:.3f}\n"
     sys.stderr.write(ready)  # for whoever reads the standby's log
     sys.stdout.write(ready)

@@ -2,7 +2,7 @@
 (torch, by default) and waits. A rank the agent (re)starts is handed to it instead of a new interpreter, which saves
 the restarted rank its own start-up (about a second of `import torch` and `torch._dynamo` on a small machine, more
 under load); then the agent starts the next standby, after `standby_delay_s`, so that its imports do not compete
-for the CPU with the recovery under way (and they run at the lowest priority: `recovery.agent.interpreter`).
+for the CPU with the recovery under way.
 
 On by default, two per job and node (one where the job has one rank there): the agent's `standby` setting for every
 job (a cold restart's `import torch` is most of a single rank's recovery, and an idle interpreter is cheap on a
