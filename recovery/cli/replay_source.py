@@ -148,7 +148,7 @@ def replay_args(args: argparse.Namespace, job: str | None = None,
         if job is not None and job != header.job:
             raise ValueError(f"this export holds only job {header.job}'s outputs, not job {job}'s")
         job = header.job
-    path = args if isinstance(args, str) else None if getattr(args, "nats", None) else args.log
+    path = None if getattr(args, "nats", None) else args.log  # a data directory was served as --nats by now
     overruns = overruns_in_file(path) if source is None and path else None  # the file streams through the replay
     return replay_log(where, engine, job=job, header=header, overruns=overruns)
 
