@@ -234,6 +234,31 @@ class ProgressReport(Frozen):
     ranks: list[RankProgress] = Field(min_length=1, max_length=MAX_REPORTED_RANKS)
 
 
+
+class SummarizedRank(RankProgress):
+    """One rank in a `progress.summary`: its newest word that the daemon heard in the summary's period, and how long
+    before the record it heard it."""
+
+    heard_s: Seconds = Field(0.0, description="how long before the record the daemon last heard the rank (its "
+                                              "node's report), by the daemon's clock: the engine takes the rank as "
+                                              "seen then, not at the record")
+
+
+MAX_SUMMARIZED_RANKS = 16384
+"""ranks one progress summary may cover: a job's, in several records where it has more (each under NATS's payload
+limit)"""
+
+
+class ProgressSummary(Frozen):
+    """What the daemon heard of one job's ranks over one period of `progress_summary_s`, from the agents' reports that
+    went over core NATS (`progress = "summary"`): each rank's newest word, applied as a `progress.report`'s entry
+    would be, seen `heard_s` before the record. Never refused for its content: an entry older than what the engine
+    holds of its rank (a report the agent sent to the log since), of a rank or generation the job no longer has, or a
+    step below the rank's, is left out, as the summary of a past moment."""
+
+    ranks: list[SummarizedRank] = Field(min_length=1, max_length=MAX_SUMMARIZED_RANKS)
+    period_s: Seconds = Field(description="the period the summary covers")
+
 # --- network ----------------------------------------------------------------------------------------
 class LinkDown(Frozen):
     link: LinkName = Field(description="NIC or port, for example 'mlx5_0' or 'hccs3'")
@@ -471,6 +496,7 @@ JOB_EVENTS: dict[str, type[Frozen]] = {
     "process.collective_failed": CollectiveFailed,
     "progress.step": StepReported,
     "progress.report": ProgressReport,
+    "progress.summary": ProgressSummary,
     "process.stacks": ProcessStacks,
     "network.collective_timeout": CollectiveTimeout,
     "job.submitted": JobSubmitted,

@@ -65,6 +65,12 @@ def live(node: str) -> str:
     return f"{PREFIX}.live.{node}"
 
 
+
+def reports(node: str) -> str:
+    """The core-NATS subject of a node's periodic progress reports (`recovery-agent` with `progress = "summary"`): no
+    stream captures it; the daemon folds what it hears into one `progress.summary` per job per period (`REPORTS`)."""
+    return f"{PREFIX}.progress.{node}"
+
 def decision(job: str) -> str:
     return f"{PREFIX}.dec.{job}"
 
@@ -106,6 +112,7 @@ def command_msg_id(command_id: str, node: str) -> str:
 
 EVENTS = f"{PREFIX}.ev.>"
 LIVE = f"{PREFIX}.live.*"
+REPORTS = f"{PREFIX}.progress.*"
 DECISIONS = f"{PREFIX}.dec.>"
 DEAD_LETTERS = f"{PREFIX}.dlq.>"
 COMMANDS = f"{PREFIX}.cmd.>"

@@ -1,7 +1,9 @@
-"""Node liveness off the log, on real processes: agents with `liveness = "live"` beat on core NATS, the log holds
-their mode and no heartbeat, and detection is no slower. A rank's process that dies is answered at once (its exit
-is a logged event, as before); an agent SIGKILLed is declared silent by the daemon's liveness monitor within its
-bound, and its ranks move to the spare."""
+"""Liveness and progress off the log, on real processes: agents with `liveness = "live"` beat on core NATS and, with
+`progress = "summary"`, send their periodic reports there too; the log holds their mode, no heartbeat, no periodic
+report but the daemon's one summary per job per period, and detection is no slower. A rank's process that dies is
+answered at once (its exit is a logged event, as before); a rank that stops (SIGSTOP, the agents' own hang report
+off) is found silent from the summaries within its bound; an agent SIGKILLed is declared silent by the daemon's
+liveness monitor within its bound, and its ranks move to the spare."""
 
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ from tests.e2e_support import AgentProcess, connect, kill_leftovers, node_heard,
 from tests.test_e2e_outage import NODES, SILENCE_S, WATCHDOG_S, stand_in_job
 
 BEAT_S = 0.5
-LIVE = ("--liveness", "live", "--node-heartbeat-s", str(BEAT_S), "--preempt-linger-s", "0")
+LIVE = ("--liveness", "live", "--node-heartbeat-s", str(BEAT_S), "--preempt-linger-s", "0", "--progress", "summary",
+        "--rank-silence-s", "0")
 SLACK_S = 6.0
 """what a busy 2-core host may add to a bound: the monitor's look, the publish, the daemon's batch"""
 
 
-async def test_live_agents_log_no_heartbeat_and_a_dead_process_and_a_silent_node_are_answered_in_time(
+async def test_live_agents_log_no_heartbeat_nor_report_and_dead_stopped_and_silent_are_answered_in_time(
         nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")  # no job store (MASTER_PORT 1): the ranks start at once
     nc = await connect(nats_server.url)
@@ -51,6 +54,11 @@ async def test_live_agents_log_no_heartbeat_and_a_dead_process_and_a_silent_node
 
             await wait_until(training, 60, "every rank to train", explain)
             assert job is not None
+            # Steady training: the agents' periodic reports go to the daemon, and the log holds its summaries only.
+            reports, summaries = len(w.of("progress.report")), len(w.of("progress.summary"))
+            await wait_until(lambda: len(w.of("progress.summary")) >= summaries + 3, 30, "three summaries", explain)
+            assert len(w.of("progress.report")) == reports, "a periodic report was logged"
+            assert job.state == "running" and job.incident is None  # no healthy rank taken for a silent one
             # A dead process: its exit is a logged event, answered at once.
             victim = w.pids()[3][-1]
             os.kill(victim, signal.SIGKILL)
@@ -59,12 +67,22 @@ async def test_live_agents_log_no_heartbeat_and_a_dead_process_and_a_silent_node
             assert time.monotonic() - killed < SLACK_S
             await wait_until(lambda: job.state == "running" and job.incident is None and all(
                 job.steps[r] > 0 for r in range(4)), 60, "the rank restarted and training", explain)
+            # A rank that stops: nothing of it reaches the daemon, and the engine finds it silent from the summaries.
+            stopped = w.pids()[1][-1]
+            os.kill(stopped, signal.SIGSTOP)
+            at = time.monotonic()
+            await wait_until(lambda: len(w.decided("fault.confirmed")) >= 2, SILENCE_S + WATCHDOG_S + SLACK_S,
+                             "the stopped rank's fault", explain)
+            assert time.monotonic() - at < SILENCE_S + WATCHDOG_S + SLACK_S
+            assert w.decided("fault.confirmed")[-1]["data"]["reason"].startswith("ranks [1] silent"), w.kinds()
+            await wait_until(lambda: job.state == "running" and job.incident is None and stopped not in [
+                p for pids in w.pids().values() for p in pids[-1:]], 60, "the stopped rank replaced", explain)
             # A silent node: n0's agent SIGKILLed (its ranks are orphans that can tell nobody anything).
             n0 = agents[0]
             n0.proc.kill()
             n0.proc.wait(timeout=10)
             killed = time.monotonic()
-            await wait_until(lambda: len(w.decided("fault.confirmed")) >= 2, SILENCE_S + SLACK_S,
+            await wait_until(lambda: len(w.decided("fault.confirmed")) >= 3, SILENCE_S + SLACK_S,
                              "the silent node's fault", explain)
             found = time.monotonic() - killed
             confirmed = w.decided("fault.confirmed")[-1]["data"]
@@ -81,6 +99,7 @@ async def test_live_agents_log_no_heartbeat_and_a_dead_process_and_a_silent_node
         silent = [r for r in records if r.envelope.type == "node.silent"]
         assert len(silent) <= 1 and all(r.envelope.node == "n0" and r.envelope.data.silent_s > SILENCE_S  # type: ignore[union-attr]
                                         for r in silent)
+        assert [r for r in records if r.envelope.type == "progress.summary"], "the daemon's summaries are logged"
         if confirmed["reason"].startswith("agent of n0 silent"):
             assert silent, "the monitor's fact is what the engine confirmed the node's fault on"
     finally:

@@ -105,6 +105,15 @@ class Agent(Relay, Rescale, Admission):
         assert self.outbox is not None
         self.outbox.put(subjects.job_event(job, type_), encode_envelope(envelope), envelope.id, heartbeat=heartbeat)
 
+    async def report_to_daemon(self, job: str) -> None:
+        report = self.progress.take(job)
+        if report is None or self.nc is None:
+            return
+        envelope = make_envelope("progress.report", report, id=self._next_id(), job=job, node=self.node,
+                                 source=self.source)
+        with contextlib.suppress(Exception):  # NATS away: this report is lost, as a beat may be
+            await self.nc.publish(subjects.reports(self.node), encode_envelope(envelope))
+
     def node_event(self, type_: str, data: dict[str, Any], event_id: str | None = None) -> None:
         envelope = make_envelope(type_, data, id=event_id or self._next_id(), node=self.node, source=self.source)
         assert self.outbox is not None

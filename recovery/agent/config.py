@@ -60,6 +60,14 @@ class AgentConfig(FileSettings):
                                                                  "monitor watches, the log holding only the mode "
                                                                  "(once) and the node's silences (daemons first: "
                                                                  "one that predates the mode refuses it)")
+    progress: Literal["log", "summary"] = Field("log", description="where the ranks' periodic reports go: `log`, "
+                                                 "into the log, one `progress.report` a job every `report_s`; "
+                                                 "`summary`, on core NATS (`recovery.progress.<node>`) to the daemon, "
+                                                 "which logs one `progress.summary` per job every "
+                                                 "`progress_summary_s`; news (a rank's first word or step in a "
+                                                 "generation, a high loss, the fold before a change) goes into the "
+                                                 "log at once either way (daemons first: one that predates it hears "
+                                                 "no report, and would find the ranks silent)")
     report_s: float = Field(1.0, ge=0, le=60, description="how often the ranks' heartbeats and steps of each job "
                                                            "go out folded into one `progress.report`; 0: each on "
                                                            "its own, as older agents send them")

@@ -55,6 +55,12 @@ class Relay:
             lively = all(entry["step"] is None for entry in report["ranks"])
             self.publish(job, "progress.report", report, None, heartbeat=lively)
 
+    async def report_to_daemon(self, job: str) -> None:
+        """The period's report of `job` over core NATS, for the daemon's summary (`progress = "summary"`): a healthy
+        job's "still training" costs the log one record a job a period, not one a node. Lost if NATS is away, as a
+        beat may be: the next period's says newer."""
+        raise NotImplementedError
+
     def report_period(self, job_id: str) -> float:
         """How often `job`'s report goes: `report_s`, or longer for a job of more nodes than `job_reports_per_s`
         (its agents together then still send that many a second)."""
@@ -73,7 +79,10 @@ class Relay:
                 # A tick early still counts: the ticks drift, and a period of 2 ticks must not become 3.
                 if now - flushed.get(job, -1e18) >= self.report_period(job) - self.cfg.report_s / 2:
                     flushed[job] = now
-                    self.flush(job)
+                    if self.cfg.progress == "summary":
+                        await self.report_to_daemon(job)
+                    else:
+                        self.flush(job)
             if len(flushed) > len(self.jobs) + 64:
                 flushed = {job: at for job, at in flushed.items() if job in self.jobs}
             if self.cfg.rank_silence_s > 0:

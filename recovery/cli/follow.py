@@ -116,10 +116,11 @@ class JobFollower:
     def on_event(self, envelope: dict[str, Any]) -> None:
         data = envelope.get("data") or {}
         type_ = envelope.get("type")
-        if type_ in ("progress.step", "progress.report", "process.heartbeat"):
-            # the agents fold their ranks' words into one progress.report a period (what recovery-ctl's step is)
+        if type_ in ("progress.step", "progress.report", "progress.summary", "process.heartbeat"):
+            # the agents fold their ranks' words into one progress.report a period (what recovery-ctl's step is), or
+            # the daemon a job's into one progress.summary
             self.sdk = True
-            for entry in data.get("ranks") or [] if type_ == "progress.report" else [data]:
+            for entry in data.get("ranks") or [] if type_ in ("progress.report", "progress.summary") else [data]:
                 if isinstance(entry, dict) and isinstance(entry.get("step"), int):
                     self.step = max(self.step, entry["step"])
         elif (type_ == "process.output" and self.fault_at is not None and not self.sdk

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 NS = 1_000_000_000
-SIGNS_OF_LIFE = frozenset({"process.heartbeat", "progress.step", "progress.report", "node.heartbeat"})
+SIGNS_OF_LIFE = frozenset({"process.heartbeat", "progress.step", "progress.report", "progress.summary",
+                           "node.heartbeat"})
 """inputs that say only that a rank or an agent is alive and where it is: shown with --all"""
 
 

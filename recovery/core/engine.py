@@ -54,7 +54,8 @@ from recovery.core.progress import Progress
 from recovery.core.record import Effect, RecordEffects, Rejected, check_encodable
 from recovery.core.timers import Timekeeper, TimerEntry
 
-_PROGRESS = ("process.heartbeat", "progress.step", "progress.report")
+_PROGRESS = ("process.heartbeat", "progress.step", "progress.report", "progress.summary")
+_FOLDS = ("progress.report", "progress.summary")  # of several ranks: an agent's period, or the daemon's summary
 NODE_DEDUPE_WINDOW = 65_536
 FINISHED_JOBS_KEPT = 256
 """completed, failed and cancelled jobs kept for `recovery-ctl` and late events; older ones are forgotten (the log
@@ -268,15 +269,15 @@ class Engine(Progress):
             speaker = self.liveness.speaker(job, type_, env)  # before the event may move the job
             if type_ in _PROGRESS:
                 incident = job.incident
-                entries = env.data.ranks if type_ == "progress.report" else [env.data]
+                entries = env.data.ranks if type_ in _FOLDS else [env.data]
                 self.closing = (incident is not None and incident.phase == "restoring"
                                 and self.incidents.may_close(job, entries))
                 if self.closing:
                     # Progress past the resume point closes the incident: journaled, should a later entry fail it.
                     # Only such a record is (every report of every rank until then would copy the job's state).
                     self.guard(job)
-                if type_ == "progress.report":
-                    if len(env.data.ranks) > 1 and self.report_refused(job, env.data.ranks):
+                if type_ in _FOLDS:  # a summary is never refused: what it says that is past is left out
+                    if type_ == "progress.report" and len(entries) > 1 and self.report_refused(job, entries):
                         self.guard(job)  # a later rank's entry that is refused must undo the earlier ones
                     self.report_losses(out, job, env.data.ranks)
                     for entry in env.data.ranks:  # each as its rank's own heartbeat or step would be

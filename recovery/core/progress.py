@@ -73,6 +73,15 @@ class Progress:
     def _progress(self, out: RecordEffects, job: Job,
                   data: kinds.Heartbeat | kinds.StepReported | kinds.RankProgress) -> None:
         rank = data.rank
+        ts, step = out.ts, data.step
+        if isinstance(data, kinds.SummarizedRank):  # the daemon's summary of a past moment: what is past is left out
+            if rank >= job.world or data.attempt > job.generation:
+                return  # a rank or a generation the job no longer has (a scale, a restart since it was heard)
+            ts -= round(data.heard_s * NS)  # seen when the daemon heard it
+            if ts <= job.last_seen[rank]:
+                return  # the engine holds a newer word of the rank: a report its agent logged since
+            if step is not None and step < job.steps[rank]:
+                step = None  # a step the rank has passed (or rolled back from) since: no step backwards
         current = data.attempt == job.generation
         if (rank >= len(job.steps) or not current) and self._check_rank(job, rank, data.attempt, progress=False):
             return  # from a process that a restart has replaced since, still reporting on its way out
@@ -80,8 +89,6 @@ class Progress:
         # agent has not told it the new one yet). It is alive, and its steps are its own: they count for this rank
         # (a watchdog must not call it silent or stuck) but not for the job's step, and a step below its last is
         # the roll-back to the resume point, not a step backwards.
-        ts = out.ts
-        step = data.step
         if step is not None:
             last = job.steps[rank]
             if step < last:

@@ -56,7 +56,8 @@ _FAULT_KINDS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault
 _ENDS = {"job.completed": "completed", "job.failed": "failed", "job.cancelled": "cancelled"}
 _ATTEMPT_ENDS = {"attempt.failed": "failed", "attempt.timed_out": "timed_out", "attempt.superseded": "superseded"}
 _QUIET_INPUTS = frozenset({"process.heartbeat"})
-_REPORTS = frozenset({"process.heartbeat", "progress.step", "progress.report"})
+_REPORTS = frozenset({"process.heartbeat", "progress.step", "progress.report", "progress.summary"})
+_FOLDS = frozenset({"progress.report", "progress.summary"})
 _SILENCE_CLASSES = frozenset({"hang", "node"})
 _CLASS_OF_SIGNAL = {"process.exited": "process", "process.hang": "hang", "device.fault": "device",
                     "network.link_down": "network", "network.collective_timeout": "hang", "node.not_ready": "node",
@@ -134,8 +135,9 @@ class ReportFold:
         if type_ in _REPORTS and job_id is not None:
             job = self.jobs.get(job_id)
             if job is not None:
-                for entry in env["data"]["ranks"] if type_ == "progress.report" else [env["data"]]:
-                    self._heard(job, entry, ts)
+                for entry in env["data"]["ranks"] if type_ in _FOLDS else [env["data"]]:
+                    # a summary's rank was heard `heard_s` before the record (the engine's reading too)
+                    self._heard(job, entry, ts - round(float(entry.get("heard_s") or 0) * 1e9))
         if type_ in ("node.ready", "node.joined") and env.get("node") and (env.get("data") or {}).get("last_exit"):
             self._agent_back(str(env["node"]), str(env["data"]["last_exit"]), ts)
         if type_ == "process.stacks" and job_id is not None:

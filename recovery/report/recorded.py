@@ -384,7 +384,7 @@ class _Reader:
             cause = self.inputs.get(d["cause_seq"], "an earlier record")
             if cause == "timer.fired":
                 cause = "a timer (a watchdog's tick: a silence or a straggler; or a suspicion confirmed later)"
-            elif cause in ("progress.report", "progress.step"):
+            elif cause in ("progress.report", "progress.summary", "progress.step"):
                 cause = f"{cause} (the ranks' own reports: a bad step or a straggler)"
             self.night.unmatched_signals.append(f"{kind} on {cause} (seq {d['cause_seq']})")
 

@@ -94,6 +94,7 @@ def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_s
     publish = [
         f"{subjects.PREFIX}.ev.node.{node}.>",
         subjects.live(node),  # its live beats (`liveness = "live"`), on core NATS: no stream keeps them
+        subjects.reports(node),  # its periodic reports (`progress = "summary"`), on core NATS too
         f"{subjects.PREFIX}.ev.job.>",
         f"{API}.INFO",
         f"{API}.STREAM.INFO.{log_stream}",
@@ -109,9 +110,10 @@ def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_s
         f"{API}.CONSUMER.DELETE.{command_stream}.*",
     ]
     # Job events are open to the agent (its ranks' jobs are not known in advance), except timer firings, outage
-    # records and the facts of abandoned policy calls: only the daemon sends those, and a forged one must not even
-    # reach the log.
-    deny = [subjects.job_event("*", kind) for kind in ("timer.fired", "control.outage", "policy.overran")]
+    # records, the facts of abandoned policy calls and progress summaries: only the daemon sends those, and a forged
+    # one must not even reach the log.
+    deny = [subjects.job_event("*", kind) for kind in ("timer.fired", "control.outage", "policy.overran",
+                                                       "progress.summary")]
     # Nor the liveness monitor's word on a node (`recovery.service.liveness`): an agent would declare itself silent.
     deny += [subjects.node_event(node, kind) for kind in ("node.silent", "node.heard")]
     return User(f"agent-{node}", password, publish, [f"{agent_inbox(node)}.>"], inbox_prefix=agent_inbox(node),

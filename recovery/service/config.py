@@ -79,6 +79,10 @@ class DaemonConfig(FileSettings):
     unserved_after_s: float = Field(60.0, ge=0, le=86400, description="a job still waiting to start this long on "
                                     "nodes no agent serves (none heard from, or gone) gets a job.unserved event, "
                                     "which its decisions and recovery-ctl jobs show (0: never)")
+    progress_summary_s: float = Field(10.0, gt=0, le=600, description="how often the daemon logs one "
+                                      "progress.summary per job of what it heard of its ranks from agents that send "
+                                      "their periodic reports over core NATS (`progress = \"summary\"`); keep it "
+                                      "below the jobs' rank silence bounds less the agents' report_s")
     outage_bound_s: float = Field(300.0, ge=0, le=86400, description="an outage of the control plane (this "
                                   "daemon cut off from NATS) up to this long counts in no node's or rank's silence: "
                                   "the daemon logs it (control.outage) when it is back, before any timer that fell "

@@ -74,6 +74,7 @@ from recovery.service.restore import open_newest, published_after
 from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
+from recovery.service.summaries import ProgressSummaries
 from recovery.service.tenure import Tenure
 from recovery.service.timers import ServerClock, TimerService, fire_through
 from recovery.service.unserved import UnservedWatch
@@ -304,7 +305,8 @@ class Daemon:
         if cfg.timers_enabled:
             self._parts.start("timers", self.timer_service.run)
             monitor = LivenessMonitor(lambda: self.engine, self._publish, self.processor.seal, lambda: self.readiness(
-                )[0] and self.outage.may_publish() and not self.outage.pending)  # the daemon may write, caught up
+                )[0] and self.outage.may_publish() and not self.outage.pending,  # the daemon may write, caught up
+                summaries=ProgressSummaries(lambda: self.engine, cfg.progress_summary_s))
             self._parts.start("liveness", partial(monitor.run, self.nc))
         if cfg.unserved_after_s > 0:  # a job waiting on nodes no agent serves: its decisions say so
             watch = UnservedWatch(lambda: self.engine, self._publish, self.processor.seal, cfg.unserved_after_s)

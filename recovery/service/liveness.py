@@ -37,6 +37,7 @@ from events.envelope import make_envelope
 from recovery.core.engine import Engine
 from recovery.core.job import Job
 from recovery.service.publisher import Outgoing
+from recovery.service.summaries import ProgressSummaries
 
 logger = logging.getLogger("recovery.daemon")
 
@@ -64,8 +65,9 @@ class LivenessMonitor:
 
     def __init__(self, engine: Callable[[], Engine], publish: Callable[[list[Outgoing]], Awaitable[None]],
                  seal: Callable[[str], str], may_judge: Callable[[], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, summaries: ProgressSummaries | None = None) -> None:
         self.engine = engine
+        self.summaries = summaries  # the ranks' periodic reports, heard beside the beats (`recovery.service.summaries`)
         self.publish = publish
         self.seal = seal
         self.may_judge = may_judge
@@ -138,7 +140,15 @@ class LivenessMonitor:
         return min(max(min(bounds, default=DEFAULT_BOUND_S) / 10, 0.05), 1.0)
 
     async def run(self, nc: Client) -> None:
-        """Hear the beats and publish the facts, until cancelled."""
+        """Hear the beats and publish the facts (and the progress summaries, if asked), until cancelled."""
+        if self.summaries is None:
+            await self._watch(nc)
+            return
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self.summaries.run, nc, self.publish, self.may_judge)
+            await self._watch(nc)
+
+    async def _watch(self, nc: Client) -> None:
         subscription = await nc.subscribe(subjects.LIVE, cb=self._on_beat)
         try:
             while True:
