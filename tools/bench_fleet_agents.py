@@ -10,7 +10,8 @@ NATS, the bench's own control subject): the agent publishes that rank's `process
 once it is stored, answers with the monotonic time it was sent and the job's generation then.
 
 The spec: `{"url": ..., "jobs": [[job, its first node, the first node here, nodes here], ...], "report_s": s,
-"step_s": s, "seconds": s, "acked": bool, "idle": [first node, nodes], "liveness": "log" | "live"}` (`acked` false:
+"step_s": s, "seconds": s, "acked": bool, "idle": [first node, nodes], "liveness": "log" | "live",
+"progress": "log" | "summary"}` (`acked` false:
 reports and heartbeats fire and forget, for one healthy server, where nothing is lost and the acknowledgements would
 only load the two cores the daemon is measured on; `idle`: nodes of no job, spares or between jobs, which only say
 they live, every `report_s`; `liveness` as the agent's setting: `log`, a `node.heartbeat` in the log in each period
@@ -65,6 +66,7 @@ async def agents(spec: dict[str, Any]) -> None:
     report_s, step_s, seconds = float(spec["report_s"]), float(spec["step_s"]), float(spec["seconds"])
     acked = bool(spec.get("acked", True))
     live = spec.get("liveness", "log") == "live"
+    summary = spec.get("progress", "log") == "summary"  # the periodic reports to the daemon, on core NATS
     idle_first, idle_count = spec.get("idle", (0, 0))
     idle = [node_name(i) for i in range(idle_first, idle_first + idle_count)]
     jobs: dict[str, SimJob] = {}
@@ -149,8 +151,12 @@ async def agents(spec: dict[str, Any]) -> None:
             ranks = [{"rank": r, "step": step, "attempt": job.generation}
                      for r in range(index * RPN, (index + 1) * RPN) if r not in job.dead]
             ident = f"{node}-r{tick}"
-            await send(subjects.job_event(job.name, "progress.report"),
-                       envelope("progress.report", {"ranks": ranks}, ident, node, job.name), ident)
+            report = envelope("progress.report", {"ranks": ranks}, ident, node, job.name)
+            if summary and tick > 0 and ranks:  # a period's report; the first (every rank's first word) is news
+                await nc.publish(subjects.reports(node), report)
+                await alive(node, tick, reported=False)
+                continue
+            await send(subjects.job_event(job.name, "progress.report"), report, ident)
             await alive(node, tick, reported=bool(ranks))
         for node in idle:
             await alive(node, tick, reported=False)

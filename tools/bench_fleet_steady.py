@@ -2,15 +2,17 @@
 
 A fleet of `--steady-gpus` GPUs (20,000: 100 jobs of 25 nodes x 8) and `--steady-idle` more nodes of no job (spares,
 nodes between jobs), on one nats-server and one `recovery-daemon`. The simulated agents (`bench_fleet_agents.py`)
-report every `--steady-period-s` (10 s) and say they live at the same period, once with the liveness in the log
-(`liveness = "log"`: a `node.heartbeat` in each period a node did not report in, as agents did before the live mode)
-and once off it (`liveness = "live"`: a beat on core NATS, the mode stated once in the log, the daemon's liveness
-monitor watching). Nothing fails: what the log stores in the window is the fleet's "still fine".
+report every `--steady-period-s` (10 s) and say they live at the same period, in three modes: everything in the log
+(`liveness = "log"`: a `node.heartbeat` in each period a node did not report in, and each node's report, as agents
+did before), liveness off it (`liveness = "live"`: a beat on core NATS, the mode stated once in the log, the daemon's
+liveness monitor watching), and progress off it too (`progress = "summary"`: each period's report on core NATS, the
+daemon logging one `progress.summary` per job per period). Nothing fails: what the log stores in the window is the
+fleet's "still fine".
 
-It reports, per mode, `fleet_steady_log_per_s` (records the log stored a second over the window; the `log` mode's
-metric carries the suffix `_logged_liveness`), and `fleet_steady_daemon_cpu_cores` (the daemon's share of a core,
-the monitor's included). Every process it starts is stopped when it ends, however it ends.
-"""
+It reports, per mode, `fleet_steady_log_per_s` (records the log stored a second over the window; the metric of the
+first mode carries the suffix `_logged_liveness`, of the second `_logged_progress`), and
+`fleet_steady_daemon_cpu_cores` (the daemon's share of a core, the monitor's and the summaries' included). Every
+process it starts is stopped when it ends, however it ends."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def submissions(jobs: int, period_s: float) -> list[tuple[str, bytes, str]]:
     return items
 
 
-def measure(args: argparse.Namespace, work: Path, liveness: str) -> tuple[float, float]:
+def measure(args: argparse.Namespace, work: Path, liveness: str, progress: str) -> tuple[float, float]:
     """(records/s the log stored over the window, daemon cores) for one mode."""
     jobs = max(1, args.steady_gpus // (NODES_PER_JOB * RPN))
     nodes = jobs * NODES_PER_JOB
@@ -79,7 +81,8 @@ def measure(args: argparse.Namespace, work: Path, liveness: str) -> tuple[float,
                         for j in range(w * per, min(jobs, (w + 1) * per))]
                 idle = [nodes + w * idle_per, max(0, min(idle_per, args.steady_idle - w * idle_per))]
                 spec = {"url": server.url, "jobs": mine, "report_s": period, "step_s": args.step_s,
-                        "seconds": seconds + period + 30, "acked": False, "idle": idle, "liveness": liveness}
+                        "seconds": seconds + period + 30, "acked": False, "idle": idle, "liveness": liveness,
+                        "progress": progress}
                 workers.append(subprocess.Popen([sys.executable, str(AGENTS), orjson.dumps(spec).decode()],
                                                 stdin=subprocess.DEVNULL, start_new_session=True))
             time.sleep(period + 5)  # every node's first period (its mode, its first report) before the window
@@ -94,17 +97,21 @@ def measure(args: argparse.Namespace, work: Path, liveness: str) -> tuple[float,
     return stored, cores
 
 
+MODES = (("log", "log", "_logged_liveness"), ("live", "log", "_logged_progress"), ("live", "summary", ""))
+"""(liveness, progress, the metrics' suffix): as agents were, liveness off the log, and progress summarized too"""
+
+
 def run_steady(args: argparse.Namespace, work: Path, emit: Emit) -> None:
     jobs = max(1, args.steady_gpus // (NODES_PER_JOB * RPN))
-    for liveness in ("log", "live"):
-        stored, cores = measure(args, work / liveness, liveness)
+    for liveness, progress, suffix in MODES:
+        stored, cores = measure(args, work / f"{liveness}-{progress}", liveness, progress)
         note(f"steady fleet of {jobs * NODES_PER_JOB * RPN:,} GPUs ({jobs * NODES_PER_JOB:,} nodes in {jobs} jobs, "
-             f"{args.steady_idle} idle), a report every {args.steady_period_s:g} s, liveness {liveness}: "
-             f"{stored:,.1f} records/s stored, daemon {cores:.3f} cores")
-        suffix = "" if liveness == "live" else "_logged_liveness"
+             f"{args.steady_idle} idle), a report every {args.steady_period_s:g} s, liveness {liveness}, progress "
+             f"{progress}: {stored:,.1f} records/s stored, daemon {cores:.3f} cores")
         emit(BENCH, f"fleet_steady_log_per_s{suffix}", round(stored, 1),
-             f"records/s the log stored with no fault in the window (liveness {liveness})")
-        emit(BENCH, f"fleet_steady_daemon_cpu_cores{suffix}", round(cores, 3), f"cores (liveness {liveness})")
+             f"records/s the log stored with no fault in the window (liveness {liveness}, progress {progress})")
+        emit(BENCH, f"fleet_steady_daemon_cpu_cores{suffix}", round(cores, 3),
+             f"cores (liveness {liveness}, progress {progress})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,9 +9,9 @@ an ack). This part of the active daemon, run by its liveness monitor, keeps each
 compute times summed over the period, its worst loss, and how long before the record it was heard (`heard_s`), so
 that the engine takes the rank as seen then and its silence is measured as before.
 
-A node's report speaks only for the ranks the engine places on that node: a report for another node's ranks, for a
-job the engine does not hold, or that does not parse is dropped here with a log line (it is not in the log, so it
-decides nothing). The engine leaves out whatever a summary says that is past (`recovery.core.progress`), so a summary
+A node's report speaks only for the ranks the engine places on that node: a report for another node's ranks, or
+one that does not parse, is dropped here with a log line (it is not in the log, so it decides nothing); one of a job
+the daemon does not hold (another partition's: every daemon hears every node) is ignored. The engine leaves out whatever a summary says that is past (`recovery.core.progress`), so a summary
 written late, or by a daemon that took the partition over, changes nothing that a newer record set.
 """
 
@@ -71,6 +71,7 @@ class ProgressSummaries:
         self.heard: dict[str, dict[int, _Heard]] = {}  # job -> rank -> its newest word in the period
         self.due: dict[str, float] = {}  # job -> when its summary goes
         self.dropped = 0
+        self.ignored = 0  # reports of jobs this daemon does not hold
         self._boot = uuid.uuid4().hex[:12]  # ids of this monitor's records: no other daemon's repeat them
         self._count = 0
 
@@ -78,13 +79,19 @@ class ProgressSummaries:
         """One node's periodic report, from `recovery.progress.<node>`."""
         node = subject[len(_PREFIX):]
         try:
-            job_id, data = _decode(payload, node)
+            raw = orjson.loads(payload)
+            if not isinstance(raw, dict) or raw.get("type") != "progress.report" or not isinstance(raw.get("job"), str):
+                raise ValueError("not a job's progress.report envelope")
+            job_id = raw["job"]
+            job = self.engine().jobs.get(job_id)
+            if job is None:  # another partition's job (every daemon hears every node), or one that ended
+                self.ignored += 1
+                return
+            if raw.get("node") != node:
+                raise ValueError(f"sent on {node}'s subject for node {raw.get('node')!r}")
+            data = kinds.ProgressReport.model_validate(raw.get("data"))
         except (ValueError, ValidationError) as exc:
             self._drop(node, None, f"not a progress report of its own: {str(exc)[:200]}")
-            return
-        job = self.engine().jobs.get(job_id)
-        if job is None:
-            self._drop(node, job_id, "a job the daemon does not hold")
             return
         now, world, rpn, placed = self.clock(), job.world, job.rpn, job.nodes
         ranks = self.heard.get(job_id)
@@ -186,16 +193,6 @@ class ProgressSummaries:
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await subscription.unsubscribe()
-
-
-def _decode(payload: bytes, node: str) -> tuple[str, kinds.ProgressReport]:
-    """(job, report) of a report's envelope; ValueError if it is not a job's `progress.report` from `node`."""
-    raw = orjson.loads(payload)
-    if not isinstance(raw, dict) or raw.get("type") != "progress.report" or not isinstance(raw.get("job"), str):
-        raise ValueError("not a job's progress.report envelope")
-    if raw.get("node") != node:
-        raise ValueError(f"sent on {node}'s subject for node {raw.get('node')!r}")
-    return raw["job"], kinds.ProgressReport.model_validate(raw.get("data"))
 
 
 def _worse(loss: float | str, than: float | str) -> bool:
