@@ -173,3 +173,20 @@ def test_a_large_jobs_summary_is_cut_into_records_under_the_payload_limit() -> N
     for message in messages:  # each is a record the engine takes
         s.send(message.subject, message.data)
     assert not s.rejections and s.engine.jobs["big"].steps == [3] * 512
+
+
+def test_an_entry_out_of_bounds_drops_its_report_whichever_way_it_is_checked() -> None:
+    """Plain entries are checked by hand, the others by the model: either way a value out of its bounds (a float
+    rank, a negative step, a compute time past 30 days, an unknown field) drops the whole report, and a good entry with
+    a loss is taken."""
+    s, clock = _running(), Clock()
+    agg = _summaries(s, clock)
+    for bad in ({"rank": 0.0, "step": 1}, {"rank": 0, "step": -1}, {"rank": 0, "compute_s": 1e12},
+                {"rank": 0, "step": True}, {"rank": 0, "what": 1}, {"rank": 0, "loss": "nan", "loss_step": -2}):
+        agg.hear(subjects.reports("n0"), orjson.dumps({"type": "progress.report", "job": "j", "node": "n0",
+                                                       "data": {"ranks": [{"rank": 1, "step": 4}, bad]}}))
+    assert agg.dropped == 6 and agg.heard == {}
+    agg.hear(*_report("n0", "j", [{"rank": 1, "step": 4, "attempt": 0, "loss": "nan", "loss_step": 4}]))
+    [message] = agg.messages(force=True)
+    assert _data(message)["ranks"] == [{"rank": 1, "step": 4, "attempt": 0, "heard_s": 0.0, "loss": "nan",
+                                        "loss_step": 4}]

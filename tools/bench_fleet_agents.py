@@ -117,6 +117,7 @@ async def agents(spec: dict[str, Any]) -> None:
         await nc.subscribe(f"{CONTROL}.fault.{node}", cb=on_fault)
     await nc.flush()
     tick = 0
+    told: dict[str, int] = {}  # node -> the generation its ranks' first report in went into the log
     slot = report_s / max(1, len(nodes))  # agents tick on their own clocks: spread the nodes' reports over the period
     while (now := time.monotonic()) - start < seconds:
         step = int((now - start) / step_s) + 1
@@ -152,11 +153,13 @@ async def agents(spec: dict[str, Any]) -> None:
                      for r in range(index * RPN, (index + 1) * RPN) if r not in job.dead]
             ident = f"{node}-r{tick}"
             report = envelope("progress.report", {"ranks": ranks}, ident, node, job.name)
-            if summary and tick > 0 and ranks:  # a period's report; the first (every rank's first word) is news
+            if summary and told.get(node) == job.generation and ranks:
+                # a period's report; a generation's first (its ranks' first word there) is news, into the log
                 await nc.publish(subjects.reports(node), report)
                 await alive(node, tick, reported=False)
                 continue
             await send(subjects.job_event(job.name, "progress.report"), report, ident)
+            told[node] = job.generation
             await alive(node, tick, reported=bool(ranks))
         for node in idle:
             await alive(node, tick, reported=False)

@@ -93,13 +93,17 @@ def job_name(index: int) -> str:
     return f"fleet-{index:04d}"
 
 
-def submissions(jobs: int) -> list[tuple[str, bytes, str]]:
+def submissions(jobs: int, report_s: float = 1.0) -> list[tuple[str, bytes, str]]:
+    """The fleet's jobs, submitted and started; their silence bounds at least three of the agents' report periods (a
+    node that reports every 10 s is not silent after 5)."""
     items = []
+    bounds = {"agent_silence_s": max(5.0, 3 * report_s), "hang_min_silence_s": max(10.0, 3 * report_s)}
     for j in range(jobs):
         job = job_name(j)
         spec = JobSpec.model_validate({"nodes": [node_name(j * NODES_PER_JOB + i) for i in range(NODES_PER_JOB)],
                                        "ranks_per_node": RPN, "layout": {"dp": NODES_PER_JOB * RPN},
-                                       "watchdog_interval_s": 5.0})
+                                       "watchdog_interval_s": 5.0,
+                                       "policies": {"detection": {"name": "default", "params": bounds}}})
         for type_, data in (("job.submitted", {"spec": spec.model_dump(mode="json")}), ("job.started", {})):
             env = make_envelope(type_, data, id=f"{job}-{type_}", job=job, source="bench")
             items.append((subjects.job_event(job, type_), encode_envelope(env), env.id))
@@ -305,7 +309,7 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
                 import nats
 
                 nc = await nats.connect(cluster.url.split(","), max_reconnect_attempts=-1)
-                await publish_all(nc.jetstream(timeout=30), submissions(jobs))
+                await publish_all(nc.jetstream(timeout=30), submissions(jobs, args.fleet_report_s))
                 await nc.close()
 
             asyncio.run(submit())
@@ -315,7 +319,8 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
                         for j in range(w * per, min(jobs, (w + 1) * per))]
                 if mine:
                     spec = {"url": cluster.url, "jobs": mine, "report_s": args.fleet_report_s, "step_s": args.step_s,
-                            "seconds": seconds + args.warmup_s + 90}
+                            "seconds": seconds + args.warmup_s + 90, "liveness": args.fleet_liveness,
+                            "progress": args.fleet_progress}
                     workers.append(subprocess.Popen([sys.executable, str(AGENTS), orjson.dumps(spec).decode()],
                                                     stdin=subprocess.DEVNULL, start_new_session=True))
             time.sleep(args.warmup_s)  # the agents' first reports, before the window is measured
@@ -374,5 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl-s", type=float, default=5.0, help="the daemons' lease TTL")
     parser.add_argument("--fleet-report-s", type=float, default=1.0, help="each node's report period")
     parser.add_argument("--fleet-fault-every-s", type=float, default=0.25, help="the pace of the faults")
+    parser.add_argument("--fleet-liveness", choices=("log", "live"), default="live", help="the agents' liveness")
+    parser.add_argument("--fleet-progress", choices=("log", "summary"), default="summary",
+                        help="where the agents' periodic reports go")
     parser.add_argument("--fleet-server-down-s", type=float, default=5.0,
                         help="how long the killed nats-server stays down")

@@ -11,8 +11,9 @@ that the engine takes the rank as seen then and its silence is measured as befor
 
 A node's report speaks only for the ranks the engine places on that node: a report for another node's ranks, or
 one that does not parse, is dropped here with a log line (it is not in the log, so it decides nothing); one of a job
-the daemon does not hold (another partition's: every daemon hears every node) is ignored. The engine leaves out whatever a summary says that is past (`recovery.core.progress`), so a summary
-written late, or by a daemon that took the partition over, changes nothing that a newer record set.
+the daemon does not hold (another partition's: every daemon hears every node) is ignored. The engine leaves out
+whatever a summary says that is past (`recovery.core.progress`), so a summary written late, or by a daemon that took
+the partition over, changes nothing that a newer record set.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pydantic import ValidationError
 from events import kinds, subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
+from events.values import MAX_RANKS, MAX_SAFE_INT, MAX_SECONDS
 from policies.base import NS
 from recovery.core.engine import Engine
 from recovery.service.publisher import Outgoing
@@ -89,7 +91,7 @@ class ProgressSummaries:
                 return
             if raw.get("node") != node:
                 raise ValueError(f"sent on {node}'s subject for node {raw.get('node')!r}")
-            data = kinds.ProgressReport.model_validate(raw.get("data"))
+            entries = _entries(raw.get("data"))
         except (ValueError, ValidationError) as exc:
             self._drop(node, None, f"not a progress report of its own: {str(exc)[:200]}")
             return
@@ -99,7 +101,7 @@ class ProgressSummaries:
             ranks = self.heard[job_id] = {}
             if job_id not in self.due:  # a period from its first report heard
                 self.due[job_id] = now + self.period_of(job_id)
-        for entry in data.ranks:
+        for entry in entries:
             rank = entry.rank
             if rank >= world or rank // rpn >= len(placed) or placed[rank // rpn] != node:
                 self._drop(node, job_id, f"rank {rank} is not on {node}")
@@ -193,6 +195,48 @@ class ProgressSummaries:
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await subscription.unsubscribe()
+
+
+_PLAIN = frozenset({"rank", "step", "attempt", "compute_s", "compute_steps"})
+
+
+@dataclass(slots=True, frozen=True)
+class _Plain:
+    """An entry with no loss: the common one, checked here at a tenth of a model's cost."""
+
+    rank: int
+    step: int | None
+    attempt: int
+    compute_s: float | None
+    compute_steps: int
+    loss: None = None
+    loss_step: None = None
+    skip: tuple[str, ...] = ()
+
+
+def _entries(data: Any) -> list[_Plain | kinds.RankProgress]:
+    """A report's entries, each within the bounds of `kinds.RankProgress` (ValueError or ValidationError if one is
+    not): a plain entry (a rank's step and compute time) checked by hand, any other by the model."""
+    ranks = data.get("ranks") if isinstance(data, dict) else None
+    if not isinstance(ranks, list) or not 0 < len(ranks) <= kinds.MAX_REPORTED_RANKS:
+        raise ValueError("no ranks")
+    out: list[_Plain | kinds.RankProgress] = []
+    for entry in ranks:
+        if not isinstance(entry, dict) or not _PLAIN.issuperset(entry):
+            out.append(kinds.RankProgress.model_validate(entry))
+            continue
+        rank, step, attempt = entry.get("rank"), entry.get("step"), entry.get("attempt", 0)
+        compute, count = entry.get("compute_s"), entry.get("compute_steps", 0)
+        if not (_count(rank) and rank < MAX_RANKS and _count(attempt) and (step is None or _count(step))
+                and _count(count) and (compute is None or (type(compute) is float and 0 <= compute <= MAX_SECONDS))):
+            out.append(kinds.RankProgress.model_validate(entry))  # its error says which bound
+            continue
+        out.append(_Plain(rank, step, attempt, compute, count))
+    return out
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and 0 <= value <= MAX_SAFE_INT  # type: ignore[operator]
 
 
 def _worse(loss: float | str, than: float | str) -> bool:
