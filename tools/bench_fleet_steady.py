@@ -104,6 +104,8 @@ MODES = (("log", "log", "_logged_liveness"), ("live", "log", "_logged_progress")
 def run_steady(args: argparse.Namespace, work: Path, emit: Emit) -> None:
     jobs = max(1, args.steady_gpus // (NODES_PER_JOB * RPN))
     for liveness, progress, suffix in MODES:
+        if args.steady_modes and f"{liveness}-{progress}" not in args.steady_modes.split(","):
+            continue
         stored, cores = measure(args, work / f"{liveness}-{progress}", liveness, progress)
         note(f"steady fleet of {jobs * NODES_PER_JOB * RPN:,} GPUs ({jobs * NODES_PER_JOB:,} nodes in {jobs} jobs, "
              f"{args.steady_idle} idle), a report every {args.steady_period_s:g} s, liveness {liveness}, progress "
@@ -120,3 +122,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steady-idle", type=int, default=250, help="nodes of no job (spares, between jobs)")
     parser.add_argument("--steady-period-s", type=float, default=10.0, help="each node's report and liveness period")
     parser.add_argument("--steady-seconds", type=float, default=60.0, help="the measured window")
+    parser.add_argument("--steady-modes", default="", help="the modes to run, as liveness-progress, comma-separated "
+                        "(log-log, live-log, live-summary; default all)")
