@@ -126,7 +126,6 @@ def test_whatif_of_a_partitioned_log_gives_the_job_only_its_partitions_spares() 
 # -- the recorded policies, simulated, reproduce the recorded night -------------------------------------------------
 NOT_REPRODUCIBLE = {
     "bad_step_rollback": ("fault.confirmed on progress.report", "the loss spike is in the ranks' own reports"),
-    "crash_loop": ("restart loop", "the restarted script fails again at once; simulated processes train on"),
     "double_fault_carries_restart": ("the recorded executors failed", "a restart the executor failed"),
     "elastic_keeps_survivors": ("on a timer", "the host was found by its silence, which no fault stands for"),
     "elastic_scale": ("operator.scale", "an operator scaled the job"),
@@ -135,7 +134,6 @@ NOT_REPRODUCIBLE = {
     "memory_checkpoint_lost": ("on a timer", "the host was found by its silence"),
     "recover_in_place_fallback": ("the recorded executors failed", "the in-place restart failed, the move timed out"),
     "reset_fails_then_moves": ("the recorded executors failed", "the GPU reset failed"),
-    "restart_budget": ("restart loop", "the script fails deterministically until the budget ends the job"),
     "retry_fails_then_in_place": ("process.collective_failed", "a failed collective: no simulated fault makes one"),
     "retry_new_generation": ("process.collective_failed", "a failed collective"),
     "stock_script_restarts_whole": ("the job reported no steps", "a stock script: the step time is assumed"),
@@ -145,15 +143,10 @@ NOT_REPRODUCIBLE = {
 }
 """golden logs the simulator cannot reproduce, with what whatif must say about why, and why in a few words"""
 KNOWN_GAPS = {
-    "frequency_isolation": "the simulator's device does not fail on a watch-only XID 63, so the move finds no spare "
-                           "reason and the ladder restarts the job",
-    "graceful_exit": "SIGTERM exits are simulated as crashes: no dying checkpoint is written by the handlers",
-    "sigterm_storm": "SIGTERM exits are simulated as crashes: the restore takes the cost model's storage load",
-    "partial_restart_survivors": "the recorded restore (1 s) is shorter than a simulated step's report",
+    "sigterm_storm": "SIGTERM exits are simulated as crashes: no dying checkpoint is written by the handlers, and the "
+                     "restart waits the checkpoint policy's 30 s for one",
     "step_retry": "the simulated hang is reported by the agent (process.hang) before the peers' collective timeout",
     "watchdog_collective": "the simulated hang is reported by the agent (process.hang) before the peers' timeout",
-    "wait_deadline_reset": "after the 300 s wait the simulated restart with a reset closes the incident about 23 s "
-                           "later than recorded (its measured time is used; the rest is not established)",
 }
 """golden logs whatif does not reproduce yet and cannot explain from the log: the simulator's model differs"""
 

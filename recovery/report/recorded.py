@@ -28,6 +28,8 @@ OPENING_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "
 the simulated night does not have"""
 PENDING_RECORDS = 256
 """how far after a process event the decision that takes it as a signal may come (it follows its cause at once)"""
+RECENT_STEPS = 64
+"""how many recent steps' first reports are kept, to time the persistent checkpoints taken at them"""
 CAUSED_BY_DEVICE_S = 5.0
 """a process exit this soon after a fault of its own device is that fault's crash, which the simulator re-creates"""
 RECOVERY_DECISIONS = frozenset({"attempt.started", "attempt.failed", "attempt.timed_out", "incident.closed",
@@ -102,6 +104,11 @@ class RecordedCluster:
     end: int
     step_times: list[float] = field(default_factory=list)
     storage_steps: list[int] = field(default_factory=list)
+    storage_saved_s: list[float] = field(default_factory=list)
+    """per persistent checkpoint: seconds from the first report of its step to its `checkpoint.saved`"""
+    storage_gap_s: list[float] = field(default_factory=list)
+    """per persistent checkpoint: seconds from the first report of its step to the first of the next (a step and
+    the checkpoint's stall)"""
     memory_steps: list[int] = field(default_factory=list)
     drafts: list[Draft] = field(default_factory=list)
     kept: dict[str, int] = field(default_factory=dict)
@@ -134,6 +141,10 @@ class _Reader:
         self.device_codes: dict[tuple[str, int], str] = {}
         """(node, device) -> the code of its last fault"""
         self.last_step: tuple[int, int] | None = None
+        self.reached: dict[int, int] = {}
+        """step -> when it was first reported, for the recent steps of this stretch of training"""
+        self.saved: set[int] = set()
+        """steps of persistent checkpoints whose next step is not reported yet"""
         self.last_ts = 0
         self.others: set[str] = set()
         self.recovering = False
@@ -209,6 +220,8 @@ class _Reader:
                 if not steps or steps[-1] != data["step"]:
                     steps.append(int(data["step"]))
                     del steps[:-1000]
+                    if tier == "storage":
+                        self.storage_saved(int(data["step"]), ts)
             self.count("resimulated", kind)
         elif kind == "command.ack":
             self.ack(data, ts)
@@ -256,6 +269,31 @@ class _Reader:
             del cluster.step_times[:-1000]
         if self.last_step is None or step > self.last_step[1]:
             self.last_step = (ts, step)
+        if step not in self.reached and not self.recovering:
+            self.reached[step] = ts
+            if len(self.reached) > RECENT_STEPS:
+                del self.reached[next(iter(self.reached))]
+            if step - 1 in self.saved and step - 1 in self.reached:
+                self.saved.discard(step - 1)
+                cluster.storage_gap_s.append((ts - self.reached[step - 1]) / NS)
+                del cluster.storage_gap_s[:-1000]
+
+    def storage_saved(self, step: int, ts: int) -> None:
+        """A persistent checkpoint: how long after its step was reached it was saved, and (once the next step is
+        reported) how long that step took with the checkpoint's stall."""
+        cluster = self.cluster
+        assert cluster is not None
+        reached = self.reached.get(step)
+        if reached is None or self.recovering:
+            return
+        cluster.storage_saved_s.append((ts - reached) / NS)
+        del cluster.storage_saved_s[:-1000]
+        after = self.reached.get(step + 1)
+        if after is not None:
+            cluster.storage_gap_s.append((after - reached) / NS)
+            del cluster.storage_gap_s[:-1000]
+        else:
+            self.saved = {s for s in self.saved if s > step - RECENT_STEPS} | {step}
 
     def ack(self, data: dict[str, Any], ts: int) -> None:
         issued = self.commands.get(str(data.get("command_id")))
@@ -363,6 +401,7 @@ class _Reader:
         elif phase is None and self.recovering:
             self.recovering = False
             self.last_step = None  # the next report after a recovery starts a new stretch of training
+            self.reached, self.saved = {}, set()
         self.night_of(kind, d, detail, ts)
         if kind == "ranks.rescheduling" and detail.get("nodes"):
             self.placement = list(detail["nodes"])

@@ -23,6 +23,10 @@ class FaultInjection(TrainingState):
         struck = any(n in self.placement for n in nodes) and not self.failed
         if fault.signal == "device":
             meaning = nvidia_xid(fault.code or "79")
+            if struck and self.training and meaning.action is Action.WATCH:
+                # The job trains on, but the engine counts a watched code (frequency escalation may act on it): it
+                # hears how far the job got first, as before any fault's events.
+                self._catch_up(self.step_now())
             struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
         if struck and fault.signal != "straggler":  # a straggler stops nothing: the job goes on, slower
             self._stop_training()
