@@ -13,8 +13,10 @@ from recovery.cli.replay import main
 from recovery.log import write_file
 from recovery.report.diff import diff_logs
 from recovery.report.fold import build_report
+from recovery.report.recorded import faults_of, read_recorded
 from recovery.report.source import iter_file
 from recovery.report.whatif import whatif
+from recovery.sim.config import NS, Durations
 from tests.golden.scenarios import _ttp
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -126,7 +128,6 @@ def test_whatif_of_a_partitioned_log_gives_the_job_only_its_partitions_spares() 
 # -- the recorded policies, simulated, reproduce the recorded night -------------------------------------------------
 NOT_REPRODUCIBLE = {
     "bad_step_rollback": ("fault.confirmed on progress.report", "the loss spike is in the ranks' own reports"),
-    "crash_loop": ("restart loop", "the restarted script fails again at once; simulated processes train on"),
     "double_fault_carries_restart": ("the recorded executors failed", "a restart the executor failed"),
     "elastic_keeps_survivors": ("on a timer", "the host was found by its silence, which no fault stands for"),
     "elastic_scale": ("operator.scale", "an operator scaled the job"),
@@ -135,7 +136,6 @@ NOT_REPRODUCIBLE = {
     "memory_checkpoint_lost": ("on a timer", "the host was found by its silence"),
     "recover_in_place_fallback": ("the recorded executors failed", "the in-place restart failed, the move timed out"),
     "reset_fails_then_moves": ("the recorded executors failed", "the GPU reset failed"),
-    "restart_budget": ("restart loop", "the script fails deterministically until the budget ends the job"),
     "retry_fails_then_in_place": ("process.collective_failed", "a failed collective: no simulated fault makes one"),
     "retry_new_generation": ("process.collective_failed", "a failed collective"),
     "stock_script_restarts_whole": ("the job reported no steps", "a stock script: the step time is assumed"),
@@ -144,17 +144,7 @@ NOT_REPRODUCIBLE = {
     "watchdog_heartbeat": ("on a timer", "the hung rank was found by its silence"),
 }
 """golden logs the simulator cannot reproduce, with what whatif must say about why, and why in a few words"""
-KNOWN_GAPS = {
-    "frequency_isolation": "the simulator's device does not fail on a watch-only XID 63, so the move finds no spare "
-                           "reason and the ladder restarts the job",
-    "graceful_exit": "SIGTERM exits are simulated as crashes: no dying checkpoint is written by the handlers",
-    "sigterm_storm": "SIGTERM exits are simulated as crashes: the restore takes the cost model's storage load",
-    "partial_restart_survivors": "the recorded restore (1 s) is shorter than a simulated step's report",
-    "step_retry": "the simulated hang is reported by the agent (process.hang) before the peers' collective timeout",
-    "watchdog_collective": "the simulated hang is reported by the agent (process.hang) before the peers' timeout",
-    "wait_deadline_reset": "after the 300 s wait the simulated restart with a reset closes the incident about 23 s "
-                           "later than recorded (its measured time is used; the rest is not established)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 """golden logs whatif does not reproduce yet and cannot explain from the log: the simulator's model differs"""
 
 
@@ -220,3 +210,55 @@ def test_whatif_cli_without_a_policy_says_whether_the_log_is_reproduced(capsys: 
     out = capsys.readouterr().out
     assert "NOT reproduced" in out and "the recorded executors failed" in out
     assert "compare the simulated columns with each other" in out
+
+
+def test_a_recorded_sigterm_is_replayed_with_the_dying_checkpoint_its_handlers_saved(tmp_path: Path) -> None:
+    """sigterm_storm: the platform SIGTERMs all 8 ranks at 12 s and replica 0's handlers save both shards half a second
+    later, a dying checkpoint no decision commanded. The first exit is the fault; the others and the saves go with
+    it, and the simulated job's handlers save the step it reached (the restart waits for them, as recorded)."""
+    cluster = read_recorded(iter_file(GOLDEN / "sigterm_storm.jsonl"))
+    [fault] = faults_of(cluster, Durations())
+    assert fault.exit_signal == 15 and fault.exits == (1, 2, 3, 4, 5, 6, 7)
+    assert fault.dying == ((NS // 2, (0,)), (NS // 2, (1,)))
+    # graceful_exit: the four shards were saved before the exits were reported, at the same instant
+    [graceful] = faults_of(read_recorded(iter_file(GOLDEN / "graceful_exit.jsonl")), Durations())
+    assert graceful.dying == tuple((0, (shard,)) for shard in range(4))
+    result = whatif(GOLDEN / "sigterm_storm.jsonl", [], keep_logs=tmp_path, tail_s=60)
+    assert result["reproduction"]["reproduced"]
+    records = [r["envelope"] for r in iter_file(tmp_path / "recorded-policies.jsonl")]
+    saves = [e["data"] for e in records if e["type"] == "checkpoint.saved" and e["data"]["tier"] == "dying"]
+    assert [(s["step"], s["shards"]) for s in saves] == [(12, [0]), (12, [1])]
+    assert sum(1 for e in records if e["type"] == "process.exited" and e["data"]["signal"] == 15) == 8
+    plans = [e["data"]["detail"] for e in records if e["type"] == "decision" and e["data"]["kind"] == "checkpoint.plan"]
+    assert plans == [{"checkpoint_step": 12, "next_step": 13, "tiers": {"dying": 2}}]
+
+
+def test_a_recorded_collective_timeout_is_replayed_as_the_peers_reported_it(tmp_path: Path) -> None:
+    """watchdog_collective: at 23 s seven of eight ranks report a 3 s allreduce timeout. The hang began 3 s before
+    (not the agent's watchdog time before), and the simulated peers report the same group at the same time; rank 3
+    is restarted alone, as recorded, because the reporters did not abort (the cost model's NCCL watchdog aborts every
+    process, which failed the in-place restart)."""
+    cluster = read_recorded(iter_file(GOLDEN / "watchdog_collective.jsonl"))
+    [fault] = faults_of(cluster, Durations())
+    assert fault.at_ns == 20 * NS and fault.collective is not None
+    assert fault.collective.reporters == (0, 1, 2, 4, 5, 6, 7) and fault.collective.timeout_s == 3.0
+    result = whatif(GOLDEN / "watchdog_collective.jsonl", [], keep_logs=tmp_path, tail_s=60)
+    assert result["reproduction"]["reproduced"]
+    records = [r["envelope"] for r in iter_file(tmp_path / "recorded-policies.jsonl")]
+    [timeout] = [e["data"] for e in records if e["type"] == "network.collective_timeout"]
+    assert timeout["group"] == "dp-all" and timeout["reporters"] == [0, 1, 2, 4, 5, 6, 7]
+    assert not [e for e in records if e["type"] == "process.hang"]  # restarted before the agent's watchdog fired
+
+
+def test_whatif_times_persistent_checkpoints_from_the_log() -> None:
+    """The golden jobs save each persistent checkpoint at its step's instant, with no stall: the simulated job does
+    too, where the cost model stages for 1.8 s and uploads for longer."""
+    graceful = whatif(GOLDEN / "graceful_exit.jsonl", [], tail_s=60)["calibration"]
+    assert graceful["storage_saved_s"] == {"value": 0.0, "from": "measured", "how": graceful["storage_saved_s"]["how"]}
+    assert graceful["storage_save_stall_s"]["value"] == 0.0 and graceful["storage_save_stall_s"]["from"] == "measured"
+    # partial_restart_survivors: the fault struck at the checkpoint's step, so no step after one was reported; the
+    # stall is the cost model's, no longer than the measured save
+    partial = whatif(GOLDEN / "partial_restart_survivors.jsonl", [], tail_s=60)["calibration"]
+    assert partial["storage_save_stall_s"]["value"] == 0.0 and partial["storage_save_stall_s"]["from"] == "assumed"
+    stock = whatif(GOLDEN / "stock_script_restarts_whole.jsonl", [], tail_s=60)["calibration"]
+    assert stock["storage_saved_s"]["from"] == "assumed"

@@ -110,6 +110,26 @@ def calibrate(cluster: RecordedCluster, training: Training, costs: Costs, step_t
         figures["save_checkpoint_s"] = _figure(round(changes["dying_save_s"], 3), "measured",
                                                f"median of {len(night.command_s['save_checkpoint'])}, decision to "
                                                f"done ack")
+    saved = median(cluster.storage_saved_s)
+    if saved is not None:  # a persistent checkpoint's stall and upload, whatever its size: the whole was measured
+        changes["storage_saved_s"] = saved
+    figures["storage_saved_s"] = _figure(round(saved, 3) if saved is not None else None,
+                                         "measured" if saved is not None else "assumed",
+                                         f"median of {len(cluster.storage_saved_s)} persistent checkpoints, their "
+                                         f"step's first report to checkpoint.saved" if saved is not None
+                                         else "the cost model's stall and storage write at the model size")
+    gap = median(cluster.storage_gap_s)
+    if gap is not None:
+        changes["storage_save_stall_s"] = max(0.0, gap - step)
+        how = f"median of {len(cluster.storage_gap_s)} steps after a persistent checkpoint, less a step"
+    elif saved is not None and saved < costs.storage_save_stall_s:
+        # no step after a checkpoint was reported, but the checkpoint was saved this soon: its stall was no longer
+        changes["storage_save_stall_s"] = saved
+        how = "the cost model's, at most the measured save (no step after a checkpoint was reported)"
+    else:
+        how = "the cost model's"
+    figures["storage_save_stall_s"] = _figure(round(changes.get("storage_save_stall_s", costs.storage_save_stall_s),
+                                                    3), "measured" if gap is not None else "assumed", how)
     missing = sorted(kind for kind in COMMAND_COSTS if f"{kind}_s" not in figures)
     figures["other_commands"] = _figure(missing, "assumed", "the cost model's durations (recovery/sim/README.md)")
     for tier, seconds_list in sorted(night.restore_s.items()):

@@ -2,11 +2,14 @@
 
 One pass over the log keeps what the cluster did on its own (the job's shape and policies from `job.submitted`, the
 nodes and spares, the faults: device faults, links going down and up, hosts going away, and the process exits and
-hangs the recorded engine took as fault signals) and measures what its answers took (each command kind's time from
-the decision to its `done` ack, each restore's time from `ranks.restoring` to the step that closed the incident,
-the agents' detection delays that the events state). It also keeps the recorded sequence of recovery decisions and
-what the simulator cannot re-create (executors that failed or never answered, operator commands, fault signals no
-`Fault` stands for), which is why a what-if under the recorded policies may not reproduce the night.
+hangs the recorded engine took as fault signals; with a SIGTERM exit, the preemption's other exits and the dying
+checkpoint its handlers saved unasked; with a collective timeout, who reported it and after how long) and measures
+what its answers took (each command kind's time from the decision to its `done` ack, each restore's time from
+`ranks.restoring` to the step that closed the incident, each persistent checkpoint's time from its step to
+`checkpoint.saved`, the agents' detection delays that the events state). It also keeps the recorded sequence of
+recovery decisions and what the simulator cannot re-create (executors that failed or never answered, operator
+commands, fault signals no `Fault` stands for), which is why a what-if under the recorded policies may not
+reproduce the night.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from recovery.report.source import RawDict
 from recovery.sim.config import NS, Agents, Durations
-from recovery.sim.faults import FOLLOW_UPS, Fault
+from recovery.sim.faults import FOLLOW_UPS, Collective, Fault
 
 SIGNAL_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added", "fault.suspected",
                               "fault.absorbed"})
@@ -28,6 +31,13 @@ OPENING_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "
 the simulated night does not have"""
 PENDING_RECORDS = 256
 """how far after a process event the decision that takes it as a signal may come (it follows its cause at once)"""
+RECENT_STEPS = 64
+"""how many recent steps' first reports are kept, to time the persistent checkpoints taken at them"""
+SIGTERM = 15
+"""the signal a platform stops a job with (Linux's number, as the agents report it)"""
+PREEMPTION_S = 5.0
+"""SIGTERM exits and uncommanded dying checkpoints this close to a kept SIGTERM exit are the same preemption's: the
+platform stops every rank at once and their handlers save on the way out"""
 CAUSED_BY_DEVICE_S = 5.0
 """a process exit this soon after a fault of its own device is that fault's crash, which the simulator re-creates"""
 RECOVERY_DECISIONS = frozenset({"attempt.started", "attempt.failed", "attempt.timed_out", "incident.closed",
@@ -53,6 +63,11 @@ class Draft:
     exit_code: int | None = None
     exit_signal: int | None = None
     back: int | None = None
+    exits: list[int] = field(default_factory=list)
+    """further ranks stopped by the same SIGTERM"""
+    dying: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    """the SIGTERM handlers' dying checkpoints: ns after the exit (negative: before it), shards"""
+    collective: Collective | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,11 @@ class RecordedCluster:
     end: int
     step_times: list[float] = field(default_factory=list)
     storage_steps: list[int] = field(default_factory=list)
+    storage_saved_s: list[float] = field(default_factory=list)
+    """per persistent checkpoint: seconds from the first report of its step to its `checkpoint.saved`"""
+    storage_gap_s: list[float] = field(default_factory=list)
+    """per persistent checkpoint: seconds from the first report of its step to the first of the next (a step and
+    the checkpoint's stall)"""
     memory_steps: list[int] = field(default_factory=list)
     drafts: list[Draft] = field(default_factory=list)
     kept: dict[str, int] = field(default_factory=dict)
@@ -134,6 +154,10 @@ class _Reader:
         self.device_codes: dict[tuple[str, int], str] = {}
         """(node, device) -> the code of its last fault"""
         self.last_step: tuple[int, int] | None = None
+        self.reached: dict[int, int] = {}
+        """step -> when it was first reported, for the recent steps of this stretch of training"""
+        self.saved: set[int] = set()
+        """steps of persistent checkpoints whose next step is not reported yet"""
         self.last_ts = 0
         self.others: set[str] = set()
         self.recovering = False
@@ -146,11 +170,24 @@ class _Reader:
         self.tiers: list[str] = []
         """the current incident's checkpoint plan: the tiers its ranks load from"""
         self.restoring: int | None = None
+        self.saving: set[str] = set()
+        """dying checkpoint saves the engine commanded that have not finished: a dying checkpoint meanwhile is theirs"""
+        self.handler_saves: list[tuple[int, tuple[int, ...]]] = []
+        """recent dying checkpoints nobody commanded (ts, shards): SIGTERM handlers', kept for the exit they go with"""
+        self.sigterm: Draft | None = None
+        """the kept SIGTERM exit whose incident is open: its preemption's further exits and saves join it"""
 
     def count(self, table: str, kind: str) -> None:
         assert self.cluster is not None
         counts = self.cluster.kept if table == "kept" else self.cluster.resimulated
         counts[kind] = counts.get(kind, 0) + 1
+
+    def uncount(self, table: str, kind: str) -> None:
+        assert self.cluster is not None
+        counts = self.cluster.kept if table == "kept" else self.cluster.resimulated
+        counts[kind] -= 1
+        if counts[kind] <= 0:
+            del counts[kind]
 
     def read(self, records: Iterable[RawDict]) -> RecordedCluster:
         for record in records:
@@ -204,11 +241,15 @@ class _Reader:
             self.count("resimulated", kind)
         elif kind == "checkpoint.saved":
             tier = data.get("tier")
+            if tier == "dying" and not self.saving and self.handler_save(ts, tuple(data.get("shards") or [])):
+                return  # kept with the SIGTERM exit it goes with
             if tier in ("storage", "memory"):
                 steps = cluster.storage_steps if tier == "storage" else cluster.memory_steps
                 if not steps or steps[-1] != data["step"]:
                     steps.append(int(data["step"]))
                     del steps[:-1000]
+                    if tier == "storage":
+                        self.storage_saved(int(data["step"]), ts)
             self.count("resimulated", kind)
         elif kind == "command.ack":
             self.ack(data, ts)
@@ -256,6 +297,31 @@ class _Reader:
             del cluster.step_times[:-1000]
         if self.last_step is None or step > self.last_step[1]:
             self.last_step = (ts, step)
+        if step not in self.reached and not self.recovering:
+            self.reached[step] = ts
+            if len(self.reached) > RECENT_STEPS:
+                del self.reached[next(iter(self.reached))]
+            if step - 1 in self.saved and step - 1 in self.reached:
+                self.saved.discard(step - 1)
+                cluster.storage_gap_s.append((ts - self.reached[step - 1]) / NS)
+                del cluster.storage_gap_s[:-1000]
+
+    def storage_saved(self, step: int, ts: int) -> None:
+        """A persistent checkpoint: how long after its step was reached it was saved, and (once the next step is
+        reported) how long that step took with the checkpoint's stall."""
+        cluster = self.cluster
+        assert cluster is not None
+        reached = self.reached.get(step)
+        if reached is None or self.recovering:
+            return
+        cluster.storage_saved_s.append((ts - reached) / NS)
+        del cluster.storage_saved_s[:-1000]
+        after = self.reached.get(step + 1)
+        if after is not None:
+            cluster.storage_gap_s.append((after - reached) / NS)
+            del cluster.storage_gap_s[:-1000]
+        else:
+            self.saved = {s for s in self.saved if s > step - RECENT_STEPS} | {step}
 
     def ack(self, data: dict[str, Any], ts: int) -> None:
         issued = self.commands.get(str(data.get("command_id")))
@@ -263,6 +329,8 @@ class _Reader:
             return
         kind, at = issued
         status = data.get("status")
+        if status in ("done", "failed"):
+            self.saving.discard(str(data.get("command_id")))
         if status == "accepted":
             self.night.ack_s.append((ts - at) / NS)
         elif status == "done":
@@ -307,16 +375,40 @@ class _Reader:
                 draft.back = ts
         self.open[node] = [d for d in waiting if d.back is None]
 
+    def handler_save(self, ts: int, shards: tuple[int, ...]) -> bool:
+        """A dying checkpoint nobody commanded: a SIGTERM handler's, which goes with the kept SIGTERM exit of its
+        preemption (or with the next one, if it was saved before the exit was reported). Whether it was kept."""
+        sigterm = self.sigterm
+        if sigterm is not None and ts >= sigterm.at - int(PREEMPTION_S * NS):
+            sigterm.dying.append((ts - sigterm.at, tuple(int(s) for s in shards)))
+            self.count("kept", "checkpoint.saved")
+            return True
+        self.handler_saves = [(t, s) for t, s in self.handler_saves if ts - t <= PREEMPTION_S * NS]
+        self.handler_saves.append((ts, tuple(int(s) for s in shards)))
+        return False
+
+    def preempted(self, draft: Draft) -> None:
+        """A SIGTERM exit was kept as a fault: the handlers' saves just before it are its preemption's."""
+        self.sigterm = draft
+        before = [(t - draft.at, s) for t, s in self.handler_saves if 0 <= draft.at - t <= PREEMPTION_S * NS]
+        draft.dying[:0] = before
+        self.handler_saves = []
+        for _ in before:  # counted as re-simulated when they came; kept now that their exit is
+            self.count("kept", "checkpoint.saved")
+            self.uncount("resimulated", "checkpoint.saved")
+
     def process_signal(self, seq: int, kind: str, data: dict[str, Any], ts: int) -> None:
         assert self.cluster is not None
         night = self.cluster.night
         rank = data.get("rank")
         if kind == "network.collective_timeout":
-            if isinstance(data.get("timeout_s"), int | float):
-                night.collective_timeout_s.append(float(data["timeout_s"]))
-            draft = Draft(max(self.cluster.start, ts - int(self.agents.hang_detect_s * NS)), "hang", "rank",
-                          f"{kind} (seq {seq})")
-            self.pending[seq] = (draft, kind)
+            self.collective_timeout(seq, data, ts)
+            return
+        sigterm = self.sigterm
+        if (kind == "process.exited" and data.get("signal") == SIGTERM and sigterm is not None
+                and isinstance(rank, int) and abs(ts - sigterm.at) <= PREEMPTION_S * NS):
+            sigterm.exits.append(rank)  # stopped by the same preemption: the simulator exits it with the first
+            self.count("resimulated", kind)
             return
         if not isinstance(rank, int):
             self.count("resimulated", kind)
@@ -342,6 +434,24 @@ class _Reader:
                           device=device, exit_code=data.get("exit_code"), exit_signal=data.get("signal"))
         self.pending[seq] = (draft, kind)
 
+    def collective_timeout(self, seq: int, data: dict[str, Any], ts: int) -> None:
+        """The peers' report of a collective that timed out: the hang began `timeout_s` before it. With its group
+        named, it is replayed as recorded (who reported, who never joined); else as a hang the peers found."""
+        assert self.cluster is not None
+        kind = "network.collective_timeout"
+        timeout = data.get("timeout_s")
+        if isinstance(timeout, int | float):
+            self.cluster.night.collective_timeout_s.append(float(timeout))
+        members, reporters = data.get("members"), data.get("reporters")
+        collective = None
+        if isinstance(timeout, int | float) and isinstance(members, list) and members and isinstance(reporters, list):
+            collective = Collective(str(data.get("group", "")), tuple(int(r) for r in members),
+                                    tuple(int(r) for r in reporters), str(data.get("operation", "")), float(timeout))
+        since = int(float(timeout) * NS) if collective is not None else int(self.agents.hang_detect_s * NS)
+        draft = Draft(max(self.cluster.start, ts - since), "hang", "rank", f"{kind} (seq {seq})",
+                      collective=collective)
+        self.pending[seq] = (draft, kind)
+
     def expire(self, seq: int) -> None:
         while self.pending:
             first = next(iter(self.pending))
@@ -363,6 +473,7 @@ class _Reader:
         elif phase is None and self.recovering:
             self.recovering = False
             self.last_step = None  # the next report after a recovery starts a new stretch of training
+            self.reached, self.saved = {}, set()
         self.night_of(kind, d, detail, ts)
         if kind == "ranks.rescheduling" and detail.get("nodes"):
             self.placement = list(detail["nodes"])
@@ -376,6 +487,8 @@ class _Reader:
                     draft.position, draft.device = rank // cluster.rpn, rank % cluster.rpn
                 if draft.position is not None:
                     cluster.drafts.append(draft)
+                    if draft.signal == "process" and draft.exit_signal == SIGTERM:
+                        self.preempted(draft)
                     self.fault_seqs.add(d["cause_seq"])
                     self.count("kept", input_kind)
                     return
@@ -397,6 +510,8 @@ class _Reader:
         for command in d.get("commands") or []:
             if isinstance(command, dict) and "id" in command:
                 self.commands[str(command["id"])] = (_command_kind(command), ts)
+                if command.get("kind") == "save_checkpoint":
+                    self.saving.add(str(command["id"]))
         if kind == "checkpoint.plan" and isinstance(detail.get("tiers"), dict):
             self.tiers = [str(t) for t in detail["tiers"]]
         elif kind == "ranks.restoring":
@@ -408,7 +523,7 @@ class _Reader:
             slowest = max(tiers, key=lambda t: list(TIER_OF_LOAD.values()).index(t) if t in TIER_OF_LOAD else -1)
             night.restore_s.setdefault(slowest, []).append((ts - self.restoring) / NS)
         if kind in ("incident.closed", "job.failed", "job.cancelled", "job.completed"):
-            self.restoring, self.tiers = None, []
+            self.restoring, self.tiers, self.sigterm = None, [], None
         if kind in RECOVERY_DECISIONS:
             granularity = detail.get("granularity") if kind == "attempt.started" else None
             at = (ts - cluster.start) / NS if cluster.started else 0.0
@@ -449,5 +564,6 @@ def faults_of(cluster: RecordedCluster, durations: Durations) -> list[Fault]:
         faults.append(Fault(index=len(faults), at_ns=max(0, draft.at - cluster.start), component=draft.source,
                             signal=draft.signal, scope=draft.scope, position=draft.position or 0, device=draft.device,
                             code=draft.code, exit_code=draft.exit_code, exit_signal=draft.exit_signal,
+                            exits=tuple(draft.exits), dying=tuple(draft.dying), collective=draft.collective,
                             outage_ns=int(outage), repair_ns=int(max(repair, NS)), node=node))
     return faults

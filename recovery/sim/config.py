@@ -107,6 +107,9 @@ class Costs:
     storage_save_stall_s: float = 1.8
     dying_save_s: float | None = None
     """a dying checkpoint's whole save, when measured (`recovery-replay whatif` sets it from the log); None: `save_s`"""
+    storage_saved_s: float | None = None
+    """a persistent checkpoint's time from its step to `checkpoint.saved` (its stall and its upload), when measured
+    (`recovery-replay whatif` sets it from the log); None: the stall and `save_s` of every shard"""
     # executors that misbehave
     fail_probability: float = 0.01
     timeout_probability: float = 0.005

@@ -131,6 +131,18 @@ class FaultMix:
 
 # -- the faults of a run ------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
+class Collective:
+    """A collective that timed out as a recorded night's `network.collective_timeout` reported it: its group, its
+    members and those that reported (the others never joined), after `timeout_s`."""
+
+    group: str
+    members: tuple[int, ...]
+    reporters: tuple[int, ...]
+    operation: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Fault:
     """One fault: when, what, and where, as a position in the job's placement (so that the same fault strikes
     the same place of the job whichever nodes the policy has moved it to)."""
@@ -159,6 +171,17 @@ class Fault:
     """the fault strikes a device struck before: it does not happen once that device has been replaced"""
     slowdown: float = 1.0
     """a straggler: the node computes this many times slower for `repair_ns`, unless drained first"""
+    exits: tuple[int, ...] = ()
+    """a process fault's further ranks that exit with its status at its time (a platform's SIGTERM reaches every rank
+    of the job), as a recorded night shows them; empty: only the struck rank"""
+    dying: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """a process fault's dying checkpoint, written by the ranks' SIGTERM handlers as a recorded night shows it: per
+    `checkpoint.saved`, ns after the exit (one at or before it is sent just before the exits) and its shards, at the
+    step the job reached. Empty: nothing is saved (the cost model's processes crash)"""
+    collective: Collective | None = None
+    """a hang found by its peers' collective timeout as a recorded night reported it: the members that never joined
+    hang from the fault's time, and the timeout is reported as recorded `timeout_s` later. None: the cost model's
+    hang (the agent reports it, the peers time out after `Agents.collective_timeout_s`)"""
 
     @property
     def fault_class(self) -> str:

@@ -3,9 +3,12 @@ cluster emits for it (device probes, node agents, the platform)."""
 
 from __future__ import annotations
 
+from functools import partial
+
+from events.values import STORAGE_HOLDER, Tier
 from policies.codes import Action, nvidia_xid
 from recovery.sim.config import NS
-from recovery.sim.faults import FOLLOW_UPS, Fault
+from recovery.sim.faults import FOLLOW_UPS, Collective, Fault
 from recovery.sim.training import LINK, TrainingState
 
 
@@ -23,10 +26,17 @@ class FaultInjection(TrainingState):
         struck = any(n in self.placement for n in nodes) and not self.failed
         if fault.signal == "device":
             meaning = nvidia_xid(fault.code or "79")
+            if struck and self.training and meaning.action is Action.WATCH:
+                # The job trains on, but the engine counts a watched code (frequency escalation may act on it): it
+                # hears how far the job got first, as before any fault's events.
+                self._catch_up(self.step_now())
             struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
         if struck and fault.signal != "straggler":  # a straggler stops nothing: the job goes on, slower
             self._stop_training()
-            self._arm_collective_timeout()
+            if fault.collective is None:
+                self._arm_collective_timeout()
+            else:  # the recorded collective timeout (`_fault_hang`) is the one this stretch of training gets
+                self._ct_epoch = self._epoch
         getattr(self, f"_fault_{fault.signal}")(fault, node, nodes)
         return struck
 
@@ -78,9 +88,28 @@ class FaultInjection(TrainingState):
                 if rank not in self.dead:
                     self._exit(rank, 1, None)
             return
+        step = self.halted_step  # where the fault stopped the job: the SIGTERM handlers save that step
+        for after, shards in fault.dying:
+            if after <= 0:  # saved before the exits were reported
+                self._handler_save(step, shards)
         struck = self._rank_on(node, fault.device)
         if struck is not None and struck not in self.dead:
             self._exit(struck, fault.exit_code, fault.exit_signal)
+        for rank in fault.exits:
+            if rank < self.world_size and rank not in self.dead:
+                self._exit(rank, fault.exit_code, fault.exit_signal)
+        gen = self.generation
+        for after, shards in fault.dying:
+            if after > 0:
+                self.later(after, partial(self._handler_save, step, shards, gen))
+
+    def _handler_save(self, step: int, shards: tuple[int, ...], generation: int | None = None) -> None:
+        """The exiting ranks' SIGTERM handlers saved `shards` of `step` to shared storage (a dying checkpoint nobody
+        commanded), unless the job restarted or failed in between."""
+        if self.failed or (generation is not None and generation != self.generation):
+            return
+        self.job_event("checkpoint.saved", {"step": step, "tier": Tier.DYING, "holder": STORAGE_HOLDER,
+                                            "shards": list(shards)}, source="agent")
 
     def _fault_straggler(self, fault: Fault, node: str, _nodes: list[str]) -> None:
         """The node computes `slowdown` times slower (a throttled GPU, a host short of CPU) for the fault's
@@ -101,10 +130,17 @@ class FaultInjection(TrainingState):
         self.later(fault.repair_ns, ends)
 
     def _fault_hang(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        if fault.collective is not None:
+            self._collective_as_recorded(fault.collective)
+            return
         rank = self._rank_on(node, fault.device)
         if rank is None or rank in self.dead:
             return
         self.hung.add(rank)
+        self._report_hang(rank)
+
+    def _report_hang(self, rank: int) -> None:
+        """The rank's agent reports it hung once it made no progress for its watchdog's time, if still hung then."""
         gen = self.generation
         delay = self.cfg.agents.hang_detect_s
 
@@ -113,6 +149,25 @@ class FaultInjection(TrainingState):
                 self.job_event("process.hang", {"rank": rank, "seconds_without_progress": delay,
                                                 "attempt": gen}, source=f"agent@{self.node_of(rank)}")
         self.later(int(delay * NS), report)
+
+    def _collective_as_recorded(self, collective: Collective) -> None:
+        """A recorded collective timeout: the members that never joined hang (their agents report it as usual if
+        nothing restarts them first), and after the recorded timeout the reporters say so with the recorded group.
+        They do not abort: the recorded night's recovery (a retry, or a restart of the ranks that never joined) found
+        them running; an exit of theirs that the log shows is a fault of its own."""
+        for rank in collective.members:
+            if rank < self.world_size and rank not in collective.reporters and rank not in self.dead:
+                self.hung.add(rank)
+                self._report_hang(rank)
+        epoch, gen = self._epoch, self.generation
+
+        def timed_out() -> None:
+            if self._epoch == epoch and not self.failed:  # nothing restarted the job in between
+                self.job_event("network.collective_timeout", {
+                    "group": collective.group, "members": list(collective.members),
+                    "reporters": list(collective.reporters), "operation": collective.operation,
+                    "timeout_s": collective.timeout_s, "attempt": gen}, source="agent")
+        self.later(int(collective.timeout_s * NS), timed_out)
 
     def _fault_network(self, fault: Fault, node: str, nodes: list[str]) -> None:
         switch = self.hw[node].switch

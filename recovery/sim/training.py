@@ -109,6 +109,8 @@ class TrainingState:
         self.step_eff = self.base_eff
         """a step at the pace of the current stretch of training: slower while a straggler is in the placement"""
         self.storage_every = int(tr.storage_every_s * NS) if tr.storage_every_s else None
+        self.save_due: int | None = None
+        """when the stretch of training under way reaches its next persistent checkpoint"""
         # the job
         self.generation = 0
         self.dead: set[int] = set()
@@ -271,7 +273,8 @@ class TrainingState:
         if self.storage_every is not None:
             due = max(0, self.storage_every - self.storage_credit)
             steps = -(-due // self.step_eff)
-            self.sched.at(t + steps * self.step_eff, lambda: self._storage_save(token))
+            self.save_due = t + steps * self.step_eff
+            self.sched.at(self.save_due, lambda: self._storage_save(token))
 
     def _halt(self, t: int, final: bool = False) -> None:
         """Stop training at t and book it: new steps are productive, steps done again are recomputation, an
@@ -305,13 +308,19 @@ class TrainingState:
         step = self.halted_step
         stall = int(self.cfg.costs.storage_save_stall_s * NS)
         self.stalled = True
-        upload = int(self.cfg.costs.save_s(self.shards, self.shard_bytes) * NS)
+        costs = self.cfg.costs
+        measured = costs.storage_saved_s
+        after = (max(stall, int(measured * NS)) if measured is not None
+                 else stall + int(costs.save_s(self.shards, self.shard_bytes) * NS))
 
         def saved() -> None:
             if not self.failed:
                 self.job_event("checkpoint.saved", {"step": step, "tier": Tier.STORAGE, "holder": STORAGE_HOLDER,
                                                     "shards": list(range(self.shards))}, source="checkpointer")
-        self.later(stall + upload, saved)
+        if after == 0:
+            saved()  # saved at its step (as a recorded night can show it): before anything else at this instant
+        else:
+            self.later(after, saved)
         token2 = self._token
 
         def resume() -> None:
@@ -392,6 +401,11 @@ class TrainingState:
 
     def _stop_training(self) -> None:
         """Training stops now (a fault, or processes being stopped): book it and tell the engine how far it got."""
+        if self.training and self.save_due == self.sched.now:
+            # A stop at the very instant a persistent checkpoint is due comes after it: the step that ends now is
+            # complete, and its checkpoint staged (a recorded log has them in that order; faults are scheduled before
+            # the run, so at one instant they would otherwise go first).
+            self._storage_save(self._token)
         if self.training:
             step = self.step_now()
             self._halt(self.sched.now)
