@@ -190,3 +190,16 @@ def test_an_entry_out_of_bounds_drops_its_report_whichever_way_it_is_checked() -
     [message] = agg.messages(force=True)
     assert _data(message)["ranks"] == [{"rank": 1, "step": 4, "attempt": 0, "heard_s": 0.0, "loss": "nan",
                                         "loss_step": 4}]
+
+
+def test_ranks_that_name_much_data_for_their_losses_still_fit_each_record_under_the_limit() -> None:
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], 8, dp=16)
+    agg = ProgressSummaries(lambda: s.engine, 4.0, clock=Clock(), max_payload=16384)
+    names = [f"shard-{k:03d}/" + "x" * 110 for k in range(64)]  # MAX_SKIP names of 120 characters
+    for i in range(2):
+        agg.hear(*_report(f"n{i}", "j", [{"rank": 8 * i + r, "step": 3, "attempt": 0, "loss": 9.0, "loss_step": 3,
+                                          "skip": names} for r in range(8)]))
+    messages = agg.messages(force=True)
+    assert all(len(m.data) <= 16384 for m in messages) and len(messages) > 2
+    assert sorted(e["rank"] for m in messages for e in _data(m)["ranks"]) == list(range(16))  # type: ignore[union-attr]
