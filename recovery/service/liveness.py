@@ -37,6 +37,7 @@ from events.envelope import make_envelope
 from recovery.core.engine import Engine
 from recovery.core.job import Job
 from recovery.service.publisher import Outgoing
+from recovery.service.shared import SharedSubscription
 from recovery.service.summaries import ProgressSummaries
 
 logger = logging.getLogger("recovery.daemon")
@@ -80,8 +81,8 @@ class LivenessMonitor:
     def beat(self, node: str) -> None:
         self.heard[node] = self.clock()
 
-    async def _on_beat(self, msg: Any) -> None:
-        self.heard[msg.subject[len(_LIVE_PREFIX):]] = self.clock()
+    def _on_beat(self, subject: str, _data: bytes) -> None:
+        self.heard[subject[len(_LIVE_PREFIX):]] = self.clock()
 
     def messages(self) -> list[Outgoing]:
         """The facts due now: a `node.silent` for each live node of a watched job unheard past its bound, a
@@ -149,7 +150,8 @@ class LivenessMonitor:
             await self._watch(nc)
 
     async def _watch(self, nc: Client) -> None:
-        subscription = await nc.subscribe(subjects.LIVE, cb=self._on_beat)
+        shared = SharedSubscription.of(subjects.LIVE)  # one per process, however many partitions it serves
+        token = await shared.join(nc, self._on_beat)
         try:
             while True:
                 await anyio.sleep(self.period_s())  # the look's period
@@ -163,4 +165,4 @@ class LivenessMonitor:
                     self._pending.clear()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                await subscription.unsubscribe()
+                await shared.leave(token)

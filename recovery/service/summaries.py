@@ -36,6 +36,7 @@ from events.values import MAX_RANKS, MAX_SAFE_INT, MAX_SECONDS
 from policies.base import NS
 from recovery.core.engine import Engine
 from recovery.service.publisher import Outgoing
+from recovery.service.shared import SharedSubscription
 
 logger = logging.getLogger("recovery.daemon")
 
@@ -184,10 +185,8 @@ class ProgressSummaries:
         """Hear the reports and publish each period's summaries while the daemon may write, until cancelled."""
         self.max_payload = nc.max_payload or self.max_payload
 
-        async def on_report(msg: Any) -> None:
-            self.hear(msg.subject, msg.data)
-
-        subscription = await nc.subscribe(subjects.REPORTS, cb=on_report)
+        shared = SharedSubscription.of(subjects.REPORTS)  # one per process, however many partitions it serves
+        token = await shared.join(nc, self.hear)
         try:
             while True:
                 await anyio.sleep(self.tick_s())  # a look at which summaries are due
@@ -201,7 +200,7 @@ class ProgressSummaries:
                                    exc_info=True)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                await subscription.unsubscribe()
+                await shared.leave(token)
 
 
 _PLAIN = frozenset({"rank", "step", "attempt", "compute_s", "compute_steps"})

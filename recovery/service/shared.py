@@ -1,0 +1,79 @@
+"""One core-NATS subscription per process for what every partition's daemon hears: the nodes' live beats
+(`recovery.service.liveness`) and their periodic reports (`recovery.service.summaries`).
+
+With `partitions` > 1 a process runs one `Daemon` per partition it owns, each on its own connection. A subscription
+of each would have the fleet's every beat and report delivered once per partition, and a core-NATS message costs
+the client far more than the dictionary write a beat is: four partitions made four times the beats' cost. Here the
+first member subscribes, on its connection, and every message is handed to each member in the process; when that
+member leaves (its partition given up), the next one subscribes on its own. Members of different event loops (tests
+that run several daemons in one process, one after the other) never share one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from nats.aio.client import Client
+
+logger = logging.getLogger("recovery.daemon")
+
+Handler = Callable[[str, bytes], None]
+
+
+class SharedSubscription:
+    """The subscription of this event loop to `subject`, handed to every member's handler."""
+
+    _shared: ClassVar[dict[tuple[str, int], SharedSubscription]] = {}
+    _tokens = itertools.count(1)
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+        self.members: dict[int, tuple[Client, Handler]] = {}
+        self.subscription: Any = None
+        self.owner: int | None = None  # the member whose connection carries the subscription
+
+    @classmethod
+    def of(cls, subject: str) -> SharedSubscription:
+        key = (subject, id(asyncio.get_running_loop()))
+        shared = cls._shared.get(key)
+        if shared is None:
+            shared = cls._shared[key] = SharedSubscription(subject)
+        return shared
+
+    async def join(self, nc: Client, handler: Handler) -> int:
+        """Hear `subject` with `handler` from now on, until `leave`; a token for that."""
+        token = next(self._tokens)
+        self.members[token] = (nc, handler)
+        await self._subscribe()
+        return token
+
+    async def leave(self, token: int) -> None:
+        self.members.pop(token, None)
+        if token == self.owner:
+            subscription, self.subscription, self.owner = self.subscription, None, None
+            with contextlib.suppress(Exception):  # its connection may be closing with it
+                await subscription.unsubscribe()
+            await self._subscribe()
+        if not self.members:
+            self._shared.pop((self.subject, id(asyncio.get_running_loop())), None)
+
+    async def _subscribe(self) -> None:
+        for token, (nc, _) in list(self.members.items()):
+            if self.subscription is not None:
+                return
+            try:
+                self.subscription = await nc.subscribe(self.subject, cb=self._deliver)
+                self.owner = token
+                await nc.flush()  # the server has the interest before the member counts on it
+            except Exception:  # that connection is closed or closing: the next member's
+                logger.warning("could not subscribe to %s on a partition's connection", self.subject, exc_info=True)
+
+    async def _deliver(self, msg: Any) -> None:
+        subject, data = msg.subject, msg.data
+        for _, handler in list(self.members.values()):
+            handler(subject, data)
