@@ -179,6 +179,25 @@ async def test_an_agent_may_not_publish_a_timer_firing(secured: tuple[NatsServer
         await nc.close()
 
 
+async def test_an_agent_sends_its_own_reports_to_the_daemon_and_no_summary_and_no_other_nodes_reports(
+        secured: tuple[NatsServer, dict[str, dict[str, str]]]) -> None:
+    """`progress = "summary"`: an agent publishes its node's reports on core NATS; another node's, or a summary
+    (only the daemon writes those), the server refuses."""
+    _, roles = secured
+    errors: list[str] = []
+    nc = await connect_as(roles["agent-n1"], errors)
+    try:
+        await nc.publish(subjects.reports("n1"), b"{}")
+        await nc.flush()
+        await nc.publish(subjects.reports("n2"), b"{}")
+        await nc.publish(subjects.job_event("j", "progress.summary"), b"{}")
+        await nc.flush()
+        await async_wait_for(lambda: len(errors) >= 2, 5, "the server to refuse both")
+        assert len(errors) == 2 and "recovery.progress.n2" in errors[0] and "progress.summary" in errors[1], errors
+    finally:
+        await nc.close()
+
+
 async def test_an_agent_with_another_nodes_credentials_says_the_server_refuses_it(
         secured: tuple[NatsServer, dict[str, dict[str, str]]], daemon: Daemon, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
