@@ -210,3 +210,61 @@ def test_only_a_collective_that_timed_out_with_its_group_intact_is_a_timeout_to_
     assert not group.timed_out("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16781")
     group._aborted = True  # the watcher shut the group: a peer failed first, or a newer generation began
     assert not group.timed_out(timed_out)
+
+
+class _RacedJobStore:
+    """The job store (a real TCPStore, under a job's prefix) as one process sees it while another announces
+    `newer` right after this one first reads the generation: two replacements started by two faults a few
+    milliseconds apart. It serves no torch-store keys (a job store that writes none: only the announcement tells
+    the survivors which generation is the newest)."""
+
+    def __init__(self, newer: int) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from recovery.client.torch import GENERATION_KEY
+
+        self.key = GENERATION_KEY
+        self.master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=10))
+        self.inner = dist.PrefixStore("job-7/", self.master)
+        self.scoped = self  # what ProcessGroupRecovery reads and writes: the SDK's keys under the run id
+        self.newer: int | None = newer
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.inner.check(keys))
+
+    def get(self, key: str) -> bytes:
+        value = bytes(self.inner.get(key))
+        if key == self.key and self.newer is not None:
+            self.inner.set(key, str(self.newer))  # the other process's announcement lands after this read
+            self.newer = None
+        return value
+
+    def set(self, key: str, value: str) -> None:
+        self.inner.set(key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return bytes(self.inner.compare_set(key, expected, desired))
+
+    def torch_store_asked(self, generation: int) -> bool:
+        return False
+
+
+def test_a_process_of_an_abandoned_generation_never_hides_the_newer_one_it_announces_beside() -> None:
+    pytest.importorskip("torch")
+    from recovery.client.torch import ProcessGroupRecovery
+
+    store = _RacedJobStore(newer=2)
+    store.set(store.key, "0")
+    started_in_1 = ProcessGroupRecovery.__new__(ProcessGroupRecovery)  # the first fault's replacement
+    started_in_1.client, started_in_1._store = Client(None, rank=2, generation=1), store
+    started_in_1._announce(1)
+    survivor = ProcessGroupRecovery.__new__(ProcessGroupRecovery)
+    survivor.client, survivor._store = Client(None, rank=0, generation=0), store
+    # The survivor moves on to generation 2, where the second fault's replacement waits, not to the abandoned 1.
+    assert store.check([store.key]) and int(store.inner.get(store.key)) == 2
+    assert survivor.newest() == 2
+    started_in_1._announce(1)  # said again: still no step back
+    assert survivor.newest() == 2

@@ -245,9 +245,18 @@ class ProcessGroupRecovery:
         """Join the process group of the client's generation, announcing the generation if it is new; if a newer
         one is decided before every rank has arrived (a second fault during a recovery), join that one instead."""
         generation = self.client.generation
-        if self._announced() < generation:
-            self.store.set(GENERATION_KEY, str(generation))
+        self._announce(generation)
         self._join(generation, time.monotonic() + self.wait_for_generation_s, survivor=False)
+
+    def _announce(self, generation: int) -> None:
+        """Announce `generation` unless a newer one is announced already, atomically: two faults a few milliseconds
+        apart start their replacements together, each in its own generation, and a read then a write let the older
+        one's process overwrite the newer announcement. Survivors would then see the older generation as the
+        newest (where the job store writes no torch-store keys to tell them better) and wait in the one the engine
+        abandoned, for a rank whose replacement waits in the newer one."""
+        seen = self.store.get(GENERATION_KEY).decode() if self.store.check([GENERATION_KEY]) else ""
+        while not seen or int(seen) < generation:  # the store's compare-and-set answers what it holds now
+            seen = self.store.compare_set(GENERATION_KEY, seen, str(generation)).decode()
 
     def check(self) -> None:
         """At a step boundary, before the step's collectives: raise `GenerationChanged` if a newer generation was
