@@ -180,3 +180,34 @@ def test_the_fold_keeps_each_ranks_worst_loss_and_sends_a_bad_one_at_once() -> N
     assert (wire_loss(float("nan")), wire_loss(float("-inf")), wire_loss(3), wire_loss("x"), wire_loss(True)) == (
         "nan", "-inf", 3.0, None, None)
     assert wire_skip(["a", 7, "", "x" * 129, "b\n", None]) == ["a", "7"] and wire_skip("a") is None
+
+
+def test_the_agent_says_a_closing_rank_lives_until_its_process_ends() -> None:
+    """A rank whose script said it is done sends nothing more while its process ends (a final save, torch's
+    teardown): its agent's report says it lives each period, and says nothing of a rank that is not closing."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from recovery.agent.relay import Relay
+
+    class Agent(Relay):
+        def __init__(self) -> None:
+            closing, training = SimpleNamespace(alive=True, closing=True), SimpleNamespace(alive=True, closing=False)
+            self.jobs = {"j": SimpleNamespace(processes={1: closing, 2: training}, nodes=["n0"])}  # type: ignore[dict-item]
+            self.progress = ProgressFold()
+            self.sent: list[dict[str, Any]] = []
+
+        def publish(self, job: str, type_: str, data: Any, event_id: str | None, heartbeat: bool) -> None:
+            self.sent.append(data)
+
+    agent = Agent()
+    for rank in (1, 2):
+        agent.progress.note("j", rank, 7, 3)
+    agent.flush("j")
+    agent._closing_alive()
+    agent.flush("j")
+    assert agent.sent[-1] == {"ranks": [{"rank": 1, "step": None, "attempt": 3}]}, agent.sent
+    agent.jobs["j"].processes[1].alive = False  # type: ignore[attr-defined]  # its process ended
+    agent._closing_alive()
+    agent.flush("j")
+    assert len(agent.sent) == 2, "nothing said for a rank whose process ended"

@@ -203,3 +203,19 @@ def test_ranks_that_name_much_data_for_their_losses_still_fit_each_record_under_
     messages = agg.messages(force=True)
     assert all(len(m.data) <= 16384 for m in messages) and len(messages) > 2
     assert sorted(e["rank"] for m in messages for e in _data(m)["ranks"]) == list(range(16))  # type: ignore[union-attr]
+
+
+def test_a_rank_whose_script_ended_is_not_silent_while_the_others_finish() -> None:
+    """Rank 0 exited 0 (its script's end) while the others take longer to end (they are heard): its silence since is
+    no hang, and the job completes without an incident."""
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], 2, dp=4, policies={"detection": {"name": "default", "params": {
+        "hang_min_silence_s": 5}}})
+    s.train("j", 3)
+    s.job_event("j", "process.exited", rank=0, exit_code=0, attempt=0)
+    s.idle("j", 12, ranks=[1, 2, 3])  # the others are heard, their scripts ending
+    assert not s.find("fault.confirmed", "j"), s.kinds("j")
+    for rank in (1, 2, 3):
+        s.job_event("j", "process.exited", rank=rank, exit_code=0, attempt=0)
+    s.job_event("j", "job.completed")
+    assert s.state("j") == "completed" and not s.find("incident.opened", "j")

@@ -170,6 +170,10 @@ async def test_every_command_reads_a_stopped_runs_data_directory_and_stops_the_s
     report = await asyncio.to_thread(cli, "report", str(data), "--json")
     assert report.returncode == 0, report.stderr
     assert orjson.loads(report.stdout)["summary"]["incidents"] == expected["summary"]["incidents"]
+    # a nats-server's own store directory (`-sd`, a platform's server or a test's) is read as well
+    store = await asyncio.to_thread(cli, "report", str(data / "daemon" / "jetstream"), "--json")
+    assert store.returncode == 0, store.stderr
+    assert orjson.loads(store.stdout)["summary"]["incidents"] == expected["summary"]["incidents"]
     for args in (("run", str(data)), ("timeline", str(data / "daemon"), "--job", "llm"), ("verify", str(data)),
                  ("export", str(data), "-o", str(tmp_path / "run.jsonl")),
                  ("diff", str(data), str(tmp_path / "run.jsonl")),

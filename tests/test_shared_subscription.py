@@ -18,14 +18,14 @@ async def test_one_subscription_for_every_member_and_it_moves_when_its_member_le
                   for nc, mine in zip(connections, heard, strict=True)]
         assert SharedSubscription.of("t.beat.*") is shared
         assert shared.owner == tokens[0]
-        subscriptions = [len(nc._subs) for nc in connections]  # noqa: SLF001 - how many the server delivers to
+        subscriptions = [len(nc._subs) for nc in connections]  # how many the server delivers to
         assert subscriptions == [1, 0, 0]
         sender = connections[2]
         await sender.publish("t.beat.n0", b"")
         await sender.flush()
         await wait_until(lambda: all(h == ["t.beat.n0"] for h in heard), 10, "every member to hear the beat")
         await shared.leave(tokens[0])  # the carrier's partition is given up: the next member carries it
-        assert shared.owner == tokens[1] and len(connections[1]._subs) == 1  # noqa: SLF001
+        assert shared.owner == tokens[1] and len(connections[1]._subs) == 1
         await sender.publish("t.beat.n1", b"")
         await sender.flush()
         await wait_until(lambda: heard[1][-1:] == ["t.beat.n1"] and heard[2][-1:] == ["t.beat.n1"], 10,

@@ -59,6 +59,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
                                  {"rank": 2, "error": "py-spy: permission denied"}], "command_id": "j:7:1",
                        "tool": "py-spy"},
     "progress.report": {"ranks": [{"rank": 3, "step": 7, "attempt": 1}, {"rank": 2, "step": None, "attempt": 1}]},
+    "progress.summary": {"ranks": [{"rank": 3, "step": 7, "attempt": 1, "heard_s": 0.5, "compute_s": 0.25,
+                                    "compute_steps": 4}], "period_s": 10.0},
     "network.link_down": {"link": "mlx5_0", "switch": "leaf-3"},
     "network.link_up": {"link": "mlx5_0"},
     "network.nic_errors": {"link": "mlx5_0", "errors": 120},

@@ -75,6 +75,7 @@ class Relay:
         while True:
             await anyio.sleep(self.cfg.report_s)  # the period of the reports
             now = time.monotonic()
+            self._closing_alive()
             for job in self.progress.jobs():
                 # A tick early still counts: the ticks drift, and a period of 2 ticks must not become 3.
                 if now - flushed.get(job, -1e18) >= self.report_period(job) - self.cfg.report_s / 2:
@@ -93,6 +94,17 @@ class Relay:
                         logger.warning("rank %d of %s silent for %.1f s: reported hung", rank, job_id, seconds)
                         self.job_event(job_id, "process.hang", {"rank": rank, "attempt": proc.attempt,
                                                                 "seconds_without_progress": round(seconds, 3)})
+
+    def _closing_alive(self) -> None:
+        """A rank whose script said it is done (`closing`) sends nothing more, yet its process may take seconds to
+        end (a final save, torch's teardown on a loaded host): the agent says it lives, as its heartbeat would, until
+        it exits, so that the engine never takes a finished rank for a hung one."""
+        for job_id, job in self.jobs.items():
+            for rank, proc in job.processes.items():
+                if proc.alive and proc.closing:
+                    said = self.progress.known.get((job_id, rank))
+                    if said is not None:
+                        self.progress.note(job_id, rank, None, said[0])
 
     def _progress(self, job_id: str, rank: int, step: int | None, attempt: int, compute_s: float | None = None,
                   loss: float | str | None = None, skip: list[str] | None = None) -> None:

@@ -392,7 +392,13 @@ class Detection:
         agents = self.cluster.nodes
         world = job.world
         # Columns copied at C speed (a 131,072-rank job is checked every few seconds); a rank's own slot only.
-        columns = RankColumns(tuple(job.last_seen[:world]), tuple(job.last_progress[:world]), tuple(job.steps[:world]),
+        seen = tuple(job.last_seen[:world])
+        alive = job.alive[:world]
+        if not recovering and 0 in alive:
+            # A rank whose process ended outside a recovery ended without a fault (its script's own end, exit 0):
+            # done, not silent. The others may take seconds more to end, and none of them is a hang for it.
+            seen = tuple(at if r >= len(alive) or alive[r] else out.ts for r, at in enumerate(seen))
+        columns = RankColumns(seen, tuple(job.last_progress[:world]), tuple(job.steps[:world]),
                               tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]))
         view = WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn,
                             tuple(agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes), job.sdk,

@@ -92,6 +92,8 @@ def served(path: Path, stream: str) -> Iterator[str]:
         yield live
         return
     store = directory / STORE
+    if not (store / STORE).is_dir() and any(store.glob("*/streams")):
+        store = directory  # a nats-server's own store directory (its `-sd`, as a platform's server keeps it)
     if not store.is_dir():
         raise NoLogHere(f"{directory}: its daemon kept no log here (it used a NATS server of the platform's, "
                         f"--nats-url): give --nats URL")
