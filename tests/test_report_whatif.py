@@ -128,14 +128,14 @@ def test_whatif_of_a_partitioned_log_gives_the_job_only_its_partitions_spares() 
 # -- the recorded policies, simulated, reproduce the recorded night -------------------------------------------------
 NOT_REPRODUCIBLE = {
     "bad_step_rollback": ("fault.confirmed on progress.report", "the loss spike is in the ranks' own reports"),
-    "double_fault_carries_restart": ("the recorded executors failed", "a restart the executor failed"),
+    "double_fault_carries_restart": ("restart loop", "the simulated executor refuses a superseded restart while "
+                                                     "a rank of the next attempt is down, where the recorded one "
+                                                     "carried it out"),
     "elastic_keeps_survivors": ("on a timer", "the host was found by its silence, which no fault stands for"),
     "elastic_scale": ("operator.scale", "an operator scaled the job"),
     "elastic_wait": ("on a timer", "the host was found by its silence"),
     "lemon_isolated_with_spare": ("other jobs shared the cluster", "two jobs; the first completes at once"),
     "memory_checkpoint_lost": ("on a timer", "the host was found by its silence"),
-    "recover_in_place_fallback": ("the recorded executors failed", "the in-place restart failed, the move timed out"),
-    "reset_fails_then_moves": ("the recorded executors failed", "the GPU reset failed"),
     "retry_fails_then_in_place": ("process.collective_failed", "a failed collective: no simulated fault makes one"),
     "retry_new_generation": ("process.collective_failed", "a failed collective"),
     "stock_script_restarts_whole": ("the job reported no steps", "a stock script: the step time is assumed"),
@@ -206,10 +206,35 @@ def test_whatif_cli_without_a_policy_says_whether_the_log_is_reproduced(capsys: 
     assert main(["whatif", str(GOLDEN / "pod_level_reschedule.jsonl"), "--tail-s", "60"]) == 0
     out = capsys.readouterr().out
     assert "reproduced: the recorded policies, simulated, repeat the log's" in out
-    assert main(["whatif", str(GOLDEN / "recover_in_place_fallback.jsonl"), "--tail-s", "60"]) == 0
+    assert main(["whatif", str(GOLDEN / "lemon_isolated_with_spare.jsonl"), "--tail-s", "60"]) == 0
     out = capsys.readouterr().out
-    assert "NOT reproduced" in out and "the recorded executors failed" in out
+    assert "NOT reproduced" in out and "other jobs shared the cluster" in out
     assert "compare the simulated columns with each other" in out
+
+
+def test_a_recorded_executor_failure_is_replayed_for_the_command_of_its_kind_and_order(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """recover_in_place_fallback: the executor fails the in-place restart at once ("CUDA context creation failed")
+    and never answers the move, whose attempt times out 300 s later. The simulated executors answer the first
+    restart_ranks and the first migrate_ranks the same way, so the ladder climbs to the job-level restart as
+    recorded; under torchelastic-like, which sends neither, nothing fails."""
+    result = whatif(GOLDEN / "recover_in_place_fallback.jsonl", [], keep_logs=tmp_path, tail_s=60)
+    assert result["reproduction"]["reproduced"]
+    assert result["inputs"]["executors"] == ["restart_ranks #1 failed after 0 s (CUDA context creation failed)",
+                                             "migrate_ranks #1 never answered"]
+    records = [r["envelope"] for r in iter_file(tmp_path / "recorded-policies.jsonl")]
+    [failed] = [e["data"] for e in records if e["type"] == "command.ack" and e["data"]["status"] == "failed"]
+    assert failed["reason"] == "CUDA context creation failed"
+    other = whatif(GOLDEN / "recover_in_place_fallback.jsonl", ["rescheduling=torchelastic-like-rescheduling"],
+                   tail_s=60)
+    assert set(other["simulated"]["what-if"]["restarts"]) == {"restart_job"}
+    assert "failed" not in other["simulated"]["what-if"]["restarts"]["restart_job"]
+    # reset_fails_then_moves: the failed reset's result names the recorded node, which the simulated engine knows by
+    # its simulated name; and the spare that joins 60 s later joins the simulated pool then
+    reset = whatif(GOLDEN / "reset_fails_then_moves.jsonl", [], tail_s=60)
+    assert reset["reproduction"]["reproduced"] and reset["inputs"]["kept"]["node.joined"] == 1
+    assert main(["whatif", str(GOLDEN / "recover_in_place_fallback.jsonl"), "--tail-s", "60"]) == 0
+    assert "the recorded executors' answers: restart_ranks #1 failed" in capsys.readouterr().out
 
 
 def test_a_recorded_sigterm_is_replayed_with_the_dying_checkpoint_its_handlers_saved(tmp_path: Path) -> None:

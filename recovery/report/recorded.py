@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recovery.report.source import RawDict
+from recovery.sim.answers import FAILED, SILENT, RecordedAnswer, answer_kind
 from recovery.sim.config import NS, Agents, Durations
 from recovery.sim.faults import FOLLOW_UPS, Collective, Fault
 
@@ -98,6 +99,8 @@ class Night:
     collective_timeout_s: list[float] = field(default_factory=list)
     failed_commands: list[str] = field(default_factory=list)
     """commands the recorded executors failed or never answered (the simulated ones never fail unless asked)"""
+    answers: list[RecordedAnswer] = field(default_factory=list)
+    """the same, by command kind and order: replayed for the simulated engine's commands"""
     operator: list[str] = field(default_factory=list)
     """operator commands and job ends the scheduler reported: decisions of people, not faults"""
     unmatched_signals: list[str] = field(default_factory=list)
@@ -165,8 +168,11 @@ class _Reader:
         """records kept as faults, or as the echo of one the simulator re-creates (a crash after its XID)"""
         self.inputs: dict[int, str] = {}
         """recent input records by sequence: what an incident-opening decision's cause was"""
-        self.commands: dict[str, tuple[str, int]] = {}
-        """command id -> (kind, when decided)"""
+        self.commands: dict[str, tuple[str, int, int]] = {}
+        """command id -> (kind, when decided, its order among the commands of its kind), while unanswered"""
+        self.issued: dict[str, int] = {}
+        self.accepted: dict[str, float] = {}
+        """command id -> seconds from its decision to its accepted ack, until it is done"""
         self.tiers: list[str] = []
         """the current incident's checkpoint plan: the tiers its ranks load from"""
         self.restoring: int | None = None
@@ -273,6 +279,12 @@ class _Reader:
                 at = max(cluster.start, ts - int(self.agents.node_not_ready_s * NS))
                 self.fault(Draft(at, "node", "node", f"node.not_ready (seq {record['seq']})"), node, kind,
                            record["seq"])
+        elif kind == "node.joined" and node is not None and data.get("spare") and node not in self.joined \
+                and node not in self.placement:  # a spare new to the cluster: the simulated one joins it then
+            self.joined[node] = True
+            cluster.spares.append(node)
+            cluster.drafts.append(Draft(ts, "join", "node", f"{kind} (seq {record['seq']})", node=node))
+            self.count("kept", kind)
         elif kind in ("node.ready", "node.joined") and node is not None:
             self.back(node, ts, None)
             self.count("resimulated", kind)
@@ -327,17 +339,23 @@ class _Reader:
         issued = self.commands.get(str(data.get("command_id")))
         if issued is None:
             return
-        kind, at = issued
+        kind, at, nth = issued
         status = data.get("status")
         if status in ("done", "failed"):
             self.saving.discard(str(data.get("command_id")))
-        if status == "accepted":
-            self.night.ack_s.append((ts - at) / NS)
+            del self.commands[str(data.get("command_id"))]
+        if status == "accepted":  # the executors' latency once the command is done: a failure replays its own
+            self.accepted[str(data.get("command_id"))] = (ts - at) / NS
         elif status == "done":
             self.night.command_s.setdefault(kind, []).append((ts - at) / NS)
+            if str(data.get("command_id")) in self.accepted:
+                self.night.ack_s.append(self.accepted.pop(str(data.get("command_id"))))
         elif status == "failed":
             reason = str(data.get("reason") or "")
             self.night.failed_commands.append(f"{kind.split(':')[0]} failed" + (f": {reason}" if reason else ""))
+            result = data.get("result") if isinstance(data.get("result"), dict) else {}
+            self.night.answers.append(RecordedAnswer(kind, nth, FAILED, round((ts - at) / NS, 9), reason,
+                                                     tuple(sorted(result.items()))))
 
     def device_fault(self, node: str, data: dict[str, Any], ts: int, seq: int) -> None:
         device, code = int(data.get("device", 0)), str(data.get("code", ""))
@@ -509,7 +527,10 @@ class _Reader:
         night = cluster.night
         for command in d.get("commands") or []:
             if isinstance(command, dict) and "id" in command:
-                self.commands[str(command["id"])] = (_command_kind(command), ts)
+                ckind = answer_kind(str(command.get("kind", "?")), command.get("mode"),
+                                    bool(command.get("reset_devices")))
+                self.issued[ckind] = self.issued.get(ckind, 0) + 1
+                self.commands[str(command["id"])] = (ckind, ts, self.issued[ckind])
                 if command.get("kind") == "save_checkpoint":
                     self.saving.add(str(command["id"]))
         if kind == "checkpoint.plan" and isinstance(detail.get("tiers"), dict):
@@ -518,6 +539,10 @@ class _Reader:
             self.restoring = ts
         elif kind == "attempt.timed_out":
             night.failed_commands.append(f"attempt {detail.get('attempt', '?')} timed out: an executor never answered")
+            # the commands still unanswered at the deadline are those the executors ignored
+            night.answers += [RecordedAnswer(k, nth, SILENT) for k, _, nth in self.commands.values()
+                              if k not in ("save_checkpoint", "dump_stacks")]  # neither is what an attempt awaits
+            self.commands = {}
         if kind == "incident.closed" and self.restoring is not None:
             tiers = [TIER_OF_LOAD.get(t, "storage") for t in self.tiers] or ["none"]
             slowest = max(tiers, key=lambda t: list(TIER_OF_LOAD.values()).index(t) if t in TIER_OF_LOAD else -1)
@@ -529,16 +554,6 @@ class _Reader:
             at = (ts - cluster.start) / NS if cluster.started else 0.0
             night.decisions.append(RecoveryDecision(kind, round(at, 3), None if granularity is None
                                                     else str(granularity)))
-
-
-def _command_kind(command: dict[str, Any]) -> str:
-    """The command's kind as the simulator's cost model tells them apart."""
-    kind = str(command.get("kind", "?"))
-    if kind == "stop_ranks":
-        return f"stop_ranks:{command.get('mode', 'kill')}"
-    if kind == "restart_ranks" and command.get("reset_devices"):
-        return "restart_ranks:reset"
-    return kind
 
 
 def read_recorded(records: Iterable[RawDict], job: str | None = None, agents: Agents | None = None

@@ -314,6 +314,9 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                            f"are not simulated", style="yellow"))
     console.print(Text(f"kept from the log ({inputs['faults']} faults): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["kept"].items())))
+    if inputs.get("executors"):
+        console.print(Text("replayed from the log, for the simulated commands of the same kind and order, the "
+                           "recorded executors' answers: " + "; ".join(inputs["executors"])))
     console.print(Text("re-simulated (answers to the recorded decisions, training, timers): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["resimulated"].items()), style="dim"))
     measured = [f"{k} {v['value']}" for k, v in result["calibration"].items() if v["from"] == "measured"]

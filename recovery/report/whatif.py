@@ -36,6 +36,7 @@ from recovery.report.recorded import RecordedCluster, RecoveryDecision, faults_o
 from recovery.report.source import iter_file
 from recovery.sim.__main__ import parse_policy
 from recovery.sim.accounting import Result
+from recovery.sim.answers import RecordedAnswer
 from recovery.sim.config import DAY_S, NS, Agents, Cluster, Costs, Profile, SimConfig, Training
 from recovery.sim.faults import Fault
 from recovery.sim.sim import Simulator
@@ -86,8 +87,17 @@ def config_for(cluster: RecordedCluster, selection: PolicySelection, model_param
                                        spare_nodes=len(cluster.spares)),
                        training=training, costs=calibration.costs, agents=calibration.agents,
                        profile=Profile("recorded", selection, memory_tier=memory is not None),
-                       days=(max(cluster.end - cluster.start, NS) / NS + tail_s) / DAY_S, job=cluster.job)
+                       days=(max(cluster.end - cluster.start, NS) / NS + tail_s) / DAY_S, job=cluster.job,
+                       joining=tuple(f"n{len(cluster.nodes) + cluster.spares.index(d.node):05d}"
+                                     for d in cluster.drafts if d.signal == "join" and d.node in cluster.spares),
+                       answers=tuple(_sim_names(a, cluster) for a in cluster.night.answers))
     return config, calibration
+
+
+def _sim_names(answer: RecordedAnswer, cluster: RecordedCluster) -> RecordedAnswer:
+    """`answer` with the recorded nodes its result names (a failed reset's node) as the simulator's."""
+    names = {name: f"n{i:05d}" for i, name in enumerate(cluster.nodes + cluster.spares)}
+    return replace(answer, result=tuple((k, names.get(v, v) if isinstance(v, str) else v) for k, v in answer.result))
 
 
 def _every(steps: list[int]) -> int | None:
@@ -180,8 +190,7 @@ def reproduction(cluster: RecordedCluster, simulated: list[RecoveryDecision], re
         x, y = rec_mttr.get(cls, {}).get("p50_s"), sim_mttr.get(cls, {}).get("p50_s")
         mttr[cls] = {"recorded_p50_s": x, "simulated_p50_s": y,
                      "within_tolerance": x is not None and y is not None and abs(x - y) <= tolerance_s}
-    not_recreated = ([f"the recorded executors failed: {w}" for w in night.failed_commands]
-                     + [f"a person or the scheduler decided: {w}" for w in night.operator]
+    not_recreated = ([f"a person or the scheduler decided: {w}" for w in night.operator]
                      + [f"a fault signal the what-if does not replay: {w}" for w in night.unmatched_signals]
                      + ([f"other jobs shared the cluster: {', '.join(sorted(cluster.other_jobs))}"]
                         if cluster.other_jobs else [])
@@ -280,6 +289,7 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
         "assumed": calibration.assumed,
         "other_jobs": sorted(cluster.other_jobs),
         "inputs": {"faults": len(faults), "kept": dict(sorted(cluster.kept.items())),
+                   "executors": [a.label for a in cluster.night.answers],
                    "resimulated": dict(sorted(cluster.resimulated.items())),
                    "fault_list": [{"at_s": round(f.at_ns / NS, 3), "signal": f.signal, "from": f.component}
                                   for f in faults[:200]]},

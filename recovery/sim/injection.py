@@ -23,7 +23,7 @@ class FaultInjection(TrainingState):
         hw = self.hw[node]
         switch = fault.signal == "network" and fault.scope == "switch"
         nodes = list(self.by_switch[hw.switch]) if switch else [node]
-        struck = any(n in self.placement for n in nodes) and not self.failed
+        struck = any(n in self.placement for n in nodes) and not self.failed and fault.signal != "join"
         if fault.signal == "device":
             meaning = nvidia_xid(fault.code or "79")
             if struck and self.training and meaning.action is Action.WATCH:
@@ -168,6 +168,11 @@ class FaultInjection(TrainingState):
                     "reporters": list(collective.reporters), "operation": collective.operation,
                     "timeout_s": collective.timeout_s, "attempt": gen}, source="agent")
         self.later(int(collective.timeout_s * NS), timed_out)
+
+    def _fault_join(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        """Not a fault: a spare joins the pool at the time a recorded night shows (a node added, or back from repair
+        under another name)."""
+        self.node_event(node, "node.joined", {"spare": True, "devices": self.rpn}, source="scheduler")
 
     def _fault_network(self, fault: Fault, node: str, nodes: list[str]) -> None:
         switch = self.hw[node].switch

@@ -138,6 +138,8 @@ class TrainingState:
         self._epoch = 0
         self._ct_epoch: int | None = None
         self.inflight: dict[str, tuple[int, frozenset[int]]] = {}
+        self.issued: dict[str, int] = {}
+        """commands sent so far, by `recovery.sim.answers.answer_kind`: which recorded answer is whose"""
         """restart commands under way: id -> (generation, ranks)"""
         self.restarted: set[int] = set()
         self.plan: ResumePlan | None = None
@@ -216,6 +218,8 @@ class TrainingState:
         for name in self.placement:
             self.node_event(name, "node.joined", {"spare": False, "devices": self.rpn}, source="scheduler")
         for name in self.initial_spares:
+            if name in self.cfg.joining:  # it joins later, when its `join` fault comes
+                continue
             self.node_event(name, "node.joined", {"spare": True, "devices": self.rpn}, source="scheduler")
         self.job_event("job.submitted", {"spec": self.spec().model_dump()}, source="scheduler")
         self.job_event("checkpoint.saved", {"step": 0, "tier": Tier.STORAGE, "holder": STORAGE_HOLDER,
