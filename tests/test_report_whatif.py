@@ -136,8 +136,6 @@ NOT_REPRODUCIBLE = {
     "elastic_wait": ("on a timer", "the host was found by its silence"),
     "lemon_isolated_with_spare": ("other jobs shared the cluster", "two jobs; the first completes at once"),
     "memory_checkpoint_lost": ("on a timer", "the host was found by its silence"),
-    "retry_fails_then_in_place": ("process.collective_failed", "a failed collective: no simulated fault makes one"),
-    "retry_new_generation": ("process.collective_failed", "a failed collective"),
     "stock_script_restarts_whole": ("the job reported no steps", "a stock script: the step time is assumed"),
     "straggler_drained": ("node.drain_planned on a timer", "a straggler found by the ranks' compute times"),
     "wait_ends_on_rejoin": ("on a timer", "the host was found by its silence; its death time is assumed"),
@@ -287,3 +285,23 @@ def test_whatif_times_persistent_checkpoints_from_the_log() -> None:
     assert partial["storage_save_stall_s"]["value"] == 0.0 and partial["storage_save_stall_s"]["from"] == "assumed"
     stock = whatif(GOLDEN / "stock_script_restarts_whole.jsonl", [], tail_s=60)["calibration"]
     assert stock["storage_saved_s"]["from"] == "assumed"
+
+
+def test_a_recorded_collective_failure_is_replayed_with_its_retry_failing_again(tmp_path: Path) -> None:
+    """retry_fails_then_in_place: rank 0's allreduce of step 11 times out with every rank alive (generation 0); the
+    retry forms generation 1, whose step 11 times out again on rank 2 five seconds later. Both reports are one
+    failure: the simulated retry of generation 1 does not get past the step, its rank says so, and the ladder restarts
+    every rank in place, as recorded. retry_new_generation: two ranks report generation 0's failure at once; the retry
+    trains on."""
+    [fault] = faults_of(read_recorded(iter_file(GOLDEN / "retry_fails_then_in_place.jsonl")), Durations())
+    assert fault.signal == "collective" and fault.failed_collective is not None
+    assert fault.at_ns == 10 * NS and fault.failed_collective.reports == ((0, 5 * NS, 0), (2, 10 * NS, 1))
+    result = whatif(GOLDEN / "retry_fails_then_in_place.jsonl", [], keep_logs=tmp_path, tail_s=60)
+    assert result["reproduction"]["reproduced"]
+    records = [r["envelope"] for r in iter_file(tmp_path / "recorded-policies.jsonl")]
+    reports = [(e["data"]["rank"], e["data"]["step"], e["data"]["attempt"]) for e in records
+               if e["type"] == "process.collective_failed"]
+    assert reports == [(0, 11, 0), (2, 11, 1)]
+    [again] = faults_of(read_recorded(iter_file(GOLDEN / "retry_new_generation.jsonl")), Durations())
+    assert again.failed_collective is not None and again.failed_collective.reports == ((1, 5 * NS, 0), (3, 5 * NS, 0))
+    assert whatif(GOLDEN / "retry_new_generation.jsonl", [], tail_s=60)["reproduction"]["reproduced"]

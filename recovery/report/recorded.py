@@ -14,15 +14,17 @@ reproduce the night.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
+from recovery.report.night import Draft, Night, RecordedCluster, RecoveryDecision, faults_of, median
 from recovery.report.source import RawDict
 from recovery.sim.answers import FAILED, SILENT, RecordedAnswer, answer_kind
-from recovery.sim.config import NS, Agents, Durations
-from recovery.sim.faults import FOLLOW_UPS, Collective, Fault
+from recovery.sim.config import NS, Agents
+from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure
+
+__all__ = ["Draft", "Night", "RecordedCluster", "RecoveryDecision", "faults_of", "median", "read_recorded"]
 
 SIGNAL_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added", "fault.suspected",
                               "fault.absorbed"})
@@ -47,97 +49,6 @@ RECOVERY_DECISIONS = frozenset({"attempt.started", "attempt.failed", "attempt.ti
 the job's recoveries and end"""
 TIER_OF_LOAD = {"memory": "memory", "peer": "peer", "local": "local", "dying": "storage", "storage": "storage"}
 """the simulator's cost of loading from each recorded tier (a dying checkpoint is read from shared storage)"""
-
-
-@dataclass
-class Draft:
-    """A fault being read: its repair or outage is known only when the log says the hardware came back."""
-
-    at: int
-    signal: str
-    scope: str
-    source: str
-    position: int | None = None
-    node: str | None = None
-    device: int = 0
-    code: str | None = None
-    exit_code: int | None = None
-    exit_signal: int | None = None
-    back: int | None = None
-    exits: list[int] = field(default_factory=list)
-    """further ranks stopped by the same SIGTERM"""
-    dying: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
-    """the SIGTERM handlers' dying checkpoints: ns after the exit (negative: before it), shards"""
-    collective: Collective | None = None
-
-
-@dataclass(frozen=True)
-class RecoveryDecision:
-    """One recorded recovery decision: its kind, the attempt's granularity, and when (s since the job started)."""
-
-    kind: str
-    at_s: float
-    granularity: str | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind} {self.granularity}" if self.granularity else self.kind
-
-
-@dataclass
-class Night:
-    """What the recorded night did beyond its faults: the figures the simulator is set to, and what it cannot
-    re-create."""
-
-    command_s: dict[str, list[float]] = field(default_factory=dict)
-    """command kind (`stop_ranks:kill`, `restart_ranks:reset`, ...) -> seconds from the decision to its done ack"""
-    ack_s: list[float] = field(default_factory=list)
-    """seconds from a decision to its command's accepted ack"""
-    restore_s: dict[str, list[float]] = field(default_factory=dict)
-    """the slowest tier of a restore -> seconds from `ranks.restoring` to the incident's close"""
-    hang_detect_s: list[float] = field(default_factory=list)
-    collective_timeout_s: list[float] = field(default_factory=list)
-    failed_commands: list[str] = field(default_factory=list)
-    """commands the recorded executors failed or never answered (the simulated ones never fail unless asked)"""
-    answers: list[RecordedAnswer] = field(default_factory=list)
-    """the same, by command kind and order: replayed for the simulated engine's commands"""
-    operator: list[str] = field(default_factory=list)
-    """operator commands and job ends the scheduler reported: decisions of people, not faults"""
-    unmatched_signals: list[str] = field(default_factory=list)
-    """records the recorded engine opened an incident on (or added to one) that no kept fault stands for"""
-    decisions: list[RecoveryDecision] = field(default_factory=list)
-
-
-@dataclass
-class RecordedCluster:
-    """What the recorded log says about the cluster, the job and its faults."""
-
-    job: str
-    spec: dict[str, Any]
-    nodes: list[str]
-    spares: list[str]
-    start: int
-    end: int
-    step_times: list[float] = field(default_factory=list)
-    storage_steps: list[int] = field(default_factory=list)
-    storage_saved_s: list[float] = field(default_factory=list)
-    """per persistent checkpoint: seconds from the first report of its step to its `checkpoint.saved`"""
-    storage_gap_s: list[float] = field(default_factory=list)
-    """per persistent checkpoint: seconds from the first report of its step to the first of the next (a step and
-    the checkpoint's stall)"""
-    memory_steps: list[int] = field(default_factory=list)
-    drafts: list[Draft] = field(default_factory=list)
-    kept: dict[str, int] = field(default_factory=dict)
-    resimulated: dict[str, int] = field(default_factory=dict)
-    other_jobs: set[str] = field(default_factory=set)
-    """jobs of the log the what-if leaves out: the simulator runs one job (their nodes are not in its cluster)"""
-    night: Night = field(default_factory=Night)
-    started: bool = False
-    """the job started (`job.started`): a job that never ran has no night to reproduce"""
-
-    @property
-    def rpn(self) -> int:
-        return int(self.spec["ranks_per_node"])
 
 
 class _Reader:
@@ -180,6 +91,11 @@ class _Reader:
         """dying checkpoint saves the engine commanded that have not finished: a dying checkpoint meanwhile is theirs"""
         self.handler_saves: list[tuple[int, tuple[int, ...]]] = []
         """recent dying checkpoints nobody commanded (ts, shards): SIGTERM handlers', kept for the exit they go with"""
+        self.failing: Draft | None = None
+        """the kept collective failure whose incident is open: the same group's further reports join it, and those
+        of its step failing again after a retry"""
+        self.failing_step: Any = None
+        self.steps_of: dict[int, Any] = {}
         self.sigterm: Draft | None = None
         """the kept SIGTERM exit whose incident is open: its preemption's further exits and saves join it"""
 
@@ -288,7 +204,8 @@ class _Reader:
         elif kind in ("node.ready", "node.joined") and node is not None:
             self.back(node, ts, None)
             self.count("resimulated", kind)
-        elif kind in ("process.exited", "process.hang", "network.collective_timeout") and job is not None:
+        elif kind in ("process.exited", "process.hang", "network.collective_timeout", "process.collective_failed") \
+                and job is not None:
             self.process_signal(record["seq"], kind, data, ts)
         else:
             if kind.startswith("operator.") or kind in ("job.completed", "job.cancelled"):
@@ -422,6 +339,9 @@ class _Reader:
         if kind == "network.collective_timeout":
             self.collective_timeout(seq, data, ts)
             return
+        if kind == "process.collective_failed":
+            self.collective_failed(seq, data, ts)
+            return
         sigterm = self.sigterm
         if (kind == "process.exited" and data.get("signal") == SIGTERM and sigterm is not None
                 and isinstance(rank, int) and abs(ts - sigterm.at) <= PREEMPTION_S * NS):
@@ -470,6 +390,38 @@ class _Reader:
                       collective=collective)
         self.pending[seq] = (draft, kind)
 
+    def collective_failed(self, seq: int, data: dict[str, Any], ts: int) -> None:
+        """A rank's report that its group's collective timed out while it lives. The first one the engine took as a
+        fault is kept, from `timeout_s` before it (the collective began then); the other ranks' reports of the same
+        group soon after go with it at their offsets (the engine takes them as old news), and so do the reports of
+        the same step failing again in a retry's group (the retry did not get past it)."""
+        assert self.cluster is not None
+        kind, rank, attempt = "process.collective_failed", data.get("rank"), int(data.get("attempt") or 0)
+        same = self.failing
+        failure = same.failed_collective if same is not None else None
+        if same is not None and failure is not None and same.generation is not None and isinstance(rank, int):
+            since_first = ts - same.at - failure.reports[0][1]
+            same_group = attempt == same.generation and 0 <= since_first <= PREEMPTION_S * NS
+            again = attempt > same.generation and data.get("step") == self.failing_step  # a retry's group
+            if same_group or again:
+                report = (rank, ts - same.at, attempt - same.generation)
+                same.failed_collective = replace(failure, reports=(*failure.reports, report))
+                self.fault_seqs.add(seq)
+                self.count("kept", kind)
+                return
+        if not isinstance(rank, int):
+            self.count("resimulated", kind)
+            return
+        timeout = float(data["timeout_s"]) if isinstance(data.get("timeout_s"), int | float) else 0.0
+        # the step's collective began `timeout_s` before the report: the job got no further from then
+        at = max(self.cluster.start, ts - int(timeout * NS))
+        failure = CollectiveFailure(((rank, ts - at, 0),), timeout, str(data.get("operation") or "allreduce"),
+                                    str(data.get("error") or ""))
+        draft = Draft(at, "collective", "rank", f"{kind} rank {rank} (seq {seq})", position=rank // self.cluster.rpn,
+                      device=rank % self.cluster.rpn, failed_collective=failure, generation=attempt)
+        self.pending[seq] = (draft, kind)
+        self.steps_of[seq] = data.get("step")
+
     def expire(self, seq: int) -> None:
         while self.pending:
             first = next(iter(self.pending))
@@ -507,6 +459,8 @@ class _Reader:
                     cluster.drafts.append(draft)
                     if draft.signal == "process" and draft.exit_signal == SIGTERM:
                         self.preempted(draft)
+                    elif draft.signal == "collective":
+                        self.failing, self.failing_step = draft, self.steps_of.pop(d["cause_seq"], None)
                     self.fault_seqs.add(d["cause_seq"])
                     self.count("kept", input_kind)
                     return
@@ -548,7 +502,7 @@ class _Reader:
             slowest = max(tiers, key=lambda t: list(TIER_OF_LOAD.values()).index(t) if t in TIER_OF_LOAD else -1)
             night.restore_s.setdefault(slowest, []).append((ts - self.restoring) / NS)
         if kind in ("incident.closed", "job.failed", "job.cancelled", "job.completed"):
-            self.restoring, self.tiers, self.sigterm = None, [], None
+            self.restoring, self.tiers, self.sigterm, self.failing = None, [], None, None
         if kind in RECOVERY_DECISIONS:
             granularity = detail.get("granularity") if kind == "attempt.started" else None
             at = (ts - cluster.start) / NS if cluster.started else 0.0
@@ -559,26 +513,3 @@ class _Reader:
 def read_recorded(records: Iterable[RawDict], job: str | None = None, agents: Agents | None = None
                   ) -> RecordedCluster:
     return _Reader(job, agents or Agents()).read(records)
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def faults_of(cluster: RecordedCluster, durations: Durations) -> list[Fault]:
-    """The kept faults as the simulator's, at their time since the job started, on the same position of the job
-    (or the same spare); a repair the log does not show takes the cost model's mean."""
-    spares = {name: len(cluster.nodes) + i for i, name in enumerate(cluster.spares)}
-    faults = []
-    for draft in sorted(cluster.drafts, key=lambda d: d.at):
-        repair = (draft.back - draft.at) if draft.back is not None else {
-            "device": durations.device_repair_mean_s, "network": durations.nic_repair_mean_s,
-            "node": durations.node_repair_mean_s}.get(draft.signal, durations.node_repair_mean_s) * NS
-        outage = (draft.back - draft.at) if draft.signal == "network" and draft.back is not None else 0
-        node = f"n{spares[draft.node]:05d}" if draft.node in spares else None
-        faults.append(Fault(index=len(faults), at_ns=max(0, draft.at - cluster.start), component=draft.source,
-                            signal=draft.signal, scope=draft.scope, position=draft.position or 0, device=draft.device,
-                            code=draft.code, exit_code=draft.exit_code, exit_signal=draft.exit_signal,
-                            exits=tuple(draft.exits), dying=tuple(draft.dying), collective=draft.collective,
-                            outage_ns=int(outage), repair_ns=int(max(repair, NS)), node=node))
-    return faults

@@ -8,7 +8,7 @@ from functools import partial
 from events.values import STORAGE_HOLDER, Tier
 from policies.codes import Action, nvidia_xid
 from recovery.sim.config import NS
-from recovery.sim.faults import FOLLOW_UPS, Collective, Fault
+from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure, Fault
 from recovery.sim.training import LINK, TrainingState
 
 
@@ -33,7 +33,7 @@ class FaultInjection(TrainingState):
             struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
         if struck and fault.signal != "straggler":  # a straggler stops nothing: the job goes on, slower
             self._stop_training()
-            if fault.collective is None:
+            if fault.collective is None and fault.failed_collective is None:
                 self._arm_collective_timeout()
             else:  # the recorded collective timeout (`_fault_hang`) is the one this stretch of training gets
                 self._ct_epoch = self._epoch
@@ -168,6 +168,30 @@ class FaultInjection(TrainingState):
                     "reporters": list(collective.reporters), "operation": collective.operation,
                     "timeout_s": collective.timeout_s, "attempt": gen}, source="agent")
         self.later(int(collective.timeout_s * NS), timed_out)
+
+    def _fault_collective(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        """A collective of the step under way timed out with every process alive (a recorded night's
+        `process.collective_failed`): the ranks that reported it say so, of the step the job was training and of its
+        group's generation then, at their recorded offsets. The processes wait for the next generation."""
+        failure = fault.failed_collective
+        if failure is None or node not in self.placement:
+            return
+        step, gen, epoch = self.halted_step + 1, self.generation, self._epoch
+        # the retries of the generations the log shows failing again do not get past the step (`_maybe_resume`)
+        self.failing_generations = {gen + later for _, _, later in failure.reports if later}
+        for rank, after, later in failure.reports:
+            self.later(after, partial(self._collective_failed, rank, step, gen + later, None if later else epoch,
+                                      failure))
+
+    def _collective_failed(self, rank: int, step: int, generation: int, epoch: int | None,
+                           failure: CollectiveFailure) -> None:
+        if self.failed or rank >= self.world_size or rank in self.dead or self.generation != generation:
+            return  # restarted in between: that group's failure is not reported any more
+        if (epoch is not None and self._epoch != epoch) or self.training or self.loading:
+            return  # retried in between, and training again
+        self.job_event("process.collective_failed", {
+            "rank": rank, "step": step, "attempt": generation, "operation": failure.operation,
+            "timeout_s": failure.timeout_s, "error": failure.error}, source=f"agent@{self.node_of(rank)}")
 
     def _fault_join(self, fault: Fault, node: str, _nodes: list[str]) -> None:
         """Not a fault: a spare joins the pool at the time a recorded night shows (a node added, or back from repair

@@ -138,6 +138,9 @@ class TrainingState:
         self._epoch = 0
         self._ct_epoch: int | None = None
         self.inflight: dict[str, tuple[int, frozenset[int]]] = {}
+        self.failing_generations: set[int] = set()
+        """generations whose retried step fails again (a recorded night's collective failures): no retry of theirs
+        resumes training"""
         self.issued: dict[str, int] = {}
         """commands sent so far, by `recovery.sim.answers.answer_kind`: which recorded answer is whose"""
         """restart commands under way: id -> (generation, ranks)"""
@@ -517,6 +520,9 @@ class TrainingState:
             return
         if self.blocked():
             self._arm_collective_timeout()
+            return
+        if self.retried and self.generation in self.failing_generations:
+            self.retried = False  # the retried step's collective times out again: its ranks say so
             return
         if self.retried:
             start, load_ns, rank = self.halted_step, 0, 0
