@@ -34,6 +34,9 @@ class Draft:
     """the SIGTERM handlers' dying checkpoints: ns after the exit (negative: before it), shards"""
     collective: Collective | None = None
     failed_collective: CollectiveFailure | None = None
+    silent: bool = False
+    pool: str | None = None
+    command: tuple[str, tuple[tuple[str, Any], ...]] | None = None
     generation: int | None = None
     """the generation of the group whose collective failed"""
 
@@ -63,6 +66,11 @@ class Night:
     restore_s: dict[str, list[float]] = field(default_factory=dict)
     """the slowest tier of a restore -> seconds from `ranks.restoring` to the incident's close"""
     hang_detect_s: list[float] = field(default_factory=list)
+    not_ready_s: list[float] = field(default_factory=list)
+    """per host that went away: seconds from its ranks' last report (its assumed death) to its node.not_ready"""
+    silences: int = 0
+    """faults the recorded engine found by a silence, on its watchdog's tick: the simulated job reports and is
+    watched as the recorded one was"""
     collective_timeout_s: list[float] = field(default_factory=list)
     failed_commands: list[str] = field(default_factory=list)
     """commands the recorded executors failed or never answered (the simulated ones never fail unless asked)"""
@@ -93,6 +101,8 @@ class RecordedCluster:
     """per persistent checkpoint: seconds from the first report of its step to the first of the next (a step and
     the checkpoint's stall)"""
     memory_steps: list[int] = field(default_factory=list)
+    report_gaps_s: list[float] = field(default_factory=list)
+    """seconds between a rank's consecutive reports (steps or heartbeats): the agents' report period"""
     drafts: list[Draft] = field(default_factory=list)
     kept: dict[str, int] = field(default_factory=dict)
     resimulated: dict[str, int] = field(default_factory=dict)
@@ -126,6 +136,7 @@ def faults_of(cluster: RecordedCluster, durations: Durations) -> list[Fault]:
                             signal=draft.signal, scope=draft.scope, position=draft.position or 0, device=draft.device,
                             code=draft.code, exit_code=draft.exit_code, exit_signal=draft.exit_signal,
                             exits=tuple(draft.exits), dying=tuple(draft.dying), collective=draft.collective,
-                            failed_collective=draft.failed_collective,
+                            failed_collective=draft.failed_collective, silent=draft.silent,
+                            pool=draft.pool, command=draft.command,
                             outage_ns=int(outage), repair_ns=int(max(repair, NS)), node=node))
     return faults

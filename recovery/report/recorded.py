@@ -91,6 +91,9 @@ class _Reader:
         """dying checkpoint saves the engine commanded that have not finished: a dying checkpoint meanwhile is theirs"""
         self.handler_saves: list[tuple[int, tuple[int, ...]]] = []
         """recent dying checkpoints nobody commanded (ts, shards): SIGTERM handlers', kept for the exit they go with"""
+        self.death_given = False
+        self.heard: dict[int, int] = {}
+        """rank -> when it last reported (a step or a heartbeat)"""
         self.failing: Draft | None = None
         """the kept collective failure whose incident is open: the same group's further reports join it, and those
         of its step failing again after a retry"""
@@ -160,6 +163,10 @@ class _Reader:
             self.count("resimulated", kind)
         elif kind == "progress.step":
             self.step(int(data["step"]), ts)
+            self.heard_from(data.get("rank"), ts)
+            self.count("resimulated", kind)
+        elif kind == "process.heartbeat":
+            self.heard_from(data.get("rank"), ts)
             self.count("resimulated", kind)
         elif kind == "checkpoint.saved":
             tier = data.get("tier")
@@ -191,15 +198,22 @@ class _Reader:
             if any(d.signal == "network" for d in self.open.get(node, [])):
                 self.fault_seqs.add(record["seq"])  # the platform's health check after a link went down: simulated
                 self.count("resimulated", kind)
-            else:  # the host went away; the platform noticed after its grace period
+            else:  # the host went away: after its ranks' last report, and the platform noticed after its grace
                 at = max(cluster.start, ts - int(self.agents.node_not_ready_s * NS))
+                last = self.last_heard(node)
+                if last is not None and at <= last <= ts and not self.death_given:
+                    # it died just after its ranks' last report: the log bounds it no closer
+                    at = last + 1
+                    self.night.not_ready_s.append((ts - at) / NS)
                 self.fault(Draft(at, "node", "node", f"node.not_ready (seq {record['seq']})"), node, kind,
                            record["seq"])
         elif kind == "node.joined" and node is not None and data.get("spare") and node not in self.joined \
                 and node not in self.placement:  # a spare new to the cluster: the simulated one joins it then
             self.joined[node] = True
             cluster.spares.append(node)
-            cluster.drafts.append(Draft(ts, "join", "node", f"{kind} (seq {record['seq']})", node=node))
+            pool = data.get("pool")
+            cluster.drafts.append(Draft(ts, "join", "node", f"{kind} (seq {record['seq']})", node=node,
+                                        pool=None if pool is None else str(pool)))
             self.count("kept", kind)
         elif kind in ("node.ready", "node.joined") and node is not None:
             self.back(node, ts, None)
@@ -208,7 +222,12 @@ class _Reader:
                 and job is not None:
             self.process_signal(record["seq"], kind, data, ts)
         else:
-            if kind.startswith("operator.") or kind in ("job.completed", "job.cancelled"):
+            if kind.startswith("operator."):  # a person's command: sent to the simulated job at its time
+                cluster.drafts.append(Draft(ts, "operator", "job", f"{kind} (seq {record['seq']})",
+                                            command=(kind, tuple(sorted(data.items())))))
+                self.count("kept", kind)
+                return
+            if kind in ("job.completed", "job.cancelled"):
                 self.night.operator.append(f"{kind} (seq {record['seq']})")
             self.count("resimulated", kind)
 
@@ -234,6 +253,47 @@ class _Reader:
                 self.saved.discard(step - 1)
                 cluster.storage_gap_s.append((ts - self.reached[step - 1]) / NS)
                 del cluster.storage_gap_s[:-1000]
+
+    def heard_from(self, rank: Any, ts: int) -> None:
+        """A rank's report: when it was last heard from (a silence the engine finds starts there), and how often its
+        agent reports."""
+        if not isinstance(rank, int):
+            return
+        before = self.heard.get(rank)
+        if before is not None and ts > before:
+            assert self.cluster is not None
+            self.cluster.report_gaps_s.append((ts - before) / NS)
+            del self.cluster.report_gaps_s[:-1000]
+        self.heard[rank] = ts
+
+    def last_heard(self, node: str) -> int | None:
+        assert self.cluster is not None
+        if node not in self.placement:
+            return None
+        first = self.placement.index(node) * self.cluster.rpn
+        heard = [self.heard[r] for r in range(first, first + self.cluster.rpn) if r in self.heard]
+        return max(heard) if heard else None
+
+    def silence(self, d: dict[str, Any], detail: dict[str, Any]) -> bool:
+        """A fault the engine found on its watchdog's tick, by a silence: a hung rank's (its agent said nothing, so
+        the simulated rank hangs unreported from just after its last report) or that of a host whose going away is
+        kept already. Whether the silence is accounted for."""
+        cluster = self.cluster
+        assert cluster is not None
+        fault = detail.get("fault") if isinstance(detail.get("fault"), dict) else {}
+        ranks = [int(r) for r in fault.get("ranks") or [] if isinstance(r, int)]
+        if fault.get("class") == "node" and any(d.signal == "node" for d in self.open.get(str(fault.get("node")), [])):
+            cluster.night.silences += 1
+            return True
+        if fault.get("class") != "hang" or len(ranks) != 1 or ranks[0] not in self.heard:
+            return False
+        rank = ranks[0]
+        draft = Draft(self.heard[rank] + 1, "hang", "rank", f"silence of rank {rank} (seq {d['cause_seq']})",
+                      position=rank // cluster.rpn, device=rank % cluster.rpn, silent=True)
+        cluster.drafts.append(draft)
+        cluster.night.silences += 1
+        self.count("kept", "silence")
+        return True
 
     def storage_saved(self, step: int, ts: int) -> None:
         """A persistent checkpoint: how long after its step was reached it was saved, and (once the next step is
@@ -467,6 +527,8 @@ class _Reader:
             self.count("resimulated", input_kind)
         if kind in OPENING_DECISIONS and d["cause_seq"] not in self.fault_seqs:
             cause = self.inputs.get(d["cause_seq"], "an earlier record")
+            if cause == "timer.fired" and self.silence(d, detail):
+                return
             if cause == "timer.fired":
                 cause = "a timer (a watchdog's tick: a silence or a straggler; or a suspicion confirmed later)"
             elif cause in ("progress.report", "progress.summary", "progress.step"):
@@ -510,6 +572,10 @@ class _Reader:
                                                     else str(granularity)))
 
 
-def read_recorded(records: Iterable[RawDict], job: str | None = None, agents: Agents | None = None
-                  ) -> RecordedCluster:
-    return _Reader(job, agents or Agents()).read(records)
+def read_recorded(records: Iterable[RawDict], job: str | None = None, agents: Agents | None = None,
+                  death_given: bool = False) -> RecordedCluster:
+    """The log read for the what-if. `death_given`: a host that went away died `agents.node_not_ready_s` before its
+    node.not_ready, as given (else just after its ranks' last report, where the log has one in that grace)."""
+    reader = _Reader(job, agents or Agents())
+    reader.death_given = death_given
+    return reader.read(records)

@@ -236,6 +236,10 @@ class SimConfig:
     rank reports its step (or, stopped, a heartbeat) that often, as a real job's SDK does (the demo)"""
     watchdog_interval_s: float | None = None
     """the job spec's heartbeat watchdog; None: longer than the run (the simulator has no per-rank heartbeats)"""
+    elastic: tuple[int, int] | None = None
+    """the job's elastic range (min_dp, max_dp), as a recorded job's spec says; None: the job's size is fixed"""
+    spare_pool: str | None = None
+    """the spare pool the job takes from, as a recorded job's spec says; None: the shared pool"""
     joining: tuple[str, ...] = ()
     """spares that are not in the pool at the start but join when a `join` fault says (a recorded night's nodes that
     joined later); empty: every spare joins at the start"""

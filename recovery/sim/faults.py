@@ -196,6 +196,13 @@ class Fault:
     hang from the fault's time, and the timeout is reported as recorded `timeout_s` later. None: the cost model's
     hang (the agent reports it, the peers time out after `Agents.collective_timeout_s`)"""
 
+    pool: str | None = None
+    """a `join`'s spare pool (None: the shared pool)"""
+    command: tuple[str, tuple[tuple[str, object], ...]] | None = None
+    """an `operator` input's command, as a recorded night's operator sent it: its type (`operator.scale`) and data"""
+    silent: bool = False
+    """a hang its agent does not report (a recorded night found it only by the rank's silence, on the engine's
+    watchdog): the rank stops reporting, nothing else is said"""
     failed_collective: CollectiveFailure | None = None
     """the `collective` signal's reports (a recorded night's `process.collective_failed`): the step under way fails
     with every process alive; None for any other signal"""

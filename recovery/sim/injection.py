@@ -11,6 +11,9 @@ from recovery.sim.config import NS
 from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure, Fault
 from recovery.sim.training import LINK, TrainingState
 
+NOT_FAULTS = ("join", "operator")
+"""inputs a recorded night replays that strike nothing: a spare joining, a person's command"""
+
 
 class FaultInjection(TrainingState):
     # -- faults ---------------------------------------------------------------------------------------
@@ -23,7 +26,7 @@ class FaultInjection(TrainingState):
         hw = self.hw[node]
         switch = fault.signal == "network" and fault.scope == "switch"
         nodes = list(self.by_switch[hw.switch]) if switch else [node]
-        struck = any(n in self.placement for n in nodes) and not self.failed and fault.signal != "join"
+        struck = any(n in self.placement for n in nodes) and not self.failed and fault.signal not in NOT_FAULTS
         if fault.signal == "device":
             meaning = nvidia_xid(fault.code or "79")
             if struck and self.training and meaning.action is Action.WATCH:
@@ -137,7 +140,8 @@ class FaultInjection(TrainingState):
         if rank is None or rank in self.dead:
             return
         self.hung.add(rank)
-        self._report_hang(rank)
+        if not fault.silent:
+            self._report_hang(rank)
 
     def _report_hang(self, rank: int) -> None:
         """The rank's agent reports it hung once it made no progress for its watchdog's time, if still hung then."""
@@ -193,10 +197,19 @@ class FaultInjection(TrainingState):
             "rank": rank, "step": step, "attempt": generation, "operation": failure.operation,
             "timeout_s": failure.timeout_s, "error": failure.error}, source=f"agent@{self.node_of(rank)}")
 
+    def _fault_operator(self, fault: Fault, _node: str, _nodes: list[str]) -> None:
+        """Not a fault: a person's command to the job (`operator.scale`, ...) at the time a recorded night shows."""
+        if fault.command is not None and not self.failed:
+            kind, data = fault.command
+            self.job_event(kind, dict(data), source="operator")
+
     def _fault_join(self, fault: Fault, node: str, _nodes: list[str]) -> None:
         """Not a fault: a spare joins the pool at the time a recorded night shows (a node added, or back from repair
         under another name)."""
-        self.node_event(node, "node.joined", {"spare": True, "devices": self.rpn}, source="scheduler")
+        joined: dict[str, object] = {"spare": True, "devices": self.rpn}
+        if fault.pool is not None:
+            joined["pool"] = fault.pool
+        self.node_event(node, "node.joined", joined, source="scheduler")
 
     def _fault_network(self, fault: Fault, node: str, nodes: list[str]) -> None:
         switch = self.hw[node].switch

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from events import subjects
 from events.envelope import EnvelopeBase, make_envelope
-from events.values import MAX_WATCHDOG_S, STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
+from events.values import MAX_WATCHDOG_S, STORAGE_HOLDER, Elastic, JobSpec, Layout, ResumePlan, Tier
 from recovery.sim.config import NS, SimConfig
 from recovery.sim.faults import node_name
 
@@ -211,7 +211,9 @@ class TrainingState:
         # no heartbeats: a watchdog interval past the run's end (within the wire's bound) keeps it quiet.
         return JobSpec(nodes=list(self.placement), ranks_per_node=self.rpn, max_restarts=None,
                        layout=Layout(dp=self.dp, tp=self.tp, pp=self.pp), spares=None,
-                       policies=self.cfg.profile.selection,
+                       policies=self.cfg.profile.selection, spare_pool=self.cfg.spare_pool,
+                       elastic=None if self.cfg.elastic is None else Elastic(min_dp=self.cfg.elastic[0],
+                                                                             max_dp=self.cfg.elastic[1]),
                        watchdog_interval_s=self.cfg.watchdog_interval_s or self.cfg.watch_s or min(
                            max(10 * self.cfg.days * 86_400.0, 1e6), MAX_WATCHDOG_S))
 
