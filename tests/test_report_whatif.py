@@ -320,6 +320,8 @@ def test_a_silence_the_engine_found_is_replayed_from_the_ranks_last_reports(tmp_
     assert fault.at_ns == 20 * NS + 1 and cluster.night.silences == 1
     result = whatif(GOLDEN / "watchdog_heartbeat.jsonl", [], keep_logs=tmp_path, tail_s=60)
     assert result["reproduction"]["reproduced"] and result["inputs"]["kept"] == {"silence": 1}
+    assert result["assumed"]["silent_hang_at"]["value"] == "its last report"
+    assert result["cluster"]["report_every_s"] == 1.0 and result["cluster"]["watchdog_interval_s"] == 2.0
     records = [r["envelope"] for r in iter_file(tmp_path / "recorded-policies.jsonl")]
     assert not [e for e in records if e["type"] == "process.hang"]
     [spec] = [e["data"]["spec"] for e in records if e["type"] == "job.submitted"]

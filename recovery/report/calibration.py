@@ -168,5 +168,10 @@ def calibrate(cluster: RecordedCluster, training: Training, costs: Costs, step_t
         "a host's death is not in the log: it died just after its ranks' last report (the log bounds it between that "
         "and node.not_ready), set with --node-not-ready-s" if not_ready is not None
         else "a host's death is not in the log: the platform's grace before not ready")
+    silent = sum(1 for d in cluster.drafts if d.silent)
+    if silent:  # the log shows when the rank last spoke, not when it hung
+        figures["silent_hang_at"] = _figure("its last report", "assumed",
+                                            f"{silent} rank(s) found by their silence hung just after their last "
+                                            f"report (the log bounds it between that and the next one due)")
     return Calibration(training=replace(training, step_time_s=step), costs=replace(costs, **changes),
                        agents=agents, figures=figures)

@@ -307,6 +307,10 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                   f"{c['storage_every_s'] or '-'} s, {c['days'] * 86_400:,.0f} s (the log's span and "
                   f"{c['tail_s']:,.0f} s more with no faults); executors "
                   f"{'fail as the cost model says' if c['executor_failures'] else 'never fail'}")
+    if c.get("report_every_s"):
+        console.print(f"the recorded engine found a silence: every simulated rank reports each {c['report_every_s']:g} "
+                      f"s (the recorded agents' period) and the engine watches every {c['watchdog_interval_s']:g} s "
+                      f"(the recorded spec's)")
     inputs = result["inputs"]
     if result["other_jobs"]:
         others = ", ".join(result["other_jobs"])

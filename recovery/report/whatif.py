@@ -300,7 +300,10 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
                     "model_params": base_config.training.params,
                     "model_params_from": "--model-params" if model_params else "layout",
                     "days": round(base_config.days, 6),
-                    "executor_failures": executor_failures, "tail_s": tail_s},
+                    "executor_failures": executor_failures, "tail_s": tail_s,
+                    # set where the recorded engine found a silence: the job reports and is watched as recorded
+                    "report_every_s": base_config.report_every_s,
+                    "watchdog_interval_s": base_config.watchdog_interval_s},
         "calibration": calibration.figures,
         "assumed": calibration.assumed,
         "other_jobs": sorted(cluster.other_jobs),
