@@ -128,15 +128,15 @@ def test_whatif_of_a_partitioned_log_gives_the_job_only_its_partitions_spares() 
 # -- the recorded policies, simulated, reproduce the recorded night -------------------------------------------------
 NOT_REPRODUCIBLE = {
     "bad_step_rollback": ("fault.confirmed on progress.report", "the loss spike is in the ranks' own reports"),
-    "double_fault_carries_restart": ("restart loop", "the simulated executor refuses a superseded restart while "
-                                                     "a rank of the next attempt is down, where the recorded one "
-                                                     "carried it out"),
     "lemon_isolated_with_spare": ("other jobs shared the cluster", "two jobs; the first completes at once"),
     "stock_script_restarts_whole": ("the job reported no steps", "a stock script: the step time is assumed"),
     "straggler_drained": ("node.drain_planned on a timer", "a straggler found by the ranks' compute times"),
 }
 """golden logs the simulator cannot reproduce, with what whatif must say about why, and why in a few words"""
 KNOWN_GAPS: dict[str, str] = {
+    "double_fault_carries_restart": "the simulated executor refuses the superseded attempt's restart of rank 1 while "
+                                    "rank 2 (the next attempt's) is down, where the recorded one carried it out: the "
+                                    "simulated ladder fails the attempt and restarts the job",
     "elastic_keeps_survivors": "its scale-in took 13 s and its scale-out 0 s; the simulator times every scale_job at "
                                "their median, so the scale-in closes 6.5 s early and the scale-out's peers are a step "
                                "past the plan",
