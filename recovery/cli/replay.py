@@ -319,7 +319,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     result = whatif(args.log, args.policy, job=args.job, model_params=args.model_params,
                     executor_failures=args.executor_failures, keep_logs=args.keep_logs, tail_s=args.tail_s,
                     partitions=log_partitions(args.log, args.partitions), step_time_s=args.step_time_s,
-                    tolerance_s=args.tolerance_s)
+                    tolerance_s=args.tolerance_s, node_not_ready_s=args.node_not_ready_s)
     if args.json:
         sys.stdout.buffer.write(_json(result) + b"\n")
     else:
@@ -382,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "to check that the simulator reproduces the log")
     p.add_argument("--step-time-s", type=float, help="the step time of a job that reported no steps (default: the "
                                                      "simulator's 6 s, marked assumed)")
+    p.add_argument("--node-not-ready-s", type=float,
+                   help="how long before its node.not_ready a host that went away died (default: just after its "
+                        "ranks' last report, marked assumed; else the platform's 40 s grace)")
     p.add_argument("--tolerance-s", type=float, default=TOLERANCE_S,
                    help=f"how far a simulated recovery decision or MTTR may be from the recorded one and still "
                         f"reproduce it (default {TOLERANCE_S:g})")

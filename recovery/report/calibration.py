@@ -56,7 +56,7 @@ def _figure(value: Any, source: str, how: str) -> dict[str, Any]:
 
 
 def calibrate(cluster: RecordedCluster, training: Training, costs: Costs, step_time_s: float | None,
-              model_params_from: str) -> Calibration:
+              model_params_from: str, node_not_ready_s: float | None = None) -> Calibration:
     """`training` and `costs` (the cost model's, or as configured) with what the log measured put in; `step_time_s`
     is the one given with `--step-time-s`, used when the job reported no steps."""
     night = cluster.night
@@ -159,7 +159,19 @@ def calibrate(cluster: RecordedCluster, training: Training, costs: Costs, step_t
                                               "measured" if timeout is not None else "assumed",
                                               "network.collective_timeout's timeout_s" if timeout is not None
                                               else "NCCL's default")
-    figures["node_not_ready_s"] = _figure(agents.node_not_ready_s, "assumed",
-                                          "a host's death is not in the log: the platform's grace before not ready")
+    not_ready = node_not_ready_s if node_not_ready_s is not None else median(night.not_ready_s)
+    if not_ready is not None:
+        agents = replace(agents, node_not_ready_s=not_ready)
+    figures["node_not_ready_s"] = _figure(
+        round(agents.node_not_ready_s, 3), "given" if node_not_ready_s is not None else "assumed",
+        "--node-not-ready-s" if node_not_ready_s is not None else
+        "a host's death is not in the log: it died just after its ranks' last report (the log bounds it between that "
+        "and node.not_ready), set with --node-not-ready-s" if not_ready is not None
+        else "a host's death is not in the log: the platform's grace before not ready")
+    silent = sum(1 for d in cluster.drafts if d.silent)
+    if silent:  # the log shows when the rank last spoke, not when it hung
+        figures["silent_hang_at"] = _figure("its last report", "assumed",
+                                            f"{silent} rank(s) found by their silence hung just after their last "
+                                            f"report (the log bounds it between that and the next one due)")
     return Calibration(training=replace(training, step_time_s=step), costs=replace(costs, **changes),
                        agents=agents, figures=figures)

@@ -14,14 +14,17 @@ reproduce the night.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
+from recovery.report.night import Draft, Night, RecordedCluster, RecoveryDecision, faults_of, median
 from recovery.report.source import RawDict
-from recovery.sim.config import NS, Agents, Durations
-from recovery.sim.faults import FOLLOW_UPS, Collective, Fault
+from recovery.sim.answers import FAILED, SILENT, RecordedAnswer, answer_kind
+from recovery.sim.config import NS, Agents
+from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure
+
+__all__ = ["Draft", "Night", "RecordedCluster", "RecoveryDecision", "faults_of", "median", "read_recorded"]
 
 SIGNAL_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added", "fault.suspected",
                               "fault.absorbed"})
@@ -46,95 +49,6 @@ RECOVERY_DECISIONS = frozenset({"attempt.started", "attempt.failed", "attempt.ti
 the job's recoveries and end"""
 TIER_OF_LOAD = {"memory": "memory", "peer": "peer", "local": "local", "dying": "storage", "storage": "storage"}
 """the simulator's cost of loading from each recorded tier (a dying checkpoint is read from shared storage)"""
-
-
-@dataclass
-class Draft:
-    """A fault being read: its repair or outage is known only when the log says the hardware came back."""
-
-    at: int
-    signal: str
-    scope: str
-    source: str
-    position: int | None = None
-    node: str | None = None
-    device: int = 0
-    code: str | None = None
-    exit_code: int | None = None
-    exit_signal: int | None = None
-    back: int | None = None
-    exits: list[int] = field(default_factory=list)
-    """further ranks stopped by the same SIGTERM"""
-    dying: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
-    """the SIGTERM handlers' dying checkpoints: ns after the exit (negative: before it), shards"""
-    collective: Collective | None = None
-
-
-@dataclass(frozen=True)
-class RecoveryDecision:
-    """One recorded recovery decision: its kind, the attempt's granularity, and when (s since the job started)."""
-
-    kind: str
-    at_s: float
-    granularity: str | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind} {self.granularity}" if self.granularity else self.kind
-
-
-@dataclass
-class Night:
-    """What the recorded night did beyond its faults: the figures the simulator is set to, and what it cannot
-    re-create."""
-
-    command_s: dict[str, list[float]] = field(default_factory=dict)
-    """command kind (`stop_ranks:kill`, `restart_ranks:reset`, ...) -> seconds from the decision to its done ack"""
-    ack_s: list[float] = field(default_factory=list)
-    """seconds from a decision to its command's accepted ack"""
-    restore_s: dict[str, list[float]] = field(default_factory=dict)
-    """the slowest tier of a restore -> seconds from `ranks.restoring` to the incident's close"""
-    hang_detect_s: list[float] = field(default_factory=list)
-    collective_timeout_s: list[float] = field(default_factory=list)
-    failed_commands: list[str] = field(default_factory=list)
-    """commands the recorded executors failed or never answered (the simulated ones never fail unless asked)"""
-    operator: list[str] = field(default_factory=list)
-    """operator commands and job ends the scheduler reported: decisions of people, not faults"""
-    unmatched_signals: list[str] = field(default_factory=list)
-    """records the recorded engine opened an incident on (or added to one) that no kept fault stands for"""
-    decisions: list[RecoveryDecision] = field(default_factory=list)
-
-
-@dataclass
-class RecordedCluster:
-    """What the recorded log says about the cluster, the job and its faults."""
-
-    job: str
-    spec: dict[str, Any]
-    nodes: list[str]
-    spares: list[str]
-    start: int
-    end: int
-    step_times: list[float] = field(default_factory=list)
-    storage_steps: list[int] = field(default_factory=list)
-    storage_saved_s: list[float] = field(default_factory=list)
-    """per persistent checkpoint: seconds from the first report of its step to its `checkpoint.saved`"""
-    storage_gap_s: list[float] = field(default_factory=list)
-    """per persistent checkpoint: seconds from the first report of its step to the first of the next (a step and
-    the checkpoint's stall)"""
-    memory_steps: list[int] = field(default_factory=list)
-    drafts: list[Draft] = field(default_factory=list)
-    kept: dict[str, int] = field(default_factory=dict)
-    resimulated: dict[str, int] = field(default_factory=dict)
-    other_jobs: set[str] = field(default_factory=set)
-    """jobs of the log the what-if leaves out: the simulator runs one job (their nodes are not in its cluster)"""
-    night: Night = field(default_factory=Night)
-    started: bool = False
-    """the job started (`job.started`): a job that never ran has no night to reproduce"""
-
-    @property
-    def rpn(self) -> int:
-        return int(self.spec["ranks_per_node"])
 
 
 class _Reader:
@@ -165,8 +79,11 @@ class _Reader:
         """records kept as faults, or as the echo of one the simulator re-creates (a crash after its XID)"""
         self.inputs: dict[int, str] = {}
         """recent input records by sequence: what an incident-opening decision's cause was"""
-        self.commands: dict[str, tuple[str, int]] = {}
-        """command id -> (kind, when decided)"""
+        self.commands: dict[str, tuple[str, int, int]] = {}
+        """command id -> (kind, when decided, its order among the commands of its kind), while unanswered"""
+        self.issued: dict[str, int] = {}
+        self.accepted: dict[str, float] = {}
+        """command id -> seconds from its decision to its accepted ack, until it is done"""
         self.tiers: list[str] = []
         """the current incident's checkpoint plan: the tiers its ranks load from"""
         self.restoring: int | None = None
@@ -174,6 +91,14 @@ class _Reader:
         """dying checkpoint saves the engine commanded that have not finished: a dying checkpoint meanwhile is theirs"""
         self.handler_saves: list[tuple[int, tuple[int, ...]]] = []
         """recent dying checkpoints nobody commanded (ts, shards): SIGTERM handlers', kept for the exit they go with"""
+        self.death_given = False
+        self.heard: dict[int, int] = {}
+        """rank -> when it last reported (a step or a heartbeat)"""
+        self.failing: Draft | None = None
+        """the kept collective failure whose incident is open: the same group's further reports join it, and those
+        of its step failing again after a retry"""
+        self.failing_step: Any = None
+        self.steps_of: dict[int, Any] = {}
         self.sigterm: Draft | None = None
         """the kept SIGTERM exit whose incident is open: its preemption's further exits and saves join it"""
 
@@ -238,6 +163,10 @@ class _Reader:
             self.count("resimulated", kind)
         elif kind == "progress.step":
             self.step(int(data["step"]), ts)
+            self.heard_from(data.get("rank"), ts)
+            self.count("resimulated", kind)
+        elif kind == "process.heartbeat":
+            self.heard_from(data.get("rank"), ts)
             self.count("resimulated", kind)
         elif kind == "checkpoint.saved":
             tier = data.get("tier")
@@ -269,17 +198,36 @@ class _Reader:
             if any(d.signal == "network" for d in self.open.get(node, [])):
                 self.fault_seqs.add(record["seq"])  # the platform's health check after a link went down: simulated
                 self.count("resimulated", kind)
-            else:  # the host went away; the platform noticed after its grace period
+            else:  # the host went away: after its ranks' last report, and the platform noticed after its grace
                 at = max(cluster.start, ts - int(self.agents.node_not_ready_s * NS))
+                last = self.last_heard(node)
+                if last is not None and at <= last <= ts and not self.death_given:
+                    # it died just after its ranks' last report: the log bounds it no closer
+                    at = last + 1
+                    self.night.not_ready_s.append((ts - at) / NS)
                 self.fault(Draft(at, "node", "node", f"node.not_ready (seq {record['seq']})"), node, kind,
                            record["seq"])
+        elif kind == "node.joined" and node is not None and data.get("spare") and node not in self.joined \
+                and node not in self.placement:  # a spare new to the cluster: the simulated one joins it then
+            self.joined[node] = True
+            cluster.spares.append(node)
+            pool = data.get("pool")
+            cluster.drafts.append(Draft(ts, "join", "node", f"{kind} (seq {record['seq']})", node=node,
+                                        pool=None if pool is None else str(pool)))
+            self.count("kept", kind)
         elif kind in ("node.ready", "node.joined") and node is not None:
             self.back(node, ts, None)
             self.count("resimulated", kind)
-        elif kind in ("process.exited", "process.hang", "network.collective_timeout") and job is not None:
+        elif kind in ("process.exited", "process.hang", "network.collective_timeout", "process.collective_failed") \
+                and job is not None:
             self.process_signal(record["seq"], kind, data, ts)
         else:
-            if kind.startswith("operator.") or kind in ("job.completed", "job.cancelled"):
+            if kind.startswith("operator."):  # a person's command: sent to the simulated job at its time
+                cluster.drafts.append(Draft(ts, "operator", "job", f"{kind} (seq {record['seq']})",
+                                            command=(kind, tuple(sorted(data.items())))))
+                self.count("kept", kind)
+                return
+            if kind in ("job.completed", "job.cancelled"):
                 self.night.operator.append(f"{kind} (seq {record['seq']})")
             self.count("resimulated", kind)
 
@@ -306,6 +254,47 @@ class _Reader:
                 cluster.storage_gap_s.append((ts - self.reached[step - 1]) / NS)
                 del cluster.storage_gap_s[:-1000]
 
+    def heard_from(self, rank: Any, ts: int) -> None:
+        """A rank's report: when it was last heard from (a silence the engine finds starts there), and how often its
+        agent reports."""
+        if not isinstance(rank, int):
+            return
+        before = self.heard.get(rank)
+        if before is not None and ts > before:
+            assert self.cluster is not None
+            self.cluster.report_gaps_s.append((ts - before) / NS)
+            del self.cluster.report_gaps_s[:-1000]
+        self.heard[rank] = ts
+
+    def last_heard(self, node: str) -> int | None:
+        assert self.cluster is not None
+        if node not in self.placement:
+            return None
+        first = self.placement.index(node) * self.cluster.rpn
+        heard = [self.heard[r] for r in range(first, first + self.cluster.rpn) if r in self.heard]
+        return max(heard) if heard else None
+
+    def silence(self, d: dict[str, Any], detail: dict[str, Any]) -> bool:
+        """A fault the engine found on its watchdog's tick, by a silence: a hung rank's (its agent said nothing, so
+        the simulated rank hangs unreported from just after its last report) or that of a host whose going away is
+        kept already. Whether the silence is accounted for."""
+        cluster = self.cluster
+        assert cluster is not None
+        fault = detail.get("fault") if isinstance(detail.get("fault"), dict) else {}
+        ranks = [int(r) for r in fault.get("ranks") or [] if isinstance(r, int)]
+        if fault.get("class") == "node" and any(d.signal == "node" for d in self.open.get(str(fault.get("node")), [])):
+            cluster.night.silences += 1
+            return True
+        if fault.get("class") != "hang" or len(ranks) != 1 or ranks[0] not in self.heard:
+            return False
+        rank = ranks[0]
+        draft = Draft(self.heard[rank] + 1, "hang", "rank", f"silence of rank {rank} (seq {d['cause_seq']})",
+                      position=rank // cluster.rpn, device=rank % cluster.rpn, silent=True)
+        cluster.drafts.append(draft)
+        cluster.night.silences += 1
+        self.count("kept", "silence")
+        return True
+
     def storage_saved(self, step: int, ts: int) -> None:
         """A persistent checkpoint: how long after its step was reached it was saved, and (once the next step is
         reported) how long that step took with the checkpoint's stall."""
@@ -327,17 +316,23 @@ class _Reader:
         issued = self.commands.get(str(data.get("command_id")))
         if issued is None:
             return
-        kind, at = issued
+        kind, at, nth = issued
         status = data.get("status")
         if status in ("done", "failed"):
             self.saving.discard(str(data.get("command_id")))
-        if status == "accepted":
-            self.night.ack_s.append((ts - at) / NS)
+            del self.commands[str(data.get("command_id"))]
+        if status == "accepted":  # the executors' latency once the command is done: a failure replays its own
+            self.accepted[str(data.get("command_id"))] = (ts - at) / NS
         elif status == "done":
             self.night.command_s.setdefault(kind, []).append((ts - at) / NS)
+            if str(data.get("command_id")) in self.accepted:
+                self.night.ack_s.append(self.accepted.pop(str(data.get("command_id"))))
         elif status == "failed":
             reason = str(data.get("reason") or "")
             self.night.failed_commands.append(f"{kind.split(':')[0]} failed" + (f": {reason}" if reason else ""))
+            result = data.get("result") if isinstance(data.get("result"), dict) else {}
+            self.night.answers.append(RecordedAnswer(kind, nth, FAILED, round((ts - at) / NS, 9), reason,
+                                                     tuple(sorted(result.items()))))
 
     def device_fault(self, node: str, data: dict[str, Any], ts: int, seq: int) -> None:
         device, code = int(data.get("device", 0)), str(data.get("code", ""))
@@ -404,6 +399,9 @@ class _Reader:
         if kind == "network.collective_timeout":
             self.collective_timeout(seq, data, ts)
             return
+        if kind == "process.collective_failed":
+            self.collective_failed(seq, data, ts)
+            return
         sigterm = self.sigterm
         if (kind == "process.exited" and data.get("signal") == SIGTERM and sigterm is not None
                 and isinstance(rank, int) and abs(ts - sigterm.at) <= PREEMPTION_S * NS):
@@ -452,6 +450,38 @@ class _Reader:
                       collective=collective)
         self.pending[seq] = (draft, kind)
 
+    def collective_failed(self, seq: int, data: dict[str, Any], ts: int) -> None:
+        """A rank's report that its group's collective timed out while it lives. The first one the engine took as a
+        fault is kept, from `timeout_s` before it (the collective began then); the other ranks' reports of the same
+        group soon after go with it at their offsets (the engine takes them as old news), and so do the reports of
+        the same step failing again in a retry's group (the retry did not get past it)."""
+        assert self.cluster is not None
+        kind, rank, attempt = "process.collective_failed", data.get("rank"), int(data.get("attempt") or 0)
+        same = self.failing
+        failure = same.failed_collective if same is not None else None
+        if same is not None and failure is not None and same.generation is not None and isinstance(rank, int):
+            since_first = ts - same.at - failure.reports[0][1]
+            same_group = attempt == same.generation and 0 <= since_first <= PREEMPTION_S * NS
+            again = attempt > same.generation and data.get("step") == self.failing_step  # a retry's group
+            if same_group or again:
+                report = (rank, ts - same.at, attempt - same.generation)
+                same.failed_collective = replace(failure, reports=(*failure.reports, report))
+                self.fault_seqs.add(seq)
+                self.count("kept", kind)
+                return
+        if not isinstance(rank, int):
+            self.count("resimulated", kind)
+            return
+        timeout = float(data["timeout_s"]) if isinstance(data.get("timeout_s"), int | float) else 0.0
+        # the step's collective began `timeout_s` before the report: the job got no further from then
+        at = max(self.cluster.start, ts - int(timeout * NS))
+        failure = CollectiveFailure(((rank, ts - at, 0),), timeout, str(data.get("operation") or "allreduce"),
+                                    str(data.get("error") or ""))
+        draft = Draft(at, "collective", "rank", f"{kind} rank {rank} (seq {seq})", position=rank // self.cluster.rpn,
+                      device=rank % self.cluster.rpn, failed_collective=failure, generation=attempt)
+        self.pending[seq] = (draft, kind)
+        self.steps_of[seq] = data.get("step")
+
     def expire(self, seq: int) -> None:
         while self.pending:
             first = next(iter(self.pending))
@@ -489,12 +519,16 @@ class _Reader:
                     cluster.drafts.append(draft)
                     if draft.signal == "process" and draft.exit_signal == SIGTERM:
                         self.preempted(draft)
+                    elif draft.signal == "collective":
+                        self.failing, self.failing_step = draft, self.steps_of.pop(d["cause_seq"], None)
                     self.fault_seqs.add(d["cause_seq"])
                     self.count("kept", input_kind)
                     return
             self.count("resimulated", input_kind)
         if kind in OPENING_DECISIONS and d["cause_seq"] not in self.fault_seqs:
             cause = self.inputs.get(d["cause_seq"], "an earlier record")
+            if cause == "timer.fired" and self.silence(d, detail):
+                return
             if cause == "timer.fired":
                 cause = "a timer (a watchdog's tick: a silence or a straggler; or a suspicion confirmed later)"
             elif cause in ("progress.report", "progress.summary", "progress.step"):
@@ -509,7 +543,10 @@ class _Reader:
         night = cluster.night
         for command in d.get("commands") or []:
             if isinstance(command, dict) and "id" in command:
-                self.commands[str(command["id"])] = (_command_kind(command), ts)
+                ckind = answer_kind(str(command.get("kind", "?")), command.get("mode"),
+                                    bool(command.get("reset_devices")))
+                self.issued[ckind] = self.issued.get(ckind, 0) + 1
+                self.commands[str(command["id"])] = (ckind, ts, self.issued[ckind])
                 if command.get("kind") == "save_checkpoint":
                     self.saving.add(str(command["id"]))
         if kind == "checkpoint.plan" and isinstance(detail.get("tiers"), dict):
@@ -518,12 +555,16 @@ class _Reader:
             self.restoring = ts
         elif kind == "attempt.timed_out":
             night.failed_commands.append(f"attempt {detail.get('attempt', '?')} timed out: an executor never answered")
+            # the commands still unanswered at the deadline are those the executors ignored
+            night.answers += [RecordedAnswer(k, nth, SILENT) for k, _, nth in self.commands.values()
+                              if k not in ("save_checkpoint", "dump_stacks")]  # neither is what an attempt awaits
+            self.commands = {}
         if kind == "incident.closed" and self.restoring is not None:
             tiers = [TIER_OF_LOAD.get(t, "storage") for t in self.tiers] or ["none"]
             slowest = max(tiers, key=lambda t: list(TIER_OF_LOAD.values()).index(t) if t in TIER_OF_LOAD else -1)
             night.restore_s.setdefault(slowest, []).append((ts - self.restoring) / NS)
         if kind in ("incident.closed", "job.failed", "job.cancelled", "job.completed"):
-            self.restoring, self.tiers, self.sigterm = None, [], None
+            self.restoring, self.tiers, self.sigterm, self.failing = None, [], None, None
         if kind in RECOVERY_DECISIONS:
             granularity = detail.get("granularity") if kind == "attempt.started" else None
             at = (ts - cluster.start) / NS if cluster.started else 0.0
@@ -531,39 +572,10 @@ class _Reader:
                                                     else str(granularity)))
 
 
-def _command_kind(command: dict[str, Any]) -> str:
-    """The command's kind as the simulator's cost model tells them apart."""
-    kind = str(command.get("kind", "?"))
-    if kind == "stop_ranks":
-        return f"stop_ranks:{command.get('mode', 'kill')}"
-    if kind == "restart_ranks" and command.get("reset_devices"):
-        return "restart_ranks:reset"
-    return kind
-
-
-def read_recorded(records: Iterable[RawDict], job: str | None = None, agents: Agents | None = None
-                  ) -> RecordedCluster:
-    return _Reader(job, agents or Agents()).read(records)
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def faults_of(cluster: RecordedCluster, durations: Durations) -> list[Fault]:
-    """The kept faults as the simulator's, at their time since the job started, on the same position of the job
-    (or the same spare); a repair the log does not show takes the cost model's mean."""
-    spares = {name: len(cluster.nodes) + i for i, name in enumerate(cluster.spares)}
-    faults = []
-    for draft in sorted(cluster.drafts, key=lambda d: d.at):
-        repair = (draft.back - draft.at) if draft.back is not None else {
-            "device": durations.device_repair_mean_s, "network": durations.nic_repair_mean_s,
-            "node": durations.node_repair_mean_s}.get(draft.signal, durations.node_repair_mean_s) * NS
-        outage = (draft.back - draft.at) if draft.signal == "network" and draft.back is not None else 0
-        node = f"n{spares[draft.node]:05d}" if draft.node in spares else None
-        faults.append(Fault(index=len(faults), at_ns=max(0, draft.at - cluster.start), component=draft.source,
-                            signal=draft.signal, scope=draft.scope, position=draft.position or 0, device=draft.device,
-                            code=draft.code, exit_code=draft.exit_code, exit_signal=draft.exit_signal,
-                            exits=tuple(draft.exits), dying=tuple(draft.dying), collective=draft.collective,
-                            outage_ns=int(outage), repair_ns=int(max(repair, NS)), node=node))
-    return faults
+def read_recorded(records: Iterable[RawDict], job: str | None = None, agents: Agents | None = None,
+                  death_given: bool = False) -> RecordedCluster:
+    """The log read for the what-if. `death_given`: a host that went away died `agents.node_not_ready_s` before its
+    node.not_ready, as given (else just after its ranks' last report, where the log has one in that grace)."""
+    reader = _Reader(job, agents or Agents())
+    reader.death_given = death_given
+    return reader.read(records)

@@ -307,6 +307,10 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                   f"{c['storage_every_s'] or '-'} s, {c['days'] * 86_400:,.0f} s (the log's span and "
                   f"{c['tail_s']:,.0f} s more with no faults); executors "
                   f"{'fail as the cost model says' if c['executor_failures'] else 'never fail'}")
+    if c.get("report_every_s"):
+        console.print(f"the recorded engine found a silence: every simulated rank reports each {c['report_every_s']:g} "
+                      f"s (the recorded agents' period) and the engine watches every {c['watchdog_interval_s']:g} s "
+                      f"(the recorded spec's)")
     inputs = result["inputs"]
     if result["other_jobs"]:
         others = ", ".join(result["other_jobs"])
@@ -314,6 +318,9 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                            f"are not simulated", style="yellow"))
     console.print(Text(f"kept from the log ({inputs['faults']} faults): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["kept"].items())))
+    if inputs.get("executors"):
+        console.print(Text("replayed from the log, for the simulated commands of the same kind and order, the "
+                           "recorded executors' answers: " + "; ".join(inputs["executors"])))
     console.print(Text("re-simulated (answers to the recorded decisions, training, timers): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["resimulated"].items()), style="dim"))
     measured = [f"{k} {v['value']}" for k, v in result["calibration"].items() if v["from"] == "measured"]

@@ -36,6 +36,7 @@ from recovery.report.recorded import RecordedCluster, RecoveryDecision, faults_o
 from recovery.report.source import iter_file
 from recovery.sim.__main__ import parse_policy
 from recovery.sim.accounting import Result
+from recovery.sim.answers import RecordedAnswer
 from recovery.sim.config import DAY_S, NS, Agents, Cluster, Costs, Profile, SimConfig, Training
 from recovery.sim.faults import Fault
 from recovery.sim.sim import Simulator
@@ -63,8 +64,8 @@ def layout_params(layout: dict[str, int]) -> float:
 
 
 def config_for(cluster: RecordedCluster, selection: PolicySelection, model_params: float | None = None,
-               executor_failures: bool = False, tail_s: float = 0.0, step_time_s: float | None = None
-               ) -> tuple[SimConfig, Calibration]:
+               executor_failures: bool = False, tail_s: float = 0.0, step_time_s: float | None = None,
+               node_not_ready_s: float | None = None) -> tuple[SimConfig, Calibration]:
     """The simulator's configuration for the recorded job: its shape, its measured pace, checkpoint cadence,
     executors' and restores' durations and detection delays (`recovery.report.calibration`), the cost model's
     defaults for everything the log does not say; executors that never fail unless asked, so that a difference
@@ -76,7 +77,7 @@ def config_for(cluster: RecordedCluster, selection: PolicySelection, model_param
         raise ValueError(f"job {cluster.job}: {gpus} ranks on its nodes is not dp x tp x pp of its layout {layout}")
     costs = Costs() if executor_failures else replace(Costs(), fail_probability=0.0, timeout_probability=0.0)
     calibration = calibrate(cluster, replace(Training(), params=model_params or layout_params(layout)), costs,
-                            step_time_s, "--model-params" if model_params else "layout")
+                            step_time_s, "--model-params" if model_params else "layout", node_not_ready_s)
     step_s = calibration.training.step_time_s
     storage = _every(cluster.storage_steps)
     memory = _every(cluster.memory_steps)
@@ -86,8 +87,31 @@ def config_for(cluster: RecordedCluster, selection: PolicySelection, model_param
                                        spare_nodes=len(cluster.spares)),
                        training=training, costs=calibration.costs, agents=calibration.agents,
                        profile=Profile("recorded", selection, memory_tier=memory is not None),
-                       days=(max(cluster.end - cluster.start, NS) / NS + tail_s) / DAY_S, job=cluster.job)
+                       days=(max(cluster.end - cluster.start, NS) / NS + tail_s) / DAY_S, job=cluster.job,
+                       **_watched(cluster), spare_pool=spec.get("spare_pool"),
+                       elastic=None if not spec.get("elastic") else (int(spec["elastic"]["min_dp"]),
+                                                                     int(spec["elastic"]["max_dp"])),
+                       joining=tuple(f"n{len(cluster.nodes) + cluster.spares.index(d.node):05d}"
+                                     for d in cluster.drafts if d.signal == "join" and d.node in cluster.spares),
+                       answers=tuple(_sim_names(a, cluster) for a in cluster.night.answers))
     return config, calibration
+
+
+def _watched(cluster: RecordedCluster) -> dict[str, float]:
+    """Where the recorded engine found a fault by a silence, the simulated job reports as the recorded one did (every
+    live rank at the agents' measured period) and the engine watches it at the recorded watchdog interval: the
+    silence is found on the same tick. Else the simulator's quiet default (no periodic reports, no watchdog)."""
+    interval = cluster.spec.get("watchdog_interval_s")
+    if not cluster.night.silences or not isinstance(interval, int | float):
+        return {}
+    return {"report_every_s": statistics.median(cluster.report_gaps_s) if cluster.report_gaps_s else 1.0,
+            "watchdog_interval_s": float(interval)}
+
+
+def _sim_names(answer: RecordedAnswer, cluster: RecordedCluster) -> RecordedAnswer:
+    """`answer` with the recorded nodes its result names (a failed reset's node) as the simulator's."""
+    names = {name: f"n{i:05d}" for i, name in enumerate(cluster.nodes + cluster.spares)}
+    return replace(answer, result=tuple((k, names.get(v, v) if isinstance(v, str) else v) for k, v in answer.result))
 
 
 def _every(steps: list[int]) -> int | None:
@@ -180,8 +204,7 @@ def reproduction(cluster: RecordedCluster, simulated: list[RecoveryDecision], re
         x, y = rec_mttr.get(cls, {}).get("p50_s"), sim_mttr.get(cls, {}).get("p50_s")
         mttr[cls] = {"recorded_p50_s": x, "simulated_p50_s": y,
                      "within_tolerance": x is not None and y is not None and abs(x - y) <= tolerance_s}
-    not_recreated = ([f"the recorded executors failed: {w}" for w in night.failed_commands]
-                     + [f"a person or the scheduler decided: {w}" for w in night.operator]
+    not_recreated = ([f"a person or the scheduler decided: {w}" for w in night.operator]
                      + [f"a fault signal the what-if does not replay: {w}" for w in night.unmatched_signals]
                      + ([f"other jobs shared the cluster: {', '.join(sorted(cluster.other_jobs))}"]
                         if cluster.other_jobs else [])
@@ -213,13 +236,15 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
            model_params: float | None = None, executor_failures: bool = False,
            keep_logs: str | os.PathLike[str] | None = None, tail_s: float = TAIL_S,
            partitions: int | None = None, step_time_s: float | None = None,
-           tolerance_s: float = TOLERANCE_S) -> dict[str, Any]:
+           tolerance_s: float = TOLERANCE_S, node_not_ready_s: float | None = None) -> dict[str, Any]:
     """The what-if of a recorded log (a JSONL export) under `overrides` (`FAMILY=NAME[:k=v,...]`; none: the
     recorded policies, which checks that the simulator reproduces the log). Both simulated runs last the log's span
     plus `tail_s`, so that a recovery under way when the log ends can finish. A log of `partitions` P > 1 gave the
     job only its partition's spares (`recovery.core.partition`): so does the what-if. `step_time_s` is the step
-    time of a job that reported none."""
-    cluster = read_recorded(iter_file(path), job, Agents())
+    time of a job that reported none; `node_not_ready_s` how long before its node.not_ready a host that went away
+    died (default: just after its ranks' last report)."""
+    agents = Agents() if node_not_ready_s is None else Agents(node_not_ready_s=node_not_ready_s)
+    cluster = read_recorded(iter_file(path), job, agents, death_given=node_not_ready_s is not None)
     partition = None
     if partitions is not None and partitions > 1:
         partition = partition_of(cluster.job, partitions)
@@ -237,7 +262,7 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
     chosen = selection_with(cluster.spec, overrides)
     faults = faults_of(cluster, SimConfig().durations)
     base_config, calibration = config_for(cluster, base_selection, model_params, executor_failures, tail_s,
-                                          step_time_s)
+                                          step_time_s, node_not_ready_s)
     what_config = replace(base_config, profile=Profile("what-if", chosen, memory_tier=base_config.profile.memory_tier))
     recorded_report = build_report(iter_file(path), job=cluster.job)
     span_end = EPOCH + (cluster.end - cluster.start)
@@ -275,11 +300,15 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
                     "model_params": base_config.training.params,
                     "model_params_from": "--model-params" if model_params else "layout",
                     "days": round(base_config.days, 6),
-                    "executor_failures": executor_failures, "tail_s": tail_s},
+                    "executor_failures": executor_failures, "tail_s": tail_s,
+                    # set where the recorded engine found a silence: the job reports and is watched as recorded
+                    "report_every_s": base_config.report_every_s,
+                    "watchdog_interval_s": base_config.watchdog_interval_s},
         "calibration": calibration.figures,
         "assumed": calibration.assumed,
         "other_jobs": sorted(cluster.other_jobs),
         "inputs": {"faults": len(faults), "kept": dict(sorted(cluster.kept.items())),
+                   "executors": [a.label for a in cluster.night.answers],
                    "resimulated": dict(sorted(cluster.resimulated.items())),
                    "fault_list": [{"at_s": round(f.at_ns / NS, 3), "signal": f.signal, "from": f.component}
                                   for f in faults[:200]]},

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from events.values import PolicyRef, PolicySelection, Tier
+from recovery.sim.answers import RecordedAnswer
 
 NS = 1_000_000_000
 DAY_S = 86_400.0
@@ -235,6 +236,16 @@ class SimConfig:
     rank reports its step (or, stopped, a heartbeat) that often, as a real job's SDK does (the demo)"""
     watchdog_interval_s: float | None = None
     """the job spec's heartbeat watchdog; None: longer than the run (the simulator has no per-rank heartbeats)"""
+    elastic: tuple[int, int] | None = None
+    """the job's elastic range (min_dp, max_dp), as a recorded job's spec says; None: the job's size is fixed"""
+    spare_pool: str | None = None
+    """the spare pool the job takes from, as a recorded job's spec says; None: the shared pool"""
+    joining: tuple[str, ...] = ()
+    """spares that are not in the pool at the start but join when a `join` fault says (a recorded night's nodes that
+    joined later); empty: every spare joins at the start"""
+    answers: tuple[RecordedAnswer, ...] = ()
+    """executors' failures and silences a recorded night shows, replayed for the commands of the same kind and order
+    (`recovery.sim.answers`); empty: every command is answered as the cost model says"""
     watch_s: float | None = None
     """the job's watchdog ticks this often, each just after every live rank's report of its step and compute time
     (the agents' folded reports, collapsed to one per node per tick): what the detection policy's straggler check

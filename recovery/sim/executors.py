@@ -9,6 +9,7 @@ from typing import Any
 
 from events.commands import CommandBase
 from events.values import STORAGE_HOLDER, ResumePlan, Tier
+from recovery.sim.answers import FAILED, RecordedAnswer, answer_kind
 from recovery.sim.config import NS
 from recovery.sim.training import _RESTARTS, TrainingState
 
@@ -42,21 +43,54 @@ class Executors(TrainingState):
         kind = getattr(command, "kind", "")
         now = self.sched.now
         lat = int(c.ack_latency_s * NS)
-        self.sched.at(now + lat, lambda: self._ack(command, "accepted"))
-        u = self.exec_rng.random()
+        recorded = self._recorded_answer(command) if self.cfg.answers else None
+        if recorded is None:  # a recorded answer is acknowledged as recorded, or not at all
+            self.sched.at(now + lat, lambda: self._ack(command, "accepted"))
+        u = self.exec_rng.random()  # drawn all the same: the commands after it meet the same luck
         outcome = "failed" if u < c.fail_probability else (
             "timeout" if u < c.fail_probability + c.timeout_probability else "ok")
+        if recorded is not None:
+            outcome = "recorded"
         self._count(f"{kind}:{outcome}")
         if kind in ("stop_ranks", *_RESTARTS, "retry_step"):
             self._stop_training()
         if kind in _RESTARTS:
             self.inflight[command.id] = (command.attempt, frozenset(self._command_ranks(command)))
+        if recorded is not None:
+            self._answer_as_recorded(command, recorded)
+            return
         cost = int(self.command_cost_s(command) * NS)
         self.sched.at(now + lat + cost, lambda: self._complete(command, outcome))
 
-    def _ack(self, command: CommandBase, status: str, reason: str = "") -> None:
-        self.job_event("command.ack", {"command_id": command.id, "status": status, "reason": reason},
-                       source="executor")
+    def _recorded_answer(self, command: Any) -> RecordedAnswer | None:
+        """The recorded night's answer to this command, if the recorded executor failed or ignored the command of its
+        kind and order."""
+        key = answer_kind(command.kind, getattr(command, "mode", None), bool(getattr(command, "reset_devices", None)))
+        nth = self.issued[key] = self.issued.get(key, 0) + 1
+        return next((a for a in self.cfg.answers if a.kind == key and a.nth == nth), None)
+
+    def _answer_as_recorded(self, command: Any, answer: RecordedAnswer) -> None:
+        """Acknowledged and failed when the recorded executor did, with its reason and result (the engine reads a
+        reset's failed devices in it); or never answered at all: the attempt's deadline ends it, as recorded."""
+        if answer.status != FAILED:
+            self.inflight.pop(command.id, None)  # never carried out: its ranks are nobody's to bring back
+            return
+
+        def failed() -> None:
+            self.inflight.pop(command.id, None)
+            if self.failed:
+                return
+            self._ack(command, "accepted")
+            self._ack(command, "failed", answer.reason, dict(answer.result))
+            self._maybe_resume()
+        self.later(int(answer.after_s * NS), failed)
+
+    def _ack(self, command: CommandBase, status: str, reason: str = "", result: dict[str, Any] | None = None
+             ) -> None:
+        data: dict[str, Any] = {"command_id": command.id, "status": status, "reason": reason}
+        if result:
+            data["result"] = result
+        self.job_event("command.ack", data, source="executor")
 
     def _command_ranks(self, command: Any) -> list[int]:
         kind = command.kind

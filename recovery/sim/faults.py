@@ -143,6 +143,19 @@ class Collective:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectiveFailure:
+    """A collective that timed out while every rank lived, as a recorded night's `process.collective_failed` reports
+    said: the ranks that reported it, each ns after the first, with the group's timeout and the backend's error."""
+
+    reports: tuple[tuple[int, int, int], ...]
+    """(rank, ns after the fault, generations after the fault's): a report in a later generation says that the step
+    failed again after a retry formed the group anew"""
+    timeout_s: float = 0.0
+    operation: str = "allreduce"
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Fault:
     """One fault: when, what, and where, as a position in the job's placement (so that the same fault strikes
     the same place of the job whichever nodes the policy has moved it to)."""
@@ -182,6 +195,17 @@ class Fault:
     """a hang found by its peers' collective timeout as a recorded night reported it: the members that never joined
     hang from the fault's time, and the timeout is reported as recorded `timeout_s` later. None: the cost model's
     hang (the agent reports it, the peers time out after `Agents.collective_timeout_s`)"""
+
+    pool: str | None = None
+    """a `join`'s spare pool (None: the shared pool)"""
+    command: tuple[str, tuple[tuple[str, object], ...]] | None = None
+    """an `operator` input's command, as a recorded night's operator sent it: its type (`operator.scale`) and data"""
+    silent: bool = False
+    """a hang its agent does not report (a recorded night found it only by the rank's silence, on the engine's
+    watchdog): the rank stops reporting, nothing else is said"""
+    failed_collective: CollectiveFailure | None = None
+    """the `collective` signal's reports (a recorded night's `process.collective_failed`): the step under way fails
+    with every process alive; None for any other signal"""
 
     @property
     def fault_class(self) -> str:

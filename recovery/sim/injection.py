@@ -8,8 +8,11 @@ from functools import partial
 from events.values import STORAGE_HOLDER, Tier
 from policies.codes import Action, nvidia_xid
 from recovery.sim.config import NS
-from recovery.sim.faults import FOLLOW_UPS, Collective, Fault
+from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure, Fault
 from recovery.sim.training import LINK, TrainingState
+
+NOT_FAULTS = ("join", "operator")
+"""inputs a recorded night replays that strike nothing: a spare joining, a person's command"""
 
 
 class FaultInjection(TrainingState):
@@ -23,7 +26,7 @@ class FaultInjection(TrainingState):
         hw = self.hw[node]
         switch = fault.signal == "network" and fault.scope == "switch"
         nodes = list(self.by_switch[hw.switch]) if switch else [node]
-        struck = any(n in self.placement for n in nodes) and not self.failed
+        struck = any(n in self.placement for n in nodes) and not self.failed and fault.signal not in NOT_FAULTS
         if fault.signal == "device":
             meaning = nvidia_xid(fault.code or "79")
             if struck and self.training and meaning.action is Action.WATCH:
@@ -33,7 +36,7 @@ class FaultInjection(TrainingState):
             struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
         if struck and fault.signal != "straggler":  # a straggler stops nothing: the job goes on, slower
             self._stop_training()
-            if fault.collective is None:
+            if fault.collective is None and fault.failed_collective is None:
                 self._arm_collective_timeout()
             else:  # the recorded collective timeout (`_fault_hang`) is the one this stretch of training gets
                 self._ct_epoch = self._epoch
@@ -137,7 +140,8 @@ class FaultInjection(TrainingState):
         if rank is None or rank in self.dead:
             return
         self.hung.add(rank)
-        self._report_hang(rank)
+        if not fault.silent:
+            self._report_hang(rank)
 
     def _report_hang(self, rank: int) -> None:
         """The rank's agent reports it hung once it made no progress for its watchdog's time, if still hung then."""
@@ -168,6 +172,44 @@ class FaultInjection(TrainingState):
                     "reporters": list(collective.reporters), "operation": collective.operation,
                     "timeout_s": collective.timeout_s, "attempt": gen}, source="agent")
         self.later(int(collective.timeout_s * NS), timed_out)
+
+    def _fault_collective(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        """A collective of the step under way timed out with every process alive (a recorded night's
+        `process.collective_failed`): the ranks that reported it say so, of the step the job was training and of its
+        group's generation then, at their recorded offsets. The processes wait for the next generation."""
+        failure = fault.failed_collective
+        if failure is None or node not in self.placement:
+            return
+        step, gen, epoch = self.halted_step + 1, self.generation, self._epoch
+        # the retries of the generations the log shows failing again do not get past the step (`_maybe_resume`)
+        self.failing_generations = {gen + later for _, _, later in failure.reports if later}
+        for rank, after, later in failure.reports:
+            self.later(after, partial(self._collective_failed, rank, step, gen + later, None if later else epoch,
+                                      failure))
+
+    def _collective_failed(self, rank: int, step: int, generation: int, epoch: int | None,
+                           failure: CollectiveFailure) -> None:
+        if self.failed or rank >= self.world_size or rank in self.dead or self.generation != generation:
+            return  # restarted in between: that group's failure is not reported any more
+        if (epoch is not None and self._epoch != epoch) or self.training or self.loading:
+            return  # retried in between, and training again
+        self.job_event("process.collective_failed", {
+            "rank": rank, "step": step, "attempt": generation, "operation": failure.operation,
+            "timeout_s": failure.timeout_s, "error": failure.error}, source=f"agent@{self.node_of(rank)}")
+
+    def _fault_operator(self, fault: Fault, _node: str, _nodes: list[str]) -> None:
+        """Not a fault: a person's command to the job (`operator.scale`, ...) at the time a recorded night shows."""
+        if fault.command is not None and not self.failed:
+            kind, data = fault.command
+            self.job_event(kind, dict(data), source="operator")
+
+    def _fault_join(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        """Not a fault: a spare joins the pool at the time a recorded night shows (a node added, or back from repair
+        under another name)."""
+        joined: dict[str, object] = {"spare": True, "devices": self.rpn}
+        if fault.pool is not None:
+            joined["pool"] = fault.pool
+        self.node_event(node, "node.joined", joined, source="scheduler")
 
     def _fault_network(self, fault: Fault, node: str, nodes: list[str]) -> None:
         switch = self.hw[node].switch

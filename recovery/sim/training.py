@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from events import subjects
 from events.envelope import EnvelopeBase, make_envelope
-from events.values import MAX_WATCHDOG_S, STORAGE_HOLDER, JobSpec, Layout, ResumePlan, Tier
+from events.values import MAX_WATCHDOG_S, STORAGE_HOLDER, Elastic, JobSpec, Layout, ResumePlan, Tier
 from recovery.sim.config import NS, SimConfig
 from recovery.sim.faults import node_name
 
@@ -138,6 +138,11 @@ class TrainingState:
         self._epoch = 0
         self._ct_epoch: int | None = None
         self.inflight: dict[str, tuple[int, frozenset[int]]] = {}
+        self.failing_generations: set[int] = set()
+        """generations whose retried step fails again (a recorded night's collective failures): no retry of theirs
+        resumes training"""
+        self.issued: dict[str, int] = {}
+        """commands sent so far, by `recovery.sim.answers.answer_kind`: which recorded answer is whose"""
         """restart commands under way: id -> (generation, ranks)"""
         self.restarted: set[int] = set()
         self.plan: ResumePlan | None = None
@@ -206,7 +211,9 @@ class TrainingState:
         # no heartbeats: a watchdog interval past the run's end (within the wire's bound) keeps it quiet.
         return JobSpec(nodes=list(self.placement), ranks_per_node=self.rpn, max_restarts=None,
                        layout=Layout(dp=self.dp, tp=self.tp, pp=self.pp), spares=None,
-                       policies=self.cfg.profile.selection,
+                       policies=self.cfg.profile.selection, spare_pool=self.cfg.spare_pool,
+                       elastic=None if self.cfg.elastic is None else Elastic(min_dp=self.cfg.elastic[0],
+                                                                             max_dp=self.cfg.elastic[1]),
                        watchdog_interval_s=self.cfg.watchdog_interval_s or self.cfg.watch_s or min(
                            max(10 * self.cfg.days * 86_400.0, 1e6), MAX_WATCHDOG_S))
 
@@ -216,6 +223,8 @@ class TrainingState:
         for name in self.placement:
             self.node_event(name, "node.joined", {"spare": False, "devices": self.rpn}, source="scheduler")
         for name in self.initial_spares:
+            if name in self.cfg.joining:  # it joins later, when its `join` fault comes
+                continue
             self.node_event(name, "node.joined", {"spare": True, "devices": self.rpn}, source="scheduler")
         self.job_event("job.submitted", {"spec": self.spec().model_dump()}, source="scheduler")
         self.job_event("checkpoint.saved", {"step": 0, "tier": Tier.STORAGE, "holder": STORAGE_HOLDER,
@@ -513,6 +522,9 @@ class TrainingState:
             return
         if self.blocked():
             self._arm_collective_timeout()
+            return
+        if self.retried and self.generation in self.failing_generations:
+            self.retried = False  # the retried step's collective times out again: its ranks say so
             return
         if self.retried:
             start, load_ns, rank = self.halted_step, 0, 0
