@@ -73,7 +73,8 @@ async def test_live_agents_log_no_heartbeat_nor_report_and_dead_stopped_and_sile
             at = time.monotonic()
             await wait_until(lambda: len(w.decided("fault.confirmed")) >= 2, SILENCE_S + WATCHDOG_S + SLACK_S,
                              "the stopped rank's fault", explain)
-            assert time.monotonic() - at < SILENCE_S + WATCHDOG_S + SLACK_S
+            stopped_found = time.monotonic() - at
+            assert stopped_found < SILENCE_S + WATCHDOG_S + SLACK_S
             assert w.decided("fault.confirmed")[-1]["data"]["reason"].startswith("ranks [1] silent"), w.kinds()
             await wait_until(lambda: job.state == "running" and job.incident is None and stopped not in [
                 p for pids in w.pids().values() for p in pids[-1:]], 60, "the stopped rank replaced", explain)
@@ -91,6 +92,8 @@ async def test_live_agents_log_no_heartbeat_nor_report_and_dead_stopped_and_sile
             assert confirmed["reason"].startswith(("agent of n0 silent", "all ranks on n0 silent")), confirmed
             assert SILENCE_S - BEAT_S <= found < SILENCE_S + SLACK_S, found  # from its last beat, up to a beat before
             await wait_until(lambda: "s0" in job.nodes, 30, "the ranks moved to the spare", explain)
+            print(f"a SIGSTOPped rank found silent {stopped_found:.1f} s after the stop (bound {SILENCE_S:g} s, "
+                  f"watchdog every {WATCHDOG_S:g} s); a SIGKILLed agent's node {found:.1f} s after the kill")
         records = [r for r in await read_stream(nats_server.url) if isinstance(r, Record)]
         check_log(records)  # every decision is what a replay of the log derives
         heartbeats = [r for r in records if r.envelope.type == "node.heartbeat"]
