@@ -13,8 +13,8 @@ It is wiring. Its parts are tasks of one anyio task group, each in a cancel scop
   acknowledge them all, and only then acknowledges the inputs;
 - `timers`: the timer service (`recovery.service.timers`), which fires the engine's timers from the processor's
   timer table as `timer.fired` events on the server's clock, after the record of an outage of the daemon's own
-  connection (`recovery.service.outage`); beside it `liveness`, the monitor of the nodes' live beats
-  (`recovery.service.liveness`);
+  connection (`recovery.service.outage`); beside it `liveness`, the monitor of the nodes' live beats and of the
+  ranks' reports it summarizes (`recovery.service.liveness`, `recovery.service.summaries`);
 - `snapshots`: uploads the snapshots captured between two batches into the KV bucket
   (`recovery.service.snapshots`);
 - `control`: the `recovery-ctl` request/reply service (`recovery.service.control`);
