@@ -439,7 +439,8 @@ def test_random_interleavings_keep_the_invariants_and_replay_identically(plan: P
     replay of the log re-derives exactly the recorded decisions, rejections and state."""
     driver = run_plan(plan)
     scenario = driver.scenario
-    assert not {r.code for r in scenario.rejections} & {"unencodable", "internal_error", "policy_error"}
+    assert not {r.code for r in scenario.rejections} & {"unencodable", "internal_error", "policy_error"}, [
+        (r.code, r.reason) for r in scenario.rejections]
     for decision in scenario.decisions:
         assert_fits_the_wire(decision.model_dump(mode="json"))
     replayed = replay(scenario.log.records())
