@@ -5,6 +5,7 @@ the plans hypothesis printed are kept as they were found, played by the property
 from __future__ import annotations
 
 from events.commands import StopRanks
+from events.values import Tier
 from recovery.testing.scenario import Scenario
 from tests import test_properties
 from tests.property_plans import JobPlan, Plan
@@ -171,3 +172,20 @@ def test_plan_whose_scale_in_kept_old_exiting_ranks() -> None:
              ("advance", 3), ("checkpoint", 0, 0, 0, 0, 0, 0), ("train", 1, 1, 0), ("advance", 0),
              ("exit", 0, 0, 0, 2, 0), *[("train", 0, 1, 0)] * 15, ("advance", 0), ("operator", 0, "pause", 1, 0)]))
 
+
+def test_plan_whose_only_newer_checkpoint_was_in_a_rebooted_nodes_memory() -> None:
+    """job1 saved step 2 in job1-n1's host memory only; job1-n1 then joined again (booted: the engine forgets what it
+    held), so the in-place restart after the XID rightly took step 1 from the live replicas. The driver still
+    counted step 2 as saved and called that a recovery that threw saved progress away: it now forgets a joining
+    node's host memory as the engine does."""
+    driver = check_plan(Plan(
+        jobs=[JobPlan("job0", dp=1, tp=1, pp=1, ranks_per_node=1, elastic=None, max_restarts=None),
+              JobPlan("job1", dp=2, tp=1, pp=2, ranks_per_node=2, elastic=None, max_restarts=None)],
+        spares=0,
+        ops=[("recover", 1), ("recover", 1), *[("train", 0, 1, 0)] * 3, ("checkpoint", 1, 0, 0, 2, 0, 2),
+             ("resubmit", 0), ("recover", 1), *[("train", 0, 1, 0)] * 5, ("node", 2, "joined"), ("link_down", 0, 0),
+             *[("train", 0, 1, 0)] * 6, ("advance", 0), ("train", 0, 1, 0), ("train", 0, 1, 0), ("recover", 1),
+             ("train", 0, 1, 0), ("train", 6, 1, 0), ("train", 0, 1, 0), ("recover", 1), ("xid", 1, 0, 0)]))
+    assert not driver.scenario.engine.jobs["job1"].frozen_catalog()[2][Tier.MEMORY]  # job1-n1's memory: forgotten
+    plan = driver.scenario.find("checkpoint.plan", "job1")[-1]
+    assert plan.detail["checkpoint_step"] == 1 and plan.detail["tiers"] == {"peer": 2}
