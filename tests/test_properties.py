@@ -92,10 +92,9 @@ class Driver:
 
     plan: Plan
     scenario: Scenario = field(default_factory=CheckedScenario)
-    saved: dict[str, dict[int, set[int]]] = field(default_factory=dict)
-    """job -> step -> shards reported saved (any tier, any holder), from accepted checkpoint.saved events"""
     holders: dict[tuple[str, int, Tier, int], set[str]] = field(default_factory=dict)
-    """(job, step, tier, shard) -> holders, from the same events"""
+    """(job, step, tier, shard) -> holders that still have it: reported by accepted checkpoint.saved events, less
+    the host memory of nodes that (re)joined since (a joining node was booted: its memory is empty)"""
     finals: dict[str, str] = field(default_factory=dict)
     checked: int = 0
     last_state: dict[str, str] = field(default_factory=dict)
@@ -168,7 +167,6 @@ class Driver:
     def _save(self, name: str, step: int, tier: Tier, holder: str, shards: list[int]) -> None:
         effects = self.scenario.checkpoint(name, step, tier, holder, shards)
         if not any(isinstance(e, Rejection) for e in effects):
-            self.saved.setdefault(name, {}).setdefault(step, set()).update(shards)
             for shard in shards:
                 self.holders.setdefault((name, step, tier, shard), set()).add(holder)
         self.check()
@@ -217,14 +215,22 @@ class Driver:
 
     def _op_node(self, node: int, what: str) -> None:
         name = self.node_names[node % len(self.node_names)]
-        if what == "joined":
-            self.scenario.node_event(name, "node.joined", spare=True)
-        elif what == "joined_busy":
-            self.scenario.node_event(name, "node.joined", spare=False)
+        if what in ("joined", "joined_busy"):
+            effects = self.scenario.node_event(name, "node.joined", spare=what == "joined")
+            if not any(isinstance(e, Rejection) for e in effects):
+                self._reboot(name)
         elif what == "ready":
             self.scenario.node_event(name, "node.ready")
         else:
             self.scenario.node_event(name, f"node.{what}", reason="test")
+
+    def _reboot(self, node: str) -> None:
+        """A node that joins has just been booted: the checkpoints it held in host memory are gone, for every job
+        (on disk, or held elsewhere, they stay). Without this, a step whose only copy was in that memory would
+        still count as saved, and a plan that rightly passed it over would look like one that threw it away."""
+        for (_, _, tier, _), holders in self.holders.items():
+            if tier is Tier.MEMORY:
+                holders.discard(node)
 
     def _op_duplicate(self, index: int, raw: int) -> None:
         """Send an earlier input again with its id: as the same envelope (the log drops it by Msg-Id) or
@@ -342,9 +348,9 @@ class Driver:
                     f"{name} is {job.phase}, its last decision says {self.last_phase[name]}")
 
     def check_plans(self, decision: Decision) -> None:
-        """A resume point is a step whose every shard was reported saved, and each rank's source holds its
-        shard in the tier it names; or, for state taken from live replicas, a step no older than the newest
-        complete checkpoint, sent from nodes of the job that the restart does not touch."""
+        """A resume point is a step whose every shard was reported saved and is still held, and each rank's source
+        holds its shard in the tier it names; or, for state taken from live replicas, a step no older than the
+        newest complete checkpoint still held, sent from nodes of the job that the restart does not touch."""
         steps: list[int | None] = []
         peer_steps: list[int] = []
         if decision.kind == "checkpoint.plan" and decision.detail["tiers"].get(Tier.PEER.value) is None:
@@ -376,9 +382,13 @@ class Driver:
                     for holder in source.holders:
                         assert holder in self.holders.get(key, set()), (
                             f"{decision.kind}: shard {source.shard} resumes from {source.tier}@{holder} "
-                            f"at step {plan.checkpoint_step}, which never held it")
+                            f"at step {plan.checkpoint_step}, which does not hold it")
         shards = self.scenario.engine.jobs[decision.job].layout.shards
-        complete = {step for step, got in self.saved.get(decision.job, {}).items() if set(range(shards)) <= got}
+        held: dict[int, set[int]] = {}  # step -> shards some holder still has, in any tier
+        for (name, step, _, shard), holders in self.holders.items():
+            if name == decision.job and holders:
+                held.setdefault(step, set()).add(shard)
+        complete = {step for step, got in held.items() if set(range(shards)) <= got}
         newest = max(complete, default=None)
         for step in steps:
             if step is None:

@@ -1,10 +1,21 @@
 """Regressions the property tests of `tests/test_properties.py` found: each sequence was an `internal_error` (an
-illegal transition, an index past the placement) before its fix in the engine."""
+illegal transition, an index past the placement) or a built-in policy's `policy_error` before its fix in the engine;
+the plans hypothesis printed are kept as they were found, played by the property's own driver."""
 
 from __future__ import annotations
 
 from events.commands import StopRanks
+from events.values import Tier
 from recovery.testing.scenario import Scenario
+from tests import test_properties
+from tests.property_plans import JobPlan, Plan
+
+
+def check_plan(plan: Plan) -> test_properties.Driver:
+    """A plan hypothesis printed, played by the property itself (its inner test: nothing drawn, nothing shrunk); and
+    once more by its driver, for a test to look at what the plan led to."""
+    test_properties.test_random_interleavings_keep_the_invariants_and_replay_identically.hypothesis.inner_test(plan)
+    return test_properties.run_plan(plan)
 
 
 def no_internal_errors(scenario: Scenario) -> None:
@@ -127,3 +138,54 @@ def test_in_place_restart_after_scale_in_ignores_ranks_the_job_no_longer_has() -
     s.job_event("job", "operator.force", granularity="in_place")
     no_internal_errors(s)
     assert s.find("attempt.started", "job")[-1].detail["ranks"] == [0]
+
+
+def test_scale_in_forgets_the_old_worlds_exiting_ranks() -> None:
+    """A SIGINT while the job waited for nodes (a preemption: all 4 ranks asked to stop) marked them exiting, writing a
+    dying checkpoint; the scale-in it led to renumbered the job into 2 ranks, took the new numbers off that set and
+    left ranks 2 and 3 in it, and the next plan (the operator's pause) made the built-in checkpoint policy index
+    past the job's ranks (a `policy_error`)."""
+    s = Scenario()
+    s.submit("job", ["n0", "n1"], ranks_per_node=2, dp=2, pp=2, elastic={"min_dp": 1, "max_dp": 2})
+    s.train("job", 3)
+    s.advance(11)  # every rank silent past the watchdog: a node fault, no spare: wait
+    assert s.phase("job") == "waiting"
+    s.job_event("job", "process.exited", rank=0, exit_code=0, signal=2, attempt=0)  # n0 speaks: scale in onto it
+    assert s.find("attempt.started", "job")[-1].detail["granularity"] == "scale_in"
+    assert s.engine.jobs["job"].world == 2
+    incident = s.engine.jobs["job"].incident
+    assert incident is not None and incident.exiting <= set(range(2)) and incident.stopped <= set(range(2))
+    s.job_event("job", "operator.pause", reason="test")
+    assert not s.rejections, s.rejections
+    assert s.state("job") == "paused"
+
+
+def test_plan_whose_scale_in_kept_old_exiting_ranks() -> None:
+    """The plan hypothesis found for `test_scale_in_forgets_the_old_worlds_exiting_ranks`: the operator's pause at the
+    end was a `policy_error` (newest-complete's `exiting_step` indexed rank 2 of a 2-rank job)."""
+    check_plan(Plan(
+        jobs=[JobPlan("job0", dp=2, tp=1, pp=2, ranks_per_node=2, elastic=(1, 2), max_restarts=None),
+              JobPlan("job1", dp=1, tp=1, pp=1, ranks_per_node=1, elastic=(1, 1), max_restarts=None)],
+        spares=0,
+        ops=[("train", 0, 1, 0), ("train", 0, 1, 0), ("recover", 1), ("link_down", 0, 0), ("train", 0, 1, 0),
+             ("link_up", 0, 0), ("recover", 1), ("train", 0, 1, 0), ("train", 0, 1, 0), ("recover", 1),
+             ("advance", 3), ("checkpoint", 0, 0, 0, 0, 0, 0), ("train", 1, 1, 0), ("advance", 0),
+             ("exit", 0, 0, 0, 2, 0), *[("train", 0, 1, 0)] * 15, ("advance", 0), ("operator", 0, "pause", 1, 0)]))
+
+
+def test_plan_whose_only_newer_checkpoint_was_in_a_rebooted_nodes_memory() -> None:
+    """job1 saved step 2 in job1-n1's host memory only; job1-n1 then joined again (booted: the engine forgets what it
+    held), so the in-place restart after the XID rightly took step 1 from the live replicas. The driver still
+    counted step 2 as saved and called that a recovery that threw saved progress away: it now forgets a joining
+    node's host memory as the engine does."""
+    driver = check_plan(Plan(
+        jobs=[JobPlan("job0", dp=1, tp=1, pp=1, ranks_per_node=1, elastic=None, max_restarts=None),
+              JobPlan("job1", dp=2, tp=1, pp=2, ranks_per_node=2, elastic=None, max_restarts=None)],
+        spares=0,
+        ops=[("recover", 1), ("recover", 1), *[("train", 0, 1, 0)] * 3, ("checkpoint", 1, 0, 0, 2, 0, 2),
+             ("resubmit", 0), ("recover", 1), *[("train", 0, 1, 0)] * 5, ("node", 2, "joined"), ("link_down", 0, 0),
+             *[("train", 0, 1, 0)] * 6, ("advance", 0), ("train", 0, 1, 0), ("train", 0, 1, 0), ("recover", 1),
+             ("train", 0, 1, 0), ("train", 6, 1, 0), ("train", 0, 1, 0), ("recover", 1), ("xid", 1, 0, 0)]))
+    assert not driver.scenario.engine.jobs["job1"].frozen_catalog()[2][Tier.MEMORY]  # job1-n1's memory: forgotten
+    plan = driver.scenario.find("checkpoint.plan", "job1")[-1]
+    assert plan.detail["checkpoint_step"] == 1 and plan.detail["tiers"] == {"peer": 2}

@@ -292,6 +292,11 @@ class Restarts:
                         job.put(job.alive, rank, 1)  # their processes live on, in the new world
                     attempt.ranks = tuple(range(job.world))
                     attempt.covered = None
+                    # The old world's rank numbers name no rank of the new one (they are renumbered, and fewer
+                    # after a scale-in), and no process of the new world is exiting or stopped by the engine: the
+                    # kept ones live on, the rest start now. Subtracting the new numbers below would leave old
+                    # ones past the new world, for a policy to index.
+                    incident.exiting = incident.stopped = frozenset()
                     commands.append(ScaleJob(id=cid, job=job.id, attempt=gen, deadline_s=600, dp=dp,
                                              nodes=nodes, plan=plan, kept=sorted(kept.values())))
                 else:
