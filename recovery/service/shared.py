@@ -76,4 +76,7 @@ class SharedSubscription:
     async def _deliver(self, msg: Any) -> None:
         subject, data = msg.subject, msg.data
         for _, handler in list(self.members.values()):
-            handler(subject, data)
+            try:
+                handler(subject, data)
+            except Exception:  # one member's fault: the others hear the message all the same
+                logger.exception("a member could not take a message of %s", subject)
