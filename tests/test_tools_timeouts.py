@@ -31,6 +31,7 @@ from recovery.log.jetstream import (
     ensure_stream,
     is_retryable,
     is_too_many_requests,
+    is_transient,
     stream_config,
     surface_async_ack_errors,
 )
@@ -305,3 +306,12 @@ def test_a_nats_server_whose_start_is_interrupted_does_not_outlive_it(tmp_path: 
         server.start()
     assert started and started[0].poll() is not None, "the nats-server process outlived its interrupted start"
     assert not server.running
+
+
+def test_an_api_error_without_a_code_is_no_429_and_no_crash() -> None:
+    """nats-py raises some APIError subclasses with no `code` attribute at all (a key not found under a replicated
+    bucket whose server restarts): classified as not transient, never an AttributeError that stops a daemon's start."""
+    exc = nats.js.errors.KeyNotFoundError()
+    assert not hasattr(exc, "code") or exc.code is None
+    assert not is_too_many_requests(exc)
+    assert not is_transient(exc)

@@ -81,7 +81,8 @@ def describe_error(exc: BaseException) -> str:
 
 def is_too_many_requests(exc: BaseException) -> bool:
     """A JetStream 429. nats-py raises it as a plain `APIError` with `code == 429` (err_code 10167)."""
-    return isinstance(exc, nats.js.errors.APIError) and exc.code == TOO_MANY_REQUESTS
+    # Some of nats-py's APIError subclasses (KeyNotFoundError) are raised without a code attribute at all.
+    return isinstance(exc, nats.js.errors.APIError) and getattr(exc, "code", None) == TOO_MANY_REQUESTS
 
 
 def is_transient(exc: BaseException) -> bool:

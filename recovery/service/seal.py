@@ -17,7 +17,7 @@ import hmac
 import os
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from recovery.core.firings import DIGEST_CHARS  # the engine checks a firing's seal by its form too
 
@@ -40,8 +40,13 @@ async def load_seal(js: JetStreamContext, bucket: str) -> Seal:
     """The deployment's seal: its secret read from `bucket`, or made and stored there by the first daemon (a
     create, so that two daemons starting at once agree on one)."""
     kv = await js.key_value(bucket)
-    with contextlib.suppress(KeyWrongLastSequenceError):  # another daemon made it first: use that one
+    # Another daemon made it first: use that one. nats-py's create reads the key back after a refusal, and a replica
+    # not caught up (a server restarting under a replicated bucket) may not have it yet: the read below says so.
+    with contextlib.suppress(KeyWrongLastSequenceError, KeyNotFoundError):
         await kv.create(SEAL_KEY, os.urandom(32))
-    entry = await kv.get(SEAL_KEY)
+    try:
+        entry = await kv.get(SEAL_KEY)
+    except KeyNotFoundError:
+        raise TimeoutError("the seal is not readable yet: a replica catching up") from None  # tried again
     assert entry.value is not None
     return Seal(bytes(entry.value))
