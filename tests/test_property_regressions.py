@@ -189,3 +189,18 @@ def test_plan_whose_only_newer_checkpoint_was_in_a_rebooted_nodes_memory() -> No
     assert not driver.scenario.engine.jobs["job1"].frozen_catalog()[2][Tier.MEMORY]  # job1-n1's memory: forgotten
     plan = driver.scenario.find("checkpoint.plan", "job1")[-1]
     assert plan.detail["checkpoint_step"] == 1 and plan.detail["tiers"] == {"peer": 2}
+
+
+def test_plan_whose_spare_joined_during_a_scale_in() -> None:
+    """job1 (dp=2, elastic 1..2) lost a link on job1-n0: no spare, so a scale-in to dp=1 keeping rank 1, whose live
+    replica the plan restores from. A spare joined while rank 0 was being stopped; the restart placed the job again
+    at dp=2 and restarted every rank, the peer it was to restore from included. The scale keeps the size it was
+    planned for."""
+    driver = check_plan(Plan(
+        jobs=[JobPlan("job0", dp=1, tp=1, pp=1, ranks_per_node=1, elastic=None, max_restarts=None),
+              JobPlan("job1", dp=2, tp=1, pp=1, ranks_per_node=1, elastic=(1, 2), max_restarts=None)],
+        spares=0,
+        ops=[("link_down", 1, 0), *[("train", 0, 1, 0)] * 4, ("recover", 1), ("train", 0, 1, 0), ("train", 0, 3, 0),
+             ("node", 3, "joined"), ("train", 0, 1, 0), ("recover", 1)]))
+    [rescheduled] = driver.scenario.find("ranks.rescheduling", "job1")
+    assert [c.kind for c in rescheduled.commands] == ["scale_job"] and rescheduled.detail["nodes"] == ["job1-n1"]

@@ -296,6 +296,8 @@ class Incidents(Restarts):
             # A scale keeps the live processes on the nodes it keeps (they re-form in the new world and are the
             # peers the others take their state from); everything else restarts.
             placed = self.placement.place(job, attempt) if g in (G.SCALE_IN, G.SCALE_OUT) else None
+            if placed is not None:  # the size the plan is made for (its kept processes, its peers): a spare that
+                attempt.dp = placed[1]  # joins before the restart must not make it another size, restarting them all
             kept = self.placement.survivors(job, placed[0]) if placed is not None and placed[1] != job.layout.dp else {}
             attempt.ranks = tuple(r for r in range(job.world) if r not in kept)
             attempt.stopping = tuple(r for r in attempt.ranks if job.alive[r])
