@@ -35,6 +35,7 @@ from events.envelope import make_envelope
 from events.values import MAX_RANKS, MAX_SAFE_INT, MAX_SECONDS
 from policies.base import NS
 from recovery.core.engine import Engine
+from recovery.core.machine import FINAL
 from recovery.service.publisher import Outgoing
 from recovery.service.shared import SharedSubscription
 
@@ -89,8 +90,8 @@ class ProgressSummaries:
                 raise ValueError("not a job's progress.report envelope")
             job_id = raw["job"]
             job = self.engine().jobs.get(job_id)
-            if job is None:  # another partition's job (every daemon hears every node), or one that ended
-                self.ignored += 1
+            if job is None or job.state in FINAL:  # another partition's job (every daemon hears every node), or
+                self.ignored += 1  # one that ended: its last words decide nothing
                 return
             if raw.get("node") != node:
                 raise ValueError(f"sent on {node}'s subject for node {raw.get('node')!r}")
