@@ -219,3 +219,16 @@ def test_a_rank_whose_script_ended_is_not_silent_while_the_others_finish() -> No
         s.job_event("j", "process.exited", rank=rank, exit_code=0, attempt=0)
     s.job_event("j", "job.completed")
     assert s.state("j") == "completed" and not s.find("incident.opened", "j")
+
+
+def test_a_summarized_step_heard_before_the_jobs_newest_gives_no_pace_from_time_running_backwards() -> None:
+    """Rank 1's agent logged step 9 now; the summary says rank 2 reached step 10, heard 3 s ago: the job's step is 10,
+    and its step time is not measured from a step heard before the one it follows."""
+    s = _running()
+    job = s.engine.jobs["j"]
+    s.advance(5)
+    s.job_event("j", "progress.report", ranks=[{"rank": 1, "step": 9, "attempt": 0}])
+    pace = job.step_time
+    s.advance(0.5)
+    _summary(s, "j", [{"rank": 2, "step": 10, "attempt": 0, "heard_s": 3.0}])
+    assert job.step == 10 and job.step_time == pace  # no pace measured from it

@@ -103,11 +103,13 @@ class Progress:
                     job.steps[rank] = step
                     job.last_progress[rank] = ts
                 if step > job.step and current:
-                    if job.step_ts is not None:
+                    # A summary's rank may have been heard before the record that set the job's step: no pace from
+                    # a time that runs backwards.
+                    if job.step_ts is not None and ts > job.step_ts:
                         per_step = (ts - job.step_ts) // (step - job.step)
                         job.step_time = per_step if job.step_time is None else (7 * job.step_time + per_step) // 8
                     job.step = step
-                    job.step_ts = ts
+                    job.step_ts = ts if job.step_ts is None else max(ts, job.step_ts)
         compute = None if isinstance(data, kinds.Heartbeat) else data.compute_s
         if compute is not None and current:
             # Tallied as integer ns (a float sum would depend on the order of additions): a straggler's mean shows.
