@@ -105,7 +105,7 @@ class Progress:
                 if step > job.step and current:
                     # A summary's rank may have been heard before the record that set the job's step: no pace from
                     # a time that runs backwards.
-                    if job.step_ts is not None and ts > job.step_ts:
+                    if job.step_ts is not None and ts >= job.step_ts:
                         per_step = (ts - job.step_ts) // (step - job.step)
                         job.step_time = per_step if job.step_time is None else (7 * job.step_time + per_step) // 8
                     job.step = step
