@@ -52,9 +52,13 @@ class Cluster:
     def agent(self, node: str) -> AgentProcess:
         return next(a for a in self.agents if a.node == node)
 
-    def explain(self) -> str:
+    def explain(self, job: str | None = None) -> str:
+        """The agents' and the daemon's last lines; with `job`, also the tail of each of its processes' output."""
+        outputs = "" if job is None else "".join(
+            f"\n--- {path.parent.name}/{path.name}:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-8:])
+            for a in [*self.agents, *self.extra] for path in sorted(a.workdir.glob(f"{job}.rank*.gen*.log")))
         return "\n".join(f"--- agent {a.node}:\n{a.log_tail()}" for a in [*self.agents, *self.extra]) + \
-            f"\n--- daemon:\n{self.daemon.log_tail()}"
+            f"\n--- daemon:\n{self.daemon.log_tail()}" + outputs
 
 
 @contextmanager
@@ -115,7 +119,8 @@ async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str
 
         def explain() -> str:
             decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
-            return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
+            return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n--- events:\n{w.story()}\n" \
+                f"{cluster.explain(job)}"
 
         port = cluster.store.port if rendezvous == "external" else free_port()
         await submit(nc, job, job_spec(out, STEPS, step_time, nodes, port, rendezvous, checkpoint, detection, args))

@@ -176,6 +176,22 @@ class JobWatch:
     def decided(self, kind: str) -> list[dict[str, Any]]:
         return [d for d in self.decisions if d["data"]["kind"] == kind]
 
+    def story(self) -> str:
+        """The job's events in order, one short line each (a failed test's account of what the processes said):
+        each rank's progress as its newest step per generation, everything else by type, rank and generation."""
+        lines: list[str] = []
+        newest: dict[tuple[int, int], int] = {}
+        for e in self.events:
+            data = e.get("data") or {}
+            if e["type"] in ("progress.step", "process.heartbeat", "progress.report", "progress.summary"):
+                if e["type"] == "progress.step":
+                    newest[(data["rank"], data.get("attempt", 0))] = data["step"]
+                continue
+            extra = {k: data[k] for k in ("rank", "attempt", "step", "exit_code", "signal", "error") if k in data}
+            lines.append(f"{e['type']} {str(extra)[:200]}")
+        steps = ", ".join(f"rank {r} gen {a}: {s}" for (r, a), s in sorted(newest.items()))
+        return "\n".join([*lines, f"newest steps: {steps}"])
+
 
 async def wait_until(condition: Callable[[], bool], timeout: float, what: str,
                      explain: Callable[[], str] = lambda: "") -> None:

@@ -32,7 +32,8 @@ async def test_a_collective_timeout_with_every_rank_alive_retries_the_step_in_a_
 
     def explain() -> str:
         decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
-        return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain()}"
+        return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n--- events:\n{w.story()}\n" \
+            f"{cluster.explain(job)}"
 
     # No process restarted: each rank ran in one process, started once.
     assert sorted(w.pids()) == [0, 1, 2, 3] and all(len(p) == 1 for p in w.pids().values()), explain()
