@@ -134,9 +134,6 @@ NOT_REPRODUCIBLE = {
 }
 """golden logs the simulator cannot reproduce, with what whatif must say about why, and why in a few words"""
 KNOWN_GAPS: dict[str, str] = {
-    "double_fault_carries_restart": "the simulated executor refuses the superseded attempt's restart of rank 1 while "
-                                    "rank 2 (the next attempt's) is down, where the recorded one carried it out: the "
-                                    "simulated ladder fails the attempt and restarts the job",
     "elastic_keeps_survivors": "its scale-in took 13 s and its scale-out 0 s; the simulator times every scale_job at "
                                "their median, so the scale-in closes 6.5 s early and the scale-out's peers are a step "
                                "past the plan",

@@ -56,6 +56,8 @@ class Executors(TrainingState):
             self._stop_training()
         if kind in _RESTARTS:
             self.inflight[command.id] = (command.attempt, frozenset(self._command_ranks(command)))
+        if kind in (*_RESTARTS, "retry_step"):
+            self.newest_sent = max(self.newest_sent, command.attempt)
         if recorded is not None:
             self._answer_as_recorded(command, recorded)
             return
@@ -224,11 +226,22 @@ class Executors(TrainingState):
             if name in self.hw:  # a reset clears what needs one (an XID 48); a lemon may fault again
                 self.hw[name].bad.difference_update(devices)
         nodes = sorted({self.node_of(r) for r in command.ranks})
+        if command.attempt < self.newest_sent:
+            return self._unhealthy(nodes) or self._superseded_restart(command)
         why = (self._unhealthy(nodes) or self._others_blocked(set(command.ranks), command.attempt)
                or self._plan_missing(command.plan, self._restarting(command)))
         if why:
             return why
         self._restarted(command, list(command.ranks))
+        return ""
+
+    def _superseded_restart(self, command: Any) -> str:
+        """An in-place restart of an attempt a newer one superseded, carried out as a real executor does: its ranks'
+        processes start whatever the other ranks do, and abandon their generation for the newest (the SDK's), whose
+        own restart brings the others back. They join it like survivors, as the engine expects of the ranks that
+        attempt carried over: the newest generation, its plan and its restarts stay as they are."""
+        self.dead.difference_update(command.ranks)
+        self.hung.difference_update(command.ranks)
         return ""
 
     def _do_migrate_ranks(self, command: Any) -> str:

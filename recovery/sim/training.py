@@ -138,12 +138,14 @@ class TrainingState:
         self._epoch = 0
         self._ct_epoch: int | None = None
         self.inflight: dict[str, tuple[int, frozenset[int]]] = {}
+        """restart commands under way: id -> (generation, ranks)"""
+        self.newest_sent = 0
+        """the newest generation a command sent to the executors starts (a restart's or a retry's attempt)"""
         self.failing_generations: set[int] = set()
         """generations whose retried step fails again (a recorded night's collective failures): no retry of theirs
         resumes training"""
         self.issued: dict[str, int] = {}
         """commands sent so far, by `recovery.sim.answers.answer_kind`: which recorded answer is whose"""
-        """restart commands under way: id -> (generation, ranks)"""
         self.restarted: set[int] = set()
         self.plan: ResumePlan | None = None
         self.retried = False
