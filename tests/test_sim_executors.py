@@ -1,12 +1,13 @@
-"""The simulated executors as a recorded night has them answer: the restart of an attempt a newer one superseded,
-carried out as a real executor does."""
+"""The simulated executors and the inputs a recorded night replays: the restart of an attempt a newer one superseded,
+carried out as a real executor does; a spare that joins while the job trains."""
 
 from __future__ import annotations
 
 from events.commands import RestartRanks
 from events.values import ResumePlan
-from recovery.sim import Costs, SimConfig, Simulator
-from recovery.sim.config import Cluster
+from recovery.log import EPOCH
+from recovery.sim import Costs, Fault, SimConfig, Simulator, Training
+from recovery.sim.config import NS, Cluster
 
 SMALL = Cluster(gpus=16, gpus_per_node=4, tp=1, pp=1, spare_nodes=1)
 RELIABLE = Costs(fail_probability=0.0, timeout_probability=0.0)
@@ -48,3 +49,19 @@ def test_a_restart_of_the_newest_attempt_is_still_refused_while_other_ranks_are_
     world.execute(first)
     world._complete(first, "ok")
     assert world.stats.get("restart_ranks:refused") == 1 and world.dead == {1, 2}
+
+
+def test_a_spare_that_joins_while_the_job_trains_is_heard_after_the_step_the_job_reached() -> None:
+    """The engine may scale out onto a spare as soon as it joins, with a plan naming the step its live ranks are at:
+    it hears how far the job got before the spare's node.joined, as a real engine has from the ranks' report of each
+    step (the simulated job reports only when something happens)."""
+    config = SimConfig(cluster=SMALL, costs=RELIABLE, training=Training(step_time_s=1.0), days=0.001,
+                       joining=("n00004",))
+    join = Fault(index=0, at_ns=int(30.5 * NS), component="join", signal="join", scope="node", position=0, device=0,
+                 node="n00004")
+    sim = Simulator(config, faults=[join])
+    sim.run()
+    records = list(sim.log.records())
+    [joined] = [i for i, r in enumerate(records) if r.envelope.type == "node.joined" and r.ts > EPOCH]
+    steps = [r.envelope.data.step for r in records[:joined] if r.envelope.type == "progress.step"]
+    assert steps and steps[-1] == 30

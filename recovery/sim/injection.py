@@ -34,6 +34,11 @@ class FaultInjection(TrainingState):
                 # hears how far the job got first, as before any fault's events.
                 self._catch_up(self.step_now())
             struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
+        if fault.signal in NOT_FAULTS and self.training and not self.failed:
+            # The engine may act on it at once (a scale-out onto the spare that joined, the operator's scale), with
+            # a plan that names the step its live ranks are at: it hears how far the job got first, as a real
+            # engine has from the ranks' report of each step.
+            self._catch_up(self.step_now())
         if struck and fault.signal != "straggler":  # a straggler stops nothing: the job goes on, slower
             self._stop_training()
             if fault.collective is None and fault.failed_collective is None:
