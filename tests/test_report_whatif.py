@@ -133,13 +133,7 @@ NOT_REPRODUCIBLE = {
     "straggler_drained": ("node.drain_planned on a timer", "a straggler found by the ranks' compute times"),
 }
 """golden logs the simulator cannot reproduce, with what whatif must say about why, and why in a few words"""
-KNOWN_GAPS: dict[str, str] = {
-    "elastic_keeps_survivors": "its scale-in took 13 s and its scale-out 0 s; the simulator times every scale_job at "
-                               "their median, so the scale-in closes 6.5 s early and the scale-out's peers are a step "
-                               "past the plan",
-    "elastic_scale": "the same: its three scale_job commands took 13, 0 and 0 s, each timed at their median (0 s): "
-                     "the scale-in closes 13 s early",
-}
+KNOWN_GAPS: dict[str, str] = {}
 """golden logs whatif does not reproduce yet and cannot explain from the log: the simulator's model differs"""
 
 

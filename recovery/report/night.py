@@ -75,7 +75,8 @@ class Night:
     failed_commands: list[str] = field(default_factory=list)
     """commands the recorded executors failed or never answered (the simulated ones never fail unless asked)"""
     answers: list[RecordedAnswer] = field(default_factory=list)
-    """the same, by command kind and order: replayed for the simulated engine's commands"""
+    """every command's answer (done, failed or none) by command kind and order: replayed for the simulated engine's
+    commands"""
     operator: list[str] = field(default_factory=list)
     """operator commands and job ends the scheduler reported: decisions of people, not faults"""
     unmatched_signals: list[str] = field(default_factory=list)

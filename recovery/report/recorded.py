@@ -4,7 +4,7 @@ One pass over the log keeps what the cluster did on its own (the job's shape and
 nodes and spares, the faults: device faults, links going down and up, hosts going away, and the process exits and
 hangs the recorded engine took as fault signals; with a SIGTERM exit, the preemption's other exits and the dying
 checkpoint its handlers saved unasked; with a collective timeout, who reported it and after how long) and measures
-what its answers took (each command kind's time from the decision to its `done` ack, each restore's time from
+what its answers took (each command's time from the decision to its `done` ack, each restore's time from
 `ranks.restoring` to the step that closed the incident, each persistent checkpoint's time from its step to
 `checkpoint.saved`, the agents' detection delays that the events state). It also keeps the recorded sequence of
 recovery decisions and what the simulator cannot re-create (executors that failed or never answered, operator
@@ -20,7 +20,7 @@ from typing import Any
 
 from recovery.report.night import Draft, Night, RecordedCluster, RecoveryDecision, faults_of, median
 from recovery.report.source import RawDict
-from recovery.sim.answers import FAILED, SILENT, RecordedAnswer, answer_kind
+from recovery.sim.answers import DONE, FAILED, SILENT, RecordedAnswer, answer_kind
 from recovery.sim.config import NS, Agents
 from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure
 
@@ -325,6 +325,8 @@ class _Reader:
             self.accepted[str(data.get("command_id"))] = (ts - at) / NS
         elif status == "done":
             self.night.command_s.setdefault(kind, []).append((ts - at) / NS)
+            if kind != "dump_stacks":  # simulated processes have no stacks: the simulator never sends one
+                self.night.answers.append(RecordedAnswer(kind, nth, DONE, round((ts - at) / NS, 9)))
             if str(data.get("command_id")) in self.accepted:
                 self.night.ack_s.append(self.accepted.pop(str(data.get("command_id"))))
         elif status == "failed":

@@ -15,6 +15,8 @@ from recovery.report.screen import Column, fitted_tables, screen_console
 from recovery.report.stacks import describe
 
 MAX_INCIDENTS = 50
+TIMED_LISTED = 4
+"""the what-if lists the commands it timed as recorded one by one up to this many, else counts them by kind"""
 """incidents shown in full per job in the terminal; --json and --html have all of them"""
 
 
@@ -321,6 +323,13 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
     if inputs.get("executors"):
         console.print(Text("replayed from the log, for the simulated commands of the same kind and order, the "
                            "recorded executors' answers: " + "; ".join(inputs["executors"])))
+    timed = inputs.get("timed_as_recorded") or {}
+    if timed.get("commands"):
+        # a long night carries out thousands of commands: past a few, how many of each kind is what reads
+        listed = ("; ".join(timed["answers"]) if timed["commands"] <= TIMED_LISTED
+                  else ", ".join(f"{k} {v}" for k, v in timed["by_kind"].items()))
+        console.print(Text(f"{timed['commands']} commands timed as recorded (decision to done ack), for the simulated "
+                           f"commands of the same kind and order: {listed}", style="dim"))
     console.print(Text("re-simulated (answers to the recorded decisions, training, timers): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["resimulated"].items()), style="dim"))
     measured = [f"{k} {v['value']}" for k, v in result["calibration"].items() if v["from"] == "measured"]

@@ -36,7 +36,7 @@ from recovery.report.recorded import RecordedCluster, RecoveryDecision, faults_o
 from recovery.report.source import iter_file
 from recovery.sim.__main__ import parse_policy
 from recovery.sim.accounting import Result
-from recovery.sim.answers import RecordedAnswer
+from recovery.sim.answers import DONE, RecordedAnswer
 from recovery.sim.config import DAY_S, NS, Agents, Cluster, Costs, Profile, SimConfig, Training
 from recovery.sim.faults import Fault
 from recovery.sim.sim import Simulator
@@ -112,6 +112,16 @@ def _sim_names(answer: RecordedAnswer, cluster: RecordedCluster) -> RecordedAnsw
     """`answer` with the recorded nodes its result names (a failed reset's node) as the simulator's."""
     names = {name: f"n{i:05d}" for i, name in enumerate(cluster.nodes + cluster.spares)}
     return replace(answer, result=tuple((k, names.get(v, v) if isinstance(v, str) else v) for k, v in answer.result))
+
+
+def _timed(answers: list[RecordedAnswer]) -> dict[str, Any]:
+    """The commands the recorded executors carried out, whose simulated namesakes take as long: how many of each
+    kind, and the first few (a night of thousands of commands lists no more)."""
+    done = [a for a in answers if a.status == DONE]
+    by_kind: dict[str, int] = {}
+    for answer in done:
+        by_kind[answer.kind] = by_kind.get(answer.kind, 0) + 1
+    return {"commands": len(done), "by_kind": dict(sorted(by_kind.items())), "answers": [a.label for a in done[:200]]}
 
 
 def _every(steps: list[int]) -> int | None:
@@ -308,7 +318,8 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
         "assumed": calibration.assumed,
         "other_jobs": sorted(cluster.other_jobs),
         "inputs": {"faults": len(faults), "kept": dict(sorted(cluster.kept.items())),
-                   "executors": [a.label for a in cluster.night.answers],
+                   "executors": [a.label for a in cluster.night.answers if a.status != DONE],
+                   "timed_as_recorded": _timed(cluster.night.answers),
                    "resimulated": dict(sorted(cluster.resimulated.items())),
                    "fault_list": [{"at_s": round(f.at_ns / NS, 3), "signal": f.signal, "from": f.component}
                                   for f in faults[:200]]},

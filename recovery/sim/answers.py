@@ -1,10 +1,10 @@
-"""Executors' answers a recorded night shows: a command the recorded executor failed, or never answered, replayed
-for the command of the same kind and order that the simulated engine sends.
+"""Executors' answers a recorded night shows: a command the recorded executor carried out, failed, or never
+answered, replayed for the command of the same kind and order that the simulated engine sends.
 
 A recorded log's acks answer its own commands, whose ids the simulated engine does not repeat; what carries over is
-that the executor of the n-th command of a kind (the n-th in-place restart, the n-th move) failed with that reason
-after that long, or never answered. Under other policies the same holds: the n-th command of that kind fails, and a
-policy that never sends one meets no failure.
+that the executor of the n-th command of a kind (the n-th in-place restart, the n-th move) was done after that long,
+failed with that reason after that long, or never answered. Under other policies the same holds: the n-th command of
+that kind takes as long, or fails, and a policy that never sends one meets no failure.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+DONE = "done"
+"""the executor carried the command out: the simulated one carries it out after as long (its model may refuse it)"""
 FAILED = "failed"
 SILENT = "silent"
 """the executor never answered (the recorded attempt ran out its deadline)"""
@@ -24,7 +26,8 @@ class RecordedAnswer:
     kind: str
     nth: int
     status: str
-    """`FAILED` (a failed ack `after_s` after the command) or `SILENT` (no ack at all)"""
+    """`DONE` (a done ack `after_s` after the command), `FAILED` (a failed ack `after_s` after it) or `SILENT` (no ack
+    at all)"""
     after_s: float = 0.0
     reason: str = ""
     result: tuple[tuple[str, Any], ...] = ()
@@ -32,8 +35,12 @@ class RecordedAnswer:
 
     @property
     def label(self) -> str:
-        what = "never answered" if self.status == SILENT else f"failed after {self.after_s:g} s" + (
-            f" ({self.reason})" if self.reason else "")
+        if self.status == SILENT:
+            what = "never answered"
+        elif self.status == DONE:
+            what = f"done after {self.after_s:g} s"
+        else:
+            what = f"failed after {self.after_s:g} s" + (f" ({self.reason})" if self.reason else "")
         return f"{self.kind} #{self.nth} {what}"
 
 

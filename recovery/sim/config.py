@@ -244,8 +244,8 @@ class SimConfig:
     """spares that are not in the pool at the start but join when a `join` fault says (a recorded night's nodes that
     joined later); empty: every spare joins at the start"""
     answers: tuple[RecordedAnswer, ...] = ()
-    """executors' failures and silences a recorded night shows, replayed for the commands of the same kind and order
-    (`recovery.sim.answers`); empty: every command is answered as the cost model says"""
+    """executors' answers a recorded night shows (done after how long, failed, or none), replayed for the commands of
+    the same kind and order (`recovery.sim.answers`); empty: every command is answered as the cost model says"""
     watch_s: float | None = None
     """the job's watchdog ticks this often, each just after every live rank's report of its step and compute time
     (the agents' folded reports, collapsed to one per node per tick): what the detection policy's straggler check

@@ -1,6 +1,6 @@
-"""The executors: the commands the engine sends, carried out on the simulated job after the cost model's durations,
-and acknowledged as real executors do (accepted at once, then done or failed; with the configured probabilities
-they fail or never answer)."""
+"""The executors: the commands the engine sends, carried out on the simulated job after the cost model's durations
+(or, replaying a recorded night, after as long as the recorded executor took), and acknowledged as real executors do
+(accepted at once, then done or failed; with the configured probabilities they fail or never answer)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from events.commands import CommandBase
 from events.values import STORAGE_HOLDER, ResumePlan, Tier
-from recovery.sim.answers import FAILED, RecordedAnswer, answer_kind
+from recovery.sim.answers import DONE, FAILED, RecordedAnswer, answer_kind
 from recovery.sim.config import NS
 from recovery.sim.training import _RESTARTS, TrainingState
 
@@ -43,9 +43,12 @@ class Executors(TrainingState):
         kind = getattr(command, "kind", "")
         now = self.sched.now
         lat = int(c.ack_latency_s * NS)
-        recorded = self._recorded_answer(command) if self.cfg.answers else None
-        if recorded is None:  # a recorded answer is acknowledged as recorded, or not at all
+        recorded = self._recorded_answer(command) if self.answers else None
+        # a recorded failure is acknowledged as recorded, a recorded silence not at all (`_answer_as_recorded`)
+        if recorded is None:
             self.sched.at(now + lat, lambda: self._ack(command, "accepted"))
+        elif recorded.status == DONE:  # accepted as any other command is, but never after it was done
+            self.sched.at(now + min(lat, int(recorded.after_s * NS)), lambda: self._ack(command, "accepted"))
         u = self.exec_rng.random()  # drawn all the same: the commands after it meet the same luck
         outcome = "failed" if u < c.fail_probability else (
             "timeout" if u < c.fail_probability + c.timeout_probability else "ok")
@@ -58,6 +61,11 @@ class Executors(TrainingState):
             self.inflight[command.id] = (command.attempt, frozenset(self._command_ranks(command)))
         if kind in (*_RESTARTS, "retry_step"):
             self.newest_sent = max(self.newest_sent, command.attempt)
+        if recorded is not None and recorded.status == DONE:
+            # carried out after the recorded time, not the kind's median: the simulated executor's model still runs
+            # and may refuse it (its ranks' hardware, the plan's sources are the simulated night's)
+            self.sched.at(now + int(recorded.after_s * NS), lambda: self._complete(command, "ok"))
+            return
         if recorded is not None:
             self._answer_as_recorded(command, recorded)
             return
@@ -65,11 +73,11 @@ class Executors(TrainingState):
         self.sched.at(now + lat + cost, lambda: self._complete(command, outcome))
 
     def _recorded_answer(self, command: Any) -> RecordedAnswer | None:
-        """The recorded night's answer to this command, if the recorded executor failed or ignored the command of its
-        kind and order."""
+        """The recorded night's answer to the command of this one's kind and order, if the recorded engine sent as
+        many and the recorded executor answered it (or never did)."""
         key = answer_kind(command.kind, getattr(command, "mode", None), bool(getattr(command, "reset_devices", None)))
         nth = self.issued[key] = self.issued.get(key, 0) + 1
-        return next((a for a in self.cfg.answers if a.kind == key and a.nth == nth), None)
+        return self.answers.get((key, nth))
 
     def _answer_as_recorded(self, command: Any, answer: RecordedAnswer) -> None:
         """Acknowledged and failed when the recorded executor did, with its reason and result (the engine reads a

@@ -146,6 +146,8 @@ class TrainingState:
         resumes training"""
         self.issued: dict[str, int] = {}
         """commands sent so far, by `recovery.sim.answers.answer_kind`: which recorded answer is whose"""
+        self.answers = {(a.kind, a.nth): a for a in config.answers}
+        """the recorded answers by (kind, order); a command the recorded night has none for takes the cost model's"""
         self.restarted: set[int] = set()
         self.plan: ResumePlan | None = None
         self.retried = False
