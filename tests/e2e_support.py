@@ -189,6 +189,10 @@ class JobWatch:
                 continue
             extra = {k: data[k] for k in ("rank", "attempt", "step", "exit_code", "signal", "error") if k in data}
             lines.append(f"{e['type']} {str(extra)[:200]}")
+            for dumped in data.get("ranks", []) if e["type"] == "process.stacks" else []:
+                # the main thread's innermost frames: where the rank was when the hang was taken
+                frames = [line.strip() for line in str(dumped.get("stack") or dumped.get("error")).splitlines()]
+                lines.append(f"  rank {dumped.get('rank')}: {' | '.join(frames[:8])[:600]}")
         steps = ", ".join(f"rank {r} gen {a}: {s}" for (r, a), s in sorted(newest.items()))
         return "\n".join([*lines, f"newest steps: {steps}"])
 
