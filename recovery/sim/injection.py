@@ -35,6 +35,10 @@ class FaultInjection(TrainingState):
                 self._catch_up(self.step_now())
             struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
         if fault.signal in NOT_FAULTS and self.training and not self.failed:
+            if self.save_due == self.sched.now:
+                # A persistent checkpoint due at this very instant comes first (a recorded log has them in that
+                # order; the inputs it replays are scheduled before the run, so at one instant they would go first).
+                self._storage_save(self._token)
             # The engine may act on it at once (a scale-out onto the spare that joined, the operator's scale), with
             # a plan that names the step its live ranks are at: it hears how far the job got first, as a real
             # engine has from the ranks' report of each step.

@@ -330,11 +330,13 @@ class TrainingState:
             if not self.failed:
                 self.job_event("checkpoint.saved", {"step": step, "tier": Tier.STORAGE, "holder": STORAGE_HOLDER,
                                                     "shards": list(range(self.shards))}, source="checkpointer")
+        # taken before the save is announced: a decision it brings at once (a drain due at this checkpoint) may stop
+        # the ranks, and the stall's end must not then resume them
+        token2 = self._token
         if after == 0:
             saved()  # saved at its step (as a recorded night can show it): before anything else at this instant
         else:
             self.later(after, saved)
-        token2 = self._token
 
         def resume() -> None:
             if self._token == token2 and not self.failed:
