@@ -70,6 +70,12 @@ class Training:
     bytes_per_param: float = 14.0
     """checkpointed state: bf16 weights (2) + fp32 master weights, Adam m and v (12) (ZeRO paper's 16 bytes less
     the gradients, which are not saved)"""
+    compute_s: float | None = None
+    """the ranks' compute time per step (from a step's start to its first collective), where a recorded night's
+    agents reported it (`recovery-replay whatif`); None: the whole step, so that a straggler's slowdown is the job's"""
+    reports_steps: bool = True
+    """the script reports its steps (the SDK); False: a stock script, which reports nothing (a recorded night's job
+    that never did): the engine takes its restarted processes as recovered once they ran its grace"""
 
     def shard_bytes(self, cluster: Cluster) -> float:
         """State held by one rank: the model state split over tp x pp (every data-parallel replica holds it)."""

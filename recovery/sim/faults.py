@@ -156,6 +156,25 @@ class CollectiveFailure:
 
 
 @dataclass(frozen=True, slots=True)
+class LossReport:
+    """A rank's report of a bad loss, as a recorded night's engine took it (a NaN, an infinity or a spike): steps are
+    counted from the step the job had reached at the fault, so the report names the step the simulated job is at."""
+
+    rank: int
+    after_ns: int
+    """ns after the fault"""
+    step: int
+    """the report's step, less the job's step at the fault"""
+    loss: float | str
+    """as recorded: a number, or "nan", "inf", "-inf" (the wire's spelling of the non-finite ones)"""
+    loss_step: int | None = None
+    """a node agent's fold (`progress.report`): the step of `loss`, less the job's step at the fault; None: the rank's
+    own `progress.step`, whose loss is its step's"""
+    skip: tuple[str, ...] = ()
+    """the samples or batches the script named for the step"""
+
+
+@dataclass(frozen=True, slots=True)
 class Fault:
     """One fault: when, what, and where, as a position in the job's placement (so that the same fault strikes
     the same place of the job whichever nodes the policy has moved it to)."""
@@ -206,6 +225,14 @@ class Fault:
     failed_collective: CollectiveFailure | None = None
     """the `collective` signal's reports (a recorded night's `process.collective_failed`): the step under way fails
     with every process alive; None for any other signal"""
+    compute_slowdown: float | None = None
+    """a recorded straggler: how many times its peers' compute time its ranks reported, where the job's pace
+    (`slowdown`) is what the log measured; None: `slowdown` (the cost model's straggler computes the whole step)"""
+    losses: tuple[LossReport, ...] = ()
+    """the `bad_step` signal's reports (a recorded night's losses the engine took as a bad step), in order"""
+    recent_losses: tuple[float, ...] = ()
+    """a `bad_step` found by a spike: the finite losses the recorded ranks reported before it, oldest first (what the
+    engine judged the spike against); empty for a NaN or an infinity, which need none"""
 
     @property
     def fault_class(self) -> str:

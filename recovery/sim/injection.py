@@ -8,11 +8,13 @@ from functools import partial
 from events.values import STORAGE_HOLDER, Tier
 from policies.codes import Action, nvidia_xid
 from recovery.sim.config import NS
-from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure, Fault
+from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure, Fault, LossReport
 from recovery.sim.training import LINK, TrainingState
 
 NOT_FAULTS = ("join", "operator")
 """inputs a recorded night replays that strike nothing: a spare joining, a person's command"""
+TRAINS_ON = ("straggler", "bad_step")
+"""faults that stop nothing: the job trains on (slower, or from a poisoned state) until the engine acts"""
 
 
 class FaultInjection(TrainingState):
@@ -34,6 +36,8 @@ class FaultInjection(TrainingState):
                 # hears how far the job got first, as before any fault's events.
                 self._catch_up(self.step_now())
             struck = struck and meaning.action not in (Action.IGNORE, Action.WATCH)
+        if fault.signal == "bad_step":
+            struck = struck and self.training  # a loss is a step's: a job that is not training reports none
         if fault.signal in NOT_FAULTS and self.training and not self.failed:
             if self.save_due == self.sched.now:
                 # A persistent checkpoint due at this very instant comes first (a recorded log has them in that
@@ -43,7 +47,7 @@ class FaultInjection(TrainingState):
             # a plan that names the step its live ranks are at: it hears how far the job got first, as a real
             # engine has from the ranks' report of each step.
             self._catch_up(self.step_now())
-        if struck and fault.signal != "straggler":  # a straggler stops nothing: the job goes on, slower
+        if struck and fault.signal not in TRAINS_ON:
             self._stop_training()
             if fault.collective is None and fault.failed_collective is None:
                 self._arm_collective_timeout()
@@ -126,20 +130,59 @@ class FaultInjection(TrainingState):
     def _fault_straggler(self, fault: Fault, node: str, _nodes: list[str]) -> None:
         """The node computes `slowdown` times slower (a throttled GPU, a host short of CPU) for the fault's
         `repair_ns`, unless the job drains it first (a drained node is looked at before it rejoins the pool). Nothing
-        is emitted: only the ranks' compute times tell of it."""
+        is emitted: only the ranks' compute times tell of it. A recorded one slows the job by what the log measured
+        (`slowdown`), and its device's rank reports `compute_slowdown` times its peers' compute time."""
         hw = self.hw[node]
+        pace = hw.slowdown
         hw.slowdown = max(hw.slowdown, fault.slowdown)
+        if fault.compute_slowdown is not None:  # a recorded one: its rank's compute shows it, the pace is measured
+            device = fault.device % self.rpn
+            hw.slow_devices[device] = max(hw.slow_devices.get(device, 1.0), fault.compute_slowdown)
         hw.slow_since = fault.index
         self._count("stragglers")
-        if node in self.placement:
+        if node in self.placement and (hw.slowdown != pace or fault.compute_slowdown is None):
             self.retime()
 
         def ends() -> None:
-            if hw.slow_since == fault.index and hw.slowdown > 1.0:
+            if hw.slow_since == fault.index and (hw.slowdown > 1.0 or hw.slow_devices):
+                paced = hw.slowdown > 1.0
                 hw.slowdown = 1.0
-                if node in self.placement:
+                hw.slow_devices.clear()
+                if node in self.placement and paced:
                     self.retime()
         self.later(fault.repair_ns, ends)
+
+    def _fault_bad_step(self, fault: Fault, node: str, _nodes: list[str]) -> None:
+        """A loss the recorded engine took as a bad step (NaN, inf, a spike): the ranks report it as recorded, of the
+        step the simulated job reached (the engine hears that step first, as from the ranks' report of each step).
+        Nothing else happens: the job trains on from a poisoned state until the engine stops it."""
+        if node not in self.placement or not self.training:
+            return
+        reached = self.step_now()
+        self._catch_up(reached)
+        gen = self.generation
+        first = fault.losses[0].rank if fault.losses else self.world_size
+        if fault.recent_losses and first < self.world_size and first not in self.dead:
+            # A spike is one against the job's recent losses, which the simulated ranks report nowhere else: they
+            # report the recorded ones first, of the step they are at (the engine keeps the values, not their steps).
+            for loss in fault.recent_losses:
+                self.job_event("progress.step", {"rank": first, "step": reached, "attempt": gen, "loss": loss},
+                               source=f"agent@{self.node_of(first)}")
+        for report in fault.losses:
+            self.later(report.after_ns, partial(self._report_loss, report, reached, gen))
+
+    def _report_loss(self, report: LossReport, reached: int, generation: int) -> None:
+        if self.failed or self.generation != generation or report.rank >= self.world_size or report.rank in self.dead:
+            return  # restarted in between: the poisoned processes are gone
+        entry: dict[str, object] = {"rank": report.rank, "step": reached + report.step, "attempt": generation,
+                                    "loss": report.loss}
+        if report.skip:
+            entry["skip"] = list(report.skip)
+        if report.loss_step is None:
+            self.job_event("progress.step", entry, source=f"agent@{self.node_of(report.rank)}")
+            return
+        entry["loss_step"] = reached + report.loss_step
+        self.job_event("progress.report", {"ranks": [entry]}, source=f"agent@{self.node_of(report.rank)}")
 
     def _fault_hang(self, fault: Fault, node: str, _nodes: list[str]) -> None:
         if fault.collective is not None:

@@ -57,6 +57,9 @@ class Hardware:
     """a straggler: it computes each step this many times slower, and the synchronous job waits for it"""
     slow_since: int = 0
     """which straggler fault set `slowdown` (its end applies only if no later one replaced it)"""
+    slow_devices: dict[int, float] = field(default_factory=dict)
+    """a recorded straggler's devices, each with how many times its peers' compute time its rank reported (the job's
+    pace, `slowdown`, was measured apart); empty: every device computes at `slowdown`"""
 
     @property
     def healthy(self) -> bool:
@@ -102,6 +105,9 @@ class TrainingState:
         self.exec_rng = random.Random(f"recovery-sim/executors/{config.seed}")
         tr = config.training
         self.step_ns = int(tr.step_time_s * NS)
+        self.compute_ns = self.step_ns if tr.compute_s is None else int(tr.compute_s * NS)
+        """what the ranks report as a step's compute time at the nominal pace"""
+        self.reports_steps = tr.reports_steps
         self.memory_k = tr.memory_every_steps if config.profile.memory_tier else None
         mem_stall = int(config.costs.memory_save_stall_s * NS) // self.memory_k if self.memory_k else 0
         self.base_eff = self.step_ns + mem_stall
@@ -240,7 +246,7 @@ class TrainingState:
 
     def _tick(self) -> None:
         """Reporting mode: every live rank's agent reports its step while the job trains, a heartbeat otherwise."""
-        if not self.failed:
+        if not self.failed and self.reports_steps:
             live = [r for r in range(self.world_size)
                     if r not in self.dead and r not in self.hung and not self.hw[self.node_of(r)].down]
             step = self.step_now() if self.training else None
@@ -275,7 +281,7 @@ class TrainingState:
         self.step_eff = self.base_eff + int(self.step_ns * slowest) - self.step_ns
         self.anchor_t, self.anchor_step = t, from_step
         token = self._token
-        if report_rank is not None:
+        if report_rank is not None and self.reports_steps:
             # the restarted ranks report their first step: the engine closes the incident on it
             def report() -> None:
                 if self._token == token:
@@ -348,7 +354,7 @@ class TrainingState:
         the last report (the engine keeps only the newest step per rank and the newest snapshot per holder)."""
         reporters = [r for r in self.reporters() if r not in self.dead and r not in self.hung
                      and not self.hw[self.node_of(r)].down]
-        if step > self.reported_step:
+        if step > self.reported_step and self.reports_steps:
             for rank in reporters:
                 self.job_event("progress.step", {"rank": rank, "step": step, "attempt": self.generation},
                                source=f"agent@{self.node_of(rank)}")
@@ -384,7 +390,7 @@ class TrainingState:
         """Watch mode, just before a watchdog tick: each node's agent reports its live ranks' step (while the job
         trains, or is stopped where a fault left it) and the mean compute time of the steps since the last tick
         (the node's pace: a straggler's ranks stand out), one `progress.report` per node."""
-        if self.failed:
+        if self.failed or not self.reports_steps:
             return
         if self.training:
             step: int | None = self.step_now()
@@ -400,14 +406,16 @@ class TrainingState:
             hw = self.hw[node]
             if hw.down:
                 continue
-            compute_s = self.step_ns * hw.slowdown / NS
+            compute_s = self.compute_ns * (1.0 if hw.slow_devices else hw.slowdown) / NS
             entries: list[dict[str, Any]] = []
             for rank in self.ranks_on(node):
                 if rank in self.dead or rank in self.hung:
                     continue
                 entry: dict[str, Any] = {"rank": rank, "step": step, "attempt": self.generation}
                 if count:
-                    entry["compute_s"], entry["compute_steps"] = compute_s, count
+                    slow = hw.slow_devices.get(rank % self.rpn) if hw.slow_devices else None
+                    entry["compute_s"] = compute_s if slow is None else self.compute_ns * slow / NS
+                    entry["compute_steps"] = count
                 entries.append(entry)
             if entries:
                 self.job_event("progress.report", {"ranks": entries}, source=f"agent@{node}")
@@ -452,6 +460,7 @@ class TrainingState:
         hw.gpu_lost = None
         hw.bad.clear()
         hw.slowdown = 1.0  # a drained straggler was looked at before it rejoined
+        hw.slow_devices.clear()
         if node in self.placement and not self.failed:
             if rebooted:  # booted again: it joins afresh (the engine forgets what its memory held)
                 self.node_event(node, "node.joined", {"spare": False, "devices": self.rpn}, source="scheduler")
