@@ -17,6 +17,7 @@ from recovery.report.recorded import faults_of, read_recorded
 from recovery.report.source import iter_file
 from recovery.report.whatif import whatif
 from recovery.sim.config import NS, Durations
+from recovery.testing.scenario import Scenario
 from tests.golden.scenarios import _ttp
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -127,10 +128,7 @@ def test_whatif_of_a_partitioned_log_gives_the_job_only_its_partitions_spares() 
 
 # -- the recorded policies, simulated, reproduce the recorded night -------------------------------------------------
 NOT_REPRODUCIBLE = {
-    "bad_step_rollback": ("fault.confirmed on progress.report", "the loss spike is in the ranks' own reports"),
     "lemon_isolated_with_spare": ("other jobs shared the cluster", "two jobs; the first completes at once"),
-    "stock_script_restarts_whole": ("the job reported no steps", "a stock script: the step time is assumed"),
-    "straggler_drained": ("node.drain_planned on a timer", "a straggler found by the ranks' compute times"),
 }
 """golden logs the simulator cannot reproduce, with what whatif must say about why, and why in a few words"""
 KNOWN_GAPS: dict[str, str] = {}
@@ -324,3 +322,93 @@ def test_a_silence_the_engine_found_is_replayed_from_the_ranks_last_reports(tmp_
     given = whatif(GOLDEN / "memory_checkpoint_lost.jsonl", [], tail_s=60, node_not_ready_s=40.0)
     assert given["calibration"]["node_not_ready_s"] == {"value": 40.0, "from": "given", "how": "--node-not-ready-s"}
     assert not given["reproduction"]["reproduced"]  # dead from the job's start: no memory checkpoint, no step 23
+
+
+def test_a_straggler_found_by_its_compute_times_is_replayed_on_its_rank(tmp_path: Path) -> None:
+    """straggler_drained: rank 5 on n2 computes 0.5 s a step from the start where its peers compute 0.2 s, and the
+    job steps every second all the same; the engine plans n2's drain at 22 s and moves its ranks to s0 at the
+    checkpoint of step 40 (s0 joined just after the one of step 30). The simulated rank 5 reports the same compute
+    times from the start, the job's pace is the measured one (the log's steps with the straggler and without it are
+    alike), and its agents report before each tick of the recorded 2 s watchdog, where the straggler check reads
+    them."""
+    cluster = read_recorded(iter_file(GOLDEN / "straggler_drained.jsonl"))
+    [straggler, join] = faults_of(cluster, Durations())
+    assert (straggler.signal, straggler.at_ns, straggler.position, straggler.device) == ("straggler", 0, 2, 1)
+    assert straggler.compute_slowdown == pytest.approx(2.5) and straggler.slowdown == 1.0
+    assert join.signal == "join" and join.at_ns == 30 * NS
+    result = whatif(GOLDEN / "straggler_drained.jsonl", [], keep_logs=tmp_path, tail_s=60)
+    assert result["reproduction"]["reproduced"] and result["inputs"]["kept"] == {"node.joined": 1, "straggler": 1}
+    assert result["calibration"]["compute_s"]["value"] == 0.2
+    assert result["calibration"]["straggler_slowdown"]["from"] == "measured"
+    records = [r["envelope"] for r in iter_file(tmp_path / "recorded-policies.jsonl")]
+    [planned] = [e["data"]["detail"] for e in records
+                 if e["type"] == "decision" and e["data"]["kind"] == "node.drain_planned"]
+    assert (planned["node"], planned["rank"], planned["compute_s"], planned["peers_median_s"]) == (
+        "n00002", 5, 0.5, 0.2)  # the simulator's name of n2
+    [deferred] = [e["data"]["detail"] for e in records
+                  if e["type"] == "decision" and e["data"]["kind"] == "node.drain_deferred"]
+    assert deferred["step"] == 30  # the spare joined after that checkpoint, as recorded
+    first = next(e["data"]["ranks"] for e in records if e["type"] == "progress.report"
+                 and e["data"]["ranks"][0]["rank"] == 4)
+    assert [entry["compute_s"] for entry in first] == [0.2, 0.5]  # one throttled device, not its whole node
+
+
+def test_a_bad_step_is_replayed_as_the_losses_the_engine_took_for_one(tmp_path: Path) -> None:
+    """bad_step_rollback: at 23.5 s rank 0's agent reports a NaN loss for step 24 (the job was at step 23), then rank
+    1's for step 23 with the batch to skip; the engine rolls back to the checkpoint of step 20 and skips that batch.
+    The simulated ranks report the same losses of the steps the simulated job reached, at the same offsets; the
+    checkpoint the recorded job saved of step 25 while it recovered is no part of its cadence (every 10 steps)."""
+    cluster = read_recorded(iter_file(GOLDEN / "bad_step_rollback.jsonl"))
+    [fault] = faults_of(cluster, Durations())
+    assert (fault.signal, fault.at_ns, fault.position) == ("bad_step", 23 * NS + NS // 2, 0)
+    assert [(r.rank, r.after_ns, r.step, r.loss, r.loss_step, r.skip) for r in fault.losses] == [
+        (0, 0, 1, "nan", 1, ()), (1, 0, 0, "nan", 0, ("shard-7/batch-22",))]
+    result = whatif(GOLDEN / "bad_step_rollback.jsonl", [], keep_logs=tmp_path, tail_s=60)
+    assert result["reproduction"]["reproduced"] and result["inputs"]["kept"] == {"progress.report": 2}
+    assert result["cluster"]["storage_every_s"] == 10.0
+    records = [r["envelope"] for r in iter_file(tmp_path / "recorded-policies.jsonl")]
+    losses = [entry for e in records if e["type"] == "progress.report" for entry in e["data"]["ranks"]]
+    assert [(e["rank"], e["step"], e["loss_step"], e.get("skip")) for e in losses] == [
+        (0, 24, 24, None), (1, 23, 23, ["shard-7/batch-22"])]
+    plans = [e["data"]["detail"] for e in records if e["type"] == "decision" and e["data"]["kind"] == "checkpoint.plan"]
+    assert plans[-1]["checkpoint_step"] == 20 and plans[-1]["skip_data"] == ["shard-7/batch-22"]
+
+
+def test_a_stock_script_that_reports_nothing_is_simulated_reporting_nothing(tmp_path: Path) -> None:
+    """stock_script_restarts_whole: the ranks never report (no SDK), so the engine restarts the whole job and takes
+    the restarted processes as recovered once they ran 30 s. The simulated ranks report nothing either, and the
+    night reproduces; the step time it trains at is still assumed (--step-time-s), and said so."""
+    result = whatif(GOLDEN / "stock_script_restarts_whole.jsonl", [], keep_logs=tmp_path, tail_s=60)
+    rep = result["reproduction"]
+    assert rep["reproduced"] and not rep["not_recreated"]
+    assert result["calibration"]["reports"]["value"] == "none" and "step_time_s" in result["assumed"]
+    records = [r["envelope"] for r in iter_file(tmp_path / "recorded-policies.jsonl")]
+    assert not [e for e in records if e["type"] in ("progress.step", "progress.report", "process.heartbeat")]
+
+
+def test_a_loss_spike_is_replayed_with_the_losses_it_was_judged_against(tmp_path: Path) -> None:
+    """A spike (a finite loss over ten times the median of the job's recent ones) is a bad step only against those
+    losses: the simulated rank reports the recorded ones before it, and the night reproduces."""
+    s = Scenario()
+    s.submit("lm", ["n0", "n1"], ranks_per_node=1, dp=2)
+    for step in range(1, 21):
+        s.advance(1)
+        for rank in range(2):
+            s.job_event("lm", "progress.step", rank=rank, step=step, loss=round(2.0 / step, 4))
+        if step == 10:
+            s.checkpoint("lm", step, "storage", "storage")
+    s.advance(0.5)
+    s.job_event("lm", "progress.report", ranks=[{"rank": 1, "step": 21, "loss": 50.0, "loss_step": 21}])
+    s.ack_all()
+    s.advance(3)
+    for step in range(11, 14):
+        s.advance(1)
+        for rank in range(2):
+            s.job_event("lm", "progress.step", rank=rank, step=step, attempt=1, loss=0.1)
+    log = tmp_path / "spike.jsonl"
+    write_file(log, list(s.log.records()))
+    [fault] = faults_of(read_recorded(iter_file(log)), Durations())
+    assert fault.signal == "bad_step" and len(fault.recent_losses) == 40 and fault.recent_losses[-1] == 0.1
+    result = whatif(log, [], keep_logs=tmp_path / "whatif", tail_s=60)
+    assert result["reproduction"]["reproduced"], result["reproduction"]
+    assert result["reproduction"]["recorded"][0]["decision"] == "attempt.started in_place"

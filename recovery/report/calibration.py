@@ -72,6 +72,23 @@ def calibrate(cluster: RecordedCluster, training: Training, costs: Costs, step_t
         step = training.step_time_s
         figures["step_time_s"] = _figure(step, "assumed", "the job reported no steps: the cost model's; set it with "
                                                           "--step-time-s")
+    if not cluster.ranks_reported:  # a stock script: the simulated one says nothing either
+        training = replace(training, reports_steps=False)
+        figures["reports"] = _figure("none", "measured", "the ranks reported nothing (a stock script, without the "
+                                                         "SDK): neither do the simulated ones")
+    compute = median(cluster.compute_s)
+    if compute is not None:
+        training = replace(training, compute_s=compute)
+        figures["compute_s"] = _figure(round(compute, 6), "measured", f"median of {len(cluster.compute_s)} compute "
+                                                                      f"times the ranks reported")
+    stragglers = [d for d in cluster.drafts if d.signal == "straggler"]
+    if stragglers:
+        paced = all(d.pace_measured for d in stragglers)
+        figures["straggler_slowdown"] = _figure(
+            [round(d.slowdown, 3) for d in stragglers], "measured" if paced else "assumed",
+            "the job's steps while the straggler was in the placement over the others'" if paced else
+            "1: the log has the job's steps only with the straggler in the placement or only without it (the "
+            "measured step time is its pace)")
     figures["model_params"] = _figure(training.params, "given" if model_params_from == "--model-params" else
                                       "assumed", "--model-params" if model_params_from == "--model-params" else
                                       "the most one replica of the layout holds; set it with --model-params")

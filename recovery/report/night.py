@@ -10,7 +10,7 @@ from typing import Any
 
 from recovery.sim.answers import RecordedAnswer
 from recovery.sim.config import NS, Durations
-from recovery.sim.faults import Collective, CollectiveFailure, Fault
+from recovery.sim.faults import Collective, CollectiveFailure, Fault, LossReport
 
 
 @dataclass
@@ -39,6 +39,18 @@ class Draft:
     command: tuple[str, tuple[tuple[str, Any], ...]] | None = None
     generation: int | None = None
     """the generation of the group whose collective failed"""
+    slowdown: float = 1.0
+    """a straggler: how many times slower the job trained while it was in the placement (as the log measured it)"""
+    compute_slowdown: float | None = None
+    """a straggler: its compute time over its peers' median, as the recorded engine measured it"""
+    pace_measured: bool = False
+    """a straggler's `slowdown` is measured: the log has the job's steps both with it in the placement and without"""
+    losses: list[LossReport] = field(default_factory=list)
+    """a bad step: the loss reports the recorded engine took as one, in order"""
+    base_step: int = 0
+    """a bad step: the job's newest step when its first report came (the reports' steps are counted from it)"""
+    recent_losses: tuple[float, ...] = ()
+    """a bad step found by a spike: the finite losses reported before it, which the engine judged it against"""
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,13 @@ class RecordedCluster:
     start: int
     end: int
     step_times: list[float] = field(default_factory=list)
+    step_ts: list[int] = field(default_factory=list)
+    """when each of `step_times` ended: the steps a straggler slowed are told from the others by it"""
+    compute_s: list[float] = field(default_factory=list)
+    """the compute times per step the ranks reported (recent ones): their median is a step's compute"""
+    ranks_reported: bool = False
+    """any rank said anything (a step, a heartbeat, a progress report): else the script is a stock one, without the
+    SDK, and the simulated one reports nothing either"""
     storage_steps: list[int] = field(default_factory=list)
     storage_saved_s: list[float] = field(default_factory=list)
     """per persistent checkpoint: seconds from the first report of its step to its `checkpoint.saved`"""
@@ -130,7 +149,8 @@ def faults_of(cluster: RecordedCluster, durations: Durations) -> list[Fault]:
     for draft in sorted(cluster.drafts, key=lambda d: d.at):
         repair = (draft.back - draft.at) if draft.back is not None else {
             "device": durations.device_repair_mean_s, "network": durations.nic_repair_mean_s,
-            "node": durations.node_repair_mean_s}.get(draft.signal, durations.node_repair_mean_s) * NS
+            "node": durations.node_repair_mean_s, "straggler": durations.straggler_mean_s,
+        }.get(draft.signal, durations.node_repair_mean_s) * NS
         outage = (draft.back - draft.at) if draft.signal == "network" and draft.back is not None else 0
         node = f"n{spares[draft.node]:05d}" if draft.node in spares else None
         faults.append(Fault(index=len(faults), at_ns=max(0, draft.at - cluster.start), component=draft.source,
@@ -138,6 +158,8 @@ def faults_of(cluster: RecordedCluster, durations: Durations) -> list[Fault]:
                             code=draft.code, exit_code=draft.exit_code, exit_signal=draft.exit_signal,
                             exits=tuple(draft.exits), dying=tuple(draft.dying), collective=draft.collective,
                             failed_collective=draft.failed_collective, silent=draft.silent,
-                            pool=draft.pool, command=draft.command,
+                            pool=draft.pool, command=draft.command, slowdown=draft.slowdown,
+                            compute_slowdown=draft.compute_slowdown, losses=tuple(draft.losses),
+                            recent_losses=draft.recent_losses,
                             outage_ns=int(outage), repair_ns=int(max(repair, NS)), node=node))
     return faults

@@ -9,7 +9,8 @@ what its answers took (each command's time from the decision to its `done` ack, 
 `checkpoint.saved`, the agents' detection delays that the events state). It also keeps the recorded sequence of
 recovery decisions and what the simulator cannot re-create (executors that failed or never answered, operator
 commands, fault signals no `Fault` stands for), which is why a what-if under the recorded policies may not
-reproduce the night.
+reproduce the night. What the ranks said of themselves (their steps, compute times and losses, and the straggler
+or bad step the engine found in them) is read by its base, `recovery.report.rank_reports`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from recovery.report.night import Draft, Night, RecordedCluster, RecoveryDecision, faults_of, median
+from recovery.report.rank_reports import PENDING_RECORDS, RankReports
 from recovery.report.source import RawDict
 from recovery.sim.answers import DONE, FAILED, SILENT, RecordedAnswer, answer_kind
 from recovery.sim.config import NS, Agents
@@ -32,10 +34,6 @@ SIGNAL_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "f
 OPENING_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added", "node.drain_planned"})
 """decisions that open an incident or add a fault to it: a cause they name that no `Fault` stands for is a fault
 the simulated night does not have"""
-PENDING_RECORDS = 256
-"""how far after a process event the decision that takes it as a signal may come (it follows its cause at once)"""
-RECENT_STEPS = 64
-"""how many recent steps' first reports are kept, to time the persistent checkpoints taken at them"""
 SIGTERM = 15
 """the signal a platform stops a job with (Linux's number, as the agents report it)"""
 PREEMPTION_S = 5.0
@@ -51,30 +49,23 @@ TIER_OF_LOAD = {"memory": "memory", "peer": "peer", "local": "local", "dying": "
 """the simulator's cost of loading from each recorded tier (a dying checkpoint is read from shared storage)"""
 
 
-class _Reader:
+class _Reader(RankReports):
     """One pass over the recorded log, keeping the job's shape, its faults and what its recoveries took."""
 
     def __init__(self, job: str | None, agents: Agents) -> None:
+        super().__init__()
         self.job = job
         self.agents = agents
         self.joined: dict[str, bool] = {}
         """node -> joined as a spare, in the order they joined (before the job: the simulator's cluster)"""
-        self.cluster: RecordedCluster | None = None
-        self.placement: list[str] = []
         self.pending: dict[int, tuple[Draft, str]] = {}
         self.open: dict[str, list[Draft]] = {}
         """node -> faults waiting for the node (or its device or link) to come back"""
         self.device_faults: dict[tuple[str, int], int] = {}
         self.device_codes: dict[tuple[str, int], str] = {}
         """(node, device) -> the code of its last fault"""
-        self.last_step: tuple[int, int] | None = None
-        self.reached: dict[int, int] = {}
-        """step -> when it was first reported, for the recent steps of this stretch of training"""
-        self.saved: set[int] = set()
-        """steps of persistent checkpoints whose next step is not reported yet"""
         self.last_ts = 0
         self.others: set[str] = set()
-        self.recovering = False
         self.fault_seqs: set[int] = set()
         """records kept as faults, or as the echo of one the simulator re-creates (a crash after its XID)"""
         self.inputs: dict[int, str] = {}
@@ -92,8 +83,6 @@ class _Reader:
         self.handler_saves: list[tuple[int, tuple[int, ...]]] = []
         """recent dying checkpoints nobody commanded (ts, shards): SIGTERM handlers', kept for the exit they go with"""
         self.death_given = False
-        self.heard: dict[int, int] = {}
-        """rank -> when it last reported (a step or a heartbeat)"""
         self.failing: Draft | None = None
         """the kept collective failure whose incident is open: the same group's further reports join it, and those
         of its step failing again after a retry"""
@@ -101,18 +90,6 @@ class _Reader:
         self.steps_of: dict[int, Any] = {}
         self.sigterm: Draft | None = None
         """the kept SIGTERM exit whose incident is open: its preemption's further exits and saves join it"""
-
-    def count(self, table: str, kind: str) -> None:
-        assert self.cluster is not None
-        counts = self.cluster.kept if table == "kept" else self.cluster.resimulated
-        counts[kind] = counts.get(kind, 0) + 1
-
-    def uncount(self, table: str, kind: str) -> None:
-        assert self.cluster is not None
-        counts = self.cluster.kept if table == "kept" else self.cluster.resimulated
-        counts[kind] -= 1
-        if counts[kind] <= 0:
-            del counts[kind]
 
     def read(self, records: Iterable[RawDict]) -> RecordedCluster:
         for record in records:
@@ -130,6 +107,7 @@ class _Reader:
             self.count("resimulated", kind)
         self.cluster.end = self.last_ts
         self.cluster.other_jobs = set(self.others)
+        self.paces()
         return self.cluster
 
     def input(self, record: RawDict) -> None:
@@ -157,14 +135,15 @@ class _Reader:
         if len(self.inputs) > 2 * PENDING_RECORDS:
             del self.inputs[next(iter(self.inputs))]
         self.expire(record["seq"])
+        self.expire_losses(record["seq"])
         if kind == "job.started":
             if not cluster.started:  # the simulated run starts where the recorded job first started
                 cluster.started, cluster.start = True, ts
             self.count("resimulated", kind)
         elif kind == "progress.step":
-            self.step(int(data["step"]), ts)
-            self.heard_from(data.get("rank"), ts)
-            self.count("resimulated", kind)
+            self.progress_step(record["seq"], data, ts)
+        elif kind == "progress.report":
+            self.progress_report(record["seq"], data, ts)
         elif kind == "process.heartbeat":
             self.heard_from(data.get("rank"), ts)
             self.count("resimulated", kind)
@@ -172,7 +151,7 @@ class _Reader:
             tier = data.get("tier")
             if tier == "dying" and not self.saving and self.handler_save(ts, tuple(data.get("shards") or [])):
                 return  # kept with the SIGTERM exit it goes with
-            if tier in ("storage", "memory"):
+            if tier in ("storage", "memory") and not self.recovering:  # a save while it recovers is off its cadence
                 steps = cluster.storage_steps if tier == "storage" else cluster.memory_steps
                 if not steps or steps[-1] != data["step"]:
                     steps.append(int(data["step"]))
@@ -231,49 +210,6 @@ class _Reader:
                 self.night.operator.append(f"{kind} (seq {record['seq']})")
             self.count("resimulated", kind)
 
-    @property
-    def night(self) -> Night:
-        assert self.cluster is not None
-        return self.cluster.night
-
-    def step(self, step: int, ts: int) -> None:
-        cluster = self.cluster
-        assert cluster is not None
-        # the pace of training only: a gap that spans a recovery is not a step time
-        if self.last_step is not None and step > self.last_step[1] and not self.recovering:
-            cluster.step_times.append((ts - self.last_step[0]) / NS / (step - self.last_step[1]))
-            del cluster.step_times[:-1000]
-        if self.last_step is None or step > self.last_step[1]:
-            self.last_step = (ts, step)
-        if step not in self.reached and not self.recovering:
-            self.reached[step] = ts
-            if len(self.reached) > RECENT_STEPS:
-                del self.reached[next(iter(self.reached))]
-            if step - 1 in self.saved and step - 1 in self.reached:
-                self.saved.discard(step - 1)
-                cluster.storage_gap_s.append((ts - self.reached[step - 1]) / NS)
-                del cluster.storage_gap_s[:-1000]
-
-    def heard_from(self, rank: Any, ts: int) -> None:
-        """A rank's report: when it was last heard from (a silence the engine finds starts there), and how often its
-        agent reports."""
-        if not isinstance(rank, int):
-            return
-        before = self.heard.get(rank)
-        if before is not None and ts > before:
-            assert self.cluster is not None
-            self.cluster.report_gaps_s.append((ts - before) / NS)
-            del self.cluster.report_gaps_s[:-1000]
-        self.heard[rank] = ts
-
-    def last_heard(self, node: str) -> int | None:
-        assert self.cluster is not None
-        if node not in self.placement:
-            return None
-        first = self.placement.index(node) * self.cluster.rpn
-        heard = [self.heard[r] for r in range(first, first + self.cluster.rpn) if r in self.heard]
-        return max(heard) if heard else None
-
     def silence(self, d: dict[str, Any], detail: dict[str, Any]) -> bool:
         """A fault the engine found on its watchdog's tick, by a silence: a hung rank's (its agent said nothing, so
         the simulated rank hangs unreported from just after its last report) or that of a host whose going away is
@@ -294,23 +230,6 @@ class _Reader:
         cluster.night.silences += 1
         self.count("kept", "silence")
         return True
-
-    def storage_saved(self, step: int, ts: int) -> None:
-        """A persistent checkpoint: how long after its step was reached it was saved, and (once the next step is
-        reported) how long that step took with the checkpoint's stall."""
-        cluster = self.cluster
-        assert cluster is not None
-        reached = self.reached.get(step)
-        if reached is None or self.recovering:
-            return
-        cluster.storage_saved_s.append((ts - reached) / NS)
-        del cluster.storage_saved_s[:-1000]
-        after = self.reached.get(step + 1)
-        if after is not None:
-            cluster.storage_gap_s.append((after - reached) / NS)
-            del cluster.storage_gap_s[:-1000]
-        else:
-            self.saved = {s for s in self.saved if s > step - RECENT_STEPS} | {step}
 
     def ack(self, data: dict[str, Any], ts: int) -> None:
         issued = self.commands.get(str(data.get("command_id")))
@@ -508,7 +427,7 @@ class _Reader:
             self.reached, self.saved = {}, set()
         self.night_of(kind, d, detail, ts)
         if kind == "ranks.rescheduling" and detail.get("nodes"):
-            self.placement = list(detail["nodes"])
+            self.placed(list(detail["nodes"]), ts)
         pending = self.pending.pop(d["cause_seq"], None)
         if pending is not None:
             draft, input_kind = pending
@@ -527,6 +446,11 @@ class _Reader:
                     self.count("kept", input_kind)
                     return
             self.count("resimulated", input_kind)
+        if kind in SIGNAL_DECISIONS and self.bad_step(kind, d, detail):
+            self.fault_seqs.add(d["cause_seq"])
+            return
+        if kind == "node.drain_planned" and self.straggler(d, detail, ts):
+            return
         if kind in OPENING_DECISIONS and d["cause_seq"] not in self.fault_seqs:
             cause = self.inputs.get(d["cause_seq"], "an earlier record")
             if cause == "timer.fired" and self.silence(d, detail):
@@ -534,7 +458,7 @@ class _Reader:
             if cause == "timer.fired":
                 cause = "a timer (a watchdog's tick: a silence or a straggler; or a suspicion confirmed later)"
             elif cause in ("progress.report", "progress.summary", "progress.step"):
-                cause = f"{cause} (the ranks' own reports: a bad step or a straggler)"
+                cause = f"{cause} (the ranks' own reports)"
             self.night.unmatched_signals.append(f"{kind} on {cause} (seq {d['cause_seq']})")
 
     def night_of(self, kind: str, d: dict[str, Any], detail: dict[str, Any], ts: int) -> None:
@@ -566,7 +490,7 @@ class _Reader:
             slowest = max(tiers, key=lambda t: list(TIER_OF_LOAD.values()).index(t) if t in TIER_OF_LOAD else -1)
             night.restore_s.setdefault(slowest, []).append((ts - self.restoring) / NS)
         if kind in ("incident.closed", "job.failed", "job.cancelled", "job.completed"):
-            self.restoring, self.tiers, self.sigterm, self.failing = None, [], None, None
+            self.restoring, self.tiers, self.sigterm, self.failing, self.bad = None, [], None, None, None
         if kind in RECOVERY_DECISIONS:
             granularity = detail.get("granularity") if kind == "attempt.started" else None
             at = (ts - cluster.start) / NS if cluster.started else 0.0

@@ -100,12 +100,19 @@ def config_for(cluster: RecordedCluster, selection: PolicySelection, model_param
 def _watched(cluster: RecordedCluster) -> dict[str, float]:
     """Where the recorded engine found a fault by a silence, the simulated job reports as the recorded one did (every
     live rank at the agents' measured period) and the engine watches it at the recorded watchdog interval: the
-    silence is found on the same tick. Else the simulator's quiet default (no periodic reports, no watchdog)."""
+    silence is found on the same tick. Where it found a straggler, the ranks' compute times are reported before each
+    tick of the recorded interval, where its straggler check reads them. Else the simulator's quiet default (no
+    periodic reports, no watchdog)."""
     interval = cluster.spec.get("watchdog_interval_s")
-    if not cluster.night.silences or not isinstance(interval, int | float):
+    if not isinstance(interval, int | float):
         return {}
-    return {"report_every_s": statistics.median(cluster.report_gaps_s) if cluster.report_gaps_s else 1.0,
-            "watchdog_interval_s": float(interval)}
+    watched: dict[str, float] = {}
+    if cluster.night.silences:
+        watched |= {"report_every_s": statistics.median(cluster.report_gaps_s) if cluster.report_gaps_s else 1.0,
+                    "watchdog_interval_s": float(interval)}
+    if any(d.signal == "straggler" for d in cluster.drafts):
+        watched["watch_s"] = float(interval)
+    return watched
 
 
 def _sim_names(answer: RecordedAnswer, cluster: RecordedCluster) -> RecordedAnswer:
@@ -220,7 +227,8 @@ def reproduction(cluster: RecordedCluster, simulated: list[RecoveryDecision], re
                         if cluster.other_jobs else [])
                      + ([f"the job reported no steps: the simulated one trains at an assumed "
                          f"{calibration.training.step_time_s} s a step (--step-time-s)"]
-                        if calibration.figures["step_time_s"]["from"] != "measured" else [])
+                        if calibration.figures["step_time_s"]["from"] != "measured" and cluster.ranks_reported
+                        else [])
                      + ([f"the recorded job failed again before it got past the step of the fault before "
                          f"({recorded_report['restart_loops']} restart loop(s): a deterministic failure); the "
                          f"simulator's restarted processes train on"] if recorded_report.get("restart_loops") else []))
