@@ -58,10 +58,10 @@ def test_e2e_bench_quick_recovers_a_killed_rank_and_measures_the_sdk() -> None:
 
 
 def test_a_short_soak_loses_no_event_and_doubles_no_command(tmp_path: Path) -> None:
-    """Half a minute of the soak: the daemon SIGKILLed and the nats-server restarted under load and faults."""
+    """18 s of the soak: the daemon SIGKILLed and the nats-server restarted under load and faults."""
     png = tmp_path / "soak.png"
-    done = subprocess.run([sys.executable, str(BENCH), "soak", "--minutes", "0.5", "--rate", "400", "--step-s", "0.2",
-                           "--fault-every-s", "1", "--kill-every-s", "10", "--nats-restart-every-s", "14",
+    done = subprocess.run([sys.executable, str(BENCH), "soak", "--minutes", "0.3", "--rate", "400", "--step-s", "0.2",
+                           "--fault-every-s", "1", "--kill-every-s", "6", "--nats-restart-every-s", "8",
                            "--sample-s", "1", "--png", str(png)],
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr

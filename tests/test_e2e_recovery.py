@@ -25,7 +25,6 @@ from tests.e2e_cluster import (
     STEPS,
     Cluster,
     assert_bitwise_equal,
-    fault_free_run,
     run_job,
     start_cluster,
 )
@@ -39,8 +38,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def fault_free(cluster: Cluster) -> dict[str, Any]:
-    return fault_free_run(cluster)
+def fault_free(shared_fault_free: dict[str, Any]) -> dict[str, Any]:
+    """The job's parameters after a run without faults: the same on any cluster (the world, the seed and the data
+    are), so the session's shared run serves (its cluster is up for the other end-to-end modules already)."""
+    return shared_fault_free
 
 
 @pytest.mark.parametrize("victim", [2, 0])

@@ -137,15 +137,36 @@ def rank_logs(cluster: Cluster, job: str) -> dict[Path, str]:
     return {p: p.read_text(errors="replace") for p in sorted(cluster.workdir.glob(f"n*/{job}.rank*.gen*.log"))}
 
 
+@dataclass
+class Standalone:
+    """The documented `recovery-run --standalone` run of the stock script, nothing going wrong."""
+
+    code: int
+    output: str
+    data: Path
+    params: dict[str, Any]
+
+
 @pytest.fixture(scope="module")
-def fault_free(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The stock script on the cluster's two agents, nothing going wrong: the reference parameters."""
-    cwd = tmp_path_factory.mktemp("fault-free")
-    code, output = finish(recovery_run(cluster_args(cluster, "stock-ref", cwd / "final.pt", cwd / "snap.pt"), cwd),
-                          cwd)
-    assert code == 0, f"{output}\n{cluster.explain()}"
-    assert "stock-ref completed" in output
-    return params(cwd / "final.pt")
+def standalone(tmp_path_factory: pytest.TempPathFactory) -> Standalone:
+    """docs/recovery-run.md's first standalone command, run once: what it must do is the test's own to judge below,
+    and its parameters are every stock-script case's reference (a run without faults on two agents gives the same,
+    bit for bit: the world, the seed and the data are the same)."""
+    cwd = tmp_path_factory.mktemp("standalone")
+    command = documented_standalone_command()
+    assert command[:2] == ["recovery-run", "--standalone"] and "--nproc-per-node" in command
+    args = [str(ROOT / a) if a.startswith("examples/") else a for a in command[1:]]
+    data = cwd / "data"
+    code, output = finish(recovery_run(["--data-dir", str(data), *args], cwd), cwd)
+    final = cwd / "final.pt"
+    return Standalone(code, output, data, params(final) if code == 0 and final.exists() else {})
+
+
+@pytest.fixture(scope="module")
+def fault_free(standalone: Standalone) -> dict[str, Any]:
+    """The stock script's parameters after a run without faults: the reference of every recovered run."""
+    assert standalone.code == 0 and standalone.params, standalone.output
+    return standalone.params
 
 
 ENV_DUMP = """
@@ -185,15 +206,12 @@ def documented_standalone_command() -> list[str]:
 
 
 def test_the_documented_standalone_run_of_the_stock_script_completes_as_the_fault_free_run(
-        fault_free: dict[str, Any], tmp_path: Path) -> None:
-    command = documented_standalone_command()
-    assert command[:2] == ["recovery-run", "--standalone"] and "--nproc-per-node" in command
-    args = [str(ROOT / a) if a.startswith("examples/") else a for a in command[1:]]
-    data = tmp_path / "data"
-    code, output = finish(recovery_run(["--data-dir", str(data), *args], tmp_path), tmp_path)
-    assert code == 0, output
+        standalone: Standalone) -> None:
+    """Its parameters are the reference the recovered runs on the cluster's agents below must equal, bit for bit."""
+    output, data = standalone.output, standalone.data
+    assert standalone.code == 0, output
     assert re.search(r"completed", output) and "[rank0]: [rank 0] Epoch 0" in output and "[rank1]:" in output
-    assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
+    assert standalone.params, "the run wrote no final parameters"
     # After the run nothing serves its log: the last line names the command that reads it from the data directory.
     last = output.strip().splitlines()[-1]
     assert last.endswith(f"postmortem: recovery-replay report {data}"), output

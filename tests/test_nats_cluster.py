@@ -16,9 +16,9 @@ BENCH = ROOT / "tools" / "bench.py"
 
 
 def test_losing_the_log_streams_leader_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(BENCH), "soak", "--cluster", "3", "--minutes", "0.75", "--rate", "400",
-                           "--step-s", "0.2", "--fault-every-s", "1", "--kill-every-s", "30",
-                           "--nats-restart-every-s", "15", "--down-s", "5", "--sample-s", "1", "--warmup-s", "10"],
+    done = subprocess.run([sys.executable, str(BENCH), "soak", "--cluster", "3", "--minutes", "0.6", "--rate", "400",
+                           "--step-s", "0.2", "--fault-every-s", "1", "--kill-every-s", "20",
+                           "--nats-restart-every-s", "12", "--down-s", "5", "--sample-s", "1", "--warmup-s", "10"],
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     values = {row["metric"]: row["value"] for row in map(orjson.loads, done.stdout.splitlines())}

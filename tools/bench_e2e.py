@@ -494,7 +494,7 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
         finally:
             kill_sessions(torchrun_pids)
         if "overhead" in args.only:
-            overhead = sdk_overhead(4 if args.quick else 30, workdir, environment())
+            overhead = sdk_overhead(2 if args.quick else 30, workdir, environment())
         if "stock" in args.only:
             bench_stock.measure(args.repeat, workdir, emit, quick=args.quick)
         if "ddp" in args.only:
