@@ -86,7 +86,10 @@ def start_cluster(workdir: Path) -> Iterator[Cluster]:
             await nc.subscribe("recovery.ev.node.>", cb=on_node)
             # n2, n3 and four spares for the scenarios that move ranks: a preemption moves both nodes of its job
             # (n1's agent stops), a node loss one (n0), an agent's loss one (n3)
-            agents.extend([AgentProcess(workdir, name, server.url) for name in ("n0", "n1", "n2", "n3")])
+            # A job that opts in (`RECOVERY_STANDBY=1`, tests/test_e2e_standby.py) has its standbys start with it;
+            # the others have none.
+            agents.extend([AgentProcess(workdir, name, server.url, env={"RECOVERY_AGENT_STANDBY_DELAY_S": "0"})
+                           for name in ("n0", "n1", "n2", "n3")])
             agents.extend([AgentProcess(workdir, name, server.url, spare=True)
                            for name in ("spare0", "spare1", "spare2", "spare3")])
             await wait_until(lambda: ready >= {a.node for a in agents}, 30, "the agents to report their nodes",

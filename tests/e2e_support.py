@@ -68,7 +68,7 @@ class AgentProcess:
     """`python -m recovery.cli.agent` for one node (inside network namespace `namespace`, when given)."""
 
     def __init__(self, workdir: Path, node: str, nats_url: str, spare: bool = False, *extra: str,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, env: dict[str, str] | None = None) -> None:
         self.node = node
         self.workdir = workdir / node
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -82,10 +82,9 @@ class AgentProcess:
             args = ["ip", "netns", "exec", namespace, *args]
         # Warm standbys (on by default) only where a test asks for them, by the job's RECOVERY_STANDBY or the
         # agent's setting: every other job would import torch once more per node, on a 2-core machine.
-        env = {"RECOVERY_AGENT_STANDBY": "0", **environment()}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=ROOT, env=env)
+                                         cwd=ROOT, env={"RECOVERY_AGENT_STANDBY": "0", **environment(), **(env or {})})
 
     def stop(self) -> None:
         if self.proc.poll() is None:

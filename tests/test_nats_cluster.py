@@ -16,9 +16,12 @@ BENCH = ROOT / "tools" / "bench.py"
 
 
 def test_losing_the_log_streams_leader_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
+    """The soak bench on the cluster (its smoke test too: the bench's figures and its drawing)."""
+    png = tmp_path / "soak.png"
     done = subprocess.run([sys.executable, str(BENCH), "soak", "--cluster", "3", "--minutes", "0.6", "--rate", "400",
                            "--step-s", "0.2", "--fault-every-s", "1", "--kill-every-s", "20",
-                           "--nats-restart-every-s", "12", "--down-s", "5", "--sample-s", "1", "--warmup-s", "10"],
+                           "--nats-restart-every-s", "12", "--down-s", "5", "--sample-s", "1", "--warmup-s", "10",
+                           "--png", str(png)],
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     values = {row["metric"]: row["value"] for row in map(orjson.loads, done.stdout.splitlines())}
@@ -26,6 +29,7 @@ def test_losing_the_log_streams_leader_loses_nothing_and_doubles_nothing(tmp_pat
     assert values["nats_restarts"] >= 2 and values["daemon_kills"] >= 1, values
     assert values["events_lost"] == values["commands_doubled"] == 0, values
     assert values["decisions_missing"] == values["decisions_extra"] == 0, values
+    assert png.read_bytes().startswith(b"\x89PNG"), done.stderr[-4000:]
 
 
 def test_the_cluster_places_the_streams_on_every_server(tmp_path: Path) -> None:
