@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from events.values import PolicyRef, PolicySelection, Tier
 from recovery.sim.answers import RecordedAnswer
+from recovery.sim.history import NodeRecord
 
 NS = 1_000_000_000
 DAY_S = 86_400.0
@@ -252,6 +253,9 @@ class SimConfig:
     answers: tuple[RecordedAnswer, ...] = ()
     """executors' answers a recorded night shows (done after how long, failed, or none), replayed for the commands of
     the same kind and order (`recovery.sim.answers`); empty: every command is answered as the cost model says"""
+    history: tuple[NodeRecord, ...] = ()
+    """the node events a recorded cluster's nodes said before the job's submission, oldest first, which the engine
+    hears before the job is submitted (`recovery.sim.history`); empty: the cluster has no past"""
     watch_s: float | None = None
     """the job's watchdog ticks this often, each just after every live rank's report of its step and compute time
     (the agents' folded reports, collapsed to one per node per tick): what the detection policy's straggler check

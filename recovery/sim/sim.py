@@ -151,6 +151,8 @@ class Simulator:
             self._open = []
 
     def _relabel(self) -> None:
+        if self._now < EPOCH:  # the cluster's history, before the job: no time of the job's to book
+            return
         label = self.world.busy_label
         if label is None:
             job = self.engine.jobs.get(self.cfg.job)
@@ -166,6 +168,7 @@ class Simulator:
     # -- running --------------------------------------------------------------------------------------
     def run(self) -> Result:
         started = time.perf_counter()
+        self._recall()
         self.world.start()
         self._relabel()
         for fault in self.faults:
@@ -204,6 +207,14 @@ class Simulator:
         self._relabel()
         self.ledger.close(self.end)
         return self._result(time.perf_counter() - started)
+
+    def _recall(self) -> None:
+        """The cluster's history (`SimConfig.history`, `recovery.sim.history`): each node event at its recorded
+        offset before the start, to the engine alone, before the job is submitted."""
+        for past in self.cfg.history:
+            self._now = EPOCH - past.before_ns
+            self.world.node_event(past.node, past.kind, dict(past.data), source=past.source)
+        self._now = EPOCH
 
     def progress_line(self, seconds: float) -> str:
         """Where the run is: the simulated day, the ETTR so far (training booked so far, and the interval under way
