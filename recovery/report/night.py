@@ -11,6 +11,7 @@ from typing import Any
 from recovery.sim.answers import RecordedAnswer
 from recovery.sim.config import NS, Durations
 from recovery.sim.faults import Collective, CollectiveFailure, Fault, LossReport
+from recovery.sim.history import NodeRecord
 
 
 @dataclass
@@ -51,6 +52,17 @@ class Draft:
     """a bad step: the job's newest step when its first report came (the reports' steps are counted from it)"""
     recent_losses: tuple[float, ...] = ()
     """a bad step found by a spike: the finite losses reported before it, which the engine judged it against"""
+
+
+@dataclass(frozen=True)
+class PastEvent:
+    """A node event from before the job's submission: the cluster's history, which the engine counts (its frequency
+    rule reads the fault times of every job's devices)."""
+
+    ts: int
+    node: str
+    kind: str
+    data: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,11 @@ class RecordedCluster:
     other_jobs: set[str] = field(default_factory=set)
     """jobs of the log the what-if leaves out: the simulator runs one job (their nodes are not in its cluster)"""
     night: Night = field(default_factory=Night)
+    history: list[PastEvent] = field(default_factory=list)
+    """the node events of the job's nodes and spares before its submission, oldest first"""
+    history_left: dict[str, list[str]] = field(default_factory=dict)
+    """node -> what the history left on it that its events alone do not re-create (a fault not yet back at the
+    submission, a device another job's decision isolated): the simulated nodes join healthy"""
     started: bool = False
     """the job started (`job.started`): a job that never ran has no night to reproduce"""
 
@@ -163,3 +180,12 @@ def faults_of(cluster: RecordedCluster, durations: Durations) -> list[Fault]:
                             recent_losses=draft.recent_losses,
                             outage_ns=int(outage), repair_ns=int(max(repair, NS)), node=node))
     return faults
+
+
+def history_of(cluster: RecordedCluster) -> tuple[NodeRecord, ...]:
+    """The cluster's history as the simulator's, each event on the simulated node of the same position of the job (or
+    the same spare), at its time before the job started."""
+    names = {name: f"n{i:05d}" for i, name in enumerate(cluster.nodes + cluster.spares)}
+    return tuple(NodeRecord(before_ns=max(0, cluster.start - past.ts), node=names[past.node], kind=past.kind,
+                            data=tuple(sorted(past.data.items())))
+                 for past in cluster.history if past.node in names)

@@ -10,7 +10,8 @@ what its answers took (each command's time from the decision to its `done` ack, 
 recovery decisions and what the simulator cannot re-create (executors that failed or never answered, operator
 commands, fault signals no `Fault` stands for), which is why a what-if under the recorded policies may not
 reproduce the night. What the ranks said of themselves (their steps, compute times and losses, and the straggler
-or bad step the engine found in them) is read by its base, `recovery.report.rank_reports`.
+or bad step the engine found in them) is read by its base, `recovery.report.rank_reports`; what the job's nodes said
+before its submission (the cluster's history, which the engine counted) by `recovery.report.history`.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from recovery.report.night import Draft, Night, RecordedCluster, RecoveryDecision, faults_of, median
+from recovery.report.history import ClusterPast
+from recovery.report.night import Draft, Night, RecordedCluster, RecoveryDecision, faults_of, history_of, median
 from recovery.report.rank_reports import PENDING_RECORDS, RankReports
 from recovery.report.source import RawDict
 from recovery.sim.answers import DONE, FAILED, SILENT, RecordedAnswer, answer_kind
 from recovery.sim.config import NS, Agents
 from recovery.sim.faults import FOLLOW_UPS, Collective, CollectiveFailure
 
-__all__ = ["Draft", "Night", "RecordedCluster", "RecoveryDecision", "faults_of", "median", "read_recorded"]
+__all__ = ["Draft", "Night", "RecordedCluster", "RecoveryDecision", "faults_of", "history_of", "median",
+           "read_recorded"]
 
 SIGNAL_DECISIONS = frozenset({"fault.confirmed", "faults.confirmed_together", "fault.added", "fault.suspected",
                               "fault.absorbed"})
@@ -58,6 +61,8 @@ class _Reader(RankReports):
         self.agents = agents
         self.joined: dict[str, bool] = {}
         """node -> joined as a spare, in the order they joined (before the job: the simulator's cluster)"""
+        self.past = ClusterPast()
+        """the node events before the job's submission: the cluster's history"""
         self.pending: dict[int, tuple[Draft, str]] = {}
         self.open: dict[str, list[Draft]] = {}
         """node -> faults waiting for the node (or its device or link) to come back"""
@@ -107,6 +112,8 @@ class _Reader(RankReports):
             self.count("resimulated", kind)
         self.cluster.end = self.last_ts
         self.cluster.other_jobs = set(self.others)
+        # spares that joined later are the simulated cluster's too: what they said before the job, the engine heard
+        self.cluster.history = self.past.of(self.cluster.nodes + self.cluster.spares)
         self.paces()
         return self.cluster
 
@@ -118,6 +125,8 @@ class _Reader(RankReports):
         data: dict[str, Any] = env.get("data") or {}
         cluster = self.cluster
         if cluster is None:
+            if node is not None:
+                self.past.heard(record, node, kind)
             if kind == "node.joined" and node is not None:
                 self.joined.setdefault(node, bool(data.get("spare")))
             elif kind == "job.submitted" and (self.job is None or job == self.job):
@@ -125,7 +134,8 @@ class _Reader(RankReports):
                 self.placement = list(spec["nodes"])
                 spares = [n for n, spare in self.joined.items() if spare and n not in self.placement]
                 self.cluster = RecordedCluster(job=job, spec=spec, nodes=list(self.placement), spares=spares,
-                                               start=ts, end=ts)
+                                               start=ts, end=ts,
+                                               history_left=self.past.left_on(self.placement + spares))
                 self.job = job
             return
         if job is not None and job != cluster.job:
@@ -413,7 +423,10 @@ class _Reader(RankReports):
 
     def decision(self, record: RawDict, d: dict[str, Any]) -> None:
         cluster = self.cluster
-        if cluster is None or d["job"] != cluster.job:
+        if cluster is None:  # another job's, before this one's submission
+            self.past.decided(record, d)
+            return
+        if d["job"] != cluster.job:
             return
         kind = d["kind"]
         detail = d.get("detail") or {}

@@ -318,6 +318,7 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
         others = ", ".join(result["other_jobs"])
         console.print(Text(f"left out: the simulator runs one job; the log's other jobs ({others}) and their inputs "
                            f"are not simulated", style="yellow"))
+    _render_history(inputs.get("history") or {}, console)
     console.print(Text(f"kept from the log ({inputs['faults']} faults): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["kept"].items())))
     if inputs.get("executors"):
@@ -364,6 +365,17 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                        f"(checkpoint stalls included, MTTR from the fault itself): ETTR {sim['ettr']:+.4f}, lost "
                        f"GPU-hours {sim['lost_gpu_hours']:+.3f}", style="dim"))
     render_diff(result["diff"], console, limit)
+
+
+def _render_history(history: dict[str, Any], console: Console) -> None:
+    """The node events the simulated engine heard before the job's submission, and what they left out of service."""
+    if history.get("events"):
+        console.print(Text(f"the cluster's history, heard by the simulated engine before the job's submission at its "
+                           f"recorded times: {history['events']} node events of its nodes ("
+                           + ", ".join(f"{k} {v}" for k, v in history["by_kind"].items()) + ")"))
+    for left in history.get("left") or []:
+        console.print(Text(f"out of service before the job, where the simulated node joins healthy: {left}",
+                           style="yellow"))
 
 
 def _render_reproduction(rep: dict[str, Any], console: Console) -> None:

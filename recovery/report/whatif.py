@@ -4,11 +4,13 @@ A recorded log cannot simply be replayed under other policies: many of its input
 recorded decisions (command acks, processes restarted and their progress, dying checkpoints, timers). So the
 what-if keeps what the cluster did on its own (the job's shape and its policies from `job.submitted`, the nodes and
 spares, and the faults: device faults, links going down and up, hosts going away, and the process exits and hangs
-the recorded engine took as fault signals) and lets the simulator (`recovery.sim`: its world's executors, training
-and checkpoints, and its cost model) play every answer of the cluster. It runs the simulator twice on these
-faults, under the recorded policies and under the what-if's, so that the comparison is between two runs of the
-same model; the decisions that differ come from `recovery.report.diff` over the two simulated logs. It says which
-inputs it kept and which it left for the simulator to re-create.
+the recorded engine took as fault signals; and the cluster's history: what its nodes said before the job was
+submitted, which the engine counted, such as an earlier job's device faults) and lets the simulator
+(`recovery.sim`: its world's executors, training and checkpoints, and its cost model) play every answer of the
+cluster. It runs the simulator twice on these faults, under the recorded policies and under the
+what-if's, so that the comparison is between two runs of the same model; the decisions that differ come from
+`recovery.report.diff` over the two simulated logs. It says which inputs it kept and which it left for the
+simulator to re-create.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from recovery.log import EPOCH, FileLog
 from recovery.report.calibration import Calibration, calibrate
 from recovery.report.diff import diff_logs
 from recovery.report.fold import build_report
-from recovery.report.recorded import RecordedCluster, RecoveryDecision, faults_of, read_recorded
+from recovery.report.recorded import RecordedCluster, RecoveryDecision, faults_of, history_of, read_recorded
 from recovery.report.source import iter_file
 from recovery.sim.__main__ import parse_policy
 from recovery.sim.accounting import Result
@@ -93,7 +95,8 @@ def config_for(cluster: RecordedCluster, selection: PolicySelection, model_param
                                                                      int(spec["elastic"]["max_dp"])),
                        joining=tuple(f"n{len(cluster.nodes) + cluster.spares.index(d.node):05d}"
                                      for d in cluster.drafts if d.signal == "join" and d.node in cluster.spares),
-                       answers=tuple(_sim_names(a, cluster) for a in cluster.night.answers))
+                       answers=tuple(_sim_names(a, cluster) for a in cluster.night.answers),
+                       history=history_of(cluster))
     return config, calibration
 
 
@@ -225,6 +228,8 @@ def reproduction(cluster: RecordedCluster, simulated: list[RecoveryDecision], re
                      + [f"a fault signal the what-if does not replay: {w}" for w in night.unmatched_signals]
                      + ([f"other jobs shared the cluster: {', '.join(sorted(cluster.other_jobs))}"]
                         if cluster.other_jobs else [])
+                     + [f"out of service before the job, where the simulated node joins healthy: {left}"
+                        for lefts in cluster.history_left.values() for left in lefts]
                      + ([f"the job reported no steps: the simulated one trains at an assumed "
                          f"{calibration.training.step_time_s} s a step (--step-time-s)"]
                         if calibration.figures["step_time_s"]["from"] != "measured" and cluster.ranks_reported
@@ -268,6 +273,9 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
         partition = partition_of(cluster.job, partitions)
         others = {node for node in cluster.spares if partition_of(node, partitions) != partition}
         cluster.spares = [node for node in cluster.spares if node not in others]
+        cluster.history = [past for past in cluster.history if past.node not in others]
+        for node in others:
+            cluster.history_left.pop(node, None)
         # a fault on another partition's spare never reached this job: the simulated cluster has no such node
         for draft in [d for d in cluster.drafts if d.node in others]:
             cluster.drafts.remove(draft)
@@ -329,6 +337,7 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
                    "executors": [a.label for a in cluster.night.answers if a.status != DONE],
                    "timed_as_recorded": _timed(cluster.night.answers),
                    "resimulated": dict(sorted(cluster.resimulated.items())),
+                   "history": _history(cluster),
                    "fault_list": [{"at_s": round(f.at_ns / NS, 3), "signal": f.signal, "from": f.component}
                                   for f in faults[:200]]},
         "reproduction": replayed,
@@ -338,6 +347,15 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
         "diff": diff,
         "logs": None if keep_logs is None else [str(base_log), str(what_log)],
     }, names)
+
+
+def _history(cluster: RecordedCluster) -> dict[str, Any]:
+    """The node events before the job's submission that the simulated engine hears first, by kind."""
+    by_kind: dict[str, int] = {}
+    for past in cluster.history:
+        by_kind[past.kind] = by_kind.get(past.kind, 0) + 1
+    return {"events": len(cluster.history), "by_kind": dict(sorted(by_kind.items())),
+            "left": [left for lefts in cluster.history_left.values() for left in lefts]}
 
 
 _SIM_NODE = re.compile(r"\bn\d{5}\b")
