@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance-s", type=float, default=TOLERANCE_S,
                    help=f"how far a simulated recovery decision or MTTR may be from the recorded one and still "
                         f"reproduce it (default {TOLERANCE_S:g})")
-    p.add_argument("--job", help="the job to replay (default: the log's first job)")
+    p.add_argument("--job", help="the job to replay (default: the one a postmortem of the log is about: a per-job "
+                                 "export's, else the one with the most incidents, the last submitted of a tie)")
     p.add_argument("--model-params", type=float, help="model parameters for the cost of moving state (default: the "
                                                       "most one replica of the layout holds, marked assumed)")
     p.add_argument("--executor-failures", action="store_true",

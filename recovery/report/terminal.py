@@ -314,11 +314,7 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
                       f"s (the recorded agents' period) and the engine watches every {c['watchdog_interval_s']:g} s "
                       f"(the recorded spec's)")
     inputs = result["inputs"]
-    if result["other_jobs"]:
-        others = ", ".join(result["other_jobs"])
-        console.print(Text(f"left out: the simulator runs one job; the log's other jobs ({others}) and their inputs "
-                           f"are not simulated", style="yellow"))
-    _render_history(inputs.get("history") or {}, console)
+    _render_choice(result, console)
     console.print(Text(f"kept from the log ({inputs['faults']} faults): "
                        + ", ".join(f"{k} {v}" for k, v in inputs["kept"].items())))
     if inputs.get("executors"):
@@ -367,8 +363,22 @@ def render_whatif(result: dict[str, Any], console: Console | None = None, limit:
     render_diff(result["diff"], console, limit)
 
 
-def _render_history(history: dict[str, Any], console: Console) -> None:
-    """The node events the simulated engine heard before the job's submission, and what they left out of service."""
+def _render_choice(result: dict[str, Any], console: Console) -> None:
+    """Which job was replayed and why, the jobs left out, and the history the simulated engine heard first."""
+    choice = result.get("job_choice") or {}
+    console.print(Text(f"job {result['job']}: {choice.get('why') or 'as asked (--job)'}"))
+    left_out = choice.get("left_out") or []
+    alongside = [o["job"] for o in left_out if o["alongside"]]
+    before = [o["job"] for o in left_out if not o["alongside"]]
+    if alongside:
+        console.print(Text(f"left out: the simulator runs one job; the log's jobs alongside it "
+                           f"({', '.join(alongside)}) and their inputs are not simulated", style="yellow"))
+    if before:
+        incidents = {o["job"]: o["incidents"] for o in left_out}
+        console.print(Text("left out, all their records before the job was submitted (what the job's nodes said "
+                           "then is replayed as history): " + ", ".join(
+            f"{job} ({incidents[job]} incident(s))" for job in before), style="dim"))
+    history = result["inputs"].get("history") or {}
     if history.get("events"):
         console.print(Text(f"the cluster's history, heard by the simulated engine before the job's submission at its "
                            f"recorded times: {history['events']} node events of its nodes ("

@@ -7,8 +7,9 @@ spares, and the faults: device faults, links going down and up, hosts going away
 the recorded engine took as fault signals; and the cluster's history: what its nodes said before the job was
 submitted, which the engine counted, such as an earlier job's device faults) and lets the simulator
 (`recovery.sim`: its world's executors, training and checkpoints, and its cost model) play every answer of the
-cluster. It runs the simulator twice on these faults, under the recorded policies and under the
-what-if's, so that the comparison is between two runs of the same model; the decisions that differ come from
+cluster. Of a log of several jobs it replays one: the one a postmortem is about unless told
+(`recovery.report.job_choice`). It runs the simulator twice on these faults, under the recorded policies and under
+the what-if's, so that the comparison is between two runs of the same model; the decisions that differ come from
 `recovery.report.diff` over the two simulated logs. It says which inputs it kept and which it left for the
 simulator to re-create.
 """
@@ -34,6 +35,7 @@ from recovery.log import EPOCH, FileLog
 from recovery.report.calibration import Calibration, calibrate
 from recovery.report.diff import diff_logs
 from recovery.report.fold import build_report
+from recovery.report.job_choice import JobChoice, choose_job, exported_job
 from recovery.report.recorded import RecordedCluster, RecoveryDecision, faults_of, history_of, read_recorded
 from recovery.report.source import iter_file
 from recovery.sim.__main__ import parse_policy
@@ -265,9 +267,11 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
     plus `tail_s`, so that a recovery under way when the log ends can finish. A log of `partitions` P > 1 gave the
     job only its partition's spares (`recovery.core.partition`): so does the what-if. `step_time_s` is the step
     time of a job that reported none; `node_not_ready_s` how long before its node.not_ready a host that went away
-    died (default: just after its ranks' last report)."""
+    died (default: just after its ranks' last report). `job`: the job to replay; None: the one a postmortem of the
+    log is about (`recovery.report.job_choice`)."""
     agents = Agents() if node_not_ready_s is None else Agents(node_not_ready_s=node_not_ready_s)
-    cluster = read_recorded(iter_file(path), job, agents, death_given=node_not_ready_s is not None)
+    choice = choose_job(iter_file(path), job, exported_job(path))
+    cluster = read_recorded(iter_file(path), choice.job, agents, death_given=node_not_ready_s is not None)
     partition = None
     if partitions is not None and partitions > 1:
         partition = partition_of(cluster.job, partitions)
@@ -316,6 +320,7 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
     names = {f"n{i:05d}": n for i, n in enumerate(cluster.nodes + cluster.spares)}
     return _renamed({
         "whatif": WHATIF_VERSION, "log": str(path), "job": cluster.job,
+        "job_choice": _choice(choice, cluster),
         "policies": {"recorded": base_selection.model_dump(), "what-if": chosen.model_dump()},
         "cluster": {"nodes": len(cluster.nodes), "spares": len(cluster.spares), "ranks_per_node": cluster.rpn,
                     "partition": None if partition is None else {"index": partition, "count": partitions},
@@ -347,6 +352,15 @@ def whatif(path: str | os.PathLike[str], overrides: Sequence[str], job: str | No
         "diff": diff,
         "logs": None if keep_logs is None else [str(base_log), str(what_log)],
     }, names)
+
+
+def _choice(choice: JobChoice, cluster: RecordedCluster) -> dict[str, Any]:
+    """Why the job was chosen, and the log's other jobs, which the what-if leaves out: each with its incidents, and
+    whether it ran alongside the job (its records come after the job's submission) or only before it (what it left
+    on the job's nodes is their history)."""
+    return {"why": choice.why,
+            "left_out": [{"job": other, "incidents": choice.incidents.get(other, 0),
+                          "alongside": other in cluster.other_jobs} for other in choice.others]}
 
 
 def _history(cluster: RecordedCluster) -> dict[str, Any]:
