@@ -48,3 +48,31 @@ async def test_one_subscription_for_every_member_and_it_moves_when_its_member_le
     finally:
         for nc in connections:
             await nc.close()
+
+
+
+async def test_the_next_member_hears_the_subject_before_the_leaving_ones_subscription_goes(
+        nats_server: NatsServer) -> None:
+    """Never a moment with no subscription: the next member's is made (and the server has it) before the leaving
+    one's is drained, so no beat or report published during the move reaches nobody."""
+    connections = [await connect(nats_server.url) for _ in range(2)]
+    shared = SharedSubscription.of("t.moving.*")
+    try:
+        tokens = [await shared.join(nc, lambda _subject, _data: None) for nc in connections]
+        leaving = shared.subscription
+        seen_when_removed: list[tuple[int | None, int]] = []
+        for name in ("drain", "unsubscribe"):
+            removal = getattr(leaving, name)
+
+            async def removed(removal: Any = removal) -> None:
+                # what carries the subject at the moment the leaving member's subscription goes
+                seen_when_removed.append((shared.owner, len(connections[1]._subs)))
+                await removal()
+            setattr(leaving, name, removed)
+        await shared.leave(tokens[0])
+        assert seen_when_removed and seen_when_removed[0] == (tokens[1], 1), seen_when_removed
+        assert [len(nc._subs) for nc in connections] == [0, 1]
+        await shared.leave(tokens[1])
+    finally:
+        for nc in connections:
+            await nc.close()

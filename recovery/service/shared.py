@@ -5,8 +5,9 @@ With `partitions` > 1 a process runs one `Daemon` per partition it owns, each on
 of each would have the fleet's every beat and report delivered once per partition, and a core-NATS message costs
 the client far more than the dictionary write a beat is: four partitions made four times the beats' cost. Here the
 first member subscribes, on its connection, and every message is handed to each member in the process; when that
-member leaves (its partition given up), the next one subscribes on its own. Members of different event loops (tests
-that run several daemons in one process, one after the other) never share one.
+member leaves (its partition given up), the next one subscribes on its own first, and only then is the old
+subscription drained: no moment with none. Members of different event loops (tests that run several daemons in one
+process, one after the other) never share one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from nats.aio.client import Client
 logger = logging.getLogger("recovery.daemon")
 
 Handler = Callable[[str, bytes], None]
+DRAIN_S = 2.0
+"""the longest a leaving member's subscription is drained before it is dropped"""
 
 
 class SharedSubscription:
@@ -55,10 +58,19 @@ class SharedSubscription:
     async def leave(self, token: int) -> None:
         self.members.pop(token, None)
         if token == self.owner:
+            # The next member subscribes before the old subscription goes: in between, a message would reach
+            # nobody (a beat or a report lost). A message both deliver is heard twice, which a beat and a report
+            # (each the newest word of its node) bear.
             subscription, self.subscription, self.owner = self.subscription, None, None
-            with contextlib.suppress(Exception):  # its connection may be closing with it
-                await subscription.unsubscribe()
             await self._subscribe()
+            try:
+                # drained, not dropped: what it received before the next one's interest reached the server is
+                # handed on first (bounded: a connection closing with its partition may never answer)
+                await asyncio.wait_for(subscription.drain(), DRAIN_S)
+            except Exception:  # closed or slow: whatever it still held reached the next one's subscription too
+                logger.info("the subscription to %s was dropped, not drained", self.subject, exc_info=True)
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
         if not self.members:
             self._shared.pop((self.subject, id(asyncio.get_running_loop())), None)
 
