@@ -20,6 +20,7 @@ from events.envelope import EnvelopeBase, Record, make_envelope
 from events.values import JobSpec
 from recovery.log import MSG_ID, iter_file
 from recovery.log.jetstream import JetStreamLog
+from recovery.report.whatif import whatif
 from recovery.service.demo import BuiltinCluster, Bus
 from recovery.testing.nats import NatsServer, free_port
 from tests.daemon_support import (
@@ -286,6 +287,11 @@ def test_demo_runs_a_cluster_live_and_stops_by_itself(tmp_path: Path) -> None:
     assert max(len(line.rstrip()) for line in done.stdout.splitlines()) <= 80, done.stdout
     assert "--job job0" in done.stdout and "<job>" not in done.stdout  # commands to paste, naming the demo's jobs
     assert (tmp_path / "demo" / "demo.jsonl").is_file()
+    # The postmortem's what-if under the recorded policies repeats the demo's night, as on the golden logs: the job
+    # with the incidents, by default, with the same recovery decisions within the tolerance.
+    result = whatif(tmp_path / "demo" / "demo.jsonl", [])
+    reproduction = result["reproduction"]
+    assert reproduction["recorded"] and reproduction["reproduced"], reproduction
 
 
 def test_a_test_server_whose_picked_port_was_taken_meanwhile_picks_another(tmp_path: Path) -> None:
