@@ -83,9 +83,10 @@ POLL_S = 0.01
 """how often a survivor looks for the new generation: a store read, cheap against a restart's second"""
 WATCH_S = 0.05
 """how often the watcher of a live group reads the job store (three reads): how late a blocked survivor is freed"""
-TIMED_OUT = "Timed out waiting"
-"""how gloo says a collective timed out (`Timed out waiting 5000ms for recv operation to complete`), where a dead
-peer is `Connection closed by peer` or `Connection reset by peer`"""
+TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure")
+"""how gloo says a collective of this process timed out (`Timed out waiting 5000ms for recv operation to complete`;
+or, for an operation its own timeout closed the pairs under, `Application timeout caused pair closure`), where a
+dead peer (or a peer's timeout) is `Connection closed by peer` or `Connection reset by peer`"""
 FORM_TIMEOUT_S = 5.0
 """the longest forming a group may take once every rank has arrived in its generation: a peer that died after
 arriving makes it fail, and the survivors wait for the next generation instead of the group's whole timeout"""
@@ -294,7 +295,7 @@ class ProcessGroupRecovery:
         """Did the group's own collective time out (`error`, the text of what it raised), every peer of this process
         maybe alive? Not when the watcher shut the group down (a peer failed first, or a newer generation began),
         nor a peer's closed connection (it died: its exit is the fault)."""
-        return not self._aborted and TIMED_OUT in error
+        return not self._aborted and any(said in error for said in TIMED_OUT)
 
     def recover(self, error: str | None = None) -> None:
         """After a collective failed: tear the group down, wait for the next generation, form it.
