@@ -8,6 +8,7 @@ A job or node id is one NATS subject token: it may not contain `.` (a token sepa
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated
 
 from pydantic import StringConstraints
@@ -164,6 +165,19 @@ def partition_inputs(index: int) -> list[str]:
     is left there beside the node events is the stray inputs, which a single daemon dead-letters and so must one
     of several partitions (none reading them, they were stored, answered by nobody and unseen by `verify`)."""
     return [f"{PARTITIONED_EVENTS}.{index}.ev.>", EVENTS if index == STRAYS_PARTITION else NODE_EVENTS]
+
+
+def partition_reads(index: int) -> Callable[[str], bool]:
+    """`partition_inputs(index)` as a test of a stored subject, for a partition that reads the whole log and passes
+    over what is not its own: JetStream serves a consumer of two filters some twenty times slower than one of none
+    (`docs/platform.md`), and every partition would read every node's events through one."""
+    own = f"{PARTITIONED_EVENTS}.{index}.ev."
+    shared = _EVENTS_PREFIX if index == STRAYS_PARTITION else NODE_EVENTS[:-1]
+
+    def reads(subject: str) -> bool:
+        return subject.startswith(own) or subject.startswith(shared)
+
+    return reads
 
 
 def stray_input(subject: str) -> bool:

@@ -272,6 +272,12 @@ async def test_a_daemon_that_joins_takes_a_fair_share_handed_over_gracefully(nat
         assert [s.labels for s in families["recovery_active"].samples] == [{}]  # the process's own, unlabelled
         lag = second.metrics()
         assert all(f'recovery_consumer_lag{{partition="{k}"}}' in lag for k in mine), sorted(lag)[:20]
+        # each balance (two a second a daemon) reads the members without a consumer: the server keeps none for it
+        nc, js = await connect(nats_server.url)
+        try:
+            assert (await js.stream_info("KV_RECOVERY_LEASES")).state.consumer_count == 0
+        finally:
+            await nc.close()
     finally:
         first.close()
         second.close()
@@ -304,6 +310,41 @@ async def test_a_backlog_read_per_filter_and_merged_is_the_partitions_consumer_o
         assert [(d.seq, d.subject, d.data) for d in merged] == [(d.seq, d.subject, d.data) for d in expected]
         assert merged[0].seq >= 17 and merged[-1].seq <= 380 and len(merged) > 150
         assert {d.subject.split(".")[1] for d in merged} == {"p", "ev"}
+    finally:
+        await nc.close()
+
+
+async def test_a_partition_reading_the_whole_log_takes_what_its_two_filters_would(nats_server: NatsServer) -> None:
+    """A partition's consumer reads the whole log and passes over what `subjects.partition_reads` says is not its
+    own: exactly what JetStream's two filters (`partition_inputs`) select, strays to partition 0 only."""
+    nc, js = await connect(nats_server.url)
+    try:
+        await js.add_stream(StreamConfig(name="WHOLE", subjects=["recovery.>"]))
+        rng = random.Random(7)
+        for i in range(300):
+            subject = rng.choice(["recovery.p.0.ev.job.a.progress.report", "recovery.p.1.ev.job.b.process.exited",
+                                  "recovery.p.10.ev.job.c.progress.report", "recovery.ev.node.n1.node.heartbeat",
+                                  "recovery.ev.node.n2.device.fault", "recovery.ev.job.stray", "recovery.ev.other.x",
+                                  "recovery.ev.node", "recovery.dec.a", "recovery.dlq.bad", "recovery.fence.log.p1"])
+            await js.publish(subject, str(i).encode())
+
+        async def read(config: ConsumerConfig) -> list[tuple[int, str]]:
+            reader = PullReader(nc, js, "WHOLE", config, batch=100, end_seq=300)
+            await reader.open(1)
+            got: list[tuple[int, str]] = []
+            while not reader.done:
+                got.extend((d.seq, d.subject) for d in await reader.next_batch(reader.stall_s))
+            await reader.close()
+            return got
+
+        whole = await read(ConsumerConfig(ack_policy=AckPolicy.NONE))
+        assert len(whole) == 300
+        for k in (0, 1):
+            inputs = subjects.partition_inputs(k)
+            filtered = await read(ConsumerConfig(ack_policy=AckPolicy.NONE, filter_subjects=inputs))
+            reads = subjects.partition_reads(k)
+            assert [(seq, subject) for seq, subject in whole if reads(subject)] == filtered
+            assert any(subject == "recovery.ev.job.stray" for _, subject in filtered) == (k == 0)
     finally:
         await nc.close()
 

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -178,16 +179,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-s", type=float, default=2.0, help="a rank's step")
     parser.add_argument("--fault-every-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                        help="copy the daemons' and servers' logs here when the bench ends (where a fault's time went)")
     bench_fleet_many.add_arguments(parser)
     bench_fleet_steady.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, emit: Emit) -> None:
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="recovery-fleet-") as tmp:
-        if args.only in (None, "job"):
-            run_job(args, Path(tmp) / "job", emit)
-        if args.only in (None, "fleet"):
-            bench_fleet_many.run_fleet(args, Path(tmp) / "fleet", emit)
-        if args.only in (None, "steady"):
-            bench_fleet_steady.run_steady(args, Path(tmp) / "steady", emit)
+        try:
+            if args.only in (None, "job"):
+                run_job(args, Path(tmp) / "job", emit)
+            if args.only in (None, "fleet"):
+                bench_fleet_many.run_fleet(args, Path(tmp) / "fleet", emit)
+            if args.only in (None, "steady"):
+                bench_fleet_steady.run_steady(args, Path(tmp) / "steady", emit)
+        finally:
+            if args.keep_logs is not None:
+                for log in Path(tmp).rglob("*.log"):
+                    kept = args.keep_logs / log.relative_to(tmp)
+                    kept.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(log, kept)
 

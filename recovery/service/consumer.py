@@ -4,6 +4,7 @@ what is already stored (`scan_ids`), so that a restart does not publish an effec
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -29,13 +30,14 @@ class InputReader:
 
     def __init__(self, nc: Client, js: JetStreamContext, stream: str, durable: str, batch: int,
                  ack_wait_s: float, replicas: int, pull_expires_s: float = 2.0,
-                 filters: list[str] | None = None) -> None:
+                 filter_subject: str | None = INPUTS) -> None:
+        # `filter_subject` None: the whole log, for a partition, which passes over what is not its own
+        # (`subjects.partition_reads`): its inputs are under two filters, which JetStream serves slowly.
         config = ConsumerConfig(
             durable_name=durable, ack_policy=AckPolicy.ALL, ack_wait=ack_wait_s, max_deliver=-1,
-            filter_subject=INPUTS, max_ack_pending=max(4 * batch, 4096), num_replicas=replicas, max_waiting=512,
+            filter_subject=filter_subject, max_ack_pending=max(4 * batch, 4096), num_replicas=replicas,
+            max_waiting=512,
         )
-        if filters is not None:  # a partition's inputs: its jobs' subject space and every node's events
-            config.filter_subject, config.filter_subjects = None, filters
         self.pull = PullReader(nc, js, stream, config, batch=batch, pull_expires_s=pull_expires_s)
 
     @property
@@ -74,31 +76,33 @@ class InputReader:
 
 
 async def scan_ids(nc: Client, js: JetStreamContext, stream: str, filters: list[str], start_seq: int,
-                   start_time: datetime | None, batch: int = 4096, idle_s: float = 5.0) -> set[str]:
+                   start_time: datetime | None, batch: int = 4096, idle_s: float = 1.0) -> set[str]:
     """The `Nats-Msg-Id` of every message on `filters` in `stream` from `start_seq` (or `start_time`) to the
-    stream's last sequence now, read headers-only through an ephemeral consumer."""
-    config = ConsumerConfig(ack_policy=AckPolicy.NONE, headers_only=True, mem_storage=True, num_replicas=1,
-                            inactive_threshold=30.0)
-    if len(filters) == 1:
-        config.filter_subject = filters[0]
-    else:
-        config.filter_subjects = filters
-    start: int | None = max(start_seq, 1)
-    if start_time is not None:
-        config.deliver_policy, config.opt_start_time, start = DeliverPolicy.BY_START_TIME, start_time, None
+    stream's last sequence now, read headers-only through an ephemeral consumer per filter, all at once (JetStream
+    serves a consumer of several filters far slower; a takeover waits on this scan). A pull lost on a busy server
+    is found within `2 * idle_s + 1` s (ReaderLost), and the caller scans again."""
     end = int((await js.stream_info(stream)).state.last_seq)
-    reader = PullReader(nc, js, stream, config, batch=batch, pull_expires_s=idle_s, end_seq=end)
-    ids: set[str] = set()
-    try:
-        await reader.open(start)
-        while not reader.done:
-            for d in await reader.next_batch(reader.stall_s):
-                msg_id = (d.headers or {}).get(MSG_ID)
-                if msg_id:
-                    ids.add(msg_id)
-    finally:
-        await reader.close()
-    return ids
+
+    async def scan(subject: str) -> set[str]:
+        config = ConsumerConfig(ack_policy=AckPolicy.NONE, headers_only=True, mem_storage=True, num_replicas=1,
+                                inactive_threshold=30.0, filter_subject=subject)
+        start: int | None = max(start_seq, 1)
+        if start_time is not None:
+            config.deliver_policy, config.opt_start_time, start = DeliverPolicy.BY_START_TIME, start_time, None
+        reader = PullReader(nc, js, stream, config, batch=batch, pull_expires_s=idle_s, end_seq=end)
+        ids: set[str] = set()
+        try:
+            await reader.open(start)
+            while not reader.done:
+                for d in await reader.next_batch(reader.stall_s):
+                    msg_id = (d.headers or {}).get(MSG_ID)
+                    if msg_id:
+                        ids.add(msg_id)
+        finally:
+            await reader.close()
+        return ids
+
+    return set().union(*await asyncio.gather(*(scan(subject) for subject in filters)))
 
 
 async def read_backlog(nc: Client, js: JetStreamContext, stream: str, filters: list[str], start_seq: int,

@@ -58,7 +58,7 @@ from recovery.log.pull import Delivery
 from recovery.log.refusals import Refusals
 from recovery.service import connection
 from recovery.service.config import DaemonConfig
-from recovery.service.consumer import InputReader, read_backlog
+from recovery.service.consumer import INPUTS, InputReader, read_backlog
 from recovery.service.control import ControlService
 from recovery.service.datadir import DataDirLock, StartRefused
 from recovery.service.embedded import EmbeddedNats
@@ -286,11 +286,12 @@ class Daemon:
         self.outage.took_over()
         await self._restore()
         assert self.nc is not None and self.js is not None
-        part = self.partition  # its own durable consumer, over its jobs' events and every node's
+        part = self.partition  # its own durable consumer: of the whole log, passing over the other partitions'
         durable = cfg.consumer if part is None else f"{cfg.consumer}-{self.key}"
         self.reader = InputReader(self.nc, self.js, cfg.stream, durable,
                                   cfg.batch_size, cfg.ack_wait_s, cfg.replicas,
-                                  filters=None if part is None else subjects.partition_inputs(part.index))
+                                  filter_subject=INPUTS if part is None else None)
+        self.processor.reads = None if part is None else subjects.partition_reads(part.index)
         teardown.push_async_callback(self.reader.close)
         if cfg.timers_enabled:
             logger.info("timers re-armed", extra=_fields(timers=len(self.processor.timers)))

@@ -148,7 +148,7 @@ class Ownership:
     async def _balance(self, group: TaskGroup, js: JetStreamContext) -> None:
         kv = self.kv
         await kv.put(member_key(self.instance), orjson.dumps({"instance": self.instance}))
-        self.members = await self._members()
+        self.members = await self._members(js)
         self.target = target = fair_share(self.members, self.instance, self.count)
         self.metrics.active.set(1 if self.owned() else 0)  # which partitions: `/status`
         self.metrics.ready.set(1 if self.readiness()[0] else 0)
@@ -179,13 +179,15 @@ class Ownership:
             for index in (free[rank % n::n] + [k for i, k in enumerate(free) if i % n != rank % n])[:-surplus]:
                 self._start_worker(group, index)
 
-    async def _members(self) -> list[str]:
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+    async def _members(self, js: JetStreamContext) -> list[str]:
+        # The members' keys are the bucket's stream subjects under `members.`, as the stream's state lists them: one
+        # request. `kv.keys()` made a consumer each time (the server keeps it 5 minutes after): two a second per
+        # daemon, hundreds alive at once, each one the cluster's meta group must create and remove.
+        prefix = f"$KV.{self.cfg.lease_bucket}."
+        info = await js.stream_info(f"KV_{self.cfg.lease_bucket}", subjects_filter=f"{prefix}{MEMBERS}.>")
         names = []
-        for key in keys:
+        for subject in sorted(info.state.subjects or {}):
+            key = subject[len(prefix):]
             if key.startswith(MEMBERS + "."):
                 with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
                     entry = await self.kv.get(key)

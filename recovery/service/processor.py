@@ -79,6 +79,8 @@ class Processor(EffectRouter):
         self.recent: OrderedDict[int, list[Effect]] = OrderedDict()
         """the effects of the control service's inputs, by sequence, for its answers"""
         self.listeners: list[Listener] = []
+        self.reads: Callable[[str], bool] | None = None
+        """which stored subjects are inputs, for a partition that reads the whole log (None: all it is given)"""
         self._batch = Processed()
 
     def process(self, batch: list[Delivery], observe: Callable[[int], None] | None = None,
@@ -90,7 +92,7 @@ class Processor(EffectRouter):
         engine = self.engine
         self._batch = done = Processed()
         types = done.types
-        recent, listeners = self.recent, self.listeners
+        recent, listeners, reads = self.recent, self.listeners, self.reads
         for index, d in enumerate(batch):
             if first_command and done.commands:
                 done.rest = batch[index:]
@@ -98,8 +100,8 @@ class Processor(EffectRouter):
             done.last = d
             if observe is not None:
                 observe(d.ts)
-            if d.seq <= engine.last_seq:
-                continue
+            if d.seq <= engine.last_seq or (reads is not None and not reads(d.subject)):
+                continue  # applied before, or not this partition's (acknowledged with the batch all the same)
             # A partitioned job event is applied as the subject it was published on (`subjects.unpartitioned`).
             record = to_record(d.seq, d.ts, unpartitioned(d.subject), d.headers or {}, d.data)
             encoded = self.apply(record)  # a record whose effects cannot be written is revoked

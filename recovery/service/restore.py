@@ -7,6 +7,7 @@ anything else it republishes is dropped by JetStream's duplicate window."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import UTC, datetime
 from typing import Any
@@ -56,6 +57,6 @@ async def published_after(nc: Client, js: JetStreamContext, stream: str, command
     start_cmd = None if seq == 0 else datetime.fromtimestamp(max(ts - CLOCK_SKEW_MARGIN_NS, 0) / 1e9, tz=UTC)
     scans = [(stream, [subjects.DECISIONS, subjects.DEAD_LETTERS], seq + 1, None),
              (command_stream, [subjects.COMMANDS], 1, start_cmd)]
-    for name, filters, start_seq, start_time in scans:
-        ids.update(await scan_ids(nc, js, name, filters, start_seq, start_time))
+    for found in await asyncio.gather(*(scan_ids(nc, js, *scan) for scan in scans)):  # at once: a takeover waits
+        ids.update(found)
     return ids
