@@ -65,8 +65,8 @@ class DaemonConfig(FileSettings):
                                                        "then never run two daemons on one partition)")
     instance: str = Field("", description="this daemon's name in the lease (default: host name and data_dir); "
                                           "the same name takes its own lease back at once after a crash")
-    snapshot_every_records: int = Field(50_000, ge=1, description="snapshot after this many input records (the "
-                                                                     "first after a tenth of them)")
+    snapshot_every_records: int = Field(50_000, ge=1, description="snapshot after this many input records (or "
+                                                                     "a tenth of them and of snapshot_every_s)")
     snapshot_every_s: float = Field(60.0, gt=0, description="snapshot at least this often while records arrive")
     snapshot_chunk_bytes: int = Field(512 * 1024, ge=1024, le=8 * 1024 * 1024,
                                       description="snapshot value size per KV entry (below max_payload)")

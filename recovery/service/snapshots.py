@@ -264,17 +264,18 @@ Retry = Callable[[Callable[[], Awaitable[Any]], str], Awaitable[Any]]
 """how the daemon retries a NATS operation through an outage: `retry(op, what)`"""
 
 
-FIRST_SHARE = 10
-"""the first snapshot of a daemon that has none comes after this share of `every_records`"""
+BURST_SHARE = 10
+"""a snapshot is due after this share of `every_records` once this share of `every_s` went by since the last"""
 
 
 class Snapshotter:
     """When the daemon takes a snapshot, and the upload beside the processing.
 
-    The processor asks `maybe` between two batches; a snapshot is due after `every_records` inputs (a tenth of
-    them for the first) or `every_s` seconds. It is captured there (with every effect acknowledged, by the active
-    daemon only) and handed to the `uploads` part, one at a time: while one uploads, none is captured. `final`
-    writes the last one at shutdown, in the loop, since nothing else runs then."""
+    The processor asks `maybe` between two batches; a snapshot is due after `every_records` inputs or `every_s`
+    seconds, or after a tenth of the records once a tenth of the period went by (a burst). It is captured there
+    (with every effect acknowledged, by the active daemon only) and handed to the `uploads` part, one at a time:
+    while one uploads, none is captured. `final` writes the last one at shutdown, in the loop, since nothing else
+    runs then."""
 
     def __init__(self, store: SnapshotStore, every_records: int, every_s: float, fork: bool, metrics: Metrics,
                  retry: Retry, started: float) -> None:
@@ -307,10 +308,10 @@ class Snapshotter:
         if self.records_since == 0 or clean_seq <= self.seq or self._uploading:
             return
         age = time.monotonic() - (self.written or self.started)
-        # Before its first snapshot a partition would be taken over from the log's start: a fleet's first words
-        # (every node's mode and first report) are tens of thousands of records, seconds of a takeover's replay.
-        every = self.every_records if self.manifest is not None else max(1, self.every_records // FIRST_SHARE)
-        if self.records_since >= every or age >= self.every_s:
+        # A burst (a fleet's first words: every node's mode and first report, tens of thousands of records) is
+        # seconds of a takeover's replay: past a tenth of the records, a tenth of the period is enough.
+        if (self.records_since >= self.every_records or age >= self.every_s
+                or (self.records_since >= self.every_records // BURST_SHARE and age >= self.every_s / BURST_SHARE)):
             captured = self._capture(engine, clean_seq, last_ts, active, self.fork)
             if captured is not None:
                 self._uploading = True
