@@ -98,6 +98,37 @@ async def test_an_unbounded_reader_follows_new_messages_and_reports_lag(js: Js) 
         await reader.close()
 
 
+async def test_a_pull_that_reached_no_consumer_is_asked_again_not_waited_out(js: Js) -> None:
+    """A pull the server answers with 503 (no responders: on a cluster, a consumer's interest may reach the client's
+    server after the consumer is made) is sent again at once; before, the reader waited for its stall (11 s here)."""
+    await js.publish(3)
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=100, pull_expires_s=5.0)
+    real_pull, pulls = reader._pull, 0
+
+    async def first_to_nobody() -> None:
+        nonlocal pulls
+        pulls += 1
+        if pulls > 1:
+            return await real_pull()
+        subject, reader._next_subject = reader._next_subject, f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.nobody"
+        try:
+            await real_pull()  # answered 503: no consumer of that name
+        finally:
+            reader._next_subject = subject
+
+    reader._pull = first_to_nobody  # type: ignore[method-assign]
+    try:
+        await reader.open(1)
+        got: list[Delivery] = []
+        for _ in range(16):  # 8 s at most: short of the 11 s after which the old reader gave up on the pull
+            got += await reader.next_batch(0.5)
+            if len(got) == 3:
+                break
+        assert [d.seq for d in got] == [1, 2, 3] and pulls >= 2
+    finally:
+        await reader.close()
+
+
 async def test_a_deleted_consumer_raises_reader_lost(js: Js) -> None:
     await js.publish(2)
     reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=10)

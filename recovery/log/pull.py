@@ -36,6 +36,9 @@ API_PREFIX = "$JS.API"
 _NUID = NUID()
 
 
+UNHEARD_PAUSE_S = 0.02
+"""how long a reader waits before it asks again after a pull that reached no consumer"""
+
 class ReaderLost(Exception):
     """The consumer stopped delivering in stream order (a gap, a deleted consumer, a reconnect, a stall, or, for
     the daemon, a redelivery ahead of what it applied): open the reader again where it is needed."""
@@ -149,6 +152,7 @@ class PullReader:
         self._buffer: deque[Msg] = deque()
         self._arrived: anyio.Event | None = None  # set by the next delivery while `next_batch` waits for one
         self._outstanding = 0  # messages asked for and not yet delivered
+        self._unheard = False  # a pull reached no consumer (503): asked again after a pause, not waited out
         self._cseq = 0  # the last consumer sequence delivered
         self._highest = 0  # the highest stream sequence delivered
         self._reconnects = 0
@@ -285,6 +289,9 @@ class PullReader:
                 self.done = True
                 break
         if not self.done:
+            if self._unheard:
+                self._unheard = False
+                await anyio.sleep(UNHEARD_PAUSE_S)  # the consumer's interest on its way through the cluster
             await self._pull()
         return out
 
@@ -301,6 +308,11 @@ class PullReader:
             self._outstanding = max(self._outstanding - int(headers["Nats-Pending-Messages"]), 0)
         elif status in ("404", "408", "409"):
             self._outstanding = 0
+        elif status == "503":
+            # No responders: the pull reached no consumer. Right after a consumer is made on a cluster, its interest
+            # may not have reached this client's server yet; the pull is lost, and would be waited out (`stall_s`).
+            self._outstanding = 0
+            self._unheard = True
         if status in ("404", "408") and not self._buffer and self.lag == 0:
             self.caught_up = True
 
