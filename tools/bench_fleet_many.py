@@ -11,6 +11,7 @@ of the way in, the nats-server that leads the log stream is SIGKILLed, and start
 What it reports:
 - `fleet_start_settled_s`: from the agents' start until the partitions applied the fleet's first words (every
   node's mode and first report at once), which the window waits for;
+- `fleet_steady_log_per_s`: records the log stored a second in `--fleet-steady-s` with no fault, before the window;
 - `fleet_inputs_per_s`: messages the log stored a second over the window, and `fleet_lag_at_end` what the
   partitions had still to apply when it ended (the daemons keep up when it is near 0);
 - `fleet_daemon_cpu_cores`: the three daemons' CPU seconds over the window's seconds (the control plane's share of the
@@ -20,6 +21,8 @@ What it reports:
 - `fleet_failover_s`: from the SIGKILL until the survivors own and serve every partition (each claimed, restored,
   active and caught up with the log in a survivor's `/status`), against `fleet_lease_ttl_s`: the goal is the TTL + 2 s
   or less;
+- `fleet_server_failover_s`: from the log's leading server's SIGKILL until every partition is current again (each
+  served, ready and within `SERVING_LAG` of the log's end); the faults struck in either failover are held;
 - `fleet_lost`: faults stored by JetStream that no command answered by the end, or that the log does not hold;
 - `fleet_doubled`: commands stored twice (by message id), decisions stored twice (by their cause and index), and
   attempts started twice for one job.
@@ -66,6 +69,11 @@ SETTLED_LAG = 1000
 few hundred in flight)"""
 
 
+SERVING_LAG = 200
+"""a partition's consumer this close to the log's end serves a fault at once (it reads the whole log: about a
+second's records)"""
+
+
 @dataclass
 class Fault:
     job: str
@@ -75,7 +83,8 @@ class Fault:
     ident: str
     commanded: float | None = None
     held: bool = False
-    """struck while its partition had no owner (the killed daemon's, before the failover ended)"""
+    """struck while its partition had no owner (the killed daemon's, before the failover ended), or while the log's
+    leading server was lost (before every partition was current again)"""
 
 
 @dataclass
@@ -129,6 +138,15 @@ def coverage(daemons: list[Daemon]) -> list[int]:
     return sorted(k for d in daemons if d.proc is not None and d.proc.poll() is None for k in owned(d))
 
 
+def serving(daemons: list[Daemon], partitions: int) -> bool:
+    """Every partition served and current: active, ready, and its consumer no more than `SERVING_LAG` behind the
+    log (after a server's loss the consumers are made again, and catch up)."""
+    if coverage(daemons) != list(range(partitions)):
+        return False
+    return all(int(part.get("lag") or 0) <= SERVING_LAG for d in daemons if d.proc is not None and d.proc.poll() is None
+               for part in (d.status().get("partition_status") or {}).values() if part.get("role") == "active")
+
+
 def wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -160,9 +178,10 @@ async def stored_at(nc: Client, stream: str, subject: str) -> list[tuple[str, st
 
 async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, partitions: int, seconds: float,
                         every_s: float, seed: int, server_down_s: float
-                        ) -> tuple[list[Fault], float, Daemon, list[int]]:
+                        ) -> tuple[list[Fault], tuple[float, float], Daemon, list[int]]:
     """Faults throughout the window, the SIGKILL of the busiest daemon a third into it and of the log stream's
-    leading nats-server two thirds into it: (faults, failover seconds, the daemon killed, its partitions)."""
+    leading nats-server two thirds into it: (faults, (the daemon's and the server's failover seconds), the daemon
+    killed, its partitions)."""
     url = cluster.url
     import nats
 
@@ -177,6 +196,7 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
     failover_s = float("nan")
     killed_at: float | None = None
     server_killed: tuple[NatsServer, float] | None = None
+    server_failover_s = float("nan")
     t0 = time.monotonic()
     try:
         while (now := time.monotonic()) - t0 < seconds:
@@ -191,10 +211,13 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
                     note(f"nats-server {cluster.names[cluster.servers.index(leader)]} (the log's leader) SIGKILLed")
             elif server_killed and not server_killed[0].running and now - server_killed[1] > server_down_s:
                 await asyncio.to_thread(server_killed[0].start)
-            if killed_at is not None and failover_s != failover_s:  # still failing over
-                survivors = [d for d in daemons if d is not victim]
-                if await asyncio.to_thread(coverage, survivors) == list(range(partitions)):
-                    failover_s = time.monotonic() - killed_at
+            survivors = [d for d in daemons if d is not victim]
+            if (killed_at is not None and failover_s != failover_s  # still failing over
+                    and await asyncio.to_thread(coverage, survivors) == list(range(partitions))):
+                failover_s = time.monotonic() - killed_at
+            if (server_killed is not None and server_failover_s != server_failover_s  # the log's leader lost
+                    and await asyncio.to_thread(serving, survivors, partitions)):
+                server_failover_s = time.monotonic() - server_killed[1]
             choices = [j for j in range(jobs) if job_name(j) not in watch.open_jobs]
             if choices:
                 j = rng.choice(choices)
@@ -207,7 +230,8 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
                                                            timeout=30)).data)
                     watch.open_jobs.add(job)
                     part = subjects.partition_of(job, partitions)
-                    held = killed_at is not None and failover_s != failover_s and part in lost
+                    held = ((killed_at is not None and failover_s != failover_s and part in lost)
+                            or (server_killed is not None and server_failover_s != server_failover_s))
                     faults.append(Fault(job, part, reply["sent"], reply["generation"], reply["id"], held=held))
             await asyncio.sleep(every_s)  # the pace of the faults
         # the last faults' commands, within a bound
@@ -219,7 +243,7 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
             f.commanded = watch.first_command.get((f.job, f.generation + 1))
     finally:
         await nc.close()
-    return faults, failover_s, victim, lost
+    return faults, (failover_s, server_failover_s), victim, lost
 
 
 async def read_back(url: str, faults: list[Fault]) -> tuple[int, int, str]:
@@ -343,10 +367,16 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
             emit(BENCH, "fleet_start_settled_s", round(time.monotonic() - started, 1),
                  f"s from the agents' start until the partitions had applied its burst (at most "
                  f"{args.fleet_settle_s:g} s + the warm-up)")
+            # The healthy fleet first: what the log stores a second with no fault (three servers, R3).
+            quiet0, q0 = stream_messages(cluster.url), time.monotonic()
+            time.sleep(args.fleet_steady_s)  # the steady window, nothing struck
+            emit(BENCH, "fleet_steady_log_per_s", round((stream_messages(cluster.url) - quiet0)
+                                                        / (time.monotonic() - q0), 1),
+                 f"records the log stored a second in {args.fleet_steady_s:g} s with no fault")
             stored0 = stream_messages(cluster.url)
             cpu0 = [d.cpu_s() for d in daemons]
             t0 = time.monotonic()
-            faults, failover_s, victim, lost_parts = asyncio.run(strike_faults(
+            faults, (failover_s, server_failover_s), victim, lost_parts = asyncio.run(strike_faults(
                 cluster, daemons, jobs, partitions, seconds, args.fleet_fault_every_s, args.seed,
                 args.fleet_server_down_s))
             wall = time.monotonic() - t0
@@ -384,9 +414,12 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
         emit(BENCH, "fleet_fault_to_command_p50_ms", round(statistics.median(served) * 1000, 2), "ms")
         emit(BENCH, "fleet_fault_to_command_p99_ms",
              round(served[min(len(served) - 1, int(0.99 * len(served)))] * 1000, 2), f"ms ({len(served)} faults)")
-    emit(BENCH, "fleet_failover_held_faults", len(held), "faults struck in a partition being failed over")
+    emit(BENCH, "fleet_failover_held_faults", len(held), "faults struck in a partition being failed over, or while "
+         "the log's leading server was lost")
     emit(BENCH, "fleet_lease_ttl_s", ttl, "s")
     emit(BENCH, "fleet_failover_s", round(failover_s, 3), f"s (goal: lease TTL + 2 = {ttl + 2:g} s or less)")
+    emit(BENCH, "fleet_server_failover_s", round(server_failover_s, 3), "s from the log's leading server's SIGKILL "
+         "until every partition was current again")
     emit(BENCH, "fleet_lost", lost, "faults (goal 0)")
     emit(BENCH, "fleet_doubled", doubled, "decisions, attempts or commands (goal 0)")
 
@@ -398,6 +431,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl-s", type=float, default=5.0, help="the daemons' lease TTL")
     parser.add_argument("--fleet-report-s", type=float, default=1.0, help="each node's report period")
     parser.add_argument("--fleet-fault-every-s", type=float, default=0.25, help="the pace of the faults")
+    parser.add_argument("--fleet-steady-s", type=float, default=20.0, help="the window before the faults in which "
+                        "the log's steady rate is measured (fleet_steady_log_per_s)")
     parser.add_argument("--fleet-settle-s", type=float, default=180.0, help="how long the window waits at most "
                         "for the partitions to apply the fleet's first words")
     parser.add_argument("--fleet-liveness", choices=("log", "live"), default="live", help="the agents' liveness")
