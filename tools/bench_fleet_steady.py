@@ -9,9 +9,9 @@ liveness monitor watching), and progress off it too (`progress = "summary"`: eac
 daemon logging one `progress.summary` per job per period). Nothing fails: what the log stores in the window is the
 fleet's "still fine".
 
-It reports, per mode, `fleet_steady_log_per_s` (records the log stored a second over the window; the metric of the
+It reports, per mode, `steady_log_per_s` (records the log stored a second over the window; the metric of the
 first mode carries the suffix `_logged_liveness`, of the second `_logged_progress`), and
-`fleet_steady_daemon_cpu_cores` (the daemon's share of a core, the monitor's and the summaries' included). Every
+`steady_daemon_cpu_cores` (the daemon's share of a core, the monitor's and the summaries' included). Every
 process it starts is stopped when it ends, however it ends."""
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def run_steady(args: argparse.Namespace, work: Path, emit: Emit) -> None:
         note(f"steady fleet of {jobs * NODES_PER_JOB * RPN:,} GPUs ({jobs * NODES_PER_JOB:,} nodes in {jobs} jobs, "
              f"{args.steady_idle} idle), a report every {args.steady_period_s:g} s, liveness {liveness}, progress "
              f"{progress}: {stored:,.1f} records/s stored, daemon {cores:.3f} cores")
-        emit(BENCH, f"fleet_steady_log_per_s{suffix}", round(stored, 1),
+        emit(BENCH, f"steady_log_per_s{suffix}", round(stored, 1),
              f"records/s the log stored with no fault in the window (liveness {liveness}, progress {progress})")
-        emit(BENCH, f"fleet_steady_daemon_cpu_cores{suffix}", round(cores, 3),
+        emit(BENCH, f"steady_daemon_cpu_cores{suffix}", round(cores, 3),
              f"cores (liveness {liveness}, progress {progress})")
 
 

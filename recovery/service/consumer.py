@@ -109,12 +109,12 @@ async def read_backlog(nc: Client, js: JetStreamContext, stream: str, filters: l
                        end_seq: int, batch: int) -> AsyncIterator[list[Delivery]]:
     """Every message on `filters` in `stream` from `start_seq` to `end_seq`, in stream order, in batches.
 
-    A partition's durable consumer has two filters (its jobs' events and every node's), and JetStream reads a
-    consumer of several filters far slower than one of a single filter: on three servers at 3 replicas, 1,800-2,300
-    messages a second against 26,000-31,000 for either filter alone (70,000 messages, 12 partitions, 2,500 nodes;
-    `docs/platform.md`). Live, that is enough; a backlog (a partition taken over, a restart) would take minutes.
-    So the backlog is read through one ephemeral consumer per filter, each in stream order, and merged by stream
-    sequence: the order the partition's own consumer would give. ReaderLost as `PullReader` raises it."""
+    A partition's inputs are under two filters (its jobs' events and every node's), and JetStream reads a consumer
+    of several filters far slower than one of a single filter: on three servers at 3 replicas, 1,800-2,300 messages a
+    second against 26,000-31,000 for either filter alone (70,000 messages, 12 partitions, 2,500 nodes;
+    `docs/platform.md`). Its own consumer reads the whole log (every partition's job events); a backlog (a partition
+    taken over, a restart) is read through one ephemeral consumer per filter instead, each in stream order, merged by
+    stream sequence: the order the partition's own consumer gives. ReaderLost as `PullReader` raises it."""
     # One pull outstanding each: the readers share one connection, and what the server holds for it (`pull_max_bytes`).
     readers = [PullReader(nc, js, stream, ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
                                                          filter_subject=subject),
