@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 import pytest
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -283,6 +284,14 @@ async def test_a_daemon_that_joins_takes_a_fair_share_handed_over_gracefully(nat
         second.close()
 
 
+async def store_a_mix(js: JetStreamContext, stream: str, count: int, seed: int, choices: list[str]) -> None:
+    """A stream over `recovery.>` holding `count` messages, each on a subject drawn from `choices`."""
+    await js.add_stream(StreamConfig(name=stream, subjects=["recovery.>"]))
+    rng = random.Random(seed)
+    for i in range(count):
+        await js.publish(rng.choice(choices), str(i).encode())
+
+
 async def test_a_backlog_read_per_filter_and_merged_is_the_partitions_consumer_order(nats_server: NatsServer
                                                                                          ) -> None:
     """`read_backlog` gives exactly what the partition's own consumer of two filters gives over a range: its jobs'
@@ -290,13 +299,9 @@ async def test_a_backlog_read_per_filter_and_merged_is_the_partitions_consumer_o
     the merge at every place."""
     nc, js = await connect(nats_server.url)
     try:
-        await js.add_stream(StreamConfig(name="BACKLOG", subjects=["recovery.>"]))
-        rng = random.Random(5)
-        for i in range(400):
-            subject = rng.choice(["recovery.p.0.ev.job.a.progress.report", "recovery.p.1.ev.job.b.progress.report",
-                                  "recovery.ev.node.n1.node.heartbeat", "recovery.ev.node.n2.device.fault",
-                                  "recovery.dec.a"])
-            await js.publish(subject, str(i).encode())
+        await store_a_mix(js, "BACKLOG", 400, 5, [
+            "recovery.p.0.ev.job.a.progress.report", "recovery.p.1.ev.job.b.progress.report",
+            "recovery.ev.node.n1.node.heartbeat", "recovery.ev.node.n2.device.fault", "recovery.dec.a"])
         filters = subjects.partition_inputs(0)
         merged = [d for batch in [b async for b in read_backlog(nc, js, "BACKLOG", filters, 17, 380, 7)]
                   for d in batch]
@@ -319,14 +324,11 @@ async def test_a_partition_reading_the_whole_log_takes_what_its_two_filters_woul
     own: exactly what JetStream's two filters (`partition_inputs`) select, strays to partition 0 only."""
     nc, js = await connect(nats_server.url)
     try:
-        await js.add_stream(StreamConfig(name="WHOLE", subjects=["recovery.>"]))
-        rng = random.Random(7)
-        for i in range(300):
-            subject = rng.choice(["recovery.p.0.ev.job.a.progress.report", "recovery.p.1.ev.job.b.process.exited",
-                                  "recovery.p.10.ev.job.c.progress.report", "recovery.ev.node.n1.node.heartbeat",
-                                  "recovery.ev.node.n2.device.fault", "recovery.ev.job.stray", "recovery.ev.other.x",
-                                  "recovery.ev.node", "recovery.dec.a", "recovery.dlq.bad", "recovery.fence.log.p1"])
-            await js.publish(subject, str(i).encode())
+        await store_a_mix(js, "WHOLE", 300, 7, [
+            "recovery.p.0.ev.job.a.progress.report", "recovery.p.1.ev.job.b.process.exited",
+            "recovery.p.10.ev.job.c.progress.report", "recovery.ev.node.n1.node.heartbeat",
+            "recovery.ev.node.n2.device.fault", "recovery.ev.job.stray", "recovery.ev.other.x", "recovery.ev.node",
+            "recovery.dec.a", "recovery.dlq.bad", "recovery.fence.log.p1"])
 
         async def read(config: ConsumerConfig) -> list[tuple[int, str]]:
             reader = PullReader(nc, js, "WHOLE", config, batch=100, end_seq=300)
