@@ -441,7 +441,7 @@ def dumped(items: Sequence[Decision | Rejection]) -> list[dict[str, Any]]:
 
 
 # -- properties ----------------------------------------------------------------------------------------
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(plans())
 def test_random_interleavings_keep_the_invariants_and_replay_identically(plan: Plan) -> None:
     """No internal error, a rejection changes nothing, one known state per job and every change of it recorded,

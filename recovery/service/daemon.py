@@ -482,12 +482,11 @@ class Daemon:
                     if not self.connected:
                         await anyio.sleep(0.05)  # waiting for the reconnect the client does by itself
                         continue
+                    if self.partition is not None:  # its consumer reads the whole log: a backlog is read first
+                        await self._read_backlog()
                     pending = await reader.open(self.engine.last_seq + 1)
                     if self.replayed < 0:
                         self.replayed = pending  # inputs after the restored snapshot: the tail to replay
-                    if self.partition is not None and pending >= self.cfg.backlog_reader_at:
-                        await self._read_backlog(pending)
-                        pending = await reader.open(self.engine.last_seq + 1)
                     self._reader_ok = True
                     logger.info("consumer at sequence", extra=_fields(start=self.engine.last_seq + 1, pending=pending))
                     self._check_caught_up()
@@ -509,12 +508,15 @@ class Daemon:
             if self.snapshotter is not None:
                 self.snapshotter.maybe(self.engine, self.clean_seq, self.last_ts, self.role == "active")
 
-    async def _read_backlog(self, pending: int) -> None:
-        """Apply a partition's backlog through `read_backlog` (its own consumer of two filters is slow to read
-        one), up to the log's last sequence now; the partition's consumer goes on after it."""
+    async def _read_backlog(self) -> None:
+        """Apply a partition's backlog (`backlog_reader_at` records of the log or more) through `read_backlog`: its
+        own consumer reads every partition's records. The consumer is made after it, once."""
         assert self.nc is not None and self.js is not None and self.partition is not None
         t0, start = time.monotonic(), self.engine.last_seq + 1
         end = int((await self.js.stream_info(self.cfg.stream)).state.last_seq)
+        if (pending := end - start + 1) < self.cfg.backlog_reader_at:
+            return
+        self.replayed = pending if self.replayed < 0 else self.replayed
         filters = subjects.partition_inputs(self.partition.index)
         async with contextlib.aclosing(read_backlog(self.nc, self.js, self.cfg.stream, filters, start, end,
                                                     self.cfg.batch_size)) as batches:
