@@ -511,16 +511,16 @@ class Daemon:
     async def _read_backlog(self) -> None:
         """Apply a partition's backlog (`backlog_reader_at` records of the log or more) through `read_backlog`: its
         own consumer reads every partition's records. The consumer is made after it, once."""
-        assert self.nc is not None and self.js is not None and self.partition is not None
-        t0, start = time.monotonic(), self.engine.last_seq + 1
+        assert self.nc is not None and self.js is not None and self.partition is not None and self.reader is not None
+        t0, start, pull = time.monotonic(), self.engine.last_seq + 1, self.reader.pull
         end = int((await self.js.stream_info(self.cfg.stream)).state.last_seq)
         if (pending := end - start + 1) < self.cfg.backlog_reader_at:
             return
-        self.replayed = pending if self.replayed < 0 else self.replayed
-        filters = subjects.partition_inputs(self.partition.index)
-        async with contextlib.aclosing(read_backlog(self.nc, self.js, self.cfg.stream, filters, start, end,
-                                                    self.cfg.batch_size)) as batches:
+        self.replayed, pull.lag = pending if self.replayed < 0 else self.replayed, pending  # the lag `/status` says
+        async with contextlib.aclosing(read_backlog(self.nc, self.js, self.cfg.stream, subjects.partition_inputs(
+                self.partition.index), start, end, self.cfg.batch_size)) as batches:
             async for batch in batches:
+                pull.lag = end - batch[-1].seq
                 await self._process(batch, backlog=True)
                 if self._parts["processor"].stopping:
                     return
