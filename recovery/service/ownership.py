@@ -85,6 +85,10 @@ class Ownership:
         self._stop_requested = False
         self._stop: anyio.Event | None = None
         self._started = time.monotonic()
+        self._clock = time.monotonic
+        self._kv_back: float | None = float("-inf")
+        """since when the lease bucket answers again after a balance it failed (None: failing now): every member's
+        keys lapsed meanwhile, and another's free partitions are taken only once it had a TTL to renew them"""
 
     @property
     def stopping(self) -> bool:
@@ -126,6 +130,7 @@ class Ownership:
                     try:
                         await self._balance(group, js)
                     except Exception as exc:  # NATS away: the leases say what is ours meanwhile
+                        self._kv_back = None
                         logger.warning("balance failed", extra={"fields": {"error": repr(exc)}})
                     with anyio.move_on_after(self.period_s):
                         await stop.wait()
@@ -149,6 +154,8 @@ class Ownership:
         kv = self.kv
         await kv.put(member_key(self.instance), orjson.dumps({"instance": self.instance}))
         self.members = await self._members(js)
+        if self._kv_back is None:
+            self._kv_back = self._clock()
         self.target = target = fair_share(self.members, self.instance, self.count)
         self.metrics.active.set(1 if self.owned() else 0)  # which partitions: `/status`
         self.metrics.ready.set(1 if self.readiness()[0] else 0)
@@ -170,6 +177,10 @@ class Ownership:
                 logger.info("partition handed over", extra={"fields": {"partition": index, "share": target}})
                 serving[index].request_stop()  # graceful: final snapshot, lease released
                 surplus -= 1
+        elif surplus < 0 and self._clock() - self._kv_back < self.cfg.lease_ttl_s:
+            # The bucket was away (a server lost): the others could not renew either, and their keys look free.
+            # Taking them now would move every partition; after a TTL each live member has its own back.
+            return
         elif surplus < 0:
             free = [k for k in range(self.count) if k not in self.workers and await self._free(k)]
             # Daemons that look at once take different free partitions first: the member of rank r of n takes
