@@ -64,11 +64,6 @@ Emit = Callable[[str, str, float, str], None]
 BENCH = "fleet"
 AGENTS = Path(__file__).resolve().parent / "bench_fleet_agents.py"
 NODES_PER_JOB = 25
-SETTLED_LAG = 1000
-"""inputs still to apply over all partitions below which the fleet's start counts as applied (the steady flow keeps a
-few hundred in flight)"""
-
-
 SERVING_LAG = 200
 """a partition's consumer this close to the log's end serves a fault at once (it reads the whole log: about a
 second's records)"""
@@ -353,7 +348,8 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
                         for j in range(w * per, min(jobs, (w + 1) * per))]
                 if mine:
                     spec = {"url": cluster.url, "jobs": mine, "report_s": args.fleet_report_s, "step_s": args.step_s,
-                            "seconds": seconds + args.warmup_s + 90, "liveness": args.fleet_liveness,
+                            "seconds": seconds + args.warmup_s + args.fleet_settle_s + args.fleet_steady_s + 90,
+                            "liveness": args.fleet_liveness,
                             "progress": args.fleet_progress}
                     workers.append(subprocess.Popen([sys.executable, str(AGENTS), orjson.dumps(spec).decode()],
                                                     stdin=subprocess.DEVNULL, start_new_session=True))
@@ -362,7 +358,7 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
             # read by every partition) are a start's burst, not the steady state the window measures: it is timed on
             # its own, and the window starts once the partitions have applied it (or after --fleet-settle-s).
             settle = time.monotonic() + args.fleet_settle_s
-            while lag(daemons) > SETTLED_LAG and time.monotonic() < settle:
+            while not serving(daemons, partitions) and time.monotonic() < settle:
                 time.sleep(1.0)  # the partitions' progress through the start's burst
             emit(BENCH, "fleet_start_settled_s", round(time.monotonic() - started, 1),
                  f"s from the agents' start until the partitions had applied its burst (at most "
