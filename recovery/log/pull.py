@@ -39,6 +39,7 @@ _NUID = NUID()
 UNHEARD_PAUSE_S = 0.02
 """how long a reader waits before it asks again after a pull that reached no consumer"""
 
+
 class ReaderLost(Exception):
     """The consumer stopped delivering in stream order (a gap, a deleted consumer, a reconnect, a stall, or, for
     the daemon, a redelivery ahead of what it applied): open the reader again where it is needed."""

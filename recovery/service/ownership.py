@@ -88,7 +88,7 @@ class Ownership:
         self._clock = time.monotonic
         self._kv_back: float | None = float("-inf")
         """since when the lease bucket answers again after a balance it failed (None: failing now): every member's
-        keys lapsed meanwhile, and another's free partitions are taken only once it had a TTL to renew them"""
+        keys lapsed meanwhile, and free partitions are taken only once every live member had a TTL to renew its own"""
 
     @property
     def stopping(self) -> bool:
@@ -198,13 +198,11 @@ class Ownership:
         info = await js.stream_info(f"KV_{self.cfg.lease_bucket}", subjects_filter=f"{prefix}{MEMBERS}.>")
         names = []
         for subject in sorted(info.state.subjects or {}):
-            key = subject[len(prefix):]
-            if key.startswith(MEMBERS + "."):
-                with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                    entry = await self.kv.get(key)
-                    value = orjson.loads(entry.value or b"{}")
-                    if isinstance(value, dict) and isinstance(value.get("instance"), str):
-                        names.append(value["instance"])
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                entry = await self.kv.get(subject[len(prefix):])
+                value = orjson.loads(entry.value or b"{}")
+                if isinstance(value, dict) and isinstance(value.get("instance"), str):
+                    names.append(value["instance"])
         return sorted(names)
 
     async def _free(self, index: int) -> bool:
