@@ -382,3 +382,38 @@ async def test_snapshot_store_alternates_slots_and_checks_its_chunks(nats_server
         assert await store.load() is None  # a checksum mismatch is no snapshot, not a wrong one
     finally:
         await nc.close()
+
+
+async def test_a_restore_scans_what_was_published_after_the_manifest_while_it_opens_the_snapshot(
+        nats_server: NatsServer) -> None:
+    from recovery.log.snapshot import dump_snapshot
+    from recovery.service.restore import restore_newest
+    from recovery.service.snapshots import SnapshotStore
+
+    scans: list[tuple[int, int]] = []
+
+    async def scan(seq: int, ts: int) -> set[str]:
+        scans.append((seq, ts))
+        return {f"after-{seq}"}
+
+    async def retry(op: Any, what: str) -> Any:
+        return await op()
+
+    nc, js = await connect(nats_server.url)
+    try:
+        store = SnapshotStore(js, "SNAPS", "p1", 1024, 1)
+        await store.ensure()
+        assert await restore_newest(store, retry, None, scan) == (None, {"after-0"})  # none: the whole log
+        engine = Engine()
+        engine.last_seq = 40
+        manifest = await store.save(dump_snapshot(engine), seq=40, ts=7)
+        scans.clear()
+        newest, published = await restore_newest(store, retry, None, scan)
+        assert newest is not None and newest[0].last_seq == 40 and newest[1]["id"] == manifest["id"]
+        assert (scans, published) == ([(40, 7)], {"after-40"})  # one scan, from the manifest's own place
+        scans.clear()
+        await store.kv.put(f"p1.{manifest['slot']}.0", b"torn write")
+        assert await restore_newest(store, retry, None, scan) == (None, {"after-0"})  # replayed whole: scanned whole
+        assert scans == [(40, 7), (0, 0)]
+    finally:
+        await nc.close()

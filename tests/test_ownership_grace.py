@@ -27,6 +27,12 @@ class Bucket:
     async def put(self, key: str, value: bytes) -> None:
         self.keys[key] = value
 
+    async def create(self, key: str, value: bytes) -> int:
+        if key in self.keys:
+            raise nats.js.errors.KeyWrongLastSequenceError
+        self.keys[key] = value
+        return len(self.keys)
+
     async def get(self, key: str) -> Any:
         if key not in self.keys:
             raise nats.js.errors.KeyNotFoundError

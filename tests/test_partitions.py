@@ -33,15 +33,16 @@ from recovery.core.engine import Engine
 from recovery.core.partition import Partition
 from recovery.log import MSG_ID, to_record
 from recovery.log.partitions import partition_log
-from recovery.log.pull import PullReader
+from recovery.log.pull import Delivery, PullReader
 from recovery.log.recorder import replay
 from recovery.log.snapshot import load_snapshot
 from recovery.service import config as config_mod
 from recovery.service.connection import retry
-from recovery.service.consumer import read_backlog
+from recovery.service.consumer import InputReader, apply_backlog, read_backlog
 from recovery.service.demo import DEMO_POLICIES, BuiltinCluster, Bus, DemoSettings
 from recovery.service.fence import Fence, Fenced
-from recovery.service.ownership import fair_share
+from recovery.service.lease import Lease
+from recovery.service.ownership import Ownership, fair_share
 from recovery.service.publisher import Outgoing, Publisher
 from recovery.service.snapshots import SnapshotStore
 from recovery.service.streams import ensure_streams
@@ -151,6 +152,68 @@ async def test_a_stale_owners_publishes_are_refused(nats_server: NatsServer, tmp
     decisions = [r.headers.get(MSG_ID) for r in await read_stream(nats_server.url)
                  if r.subject.startswith("recovery.dec.")]
     assert decisions == ["d-1", "d-2", "d-3"]
+
+
+async def test_of_two_daemons_reserving_one_free_partition_one_gets_it_and_its_worker_takes_the_lease_at_once(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    # Two survivors whose balances both found partition 2 free (its lease lapsed for one, not yet for the other):
+    # the reservation decides at once, and the loser takes another one in the same balance.
+    owners = [Ownership(partitioned_config(nats_server.url, tmp_path / name, instance=name)) for name in "ab"]
+    nc, js = await connect(nats_server.url)
+    try:
+        for owner in owners:
+            lease = Lease(js, owner.cfg.lease_bucket, "", owner.instance, TTL_S)
+            await lease.ensure()
+            owner._kv = lease.kv
+        a, b = owners
+        key = a.cfg.partition_key(2)
+        assert await a._reserve(2)
+        assert not await b._reserve(2)
+        assert await a._reserve(2)  # its own reservation (or its earlier life's lease): still its own
+        assert await b._reserve(3)
+        workers = {name: Lease(js, a.cfg.lease_bucket, key, name, TTL_S) for name in "ab"}
+        for worker in workers.values():
+            await worker.ensure()
+        assert not await workers["b"].try_acquire()
+        assert await workers["a"].try_acquire()  # the reserving daemon's worker: no wait for a TTL
+        assert orjson.loads((await a.kv.get(key)).value)["token"] == workers["a"].token
+        await workers["a"].release()  # a graceful stop: free again, for whoever reserves it first
+        assert await b._reserve(2)
+    finally:
+        await nc.close()
+
+
+async def test_a_takeovers_consumer_made_during_its_backlog_reads_on_from_the_backlogs_end(
+        nats_server: NatsServer) -> None:
+    """The partition's consumer of the whole log is made while the backlog is read, after its end: what arrives
+    meanwhile is read after it, once, and the reader says it is caught up only once it reads."""
+    subjects_mix = ["recovery.p.0.ev.job.a.progress.report", "recovery.p.1.ev.job.b.progress.report",
+                    "recovery.ev.node.n1.node.heartbeat"]
+    nc, js = await connect(nats_server.url)
+    try:
+        await store_a_mix(js, "TAKEOVER", 300, 11, subjects_mix)
+        reader = InputReader(nc, js, "TAKEOVER", "takeover-0", 25, 30.0, 1, filter_subject=None)
+        applied: list[int] = []
+
+        async def apply(batch: list[Delivery]) -> None:
+            assert not reader.caught_up and reader.lag > 0  # nothing read live yet
+            if not applied:  # the fleet goes on while the backlog is read
+                for i in range(40):
+                    await js.publish(subjects_mix[i % 3], b"late")
+            applied.extend(d.seq for d in batch)
+
+        pending = await apply_backlog(nc, js, "TAKEOVER", reader, subjects.partition_inputs(0), 1, 300, 25, apply,
+                                      lambda: False)
+        assert pending is not None and 0 <= pending <= 40
+        late: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(late) < 40 and time.monotonic() < deadline:
+            late += [d.seq for d in await reader.next_batch(2.0, late[-1] if late else applied[-1])]
+        assert late == list(range(301, 341)) and reader.caught_up
+        assert applied == sorted(set(applied)) and applied[-1] <= 300 and len(applied) > 150
+        await reader.close()
+    finally:
+        await nc.close()
 
 
 # -- three daemons, 64 jobs, one SIGKILLed mid-incident ---------------------------------------------------------

@@ -325,6 +325,7 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
         try:
             cluster.start()
             settings = {"partitions": partitions, "lease_ttl_s": ttl, "replicas": 3,
+                        "snapshot_every_s": args.fleet_snapshot_s,
                         "log_level": "INFO" if getattr(args, "keep_logs", None) else "WARNING"}
             daemons.extend(Daemon(work / f"daemon-{name}", cluster.url, instance=f"daemon-{name}", **settings)
                            for name in "abc")
@@ -413,6 +414,7 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
     emit(BENCH, "fleet_failover_held_faults", len(held), "faults struck in a partition being failed over, or while "
          "the log's leading server was lost")
     emit(BENCH, "fleet_lease_ttl_s", ttl, "s")
+    emit(BENCH, "fleet_snapshot_every_s", args.fleet_snapshot_s, "s (a takeover replays up to this much log)")
     emit(BENCH, "fleet_failover_s", round(failover_s, 3), f"s (goal: lease TTL + 2 = {ttl + 2:g} s or less)")
     emit(BENCH, "fleet_server_failover_s", round(server_failover_s, 3), "s from the log's leading server's SIGKILL "
          "until every partition was current again")
@@ -425,6 +427,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 200,000; --quick 20,000)")
     parser.add_argument("--partitions", type=int, default=12, help="partitions the three daemons share")
     parser.add_argument("--lease-ttl-s", type=float, default=5.0, help="the daemons' lease TTL")
+    parser.add_argument("--fleet-snapshot-s", type=float, default=20.0, help="the daemons' snapshot_every_s: a "
+                        "takeover replays up to this much of the log after the TTL")
     parser.add_argument("--fleet-report-s", type=float, default=1.0, help="each node's report period")
     parser.add_argument("--fleet-fault-every-s", type=float, default=0.25, help="the pace of the faults")
     parser.add_argument("--fleet-steady-s", type=float, default=20.0, help="the window before the faults in which "

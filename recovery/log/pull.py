@@ -158,10 +158,11 @@ class PullReader:
         self._highest = 0  # the highest stream sequence delivered
         self._reconnects = 0
         self._activity = time.monotonic()
+        self._opened_lag = 0  # pending at `open`
 
-    async def open(self, start_seq: int | None = None) -> int:
+    async def open(self, start_seq: int | None = None, *, pull: bool = True) -> int:
         """Create the consumer at `start_seq` (None: as `consumer` says, or the existing durable) and send the
-        first pulls; the number of messages pending for it."""
+        first pulls (`pull` False: made ahead, read from `begin`); the number of messages pending for it."""
         await self.close()
         config = dataclasses.replace(self.consumer)
         if start_seq is not None:
@@ -192,15 +193,21 @@ class PullReader:
         self._cseq = info.delivered.consumer_seq if info.delivered else 0
         start = (config.opt_start_seq or 1) - 1
         self._highest = max(start, info.delivered.stream_seq if info.delivered else 0)
-        self._activity = time.monotonic()
-        self.lag = int(info.num_pending or 0)
+        self._opened_lag = int(info.num_pending or 0)
         self.done = False
+        if pull:
+            await self.begin()
+        return self._opened_lag
+
+    async def begin(self) -> None:
+        """Start reading: the first pulls (`open` sends them, unless it made the consumer ahead)."""
+        self._activity = time.monotonic()
+        self.lag = self._opened_lag
         if self.lag == 0:
             self.caught_up = True
             self.done = self.end_seq is not None
         if not self.done:
             await self._pull()
-        return self.lag
 
     async def close(self) -> None:
         """Stop reading; an ephemeral consumer is deleted (best effort), a durable one stays."""

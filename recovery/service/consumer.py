@@ -5,8 +5,9 @@ what is already stored (`scan_ids`), so that a restart does not publish an effec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 
 from nats.aio.client import Client
@@ -50,9 +51,13 @@ class InputReader:
         """The reader reached the end of the input at least once: what comes now is live."""
         return self.pull.caught_up
 
-    async def open(self, start_seq: int) -> int:
-        """(Re)create the consumer at `start_seq`; the number of inputs pending."""
-        return await self.pull.open(start_seq)
+    async def open(self, start_seq: int, *, pull: bool = True) -> int:
+        """(Re)create the consumer at `start_seq`; the number of inputs pending. `pull` False: made ahead (while a
+        backlog before `start_seq` is read), read from `begin`."""
+        return await self.pull.open(start_seq, pull=pull)
+
+    async def begin(self) -> None:
+        await self.pull.begin()
 
     async def close(self) -> None:
         await self.pull.close()
@@ -141,3 +146,26 @@ async def read_backlog(nc: Client, js: JetStreamContext, stream: str, filters: l
     finally:
         for reader in readers:
             await reader.close()
+
+
+async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: InputReader, filters: list[str],
+                        start_seq: int, end_seq: int, batch: int, apply: Callable[[list[Delivery]], Awaitable[None]],
+                        stopping: Callable[[], bool]) -> int | None:
+    """`apply` each batch of `read_backlog` (`filters`, `start_seq` to `end_seq`) while `reader`'s consumer is made
+    after `end_seq` (a consumer of the whole log on three servers takes a takeover's while): what it had pending
+    then, read from now on; None if `stopping` said so between two batches."""
+    made = asyncio.ensure_future(reader.open(end_seq + 1, pull=False))  # in a task: its failure is the caller's
+    try:
+        reader.pull.lag = end_seq - start_seq + 1  # what `/status` says while the backlog is read
+        async with contextlib.aclosing(read_backlog(nc, js, stream, filters, start_seq, end_seq, batch)) as batches:
+            async for part in batches:
+                reader.pull.lag = end_seq - part[-1].seq
+                await apply(part)
+                if stopping():
+                    return None
+        opened = await made
+    finally:
+        if not made.cancel() and not made.cancelled():
+            made.exception()  # retrieved: raised above already, or the backlog's own failure is the caller's
+    await reader.begin()
+    return opened

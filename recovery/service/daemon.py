@@ -58,7 +58,7 @@ from recovery.log.pull import Delivery
 from recovery.log.refusals import Refusals
 from recovery.service import connection
 from recovery.service.config import DaemonConfig
-from recovery.service.consumer import INPUTS, InputReader, read_backlog
+from recovery.service.consumer import INPUTS, InputReader, apply_backlog
 from recovery.service.control import ControlService
 from recovery.service.datadir import DataDirLock, StartRefused
 from recovery.service.embedded import EmbeddedNats
@@ -70,7 +70,7 @@ from recovery.service.outage import OutageRecorder, pending_path, takeover_windo
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
-from recovery.service.restore import open_newest, published_after
+from recovery.service.restore import published_after, restore_newest
 from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
@@ -448,7 +448,8 @@ class Daemon:
         assert self.snapshots is not None and self.nc is not None and self.js is not None
         nc, js, cfg = self.nc, self.js, self.cfg
         t0 = time.monotonic()
-        newest = await open_newest(self.snapshots, self._retry, self.partition)
+        newest, published = await restore_newest(self.snapshots, self._retry, self.partition, lambda seq, ts: (
+            self._retry(lambda: published_after(nc, js, cfg.stream, cfg.command_stream, seq, ts), "published-id scan")))
         if newest is not None:
             opened, manifest = newest
             self.processor.engine = opened
@@ -462,8 +463,7 @@ class Daemon:
         self.engine.firing_seal = seal if isinstance(seal, Seal) else None
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
-        self.processor.skip_ids = await self._retry(lambda: published_after(
-            nc, js, cfg.stream, cfg.command_stream, self.restored_seq, self.last_ts), "published-id scan")
+        self.processor.skip_ids = published
         logger.info("restored", extra=_fields(
             snapshot_seq=self.restored_seq, jobs=len(self.engine.jobs), timers=len(self.engine.timers),
             already_published=len(self.processor.skip_ids), seconds=round(time.monotonic() - t0, 3)))
@@ -482,9 +482,10 @@ class Daemon:
                     if not self.connected:
                         await anyio.sleep(0.05)  # waiting for the reconnect the client does by itself
                         continue
-                    if self.partition is not None:  # its consumer reads the whole log: a backlog is read first
-                        await self._read_backlog()
-                    pending = await reader.open(self.engine.last_seq + 1)
+                    # A partition's consumer reads the whole log: a backlog is read first, its consumer made meanwhile.
+                    pending = None if self.partition is None else await self._read_backlog()
+                    if pending is None:
+                        pending = await reader.open(self.engine.last_seq + 1)
                     if self.replayed < 0:
                         self.replayed = pending  # inputs after the restored snapshot: the tail to replay
                     self._reader_ok = True
@@ -508,24 +509,23 @@ class Daemon:
             if self.snapshotter is not None:
                 self.snapshotter.maybe(self.engine, self.clean_seq, self.last_ts, self.role == "active")
 
-    async def _read_backlog(self) -> None:
-        """Apply a partition's backlog (`backlog_reader_at` records of the log or more) through `read_backlog`: its
-        own consumer reads every partition's records. The consumer is made after it, once."""
+    async def _read_backlog(self) -> int | None:
+        """Apply a partition's backlog (`backlog_reader_at` records of the log or more) through `apply_backlog`: its
+        own consumer reads every partition's records, and is made meanwhile. What that one has pending; None if
+        there was no backlog to read (or a stop came), and no consumer made."""
         assert self.nc is not None and self.js is not None and self.partition is not None and self.reader is not None
-        t0, start, pull = time.monotonic(), self.engine.last_seq + 1, self.reader.pull
+        t0, start = time.monotonic(), self.engine.last_seq + 1
         end = int((await self.js.stream_info(self.cfg.stream)).state.last_seq)
         if (pending := end - start + 1) < self.cfg.backlog_reader_at:
-            return
-        self.replayed, pull.lag = pending if self.replayed < 0 else self.replayed, pending  # the lag `/status` says
-        async with contextlib.aclosing(read_backlog(self.nc, self.js, self.cfg.stream, subjects.partition_inputs(
-                self.partition.index), start, end, self.cfg.batch_size)) as batches:
-            async for batch in batches:
-                pull.lag = end - batch[-1].seq
-                await self._process(batch, backlog=True)
-                if self._parts["processor"].stopping:
-                    return
-        logger.info("backlog applied", extra=_fields(start=start, end=end, pending=pending,
-                                                     seconds=round(time.monotonic() - t0, 3)))
+            return None
+        self.replayed = pending if self.replayed < 0 else self.replayed
+        opened = await apply_backlog(self.nc, self.js, self.cfg.stream, self.reader, subjects.partition_inputs(
+            self.partition.index), start, end, self.cfg.batch_size, partial(self._process, backlog=True),
+            lambda: self._parts["processor"].stopping)
+        if opened is not None:
+            logger.info("backlog applied", extra=_fields(start=start, end=end, pending=pending,
+                                                         seconds=round(time.monotonic() - t0, 3)))
+        return opened
 
     def _check_caught_up(self) -> None:
         if self.reader is not None and self.reader.caught_up and not self._caught_up_logged:

@@ -11,7 +11,8 @@ partition's own lease, snapshot key, durable consumer and fence (`recovery.servi
 - A daemon that joins makes the others' shares shrink: each stops its surplus partitions gracefully (the final
   snapshot written, the lease released at once), and the newcomer takes them.
 - Surplus goes standbys first, then the highest partitions; a partition is taken only when its lease is free (or
-  held by this instance from an earlier life), so that a daemon rarely stands by for a partition another one holds.
+  held by this instance from an earlier life), and its lease is written in this instance's name before its worker
+  starts (`_reserve`), so that of two daemons that chose the same free partition one learns at once that it lost.
 
 Whatever a partition's owner decides is fenced: an owner that lost its lease without noticing (frozen, cut off)
 has every later publish refused by JetStream once the new owner claimed the partition.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import signal
 import time
@@ -184,11 +186,18 @@ class Ownership:
         elif surplus < 0:
             free = [k for k in range(self.count) if k not in self.workers and await self._free(k)]
             # Daemons that look at once take different free partitions first: the member of rank r of n takes
-            # every n-th one from the r-th, then the rest.
+            # every n-th one from the r-th, then the rest. Each is reserved before its worker starts, so that of two
+            # daemons that chose the same one (its lease lapsed for one and not yet for the other) the loser learns
+            # it at once and takes the next one now, not after standing by for two balances.
             n = max(len(self.members), 1)
             rank = self.members.index(self.instance) if self.instance in self.members else 0
-            for index in (free[rank % n::n] + [k for i, k in enumerate(free) if i % n != rank % n])[:-surplus]:
-                self._start_worker(group, index)
+            wanted = -surplus
+            for index in free[rank % n::n] + [k for i, k in enumerate(free) if i % n != rank % n]:
+                if wanted == 0:
+                    break
+                if await self._reserve(index):
+                    self._start_worker(group, index)
+                    wanted -= 1
 
     async def _members(self, js: JetStreamContext) -> list[str]:
         # The members' keys are the bucket's stream subjects under `members.`, as the stream's state lists them: one
@@ -214,6 +223,18 @@ class Ownership:
             return True
         holder = orjson.loads(entry.value or b"{}")
         return isinstance(holder, dict) and holder.get("instance") == self.instance
+
+    async def _reserve(self, index: int) -> bool:
+        """Write partition `index`'s lease in this instance's name if nobody holds it: True if it is ours now (or
+        was from an earlier life), when the worker's own lease takes it over at once (`Lease.try_acquire`); False if
+        another daemon took it first. A reservation no worker renews lapses after the TTL, as any lease."""
+        value = orjson.dumps({"instance": self.instance, "pid": os.getpid(), "since": time.time_ns(),
+                              "token": "reserved"})
+        try:
+            await self.kv.create(self.cfg.partition_key(index), value)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return await self._free(index)
+        return True
 
     def _start_worker(self, group: TaskGroup, index: int) -> None:
         daemon = Daemon(self.worker_config(), Partition(index, self.count))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,11 +29,12 @@ CLOCK_SKEW_MARGIN_NS = 120 * 1_000_000_000
 """commands are looked up from this long before the snapshot's log time (servers' clocks may differ)"""
 
 
-async def open_newest(snapshots: SnapshotStore, retry: Retry,
-                      partition: Partition | None = None) -> tuple[Engine, dict[str, Any]] | None:
-    """The engine of the newest snapshot and its manifest; None when there is none, or when it cannot be opened
-    (classes changed under the same version): then the whole log is replayed instead of crashing."""
-    loaded = await retry(snapshots.load, "snapshot load")
+async def open_newest(snapshots: SnapshotStore, retry: Retry, partition: Partition | None = None,
+                      manifest: dict[str, Any] | None = None) -> tuple[Engine, dict[str, Any]] | None:
+    """The engine of the newest snapshot (the one `manifest` names, when given) and its manifest; None when there is
+    none, or when it cannot be opened (classes changed under the same version): then the whole log is replayed
+    instead of crashing."""
+    loaded = await retry(lambda: snapshots.load(manifest), "snapshot load")
     if loaded is None:
         return None
     blob, manifest = loaded
@@ -47,6 +49,30 @@ async def open_newest(snapshots: SnapshotStore, retry: Retry,
                        extra={"fields": {"seq": manifest.get("seq"), "reason": opened}})
         return None
     return opened, manifest
+
+
+Scan = Callable[[int, int], Awaitable[set[str]]]
+"""the ids of the outputs stored after an input sequence and a log time (`published_after`, retried)"""
+
+
+async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Partition | None,
+                         scan: Scan) -> tuple[tuple[Engine, dict[str, Any]] | None, set[str]]:
+    """`open_newest`, and the ids already published after it: the scan runs while the snapshot is fetched and
+    opened (both are a takeover's wait), from the sequence and log time its manifest names; again from what was
+    restored in the end if that differs (a snapshot that could not be opened: the whole log)."""
+    manifest = await retry(snapshots.manifest, "snapshot manifest")
+    if manifest is None:
+        return None, await scan(0, 0)
+    try:
+        seq, ts = int(manifest["seq"]), int(manifest.get("ts", 0))
+    except (KeyError, TypeError, ValueError):
+        seq, ts = -1, 0  # a damaged manifest: load refuses it, and the scan runs once restored
+    newest, ids = await asyncio.gather(open_newest(snapshots, retry, partition, manifest),
+                                       scan(max(seq, 0), ts))
+    restored = (newest[0].last_seq, int(newest[1].get("ts", 0))) if newest is not None else (0, 0)
+    if restored != (seq, ts):
+        ids = await scan(*restored)
+    return newest, ids
 
 
 async def published_after(nc: Client, js: JetStreamContext, stream: str, command_stream: str, seq: int,

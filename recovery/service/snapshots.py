@@ -215,8 +215,9 @@ class SnapshotStore:
             return None
         return manifest if manifest.get("format") == SNAPSHOT_FORMAT else None
 
-    async def load(self) -> tuple[bytes, dict[str, Any]] | None:
-        manifest = await self.manifest()
+    async def load(self, manifest: dict[str, Any] | None = None) -> tuple[bytes, dict[str, Any]] | None:
+        """The blob of the snapshot `manifest` names (by default the newest's, read now) and that manifest."""
+        manifest = manifest or await self.manifest()
         if manifest is None:
             return None
         try:
