@@ -204,7 +204,7 @@ async def test_a_takeovers_consumer_made_during_its_backlog_reads_on_from_the_ba
 
         pending = await apply_backlog(nc, js, "TAKEOVER", reader, subjects.partition_inputs(0), 1, 300, 25, apply,
                                       lambda: False)
-        assert pending is not None and 0 <= pending <= 40
+        assert pending is not None and 0 <= pending <= 40 and reader.pull.start_seq == 301
         late: list[int] = []
         deadline = time.monotonic() + 60
         while len(late) < 40 and time.monotonic() < deadline:

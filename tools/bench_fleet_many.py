@@ -22,7 +22,8 @@ What it reports:
   active and caught up with the log in a survivor's `/status`), against `fleet_lease_ttl_s`: the goal is the TTL + 2 s
   or less;
 - `fleet_server_failover_s`: from the log's leading server's SIGKILL until every partition is current again (each
-  served, ready and within `SERVING_LAG` of the log's end); the faults struck in either failover are held;
+  served, ready and within `SERVING_LAG` of the log's end); the faults struck in either failover are held, and so
+  are those struck before a kill and not answered when it came (of the lost partitions, for the daemon's);
 - `fleet_lost`: faults stored by JetStream that no command answered by the end, or that the log does not hold;
 - `fleet_doubled`: commands stored twice (by message id), decisions stored twice (by their cause and index), and
   attempts started twice for one job.
@@ -79,7 +80,8 @@ class Fault:
     commanded: float | None = None
     held: bool = False
     """struck while its partition had no owner (the killed daemon's, before the failover ended), or while the log's
-    leading server was lost (before every partition was current again)"""
+    leading server was lost (before every partition was current again), or struck before either kill and not yet
+    answered when it came"""
 
 
 @dataclass
@@ -236,6 +238,10 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
             await asyncio.sleep(0.05)  # polling the subscription's record, within the deadline
         for f in faults:
             f.commanded = watch.first_command.get((f.job, f.generation + 1))
+            answered = f.commanded if f.commanded is not None else float("inf")
+            # struck before a kill, and not answered when it came: that failover held it up as well
+            f.held = f.held or (killed_at is not None and f.partition in lost and f.sent < killed_at < answered) or (
+                server_killed is not None and f.sent < server_killed[1] < answered)
     finally:
         await nc.close()
     return faults, (failover_s, server_failover_s), victim, lost

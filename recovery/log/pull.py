@@ -132,6 +132,8 @@ class PullReader:
         """a healthy server answers every pull within its expiry, with messages or a status: silence longer than
         this means the consumer or its pull requests are gone"""
         self.name = ""
+        self.start_seq = 0
+        """the stream sequence the consumer was made at, by the last `open`"""
         self.lag = 0
         """messages still pending for the consumer after the last delivery (or at `open`)"""
         self.caught_up = False
@@ -192,6 +194,7 @@ class PullReader:
         # A new consumer has delivered nothing; an existing durable goes on after what it delivered.
         self._cseq = info.delivered.consumer_seq if info.delivered else 0
         start = (config.opt_start_seq or 1) - 1
+        self.start_seq = start + 1
         self._highest = max(start, info.delivered.stream_seq if info.delivered else 0)
         self._opened_lag = int(info.num_pending or 0)
         self.done = False

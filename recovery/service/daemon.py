@@ -489,7 +489,7 @@ class Daemon:
                     if self.replayed < 0:
                         self.replayed = pending  # inputs after the restored snapshot: the tail to replay
                     self._reader_ok = True
-                    logger.info("consumer at sequence", extra=_fields(start=self.engine.last_seq + 1, pending=pending))
+                    logger.info("consumer at sequence", extra=_fields(start=reader.pull.start_seq, pending=pending))
                     self._check_caught_up()
                 batch = await reader.next_batch(0.2, self.engine.last_seq)
                 delay = 0.05

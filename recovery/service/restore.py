@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -60,18 +61,28 @@ async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Part
     """`open_newest`, and the ids already published after it: the scan runs while the snapshot is fetched and
     opened (both are a takeover's wait), from the sequence and log time its manifest names; again from what was
     restored in the end if that differs (a snapshot that could not be opened: the whole log)."""
-    manifest = await retry(snapshots.manifest, "snapshot manifest")
+    took: dict[str, float] = {}
+
+    async def timed(what: str, step: Awaitable[Any]) -> Any:
+        t0 = time.monotonic()
+        try:
+            return await step
+        finally:
+            took[what] = round(time.monotonic() - t0, 3)
+
+    manifest = await timed("manifest_s", retry(snapshots.manifest, "snapshot manifest"))
     if manifest is None:
         return None, await scan(0, 0)
     try:
         seq, ts = int(manifest["seq"]), int(manifest.get("ts", 0))
     except (KeyError, TypeError, ValueError):
         seq, ts = -1, 0  # a damaged manifest: load refuses it, and the scan runs once restored
-    newest, ids = await asyncio.gather(open_newest(snapshots, retry, partition, manifest),
-                                       scan(max(seq, 0), ts))
+    newest, ids = await asyncio.gather(timed("open_s", open_newest(snapshots, retry, partition, manifest)),
+                                       timed("scan_s", scan(max(seq, 0), ts)))
     restored = (newest[0].last_seq, int(newest[1].get("ts", 0))) if newest is not None else (0, 0)
     if restored != (seq, ts):
-        ids = await scan(*restored)
+        ids = await timed("rescan_s", scan(*restored))
+    logger.info("snapshot and published ids read", extra={"fields": {"seq": seq, **took}})
     return newest, ids
 
 
