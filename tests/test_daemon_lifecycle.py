@@ -167,3 +167,34 @@ def test_a_snapshot_of_a_single_threaded_process_is_packed_in_a_forked_child() -
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_free_port_never_gives_a_port_it_gave_lately_though_the_kernel_picks_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cluster's servers each take a client, a monitor and a route port before any of them listens: the kernel may
+    # pick a port it just closed again, and one server's monitor port was another's client port.
+    import socket
+
+    from recovery.log import nats_server
+
+    picks = iter([41001, 41001, 41002, 41001, 41002, 41003])
+
+    class Socket:
+        def __init__(self, *args: object) -> None:
+            self.port = next(picks)
+
+        def __enter__(self) -> Socket:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def bind(self, address: tuple[str, int]) -> None:
+            return None
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(nats_server, "_HANDED_OUT", type(nats_server._HANDED_OUT)(maxlen=16))
+    monkeypatch.setattr(socket, "socket", Socket)
+    assert [nats_server.free_port() for _ in range(3)] == [41001, 41002, 41003]

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 import orjson
 import pytest
 from nats.js import JetStreamContext
@@ -117,6 +118,16 @@ async def test_job_events_are_stored_in_their_partition_and_node_events_reach_ev
         other = partitioned_config(nats_server.url, tmp_path, partitions=8)
         with pytest.raises(ValueError, match="partitions = 8"):
             await ensure_streams(js, other, lambda op, what: retry(op, what, lambda: False))
+        with pytest.raises(ValueError, match="partitions = 8"):  # refused again: a refusal is never remembered
+            await ensure_streams(js, other, lambda op, what: retry(op, what, lambda: False), once=True)
+        # a partition taken over later in the same process asks the cluster nothing more of the same streams
+        await ensure_streams(js, cfg, lambda op, what: retry(op, what, lambda: False), once=True)
+        await js.delete_stream(cfg.command_stream)
+        await ensure_streams(js, cfg, lambda op, what: retry(op, what, lambda: False), once=True)
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await js.stream_info(cfg.command_stream)  # not made again: this process had made sure of it
+        await ensure_streams(js, cfg, lambda op, what: retry(op, what, lambda: False))  # a start checks, always
+        assert (await js.stream_info(cfg.command_stream)).config.name == cfg.command_stream
     finally:
         await nc.close()
 
@@ -192,7 +203,7 @@ async def test_a_takeovers_consumer_made_during_its_backlog_reads_on_from_the_ba
     nc, js = await connect(nats_server.url)
     try:
         await store_a_mix(js, "TAKEOVER", 300, 11, subjects_mix)
-        reader = InputReader(nc, js, "TAKEOVER", "takeover-0", 25, 30.0, 1, filter_subject=None)
+        reader = InputReader(nc, js, "TAKEOVER", "takeover-0", 25, 30.0, filter_subject=None)
         applied: list[int] = []
 
         async def apply(batch: list[Delivery]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -125,6 +126,25 @@ async def test_a_pull_that_reached_no_consumer_is_asked_again_not_waited_out(js:
             if len(got) == 3:
                 break
         assert [d.seq for d in got] == [1, 2, 3] and pulls >= 2
+    finally:
+        await reader.close()
+
+
+async def test_pulls_no_consumer_answers_for_a_stall_raise_reader_lost_not_a_loop_of_retries(js: Js) -> None:
+    """A consumer gone with its server (a replica-1 consumer on a lost server, or removed without a 409) answers
+    every pull 503: the reader asks again for a stall's time, then gives the consumer up (ReaderLost), to be made
+    again, instead of asking forever."""
+    await js.publish(2)
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=10, pull_expires_s=0.5)
+    try:
+        await reader.open(1)
+        await read_count(reader, 2)
+        reader._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.gone"  # every pull from now reaches no consumer
+        started = time.monotonic()
+        with anyio.fail_after(30), pytest.raises(ReaderLost, match="no consumer answered"):
+            while True:
+                await reader.next_batch(0.5)
+        assert time.monotonic() - started >= reader.stall_s  # not at the first 503: a new consumer's may be passing
     finally:
         await reader.close()
 

@@ -26,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -50,12 +51,22 @@ def find_nats_server() -> str:
     return found
 
 
+_HANDED_OUT: deque[int] = deque(maxlen=4096)
+"""the ports `free_port` gave lately: nothing holds them until their server starts"""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port that was free a moment ago (the kernel picks it), and none this process was given lately: the
+    kernel may pick a port again as soon as it is closed, and a cluster's servers take several each before any of
+    them listens (a monitor port that was another server's client port answered its health check with NATS's INFO)."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.append(port)
+    return port
 
 
 def port_free(host: str, port: int) -> bool:

@@ -156,6 +156,7 @@ class PullReader:
         self._arrived: anyio.Event | None = None  # set by the next delivery while `next_batch` waits for one
         self._outstanding = 0  # messages asked for and not yet delivered
         self._unheard = False  # a pull reached no consumer (503): asked again after a pause, not waited out
+        self._unheard_since: float | None = None  # the first of the 503s since the last delivery
         self._cseq = 0  # the last consumer sequence delivered
         self._highest = 0  # the highest stream sequence delivered
         self._reconnects = 0
@@ -165,7 +166,7 @@ class PullReader:
     async def open(self, start_seq: int | None = None, *, pull: bool = True) -> int:
         """Create the consumer at `start_seq` (None: as `consumer` says, or the existing durable) and send the
         first pulls (`pull` False: made ahead, read from `begin`); the number of messages pending for it."""
-        await self.close()
+        await self.close(wait=False)  # the last one's server may be gone: its removal is not waited for
         config = dataclasses.replace(self.consumer)
         if start_seq is not None:
             config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
@@ -175,8 +176,8 @@ class PullReader:
             if start_seq is not None:
                 with contextlib.suppress(nats.js.errors.NotFoundError):
                     await self.js.delete_consumer(self.stream, self.name)
-        else:
-            self.name = config.name = _NUID.next().decode()
+        else:  # a new name each time (after the consumer's own name, if it has one): made where servers answer
+            self.name = config.name = (f"{self.consumer.name}-" if self.consumer.name else "") + _NUID.next().decode()
             if config.inactive_threshold is None:
                 config.inactive_threshold = max(self.stall_s, 5.0)
         self._reconnects = self.nc.stats["reconnects"]
@@ -191,6 +192,7 @@ class PullReader:
         self._next_subject = f"{API_PREFIX}.CONSUMER.MSG.NEXT.{self.stream}.{self.name}"
         self._buffer.clear()
         self._outstanding = 0
+        self._unheard_since = None
         # A new consumer has delivered nothing; an existing durable goes on after what it delivered.
         self._cseq = info.delivered.consumer_seq if info.delivered else 0
         start = (config.opt_start_seq or 1) - 1
@@ -212,14 +214,18 @@ class PullReader:
         if not self.done:
             await self._pull()
 
-    async def close(self) -> None:
-        """Stop reading; an ephemeral consumer is deleted (best effort), a durable one stays."""
+    async def close(self, *, wait: bool = True) -> None:
+        """Stop reading; an ephemeral consumer is deleted (best effort; `wait` False: asked, not waited for, and its
+        inactivity threshold removes it if that is lost), a durable one stays."""
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
         name, self._ephemeral = self._ephemeral, ""
-        if name and self.nc.is_connected:
+        if name and self.nc.is_connected and not wait:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(f"{API_PREFIX}.CONSUMER.DELETE.{self.stream}.{name}", b"")
+        elif name and self.nc.is_connected:
             # Shielded and bounded: it runs while its caller is being cancelled too, and the consumer's
             # inactivity threshold removes it anyway if this does not get through.
             with anyio.move_on_after(2, shield=True), contextlib.suppress(Exception):
@@ -284,6 +290,7 @@ class PullReader:
             if cseq != self._cseq + 1:
                 raise ReaderLost(f"gap in the consumer sequence: {self._cseq} then {cseq}")
             self._cseq = cseq
+            self._unheard_since = None
             self._outstanding = max(self._outstanding - 1, 0)
             self.lag = pending
             if end is not None and sseq > end:
@@ -324,6 +331,12 @@ class PullReader:
             # may not have reached this client's server yet; the pull is lost, and would be waited out (`stall_s`).
             self._outstanding = 0
             self._unheard = True
+            # Still none after a stall's time: the consumer is gone with its server (or removed), not on its way.
+            now = time.monotonic()
+            if self._unheard_since is None:
+                self._unheard_since = now
+            elif now - self._unheard_since > self.stall_s:
+                raise ReaderLost(f"no consumer answered the pulls for {self.stall_s:.0f}s")
         if status in ("404", "408") and not self._buffer and self.lag == 0:
             self.caught_up = True
 

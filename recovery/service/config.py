@@ -47,7 +47,8 @@ class DaemonConfig(FileSettings):
     duplicate_window_s: float = Field(3_600.0, gt=0, description="JetStream duplicate window of both streams: "
                                                                   "longer than any daemon restart")
     # -- processing ------------------------------------------------------------------------------------
-    consumer: str = Field("recovery-daemon", description="durable consumer name of the input events")
+    consumer: str = Field("recovery-daemon", description="name of the input consumer (each one made is "
+                                                             "`<consumer>[-<partition>]-<unique>`)")
     batch_size: int = Field(1000, ge=1, le=100_000, description="records pulled and applied per batch")
     backlog_reader_at: int = Field(1000, ge=1, description="with partitions > 1: a partition with this many inputs "
                                    "pending when its consumer opens (taken over, restarted) reads them through one "

@@ -19,25 +19,34 @@ from recovery.log import MSG_ID
 from recovery.log.pull import Delivery, PullReader, ReaderLost
 
 INPUTS = subjects.EVENTS
+ORPHAN_S = 60.0
+"""an input consumer nobody reads is removed this long after (a daemon gone; one made ahead while a takeover reads
+its backlog is not read for that long)"""
 
 
 class InputReader:
-    """The daemon's durable pull consumer over the input subjects.
+    """The daemon's pull consumer over the input subjects.
 
     It is (re)created at a given stream sequence: at start (the sequence after the restored snapshot) and
     whenever order cannot be guaranteed any more (`ReaderLost`: a gap, a redelivery of a record not yet applied,
-    a reconnect, a stall, the consumer deleted). Inputs are acknowledged (AckPolicy.ALL) only after their
-    effects, so a crash redelivers what it had not finished."""
+    a reconnect, a stall, the consumer deleted or gone with its server). Inputs are acknowledged (AckPolicy.ALL)
+    only after their effects, so that what was not finished is delivered again.
 
-    def __init__(self, nc: Client, js: JetStreamContext, stream: str, durable: str, batch: int,
-                 ack_wait_s: float, replicas: int, pull_expires_s: float = 2.0,
-                 filter_subject: str | None = INPUTS) -> None:
+    The consumer is ephemeral, a single replica in memory, whatever the log's replicas: where it stands is the
+    engine's (`last_seq`, in every snapshot), and it is made again at every start, so nothing in it needs to outlive
+    its server. A replicated durable one made each acknowledgement a proposal of its own group, several hundred a
+    second for a dozen partitions, and each takeover an election. Each one made is named `<name>-<unique>`: when its
+    server is lost, the next is made on one that answers at once, and the lost one goes `ORPHAN_S` after it was
+    last read."""
+
+    def __init__(self, nc: Client, js: JetStreamContext, stream: str, name: str, batch: int,
+                 ack_wait_s: float, pull_expires_s: float = 2.0, filter_subject: str | None = INPUTS) -> None:
         # `filter_subject` None: the whole log, for a partition, which passes over what is not its own
         # (`subjects.partition_reads`): its inputs are under two filters, which JetStream serves slowly.
         config = ConsumerConfig(
-            durable_name=durable, ack_policy=AckPolicy.ALL, ack_wait=ack_wait_s, max_deliver=-1,
-            filter_subject=filter_subject, max_ack_pending=max(4 * batch, 4096), num_replicas=replicas,
-            max_waiting=512,
+            name=name, ack_policy=AckPolicy.ALL, ack_wait=ack_wait_s, max_deliver=-1,
+            filter_subject=filter_subject, max_ack_pending=max(4 * batch, 4096), num_replicas=1,
+            mem_storage=True, max_waiting=512, inactive_threshold=ORPHAN_S,
         )
         self.pull = PullReader(nc, js, stream, config, batch=batch, pull_expires_s=pull_expires_s)
 

@@ -286,10 +286,9 @@ class Daemon:
         self.outage.took_over()
         await self._restore()
         assert self.nc is not None and self.js is not None
-        part = self.partition  # its own durable consumer: of the whole log, passing over the other partitions'
-        durable = cfg.consumer if part is None else f"{cfg.consumer}-{self.key}"
-        self.reader = InputReader(self.nc, self.js, cfg.stream, durable,
-                                  cfg.batch_size, cfg.ack_wait_s, cfg.replicas,
+        part = self.partition  # its own consumer: of the whole log, passing over the other partitions'
+        name = cfg.consumer if part is None else f"{cfg.consumer}-{self.key}"
+        self.reader = InputReader(self.nc, self.js, cfg.stream, name, cfg.batch_size, cfg.ack_wait_s,
                                   filter_subject=INPUTS if part is None else None)
         self.processor.reads = None if part is None else subjects.partition_reads(part.index)
         teardown.push_async_callback(self.reader.close)
@@ -433,7 +432,7 @@ class Daemon:
         js = self.js
         assert js is not None
         cfg = self.cfg
-        await ensure_streams(js, cfg, self._retry)
+        await ensure_streams(js, cfg, self._retry, once=self.partition is not None)  # a takeover asks no more
         self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, self.key, cfg.snapshot_chunk_bytes,
                                        cfg.replicas)
         await self._retry(self.snapshots.ensure, "snapshot bucket")

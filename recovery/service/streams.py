@@ -33,22 +33,38 @@ def command_config(cfg: DaemonConfig) -> StreamConfig:
     )
 
 
-async def ensure_streams(js: JetStreamContext, cfg: DaemonConfig, retry: Retry) -> None:
+_ENSURED: set[tuple[str, str, int, int]] = set()
+"""the logs this process has made sure of, with their streams (`ensure_streams(once=True)`): by the log's creation
+time, so that another server's log of the same name (a test's, a rebuilt deployment's) is checked again"""
+
+
+async def ensure_streams(js: JetStreamContext, cfg: DaemonConfig, retry: Retry, *, once: bool = False) -> None:
     """Create both streams, or bring them to `cfg`, retrying through an outage. A log that already holds
-    messages under another partitioning is refused: its jobs' state lives in partitions that would move."""
-    await retry(lambda: check_partitioning(js, cfg), "log stream")
+    messages under another partitioning is refused: its jobs' state lives in partitions that would move.
+
+    `once`: the log's partitioning is checked, and the rest not again if this process made sure of the same log
+    already. A partition taken over is a takeover's wait, and each creation request is answered by the cluster's
+    meta leader, busiest then; the first partition this process served made sure of the same configuration."""
+    created = await retry(lambda: check_partitioning(js, cfg), "log stream")
+    key = (str(created), cfg.command_stream, cfg.partitions, cfg.replicas)
+    if once and created is not None and key in _ENSURED:
+        return
     await retry(lambda: ensure_stream(js, log_config(cfg)), "log stream")
     await retry(lambda: ensure_stream(js, command_config(cfg)), "command stream")
+    if created is not None:
+        _ENSURED.add(key)
 
 
-async def check_partitioning(js: JetStreamContext, cfg: DaemonConfig) -> None:
+async def check_partitioning(js: JetStreamContext, cfg: DaemonConfig) -> object:
+    """Refuse a log partitioned otherwise (ValueError); the log's creation time, None if there is no log yet."""
     try:
         info = await js.stream_info(cfg.stream)
     except nats.js.errors.NotFoundError:
-        return
+        return None
     have = info.config.subject_transform
     want = log_config(cfg).subject_transform
     if (have.dest if have else None) != (want.dest if want else None) and info.state.messages:
         raise ValueError(f"partitions = {cfg.partitions}, but the stream {cfg.stream} already holds messages "
                          f"partitioned by {have.dest if have else 'nothing (one partition)'}: the number of "
                          f"partitions is fixed for the life of a log")
+    return info.created or None
