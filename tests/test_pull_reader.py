@@ -149,6 +149,31 @@ async def test_pulls_no_consumer_answers_for_a_stall_raise_reader_lost_not_a_loo
         await reader.close()
 
 
+async def test_a_consumer_that_starts_over_under_its_name_raises_reader_lost_and_a_redelivery_is_passed_over(
+        js: Js) -> None:
+    """A replica-1 consumer lost with its server is made again from its assignment when that server comes back, and
+    numbers its deliveries from 1 again: a first delivery numbered as one already read is that, not a repeat (a
+    redelivery keeps its number and counts up). Passed over as repeats, they left a partition reading nothing."""
+    await js.publish(3)
+    reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=10)
+    try:
+        await reader.open(1)
+        assert [d.seq for d in await read_count(reader, 3)] == [1, 2, 3]
+        name, ts = reader.name, time.time_ns()
+
+        def delivery(delivered: int, sseq: int, cseq: int) -> Msg:
+            return Msg(js.nc, subject=SUBJECT, reply=f"$JS.ACK.{STREAM}.{name}.{delivered}.{sseq}.{cseq}.{ts}.0",
+                       data=b"{}")
+
+        reader._buffer.append(delivery(2, 2, 2))  # delivered again: passed over
+        assert await reader.next_batch(0.1) == []
+        reader._buffer.append(delivery(1, 1, 1))  # the consumer made again, from the start
+        with pytest.raises(ReaderLost, match="started over"):
+            await reader.next_batch(0.1)
+    finally:
+        await reader.close()
+
+
 async def test_a_deleted_consumer_raises_reader_lost(js: Js) -> None:
     await js.publish(2)
     reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=10)

@@ -286,6 +286,11 @@ class PullReader:
                 continue
             delivered, sseq, cseq, ts, pending = parse_reply(reply)
             if cseq <= self._cseq:
+                if delivered == 1:  # a redelivery keeps its number and counts up: this one is a first delivery
+                    # A replica-1 consumer lost with its server and made again from its assignment when that came
+                    # back: numbered from 1 again, from where it was first made. Read on, it would be passed over
+                    # as repeats, silently, for as long as it had delivered before.
+                    raise ReaderLost(f"the consumer started over (delivery {cseq} after {self._cseq})")
                 continue  # a repeat of something already seen
             if cseq != self._cseq + 1:
                 raise ReaderLost(f"gap in the consumer sequence: {self._cseq} then {cseq}")
