@@ -8,10 +8,20 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+PARTITION: ContextVar[str | None] = ContextVar("recovery_log_partition", default=None)
+"""the partition whose daemon runs in this task and the tasks it starts (`recovery.service.ownership`): one process
+serves several, and every line one of them logs names it"""
+
+
+def _partition(fields: object) -> dict[str, Any]:
+    part = PARTITION.get()
+    return {"partition": part} if part is not None and not (isinstance(fields, dict) and "partition" in fields) else {}
 
 
 class JsonFormatter(logging.Formatter):
@@ -23,6 +33,7 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         fields = getattr(record, "fields", None)
+        out.update(_partition(fields))
         if isinstance(fields, dict):
             out.update(fields)
         if record.exc_info:
@@ -37,7 +48,8 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
         fields = getattr(record, "fields", None)
-        if isinstance(fields, dict) and fields:
+        fields = {**_partition(fields), **(fields if isinstance(fields, dict) else {})}
+        if fields:
             text += " " + " ".join(f"{k}={v}" for k, v in fields.items())
         return text
 

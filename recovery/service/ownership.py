@@ -39,7 +39,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from recovery.core.partition import Partition
-from recovery.service import connection, speedups
+from recovery.service import connection, jsonlog, speedups
 from recovery.service.config import DaemonConfig
 from recovery.service.control import PartitionDirectory
 from recovery.service.daemon import Daemon, DaemonFailed
@@ -243,6 +243,7 @@ class Ownership:
         group.start_soon(self._serve, index, daemon, name=f"recovery-partition-{index}")
 
     async def _serve(self, index: int, daemon: Daemon) -> None:
+        jsonlog.PARTITION.set(self.cfg.partition_key(index))  # this task's and its daemon's: every line names it
         try:
             await daemon.run()
         except DaemonFailed as exc:  # a lost lease or a fence: the partition is another daemon's now
