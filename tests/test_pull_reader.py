@@ -174,6 +174,28 @@ async def test_a_consumer_that_starts_over_under_its_name_raises_reader_lost_and
         await reader.close()
 
 
+async def test_a_consumer_that_answers_every_pull_empty_while_the_log_goes_on_raises_reader_lost(js: Js) -> None:
+    """A replica-1 consumer made on a server that came back moments ago serves that server's copy of the stream, which
+    is catching up: every pull answered, empty, for a minute. A reader of a stored range short of its end, or an
+    unfiltered one the log has gone past for a stall, gives it up (ReaderLost) instead of waiting on it silently."""
+    await js.publish(20)
+    await js.js.add_consumer(STREAM, ConsumerConfig(durable_name="empty", ack_policy=AckPolicy.NONE,
+                                                    filter_subject=f"{SUBJECT}.nothing"))
+    for end_seq, what in ((20, "short of 20"), (None, "the log held 20")):
+        reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=2, pull_expires_s=0.5, end_seq=end_seq)
+        try:
+            await reader.open(1)
+            assert [d.seq for d in await reader.next_batch(5)] == [1, 2]
+            reader._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.empty"  # it answers, with nothing
+            got: list[int] = []
+            with anyio.fail_after(30), pytest.raises(ReaderLost, match=what):
+                while not reader.done:  # (what the pulls already on their way bring first)
+                    got += [d.seq for d in await reader.next_batch(0.5)]
+            assert got == list(range(3, 3 + len(got))) and len(got) <= 6 and not reader.done
+        finally:
+            await reader.close()
+
+
 async def test_a_deleted_consumer_raises_reader_lost(js: Js) -> None:
     await js.publish(2)
     reader = PullReader(js.nc, js.js, STREAM, no_ack(), batch=10)

@@ -162,6 +162,8 @@ class PullReader:
         self._reconnects = 0
         self._activity = time.monotonic()
         self._opened_lag = 0  # pending at `open`
+        self._delivered_at = time.monotonic()  # the last delivery (or `begin`)
+        self._log_end: int | None = None  # the log's last sequence when `_check_behind` last asked
 
     async def open(self, start_seq: int | None = None, *, pull: bool = True) -> int:
         """Create the consumer at `start_seq` (None: as `consumer` says, or the existing durable) and send the
@@ -206,7 +208,8 @@ class PullReader:
 
     async def begin(self) -> None:
         """Start reading: the first pulls (`open` sends them, unless it made the consumer ahead)."""
-        self._activity = time.monotonic()
+        self._activity = self._delivered_at = time.monotonic()
+        self._log_end = None
         self.lag = self._opened_lag
         if self.lag == 0:
             self.caught_up = True
@@ -311,12 +314,34 @@ class PullReader:
             elif end is not None and sseq >= end:
                 self.done = True
                 break
+        if out:
+            self._delivered_at = time.monotonic()
+        elif not self.done and time.monotonic() - self._delivered_at > self.stall_s:
+            await self._check_behind()
         if not self.done:
             if self._unheard:
                 self._unheard = False
                 await anyio.sleep(UNHEARD_PAUSE_S)  # the consumer's interest on its way through the cluster
             await self._pull()
         return out
+
+    async def _check_behind(self) -> None:
+        """Nothing delivered for a stall while the server answers: ReaderLost if the consumer's server lags the log.
+        A single-replica consumer reads its own server's copy of the stream, and one made on a server that came back
+        moments ago serves what that copy holds, catching up for a minute or more: it answers every pull, empty.
+
+        A reader of a range short of its end lags (the range is stored); an unfiltered one lags when a record the log
+        held a stall ago has not come (the stream leader says where the log ends)."""
+        self._delivered_at = time.monotonic()  # looked at once a stall
+        if self.end_seq is not None:
+            raise ReaderLost(f"nothing delivered for {self.stall_s:.0f}s short of {self.end_seq}, after "
+                             f"{self._highest}: the consumer's server lags the log")
+        if self.consumer.filter_subject or self.consumer.filter_subjects:
+            return  # what the log holds past it need not be this consumer's
+        ended, self._log_end = self._log_end, int((await self.js.stream_info(self.stream)).state.last_seq)
+        if ended is not None and self._highest < ended:
+            raise ReaderLost(f"the log held {ended} a stall ago and nothing after {self._highest} came: the "
+                             f"consumer's server lags the log")
 
     def _status(self, msg: Msg) -> None:
         # A status message ends a pull request: 404/408 (no messages, expired) or 409 (limits, leadership change,
