@@ -27,6 +27,7 @@ from tests.e2e_support import (
     free_port,
     job_spec,
     kill_leftovers,
+    stop_agents,
     submit,
     wait_until,
     watch,
@@ -99,8 +100,7 @@ def start_cluster(workdir: Path) -> Iterator[Cluster]:
         asyncio.run(start_agents())
         yield state
     finally:
-        for agent in [*agents, *state.extra]:
-            agent.stop()
+        stop_agents([*agents, *state.extra])
         kill_leftovers(state.started)
         store.stop()
         daemon.close()

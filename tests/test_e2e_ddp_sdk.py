@@ -36,6 +36,7 @@ from tests.e2e_support import (
     connect,
     environment,
     kill_leftovers,
+    stop_agents,
     submit,
     wait_until,
     watch,
@@ -94,8 +95,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         asyncio.run(start_agents())
         yield state
     finally:
-        for agent in agents:
-            agent.stop()
+        stop_agents(agents)
         kill_leftovers(state.started)
         store.stop()
         daemon.close()

@@ -27,6 +27,7 @@ from tests.e2e_support import (
     connect,
     environment,
     kill_leftovers,
+    stop_agents,
     submit,
     wait_until,
     watch,
@@ -150,8 +151,7 @@ async def test_an_elastic_job_scales_in_without_a_spare_keeping_its_survivors_an
         if w is not None:
             cluster.started.extend(pid for pids in w.pids().values() for pid in pids)
         await nc.close()
-        for agent in agents.values():
-            agent.stop()
+        stop_agents(agents.values())
 
     # The reference: one process, the same schedule of world sizes, the same math
     schedule = f"4@1,2@{spans[0][1] + 1},4@{spans[1][1] + 1}"  # world 2 from the first step after generation 0

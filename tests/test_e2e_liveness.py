@@ -17,7 +17,7 @@ import pytest
 from events.envelope import Record
 from recovery.testing.nats import NatsServer
 from tests.daemon_support import check_log, read_stream, running_daemon
-from tests.e2e_support import AgentProcess, connect, kill_leftovers, node_heard, submit, wait_until, watch
+from tests.e2e_support import AgentProcess, connect, kill_leftovers, node_heard, stop_agents, submit, wait_until, watch
 from tests.test_e2e_outage import NODES, SILENCE_S, WATCHDOG_S, stand_in_job
 
 BEAT_S = 0.5
@@ -106,7 +106,6 @@ async def test_live_agents_log_no_heartbeat_nor_report_and_dead_stopped_and_sile
         if confirmed["reason"].startswith("agent of n0 silent"):
             assert silent, "the monitor's fact is what the engine confirmed the node's fault on"
     finally:
-        for agent in agents:
-            agent.stop()
+        stop_agents(agents)
         kill_leftovers([pid for pids in w.pids().values() for pid in pids])
         await nc.close()

@@ -26,6 +26,7 @@ from tests.e2e_support import (
     connect,
     kill_leftovers,
     node_heard,
+    stop_agents,
     submit,
     wait_until,
     watch,
@@ -127,8 +128,7 @@ class Training:
         return [r for r in inputs if r.envelope.type == "control.outage"]
 
     def stop(self) -> None:
-        for agent in self.agents:
-            agent.stop()
+        stop_agents(self.agents)
         kill_leftovers([pid for pids in self.w.pids().values() for pid in pids])
 
 
