@@ -30,11 +30,11 @@ CLOCK_SKEW_MARGIN_NS = 120 * 1_000_000_000
 """commands are looked up from this long before the snapshot's log time (servers' clocks may differ)"""
 
 
-async def open_newest(snapshots: SnapshotStore, retry: Retry, partition: Partition | None = None,
-                      manifest: dict[str, Any] | None = None) -> tuple[Engine, dict[str, Any]] | None:
-    """The engine of the newest snapshot (the one `manifest` names, when given) and its manifest; None when there is
-    none, or when it cannot be opened (classes changed under the same version): then the whole log is replayed
-    instead of crashing."""
+async def open_newest(snapshots: SnapshotStore, retry: Retry, partition: Partition | None,
+                      manifest: dict[str, Any]) -> tuple[Engine, dict[str, Any]] | None:
+    """The engine of the snapshot `manifest` names (the newest, read just before) and its manifest; None when it
+    cannot be loaded or opened (classes changed under the same version): then the whole log is replayed instead of
+    crashing."""
     loaded = await retry(lambda: snapshots.load(manifest), "snapshot load")
     if loaded is None:
         return None
