@@ -344,6 +344,31 @@ class DefaultDetection(DetectionPolicyBase):
                           f"{stall / NS:.1f}s", FaultClass.HANG, "rank", behind)]
         return self._stragglers(view)
 
+    def next_check(self, view: WatchdogView) -> int | None:
+        """The earliest log time at which `check` could find what it does not find at `view.now` if nothing more is
+        heard of the job (None: never by time alone). The engine's watchdog ticks then, not every interval, while the
+        job's progress summaries come (`recovery.core.detection.Detection.watch`). `agents_heard` holds None for an
+        agent watched off the log: its silence is a record of its own, never a deadline. Stragglers are judged on
+        what the ranks report, never on time: a record, not a tick, brings them. Each bound mirrors one of `check`'s:
+        `now - at > bound` first holds at `at + bound + 1`."""
+        p = self.params
+        deadlines: list[int] = []
+        heard = [at for at in view.agents_heard if at is not None] if len(view.agents_heard) == len(view.nodes) else []
+        if heard:
+            deadlines.append(min(heard) + int(p.agent_silence_s * NS) + 1)
+        if view.sdk and not view.recovering and view.last_seen:
+            step_time = view.step_time_ns or 0
+            silence = max(int(p.hang_min_silence_s * NS), int(p.hang_silence_factor * step_time))
+            stall = (max(int(p.stall_min_s * NS), int(p.stall_factor * step_time)) if view.step_time_ns
+                     else int(p.first_steps_s * NS))
+            progress, steps = view.last_progress, view.steps
+            deadlines.append(min(view.last_seen) + silence + 1)
+            deadlines.append(max(progress) + stall + 1)
+            top = max(steps)
+            if min(steps) < top:  # ranks behind: the stall of the one that advanced longest ago
+                deadlines.append(min(at for step, at in zip(steps, progress, strict=True) if step < top) + stall + 1)
+        return min(deadlines, default=None)
+
     def _stragglers(self, view: WatchdogView) -> list[Verdict]:
         """A drain of each node that holds a rank persistently slower than its peers. In synchronous data
         parallelism every rank waits for the slowest in the collective, so one slow GPU or throttled host slows the

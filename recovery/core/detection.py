@@ -23,7 +23,7 @@ from recovery.core.incidents import Incidents
 from recovery.core.job import Attempt, Incident, Job
 from recovery.core.placement import Placement
 from recovery.core.record import RecordEffects, expect
-from recovery.core.sandbox import consult
+from recovery.core.sandbox import consult, knows_deadlines
 from recovery.core.timers import Timekeeper, TimerRequest
 
 G = Granularity
@@ -389,6 +389,50 @@ class Detection:
                     if self.cluster.nodes[name].silent is not None:
                         self.cluster.node(name).silent = out.ts
             return
+        view = self._view(out, job, recovering)
+        verdicts = consult(out, job, "detection", "check", view)
+        if recovering:
+            self._hosts_lost(out, job, verdicts)
+            return
+        for verdict in verdicts:
+            if job.state != "running" or job.incident is not None:
+                break
+            self.verdict(out, job, verdict, type_="watchdog")
+
+    def watch(self, out: RecordEffects, job: Job, period_s: float) -> None:
+        """A progress summary that stands for the job's watchdog tick (`ProgressSummary.watch`): the check runs at its
+        record, as at a tick, and the watchdog's next tick moves to the earliest time the check could find anything if
+        nothing else is heard (`DefaultDetection.next_check`), at most a period and an interval away. The next summary
+        moves it again: a healthy job's watchdog never ticks into the log while its summaries come. A policy that
+        cannot say when (a plugin's) ticks an interval after each summary."""
+        timer = job.watchdog
+        if timer is None or job.state not in ("running", "recovering"):
+            return
+        self.watchdog(out, job)
+        if job.watchdog != timer or job.state not in ("running", "recovering"):
+            return  # the check opened an incident: the watchdog stopped, or goes on watching the agents
+        interval = int(job.spec.watchdog_interval_s * NS)
+        due = out.ts + interval
+        policy = job.policies.detection
+        if knows_deadlines(policy):
+            agents = self.cluster.nodes
+            # An agent watched off the log is never silent by time alone: the monitor's `node.silent` says it is.
+            heard = tuple(None if n in agents and agents[n].live and agents[n].silent is None
+                          else agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
+            earliest = policy.next_check(self._view(out, job, job.state == "recovering", heard))
+            cap = due + int(period_s * NS)
+            if earliest is None:
+                due = cap
+            elif earliest > out.ts:
+                due = min(earliest, cap)
+            # else: the check may find now what it did not act on (a verdict the job's state set aside): ticks go on
+        if due != self.timekeeper.table[timer][1]:
+            self.timekeeper.move(timer, due)
+
+    def _view(self, out: RecordEffects, job: Job, recovering: bool,
+              heard: tuple[int | None, ...] | None = None) -> WatchdogView:
+        """What the watchdog's check sees of the job at the record (`heard`: its agents' heard times, when not as the
+        cluster says at the record)."""
         agents = self.cluster.nodes
         world = job.world
         # Columns copied at C speed (a 131,072-rank job is checked every few seconds); a rank's own slot only.
@@ -400,17 +444,10 @@ class Detection:
             seen = tuple(at if r >= len(alive) or alive[r] else out.ts for r, at in enumerate(seen))
         columns = RankColumns(seen, tuple(job.last_progress[:world]), tuple(job.steps[:world]),
                               tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]))
-        view = WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn,
-                            tuple(agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes), job.sdk,
-                            columns=columns, recovering=recovering)
-        verdicts = consult(out, job, "detection", "check", view)
-        if recovering:
-            self._hosts_lost(out, job, verdicts)
-            return
-        for verdict in verdicts:
-            if job.state != "running" or job.incident is not None:
-                break
-            self.verdict(out, job, verdict, type_="watchdog")
+        if heard is None:
+            heard = tuple(agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
+        return WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn, heard, job.sdk, columns=columns,
+                            recovering=recovering)
 
     def _hosts_lost(self, out: RecordEffects, job: Job, verdicts: list[Verdict]) -> None:
         """The watchdog's verdicts while the job recovers: only a host lost (its agent fell silent) is news. The ranks

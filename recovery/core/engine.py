@@ -282,6 +282,9 @@ class Engine(Progress):
                     self.report_losses(out, job, env.data.ranks)
                     for entry in env.data.ranks:  # each as its rank's own heartbeat or step would be
                         self._progress(out, job, entry)
+                    if type_ == "progress.summary" and env.data.watch and job.watchdog is not None:
+                        self.guard(job)  # the watchdog's check at the summary, and its next tick moved
+                        self.detection.watch(out, job, env.data.period_s)
                 else:
                     if getattr(env.data, "loss", None) is not None:
                         self.guard(job)  # the step after its loss may yet be refused (backwards, ahead)

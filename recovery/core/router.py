@@ -19,6 +19,9 @@ from recovery.core.overruns import PolicyOverran, key_of
 from recovery.core.timers import TimerTable
 
 TIMER_FIRED = "timer.fired"
+SUMMARY = "progress.summary"
+_MOVES_TIMERS = (TIMER_FIRED, SUMMARY)
+"""records that may move a timer with no decision: a periodic one's firing, a summary that stands for a tick"""
 
 
 class EffectRouter:
@@ -46,7 +49,7 @@ class EffectRouter:
                 kept = {key: seen for key, seen in engine.overruns.items() if key[0] >= fact.seq}
                 engine.overruns = {**kept, key_of(overran.job, fact): fact}
                 self.overran(overran.job, fact)
-        if encoded or (type(record) is Record and record.envelope.type == TIMER_FIRED):
+        if encoded or (type(record) is Record and record.envelope.type in _MOVES_TIMERS):
             self.route(record, encoded)  # most records have no effects: heartbeats and steps
         return encoded
 
@@ -60,8 +63,6 @@ class EffectRouter:
                 self.timers.refused(data.timer_id, record.envelope.job or "", data.due, record.ts)
             else:
                 self.timers.fired(data.timer_id, record.envelope.job or "", data.due, record.ts)
-        if not encoded:
-            return  # most records: heartbeats and steps
         timers = self.timers
         for effect, subject, envelope, data in encoded:
             if type(effect) is Decision:
@@ -74,6 +75,17 @@ class EffectRouter:
                 self.decided(effect, subject, envelope, data)
             else:
                 self.rejected(effect, subject, envelope, data)  # type: ignore[arg-type]
+        if type(record) is Record and record.envelope.type == SUMMARY and record.envelope.data.watch:
+            self._follow_watchdog(record.envelope.job or "")  # after its decisions, should they have armed it anew
+
+    def _follow_watchdog(self, job_id: str) -> None:
+        """A progress summary that stands for its job's watchdog tick may have moved the watchdog's next tick, with no
+        decision to say so (`Detection.watch`): the table follows the engine's."""
+        job = self.engine.jobs.get(job_id)
+        timer_id = job.watchdog if job is not None else None
+        entry = self.engine.timers.get(timer_id) if timer_id is not None else None
+        if entry is not None and self.timers.get(timer_id) != entry:  # type: ignore[arg-type]
+            self.timers.arm(timer_id, *entry)  # type: ignore[arg-type]
 
     # -- where effects go: what a driver overrides -------------------------------------------------------
     def decided(self, decision: Decision, subject: str, envelope: EnvelopeBase, data: bytes) -> None:

@@ -72,6 +72,18 @@ def builtin(policy: Any) -> bool:
     return type(policy).__module__.split(".")[0] == "policies"
 
 
+def knows_deadlines(policy: Any) -> bool:
+    """Can the detection policy say when its check could next find something (`next_check`)? Only one of ours, and
+    only where the class that wrote its `check` wrote its `next_check` too: a subclass with a check of its own would
+    inherit deadlines that are not its check's."""
+    if not builtin(policy):
+        return False
+    mro = type(policy).__mro__
+    wrote_next = next((cls for cls in mro if "next_check" in vars(cls)), None)
+    wrote_check = next((cls for cls in mro if "check" in vars(cls)), None)
+    return wrote_next is not None and wrote_check is not None and issubclass(wrote_next, wrote_check)
+
+
 def consult(out: RecordEffects, job: Job, family: str, method: str, argument: Any) -> Any:
     """Ask the job's `family` policy; an exception or an answer that fails its checks is handed to `fail_over`.
 

@@ -115,6 +115,13 @@ class Timekeeper:
         job.watchdog = timer.id
         return [timer]
 
+    def move(self, timer_id: str, due: int) -> None:
+        """Move an outstanding timer to `due`, keeping its id and period: its firings for an earlier due are stale. No
+        decision says so: every driver follows the engine's table where a record moves a timer (`EffectRouter`)."""
+        job, _, every = self.table[timer_id]
+        self._note(timer_id)
+        self.table[timer_id] = (job, due, every)
+
     def due_by(self, timer_id: str, due: int) -> bool:
         """Is `timer_id` outstanding and due at or before `due`?"""
         entry = self.table.get(timer_id)

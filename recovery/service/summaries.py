@@ -161,8 +161,8 @@ class ProgressSummaries:
                     out.append(self._record(job_id, entries, period))
                     entries, size = [], ENTRY_BYTES
                 entries.append(_entry(rank, kept, now))
-            if entries:
-                out.append(self._record(job_id, entries, period))
+            if entries:  # its last record stands for the job's watchdog tick (`ProgressSummary.watch`)
+                out.append(self._record(job_id, entries, period, watch=True))
         if len(due) > 2 * len(heard) + 1024:  # the jobs that ended, or report no more
             self.due = {job: at for job, at in due.items() if job in heard or at > now}
         return out
@@ -171,13 +171,14 @@ class ProgressSummaries:
         """How often the summaries due are looked for: a tenth of the shortest period (0.05 .. 1 s)."""
         return min(max(min((self.period_of(job) for job in self.heard), default=self.period_s) / 10, 0.05), 1.0)
 
-    def _record(self, job: str, entries: list[dict[str, Any]], period: float) -> Outgoing:
+    def _record(self, job: str, entries: list[dict[str, Any]], period: float, watch: bool = False) -> Outgoing:
         self._count += 1
         ident = f"summary:{self._boot}:{self._count}"
         # The envelope of the first entry, validated; the others are built from checked values (`_entries`) and
         # joined to it unvalidated: a model of a summary of 200 ranks cost a millisecond, the engine checks it anyway.
-        head = make_envelope("progress.summary", {"ranks": entries[:1], "period_s": float(period)}, id=ident,
-                             job=job, source=SOURCE).model_dump(mode="json", by_alias=True)
+        data: dict[str, Any] = {"ranks": entries[:1], "period_s": float(period), **({"watch": True} if watch else {})}
+        head = make_envelope("progress.summary", data, id=ident, job=job, source=SOURCE).model_dump(mode="json",
+                                                                                                by_alias=True)
         head["data"]["ranks"] = entries
         return Outgoing(subjects.job_event(job, "progress.summary"), orjson.dumps(head), ident, "input")
 
