@@ -54,20 +54,33 @@ def test_a_healthy_job_whose_summaries_come_logs_no_watchdog_tick() -> None:
     assert s.find("fault.confirmed", "j") == [] and s.state("j") == "running"
 
 
-def test_a_rank_missing_from_the_summaries_is_found_at_its_bound_not_an_interval_later() -> None:
-    """Rank 3 is summarized no more: the watchdog is moved to the moment its silence passes the 10 s bound and ticks
-    there, once; the hang names rank 3 alone."""
+def test_a_rank_missing_from_the_summaries_is_found_at_the_first_summary_past_its_bound() -> None:
+    """Rank 3 is summarized no more: the summary after its silence passed the 10 s bound finds it (12 s), and no
+    tick was logged; the hang names rank 3 alone."""
     s = _running()
-    start = len(list(s.log.records()))
     _summary(s, range(4), 4, heard_s=0.0)
-    last_heard = s.now
+    start, last_heard = len(list(s.log.records())), s.now
+    found = None
     for k in range(1, 5):
         s.advance(4)
         _summary(s, range(3), 4 + k)
+        if found is None and s.find("fault.confirmed", "j"):
+            found = s.now
     [hang] = s.find("fault.confirmed", "j")
     assert hang.detail["fault"]["ranks"] == [3], hang.detail
-    [tick] = _ticks(s, start)
-    assert tick == last_heard + 10 * NS + 1  # `now - seen > bound` first holds there
+    assert found == last_heard + 12 * NS
+    assert _ticks(s, start) == []
+
+
+def test_a_job_whose_summaries_stop_is_found_by_the_tick_an_interval_past_the_bound() -> None:
+    """No word of any rank after the last summary (the whole job hung, so no report and no summary): the watchdog,
+    moved there by that summary, ticks once, an interval past the 10 s bound, and finds the ranks silent."""
+    s = _running()
+    _summary(s, range(4), 4, heard_s=0.0)
+    start, last_heard = len(list(s.log.records())), s.now
+    s.advance(20)
+    assert s.find("fault.confirmed", "j")
+    assert _ticks(s, start)[0] == last_heard + 10 * NS + 1 + 2 * NS  # the deadline, and the 2 s interval
 
 
 def test_summaries_without_watch_leave_the_periodic_watchdog_ticking() -> None:

@@ -85,7 +85,9 @@ def measure(args: argparse.Namespace, work: Path, liveness: str, progress: str) 
                         "progress": progress}
                 workers.append(subprocess.Popen([sys.executable, str(AGENTS), orjson.dumps(spec).decode()],
                                                 stdin=subprocess.DEVNULL, start_new_session=True))
-            time.sleep(period + 5)  # every node's first period (its mode, its first report) before the window
+            # Every node's first period (its mode, its first report, which is news) and each job's first summary
+            # (a period after its first report heard, from which the summaries pace the watchdog) before the window.
+            time.sleep(2 * period + 5)
             stored0, cpu0, t0 = stream_messages(server.url), daemon.cpu_s(), time.monotonic()
             time.sleep(seconds)  # the window: nothing happens in it but the fleet's "still fine"
             wall = time.monotonic() - t0

@@ -401,10 +401,12 @@ class Detection:
 
     def watch(self, out: RecordEffects, job: Job, period_s: float) -> None:
         """A progress summary that stands for the job's watchdog tick (`ProgressSummary.watch`): the check runs at its
-        record, as at a tick, and the watchdog's next tick moves to the earliest time the check could find anything if
-        nothing else is heard (`DefaultDetection.next_check`), at most a period and an interval away. The next summary
-        moves it again: a healthy job's watchdog never ticks into the log while its summaries come. A policy that
-        cannot say when (a plugin's) ticks an interval after each summary."""
+        record, as at a tick, and the watchdog's next tick moves to an interval after the earliest time the check could
+        find anything if nothing else is heard (`DefaultDetection.next_check`; a period and an interval away if never).
+        The next summary moves it again: a healthy job's watchdog never ticks into the log while its summaries come,
+        and a silence is found at the first summary past its bound, or by the tick if the summaries stop, within the
+        bound and an interval as before. A policy that cannot say when (a plugin's) ticks an interval after each
+        summary."""
         timer = job.watchdog
         if timer is None or job.state not in ("running", "recovering"):
             return
@@ -420,11 +422,12 @@ class Detection:
             heard = tuple(None if n in agents and agents[n].live and agents[n].silent is None
                           else agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
             earliest = policy.next_check(self._view(out, job, job.state == "recovering", heard))
-            cap = due + int(period_s * NS)
-            if earliest is None:
-                due = cap
+            if earliest is None:  # nothing to find by time alone: a tick only should the summaries stop
+                due += int(period_s * NS)
             elif earliest > out.ts:
-                due = min(earliest, cap)
+                # An interval past the deadline: a tick finds what it would have found before, at the latest, and
+                # never sooner than one would have, when a summary that was to refresh the ranks is late.
+                due = earliest + interval
             # else: the check may find now what it did not act on (a verdict the job's state set aside): ticks go on
         if due != self.timekeeper.table[timer][1]:
             self.timekeeper.move(timer, due)
