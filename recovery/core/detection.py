@@ -402,7 +402,7 @@ class Detection:
     def watch(self, out: RecordEffects, job: Job, period_s: float) -> None:
         """A progress summary that stands for the job's watchdog tick (`ProgressSummary.watch`): the check runs at its
         record, as at a tick, and the watchdog's next tick moves to an interval after the earliest time the check could
-        find anything if nothing else is heard (`DefaultDetection.next_check`; a period and an interval away if never).
+        find anything if nothing else is heard (`DefaultDetection.next_check`), a period and an interval away at most.
         The next summary moves it again: a healthy job's watchdog never ticks into the log while its summaries come,
         and a silence is found at the first summary past its bound, or by the tick if the summaries stop, within the
         bound and an interval as before. A policy that cannot say when (a plugin's) ticks an interval after each
@@ -422,12 +422,16 @@ class Detection:
             heard = tuple(None if n in agents and agents[n].live and agents[n].silent is None
                           else agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
             earliest = policy.next_check(self._view(out, job, job.state == "recovering", heard))
-            if earliest is None:  # nothing to find by time alone: a tick only should the summaries stop
-                due += int(period_s * NS)
+            # At most a period and an interval away: if the summaries stop, a tick comes as if they were the ticks
+            # and the tick after them; and if the control plane was away that long, it is logged late, which excuses
+            # the silence (`watchdog`), as a periodic tick's was.
+            cap = due + int(period_s * NS)
+            if earliest is None:  # nothing to find by time alone
+                due = cap
             elif earliest > out.ts:
                 # An interval past the deadline: a tick finds what it would have found before, at the latest, and
                 # never sooner than one would have, when a summary that was to refresh the ranks is late.
-                due = earliest + interval
+                due = min(earliest + interval, cap)
             # else: the check may find now what it did not act on (a verdict the job's state set aside): ticks go on
         if due != self.timekeeper.table[timer][1]:
             self.timekeeper.move(timer, due)
