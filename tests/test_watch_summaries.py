@@ -88,6 +88,24 @@ def test_a_job_whose_summaries_stop_is_found_by_the_ticks_within_its_bound_and_a
     assert found is not None and last_heard + 10 * NS < found <= last_heard + 12 * NS
 
 
+def test_a_summary_that_comes_when_the_tick_is_overdue_excuses_the_silence_as_the_late_tick_would() -> None:
+    """The control plane was away 30 s (nothing logged, not the tick either); its first summary after hears two ranks
+    of four. The watchdog's tick was due long before: the summary is that late tick, and the silence up to it is the
+    control plane's, not the ranks'. No fault; ranks 2 and 3 are found only if they stay unheard a bound after."""
+    s = _running()
+    _summary(s, range(4), 4, heard_s=0.0)
+    back = s.now + 30 * NS
+    s.now = back  # nothing fired meanwhile: the daemon could not log anything
+    _summary(s, range(2), 5)
+    assert s.find("fault.confirmed", "j") == []
+    assert s.engine.jobs["j"].last_seen[2:] == [back, back]
+    for _ in range(4):
+        s.advance(4)
+        _summary(s, range(2), 5)
+    [hang] = s.find("fault.confirmed", "j")
+    assert hang.detail["fault"]["ranks"] == [2, 3]
+
+
 def test_summaries_without_watch_leave_the_periodic_watchdog_ticking() -> None:
     """A log written before (its summaries carry no `watch`): the watchdog ticks every interval, as it always did."""
     s = _running()

@@ -410,7 +410,9 @@ class Detection:
         timer = job.watchdog
         if timer is None or job.state not in ("running", "recovering"):
             return
-        self.watchdog(out, job)
+        # A tick overdue at the summary could not be logged on time: the control plane was away, and what its
+        # summarizer heard meanwhile is lost. The summary is that late tick, and excuses the silence as it would.
+        self.watchdog(out, job, late_ns=max(0, out.ts - self.timekeeper.table[timer][1]))
         if job.watchdog != timer or job.state not in ("running", "recovering"):
             return  # the check opened an incident: the watchdog stopped, or goes on watching the agents
         interval = int(job.spec.watchdog_interval_s * NS)
