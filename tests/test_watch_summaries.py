@@ -185,3 +185,39 @@ def test_the_check_finds_nothing_before_next_check_says(data: st.DataObject, sil
         assert policy.check(at(moment)) == []
     if deadline is not None:
         assert deadline > now
+
+
+def test_what_the_daemon_hears_while_it_may_not_write_goes_into_its_first_summary() -> None:
+    """The daemon heard node n1's report while it could not write (cut off, behind the log): its first summary after
+    holds n1's ranks, each marked `watch` on the job's last record, and the check at it finds no rank silent."""
+    import orjson
+
+    from events import subjects
+    from events.codec import encode_envelope
+    from events.envelope import make_envelope
+    from recovery.service.summaries import ProgressSummaries
+
+    class Clock:
+        now = 100.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    def report(node: str, ranks: list[int], step: int) -> tuple[str, bytes]:
+        env = make_envelope("progress.report", {"ranks": [{"rank": r, "step": step, "attempt": 0} for r in ranks]},
+                            id=f"{node}-{step}", job="j", node=node, source="agent")
+        return subjects.reports(node), encode_envelope(env)
+
+    s, clock = _running(), Clock()
+    summaries = ProgressSummaries(lambda: s.engine, 4.0, clock=clock)
+    summaries.hear(*report("n0", [0, 1], 4))
+    clock.now += 1
+    summaries.hear(*report("n1", [2, 3], 4))
+    clock.now += 4
+    assert summaries.look(may_write=False) == []  # due, but not the daemon's to write: kept
+    clock.now += 6
+    summaries.hear(*report("n0", [0, 1], 5))
+    [message] = summaries.look(may_write=True)
+    data = orjson.loads(message.data)["data"]
+    assert sorted(e["rank"] for e in data["ranks"]) == [0, 1, 2, 3] and data["watch"] is True
+    assert summaries.look(may_write=True) == []

@@ -167,6 +167,12 @@ class ProgressSummaries:
             self.due = {job: at for job, at in due.items() if job in heard or at > now}
         return out
 
+    def look(self, may_write: bool) -> list[Outgoing]:
+        """The summaries to publish at a look: none while the daemon may not write (cut off, its lease not fresh, its
+        outage not logged, behind the log), and what it hears meanwhile is kept for the first it may. Dropped, a node
+        whose report came in that time would be missing from them, its ranks found silent since before it."""
+        return self.messages() if may_write else []
+
     def tick_s(self) -> float:
         """How often the summaries due are looked for: a tenth of the shortest period (0.05 .. 1 s)."""
         return min(max(min((self.period_of(job) for job in self.heard), default=self.period_s) / 10, 0.05), 1.0)
@@ -192,9 +198,9 @@ class ProgressSummaries:
         try:
             while True:
                 await anyio.sleep(self.tick_s())  # a look at which summaries are due
-                out = self.messages()
-                if not out or not may_write():
-                    continue  # not the daemon's to write now: what it heard is past by its next period
+                out = self.look(may_write())
+                if not out:
+                    continue
                 try:
                     await publish(out)
                 except Exception:  # NATS away, not acknowledged: the next period's summary says newer
