@@ -38,6 +38,7 @@ class DecisionKind(StrEnum):
     NODE_DRAIN_PLANNED = "node.drain_planned"
     NODE_DRAIN_DEFERRED = "node.drain_deferred"
     WATCHDOG_DISARMED = "watchdog.disarmed"
+    WATCHDOG_RESUMED = "watchdog.resumed"  # the summaries that paced it stopped: it ticks every interval again
     # an incident's attempts
     ATTEMPT_SETTLING = "attempt.settling"
     ATTEMPT_WAITING = "attempt.waiting"

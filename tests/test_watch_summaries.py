@@ -55,37 +55,53 @@ def test_a_healthy_job_whose_summaries_come_logs_no_watchdog_tick() -> None:
 
 
 def test_a_rank_missing_from_the_summaries_is_found_at_the_first_summary_past_its_bound() -> None:
-    """Rank 3 is summarized no more: the summary after its silence passed the 10 s bound finds it (12 s), and no
-    tick was logged; the hang names rank 3 alone."""
+    """Rank 3 is summarized no more: the summary after its silence passed the 10 s bound finds it (11 s), before the
+    tick moved to its deadline and an interval (12 s), and no tick was logged; the hang names rank 3 alone."""
     s = _running()
     _summary(s, range(4), 4, heard_s=0.0)
     start, last_heard = len(list(s.log.records())), s.now
     found = None
-    for k in range(1, 5):
-        s.advance(4)
+    for k, gap in enumerate((3, 4, 4, 4), start=1):
+        s.advance(gap)
         _summary(s, range(3), 4 + k)
         if found is None and s.find("fault.confirmed", "j"):
             found = s.now
     [hang] = s.find("fault.confirmed", "j")
     assert hang.detail["fault"]["ranks"] == [3], hang.detail
-    assert found == last_heard + 12 * NS
+    assert found == last_heard + 11 * NS
     assert _ticks(s, start) == []
 
 
-def test_a_job_whose_summaries_stop_is_found_by_the_ticks_within_its_bound_and_an_interval() -> None:
-    """No word of any rank after the last summary (the whole job hung, so no report and no summary): the watchdog,
-    moved by that summary to a period and an interval later (4 + 2 s), ticks there and every interval after, and
-    finds the ranks silent within the 10 s bound and a 2 s interval of their last word."""
+def test_a_rank_whose_summaries_are_late_is_found_by_the_tick_at_its_deadline_and_an_interval() -> None:
+    """Rank 3 was last heard at the summary; the next summaries come 8 s apart (later than its deadline): the tick the
+    first one moved to the deadline and an interval (12 s) finds it, between two summaries."""
+    s = _running()
+    _summary(s, range(4), 4, heard_s=0.0, period_s=8.0)
+    last_heard = s.now
+    s.advance(8)
+    _summary(s, range(3), 5, period_s=8.0)
+    s.advance(5)
+    [hang] = s.find("fault.confirmed", "j")
+    assert hang.detail["fault"]["ranks"] == [3]
+    assert _ticks(s)[-1] == last_heard + 10 * NS + 1 + 2 * NS
+
+
+def test_a_job_whose_summaries_stop_is_excused_once_then_found_a_bound_later() -> None:
+    """No word of any rank after the last summary: the watchdog, moved by it a period and an interval on (4 + 2 s),
+    ticks there once; that tick cannot tell a daemon away or replaced from a job gone silent, so it does not count
+    the silence so far (`watchdog.resumed`), and the watchdog ticks every interval again. The job found silent a
+    bound after: 18 s after its ranks' last word (the deadline's tick would have been at 12)."""
     s = _running()
     _summary(s, range(4), 4, heard_s=0.0)
     start, last_heard = len(list(s.log.records())), s.now
     found = None
-    for _ in range(40):
+    for _ in range(48):
         s.advance(0.5)
         if found is None and s.find("fault.confirmed", "j"):
             found = s.now
     assert _ticks(s, start)[0] == last_heard + 6 * NS
-    assert found is not None and last_heard + 10 * NS < found <= last_heard + 12 * NS
+    assert len(s.find("watchdog.resumed", "j")) == 1
+    assert found == last_heard + 18 * NS
 
 
 def test_a_summary_that_comes_when_the_tick_is_overdue_excuses_the_silence_as_the_late_tick_would() -> None:

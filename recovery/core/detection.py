@@ -399,14 +399,30 @@ class Detection:
                 break
             self.verdict(out, job, verdict, type_="watchdog")
 
+    def tick(self, out: RecordEffects, job: Job, late_ns: int) -> None:
+        """The job's watchdog fired. A tick a summary moved a period and an interval away (`watch`: once, not
+        periodic) that fires means that no summary came since: the daemon that wrote them was away or replaced (its
+        successor has heard nothing yet), or every rank of the job fell silent at once. Which one, the log cannot
+        tell; so the silence up to now is not counted, as a tick logged late does not count it, and the watchdog
+        ticks every interval again: a job that stays silent is found a bound later. A tick moved to a deadline
+        (periodic) checks, as every tick did."""
+        if job.watchdog in self.timekeeper.table:  # periodic: the watchdog as it always ticked
+            self.watchdog(out, job, late_ns)
+            return
+        self.watchdog(out, job, late_ns=max(late_ns, int(job.spec.watchdog_interval_s * NS)))
+        if job.state in ("running", "recovering"):
+            out.decide(job, DecisionKind.WATCHDOG_RESUMED, "no progress summary since the watchdog's last move: its "
+                       "silence until now is not counted, and it ticks every interval again",
+                       timers=self.timekeeper.arm_watchdog(out, job))
+
     def watch(self, out: RecordEffects, job: Job, period_s: float) -> None:
         """A progress summary that stands for the job's watchdog tick (`ProgressSummary.watch`): the check runs at its
         record, as at a tick, and the watchdog's next tick moves to an interval after the earliest time the check could
-        find anything if nothing else is heard (`DefaultDetection.next_check`), a period and an interval away at most.
-        The next summary moves it again: a healthy job's watchdog never ticks into the log while its summaries come,
-        and a silence is found at the first summary past its bound, or by the tick if the summaries stop, within the
-        bound and an interval as before. A policy that cannot say when (a plugin's) ticks an interval after each
-        summary."""
+        find anything if nothing else is heard (`DefaultDetection.next_check`), and ticks on from there; or, when that
+        is a period and an interval away or more, to a tick there that means the summaries stopped (`tick`). The next
+        summary moves it again: a healthy job's watchdog never ticks into the log while its summaries come, and a
+        rank's silence is found at the first summary past its bound, or by the deadline's tick. A policy that cannot
+        say when (a plugin's) ticks an interval after each summary, and on."""
         timer = job.watchdog
         if timer is None or job.state not in ("running", "recovering"):
             return
@@ -416,7 +432,7 @@ class Detection:
         if job.watchdog != timer or job.state not in ("running", "recovering"):
             return  # the check opened an incident: the watchdog stopped, or goes on watching the agents
         interval = int(job.spec.watchdog_interval_s * NS)
-        due = out.ts + interval
+        due, every = out.ts + interval, interval
         policy = job.policies.detection
         if knows_deadlines(policy):
             agents = self.cluster.nodes
@@ -424,19 +440,16 @@ class Detection:
             heard = tuple(None if n in agents and agents[n].live and agents[n].silent is None
                           else agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
             earliest = policy.next_check(self._view(out, job, job.state == "recovering", heard))
-            # At most a period and an interval away: if the summaries stop, a tick comes as if they were the ticks
-            # and the tick after them; and if the control plane was away that long, it is logged late, which excuses
-            # the silence (`watchdog`), as a periodic tick's was.
             cap = due + int(period_s * NS)
-            if earliest is None:  # nothing to find by time alone
-                due = cap
+            if earliest is None or earliest + interval >= cap:  # the next summary's, should none come (`tick`)
+                due, every = cap, None
             elif earliest > out.ts:
                 # An interval past the deadline: a tick finds what it would have found before, at the latest, and
                 # never sooner than one would have, when a summary that was to refresh the ranks is late.
-                due = min(earliest + interval, cap)
+                due = earliest + interval
             # else: the check may find now what it did not act on (a verdict the job's state set aside): ticks go on
-        if due != self.timekeeper.table[timer][1]:
-            self.timekeeper.move(timer, due)
+        if (due, every) != self.timekeeper.table[timer][1:]:
+            self.timekeeper.move(timer, due, every)
 
     def _view(self, out: RecordEffects, job: Job, recovering: bool,
               heard: tuple[int | None, ...] | None = None) -> WatchdogView:

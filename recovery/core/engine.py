@@ -567,7 +567,7 @@ class Engine(Progress):
         if not self.timekeeper.fired(out, job, timer_id, data.due):
             return  # stale or cancelled: harmless, and kept in the log
         if timer_id == job.watchdog:
-            self.detection.watchdog(out, job, late_ns=out.ts - data.due)
+            self.detection.tick(out, job, late_ns=out.ts - data.due)
         elif self.detection.release_due(out, job, timer_id):
             self._capacity_returned(out)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):

@@ -115,10 +115,11 @@ class Timekeeper:
         job.watchdog = timer.id
         return [timer]
 
-    def move(self, timer_id: str, due: int) -> None:
-        """Move an outstanding timer to `due`, keeping its id and period: its firings for an earlier due are stale. No
-        decision says so: every driver follows the engine's table where a record moves a timer (`EffectRouter`)."""
-        job, _, every = self.table[timer_id]
+    def move(self, timer_id: str, due: int, every: int | None) -> None:
+        """Move an outstanding timer to `due`, keeping its id, and to `every` (None: once): its firings for an earlier
+        due are stale. No decision says so: every driver follows the engine's table where a record moves a timer
+        (`EffectRouter`)."""
+        job = self.table[timer_id][0]
         self._note(timer_id)
         self.table[timer_id] = (job, due, every)
 
