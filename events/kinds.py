@@ -259,9 +259,10 @@ class ProgressSummary(Frozen):
     ranks: list[SummarizedRank] = Field(min_length=1, max_length=MAX_SUMMARIZED_RANKS)
     period_s: Seconds = Field(description="the period the summary covers")
     watch: bool = Field(False, description="the job's watchdog ticks at this record: the engine checks the job here, "
-                                           "as at a tick, and moves its watchdog's next tick to when the check "
-                                           "could first find anything (a period and an interval at most); set on "
-                                           "the last record of a period's summary")
+                                           "as at a tick, and moves its watchdog's next tick to an interval past "
+                                           "when the check could first find anything, or to a period and an "
+                                           "interval on, where a tick means the summaries stopped; set on the last "
+                                           "record of a period's summary")
 
 # --- network ----------------------------------------------------------------------------------------
 class LinkDown(Frozen):

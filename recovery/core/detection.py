@@ -414,6 +414,8 @@ class Detection:
             out.decide(job, DecisionKind.WATCHDOG_RESUMED, "no progress summary since the watchdog's last move: its "
                        "silence until now is not counted, and it ticks every interval again",
                        timers=self.timekeeper.arm_watchdog(out, job))
+        else:
+            job.watchdog = None  # fired, and gone: armed again when the job runs again
 
     def watch(self, out: RecordEffects, job: Job, period_s: float) -> None:
         """A progress summary that stands for the job's watchdog tick (`ProgressSummary.watch`): the check runs at its
@@ -424,11 +426,12 @@ class Detection:
         rank's silence is found at the first summary past its bound, or by the deadline's tick. A policy that cannot
         say when (a plugin's) ticks an interval after each summary, and on."""
         timer = job.watchdog
-        if timer is None or job.state not in ("running", "recovering"):
+        entry = self.timekeeper.table.get(timer) if timer is not None else None
+        if entry is None or job.state not in ("running", "recovering"):
             return
         # A tick overdue at the summary could not be logged on time: the control plane was away, and what its
         # summarizer heard meanwhile is lost. The summary is that late tick, and excuses the silence as it would.
-        self.watchdog(out, job, late_ns=max(0, out.ts - self.timekeeper.table[timer][1]))
+        self.watchdog(out, job, late_ns=max(0, out.ts - entry[1]))
         if job.watchdog != timer or job.state not in ("running", "recovering"):
             return  # the check opened an incident: the watchdog stopped, or goes on watching the agents
         interval = int(job.spec.watchdog_interval_s * NS)
