@@ -7,13 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from events import subjects
+from events.codec import encode_envelope
+from events.envelope import make_envelope
 from policies.base import NS, WatchdogView
 from policies.detection import DefaultDetection
 from recovery.core.sandbox import knows_deadlines
 from recovery.log.recorder import replay
+from recovery.service.summaries import ProgressSummaries
 from recovery.testing.policy_contexts import make_watchdog_view
 from recovery.testing.scenario import Scenario
 
@@ -206,12 +211,6 @@ def test_the_check_finds_nothing_before_next_check_says(data: st.DataObject, sil
 def test_what_the_daemon_hears_while_it_may_not_write_goes_into_its_first_summary() -> None:
     """The daemon heard node n1's report while it could not write (cut off, behind the log): its first summary after
     holds n1's ranks, each marked `watch` on the job's last record, and the check at it finds no rank silent."""
-    import orjson
-
-    from events import subjects
-    from events.codec import encode_envelope
-    from events.envelope import make_envelope
-    from recovery.service.summaries import ProgressSummaries
 
     class Clock:
         now = 100.0
