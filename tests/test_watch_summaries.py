@@ -210,7 +210,7 @@ def test_the_check_finds_nothing_before_next_check_says(data: st.DataObject, sil
 
 def test_what_the_daemon_hears_while_it_may_not_write_goes_into_its_first_summary() -> None:
     """The daemon heard node n1's report while it could not write (cut off, behind the log): its first summary after
-    holds n1's ranks, each marked `watch` on the job's last record, and the check at it finds no rank silent."""
+    holds n1's ranks beside n0's, on the job's one record, marked `watch`."""
 
     class Clock:
         now = 100.0
