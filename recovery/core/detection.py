@@ -370,12 +370,13 @@ class Detection:
             ranks = tuple(on_node[r % job.rpn] for r in verdict.ranks)
         return replace(verdict, reason=f"confirmed: {verdict.reason}", ranks=ranks)
 
-    def watchdog(self, out: RecordEffects, job: Job, late_ns: int = 0) -> None:
+    def watchdog(self, out: RecordEffects, job: Job, late_ns: int = 0) -> WatchdogView | None:
         """A tick of the job's watchdog, logged `late_ns` after it was due. It ticks through a recovery when the job's
-        agents send heartbeats (`Incidents.disarm_watchdog`), looking for lost hosts only."""
+        agents send heartbeats (`Incidents.disarm_watchdog`), looking for lost hosts only. The view it checked (None:
+        none, the job idle or the tick late)."""
         recovering = job.state == "recovering"
         if job.state != "running" and not recovering:
-            return
+            return None
         if late_ns >= int(job.spec.watchdog_interval_s * NS):
             # The tick could not be logged on time: the control plane itself was away (NATS restarting, the daemon
             # down), and so were the events the agents kept in their outboxes meanwhile; some may land just before
@@ -388,16 +389,17 @@ class Detection:
                     self.cluster.node(name).heard = out.ts
                     if self.cluster.nodes[name].silent is not None:
                         self.cluster.node(name).silent = out.ts
-            return
+            return None
         view = self._view(out, job, recovering)
         verdicts = consult(out, job, "detection", "check", view)
         if recovering:
             self._hosts_lost(out, job, verdicts)
-            return
+            return view
         for verdict in verdicts:
             if job.state != "running" or job.incident is not None:
                 break
             self.verdict(out, job, verdict, type_="watchdog")
+        return view
 
     def tick(self, out: RecordEffects, job: Job, late_ns: int) -> None:
         """The job's watchdog fired. A tick a summary moved a period and an interval away (`watch`: once, not
@@ -431,18 +433,14 @@ class Detection:
             return
         # A tick overdue at the summary could not be logged on time: the control plane was away, and what its
         # summarizer heard meanwhile is lost. The summary is that late tick, and excuses the silence as it would.
-        self.watchdog(out, job, late_ns=max(0, out.ts - entry[1]))
+        checked = self.watchdog(out, job, late_ns=max(0, out.ts - entry[1]))
         if job.watchdog != timer or job.state not in ("running", "recovering"):
             return  # the check opened an incident: the watchdog stopped, or goes on watching the agents
         interval = int(job.spec.watchdog_interval_s * NS)
         due, every = out.ts + interval, interval
         policy = job.policies.detection
         if knows_deadlines(policy):
-            agents = self.cluster.nodes
-            # An agent watched off the log is never silent by time alone: the monitor's `node.silent` says it is.
-            heard = tuple(None if n in agents and agents[n].live and agents[n].silent is None
-                          else agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
-            earliest = policy.next_check(self._view(out, job, job.state == "recovering", heard))
+            earliest = policy.next_check(self._view(out, job, job.state == "recovering", checked, deadlines=True))
             cap = due + int(period_s * NS)
             if earliest is None or earliest + interval >= cap:  # the next summary's, should none come (`tick`)
                 due, every = cap, None
@@ -454,11 +452,22 @@ class Detection:
         if (due, every) != self.timekeeper.table[timer][1:]:
             self.timekeeper.move(timer, due, every)
 
-    def _view(self, out: RecordEffects, job: Job, recovering: bool,
-              heard: tuple[int | None, ...] | None = None) -> WatchdogView:
-        """What the watchdog's check sees of the job at the record (`heard`: its agents' heard times, when not as the
-        cluster says at the record)."""
+    def _view(self, out: RecordEffects, job: Job, recovering: bool, checked: WatchdogView | None = None,
+              deadlines: bool = False) -> WatchdogView:
+        """What the watchdog's check sees of the job at the record; its ranks' columns those of `checked`, the view
+        the check just saw at this record, if any. For `next_check` (`deadlines`), an agent watched off the log is
+        heard by no time: it is never silent by time alone, the monitor's `node.silent` says it is."""
         agents = self.cluster.nodes
+        if deadlines:
+            heard = tuple(None if n in agents and agents[n].live and agents[n].silent is None
+                          else agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
+        else:
+            heard = tuple(agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
+        if checked is not None:  # the same record, nothing changed since: its columns, not copied again
+            return WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn, heard, job.sdk,
+                                columns=RankColumns(checked.last_seen, checked.last_progress, checked.steps,
+                                                    checked.compute_steps, checked.compute_ns),
+                                recovering=recovering)
         world = job.world
         # Columns copied at C speed (a 131,072-rank job is checked every few seconds); a rank's own slot only.
         seen = tuple(job.last_seen[:world])
@@ -469,8 +478,6 @@ class Detection:
             seen = tuple(at if r >= len(alive) or alive[r] else out.ts for r, at in enumerate(seen))
         columns = RankColumns(seen, tuple(job.last_progress[:world]), tuple(job.steps[:world]),
                               tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]))
-        if heard is None:
-            heard = tuple(agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
         return WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn, heard, job.sdk, columns=columns,
                             recovering=recovering)
 
