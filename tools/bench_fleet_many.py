@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -194,12 +195,30 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
     killed_at: float | None = None
     server_killed: tuple[NatsServer, float] | None = None
     server_failover_s = float("nan")
+    survivors = [d for d in daemons if d is not victim]
+
+    async def failovers() -> None:
+        """Each failover's end, looked for every 50 ms beside the faults (whose pace is not the measure's)."""
+        nonlocal failover_s, server_failover_s
+        while failover_s != failover_s or server_failover_s != server_failover_s:
+            if (killed_at is not None and failover_s != failover_s  # still failing over
+                    and await asyncio.to_thread(coverage, survivors) == list(range(partitions))):
+                failover_s = time.monotonic() - killed_at
+            if (server_killed is not None and server_failover_s != server_failover_s  # the log's leader lost
+                    and await asyncio.to_thread(serving, survivors, partitions)):
+                server_failover_s = time.monotonic() - server_killed[1]
+            await asyncio.sleep(0.05)  # the measure's resolution
+
+    measuring = asyncio.ensure_future(failovers())
     t0 = time.monotonic()
     try:
         while (now := time.monotonic()) - t0 < seconds:
             if killed_at is None and now - t0 >= seconds / 3:
                 victim.stop(kill=True)
                 killed_at = time.monotonic()
+                # the wall time, to read the survivors' logs (`--keep-logs`) against: each takeover's steps are there
+                note(f"the daemon owning partitions {lost} SIGKILLed at "
+                     f"{datetime.now(UTC).strftime('%H:%M:%S.%f')[:-3]} UTC")
             if server_killed is None and now - t0 >= 2 * seconds / 3:
                 leader = await asyncio.to_thread(cluster.leader_of, "RECOVERY")
                 if leader is not None:
@@ -208,13 +227,6 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
                     note(f"nats-server {cluster.names[cluster.servers.index(leader)]} (the log's leader) SIGKILLed")
             elif server_killed and not server_killed[0].running and now - server_killed[1] > server_down_s:
                 await asyncio.to_thread(server_killed[0].start)
-            survivors = [d for d in daemons if d is not victim]
-            if (killed_at is not None and failover_s != failover_s  # still failing over
-                    and await asyncio.to_thread(coverage, survivors) == list(range(partitions))):
-                failover_s = time.monotonic() - killed_at
-            if (server_killed is not None and server_failover_s != server_failover_s  # the log's leader lost
-                    and await asyncio.to_thread(serving, survivors, partitions)):
-                server_failover_s = time.monotonic() - server_killed[1]
             choices = [j for j in range(jobs) if job_name(j) not in watch.open_jobs]
             if choices:
                 j = rng.choice(choices)
@@ -243,6 +255,9 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
             f.held = f.held or (killed_at is not None and f.partition in lost and f.sent < killed_at < answered) or (
                 server_killed is not None and f.sent < server_killed[1] < answered)
     finally:
+        measuring.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await measuring
         await nc.close()
     return faults, (failover_s, server_failover_s), victim, lost
 

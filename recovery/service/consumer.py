@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime
 
 from nats.aio.client import Client
@@ -135,8 +137,7 @@ async def read_backlog(nc: Client, js: JetStreamContext, stream: str, filters: l
                           batch=batch, end_seq=end_seq, pulls=1) for subject in filters]
     queues: list[deque[Delivery]] = [deque() for _ in readers]
     try:
-        for reader in readers:
-            await reader.open(start_seq)
+        await asyncio.gather(*(reader.open(start_seq) for reader in readers))  # at once: each is a server's round trip
         while True:
             for reader, queue in zip(readers, queues, strict=True):
                 while not queue and not reader.done:  # every reader with more to come shows its next message
@@ -157,19 +158,32 @@ async def read_backlog(nc: Client, js: JetStreamContext, stream: str, filters: l
             await reader.close()
 
 
+@dataclass
+class Backlog:
+    """What `apply_backlog` did: the partition's consumer had `pending` messages once made; `read` messages were
+    applied through `apply`, which took `apply_s` of the time (the rest is the reading: a takeover's log line)."""
+
+    pending: int
+    read: int
+    apply_s: float
+
+
 async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: InputReader, filters: list[str],
                         start_seq: int, end_seq: int, batch: int, apply: Callable[[list[Delivery]], Awaitable[None]],
-                        stopping: Callable[[], bool]) -> int | None:
+                        stopping: Callable[[], bool]) -> Backlog | None:
     """`apply` each batch of `read_backlog` (`filters`, `start_seq` to `end_seq`) while `reader`'s consumer is made
-    after `end_seq` (a consumer of the whole log on three servers takes a takeover's while): what it had pending
-    then, read from now on; None if `stopping` said so between two batches."""
+    after `end_seq` (a consumer of the whole log on three servers takes a takeover's while), which is read from now
+    on; None if `stopping` said so between two batches."""
     made = asyncio.ensure_future(reader.open(end_seq + 1, pull=False))  # in a task: its failure is the caller's
+    read, apply_s = 0, 0.0
     try:
         reader.pull.lag = end_seq - start_seq + 1  # what `/status` says while the backlog is read
         async with contextlib.aclosing(read_backlog(nc, js, stream, filters, start_seq, end_seq, batch)) as batches:
             async for part in batches:
                 reader.pull.lag = end_seq - part[-1].seq
+                t0 = time.monotonic()
                 await apply(part)
+                read, apply_s = read + len(part), apply_s + time.monotonic() - t0
                 if stopping():
                     return None
         opened = await made
@@ -177,4 +191,4 @@ async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: I
         if not made.cancel() and not made.cancelled():
             made.exception()  # retrieved: raised above already, or the backlog's own failure is the caller's
     await reader.begin()
-    return opened
+    return Backlog(opened, read, apply_s)

@@ -12,9 +12,9 @@ It is wiring. Its parts are tasks of one anyio task group, each in a cancel scop
   it, publishes the messages (each with its deterministic id as `Nats-Msg-Id`), waits for JetStream to
   acknowledge them all, and only then acknowledges the inputs;
 - `timers`: the timer service (`recovery.service.timers`), which fires the engine's timers from the processor's
-  timer table as `timer.fired` events on the server's clock, after the record of an outage of the daemon's own
-  connection (`recovery.service.outage`); beside it `liveness`, the monitor of the nodes' live beats and of the
-  ranks' reports it summarizes (`recovery.service.liveness`, `recovery.service.summaries`);
+  timer table as `timer.fired` events on the server's clock, once the engine caught up with the log and after the
+  record of an outage of the daemon's own connection (`recovery.service.outage`); beside it `liveness`, the monitor
+  of the nodes' live beats and of the ranks' reports it summarizes (`recovery.service.liveness`, `.summaries`);
 - `snapshots`: uploads the snapshots captured between two batches into the KV bucket
   (`recovery.service.snapshots`);
 - `control`: the `recovery-ctl` request/reply service (`recovery.service.control`);
@@ -66,7 +66,7 @@ from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost
 from recovery.service.liveness import LivenessMonitor
-from recovery.service.outage import OutageRecorder, pending_path, takeover_window_s
+from recovery.service.outage import POLL_S, OutageRecorder, pending_path, takeover_window_s
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
@@ -125,7 +125,7 @@ class Daemon:
             lambda: self.connected and self.nc is not None and self.nc.is_connected,  # nats-py's own word first
             lambda: (self.lease is None or self.lease.fresh()) and self._caught_up_logged,
             path=pending_path(cfg.data_dir, self.key), window_s=takeover_window_s(cfg.lease_ttl_s), active=False)
-        self.timer_service = TimerService(self.processor, self._fire_timers, self.server_clock, self.outage.clear)
+        self.timer_service = TimerService(self.processor, self._fire_timers, self.server_clock, self._timers_may_fire)
         self.lease: Lease | None = None
         self.role = "starting"  # standby (waiting for the lease), active, or deposed (lost it)
         self.http: HttpServer | None = None
@@ -518,13 +518,15 @@ class Daemon:
         if (pending := end - start + 1) < self.cfg.backlog_reader_at:
             return None
         self.replayed = pending if self.replayed < 0 else self.replayed
-        opened = await apply_backlog(self.nc, self.js, self.cfg.stream, self.reader, subjects.partition_inputs(
+        done = await apply_backlog(self.nc, self.js, self.cfg.stream, self.reader, subjects.partition_inputs(
             self.partition.index), start, end, self.cfg.batch_size, partial(self._process, backlog=True),
             lambda: self._parts["processor"].stopping)
-        if opened is not None:
-            logger.info("backlog applied", extra=_fields(start=start, end=end, pending=pending,
-                                                         seconds=round(time.monotonic() - t0, 3)))
-        return opened
+        if done is None:
+            return None
+        logger.info("backlog applied", extra=_fields(start=start, end=end, pending=pending, read=done.read,
+                                                     apply_s=round(done.apply_s, 3),
+                                                     seconds=round(time.monotonic() - t0, 3)))
+        return done.pending
 
     def _check_caught_up(self) -> None:
         if self.reader is not None and self.reader.caught_up and not self._caught_up_logged:
@@ -561,6 +563,13 @@ class Daemon:
             self._applied.reached(self.clean_seq)
             batch = done.rest
 
+    async def _timers_may_fire(self) -> None:
+        await self.outage.clear()
+        # Until the engine caught up, a restored snapshot's timers are stale (a backlog's watch summaries move them):
+        # each firing would be refused as early, a dead letter for each of a taken-over partition's jobs.
+        while not self._caught_up_logged:
+            await anyio.sleep(POLL_S)
+
     async def wait_applied(self, seq: int, timeout: float) -> bool:
         """Wait until the input at `seq` is applied and its effects published; TimeoutError after `timeout`."""
         return await self._applied.wait(seq, self.clean_seq, timeout)
@@ -575,14 +584,6 @@ class Daemon:
                                                          fired))
 
     # -- views --------------------------------------------------------------------------------------------
-    @property
-    def outwaited(self) -> bool:
-        """Standing by for a lease another daemon holds: not merely on the way to active, slow under load."""
-        lease = self.lease
-        if self.role != "standby" or lease is None or not lease.holder:
-            return False
-        return bool(lease.holder.get("instance") != lease.instance)
-
     def readiness(self) -> tuple[bool, dict[str, object]]:
         caught_up = bool(self.reader is not None and self.reader.caught_up and self._caught_up_logged)
         ok = self.connected and self._reader_ok and caught_up and not self.stopping and self.role == "active"

@@ -46,6 +46,7 @@ from recovery.service.daemon import Daemon, DaemonFailed
 from recovery.service.datadir import DataDirInUse, DataDirLock
 from recovery.service.http import HttpServer, Metrics, PartitionMetrics
 from recovery.service.lease import Lease, default_instance
+from recovery.service.views import outwaited
 
 logger = logging.getLogger("recovery.ownership")
 
@@ -163,7 +164,7 @@ class Ownership:
         self.metrics.ready.set(1 if self.readiness()[0] else 0)
         # A worker standing by lost the race for a free lease to another daemon: seen so at two balances in a row,
         # it is stopped, and it never counts toward the share (it would keep a partition nobody serves otherwise).
-        waiting = {k for k, d in self.workers.items() if d.outwaited and not d.stopping}
+        waiting = {k for k, d in self.workers.items() if outwaited(d) and not d.stopping}
         for index in sorted(waiting & self._waiting):
             self.workers[index].request_stop()
         self._waiting = waiting

@@ -21,3 +21,11 @@ def daemon_status(d: Any) -> dict[str, object]:
             "server_clock_offset_s": round(d.server_clock.offset_ns / 1e9, 6),
             "publish_retries": d.publisher.retries if d.publisher else 0,
             "duplicates_dropped": d.publisher.duplicates if d.publisher else 0, "partition": d.key}
+
+
+def outwaited(d: Any) -> bool:
+    """Is daemon `d` standing by for a lease another daemon holds (not merely on its way to active, slow under load)?"""
+    lease = d.lease
+    if d.role != "standby" or lease is None or not lease.holder:
+        return False
+    return bool(lease.holder.get("instance") != lease.instance)
