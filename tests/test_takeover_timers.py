@@ -7,11 +7,19 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import orjson
+
 from events import subjects
 from events.codec import encode_envelope
 from events.envelope import Record, make_envelope
+from recovery.core.timers import Firing
 from recovery.log import MSG_ID
+from recovery.service.processor import Processor
+from recovery.service.publisher import Outgoing
+from recovery.service.summaries import ProgressSummaries
+from recovery.service.timers import HOLD_S, TimerService
 from recovery.testing.nats import NatsServer
+from recovery.testing.scenario import Scenario
 from tests.daemon_support import async_wait_for, check_log, connect, read_stream, running_daemon
 from tests.test_daemon import ctl, spec
 
@@ -61,3 +69,66 @@ async def test_a_takeover_from_an_old_snapshot_fires_no_timer_its_backlog_moved(
     firings = [r for r in records if isinstance(r, Record) and r.envelope.type == "timer.fired"]
     assert firings and firings[0].envelope.data.due == moved  # the first, and none from the snapshot's table
     check_log(records)
+
+
+def test_a_watchdog_tick_waits_for_the_watch_summary_on_its_way_and_fires_if_it_never_comes() -> None:
+    """A watch summary made for job j (`ProgressSummaries.watching`): j's watchdog tick due meanwhile is not sent
+    until the summary is applied, which moves it (then the moved tick alone fires, when due), or until the hold is
+    over (then it fires, under its re-fire id), or the summary's publish failed; another job's tick is not held."""
+    s = Scenario()
+    for job in ("j", "k"):
+        s.submit(job, [f"{job}0"], 2, dp=2, watchdog_interval_s=2.0)
+    processor = Processor(s.engine)
+    processor.timers.load(s.engine.timers)
+    clock = [0]
+    service = TimerService(processor, _never, lambda: clock[0])
+    [j_watchdog, k_watchdog] = (s.engine.jobs[job].watchdog for job in ("j", "k"))
+    summaries = ProgressSummaries(lambda: s.engine, 10.0, clock=lambda: clock[0] / NS, watching=service)
+
+    def summarize(step: int) -> Outgoing:
+        """j's watch summary, made a second before its watchdog's tick is due."""
+        clock[0] = s.engine.timers[j_watchdog][1] - NS
+        summaries.hear("recovery.progress.j0", orjson.dumps({"type": "progress.report", "job": "j", "node": "j0",
+                                                             "data": {"ranks": [{"rank": r, "step": step, "attempt": 0}
+                                                                                for r in range(2)]}}))
+        [summary] = summaries.messages(force=True)
+        assert orjson.loads(summary.data)["data"]["watch"] is True and summaries.watched == ["j"]
+        return summary
+
+    summary = summarize(1)
+    due, until = s.engine.timers[j_watchdog][1], clock[0] + int(HOLD_S * NS)
+    clock[0] = max(due, s.engine.timers[k_watchdog][1])
+    assert [f.timer_id for f in service.due(clock[0])] == [k_watchdog]  # j's waits for its summary
+    # Applied, the summary moves j's watchdog: the held tick is not sent, the moved one is, when due.
+    s.now = clock[0]
+    processor.apply(s.log.append_sync(summary.subject, summary.data).record)  # type: ignore[arg-type]
+    moved = s.engine.timers[j_watchdog][1]
+    assert due < moved < until
+    assert service.due(moved - 1) == []
+    [tick] = service.due(moved)
+    assert (tick.timer_id, tick.due, tick.refired_at) == (j_watchdog, moved, None)
+    s.now = moved
+    fired = make_envelope("timer.fired", {"timer_id": j_watchdog, "due": moved}, id="tick", job="j")
+    processor.apply(s.log.append_sync(subjects.job_event("j", "timer.fired"), fired).record)  # type: ignore[arg-type]
+    j_watchdog = s.engine.jobs["j"].watchdog  # the summaries stopped, as far as the engine knows: it ticks on
+    assert j_watchdog is not None and s.engine.timers[j_watchdog][1] > moved
+    # A summary that never comes: the tick goes once the hold is over, for the same due time.
+    summarize(2)
+    later, until = s.engine.timers[j_watchdog][1], clock[0] + int(HOLD_S * NS)
+    assert service.due(later) == [] and service.due(until - 1) == []
+    [late] = service.due(until)
+    assert (late.timer_id, late.due, late.refired_at) == (j_watchdog, later, until)
+    s.now = until
+    fired = make_envelope("timer.fired", {"timer_id": j_watchdog, "due": later}, id="late", job="j")
+    processor.apply(s.log.append_sync(subjects.job_event("j", "timer.fired"), fired).record)  # type: ignore[arg-type]
+    # A summary whose publish failed: the tick waits no more.
+    summarize(3)
+    clock[0] = s.engine.timers[j_watchdog][1]
+    assert service.due(clock[0]) == []
+    service.release(summaries.watched)
+    [released] = service.due(clock[0])
+    assert (released.timer_id, released.due) == (j_watchdog, clock[0])
+
+
+async def _never(fired: list[Firing]) -> None:
+    raise AssertionError("nothing is fired through the service here")

@@ -328,6 +328,63 @@ def stream_messages(url: str) -> int:
     return asyncio.run(count())
 
 
+def stream_mix(url: str, first: int, last: int) -> Counter[str]:
+    """What the log stored from sequence `first` to `last`, by record type (a job's or node's event by its type, an
+    output by its subject's head): what a steady window's records are."""
+    async def read() -> Counter[str]:
+        import nats
+
+        nc = await nats.connect(url.split(","))
+        mix: Counter[str] = Counter()
+        reader = PullReader(nc, nc.jetstream(timeout=30), "RECOVERY", ConsumerConfig(
+            ack_policy=AckPolicy.NONE, mem_storage=True), batch=1000, end_seq=last)
+        try:
+            await reader.open(first)
+            while not reader.done and not (reader.caught_up and not reader.lag):
+                for msg in await reader.next_batch(reader.stall_s):
+                    tokens = msg.subject.split(".")
+                    kind = next((".".join(tokens[k + 2:]) for k, t in enumerate(tokens) if t in ("job", "node")),
+                                ".".join(tokens[:3]))
+                    if kind == "timer.fired":  # which timer: a watchdog's tick, a deadline, a debounce
+                        kind += f" ({orjson.loads(msg.data)['data']['timer_id'].split('/')[1]})"
+                    mix[kind] += 1
+        finally:
+            await reader.close()
+            await nc.close()
+        return mix
+
+    return asyncio.run(read())
+
+
+def summarized_jobs(url: str) -> int:
+    """How many jobs the log holds a progress summary of (the distinct subjects it stored them on)."""
+    async def count() -> int:
+        import nats
+
+        nc = await nats.connect(url.split(","))
+        try:
+            info = await nc.jetstream(timeout=30).stream_info("RECOVERY", subjects_filter=subjects.stored_job_events(
+                "progress.summary", partitioned=True))
+            return len(info.state.subjects or {})
+        finally:
+            await nc.close()
+
+    return asyncio.run(count())
+
+
+def stream_last_seq(url: str) -> int:
+    async def last() -> int:
+        import nats
+
+        nc = await nats.connect(url.split(","))
+        try:
+            return int((await nc.jetstream(timeout=30).stream_info("RECOVERY")).state.last_seq)
+        finally:
+            await nc.close()
+
+    return asyncio.run(last())
+
+
 def lag(daemons: list[Daemon]) -> int:
     """Inputs stored and not yet applied, over every partition the running daemons serve."""
     return sum(int(part.get("lag") or 0) for d in daemons if d.proc is not None and d.proc.poll() is None
@@ -385,12 +442,18 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
             emit(BENCH, "fleet_start_settled_s", round(time.monotonic() - started, 1),
                  f"s from the agents' start until the partitions had applied its burst (at most "
                  f"{args.fleet_settle_s:g} s + the warm-up)")
-            # The healthy fleet first: what the log stores a second with no fault (three servers, R3).
-            quiet0, q0 = stream_messages(cluster.url), time.monotonic()
+            # The healthy fleet first: what the log stores a second with no fault (three servers, R3), once every job
+            # had its first summary (a summary period after its first report heard): until then a job's watchdog
+            # ticks every interval, as at any job's start.
+            while summarized_jobs(cluster.url) < jobs and time.monotonic() < settle:
+                time.sleep(1.0)  # the jobs' first summaries
+            quiet0, q0, first = stream_messages(cluster.url), time.monotonic(), stream_last_seq(cluster.url) + 1
             time.sleep(args.fleet_steady_s)  # the steady window, nothing struck
             emit(BENCH, "fleet_steady_log_per_s", round((stream_messages(cluster.url) - quiet0)
                                                         / (time.monotonic() - q0), 1),
                  f"records the log stored a second in {args.fleet_steady_s:g} s with no fault")
+            mix = stream_mix(cluster.url, first, stream_last_seq(cluster.url))
+            note("the steady window's records: " + ", ".join(f"{kind} {n:,}" for kind, n in mix.most_common()))
             stored0 = stream_messages(cluster.url)
             cpu0 = [d.cpu_s() for d in daemons]
             t0 = time.monotonic()

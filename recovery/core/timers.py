@@ -289,5 +289,13 @@ class TimerTable:
                 self._late[firing.timer_id] = at
             heapq.heappush(self._heap, (at, next(self._order), firing.timer_id))
 
+    def defer(self, firing: Firing, at: int) -> None:
+        """Take a timer again at `at`, for the same due time, unless it has been moved or cancelled by then (its
+        firing then goes under another id, as a refused one's does)."""
+        entry = self._timers.get(firing.timer_id)
+        if entry is not None and entry[1] == firing.due:
+            self._late[firing.timer_id] = at
+            heapq.heappush(self._heap, (at, next(self._order), firing.timer_id))
+
     def describe(self) -> dict[str, object]:
         return {"armed": len(self._timers), "heap": len(self._heap), "next_due": self.next_at()}

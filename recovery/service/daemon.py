@@ -304,9 +304,10 @@ class Daemon:
         self._parts.start("processor", self._process_inputs)
         if cfg.timers_enabled:
             self._parts.start("timers", self.timer_service.run)
+            summaries = ProgressSummaries(lambda: self.engine, cfg.progress_summary_s, watching=self.timer_service)
             monitor = LivenessMonitor(lambda: self.engine, self._publish, self.processor.seal, lambda: self.readiness(
                 )[0] and self.outage.may_publish() and not self.outage.pending,  # the daemon may write, caught up
-                summaries=ProgressSummaries(lambda: self.engine, cfg.progress_summary_s))
+                summaries=summaries)
             self._parts.start("liveness", partial(monitor.run, self.nc))
         if cfg.unserved_after_s > 0:  # a job waiting on nodes no agent serves: its decisions say so
             watch = UnservedWatch(lambda: self.engine, self._publish, self.processor.seal, cfg.unserved_after_s)

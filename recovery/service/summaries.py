@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import orjson
@@ -69,11 +69,15 @@ class ProgressSummaries:
     """Hears the agents' periodic reports (`hear`) and makes each job's summary of them (`messages`)."""
 
     def __init__(self, engine: Callable[[], Engine], period_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_payload: int = 1 << 20) -> None:
+                 max_payload: int = 1 << 20, watching: Holds | None = None) -> None:
         self.engine = engine
         self.period_s = period_s
         self.clock = clock
         self.max_payload = max_payload
+        self.watching = watching
+        """told the jobs whose watch summaries `messages` made, before they are published: their watchdogs' ticks
+        wait for them (`recovery.service.timers.TimerService.hold`), or no more if they could not be stored"""
+        self.watched: list[str] = []  # the jobs of the watch summaries `messages` made last
         self.heard: dict[str, dict[int, _Heard]] = {}  # job -> rank -> its newest word in the period
         self.due: dict[str, float] = {}  # job -> when its summary goes
         self.dropped = 0
@@ -144,6 +148,7 @@ class ProgressSummaries:
         for one), which starts the job's next period."""
         now, heard, due = self.clock(), self.heard, self.due
         out: list[Outgoing] = []
+        watched: list[str] = []
         budget = int(self.max_payload * PAYLOAD_SHARE)
         for job_id in sorted(heard):
             if now < due.get(job_id, now) and not force:
@@ -163,8 +168,12 @@ class ProgressSummaries:
                 entries.append(_entry(rank, kept, now))
             if entries:  # its last record stands for the job's watchdog tick (`ProgressSummary.watch`)
                 out.append(self._record(job_id, entries, period, watch=True))
+                watched.append(job_id)
         if len(due) > 2 * len(heard) + 1024:  # the jobs that ended, or report no more
             self.due = {job: at for job, at in due.items() if job in heard or at > now}
+        self.watched = watched
+        if watched and self.watching is not None:
+            self.watching.hold(watched)
         return out
 
     def look(self, may_write: bool) -> list[Outgoing]:
@@ -204,11 +213,21 @@ class ProgressSummaries:
                 try:
                     await publish(out)
                 except Exception:  # NATS away, not acknowledged: the next period's summary says newer
+                    if self.watching is not None:
+                        self.watching.release(self.watched)
                     logger.warning("could not log the progress summaries; the next period's say newer",
                                    exc_info=True)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await shared.leave(token)
+
+
+class Holds(Protocol):
+    """Who holds the watchdog ticks of the jobs whose watch summaries are on their way into the log."""
+
+    def hold(self, jobs: Iterable[str]) -> None: ...
+
+    def release(self, jobs: Iterable[str]) -> None: ...
 
 
 _PLAIN = frozenset({"rank", "step", "attempt", "compute_s", "compute_steps"})

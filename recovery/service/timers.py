@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 
@@ -26,6 +26,9 @@ logger = logging.getLogger("recovery.daemon")  # a firing that cannot be made is
 
 MAX_SLEEP_S = 1.0
 """the longest the service sleeps without looking at its table again"""
+HOLD_S = 10.0
+"""how long a job's watchdog tick waits at most for the watch summary published before it (`TimerService.hold`): a
+summary is applied within this unless the daemon is far behind the log (or the summary was lost, `release`)"""
 
 
 class ServerClock:
@@ -84,14 +87,45 @@ class TimerService:
         self._wake: anyio.Event | None = None  # set to look at the table again before the sleep is over
         self._asleep_until: int | None = None  # due time the service sleeps towards, while it sleeps
         self._firing: anyio.CancelScope | None = None  # the firing under way
+        self._holds: dict[str, tuple[int, str, int]] = {}
+        """job -> (until when, watchdog, due): its watchdog's tick at that due waits for its summary (`hold`)"""
+
+    def hold(self, jobs: Iterable[str]) -> None:
+        """Watch summaries of `jobs` are on their way into the log, and each moves its job's watchdog once applied
+        (`recovery.core.detection`): a tick sent meanwhile would land after the summary, early for the watchdog it
+        moved, and be refused as a forgery would. So each of their watchdogs' ticks, as due now, waits until the
+        summary is applied (the tick has moved then, and the table follows), or HOLD_S at most."""
+        now, engine, holds = self._clock(), self._router.engine, self._holds
+        until = now + int(HOLD_S * 1e9)
+        for job_id in jobs:
+            job = engine.jobs.get(job_id)
+            entry = engine.timers.get(job.watchdog) if job is not None and job.watchdog is not None else None
+            if entry is not None:
+                holds[job_id] = (until, job.watchdog, entry[1])  # type: ignore[union-attr]
+        if len(holds) > 4096:  # jobs that ended, or whose watchdog was not due: their holds are long over
+            self._holds = {job: held for job, held in holds.items() if held[0] > now}
+
+    def release(self, jobs: Iterable[str]) -> None:
+        """The watch summaries of `jobs` were not stored: their watchdogs' ticks wait no more."""
+        now, table = self._clock(), self._router.timers
+        for job in jobs:
+            held = self._holds.pop(job, None)
+            if held is not None and held[2] <= now:  # due already, so held back: it goes now
+                table.defer(Firing(held[1], job, held[2]), now)
+                if self._wake is not None:
+                    self._wake.set()
 
     def due(self, now: int) -> list[Firing]:
         """Take the timers due at `now` that the engine still holds at their due time."""
-        table, engine_timers = self._router.timers, self._router.engine.timers
+        table, engine_timers, holds = self._router.timers, self._router.engine.timers, self._holds
         out = []
         for firing in table.due(now):
             entry = engine_timers.get(firing.timer_id)
             if entry is not None and entry[1] == firing.due:
+                held = holds.get(firing.job)
+                if held is not None and held[0] > now and held[1:] == (firing.timer_id, firing.due):
+                    table.defer(firing, held[0])  # its summary is not applied yet: it moves the tick, or this fires
+                    continue
                 out.append(firing)
             elif entry is None:
                 table.cancel(firing.timer_id)
