@@ -216,7 +216,7 @@ async def test_a_takeovers_consumer_made_during_its_backlog_reads_on_from_the_ba
         done = await apply_backlog(nc, js, "TAKEOVER", reader, subjects.partition_inputs(0), 1, 300, 25, apply,
                                    lambda: False)
         assert done is not None and 0 <= done.pending <= 40 and reader.pull.start_seq == 301
-        assert done.read == len(applied) and done.apply_s > 0
+        assert done.read == len(applied) and done.apply_s > 0 and 1 <= done.batches <= len(applied)
         late: list[int] = []
         deadline = time.monotonic() + 60
         while len(late) < 40 and time.monotonic() < deadline:

@@ -161,11 +161,12 @@ async def read_backlog(nc: Client, js: JetStreamContext, stream: str, filters: l
 @dataclass
 class Backlog:
     """What `apply_backlog` did: the partition's consumer had `pending` messages once made; `read` messages were
-    applied through `apply`, which took `apply_s` of the time (the rest is the reading: a takeover's log line)."""
+    applied through `apply` in `batches` calls, which took `apply_s` of the time (the rest is the reading)."""
 
     pending: int
     read: int
     apply_s: float
+    batches: int
 
 
 async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: InputReader, filters: list[str],
@@ -175,7 +176,7 @@ async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: I
     after `end_seq` (a consumer of the whole log on three servers takes a takeover's while), which is read from now
     on; None if `stopping` said so between two batches."""
     made = asyncio.ensure_future(reader.open(end_seq + 1, pull=False))  # in a task: its failure is the caller's
-    read, apply_s = 0, 0.0
+    read, apply_s, applied = 0, 0.0, 0
     try:
         reader.pull.lag = end_seq - start_seq + 1  # what `/status` says while the backlog is read
         async with contextlib.aclosing(read_backlog(nc, js, stream, filters, start_seq, end_seq, batch)) as batches:
@@ -183,7 +184,7 @@ async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: I
                 reader.pull.lag = end_seq - part[-1].seq
                 t0 = time.monotonic()
                 await apply(part)
-                read, apply_s = read + len(part), apply_s + time.monotonic() - t0
+                read, apply_s, applied = read + len(part), apply_s + time.monotonic() - t0, applied + 1
                 if stopping():
                     return None
         opened = await made
@@ -191,4 +192,4 @@ async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: I
         if not made.cancel() and not made.cancelled():
             made.exception()  # retrieved: raised above already, or the backlog's own failure is the caller's
     await reader.begin()
-    return Backlog(opened, read, apply_s)
+    return Backlog(opened, read, apply_s, applied)

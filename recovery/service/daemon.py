@@ -525,7 +525,7 @@ class Daemon:
         if done is None:
             return None
         logger.info("backlog applied", extra=_fields(start=start, end=end, pending=pending, read=done.read,
-                                                     apply_s=round(done.apply_s, 3),
+                                                     batches=done.batches, apply_s=round(done.apply_s, 3),
                                                      seconds=round(time.monotonic() - t0, 3)))
         return done.pending
 
