@@ -52,7 +52,7 @@ import orjson
 from bench_daemon import Daemon, note, publish_all
 from bench_fleet_agents import CONTROL, RPN, node_name
 from nats.aio.client import Client
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, StreamState
 
 from events import subjects
 from events.codec import encode_envelope
@@ -314,18 +314,23 @@ def _which(faults: list[Fault]) -> str:
                                                    for f in faults[:5]) + ")"
 
 
-def stream_messages(url: str) -> int:
-    """Messages the log holds now (inputs and outputs)."""
-    async def count() -> int:
+def log_state(url: str, subjects_filter: str | None = None) -> StreamState:
+    """The log stream's state now (with `subjects_filter`, the subjects it stored under it, and how many on each)."""
+    async def read() -> StreamState:
         import nats
 
         nc = await nats.connect(url.split(","))
         try:
-            return int((await nc.jetstream(timeout=30).stream_info("RECOVERY")).state.messages)
+            return (await nc.jetstream(timeout=30).stream_info("RECOVERY", subjects_filter=subjects_filter)).state
         finally:
             await nc.close()
 
-    return asyncio.run(count())
+    return asyncio.run(read())
+
+
+def stream_messages(url: str) -> int:
+    """Messages the log holds now (inputs and outputs)."""
+    return int(log_state(url).messages)
 
 
 def stream_mix(url: str, first: int, last: int) -> Counter[str]:
@@ -358,31 +363,11 @@ def stream_mix(url: str, first: int, last: int) -> Counter[str]:
 
 def summarized_jobs(url: str) -> int:
     """How many jobs the log holds a progress summary of (the distinct subjects it stored them on)."""
-    async def count() -> int:
-        import nats
-
-        nc = await nats.connect(url.split(","))
-        try:
-            info = await nc.jetstream(timeout=30).stream_info("RECOVERY", subjects_filter=subjects.stored_job_events(
-                "progress.summary", partitioned=True))
-            return len(info.state.subjects or {})
-        finally:
-            await nc.close()
-
-    return asyncio.run(count())
+    return len(log_state(url, subjects.stored_job_events("progress.summary", partitioned=True)).subjects or {})
 
 
 def stream_last_seq(url: str) -> int:
-    async def last() -> int:
-        import nats
-
-        nc = await nats.connect(url.split(","))
-        try:
-            return int((await nc.jetstream(timeout=30).stream_info("RECOVERY")).state.last_seq)
-        finally:
-            await nc.close()
-
-    return asyncio.run(last())
+    return int(log_state(url).last_seq)
 
 
 def lag(daemons: list[Daemon]) -> int:
