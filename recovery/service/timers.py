@@ -89,6 +89,7 @@ class TimerService:
         self._firing: anyio.CancelScope | None = None  # the firing under way
         self._holds: dict[str, tuple[int, str, int]] = {}
         """job -> (until when, watchdog, due): its watchdog's tick at that due waits for its summary (`hold`)"""
+        self._prune_at = 4096
 
     def hold(self, jobs: Iterable[str]) -> None:
         """Watch summaries of `jobs` are on their way into the log, and each moves its job's watchdog once applied
@@ -99,11 +100,13 @@ class TimerService:
         until = now + int(HOLD_S * 1e9)
         for job_id in jobs:
             job = engine.jobs.get(job_id)
-            entry = engine.timers.get(job.watchdog) if job is not None and job.watchdog is not None else None
-            if entry is not None:
-                holds[job_id] = (until, job.watchdog, entry[1])  # type: ignore[union-attr]
-        if len(holds) > 4096:  # jobs that ended, or whose watchdog was not due: their holds are long over
+            watchdog = job.watchdog if job is not None else None
+            entry = engine.timers.get(watchdog) if watchdog is not None else None
+            if watchdog is not None and entry is not None:
+                holds[job_id] = (until, watchdog, entry[1])
+        if len(holds) > self._prune_at:  # jobs that ended, or whose tick was not due: their holds are long over
             self._holds = {job: held for job, held in holds.items() if held[0] > now}
+            self._prune_at = 2 * len(self._holds) + 4096
 
     def release(self, jobs: Iterable[str]) -> None:
         """The watch summaries of `jobs` were not stored: their watchdogs' ticks wait no more."""
