@@ -361,9 +361,9 @@ def stream_mix(url: str, first: int, last: int) -> Counter[str]:
     return asyncio.run(read())
 
 
-def summarized_jobs(url: str) -> int:
+def summarized_jobs(url: str, partitioned: bool) -> int:
     """How many jobs the log holds a progress summary of (the distinct subjects it stored them on)."""
-    return len(log_state(url, subjects.stored_job_events("progress.summary", partitioned=True)).subjects or {})
+    return len(log_state(url, subjects.stored_job_events("progress.summary", partitioned)).subjects or {})
 
 
 def stream_last_seq(url: str) -> int:
@@ -430,7 +430,8 @@ def run_fleet(args: argparse.Namespace, work: Path, emit: Emit) -> None:
             # The healthy fleet first: what the log stores a second with no fault (three servers, R3), once every job
             # had its first summary (a summary period after its first report heard): until then a job's watchdog
             # ticks every interval, as at any job's start.
-            while summarized_jobs(cluster.url) < jobs and time.monotonic() < settle:
+            while (args.fleet_progress == "summary" and time.monotonic() < settle
+                   and summarized_jobs(cluster.url, partitions > 1) < jobs):
                 time.sleep(1.0)  # the jobs' first summaries
             quiet0, q0, first = stream_messages(cluster.url), time.monotonic(), stream_last_seq(cluster.url) + 1
             time.sleep(args.fleet_steady_s)  # the steady window, nothing struck
