@@ -66,8 +66,8 @@ async def test_a_takeover_from_an_old_snapshot_fires_no_timer_its_backlog_moved(
     dead = [r.envelope.data for r in records if r.subject.startswith("recovery.dlq.") and isinstance(r, Record)]
     assert dead == []
     [moving] = [r for r in records if isinstance(r, Record) and r.envelope.id == "summary-2"]
-    firings = [r for r in records if isinstance(r, Record) and r.envelope.type == "timer.fired"]
-    # The first firing is the moved tick's (a period and an interval after that summary), none the snapshot's.
+    firings = [r for r in records if isinstance(r, Record) and r.envelope.type == "timer.fired" and r.seq > moving.seq]
+    # The first firing after that summary is the moved tick's (a period and an interval after it), none the snapshot's.
     assert firings and firings[0].envelope.data.due == moving.ts + int((0.5 + period_s) * NS), firings[0]
     assert firings[0].envelope.data.due > stale and firings[0].ts >= firings[0].envelope.data.due
     check_log(records)
