@@ -76,7 +76,8 @@ async def test_a_takeover_from_an_old_snapshot_fires_no_timer_its_backlog_moved(
 def test_a_watchdog_tick_waits_for_the_watch_summary_on_its_way_and_fires_if_it_never_comes() -> None:
     """A watch summary made for job j (`ProgressSummaries.watching`): j's watchdog tick due meanwhile is not sent
     until the summary is applied, which moves it (then the moved tick alone fires, when due), or until the hold is
-    over (then it fires, under its re-fire id), or the summary's publish failed; another job's tick is not held."""
+    over (then it fires, under its re-fire id), or another watch summary of the job was applied, or the summary's
+    publish failed; another job's tick is not held."""
     s = Scenario()
     for job in ("j", "k"):
         s.submit(job, [f"{job}0"], 2, dp=2, watchdog_interval_s=2.0)
@@ -123,8 +124,19 @@ def test_a_watchdog_tick_waits_for_the_watch_summary_on_its_way_and_fires_if_it_
     s.now = until
     fired = make_envelope("timer.fired", {"timer_id": j_watchdog, "due": later}, id="late", job="j")
     processor.apply(s.log.append_sync(subjects.job_event("j", "timer.fired"), fired).record)  # type: ignore[arg-type]
-    # A summary whose publish failed: the tick waits no more.
+    # A watch summary applied that left the tick where it was (its check opened an incident, and the watchdog goes on
+    # watching the agents): the tick waits no more either.
     summarize(3)
+    clock[0] = s.engine.timers[j_watchdog][1]
+    assert service.due(clock[0]) == []
+    processor.watches["j"] += 1  # as `EffectRouter.route` counts a watch summary it applied
+    [after] = service.due(clock[0] + int(HOLD_S * NS) // 2)
+    assert after.timer_id == j_watchdog
+    s.now = after.refired_at  # type: ignore[assignment]
+    fired = make_envelope("timer.fired", {"timer_id": j_watchdog, "due": after.due}, id="after", job="j")
+    processor.apply(s.log.append_sync(subjects.job_event("j", "timer.fired"), fired).record)  # type: ignore[arg-type]
+    # A summary whose publish failed: the tick waits no more.
+    summarize(4)
     clock[0] = s.engine.timers[j_watchdog][1]
     assert service.due(clock[0]) == []
     service.release(summaries.watched)

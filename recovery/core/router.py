@@ -33,6 +33,8 @@ class EffectRouter:
     def __init__(self, engine: Engine | None = None, timers: TimerTable | None = None) -> None:
         self.engine = engine if engine is not None else Engine()
         self.timers = timers if timers is not None else TimerTable()
+        self.watches: dict[str, int] = {}
+        """how many watch summaries of each job were applied: a tick held for one waits until the count moves"""
 
     def apply(self, record: Record | RawRecord) -> list[Encoded]:
         """Apply one input record and route its effects; they come back encoded as they are written into a log
@@ -76,7 +78,9 @@ class EffectRouter:
             else:
                 self.rejected(effect, subject, envelope, data)  # type: ignore[arg-type]
         if type(record) is Record and record.envelope.type == SUMMARY and record.envelope.data.watch:
-            self._follow_watchdog(record.envelope.job or "")  # after its decisions, should they have armed it anew
+            job = record.envelope.job or ""
+            self._follow_watchdog(job)  # after its decisions, should they have armed it anew
+            self.watches[job] = self.watches.get(job, 0) + 1
 
     def _follow_watchdog(self, job_id: str) -> None:
         """A progress summary that stands for its job's watchdog tick may have moved the watchdog's next tick, with no

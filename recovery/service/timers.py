@@ -29,6 +29,8 @@ MAX_SLEEP_S = 1.0
 HOLD_S = 10.0
 """how long a job's watchdog tick waits at most for the watch summary published before it (`TimerService.hold`): a
 summary is applied within this unless the daemon is far behind the log (or the summary was lost, `release`)"""
+HOLD_LOOK_S = 0.1
+"""how often a held tick looks whether its job's summary was applied"""
 
 
 class ServerClock:
@@ -87,23 +89,25 @@ class TimerService:
         self._wake: anyio.Event | None = None  # set to look at the table again before the sleep is over
         self._asleep_until: int | None = None  # due time the service sleeps towards, while it sleeps
         self._firing: anyio.CancelScope | None = None  # the firing under way
-        self._holds: dict[str, tuple[int, str, int]] = {}
-        """job -> (until when, watchdog, due): its watchdog's tick at that due waits for its summary (`hold`)"""
+        self._holds: dict[str, tuple[int, str, int, int]] = {}
+        """job -> (until when, watchdog, due, its watch summaries applied then): its watchdog's tick at that due waits
+        for the next summary to be applied (`hold`)"""
         self._prune_at = 4096
 
     def hold(self, jobs: Iterable[str]) -> None:
         """Watch summaries of `jobs` are on their way into the log, and each moves its job's watchdog once applied
         (`recovery.core.detection`): a tick sent meanwhile would land after the summary, early for the watchdog it
-        moved, and be refused as a forgery would. So each of their watchdogs' ticks, as due now, waits until the
-        summary is applied (the tick has moved then, and the table follows), or HOLD_S at most."""
-        now, engine, holds = self._clock(), self._router.engine, self._holds
+        moved, and be refused as a forgery would. So each of their watchdogs' ticks, as due now, waits until a watch
+        summary of the job is applied (the tick has moved then, and the table follows; or it has not, and it fires),
+        or HOLD_S at most."""
+        now, engine, holds, applied = self._clock(), self._router.engine, self._holds, self._router.watches
         until = now + int(HOLD_S * 1e9)
         for job_id in jobs:
             job = engine.jobs.get(job_id)
             watchdog = job.watchdog if job is not None else None
             entry = engine.timers.get(watchdog) if watchdog is not None else None
             if watchdog is not None and entry is not None:
-                holds[job_id] = (until, watchdog, entry[1])
+                holds[job_id] = (until, watchdog, entry[1], applied.get(job_id, 0))
         if len(holds) > self._prune_at:  # jobs that ended, or whose tick was not due: their holds are long over
             self._holds = {job: held for job, held in holds.items() if held[0] > now}
             self._prune_at = 2 * len(self._holds) + 4096
@@ -126,8 +130,10 @@ class TimerService:
             entry = engine_timers.get(firing.timer_id)
             if entry is not None and entry[1] == firing.due:
                 held = holds.get(firing.job)
-                if held is not None and held[0] > now and held[1:] == (firing.timer_id, firing.due):
-                    table.defer(firing, held[0])  # its summary is not applied yet: it moves the tick, or this fires
+                if (held is not None and held[0] > now and held[1:3] == (firing.timer_id, firing.due)
+                        and self._router.watches.get(firing.job, 0) == held[3]):
+                    # Its summary is not applied yet: looked at again shortly (applied, it moves the tick, or not).
+                    table.defer(firing, min(held[0], now + int(HOLD_LOOK_S * 1e9)))
                     continue
                 out.append(firing)
             elif entry is None:
