@@ -242,7 +242,10 @@ class TimerTable:
         # behind the timer service's) must not bring a ten-minute deadline forward to a minute after it. `at` stays
         # distinct from one refusal to the next (it is in the next firing's id, which the log's duplicate window
         # would otherwise drop); an entry at the due time that was never taken fires first (`due` takes it once).
-        at = next_due(due, every, ts) if every is not None else max(ts + REFUSED_RETRY_NS, due)
+        self._again(timer_id, next_due(due, every, ts) if every is not None else max(ts + REFUSED_RETRY_NS, due))
+
+    def _again(self, timer_id: str, at: int) -> None:
+        """Take an armed timer again at `at`, for its due time: its firing then carries `at` in its id."""
         self._late[timer_id] = at
         heapq.heappush(self._heap, (at, next(self._order), timer_id))
 
@@ -294,8 +297,7 @@ class TimerTable:
         firing then goes under another id, as a refused one's does)."""
         entry = self._timers.get(firing.timer_id)
         if entry is not None and entry[1] == firing.due:
-            self._late[firing.timer_id] = at
-            heapq.heappush(self._heap, (at, next(self._order), firing.timer_id))
+            self._again(firing.timer_id, at)
 
     def describe(self) -> dict[str, object]:
         return {"armed": len(self._timers), "heap": len(self._heap), "next_due": self.next_at()}
