@@ -393,7 +393,11 @@ def test_a_script_failing_on_every_rank_before_its_first_step_fails_after_one_re
     logs = cluster.workdir.glob("n*/stock-bad-lr.rank*.log")
     generations = {int(p.name.split(".gen")[1].split(".")[0]) for p in logs}
     assert generations <= {0, 1}, f"at most one retry: {sorted(generations)}"
-    assert (cluster.workdir / "n0" / "stock-bad-lr.rank0.gen0.error.json").exists(), "@record wrote its error file"
+    # whichever rank raised first is the one whose error file exists: a peer stopped by the restart while still
+    # importing torch never reaches `main`, so no one rank's file is certain on a busy host
+    written = sorted(cluster.workdir.glob("n*/stock-bad-lr.rank*.gen*.error.json"))
+    assert written, "@record wrote its error file"
+    assert all("lr must be positive" in p.read_text() for p in written), [p.read_text() for p in written]
     print(f"a script raising before its first step: recovery-run failed it in {took:.1f}s")
 
 
