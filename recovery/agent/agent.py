@@ -206,34 +206,37 @@ class Agent(Relay, Rescale, Admission):
         """SIGTERM from the platform (a preemption, a node taken away): every live rank saves a dying checkpoint at
         its next step boundary and waits there (the SDK's part), then gets SIGTERM, then SIGKILL, within
         `preempt_grace_s`; the exits report the preemption. The agent then stays `preempt_linger_s` to acknowledge
-        what the engine decides about its ranks (it waits for every addressed node), and stops."""
+        what the engine decides about its ranks (it waits for every addressed node), and stops. A rank that ends by
+        itself meanwhile (its script finished) is waited for no more, and leaves nothing to linger for."""
         grace = self.cfg.preempt_grace_s
-        stopped = False
+        stopped: list[bool] = []
         async with anyio.create_task_group() as tg:
             for job in self.jobs.values():
                 live = [p for p in job.processes.values() if p.alive]
                 if live:
-                    stopped = True
-                    tg.start_soon(self._stop_saving, job, live, grace)
-        if stopped:
+                    tg.start_soon(self._stop_saving, job, live, grace, stopped)
+        if any(stopped):
             await anyio.sleep(self.cfg.preempt_linger_s)  # commands about the stopped ranks are still to come
 
-    async def _stop_saving(self, job: JobOnNode, procs: list[ranks.RankProcess], grace_s: float) -> None:
-        saved: list[anyio.Event] = []
+    async def _stop_saving(self, job: JobOnNode, procs: list[ranks.RankProcess], grace_s: float,
+                           stopped: list[bool]) -> None:
+        saved: list[tuple[ranks.RankProcess, anyio.Event]] = []
         for proc in procs:
             request = f"preempt:{self.node}:{proc.rank}:{proc.attempt}"
             job.saves[request] = anyio.Event()
             if await job.channel.send(proc.rank, {"op": "save", "id": request, "hold": True}):
-                saved.append(job.saves[request])
+                saved.append((proc, job.saves[request]))
             else:
                 logger.info("rank %d of %s has no SDK connection: stopped by signals only", proc.rank, job.id)
         with anyio.move_on_after(grace_s / 2):
-            for event in saved:
-                await event.wait()
+            for proc, event in saved:
+                await ranks.first_set(event, proc.ended)  # a rank that exited answers no more
         for proc in procs:  # a failed save is the engine's to learn from the missing checkpoint: no ack carries it
             job.save_failures.pop(f"preempt:{self.node}:{proc.rank}:{proc.attempt}", None)
+        running = [proc for proc in procs if proc.alive]
+        stopped.append(bool(running))
         async with anyio.create_task_group() as tg:
-            for proc in procs:
+            for proc in running:
                 tg.start_soon(ranks.stop, proc, grace_s / 2, self.cfg.kill_grace_s)
 
     async def _shutdown(self) -> None:

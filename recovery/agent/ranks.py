@@ -213,6 +213,17 @@ def adopt(runtime_dir: Path, job: str, rank: int) -> RankProcess | None:
     return RankProcess(job, rank, attempt, None, pid, command_seq=command_seq)
 
 
+async def first_set(*events: anyio.Event) -> None:
+    """Return once any of `events` is set."""
+    async with anyio.create_task_group() as tg:
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)
+
+
 async def stop(proc: RankProcess, grace_s: float, kill_after_s: float) -> bool:
     """SIGTERM, up to `grace_s` for the process to end, then SIGKILL; True if it ended within `kill_after_s`
     of the kill."""

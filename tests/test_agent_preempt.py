@@ -1,0 +1,75 @@
+"""A preemption (the agent's SIGTERM) asks each live rank for a dying checkpoint and stops it: a rank that ends by
+itself meanwhile (its script finished as the node was taken away) is waited for no more, and leaves nothing for the
+agent to linger for; one that neither saves nor ends is stopped after half the grace."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+
+from recovery.agent.agent import Agent
+from recovery.agent.config import load
+from recovery.agent.ranks import RankProcess
+
+
+class Channel:
+    """The job's socket as the preemption uses it: what it sends each rank, and what the rank does then."""
+
+    def __init__(self, on_send: Any) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.on_send = on_send
+
+    async def send(self, rank: int, message: dict[str, Any]) -> bool:
+        self.sent.append(message)
+        self.on_send()
+        return True
+
+
+async def preempt_one(tmp_path: Path, on_send: Any, proc: subprocess.Popen[bytes], grace_s: float,
+                      linger_s: float) -> tuple[Channel, RankProcess]:
+    cfg = load(node="n0", runtime_dir=tmp_path, preempt_grace_s=grace_s, preempt_linger_s=linger_s, kill_grace_s=5)
+    agent = Agent(cfg)
+    rank = RankProcess(job="j", rank=0, attempt=0, process=None, pid=proc.pid)
+    channel = Channel(on_send)
+    agent.jobs["j"] = SimpleNamespace(id="j", channel=channel, processes={0: rank}, saves={},  # type: ignore[assignment]
+                                      save_failures={})
+
+    async def supervise() -> None:  # the agent's own watch of its child: the exit ends the rank
+        rank.returncode = await anyio.to_thread.run_sync(proc.wait)
+        rank.ended.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(supervise)
+        with anyio.fail_after(60):  # a busy host's slack; the grace and the linger are ten minutes each
+            await agent.preempt()
+        tg.cancel_scope.cancel()
+    return channel, rank
+
+
+async def test_a_rank_that_ends_by_itself_during_the_preemption_is_waited_for_no_more(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert proc.stdin is not None
+        channel, rank = await preempt_one(tmp_path, proc.stdin.close, proc, grace_s=1200, linger_s=600)
+        assert [m["op"] for m in channel.sent] == ["save"] and channel.sent[0]["hold"]
+        assert not rank.alive and rank.returncode == 0  # it ended by itself: not signalled
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+async def test_a_rank_that_neither_saves_nor_ends_is_stopped_after_half_the_grace(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        channel, rank = await preempt_one(tmp_path, lambda: None, proc, grace_s=1.0, linger_s=0.1)
+        assert [m["op"] for m in channel.sent] == ["save"]
+        assert not rank.alive and rank.returncode == -15  # SIGTERM, the grace's second half
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
