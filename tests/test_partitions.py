@@ -175,7 +175,7 @@ async def test_of_two_daemons_reserving_one_free_partition_one_gets_it_and_its_w
         for owner in owners:
             lease = Lease(js, owner.cfg.lease_bucket, "", owner.instance, TTL_S)
             await lease.ensure()
-            owner._kv = lease.kv
+            owner._kv, owner._js = lease.kv, js
         a, b = owners
         key = a.cfg.partition_key(2)
         assert await a._reserve(2)

@@ -7,7 +7,10 @@ computes the same split, which adds up to P), and runs one `Daemon` per partitio
 partition's own lease, snapshot key, durable consumer and fence (`recovery.service.fence`).
 
 - A daemon that dies stops renewing its membership and its leases: `lease_ttl_s` later the others' shares grow, they
-  find those partitions' leases free and take them, each from the partition's last snapshot.
+  find those partitions' leases free and take them, each from the partition's last snapshot. A key counts as gone
+  once it is a TTL old by the server's clock (every key carries the time the stream stored it, and this member's own
+  key, just written, says what time it is there), not only once the server removed it, which it does up to a
+  quarter of a second later; and the balance after one looks when the next such key lapses, not a period later.
 - A daemon that joins makes the others' shares shrink: each stops its surplus partitions gracefully (the final
   snapshot written, the lease released at once), and the newcomer takes them.
 - Surplus goes standbys first, then the highest partitions; a partition is taken only when its lease is free (or
@@ -28,6 +31,7 @@ import re
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -52,6 +56,8 @@ logger = logging.getLogger("recovery.ownership")
 
 MEMBERS = "members"
 _KEY_UNSAFE = re.compile(r"[^-_=/a-zA-Z0-9]")
+WAKE_AFTER_LAPSE_S = 0.02
+"""a balance due at a key's lapse runs this long after it (what the estimate of the server's time may be off by)"""
 
 
 def fair_share(members: list[str], me: str, count: int) -> int:
@@ -60,6 +66,33 @@ def fair_share(members: list[str], me: str, count: int) -> int:
     ordered = sorted(set(members) | {me})
     n, rank = len(ordered), ordered.index(me)
     return count // n + (1 if rank < count % n else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Stamped:
+    """A key of the lease bucket as its stream stores it: the value, its revision, and the server's time of the write
+    (seconds; None where the server gave none)."""
+
+    value: dict[str, Any]
+    revision: int
+    stored_s: float | None
+
+
+async def read_stamped(js: JetStreamContext, bucket: str, key: str) -> Stamped | None:
+    """`key` of the KV bucket `bucket` with the time it was stored, from the stream's leader; None if it is absent
+    (expired, deleted or never written)."""
+    try:
+        msg = await js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+    except nats.js.errors.NotFoundError:
+        return None
+    if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+        return None
+    try:
+        value = orjson.loads(msg.data or b"{}")
+    except orjson.JSONDecodeError:
+        value = {}
+    return Stamped(value if isinstance(value, dict) else {}, int(msg.seq or 0),
+                   msg.time.timestamp() if msg.time is not None else None)
 
 
 def member_key(instance: str) -> str:
@@ -89,6 +122,10 @@ class Ownership:
         self._stop: anyio.Event | None = None
         self._started = time.monotonic()
         self._clock = time.monotonic
+        self._js: JetStreamContext | None = None
+        self._server_offset: float | None = None
+        """the server's clock (seconds) less this process's monotonic clock, from this member's own key just written"""
+        self._lapses: list[float] = []  # when keys of others seen at the last balance lapse (monotonic)
         self._kv_back: float | None = float("-inf")
         """since when the lease bucket answers again after a balance it failed (None: failing now): every member's
         keys lapsed meanwhile, and free partitions are taken only once every live member had a TTL to renew its own"""
@@ -135,7 +172,7 @@ class Ownership:
                     except Exception as exc:  # NATS away: the leases say what is ours meanwhile
                         self._kv_back = None
                         logger.warning("balance failed", extra={"fields": {"error": repr(exc)}})
-                    with anyio.move_on_after(self.period_s):
+                    with anyio.move_on_after(self._next_look()):
                         await stop.wait()
                 for daemon in list(self.workers.values()):
                     daemon.request_stop()
@@ -153,10 +190,32 @@ class Ownership:
         assert self._kv is not None
         return self._kv
 
+    def _next_look(self) -> float:
+        """Seconds until the next balance: a period, or less when a key seen at the last one lapses sooner (a dead
+        member's, or the lease of a partition nobody renews): its partitions are taken then, not a period later."""
+        if not self._lapses:
+            return self.period_s
+        return min(self.period_s, max(min(self._lapses) - self._clock(), 0.0) + WAKE_AFTER_LAPSE_S)
+
+    def _lapsed(self, key: Stamped) -> bool:
+        """Is `key` a lease TTL old by the server's clock (or older)? Else its lapse is noted for the next look."""
+        if key.stored_s is None or self._server_offset is None:
+            return False  # the server's removal says so instead
+        lapse = key.stored_s + self.cfg.lease_ttl_s - self._server_offset  # on this process's clock
+        if lapse <= self._clock():
+            return True
+        self._lapses.append(lapse)
+        return False
+
+    async def _stamped(self, key: str) -> Stamped | None:
+        assert self._js is not None
+        return await read_stamped(self._js, self.cfg.lease_bucket, key)
+
     async def _balance(self, group: TaskGroup, js: JetStreamContext) -> None:
-        kv = self.kv
+        kv, self._js, self._lapses = self.kv, js, []
         await kv.put(member_key(self.instance), orjson.dumps({"instance": self.instance}))
-        self.members = await self._members(js)
+        written = self._clock()  # after the write: the server's time estimated from it is never ahead of the server
+        self.members = await self._members(js, written)
         if self._kv_back is None:
             self._kv_back = self._clock()
         self.target = target = fair_share(self.members, self.instance, self.count)
@@ -185,7 +244,7 @@ class Ownership:
             # Taking them now would move every partition; after a TTL each live member has its own back.
             return
         elif surplus < 0:
-            free = [k for k in range(self.count) if k not in self.workers and await self._free(k)]
+            free = [k for k in range(self.count) if k not in self.workers and await self._free(k) is not False]
             # Daemons that look at once take different free partitions first: the member of rank r of n takes
             # every n-th one from the r-th, then the rest. Each is reserved before its worker starts, so that of two
             # daemons that chose the same one (its lease lapsed for one and not yet for the other) the loser learns
@@ -200,30 +259,31 @@ class Ownership:
                     self._start_worker(group, index)
                     wanted -= 1
 
-    async def _members(self, js: JetStreamContext) -> list[str]:
+    async def _members(self, js: JetStreamContext, written: float) -> list[str]:
+        """The live members, this one among them: the bucket's member keys less those a TTL old by the server's clock,
+        which this member's own key, written at `written`, tells."""
         # The members' keys are the bucket's stream subjects under `members.`, as the stream's state lists them: one
         # request. `kv.keys()` made a consumer each time (the server keeps it 5 minutes after): two a second per
         # daemon, hundreds alive at once, each one the cluster's meta group must create and remove.
         prefix = f"$KV.{self.cfg.lease_bucket}."
         info = await js.stream_info(f"KV_{self.cfg.lease_bucket}", subjects_filter=f"{prefix}{MEMBERS}.>")
-        names = []
+        found: list[tuple[str, Stamped]] = []
         for subject in sorted(info.state.subjects or {}):
-            with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                entry = await self.kv.get(subject[len(prefix):])
-                value = orjson.loads(entry.value or b"{}")
-                if isinstance(value, dict) and isinstance(value.get("instance"), str):
-                    names.append(value["instance"])
-        return sorted(names)
+            entry = await self._stamped(subject[len(prefix):])
+            if entry is not None and isinstance(entry.value.get("instance"), str):
+                found.append((entry.value["instance"], entry))
+                if entry.value["instance"] == self.instance and entry.stored_s is not None:
+                    self._server_offset = entry.stored_s - written
+        return sorted(name for name, entry in found if name == self.instance or not self._lapsed(entry))
 
-    async def _free(self, index: int) -> bool:
-        """May this daemon take partition `index` now: nobody holds its lease, or this instance did in an earlier
-        life (the lease takes it back at once)?"""
-        try:
-            entry = await self.kv.get(self.cfg.partition_key(index))
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+    async def _free(self, index: int) -> Stamped | bool:
+        """May this daemon take partition `index` now? True if nobody holds its lease, or this instance did in an
+        earlier life (the lease takes it back at once); its lease if that lapsed (a TTL old by the server's clock:
+        its holder renews it no more, and the lease is taken from it by revision); else False."""
+        entry = await self._stamped(self.cfg.partition_key(index))
+        if entry is None or entry.value.get("instance") == self.instance:
             return True
-        holder = orjson.loads(entry.value or b"{}")
-        return isinstance(holder, dict) and holder.get("instance") == self.instance
+        return entry if self._lapsed(entry) else False
 
     async def _reserve(self, index: int) -> bool:
         """Write partition `index`'s lease in this instance's name if nobody holds it: True if it is ours now (or
@@ -234,7 +294,13 @@ class Ownership:
         try:
             await self.kv.create(self.cfg.partition_key(index), value)
         except nats.js.errors.KeyWrongLastSequenceError:
-            return await self._free(index)
+            free = await self._free(index)
+            if not isinstance(free, Stamped):
+                return free
+            try:  # its holder's renewal, were it alive after all, fails on the revision: it learns that it lost
+                await self.kv.update(self.cfg.partition_key(index), value, last=free.revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False
         return True
 
     def _start_worker(self, group: TaskGroup, index: int) -> None:
