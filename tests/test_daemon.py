@@ -387,7 +387,8 @@ async def test_snapshot_store_alternates_slots_and_checks_its_chunks(nats_server
 async def test_a_restore_scans_what_was_published_after_the_manifest_while_it_opens_the_snapshot(
         nats_server: NatsServer) -> None:
     from recovery.log.snapshot import dump_snapshot
-    from recovery.service.restore import restore_newest
+    from recovery.service.publisher import Outgoing
+    from recovery.service.restore import StoredIds, restore_newest
     from recovery.service.snapshots import SnapshotStore
 
     scans: list[tuple[int, int]] = []
@@ -399,21 +400,34 @@ async def test_a_restore_scans_what_was_published_after_the_manifest_while_it_op
     async def retry(op: Any, what: str) -> Any:
         return await op()
 
+    async def ids(stored: StoredIds) -> set[str]:
+        settled = await stored.settle()
+        assert settled is not None and await stored.settle() is None  # settled once
+        return settled[0]
+
     nc, js = await connect(nats_server.url)
     try:
         store = SnapshotStore(js, "SNAPS", "p1", 1024, 1)
         await store.ensure()
-        assert await restore_newest(store, retry, None, scan) == (None, {"after-0"})  # none: the whole log
+        newest, stored = await restore_newest(store, retry, None, scan)
+        assert newest is None and await ids(stored) == {"after-0"}  # none: the whole log
         engine = Engine()
         engine.last_seq = 40
         manifest = await store.save(dump_snapshot(engine), seq=40, ts=7)
         scans.clear()
-        newest, published = await restore_newest(store, retry, None, scan)
+        newest, stored = await restore_newest(store, retry, None, scan)
         assert newest is not None and newest[0].last_seq == 40 and newest[1]["id"] == manifest["id"]
-        assert (scans, published) == ([(40, 7)], {"after-40"})  # one scan, from the manifest's own place
+        # what the backlog makes while the scan runs is held, and what the scan found stored is not published
+        made = [Outgoing("s", b"", "after-40", "decision"), Outgoing("s", b"", "sealed", "decision", "after-40"),
+                Outgoing("s", b"", "new", "command")]
+        assert stored.hold(made) and stored.pending
+        settled = await stored.settle()
+        assert settled is not None and settled[1] == [made[2]] and not stored.pending and not stored.hold(made)
+        assert (scans, settled[0]) == ([(40, 7)], {"after-40"})  # one scan, from the manifest's own place
         scans.clear()
         await store.kv.put(f"p1.{manifest['slot']}.0", b"torn write")
-        assert await restore_newest(store, retry, None, scan) == (None, {"after-0"})  # replayed whole: scanned whole
-        assert scans == [(40, 7), (0, 0)]
+        newest, stored = await restore_newest(store, retry, None, scan)
+        assert newest is None and await ids(stored) == {"after-0"}  # replayed whole: scanned whole
+        assert scans[-1] == (0, 0)
     finally:
         await nc.close()

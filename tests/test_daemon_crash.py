@@ -131,6 +131,7 @@ async def test_sigkill_during_incidents_loses_and_doubles_nothing(seed: int, nat
     restored = [line for line in daemon.logs() if line.get("msg") == "restored"]
     assert len(restored) == 5 and max(line["snapshot_seq"] for line in restored) > 0
     # restarts found effects of the replayed tail already stored, and did not publish them again
-    assert max(line["already_published"] for line in restored) > 0
+    scanned = [line for line in daemon.logs() if line.get("msg") == "published ids read"]
+    assert len(scanned) == 5 and max(line["ids"] for line in scanned) > 0
     fired = [r for r in inputs if isinstance(r, Record) and r.envelope.type == "timer.fired"]
     assert fired, "the timer service fired nothing"

@@ -65,12 +65,13 @@ from recovery.service.embedded import EmbeddedNats
 from recovery.service.fence import Fence, Fenced
 from recovery.service.http import HttpServer, Metrics
 from recovery.service.lease import Lease, LeaseLost
+from recovery.service.links import ConnectionEvents
 from recovery.service.liveness import LivenessMonitor
 from recovery.service.outage import POLL_S, OutageRecorder, pending_path, takeover_window_s
 from recovery.service.parts import Parts
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
-from recovery.service.restore import published_after, restore_newest
+from recovery.service.restore import StoredIds, published_after, restore_newest
 from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
@@ -98,7 +99,7 @@ class DaemonFailed(Exception):
     """A part of the daemon failed (the error is the cause, logged where it happened); every part was stopped."""
 
 
-class Daemon:
+class Daemon(ConnectionEvents):
     """One daemon: `run` it (in a task group, or through `running`), `request_stop` it. Its state is readable
     while it runs (`engine`, `status`, `readiness`) from the same event loop."""
 
@@ -138,6 +139,7 @@ class Daemon:
         self.clean_seq = 0  # last input whose effects are all acknowledged: what a snapshot may cover
         self.last_ts = 0  # log time of that input
         self.snapshotter: Snapshotter | None = None
+        self.stored: StoredIds | None = None  # the published-id scan, until the backlog's effects are settled
         self.failed = False
         self.failure: BaseException | None = None
         self._failed_part = ""
@@ -285,6 +287,7 @@ class Daemon:
         self.role = "active"
         self.outage.took_over()
         await self._restore()
+        teardown.callback(lambda: self.stored and self.stored.cancel())
         assert self.nc is not None and self.js is not None
         part = self.partition  # its own consumer: of the whole log, passing over the other partitions'
         name = cfg.consumer if part is None else f"{cfg.consumer}-{self.key}"
@@ -397,38 +400,6 @@ class Daemon:
             with anyio.move_on_after(timeout + 1.0, shield=True):
                 await self.embedded.stop_async(timeout)
 
-    # -- NATS ---------------------------------------------------------------------------------------------
-    async def _connect(self) -> None:
-        self.nc = await connection.connect(self.url, self._on_disconnected, self._on_reconnected, self._on_error)
-        self.connected = True
-        self.js = self.nc.jetstream(timeout=5.0, publish_async_max_pending=20_000)
-        self.publisher = Publisher(self.js)
-        logger.info("connected", extra=_fields(url=self.nc.connected_url.netloc if self.nc.connected_url else self.url))
-
-    async def _on_disconnected(self) -> None:
-        if self.connected and not self.stopping:
-            logger.warning("disconnected from NATS")
-        self.connected = False
-        self._reader_ok = False
-        if self.stopping:
-            return  # the daemon's own close, or a deposed daemon's: no outage
-        # A standby's outage too: after an outage of all of NATS it is often the one that takes the lease.
-        self.outage.disconnected()
-        if self.role == "active":
-            self.timer_service.interrupt()
-
-    async def _on_reconnected(self) -> None:
-        self.connected = True
-        self._reader_ok = False  # pull requests died with the connection: re-create the consumer
-        self.metrics.reconnects.inc()
-        self.outage.reconnected()
-        logger.info("reconnected to NATS", extra=_fields(
-            url=self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "?"))
-
-    async def _on_error(self, exc: Exception) -> None:
-        if not self.refusals.seen(exc):  # a refused publish is the credentials' fault, not the network's: an error
-            logger.debug("nats error", extra=_fields(error=repr(exc)))
-
     async def _ensure_streams(self) -> None:
         js = self.js
         assert js is not None
@@ -448,7 +419,7 @@ class Daemon:
         assert self.snapshots is not None and self.nc is not None and self.js is not None
         nc, js, cfg = self.nc, self.js, self.cfg
         t0 = time.monotonic()
-        newest, published = await restore_newest(self.snapshots, self._retry, self.partition, lambda seq, ts: (
+        newest, self.stored = await restore_newest(self.snapshots, self._retry, self.partition, lambda seq, ts: (
             self._retry(lambda: published_after(nc, js, cfg.stream, cfg.command_stream, seq, ts), "published-id scan")))
         if newest is not None:
             opened, manifest = newest
@@ -463,10 +434,8 @@ class Daemon:
         self.engine.firing_seal = seal if isinstance(seal, Seal) else None
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
-        self.processor.skip_ids = published
-        logger.info("restored", extra=_fields(
-            snapshot_seq=self.restored_seq, jobs=len(self.engine.jobs), timers=len(self.engine.timers),
-            already_published=len(self.processor.skip_ids), seconds=round(time.monotonic() - t0, 3)))
+        logger.info("restored", extra=_fields(snapshot_seq=self.restored_seq, jobs=len(self.engine.jobs),
+                                              timers=len(self.engine.timers), seconds=round(time.monotonic() - t0, 3)))
 
     # -- processing ---------------------------------------------------------------------------------------
     async def _process_inputs(self) -> None:
@@ -486,6 +455,7 @@ class Daemon:
                     pending = None if self.partition is None else await self._read_backlog()
                     if pending is None:
                         pending = await reader.open(self.engine.last_seq + 1)
+                    await self._settle()
                     if self.replayed < 0:
                         self.replayed = pending  # inputs after the restored snapshot: the tail to replay
                     self._reader_ok = True
@@ -548,7 +518,8 @@ class Daemon:
             # Live, a command is published as soon as it is made; the rest of the batch follows (a replay of the
             # backlog keeps whole batches: nobody waits on its commands, and fewer, larger publishes go faster).
             done = self.processor.process(batch, self.server_clock.observe if live else None, first_command=live)
-            if done.out:
+            held = self.stored is not None and self.stored.hold(done.out)  # the published-id scan still runs
+            if done.out and not held:
                 await publisher.publish(done.out)
                 self.processor.published(done.out)
             if done.last is not None:
@@ -556,13 +527,23 @@ class Daemon:
                     await reader.ack(done.last)
                 self.last_ts = max(self.last_ts, done.last.ts)
             engine = self.engine
-            self.clean_seq = engine.last_seq
+            self.clean_seq = self.clean_seq if held else engine.last_seq  # held effects are not stored yet
             assert self.snapshotter is not None
             self.snapshotter.records_since += done.applied
             self.metrics.observe_batch(done, time.time_ns(), engine.last_seq, reader.lag)
             self.timer_service.reschedule()
             self._applied.reached(self.clean_seq)
             batch = done.rest
+
+    async def _settle(self) -> None:
+        """Once the published-id scan is done: publish what the backlog made meanwhile, less what it found stored."""
+        settled = None if self.stored is None else await self.stored.settle()
+        if settled is not None and self.publisher is not None:
+            self.processor.skip_ids, out = settled
+            await self.publisher.publish(out)
+            self.processor.published(out)
+            self.clean_seq = self.engine.last_seq
+            self._applied.reached(self.clean_seq)
 
     async def _timers_may_fire(self) -> None:
         await self.outage.clear()

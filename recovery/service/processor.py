@@ -161,7 +161,7 @@ class Processor(EffectRouter):
             self._prepare(decision.job)
         msg_id = self.seal(envelope.id)
         if not self._stored(envelope.id, msg_id):
-            self._batch.out.append(Outgoing(subject, data, msg_id, "decision"))
+            self._batch.out.append(Outgoing(subject, data, msg_id, "decision", envelope.id))
 
     def overran(self, job: str, fact: PolicyOverranFact) -> None:
         logger.warning("policy call abandoned", extra={"fields": {
@@ -181,7 +181,7 @@ class Processor(EffectRouter):
                                           "event_id": rejection.event_id}})
         msg_id = self.seal(envelope.id)
         if not self._stored(envelope.id, msg_id):
-            self._batch.out.append(Outgoing(subject, data, msg_id, "rejection"))
+            self._batch.out.append(Outgoing(subject, data, msg_id, "rejection", envelope.id))
 
 
 class AppliedWaits:

@@ -33,6 +33,9 @@ class Outgoing:
     data: bytes
     msg_id: str
     kind: str  # command | decision | rejection | input | timer
+    plain: str = ""
+    """the output's own id where `msg_id` is its sealed form (a decision's, a dead letter's): stored before seals,
+    it was stored under this one"""
 
 
 class Publisher:

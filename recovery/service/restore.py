@@ -1,9 +1,12 @@
 """Crash safety at start: the newest snapshot opened, and the ids of the outputs already stored after it.
 
 A restart restores the newest snapshot and applies the inputs after it again: the decisions they make are the same,
-with the same ids. Before it starts, the daemon reads the ids already stored after the snapshot (decisions and dead
-letters in the log, commands in the command stream since the snapshot's log time) and does not publish those again;
-anything else it republishes is dropped by JetStream's duplicate window."""
+with the same ids. The daemon reads the ids already stored after the snapshot (decisions and dead letters in the log,
+commands in the command stream since the snapshot's log time) and does not publish those again; anything else it
+republishes is dropped by JetStream's duplicate window. That scan starts with the snapshot's fetch and runs on while
+the backlog after it is applied (`StoredIds`): what the backlog makes meanwhile is held, and published once the scan
+says which of it is stored, before the daemon reads live input. A takeover waits for the longer of the two, not
+for both."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from recovery.core.engine import Engine
 from recovery.core.partition import Partition
 from recovery.log.snapshot import open_snapshot
 from recovery.service.consumer import scan_ids
+from recovery.service.publisher import Outgoing
 from recovery.service.snapshots import Retry, SnapshotStore
 
 logger = logging.getLogger("recovery.daemon")
@@ -56,34 +60,75 @@ Scan = Callable[[int, int], Awaitable[set[str]]]
 """the ids of the outputs stored after an input sequence and a log time (`published_after`, retried)"""
 
 
+class StoredIds:
+    """The scan of the ids stored after the restored snapshot, running on (a task of its own) while the backlog is
+    applied: `hold` keeps what the backlog makes meanwhile, `settle` waits for the scan and says which of it is not
+    stored yet. `cancel` it if the daemon stops first."""
+
+    def __init__(self, scan: Awaitable[set[str]]) -> None:
+        self._task: asyncio.Future[set[str]] | None = asyncio.ensure_future(scan)
+        self._started = time.monotonic()
+        self.held: list[Outgoing] = []
+
+    @property
+    def pending(self) -> bool:
+        """Not settled yet: effects are held, not published."""
+        return self._task is not None
+
+    def again(self, scan: Awaitable[set[str]]) -> None:
+        """Scan from another place instead (the snapshot restored is not the one the first scan started from)."""
+        self.cancel()
+        self._task = asyncio.ensure_future(scan)
+
+    def hold(self, out: list[Outgoing]) -> bool:
+        """Keep `out` until `settle` if the scan still runs (True); False: publish it now."""
+        if self._task is None:
+            return False
+        self.held.extend(out)
+        return True
+
+    async def settle(self) -> tuple[set[str], list[Outgoing]] | None:
+        """Once the scan is done: the ids it found, and what was held less what they name, in the order it was made
+        (None if settled before)."""
+        if self._task is None:
+            return None
+        ids = await self._task
+        held, self._task, self.held = self.held, None, []
+        logger.info("published ids read", extra={"fields": {
+            "ids": len(ids), "held": len(held), "seconds": round(time.monotonic() - self._started, 3)}})
+        return ids, [o for o in held if o.msg_id not in ids and not (o.plain and o.plain in ids)]
+
+    def cancel(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
 async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Partition | None,
-                         scan: Scan) -> tuple[tuple[Engine, dict[str, Any]] | None, set[str]]:
-    """`open_newest`, and the ids already published after it: the scan runs while the snapshot is fetched and
-    opened (both are a takeover's wait), from the sequence and log time its manifest names; again from what was
+                         scan: Scan) -> tuple[tuple[Engine, dict[str, Any]] | None, StoredIds]:
+    """`open_newest`, and the scan of the ids already published after it, begun as the snapshot is fetched and
+    opened (both are a takeover's wait) from the sequence and log time its manifest names; again from what was
     restored in the end if that differs (a snapshot that could not be opened: the whole log)."""
-    took: dict[str, float] = {}
-
-    async def timed(what: str, step: Awaitable[Any]) -> Any:
-        t0 = time.monotonic()
-        try:
-            return await step
-        finally:
-            took[what] = round(time.monotonic() - t0, 3)
-
-    manifest = await timed("manifest_s", retry(snapshots.manifest, "snapshot manifest"))
+    t0 = time.monotonic()
+    manifest = await retry(snapshots.manifest, "snapshot manifest")
+    manifest_s = round(time.monotonic() - t0, 3)
     if manifest is None:
-        return None, await scan(0, 0)
+        return None, StoredIds(scan(0, 0))
     try:
         seq, ts = int(manifest["seq"]), int(manifest.get("ts", 0))
     except (KeyError, TypeError, ValueError):
         seq, ts = -1, 0  # a damaged manifest: load refuses it, and the scan runs once restored
-    newest, ids = await asyncio.gather(timed("open_s", open_newest(snapshots, retry, partition, manifest)),
-                                       timed("scan_s", scan(max(seq, 0), ts)))
+    stored = StoredIds(scan(max(seq, 0), ts))
+    try:
+        newest = await open_newest(snapshots, retry, partition, manifest)
+    except BaseException:
+        stored.cancel()
+        raise
     restored = (newest[0].last_seq, int(newest[1].get("ts", 0))) if newest is not None else (0, 0)
     if restored != (seq, ts):
-        ids = await timed("rescan_s", scan(*restored))
-    logger.info("snapshot and published ids read", extra={"fields": {"seq": seq, **took}})
-    return newest, ids
+        stored.again(scan(*restored))
+    logger.info("snapshot read", extra={"fields": {"seq": seq, "manifest_s": manifest_s,
+                                                   "open_s": round(time.monotonic() - t0 - manifest_s, 3)}})
+    return newest, stored
 
 
 async def published_after(nc: Client, js: JetStreamContext, stream: str, command_stream: str, seq: int,
