@@ -392,6 +392,7 @@ async def test_a_restore_scans_what_was_published_after_the_manifest_while_it_op
     from recovery.service.snapshots import SnapshotStore
 
     scans: list[tuple[int, int]] = []
+    aheads: list[int] = []  # where the backlog's read began: with the manifest, before the snapshot is opened
 
     async def scan(seq: int, ts: int) -> set[str]:
         scans.append((seq, ts))
@@ -409,14 +410,14 @@ async def test_a_restore_scans_what_was_published_after_the_manifest_while_it_op
     try:
         store = SnapshotStore(js, "SNAPS", "p1", 1024, 1)
         await store.ensure()
-        newest, stored = await restore_newest(store, retry, None, scan)
-        assert newest is None and await ids(stored) == {"after-0"}  # none: the whole log
+        newest, stored = await restore_newest(store, retry, None, scan, aheads.append)
+        assert newest is None and await ids(stored) == {"after-0"} and aheads == [1]  # none: the whole log
         engine = Engine()
         engine.last_seq = 40
         manifest = await store.save(dump_snapshot(engine), seq=40, ts=7)
         scans.clear()
-        newest, stored = await restore_newest(store, retry, None, scan)
-        assert newest is not None and newest[0].last_seq == 40 and newest[1]["id"] == manifest["id"]
+        newest, stored = await restore_newest(store, retry, None, scan, aheads.append)
+        assert newest is not None and newest[0].last_seq == 40 and aheads == [1, 41] and newest[1]["id"] == manifest["id"]
         # what the backlog makes while the scan runs is held, and what the scan found stored is not published
         made = [Outgoing("s", b"", "after-40", "decision"), Outgoing("s", b"", "sealed", "decision", "after-40"),
                 Outgoing("s", b"", "new", "command")]
@@ -426,8 +427,9 @@ async def test_a_restore_scans_what_was_published_after_the_manifest_while_it_op
         assert (scans, settled[0]) == ([(40, 7)], {"after-40"})  # one scan, from the manifest's own place
         scans.clear()
         await store.kv.put(f"p1.{manifest['slot']}.0", b"torn write")
-        newest, stored = await restore_newest(store, retry, None, scan)
+        newest, stored = await restore_newest(store, retry, None, scan, aheads.append)
         assert newest is None and await ids(stored) == {"after-0"}  # replayed whole: scanned whole
+        assert aheads == [1, 41, 41, 1]  # read from the manifest's place, then again from the log's start
         assert scans[-1] == (0, 0)
     finally:
         await nc.close()

@@ -39,7 +39,7 @@ from recovery.log.recorder import replay
 from recovery.log.snapshot import load_snapshot
 from recovery.service import config as config_mod
 from recovery.service.connection import retry
-from recovery.service.consumer import InputReader, apply_backlog, read_backlog
+from recovery.service.consumer import BacklogAhead, InputReader, apply_backlog, read_backlog
 from recovery.service.demo import DEMO_POLICIES, BuiltinCluster, Bus, DemoSettings
 from recovery.service.fence import Fence, Fenced
 from recovery.service.lease import Lease
@@ -213,8 +213,9 @@ async def test_a_takeovers_consumer_made_during_its_backlog_reads_on_from_the_ba
                     await js.publish(subjects_mix[i % 3], b"late")
             applied.extend(d.seq for d in batch)
 
-        done = await apply_backlog(nc, js, "TAKEOVER", reader, subjects.partition_inputs(0), 1, 300, 25, apply,
-                                   lambda: False)
+        ahead = BacklogAhead(nc, js, "TAKEOVER", subjects.partition_inputs(0), 1, 25, 1)
+        assert await ahead.measured() == 300  # read ahead from here on, a few batches at most
+        done = await apply_backlog(reader, ahead, apply, lambda: False)
         assert done is not None and 0 <= done.pending <= 40 and reader.pull.start_seq == 301
         assert done.read == len(applied) and done.apply_s > 0 and 1 <= done.batches <= len(applied)
         late: list[int] = []

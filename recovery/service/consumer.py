@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 
+import anyio
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -169,17 +170,72 @@ class Backlog:
     batches: int
 
 
-async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: InputReader, filters: list[str],
-                        start_seq: int, end_seq: int, batch: int, apply: Callable[[list[Delivery]], Awaitable[None]],
+class BacklogAhead:
+    """A partition's backlog read ahead: from `start` (the restored snapshot's next input) to the log's last sequence
+    when it began (`end`), through `read_backlog`, a few batches ahead of whoever applies them (`batches`). Begun as
+    a takeover reads the snapshot's manifest, it fetches while the snapshot is fetched and opened, and then while
+    each batch is applied. `end` is None for a backlog shorter than `at` records: the partition's consumer reads that
+    one. `cancel` it when it is not used."""
+
+    def __init__(self, nc: Client, js: JetStreamContext, stream: str, filters: list[str], start: int, batch: int,
+                 at: int, depth: int = 4) -> None:
+        self.start = start
+        self.end: int | None = None
+        self.error: BaseException | None = None
+        self._measured = asyncio.Event()
+        self._send, self._receive = anyio.create_memory_object_stream[list[Delivery]](depth)
+        self._task = asyncio.ensure_future(self._read(nc, js, stream, filters, batch, at))
+
+    async def _read(self, nc: Client, js: JetStreamContext, stream: str, filters: list[str], batch: int,
+                    at: int) -> None:
+        async with self._send:
+            try:
+                end = int((await js.stream_info(stream)).state.last_seq)
+                self.end = end if end - self.start + 1 >= at else None
+                self._measured.set()
+                if self.end is not None:
+                    async with contextlib.aclosing(read_backlog(nc, js, stream, filters, self.start, end,
+                                                                batch)) as parts:
+                        async for part in parts:
+                            await self._send.send(part)
+            except Exception as exc:  # the applier's to raise, after what was read before it
+                self.error = exc
+            finally:
+                self._measured.set()
+
+    async def measured(self) -> int | None:
+        """The backlog's last sequence once known (None: too short to read ahead); what the read ahead raised
+        before it knew."""
+        await self._measured.wait()
+        if self.end is None and self.error is not None:
+            raise self.error
+        return self.end
+
+    async def batches(self) -> AsyncIterator[list[Delivery]]:
+        """The backlog's batches in stream order; what the read ahead raised, once the batches before it are given."""
+        async with self._receive:
+            async for part in self._receive:
+                yield part
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+
+
+async def apply_backlog(reader: InputReader, ahead: BacklogAhead, apply: Callable[[list[Delivery]], Awaitable[None]],
                         stopping: Callable[[], bool]) -> Backlog | None:
-    """`apply` each batch of `read_backlog` (`filters`, `start_seq` to `end_seq`) while `reader`'s consumer is made
-    after `end_seq` (a consumer of the whole log on three servers takes a takeover's while), which is read from now
+    """`apply` each batch of the backlog `ahead` reads (measured: its `end` known) while `reader`'s consumer is made
+    after its end (a consumer of the whole log on three servers takes a takeover's while), which is read from now
     on; None if `stopping` said so between two batches."""
+    assert ahead.end is not None
+    start_seq, end_seq = ahead.start, ahead.end
     made = asyncio.ensure_future(reader.open(end_seq + 1, pull=False))  # in a task: its failure is the caller's
     read, apply_s, applied = 0, 0.0, 0
     try:
         reader.pull.lag = end_seq - start_seq + 1  # what `/status` says while the backlog is read
-        async with contextlib.aclosing(read_backlog(nc, js, stream, filters, start_seq, end_seq, batch)) as batches:
+        async with contextlib.aclosing(ahead.batches()) as batches:
             async for part in batches:
                 reader.pull.lag = end_seq - part[-1].seq
                 t0 = time.monotonic()
@@ -189,6 +245,7 @@ async def apply_backlog(nc: Client, js: JetStreamContext, stream: str, reader: I
                     return None
         opened = await made
     finally:
+        ahead.cancel()
         if not made.cancel() and not made.cancelled():
             made.exception()  # retrieved: raised above already, or the backlog's own failure is the caller's
     await reader.begin()

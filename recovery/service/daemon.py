@@ -58,7 +58,7 @@ from recovery.log.pull import Delivery
 from recovery.log.refusals import Refusals
 from recovery.service import connection
 from recovery.service.config import DaemonConfig
-from recovery.service.consumer import INPUTS, InputReader, apply_backlog
+from recovery.service.consumer import INPUTS, BacklogAhead, InputReader, apply_backlog
 from recovery.service.control import ControlService
 from recovery.service.datadir import DataDirLock, StartRefused
 from recovery.service.embedded import EmbeddedNats
@@ -140,6 +140,7 @@ class Daemon(ConnectionEvents):
         self.last_ts = 0  # log time of that input
         self.snapshotter: Snapshotter | None = None
         self.stored: StoredIds | None = None  # the published-id scan, until the backlog's effects are settled
+        self._ahead: BacklogAhead | None = None  # a partition's backlog, read while the snapshot is opened
         self.failed = False
         self.failure: BaseException | None = None
         self._failed_part = ""
@@ -287,7 +288,7 @@ class Daemon(ConnectionEvents):
         self.role = "active"
         self.outage.took_over()
         await self._restore()
-        teardown.callback(lambda: self.stored and self.stored.cancel())
+        teardown.callback(lambda: [part.cancel() for part in (self.stored, self._ahead) if part is not None])
         assert self.nc is not None and self.js is not None
         part = self.partition  # its own consumer: of the whole log, passing over the other partitions'
         name = cfg.consumer if part is None else f"{cfg.consumer}-{self.key}"
@@ -420,7 +421,8 @@ class Daemon(ConnectionEvents):
         nc, js, cfg = self.nc, self.js, self.cfg
         t0 = time.monotonic()
         newest, self.stored = await restore_newest(self.snapshots, self._retry, self.partition, lambda seq, ts: (
-            self._retry(lambda: published_after(nc, js, cfg.stream, cfg.command_stream, seq, ts), "published-id scan")))
+            self._retry(lambda: published_after(nc, js, cfg.stream, cfg.command_stream, seq, ts), "published-id scan")),
+            ahead=self._read_ahead if self.partition is not None else lambda start: None)
         if newest is not None:
             opened, manifest = newest
             self.processor.engine = opened
@@ -485,19 +487,29 @@ class Daemon(ConnectionEvents):
         there was no backlog to read (or a stop came), and no consumer made."""
         assert self.nc is not None and self.js is not None and self.partition is not None and self.reader is not None
         t0, start = time.monotonic(), self.engine.last_seq + 1
-        end = int((await self.js.stream_info(self.cfg.stream)).state.last_seq)
-        if (pending := end - start + 1) < self.cfg.backlog_reader_at:
+        if self._ahead is None or self._ahead.start != start:  # none read ahead, or the consumer was reset since
+            self._read_ahead(start)
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None
+        if (end := await ahead.measured()) is None:
             return None
+        pending = end - start + 1
         self.replayed = pending if self.replayed < 0 else self.replayed
-        done = await apply_backlog(self.nc, self.js, self.cfg.stream, self.reader, subjects.partition_inputs(
-            self.partition.index), start, end, self.cfg.batch_size, partial(self._process, backlog=True),
-            lambda: self._parts["processor"].stopping)
+        done = await apply_backlog(self.reader, ahead, partial(self._process, backlog=True),
+                                   lambda: self._parts["processor"].stopping)
         if done is None:
             return None
         logger.info("backlog applied", extra=_fields(start=start, end=end, pending=pending, read=done.read,
                                                      batches=done.batches, apply_s=round(done.apply_s, 3),
                                                      seconds=round(time.monotonic() - t0, 3)))
         return done.pending
+
+    def _read_ahead(self, start: int) -> None:
+        assert self.nc is not None and self.js is not None and self.partition is not None
+        if self._ahead is not None:
+            self._ahead.cancel()
+        self._ahead = BacklogAhead(self.nc, self.js, self.cfg.stream, subjects.partition_inputs(self.partition.index),
+                                   start, self.cfg.batch_size, self.cfg.backlog_reader_at)
 
     def _check_caught_up(self) -> None:
         if self.reader is not None and self.reader.caught_up and not self._caught_up_logged:

@@ -103,21 +103,25 @@ class StoredIds:
             self._task.cancel()
 
 
-async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Partition | None,
-                         scan: Scan) -> tuple[tuple[Engine, dict[str, Any]] | None, StoredIds]:
+async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Partition | None, scan: Scan,
+                         ahead: Callable[[int], None] = lambda start: None
+                         ) -> tuple[tuple[Engine, dict[str, Any]] | None, StoredIds]:
     """`open_newest`, and the scan of the ids already published after it, begun as the snapshot is fetched and
     opened (both are a takeover's wait) from the sequence and log time its manifest names; again from what was
-    restored in the end if that differs (a snapshot that could not be opened: the whole log)."""
+    restored in the end if that differs (a snapshot that could not be opened: the whole log). `ahead` is told the
+    first input after the snapshot as soon as it is known (and again if that changes): the backlog's read begins."""
     t0 = time.monotonic()
     manifest = await retry(snapshots.manifest, "snapshot manifest")
     manifest_s = round(time.monotonic() - t0, 3)
     if manifest is None:
+        ahead(1)
         return None, StoredIds(scan(0, 0))
     try:
         seq, ts = int(manifest["seq"]), int(manifest.get("ts", 0))
     except (KeyError, TypeError, ValueError):
         seq, ts = -1, 0  # a damaged manifest: load refuses it, and the scan runs once restored
     stored = StoredIds(scan(max(seq, 0), ts))
+    ahead(max(seq, 0) + 1)
     try:
         newest = await open_newest(snapshots, retry, partition, manifest)
     except BaseException:
@@ -126,6 +130,7 @@ async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Part
     restored = (newest[0].last_seq, int(newest[1].get("ts", 0))) if newest is not None else (0, 0)
     if restored != (seq, ts):
         stored.again(scan(*restored))
+        ahead(restored[0] + 1)
     logger.info("snapshot read", extra={"fields": {"seq": seq, "manifest_s": manifest_s,
                                                    "open_s": round(time.monotonic() - t0 - manifest_s, 3)}})
     return newest, stored
