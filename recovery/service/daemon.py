@@ -287,8 +287,8 @@ class Daemon(ConnectionEvents):
                 await self._claim(lease.instance)
         self.role = "active"
         self.outage.took_over()
-        await self._restore()
         teardown.callback(lambda: [part.cancel() for part in (self.stored, self._ahead) if part is not None])
+        await self._restore()
         assert self.nc is not None and self.js is not None
         part = self.partition  # its own consumer: of the whole log, passing over the other partitions'
         name = cfg.consumer if part is None else f"{cfg.consumer}-{self.key}"

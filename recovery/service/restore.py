@@ -94,9 +94,11 @@ class StoredIds:
             return None
         ids = await self._task
         held, self._task, self.held = self.held, None, []
+        out = [o for o in held if o.msg_id not in ids and not (o.plain and o.plain in ids)]
         logger.info("published ids read", extra={"fields": {
-            "ids": len(ids), "held": len(held), "seconds": round(time.monotonic() - self._started, 3)}})
-        return ids, [o for o in held if o.msg_id not in ids and not (o.plain and o.plain in ids)]
+            "ids": len(ids), "held": len(held), "unpublished": len(out),
+            "seconds": round(time.monotonic() - self._started, 3)}})
+        return ids, out
 
     def cancel(self) -> None:
         if self._task is not None and not self._task.done():
