@@ -136,6 +136,13 @@ def coverage(daemons: list[Daemon]) -> list[int]:
     return sorted(k for d in daemons if d.proc is not None and d.proc.poll() is None for k in owned(d))
 
 
+async def coverage_now(daemons: list[Daemon]) -> list[int]:
+    """`coverage`, each daemon asked at once (a failover's end is when the last answers, not the sum of the
+    answers' waits: a survivor busy catching up answers late)."""
+    alive = [d for d in daemons if d.proc is not None and d.proc.poll() is None]
+    return sorted(k for found in await asyncio.gather(*(asyncio.to_thread(owned, d) for d in alive)) for k in found)
+
+
 def serving(daemons: list[Daemon], partitions: int) -> bool:
     """Every partition served and current: active, ready, and its consumer no more than `SERVING_LAG` behind the
     log (after a server's loss the consumers are made again, and catch up)."""
@@ -202,7 +209,7 @@ async def strike_faults(cluster: NatsCluster, daemons: list[Daemon], jobs: int, 
         nonlocal failover_s, server_failover_s
         while failover_s != failover_s or server_failover_s != server_failover_s:
             if (killed_at is not None and failover_s != failover_s  # still failing over
-                    and await asyncio.to_thread(coverage, survivors) == list(range(partitions))):
+                    and await coverage_now(survivors) == list(range(partitions))):
                 failover_s = time.monotonic() - killed_at
             if (server_killed is not None and server_failover_s != server_failover_s  # the log's leader lost
                     and await asyncio.to_thread(serving, survivors, partitions)):
