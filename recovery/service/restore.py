@@ -66,9 +66,15 @@ class StoredIds:
     stored yet. `cancel` it if the daemon stops first."""
 
     def __init__(self, scan: Awaitable[set[str]]) -> None:
-        self._task: asyncio.Future[set[str]] | None = asyncio.ensure_future(scan)
         self._started = time.monotonic()
+        self._scanned = self._started
+        self._task: asyncio.Future[set[str]] | None = self._begin(scan)
         self.held: list[Outgoing] = []
+
+    def _begin(self, scan: Awaitable[set[str]]) -> asyncio.Future[set[str]]:
+        task = asyncio.ensure_future(scan)
+        task.add_done_callback(lambda _: setattr(self, "_scanned", time.monotonic()))
+        return task
 
     @property
     def pending(self) -> bool:
@@ -78,7 +84,7 @@ class StoredIds:
     def again(self, scan: Awaitable[set[str]]) -> None:
         """Scan from another place instead (the snapshot restored is not the one the first scan started from)."""
         self.cancel()
-        self._task = asyncio.ensure_future(scan)
+        self._task = self._begin(scan)
 
     def hold(self, out: list[Outgoing]) -> bool:
         """Keep `out` until `settle` if the scan still runs (True); False: publish it now."""
@@ -97,7 +103,7 @@ class StoredIds:
         out = [o for o in held if o.msg_id not in ids and not (o.plain and o.plain in ids)]
         logger.info("published ids read", extra={"fields": {
             "ids": len(ids), "held": len(held), "unpublished": len(out),
-            "seconds": round(time.monotonic() - self._started, 3)}})
+            "scan_s": round(self._scanned - self._started, 3), "seconds": round(time.monotonic() - self._started, 3)}})
         return ids, out
 
     def cancel(self) -> None:
