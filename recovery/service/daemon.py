@@ -288,6 +288,9 @@ class Daemon(ConnectionEvents):
         self.role = "active"
         self.outage.took_over()
         teardown.callback(lambda: [part.cancel() for part in (self.stored, self._ahead) if part is not None])
+        assert self.snapshotter is not None
+        self.snapshotter.taking_over(True)  # the process's other partitions capture no snapshot meanwhile
+        teardown.callback(self.snapshotter.taking_over, False)
         await self._restore()
         assert self.nc is not None and self.js is not None
         part = self.partition  # its own consumer: of the whole log, passing over the other partitions'
@@ -298,7 +301,6 @@ class Daemon(ConnectionEvents):
         teardown.push_async_callback(self.reader.close)
         if cfg.timers_enabled:
             logger.info("timers re-armed", extra=_fields(timers=len(self.processor.timers)))
-        assert self.snapshotter is not None
         self._parts.start("snapshots", self.snapshotter.uploads)
         if cfg.ctl_enabled:
             self.control = ControlService(self)
@@ -514,6 +516,8 @@ class Daemon(ConnectionEvents):
     def _check_caught_up(self) -> None:
         if self.reader is not None and self.reader.caught_up and not self._caught_up_logged:
             self._caught_up_logged = True
+            if self.snapshotter is not None:
+                self.snapshotter.taking_over(False)
             self.metrics.replayed.set(self.replayed)
             logger.info("caught up", extra=_fields(
                 restored_snapshot_seq=self.restored_seq, replayed_records=self.replayed,

@@ -267,6 +267,39 @@ Retry = Callable[[Callable[[], Awaitable[Any]], str], Awaitable[Any]]
 
 BURST_SHARE = 10
 """a snapshot is due after this share of `every_records` once this share of `every_s` went by since the last"""
+TAKEOVER_HOLD_S = 20.0
+"""the longest a partition's takeover holds back the other partitions' snapshots in its process"""
+
+
+class CaptureGate:
+    """What the snapshots of one process's partitions share (`GATE`). A capture is a forked child pickling a whole
+    engine, up to seconds of a core on a busy host, and a fleet's snapshots fall due together (its partitions
+    started together): so one partition of the process captures at a time, and none while another is being taken
+    over (from its lease to caught up, at most `TAKEOVER_HOLD_S`), which is the fleet's failover: four captures at
+    once held two takeovers back by 1.5 s in a run of the fleet bench. A snapshot due waits a few seconds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.capturing: set[int] = set()  # of the snapshotters whose capture is being packed and uploaded
+        self._taking: dict[int, float] = {}  # snapshotter -> until when its partition's takeover holds the others
+
+    def taking_over(self, who: object) -> None:
+        self._taking[id(who)] = self.clock() + TAKEOVER_HOLD_S
+
+    def release(self, who: object) -> None:
+        """`who` caught up, or stopped: it holds nothing back any more."""
+        self._taking.pop(id(who), None)
+        self.capturing.discard(id(who))
+
+    def open(self, who: object) -> bool:
+        """May `who` capture now?"""
+        now = self.clock()
+        for key in [k for k, until in self._taking.items() if until <= now]:
+            del self._taking[key]
+        return not (self.capturing - {id(who)}) and not (self._taking.keys() - {id(who)})
+
+
+GATE = CaptureGate()
 
 
 class Snapshotter:
@@ -279,8 +312,9 @@ class Snapshotter:
     runs then."""
 
     def __init__(self, store: SnapshotStore, every_records: int, every_s: float, fork: bool, metrics: Metrics,
-                 retry: Retry, started: float) -> None:
+                 retry: Retry, started: float, gate: CaptureGate = GATE) -> None:
         self.store = store
+        self.gate = gate
         self.every_records = every_records
         self.every_s = every_s
         self.fork = fork
@@ -296,6 +330,13 @@ class Snapshotter:
         self._send, self._receive = anyio.create_memory_object_stream[Capture](1)
         self._uploading = False
 
+    def taking_over(self, held: bool) -> None:
+        """This partition is being taken over (`held`: the others' captures wait), or no more."""
+        if held:
+            self.gate.taking_over(self)
+        else:
+            self.gate.release(self)
+
     def restored(self, seq: int, manifest: dict[str, Any]) -> None:
         self.seq = seq
         self.manifest = manifest
@@ -306,7 +347,7 @@ class Snapshotter:
 
     def maybe(self, engine: Engine, clean_seq: int, last_ts: int, active: bool) -> None:
         """Capture a snapshot now if one is due and none is uploading."""
-        if self.records_since == 0 or clean_seq <= self.seq or self._uploading:
+        if self.records_since == 0 or clean_seq <= self.seq or self._uploading or not self.gate.open(self):
             return
         age = time.monotonic() - (self.written or self.started)
         # A burst (a fleet's first words: every node's mode and first report, tens of thousands of records) is
@@ -316,6 +357,7 @@ class Snapshotter:
             captured = self._capture(engine, clean_seq, last_ts, active, self.fork)
             if captured is not None:
                 self._uploading = True
+                self.gate.capturing.add(id(self))
                 self._send.send_nowait(captured)
 
     def _capture(self, engine: Engine, clean_seq: int, last_ts: int, active: bool, fork: bool) -> Capture | None:
@@ -334,6 +376,7 @@ class Snapshotter:
                     await self._upload(captured, final=False)
                 finally:
                     self._uploading = False
+                    self.gate.capturing.discard(id(self))
 
     def close(self) -> None:
         """No more captures: the upload under way finishes, then `uploads` returns."""
