@@ -69,23 +69,27 @@ class StoredIds:
     applied: `hold` keeps what the backlog makes meanwhile, `settle` waits for the scan and says which of it is not
     stored yet. `cancel` it if the daemon stops first."""
 
-    def __init__(self, scan: Awaitable[set[str]]) -> None:
+    def __init__(self, scan: Callable[[], Awaitable[set[str]]]) -> None:
         self._started = time.monotonic()
         self._scanned = self._started
         self._task: asyncio.Future[set[str]] | None = self._begin(scan)
         self.held: list[Outgoing] = []
 
-    def _begin(self, scan: Awaitable[set[str]]) -> asyncio.Future[set[str]]:
-        task = asyncio.ensure_future(scan)
-        task.add_done_callback(lambda _: setattr(self, "_scanned", time.monotonic()))
-        return task
+    def _begin(self, scan: Callable[[], Awaitable[set[str]]]) -> asyncio.Future[set[str]]:
+        async def timed() -> set[str]:  # the scan made here: one cancelled before it began is never made
+            try:
+                return await scan()
+            finally:
+                self._scanned = time.monotonic()
+
+        return asyncio.ensure_future(timed())
 
     @property
     def pending(self) -> bool:
         """Not settled yet: effects are held, not published."""
         return self._task is not None
 
-    def again(self, scan: Awaitable[set[str]]) -> None:
+    def again(self, scan: Callable[[], Awaitable[set[str]]]) -> None:
         """Scan from another place instead (the snapshot restored is not the one the first scan started from)."""
         self.cancel()
         self._task = self._begin(scan)
@@ -127,12 +131,12 @@ async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Part
     manifest_s = round(time.monotonic() - t0, 3)
     if manifest is None:
         ahead(1)
-        return None, StoredIds(scan(0, 0))
+        return None, StoredIds(lambda: scan(0, 0))
     try:
         seq, ts = int(manifest["seq"]), int(manifest.get("ts", 0))
     except (KeyError, TypeError, ValueError):
         seq, ts = -1, 0  # a damaged manifest: load refuses it, and the scan runs once restored
-    stored = StoredIds(scan(max(seq, 0), ts))
+    stored = StoredIds(lambda: scan(max(seq, 0), ts))
     ahead(max(seq, 0) + 1)
     try:
         newest = await open_newest(snapshots, retry, partition, manifest)
@@ -141,7 +145,7 @@ async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Part
         raise
     restored = (newest[0].last_seq, int(newest[1].get("ts", 0))) if newest is not None else (0, 0)
     if restored != (seq, ts):
-        stored.again(scan(*restored))
+        stored.again(lambda: scan(*restored))
         ahead(restored[0] + 1)
     logger.info("snapshot read", extra={"fields": {"seq": seq, "manifest_s": manifest_s,
                                                    "open_s": round(time.monotonic() - t0 - manifest_s, 3)}})
