@@ -117,6 +117,8 @@ class StoredIds:
     def cancel(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        elif self._task is not None and not self._task.cancelled():
+            self._task.exception()  # retrieved: a scan that failed after its daemon stopped is nobody's error
 
 
 async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Partition | None, scan: Scan,
