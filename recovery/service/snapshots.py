@@ -298,7 +298,9 @@ class CaptureGate:
         self._taking.pop(id(who), None)
 
     def open(self, who: object) -> bool:
-        """May `who` capture now?"""
+        """May `who` capture now? (Asked after every batch of every partition: no takeover, no work.)"""
+        if not self._taking:
+            return True
         now = self.clock()
         for key in [k for k, until in self._taking.items() if until <= now]:
             del self._taking[key]
