@@ -68,7 +68,11 @@ class AgentProcess:
     """`python -m recovery.cli.agent` for one node (inside network namespace `namespace`, when given)."""
 
     def __init__(self, workdir: Path, node: str, nats_url: str, spare: bool = False, *extra: str,
-                 namespace: str | None = None, env: dict[str, str] | None = None) -> None:
+                 namespace: str | None = None, env: dict[str, str] | None = None,
+                 linger_s: float | None = 0.0) -> None:
+        """`linger_s`: the agent's `preempt_linger_s`, None for its default. A test's agent ends as soon as its ranks
+        are stopped: the linger waits for the engine's commands about them, which only a preemption test expects
+        (the shared cluster's agents keep it), and every stop with a rank running spent it (10 s)."""
         self.node = node
         self.workdir = workdir / node
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +81,8 @@ class AgentProcess:
                 "--runtime-dir", str(self.workdir), "--heartbeat-s", "0.5", "--kill-grace-s", "3"]
         if spare:
             args.append("--spare")
+        if linger_s is not None and "--preempt-linger-s" not in extra:
+            args.extend(["--preempt-linger-s", str(linger_s)])
         args.extend(extra)
         if namespace is not None:
             args = ["ip", "netns", "exec", namespace, *args]
