@@ -18,9 +18,9 @@ BENCH = ROOT / "tools" / "bench.py"
 def test_losing_the_log_streams_leader_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
     """The soak bench on the cluster (its smoke test too: the bench's figures and its drawing)."""
     png = tmp_path / "soak.png"
-    done = subprocess.run([sys.executable, str(BENCH), "soak", "--cluster", "3", "--minutes", "0.6", "--rate", "400",
-                           "--step-s", "0.2", "--fault-every-s", "1", "--kill-every-s", "20",
-                           "--nats-restart-every-s", "12", "--down-s", "5", "--sample-s", "1", "--warmup-s", "6",
+    done = subprocess.run([sys.executable, str(BENCH), "soak", "--cluster", "3", "--minutes", "0.45", "--rate", "400",
+                           "--step-s", "0.2", "--fault-every-s", "1", "--kill-every-s", "14",
+                           "--nats-restart-every-s", "8", "--down-s", "4", "--sample-s", "1", "--warmup-s", "5",
                            "--png", str(png)],
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
