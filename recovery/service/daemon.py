@@ -27,14 +27,14 @@ start set up is taken down in reverse: the consumer, the lease (released, so a s
 NATS connection (drained; its client's own tasks ended), the embedded server, the HTTP server. No task of the
 daemon outlives `Daemon.run`.
 
-Crash safety. The engine state is snapshotted (every `snapshot_every_records` inputs or `snapshot_every_s`
-seconds, and at shutdown) together with the last input sequence it covers, only at a batch boundary whose
-effects are all acknowledged; a restart restores it and skips the outputs already stored (`recovery.service.restore`).
-So every input takes effect once and no command id is stored twice.
-"""
+Crash safety. The engine state is snapshotted (every `snapshot_every_records` inputs or `snapshot_every_s` seconds,
+and at shutdown) together with the last input sequence it covers, only at a batch boundary whose effects are all
+acknowledged; a restart restores it and skips the outputs already stored (`recovery.service.restore`). So every
+input takes effect once and no command id is stored twice."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -275,6 +275,7 @@ class Daemon(ConnectionEvents):
         await self._connect()
         self.outage.recover()  # an outage a deposed or stopped predecessor on this directory did not log
         await self._ensure_streams()
+        claiming: asyncio.Future[None] | None = None
         if cfg.lease_ttl_s > 0:  # on a connection of its own (`recovery.service.tenure`)
             tenure = Tenure(cfg, self.key, self._on_error)
             teardown.push_async_callback(lambda: tenure.close(self.role == "active", self._until(0.5)))
@@ -283,8 +284,9 @@ class Daemon(ConnectionEvents):
             await self._retry(lease.acquire, "lease")
             logger.info("lease acquired: active", extra=_fields(partition=self.key, instance=lease.instance))
             self._parts.start("lease", self._hold_lease)
-            if self.partition is not None:
-                await self._claim(lease.instance)
+            if self.partition is not None:  # beside the restore (it publishes nothing), awaited before any output
+                claiming = asyncio.ensure_future(self._claim(lease.instance))
+                teardown.callback(claiming.cancel)
         self.role = "active"
         self.outage.took_over()
         teardown.callback(lambda: [part.cancel() for part in (self.stored, self._ahead) if part is not None])
@@ -292,6 +294,8 @@ class Daemon(ConnectionEvents):
         self.snapshotter.taking_over(True)  # the process's other partitions capture no snapshot meanwhile
         teardown.callback(self.snapshotter.taking_over, False)
         await self._restore()
+        if claiming is not None:
+            await claiming
         assert self.nc is not None and self.js is not None
         part = self.partition  # its own consumer: of the whole log, passing over the other partitions'
         name = cfg.consumer if part is None else f"{cfg.consumer}-{self.key}"
@@ -399,8 +403,7 @@ class Daemon(ConnectionEvents):
 
     async def _stop_embedded(self) -> None:
         if self.embedded is not None:
-            timeout = max(self._until(), 1.0)
-            with anyio.move_on_after(timeout + 1.0, shield=True):
+            with anyio.move_on_after((timeout := max(self._until(), 1.0)) + 1.0, shield=True):
                 await self.embedded.stop_async(timeout)
 
     async def _ensure_streams(self) -> None:

@@ -19,6 +19,7 @@ the log's outputs and the commands still go side by side.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -70,25 +71,29 @@ class Fence:
         self._headers: dict[str, dict[str, str]] = {}
 
     async def claim(self) -> None:
-        """Claim the partition in both streams: from now on an earlier owner's publishes are refused. A claim
-        that races another one reads the new last sequence and claims again: only the lease holder claims, and it
-        claims after every earlier holder did."""
-        for kind, (stream, subject) in self._targets.items():
-            while True:
-                last = await self._last(stream, subject)
-                body = orjson.dumps({"owner": self.owner, "pid": os.getpid(), "after": last})
-                try:
-                    ack = await self.js.publish(subject, body, stream=stream,
-                                                headers={EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)})
-                except nats.js.errors.APIError as exc:
-                    if not (is_fence_refusal(exc) or is_in_flight_refusal(exc)):
-                        raise
-                    continue  # read the subject's last sequence again (an in-flight write may be landing)
-                break
-            self.claimed[kind] = ack.seq
-            self._headers[kind] = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(ack.seq),
+        """Claim the partition in both streams, at once (a takeover waits on them): from now on an earlier owner's
+        publishes are refused. A claim that races another one reads the new last sequence and claims again: only
+        the lease holder claims, and it claims after every earlier holder did."""
+        seqs = await asyncio.gather(*(self._claim_in(stream, subject) for stream, subject in self._targets.values()))
+        for (kind, (_, subject)), seq in zip(self._targets.items(), seqs, strict=True):
+            self.claimed[kind] = seq
+            self._headers[kind] = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(seq),
                                    EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT: subject}
         logger.info("partition claimed", extra={"fields": {"partition": self.key, "claims": self.claimed}})
+
+    async def _claim_in(self, stream: str, subject: str) -> int:
+        """The sequence of this owner's claim on `subject` in `stream`."""
+        while True:
+            last = await self._last(stream, subject)
+            body = orjson.dumps({"owner": self.owner, "pid": os.getpid(), "after": last})
+            try:
+                ack = await self.js.publish(subject, body, stream=stream,
+                                            headers={EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)})
+            except nats.js.errors.APIError as exc:
+                if not (is_fence_refusal(exc) or is_in_flight_refusal(exc)):
+                    raise
+                continue  # read the subject's last sequence again (an in-flight write may be landing)
+            return int(ack.seq)
 
     async def _last(self, stream: str, subject: str) -> int:
         try:
