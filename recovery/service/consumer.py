@@ -92,12 +92,14 @@ class InputReader:
         await self.pull.ack(delivery)
 
 
-async def scan_ids(nc: Client, js: JetStreamContext, stream: str, filters: list[str], start_seq: int,
-                   start_time: datetime | None, batch: int = 4096, idle_s: float = 1.0) -> set[str]:
+async def scan_ids(nc: Client, js: JetStreamContext, stream: str, filters: list[str | None], start_seq: int,
+                   start_time: datetime | None, batch: int = 4096, idle_s: float = 1.0,
+                   keep: Callable[[str], bool] | None = None) -> set[str]:
     """The `Nats-Msg-Id` of every message on `filters` in `stream` from `start_seq` (or `start_time`) to the
     stream's last sequence now, read headers-only through an ephemeral consumer per filter, all at once (JetStream
-    serves a consumer of several filters far slower; a takeover waits on this scan). A pull lost on a busy server
-    is found within `2 * idle_s + 1` s (ReaderLost), and the caller scans again."""
+    serves a consumer of several filters far slower; a takeover waits on this scan). A filter None reads every
+    subject, and `keep` says which of them count. A pull lost on a busy server is found within `2 * idle_s + 1` s
+    (ReaderLost), and the caller scans again."""
     end = int((await js.stream_info(stream)).state.last_seq)
 
     async def scan(subject: str) -> set[str]:
@@ -113,7 +115,7 @@ async def scan_ids(nc: Client, js: JetStreamContext, stream: str, filters: list[
             while not reader.done:
                 for d in await reader.next_batch(reader.stall_s):
                     msg_id = (d.headers or {}).get(MSG_ID)
-                    if msg_id:
+                    if msg_id and (keep is None or keep(d.subject)):
                         ids.add(msg_id)
         finally:
             await reader.close()

@@ -160,8 +160,10 @@ async def published_after(nc: Client, js: JetStreamContext, stream: str, command
     the command stream since the snapshot's log time `ts`. Not published again."""
     ids: set[str] = set()
     start_cmd = None if seq == 0 else datetime.fromtimestamp(max(ts - CLOCK_SKEW_MARGIN_NS, 0) / 1e9, tz=UTC)
-    scans = [(stream, [subjects.DECISIONS, subjects.DEAD_LETTERS], seq + 1, None),
-             (command_stream, [subjects.COMMANDS], 1, start_cmd)]
-    for found in await asyncio.gather(*(scan_ids(nc, js, *scan) for scan in scans)):  # at once: a takeover waits
+    # The log's outputs through one consumer of every subject, headers only, kept by subject: a takeover makes one
+    # consumer fewer through the cluster's meta leader (busiest then) than with one per output's filter.
+    log = scan_ids(nc, js, stream, [None], seq + 1, None, keep=subjects.is_output)
+    commands = scan_ids(nc, js, command_stream, [subjects.COMMANDS], 1, start_cmd)
+    for found in await asyncio.gather(log, commands):  # at once: a takeover waits
         ids.update(found)
     return ids
