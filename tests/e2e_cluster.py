@@ -89,10 +89,11 @@ def start_cluster(workdir: Path) -> Iterator[Cluster]:
             # (n1's agent stops), a node loss one (n0), an agent's loss one (n3)
             # A job that opts in (`RECOVERY_STANDBY=1`, tests/test_e2e_standby.py) has its standbys start with it;
             # the others have none.
-            # (each with the agent's own preemption linger: the preemption scenario's engine addresses n1 after it)
+            # n1 with the agent's own preemption linger: the preemption scenario stops n1's agent, and its engine
+            # addresses n1 after that (the others end once their ranks are stopped, at the cluster's end)
             agents.extend([AgentProcess(workdir, name, server.url, env={"RECOVERY_AGENT_STANDBY_DELAY_S": "0"},
-                                        linger_s=None) for name in ("n0", "n1", "n2", "n3")])
-            agents.extend([AgentProcess(workdir, name, server.url, spare=True, linger_s=None)
+                                        linger_s=None if name == "n1" else 0.0) for name in ("n0", "n1", "n2", "n3")])
+            agents.extend([AgentProcess(workdir, name, server.url, spare=True)
                            for name in ("spare0", "spare1", "spare2", "spare3")])
             await wait_until(lambda: ready >= {a.node for a in agents}, 30, "the agents to report their nodes",
                              state.explain)
