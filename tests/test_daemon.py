@@ -434,3 +434,30 @@ async def test_a_restore_scans_what_was_published_after_the_manifest_while_it_op
         assert scans[-1] == (0, 0)
     finally:
         await nc.close()
+
+
+async def test_the_ids_published_after_a_snapshot_are_the_logs_outputs_after_it_and_the_commands(
+        nats_server: NatsServer) -> None:
+    """The log's outputs come from one consumer of every subject, kept by subject: an input's or a fence claim's id
+    after the snapshot, or an output's before it, is not among them."""
+    from nats.js.api import StreamConfig
+
+    from recovery.service.restore import published_after
+
+    nc, js = await connect(nats_server.url)
+    try:
+        await js.add_stream(StreamConfig(name="LOG", subjects=["recovery.ev.>", "recovery.dec.>", "recovery.dlq.>",
+                                                                "recovery.fence.>"]))
+        await js.add_stream(StreamConfig(name="CMD", subjects=["recovery.cmd.>"]))
+        mix = ["recovery.ev.job.a.progress.report", "recovery.dec.a", "recovery.dlq.b", "recovery.fence.log.p-0"]
+        outputs: set[str] = set()
+        for i in range(80):
+            subject = mix[i % len(mix)]
+            ack = await js.publish(subject, b"{}", headers={MSG_ID: f"log-{i}"})
+            if subjects.is_output(subject) and ack.seq > 30:
+                outputs.add(f"log-{i}")
+        await js.publish("recovery.cmd.n0.a.restart", b"{}", headers={MSG_ID: "cmd-0@n0"})
+        found = await published_after(nc, js, "LOG", "CMD", 30, 0)
+        assert found == outputs | {"cmd-0@n0"} and len(outputs) == 25
+    finally:
+        await nc.close()

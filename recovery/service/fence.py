@@ -74,7 +74,12 @@ class Fence:
         """Claim the partition in both streams, at once (a takeover waits on them): from now on an earlier owner's
         publishes are refused. A claim that races another one reads the new last sequence and claims again: only
         the lease holder claims, and it claims after every earlier holder did."""
-        seqs = await asyncio.gather(*(self._claim_in(stream, subject) for stream, subject in self._targets.values()))
+        claims = [asyncio.ensure_future(self._claim_in(stream, subject)) for stream, subject in self._targets.values()]
+        try:
+            seqs = await asyncio.gather(*claims)
+        finally:  # one failed (the caller claims both again): the other stops, not left running on its own
+            for claim in claims:
+                claim.cancel()
         for (kind, (_, subject)), seq in zip(self._targets.items(), seqs, strict=True):
             self.claimed[kind] = seq
             self._headers[kind] = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(seq),
