@@ -3,6 +3,7 @@ with the command line, environment, working directory, output and exit status a 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -153,5 +154,48 @@ async def test_a_job_that_wants_two_standbys_keeps_two_and_hands_them_over(tmp_p
         assert pool.take("job") is None
         for standby in (first, second):
             await standby.close()
+    finally:
+        await pool.close()
+
+
+def test_several_ranks_on_a_node_get_one_thread_each_unless_the_job_or_the_agent_says(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As torchrun: a rank's intra-op pool sized to every core of the node would oversubscribe them."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    placement = ranks.Placement(rank=1, local_rank=1, world_size=4, local_world_size=2, group_rank=0,
+                                group_world_size=2)
+    alone = dataclasses.replace(placement, local_rank=0, local_world_size=1, world_size=2)
+
+    def env_of(entrypoint: Entrypoint, where: ranks.Placement) -> dict[str, str]:
+        return ranks.environment(entrypoint, where, job="j", node="n0", attempt=0, plan=None, store_addr="h",
+                                 store_port=1, torch_port=2, socket=tmp_path / "s", heartbeat_s=1.0)
+
+    script = Entrypoint(command=sys.executable, args=["train.py"])
+    assert env_of(script, placement)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in env_of(script, alone)  # one rank here: torch's own default
+    assert env_of(script.model_copy(update={"env": {"OMP_NUM_THREADS": "8"}}), placement)["OMP_NUM_THREADS"] == "8"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert env_of(script, placement)["OMP_NUM_THREADS"] == "4"
+
+
+async def test_a_standby_of_a_node_of_several_ranks_imports_torch_with_the_ranks_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch sizes its pool when it is imported, before the hand-over: the standby must start with the thread count
+    the rank it becomes gets, or a warm restart computes with other threads than the cold ranks beside it."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    entrypoint = Entrypoint(command=sys.executable, args=["job.py"], env={"PYTHONPATH": environment()["PYTHONPATH"]})
+    pool = StandbyPool(tmp_path, enabled=True, preload="json", delay_s=0)
+    try:
+        with anyio.fail_after(60):
+            await pool.keep("job", entrypoint, 1, local_ranks=2)
+            await pool.keep("single", entrypoint, 1, local_ranks=1)
+        [several], [single] = pool._standbys["job"], pool._standbys["single"]
+
+        def environ(pid: int) -> dict[str, str]:
+            pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
+
+        assert environ(several.pid).get("OMP_NUM_THREADS") == "1"
+        assert "OMP_NUM_THREADS" not in environ(single.pid)
     finally:
         await pool.close()

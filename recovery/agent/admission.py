@@ -227,4 +227,4 @@ class Admission:
             self.job_event(job.id, "job.started", {}, event_id=f"{job.id}:started")
         wanted = self.standbys.wanted(spec.entrypoint, len(job.ranks_on(self.node)))
         for _ in range(wanted):  # one after the other: each waits its delay, then for its imports
-            self._tg.start_soon(self.standbys.keep, job.id, spec.entrypoint, wanted)
+            self._tg.start_soon(self.standbys.keep, job.id, spec.entrypoint, wanted, len(job.ranks_on(self.node)))

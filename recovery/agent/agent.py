@@ -368,8 +368,9 @@ class Agent(Relay, Rescale, Admission):
         ranks.write_record(self.runtime_dir, proc)
         if standby is not None:
             assert self._tg is not None
+            local_ranks = len(job.ranks_on(self.node))
             self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint,
-                                self.standbys.wanted(job.spec.entrypoint, len(job.ranks_on(self.node))))
+                                self.standbys.wanted(job.spec.entrypoint, local_ranks), local_ranks)
         self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt})
         assert self._tg is not None
         self._tg.start_soon(self._watch, job, proc)

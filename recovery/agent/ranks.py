@@ -15,7 +15,7 @@ import anyio
 from anyio.abc import Process
 
 from events.values import Entrypoint, ResumePlan
-from recovery.agent.standby import Standby
+from recovery.agent.standby import Standby, one_thread_each
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +68,8 @@ def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node:
     own port without one), and the job store itself as RECOVERY_STORE_ADDR/RECOVERY_STORE_PORT, where the SDK's
     generations live across formations; RECOVERY_MEMORY_DIR, the job's shared memory on the node
     (`recovery.agent.memory`); TORCHELASTIC_ERROR_FILE, where `@record` writes the exception the script dies of
-    (`recovery.agent.errors`)."""
-    env = {**os.environ, **entrypoint.env}
+    (`recovery.agent.errors`); OMP_NUM_THREADS as torchrun sets it (`one_thread_each`)."""
+    env = one_thread_each({**os.environ, **entrypoint.env}, placement.local_world_size)
     env.update({
         "RANK": str(placement.rank),
         "LOCAL_RANK": str(placement.local_rank),
