@@ -4,6 +4,7 @@ that leave its nodes as they found them, and `shared_fault_free` the parameters 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,11 @@ import pytest
 
 from recovery.testing.nats import NatsServer
 from tests.e2e_cluster import Cluster, fault_free_run, start_cluster
+
+# The width of the caller's terminal is not the tests' to inherit: a pytest-xdist worker starts with COLUMNS=80 where
+# the run had none, and the commands' output wraps at COLUMNS (`recovery.report.screen`). A test that wants a width
+# sets it.
+os.environ.pop("COLUMNS", None)
 
 
 @pytest.fixture
@@ -47,19 +53,52 @@ def _gpu_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-_deselected_gpu: list[str] = []
+_deselected_gpu: set[str] = set()
+SHARED_CLUSTER_GROUP = "shared-cluster"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_gpu(config, items)
+    _group(items)
+
+
+def _deselect_gpu(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` run only where torch sees a GPU (tools/gpu_check.py runs them on one); elsewhere they are
     deselected, and the summary says how many and why."""
     if not any(item.get_closest_marker("gpu") for item in items) or _gpu_available():
         return
     kept = [item for item in items if item.get_closest_marker("gpu") is None]
     dropped = [item for item in items if item.get_closest_marker("gpu") is not None]
-    _deselected_gpu.extend(item.nodeid for item in dropped)
+    _deselected_gpu.update(item.nodeid for item in dropped)
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept
+
+
+def _group(items: list[pytest.Item]) -> None:
+    """What one pytest-xdist worker runs together (`--dist loadgroup`, pyproject's addopts): a module's tests, so that
+    its module-scoped fixtures (a cluster, a daemon) are set up once, and every module on the session's end-to-end
+    cluster, so that the cluster and its fault-free run are too. Those go first: they are the suite's longest chain,
+    and the other worker takes the rest meanwhile (`--no-loadscope-reorder` keeps this order)."""
+    def group(item: pytest.Item) -> str:
+        return SHARED_CLUSTER_GROUP if "shared_cluster" in getattr(item, "fixturenames", ()) else \
+            item.nodeid.split("::")[0]
+
+    groups = {item: group(item) for item in items}
+    items.sort(key=lambda item: groups[item] != SHARED_CLUSTER_GROUP)  # stable: the order within each stays
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its collection is the one that deselected them
+        workeroutput["gpu_deselected"] = sorted(_deselected_gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist's controller collects nothing itself: each worker says what it deselected (they all collect the same)."""
+    _deselected_gpu.update(getattr(node, "workeroutput", {}).get("gpu_deselected", []))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -28,17 +28,19 @@ from tests.e2e_support import STAND_IN, AgentProcess, connect, kill_leftovers, n
 
 @pytest.fixture(autouse=True)
 def short_store_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank whose job has no job store (MASTER_PORT 1) starts after half a second's wait for it, not a minute."""
+    """A rank whose job store does not answer starts after half a second's wait for it, not a minute (the stand-ins
+    use none)."""
     monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")
 
 
-def stand_in_job(tmp_path: Path, nodes: list[str], master_port: int = 1, rendezvous: str = "agent",
+def stand_in_job(tmp_path: Path, nodes: list[str], master_port: int | None = None, rendezvous: str = "agent",
                  **spec: Any) -> dict[str, Any]:
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     return {"nodes": nodes, "ranks_per_node": 1, "layout": {"dp": len(nodes)}, **spec,
             "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
-                           "rendezvous": rendezvous, "env": {"MASTER_PORT": str(master_port)}}}
+                           "rendezvous": rendezvous,
+                           "env": {"MASTER_PORT": str(free_port() if master_port is None else master_port)}}}
 
 
 async def store_answers(port: int) -> bool:

@@ -24,7 +24,7 @@ from recovery.agent.exits import ENDED_WITHOUT_A_WORD
 from recovery.agent.ranks import RankProcess, in_session, start_time
 from recovery.agent.reset import ResetFailed, reset_device
 from recovery.log.jetstream import JetStreamLog, ensure_stream, stream_config
-from recovery.testing.nats import NatsServer
+from recovery.testing.nats import NatsServer, free_port
 from tests.e2e_support import (
     STAND_IN,
     AgentProcess,
@@ -42,8 +42,8 @@ from tests.e2e_support import (
 
 @pytest.fixture(autouse=True)
 def no_job_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These jobs have no job store (MASTER_PORT 1): their ranks start with the job store's port after half a
-    second's wait for it, not the default minute."""
+    """A job's ranks on a node other than its first (whose agent serves the job store) start after half a second's
+    wait for the store, not the default minute: these tests run no agent of that node."""
     monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")
 
 
@@ -105,7 +105,7 @@ def stand_in_job(tmp_path: Path, nodes: list[str], ranks_per_node: int, dp: int)
     script.write_text(STAND_IN)
     return {"nodes": nodes, "ranks_per_node": ranks_per_node, "layout": {"dp": dp},
             "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
-                           "env": {"MASTER_PORT": "1"}}}
+                           "env": {"MASTER_PORT": str(free_port())}}}
 
 
 async def test_the_agent_runs_its_ranks_relays_them_and_carries_out_its_commands(

@@ -29,7 +29,7 @@ SLACK_S = 6.0
 
 async def test_live_agents_log_no_heartbeat_nor_report_and_dead_stopped_and_silent_are_answered_in_time(
         nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")  # no job store (MASTER_PORT 1): the ranks start at once
+    monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")  # the stand-ins use no store: wait little for it
     nc = await connect(nats_server.url)
     w = await watch(nc, "j")
     ready = await node_heard(nc, "recovery.ev.node.*.node.ready")

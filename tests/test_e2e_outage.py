@@ -17,7 +17,7 @@ from events.envelope import Record
 from events.names import DecisionKind
 from recovery.core.engine import Engine
 from recovery.service.lease import LeaseLost
-from recovery.testing.nats import NatsServer
+from recovery.testing.nats import NatsServer, free_port
 from tests.daemon_support import check_log, read_stream, running_daemon, supervised_daemon
 from tests.e2e_support import (
     STAND_IN,
@@ -54,7 +54,7 @@ def stand_in_job(tmp_path: Path, watchdog_s: float) -> dict[str, Any]:
             "policies": {"detection": {"name": "default", "params": {
                 "agent_silence_s": SILENCE_S, "hang_min_silence_s": SILENCE_S}}},
             "entrypoint": {"command": sys.executable, "args": [str(script)], "cwd": str(tmp_path),
-                           "rendezvous": "agent", "env": {"MASTER_PORT": "1"}}}
+                           "rendezvous": "agent", "env": {"MASTER_PORT": str(free_port())}}}
 
 
 class Training:
@@ -134,7 +134,7 @@ class Training:
 
 async def test_nats_away_longer_than_the_silence_bound_restarts_nothing(
         nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")  # no job store (MASTER_PORT 1): the ranks start at once
+    monkeypatch.setenv("RECOVERY_AGENT_STORE_WAIT_S", "0.5")  # the stand-ins use no store: wait little for it
     nc = await connect(nats_server.url)
     training = Training(nats_server, tmp_path, await watch(nc, "j"))
     ready = await node_heard(nc, "recovery.ev.node.*.node.ready")

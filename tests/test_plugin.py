@@ -1,18 +1,20 @@
 """A policy shipped as its own distribution (examples/policy-plugin) is found through the `recovery.policies`
 entry points once installed, and a job that selects it by name gets it: its decisions name it `name@version`.
 
-The session fixture pip-installs the example into the current environment (editable, without dependencies or
-build isolation, so it works offline) and uninstalls it afterwards. The job runs in a fresh interpreter, which
-sees the new distribution the way a daemon started after the install would.
+The session fixture pip-installs the example (without dependencies or build isolation, so it works offline) into a
+directory of its own, from a copy of its source. Each job runs in a fresh interpreter with that directory on its path,
+which reads the distribution's entry points as a daemon started after an install into its environment would; the
+environment the other tests share is left as it was (they may run meanwhile, beside this module).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,6 @@ import pytest
 from recovery.sim.__main__ import parse_policy
 
 PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "policy-plugin"
-DISTRIBUTION = "recovery-example-plugin"
 
 
 def _pip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -29,16 +30,18 @@ def _pip(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="session")
-def installed_plugin() -> Iterator[str]:
-    already = _pip("show", DISTRIBUTION).returncode == 0
-    result = _pip("install", "--quiet", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN))
+def installed_plugin(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of an interpreter that has the plugin installed."""
+    root = tmp_path_factory.mktemp("plugin")
+    source = root / "source"  # a build writes beside the sources: a copy keeps the repository clean
+    shutil.copytree(PLUGIN, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    result = _pip("install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(root / "site"),
+                  str(source))
     if result.returncode != 0:
         pytest.fail(f"pip could not install {PLUGIN}:\n{result.stdout}\n{result.stderr}")
-    try:
-        yield DISTRIBUTION
-    finally:
-        if not already:
-            _pip("uninstall", "--yes", "--quiet", DISTRIBUTION)
+    assert (root / "site" / "recovery_example_plugin").is_dir()
+    path = os.pathsep.join(p for p in (str(root / "site"), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 SCRIPT = textwrap.dedent("""
@@ -65,8 +68,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_an_installed_plugin_policy_drives_a_job(installed_plugin: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=False)
+def test_an_installed_plugin_policy_drives_a_job(installed_plugin: dict[str, str]) -> None:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=False,
+                          env=installed_plugin)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert "example-in-place-first" in out["available"]
@@ -77,10 +81,10 @@ def test_an_installed_plugin_policy_drives_a_job(installed_plugin: str) -> None:
     assert out["state"] == "running"
 
 
-def test_the_plugins_own_tests_pass_the_policy_contract(installed_plugin: str) -> None:
+def test_the_plugins_own_tests_pass_the_policy_contract(installed_plugin: dict[str, str]) -> None:
     """What its README tells an author to run: the plugin's tests, which subclass recovery.testing's contract."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=PLUGIN,
-                          capture_output=True, text=True, timeout=600, check=False)
+                          capture_output=True, text=True, timeout=600, check=False, env=installed_plugin)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TestInPlaceFirst" not in proc.stdout  # nothing failed, and no test was skipped
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
@@ -93,12 +97,13 @@ def test_the_plugin_is_a_separate_distribution() -> None:
     assert 'example-in-place-first = "recovery_example_plugin:InPlaceFirst"' in pyproject
 
 
-def test_the_simulator_runs_an_installed_plugin_on_the_same_faults(installed_plugin: str, tmp_path: Path) -> None:
+def test_the_simulator_runs_an_installed_plugin_on_the_same_faults(installed_plugin: dict[str, str],
+                                                                   tmp_path: Path) -> None:
     """A policy author compares a plugin with the built-ins from the command line, without reading the simulator."""
     log = tmp_path / "run.jsonl"
     run = [sys.executable, "-m", "recovery.sim", "run", "--gpus", "1024", "--days", "7", "--seed", "1", "--json"]
     proc = subprocess.run([*run, "--policy", "rescheduling=example-in-place-first:deadline_s=90", "--log", str(log)],
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=300, check=False, env=installed_plugin)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["profile"] == "default+rescheduling=example-in-place-first"
@@ -106,7 +111,7 @@ def test_the_simulator_runs_an_installed_plugin_on_the_same_faults(installed_plu
               if '"kind":"attempt.started"' in line]
     assert chosen and set(chosen) <= {"example-in-place-first@1", None}
     bad = subprocess.run([*run, "--policy", "rescheduling=example-in-place-first:deadline=1"], capture_output=True,
-                         text=True, timeout=120, check=False)
+                         text=True, timeout=120, check=False, env=installed_plugin)
     assert bad.returncode == 2 and "example-in-place-first" in bad.stderr and "deadline" in bad.stderr
 
 
