@@ -13,6 +13,7 @@ import pytest
 
 from recovery.testing.nats import NatsServer
 from tests.e2e_cluster import Cluster, fault_free_run, start_cluster
+from tests.scheduling import ModuleGroups, check_groups
 
 # The width of the caller's terminal is not the tests' to inherit: a pytest-xdist worker starts with COLUMNS=80 where
 # the run had none, and the commands' output wraps at COLUMNS (`recovery.report.screen`). A test that wants a width
@@ -54,12 +55,16 @@ def _gpu_available() -> bool:
 
 
 _deselected_gpu: set[str] = set()
-SHARED_CLUSTER_GROUP = "shared-cluster"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _deselect_gpu(config, items)
-    _group(items)
+    check_groups(items, config.rootpath)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> ModuleGroups | None:
+    return ModuleGroups(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 def _deselect_gpu(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -72,21 +77,6 @@ def _deselect_gpu(config: pytest.Config, items: list[pytest.Item]) -> None:
     _deselected_gpu.update(item.nodeid for item in dropped)
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept
-
-
-def _group(items: list[pytest.Item]) -> None:
-    """What one pytest-xdist worker runs together (`--dist loadgroup`, pyproject's addopts): a module's tests, so that
-    its module-scoped fixtures (a cluster, a daemon) are set up once, and every module on the session's end-to-end
-    cluster, so that the cluster and its fault-free run are too. Those go first: they are the suite's longest chain,
-    and the other worker takes the rest meanwhile (`--no-loadscope-reorder` keeps this order)."""
-    def group(item: pytest.Item) -> str:
-        return SHARED_CLUSTER_GROUP if "shared_cluster" in getattr(item, "fixturenames", ()) else \
-            item.nodeid.split("::")[0]
-
-    groups = {item: group(item) for item in items}
-    items.sort(key=lambda item: groups[item] != SHARED_CLUSTER_GROUP)  # stable: the order within each stays
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
