@@ -221,10 +221,11 @@ class Admission:
         spec = job.spec
         assert spec.entrypoint is not None and self._tg is not None
         await self._serve_store(job)
-        for rank in job.ranks_on(self.node):
+        here = job.ranks_on(self.node)
+        for rank in here:
             await self._launch(job, rank, 0, None, whole=True)
         if spec.nodes[0] == self.node:
             self.job_event(job.id, "job.started", {}, event_id=f"{job.id}:started")
-        wanted = self.standbys.wanted(spec.entrypoint, len(job.ranks_on(self.node)))
+        wanted = self.standbys.wanted(spec.entrypoint, len(here))
         for _ in range(wanted):  # one after the other: each waits its delay, then for its imports
-            self._tg.start_soon(self.standbys.keep, job.id, spec.entrypoint, wanted, len(job.ranks_on(self.node)))
+            self._tg.start_soon(self.standbys.keep, job.id, spec.entrypoint, wanted, len(here))
