@@ -69,6 +69,7 @@ from recovery.service.links import ConnectionEvents
 from recovery.service.liveness import LivenessMonitor
 from recovery.service.outage import POLL_S, OutageRecorder, pending_path, takeover_window_s
 from recovery.service.parts import Parts
+from recovery.service.prefetch import Prefetch
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
 from recovery.service.restore import StoredIds, published_after, restore_newest
@@ -141,6 +142,7 @@ class Daemon(ConnectionEvents):
         self.snapshotter: Snapshotter | None = None
         self.stored: StoredIds | None = None  # the published-id scan, until the backlog's effects are settled
         self._ahead: BacklogAhead | None = None  # a partition's backlog, read while the snapshot is opened
+        self.prefetched: Prefetch | None = None  # its takeover read ahead (`recovery.service.prefetch`)
         self.failed = False
         self.failure: BaseException | None = None
         self._failed_part = ""
@@ -332,14 +334,12 @@ class Daemon(ConnectionEvents):
             await parts["companion"].end(COMPANION_GRACE_S)
         self._until()  # the shutdown budget starts now
         budget = max(self.cfg.shutdown_timeout_s - 1.5, 0.5)
-        for name in ("timers", "liveness", "unserved"):  # nothing more to publish once the inputs stop
-            if name in parts:
-                await parts[name].end()
+        for name in (n for n in ("timers", "liveness", "unserved") if n in parts):  # nothing to publish after
+            await parts[name].end()
         if "processor" in parts and not await parts["processor"].end(budget * 0.5):
             logger.warning("batch not finished in time: it is applied again at the next start")
-        for name in ("lease", "control"):
-            if name in parts:
-                await parts[name].end()
+        for name in (n for n in ("lease", "control") if n in parts):
+            await parts[name].end()
         if "snapshots" in parts and self.snapshotter is not None:
             parts["snapshots"].stop_requested.set()
             self.snapshotter.close()  # the upload under way finishes, then the part ends
@@ -407,12 +407,10 @@ class Daemon(ConnectionEvents):
                 await self.embedded.stop_async(timeout)
 
     async def _ensure_streams(self) -> None:
-        js = self.js
+        js, cfg = self.js, self.cfg
         assert js is not None
-        cfg = self.cfg
         await ensure_streams(js, cfg, self._retry, once=self.partition is not None)  # a takeover asks no more
-        self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, self.key, cfg.snapshot_chunk_bytes,
-                                       cfg.replicas)
+        self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, self.key, cfg.snapshot_chunk_bytes, cfg.replicas)
         await self._retry(self.snapshots.ensure, "snapshot bucket")
         self.processor.seal = await self._retry(lambda: load_seal(js, cfg.snapshot_bucket), "seal")
         self.snapshotter = Snapshotter(self.snapshots, cfg.snapshot_every_records, cfg.snapshot_every_s,
@@ -425,15 +423,17 @@ class Daemon(ConnectionEvents):
         assert self.snapshots is not None and self.nc is not None and self.js is not None
         nc, js, cfg = self.nc, self.js, self.cfg
         t0 = time.monotonic()
-        newest, self.stored = await restore_newest(self.snapshots, self._retry, self.partition, lambda seq, ts: (
-            self._retry(lambda: published_after(nc, js, cfg.stream, cfg.command_stream, seq, ts), "published-id scan")),
-            ahead=self._read_ahead if self.partition is not None else lambda start: None)
-        if newest is not None:
-            opened, manifest = newest
-            self.processor.engine = opened
+        pre, self.prefetched = self.prefetched, None  # read while the last owner was only suspected dead
+        if pre is not None and (taken := await pre.take(self.snapshots, self._retry)) is not None:
+            newest, self.stored, self._ahead = taken
+        else:
+            newest, self.stored = await restore_newest(self.snapshots, self._retry, self.partition, lambda seq, ts: (
+                self._retry(lambda: published_after(nc, js, cfg.stream, cfg.command_stream, seq, ts),
+                            "published-id scan")), ahead=self._read_ahead if self.partition else lambda start: None)
+        if newest is not None and self.snapshotter is not None:
+            (opened, manifest), self.processor.engine = newest, newest[0]
             self.restored_seq = self.clean_seq = opened.last_seq
             self.last_ts = int(manifest.get("ts", 0))
-            assert self.snapshotter is not None
             self.snapshotter.restored(opened.last_seq, manifest)
         # The engine checks each timer firing's seal with the secret (a snapshot never holds it); before the seal is
         # loaded there is none to check against, and the engine checks the seal's form only.

@@ -11,6 +11,11 @@ partition's own lease, snapshot key, durable consumer and fence (`recovery.servi
   once it is a TTL old by the server's clock (every key carries the time the stream stored it, and this member's own
   key, just written, says what time it is there), not only once the server removed it, which it does up to a
   quarter of a second later; and the balance after one looks when the next such key lapses, not a period later.
+- A takeover is read ahead while its owner is only suspected dead (`recovery.service.prefetch`): once a member's key
+  is 0.6 TTL old, each survivor predicts which of that member's partitions it takes at the lapse (the split and
+  order the take uses, which every survivor computes alike), opens their snapshots, scans the ids published after
+  them and reads their backlogs; the others' predicted partitions it leaves to them for a moment after the lapse.
+  At the lapse its workers take the leases and find the restore done. A member that renews again costs a read.
 - A daemon that joins makes the others' shares shrink: each stops its surplus partitions gracefully (the final
   snapshot written, the lease released at once), and the newcomer takes them.
 - Surplus goes standbys first, then the highest partitions; a partition is taken only when its lease is free (or
@@ -50,6 +55,7 @@ from recovery.service.daemon import Daemon, DaemonFailed
 from recovery.service.datadir import DataDirInUse, DataDirLock
 from recovery.service.http import HttpServer, Metrics, PartitionMetrics
 from recovery.service.lease import Lease, default_instance
+from recovery.service.prefetch import Prefetch, predict, suspect_after_s
 from recovery.service.views import outwaited
 
 logger = logging.getLogger("recovery.ownership")
@@ -126,6 +132,12 @@ class Ownership:
         self._server_offset: float | None = None
         """the server's clock (seconds) less this process's monotonic clock, from this member's own key just written"""
         self._lapses: list[float] = []  # when keys of others seen at the last balance lapse (monotonic)
+        self._suspects: dict[str, float] = {}
+        """members whose keys are `suspect_after_s` old (missed renewals), and when each lapses (monotonic)"""
+        self._prefetches: dict[int, Prefetch] = {}  # the suspects' partitions this member would take, read ahead
+        self._held: dict[int, float] = {}  # every partition seen held by a suspect since the suspicion began: its lapse
+        self._theirs: dict[int, tuple[str, float]] = {}
+        """whom each of the suspects' partitions is predicted for, and until when (monotonic) others leave it alone"""
         self._kv_back: float | None = float("-inf")
         """since when the lease bucket answers again after a balance it failed (None: failing now): every member's
         keys lapsed meanwhile, and free partitions are taken only once every live member had a TTL to renew its own"""
@@ -182,6 +194,8 @@ class Ownership:
                 with contextlib.suppress(Exception):
                     await self.kv.delete(member_key(self.instance))  # the others' shares grow now, not a TTL later
             finally:
+                for prefetch in self._prefetches.values():
+                    prefetch.cancel()
                 await connection.close(nc, 1.0)
                 group.cancel_scope.cancel()
 
@@ -199,13 +213,18 @@ class Ownership:
 
     def _lapsed(self, key: Stamped) -> bool:
         """Is `key` a lease TTL old by the server's clock (or older)? Else its lapse is noted for the next look."""
-        if key.stored_s is None or self._server_offset is None:
+        if (lapse := self._lapse(key)) is None:
             return False  # the server's removal says so instead
-        lapse = key.stored_s + self.cfg.lease_ttl_s - self._server_offset  # on this process's clock
         if lapse <= self._clock():
             return True
         self._lapses.append(lapse)
         return False
+
+    def _lapse(self, key: Stamped, after_s: float | None = None) -> float | None:
+        """When `key` is `after_s` (by default a lease TTL) old by the server's clock, on this process's clock."""
+        if key.stored_s is None or self._server_offset is None:
+            return None
+        return key.stored_s + (self.cfg.lease_ttl_s if after_s is None else after_s) - self._server_offset
 
     async def _stamped(self, key: str) -> Stamped | None:
         assert self._js is not None
@@ -252,12 +271,61 @@ class Ownership:
             n = max(len(self.members), 1)
             rank = self.members.index(self.instance) if self.instance in self.members else 0
             wanted = -surplus
-            for index in free[rank % n::n] + [k for i, k in enumerate(free) if i % n != rank % n]:
+            # What was read ahead for this member first; what was predicted for another live survivor is left to
+            # it until a little after its lapse, so that a take staggered by the lapses goes as predicted.
+            ahead = [k for k in free if k in self._prefetches]
+            order = [k for k in free[rank % n::n] + [k for i, k in enumerate(free) if i % n != rank % n]
+                     if k not in ahead and not self._left_to_another(k)]
+            for index in ahead + order:
                 if wanted == 0:
                     break
                 if await self._reserve(index):
                     self._start_worker(group, index)
                     wanted -= 1
+
+        await self._prepare()
+
+    def _left_to_another(self, index: int) -> bool:
+        who, until = self._theirs.get(index, ("", 0.0))
+        return who != self.instance and who in self.members and self._clock() < until
+
+    async def _prepare(self) -> None:
+        """Read ahead the partitions this member would take if the suspected members lapsed (`recovery.service.
+        prefetch`), and note whom the others' are predicted for. A prediction lasts until its partition is taken,
+        its holder renews (a live member holds it again), or a grace after its lapse; its read ahead as long."""
+        leases: dict[int, Stamped | None] = {}
+        if self._suspects and self._js is not None:
+            for k in (k for k in range(self.count) if k not in self.workers):
+                entry = leases[k] = await self._stamped(self.cfg.partition_key(k))
+                if entry is not None and (holder := entry.value.get("instance")) in self._suspects:
+                    # lapses the later of its lease and its holder's membership, both on this process's clock
+                    self._held[k] = max(self._lapse(entry) or self._clock(), self._suspects[holder])
+            # The strides run over every partition seen held by a suspect since the suspicion began: a lease that
+            # lapsed (the server removes it) or was taken meanwhile must not shift the others' strides.
+            held = sorted(self._held)
+            serving = sum(1 for k, d in self.workers.items() if not d.stopping and k not in self._held)
+            wanted = predict(self.members, sorted(self._suspects), self.instance, held, serving,
+                             lambda members, me: fair_share(members, me, self.count))
+            grace = max(2 * self.period_s, 0.5)
+            self._theirs = {k: (who, self._held[k] + grace) for k, who in wanted.items()}
+        for k in sorted(self._theirs):
+            if k not in leases and k not in self.workers and self._js is not None:
+                leases[k] = await self._stamped(self.cfg.partition_key(k))
+            holder = (leases.get(k) or Stamped({}, 0, None)).value.get("instance")
+            if (k in self.workers or self._theirs[k][1] <= self._clock()
+                    or (holder in self.members and holder not in self._suspects)):
+                del self._theirs[k]
+        if not self._suspects and not self._theirs:
+            self._held = {}  # the suspicion is over: lapsed and taken, or renewed
+        mine = sorted(k for k, (who, _) in self._theirs.items() if who == self.instance)
+        for k in sorted(self._prefetches):
+            if k not in mine or self._prefetches[k].stale(self.cfg.lease_ttl_s):
+                self._prefetches.pop(k).cancel()
+        for k in mine:
+            if k not in self._prefetches and self.nc is not None and self._js is not None:
+                logger.info("takeover prefetch begun", extra={"fields": {
+                    "partition": k, "suspects": sorted(self._suspects)}})
+                self._prefetches[k] = Prefetch(self.nc, self._js, self.worker_config(), k, lambda: self.stopping)
 
     async def _members(self, js: JetStreamContext, written: float) -> list[str]:
         """The live members, this one among them: the bucket's member keys less those a TTL old by the server's clock,
@@ -274,7 +342,14 @@ class Ownership:
                 found.append((entry.value["instance"], entry))
                 if entry.value["instance"] == self.instance and entry.stored_s is not None:
                     self._server_offset = entry.stored_s - written
-        return sorted(name for name, entry in found if name == self.instance or not self._lapsed(entry))
+        live = sorted(name for name, entry in found if name == self.instance or not self._lapsed(entry))
+        suspect_after = suspect_after_s(self.cfg.lease_ttl_s)
+        self._suspects = {}
+        for name, entry in found:
+            if (name != self.instance and name in live and (lapse := self._lapse(entry)) is not None
+                    and lapse - self.cfg.lease_ttl_s + suspect_after <= self._clock()):
+                self._suspects[name] = lapse
+        return live
 
     async def _free(self, index: int) -> Stamped | bool:
         """May this daemon take partition `index` now? True if nobody holds its lease, or this instance did in an
@@ -305,8 +380,10 @@ class Ownership:
 
     def _start_worker(self, group: TaskGroup, index: int) -> None:
         daemon = Daemon(self.worker_config(), Partition(index, self.count))
+        daemon.prefetched = self._prefetches.pop(index, None)
         self.workers[index] = daemon
-        logger.info("partition taken", extra={"fields": {"partition": index, "share": self.target}})
+        logger.info("partition taken", extra={"fields": {"partition": index, "share": self.target,
+                                                         "prefetched": daemon.prefetched is not None}})
         group.start_soon(self._serve, index, daemon, name=f"recovery-partition-{index}")
 
     async def _serve(self, index: int, daemon: Daemon) -> None:
@@ -318,6 +395,8 @@ class Ownership:
         except Exception:  # one partition's failure must not stop the others: the next balance takes it again
             logger.exception("partition failed", extra={"fields": {"partition": index}})
         finally:
+            if daemon.prefetched is not None:  # stopped before its restore took it
+                daemon.prefetched.cancel()
             if self.workers.get(index) is daemon:
                 del self.workers[index]
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -29,6 +30,7 @@ from recovery.service.publisher import Outgoing
 from recovery.service.snapshots import Retry, SnapshotStore
 
 logger = logging.getLogger("recovery.daemon")
+T = TypeVar("T")
 
 CLOCK_SKEW_MARGIN_NS = 10 * 1_000_000_000
 """commands are looked up from this long before the snapshot's log time: the command stream's leader stamps them by
@@ -47,8 +49,8 @@ async def open_newest(snapshots: SnapshotStore, retry: Retry, partition: Partiti
     if loaded is None:
         return None
     blob, manifest = loaded
-    try:
-        opened = open_snapshot(blob)
+    try:  # in a thread: unpickling takes 0.2-2 s of a busy host, and the loop renews leases and serves meanwhile
+        opened = await in_own_thread(open_snapshot, blob)
     except Exception as exc:
         opened = f"{type(exc).__name__}: {exc}"
     if isinstance(opened, Engine) and opened.partition != partition:
@@ -58,6 +60,39 @@ async def open_newest(snapshots: SnapshotStore, retry: Retry, partition: Partiti
                        extra={"fields": {"seq": manifest.get("seq"), "reason": opened}})
         return None
     return opened, manifest
+
+
+async def in_own_thread(fn: Callable[[bytes], T], arg: bytes) -> T:
+    """`fn(arg)` in a thread started for it and joined when it returns. Not a pool's: an idle worker left behind
+    would keep the daemon from forking its snapshots for seconds (`recovery.service.snapshots.capture` forks only
+    while no other thread runs), and pickle them in the loop instead. A caller cancelled meanwhile leaves the
+    thread to finish alone."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def work() -> None:
+        try:
+            result = fn(arg)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    thread = threading.Thread(target=work, name="recovery-snapshot-open", daemon=True)
+    thread.start()
+    try:
+        return await asyncio.shield(done)  # a cancel here leaves the thread to finish alone
+    finally:
+        if done.done():
+            thread.join()  # it has returned already, or is about to
 
 
 Scan = Callable[[int, int], Awaitable[set[str]]]
