@@ -150,16 +150,23 @@ async def test_a_suspects_partitions_are_read_ahead_and_taken_as_predicted_thoug
     assert [(k, ahead) for k, ahead in taken] == [(5, taken[0][1]), (4, None)]
 
 
-async def test_a_suspect_that_renews_again_has_its_read_ahead_cancelled(tmp_path: Path, fetches: Fetches) -> None:
+async def suspected(tmp_path: Path, at: float) -> tuple[Ownership, Bucket, list[float], list[tuple[int, Any]]]:
+    """b's balance at `at`, c (holding 4 and 5) silent since 100 and a renewing: (b, the bucket, the clock, b's
+    takes)."""
     clock = [100.0]
     bucket = Bucket(clock)
     await write(bucket, "a", [0, 1])
     await write(bucket, "c", [4, 5])
     taken: list[tuple[int, Any]] = []
     owner = survivor(tmp_path, bucket, clock, [2, 3], taken)
-    clock[0] = 103.2
+    clock[0] = at
     await write(bucket, "a", [0, 1])
     await owner._balance(None, bucket)  # type: ignore[arg-type]
+    return owner, bucket, clock, taken
+
+
+async def test_a_suspect_that_renews_again_has_its_read_ahead_cancelled(tmp_path: Path, fetches: Fetches) -> None:
+    owner, bucket, clock, taken = await suspected(tmp_path, 103.2)
     assert fetches.begun == [5]
     clock[0] = 103.7  # c was only slow: it renews everything
     await write(bucket, "a", [0, 1])
@@ -269,15 +276,7 @@ async def test_a_suspects_lease_removed_on_its_lapse_leaves_the_predicted_split_
         tmp_path: Path, fetches: Fetches) -> None:
     """The server removes a lease once it expired, before the suspect's key lapses: the strides still run over every
     partition the suspect was seen holding, so b keeps reading 5 ahead and does not move to 4, which a reads."""
-    clock = [100.0]
-    bucket = Bucket(clock)
-    await write(bucket, "a", [0, 1])
-    await write(bucket, "c", [4, 5])
-    taken: list[tuple[int, Any]] = []
-    owner = survivor(tmp_path, bucket, clock, [2, 3], taken)
-    clock[0] = 103.1
-    await write(bucket, "a", [0, 1])
-    await owner._balance(None, bucket)  # type: ignore[arg-type]
+    owner, bucket, clock, taken = await suspected(tmp_path, 103.1)
     assert fetches.begun == [5] and owner._theirs[4][0] == "a"
     del bucket.keys["default-5"]  # expired and removed
     clock[0] = 103.6
