@@ -87,7 +87,9 @@ async def write(bucket: Bucket, member: str, partitions: list[int], key: bool = 
 
 def worker() -> Any:
     """A partition's daemon, active and ready, as a balance sees it."""
-    return SimpleNamespace(stopping=False, role="active", lease=None, readiness=lambda: (True, {}))
+    d = SimpleNamespace(stopping=False, role="active", lease=None, readiness=lambda: (True, {}))
+    d.request_stop = lambda: setattr(d, "stopping", True)
+    return d
 
 
 def survivor(tmp_path: Path, bucket: Bucket, clock: list[float], serving: list[int],
@@ -275,14 +277,15 @@ async def test_a_read_ahead_of_a_snapshot_no_longer_the_newest_is_not_used(nats_
 async def test_a_suspects_lease_removed_on_its_lapse_leaves_the_predicted_split_as_it_was(
         tmp_path: Path, fetches: Fetches) -> None:
     """The server removes a lease once it expired, before the suspect's key lapses: the strides still run over every
-    partition the suspect was seen holding, so b keeps reading 5 ahead and does not move to 4, which a reads."""
+    partition the suspect was seen holding, so b keeps to 5 (and takes it, its lease gone) and leaves 4 to a."""
     owner, bucket, clock, taken = await suspected(tmp_path, 103.1)
     assert fetches.begun == [5] and owner._theirs[4][0] == "a"
     del bucket.keys["default-5"]  # expired and removed
     clock[0] = 103.6
     await write(bucket, "a", [0, 1])
     await owner._balance(None, bucket)  # type: ignore[arg-type]
-    assert fetches.begun == [5] and fetches.cancelled == [] and owner._theirs[4][0] == "a" and taken == []
+    assert fetches.begun == [5] and fetches.cancelled == [] and owner._theirs[4][0] == "a"
+    assert [k for k, _ in taken] == [5]  # its lease gone with the TTL: taken early, with what was read ahead
 
 
 async def test_a_snapshot_opened_in_its_own_thread_leaves_no_thread_behind() -> None:
@@ -317,3 +320,37 @@ async def test_a_snapshot_opened_in_its_own_thread_leaves_no_thread_behind() -> 
     with pytest.raises(ValueError, match="damaged"):
         await in_own_thread(broken, b"damaged")
     assert threading.active_count() == before
+
+
+async def test_a_suspects_lease_that_lapses_before_its_key_is_taken_early_and_counted_once_the_key_lapses(
+        tmp_path: Path, fetches: Fetches) -> None:
+    """c's leases were renewed at 100 and its key at 101: the leases lapse at 105, the key at 106. b takes its
+    predicted 5 at 105, leaves 4 to a, and hands nothing over while c is still a member; were c to renew after all,
+    5 would be the surplus b gives back."""
+    clock = [100.0]
+    bucket = Bucket(clock)
+    await write(bucket, "a", [0, 1])
+    await write(bucket, "c", [4, 5])
+    clock[0] = 101.0
+    await write(bucket, "c", [], key=True)
+    taken: list[tuple[int, Any]] = []
+    owner = survivor(tmp_path, bucket, clock, [2, 3], taken)
+    for at in (104.2, 104.7):
+        clock[0] = at
+        await write(bucket, "a", [0, 1])
+        await owner._balance(None, bucket)  # type: ignore[arg-type]
+        assert sorted(owner._suspects) == ["c"] and taken == []
+    assert fetches.begun == [5] and owner._next_look() == pytest.approx(0.3 + ownership_mod.WAKE_AFTER_LAPSE_S)
+    clock[0] = 105.0  # the leases lapse, the key a second later
+    await write(bucket, "a", [0, 1])
+    await owner._balance(None, bucket)  # type: ignore[arg-type]
+    assert [k for k, _ in taken] == [5] and taken[0][1] is not None and owner.members == ["a", "b", "c"]
+    clock[0] = 105.5
+    await write(bucket, "a", [0, 1])
+    await owner._balance(None, bucket)  # type: ignore[arg-type]
+    assert not any(d.stopping for d in owner.workers.values()) and [k for k, _ in taken] == [5]
+    clock[0] = 105.9  # c renews after all: 5 is one more than b's share of three
+    await write(bucket, "a", [0, 1])
+    await write(bucket, "c", [4])
+    await owner._balance(None, bucket)  # type: ignore[arg-type]
+    assert owner._suspects == {} and [k for k, d in owner.workers.items() if d.stopping] == [5]

@@ -15,7 +15,8 @@ partition's own lease, snapshot key, durable consumer and fence (`recovery.servi
   is 0.6 TTL old, each survivor predicts which of that member's partitions it takes at the lapse (the split and
   order the take uses, which every survivor computes alike), opens their snapshots, scans the ids published after
   them and reads their backlogs; the others' predicted partitions it leaves to them for a moment after the lapse.
-  At the lapse its workers take the leases and find the restore done. A member that renews again costs a read.
+  At each lease's lapse (before the member's key lapses, when it was renewed later) its workers take the leases and
+  find the restore done. A member that renews again costs a read, and gets back what was taken early.
 - A daemon that joins makes the others' shares shrink: each stops its surplus partitions gracefully (the final
   snapshot written, the lease released at once), and the newcomer takes them.
 - Surplus goes standbys first, then the highest partitions; a partition is taken only when its lease is free (or
@@ -249,14 +250,17 @@ class Ownership:
         # A worker still on its way to active (connecting, claiming) counts: else a slow start looks like room
         # for one more partition, taken now and handed over at the next balance.
         serving = {k: d for k, d in self.workers.items() if not d.stopping and k not in waiting}
-        surplus = len(serving) - target
+        # A suspect's partition taken once its lease lapsed, before its holder's key did (`_take_early`): the share
+        # counts it once the holder has lapsed too, or gives it back if the holder renews.
+        counted = {k: d for k, d in serving.items() if not (self._suspects and k in self._held)}
+        surplus = len(counted) - target
         if surplus > 0:
-            for index in sorted((k for k, d in serving.items() if d.role != "active"), reverse=True) + sorted(
-                    (k for k, d in serving.items() if d.role == "active"), reverse=True):
+            for index in sorted((k for k, d in counted.items() if d.role != "active"), reverse=True) + sorted(
+                    (k for k, d in counted.items() if d.role == "active"), reverse=True):
                 if surplus == 0:
                     break
                 logger.info("partition handed over", extra={"fields": {"partition": index, "share": target}})
-                serving[index].request_stop()  # graceful: final snapshot, lease released
+                counted[index].request_stop()  # graceful: final snapshot, lease released
                 surplus -= 1
         elif surplus < 0 and self._clock() - self._kv_back < self.cfg.lease_ttl_s:
             # The bucket was away (a server lost): the others could not renew either, and their keys look free.
@@ -284,6 +288,21 @@ class Ownership:
                     wanted -= 1
 
         await self._prepare()
+        await self._take_early(group)
+
+    async def _take_early(self, group: TaskGroup) -> None:
+        """Take the suspects' partitions predicted for this member as soon as their leases lapse, before their
+        holders' keys do. A lease a TTL old is free whoever holds it (its holder stopped reading at half a TTL
+        unrenewed, and learns at its next renewal that it lost): only the share waited for the holder's key, and the
+        prediction is the share it will be. Each lease's lapse is a look of its own (`_next_look`)."""
+        if not self._suspects:
+            return
+        for k in sorted(k for k, (who, _) in self._theirs.items() if who == self.instance and k not in self.workers):
+            free = await self._free(k)  # notes a lapse still to come for the next look
+            if free is not False and await self._reserve(k):
+                logger.info("partition taken early", extra={"fields": {"partition": k,
+                                                                       "suspects": sorted(self._suspects)}})
+                self._start_worker(group, k)
 
     def _left_to_another(self, index: int) -> bool:
         who, until = self._theirs.get(index, ("", 0.0))
