@@ -221,11 +221,12 @@ class Ownership:
         self._lapses.append(lapse)
         return False
 
-    def _lapse(self, key: Stamped, after_s: float | None = None) -> float | None:
-        """When `key` is `after_s` (by default a lease TTL) old by the server's clock, on this process's clock."""
+    def _lapse(self, key: Stamped) -> float | None:
+        """When `key` is a lease TTL old by the server's clock, on this process's clock (None: the server told no
+        time, or this member has not seen its own key yet)."""
         if key.stored_s is None or self._server_offset is None:
             return None
-        return key.stored_s + (self.cfg.lease_ttl_s if after_s is None else after_s) - self._server_offset
+        return key.stored_s + self.cfg.lease_ttl_s - self._server_offset
 
     async def _stamped(self, key: str) -> Stamped | None:
         assert self._js is not None

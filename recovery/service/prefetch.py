@@ -60,9 +60,9 @@ def predict(members: list[str], suspects: list[str], me: str, held: list[int], s
             share: Callable[[list[str], str], int]) -> dict[int, str]:
     """Who takes each partition in `held` (the suspects', in index order) if the suspects lapse, as the take does
     it: the member of rank r of the n survivors takes every n-th partition from the r-th, then the rest, as many as
-    its share (`share`) less what it `serving`s. This member's own count is known, so its own take is exact; each
-    other survivor is given its own stride of `held` (a partition left out is anyone's). Every survivor computes
-    the same strides from the same keys."""
+    its share among the survivors (`share`) less the `serving` partitions it has. Only this member's own count is
+    known here, so only its own take is exact; each other survivor is given its stride of `held` (a partition left
+    out is anyone's). Every survivor computes the same strides from the same keys."""
     survivors = sorted(m for m in members if m not in suspects)
     if me not in survivors or not held:
         return {}
