@@ -230,14 +230,20 @@ async def replayed_state(url: str) -> tuple[dict[str, Any], list[str]]:
     return state_view(result.engine.snapshot()), ids
 
 
+async def read_ahead(nc: Any, js: Any, cfg: config_mod.DaemonConfig) -> Prefetch:
+    """Partition 0's takeover read ahead, as a survivor does while the owner is suspected, and finished."""
+    ahead = Prefetch(nc, js, cfg, 0, lambda: False)
+    await asyncio.wait_for(asyncio.shield(ahead._task), 60)
+    return ahead
+
+
 async def test_a_takeover_restores_from_what_was_read_ahead_and_ends_where_a_replay_does(
         nats_server: NatsServer, tmp_path: Path) -> None:
     url = nats_server.url
     cfg, job, last = await a_partition_with_a_backlog(url, tmp_path)
     nc, js = await connect(url)
     try:
-        ahead = Prefetch(nc, js, cfg, 0, lambda: False)
-        await asyncio.wait_for(asyncio.shield(ahead._task), 60)
+        ahead = await read_ahead(nc, js, cfg)
         assert ahead.newest is not None and ahead.newest[0].last_seq < last
         opened = ahead.newest[0]
         async with partition_daemon(cfg.model_copy(update={"data_dir": tmp_path / "second"}), ahead) as second:
@@ -259,8 +265,7 @@ async def test_a_read_ahead_of_a_snapshot_no_longer_the_newest_is_not_used(nats_
     cfg, _, last = await a_partition_with_a_backlog(url, tmp_path)
     nc, js = await connect(url)
     try:
-        ahead = Prefetch(nc, js, cfg, 0, lambda: False)
-        await asyncio.wait_for(asyncio.shield(ahead._task), 60)
+        ahead = await read_ahead(nc, js, cfg)
         assert ahead.newest is not None
         stale = ahead.newest[0]
         async with partition_daemon(cfg.model_copy(update={"data_dir": tmp_path / "between"})) as between:
