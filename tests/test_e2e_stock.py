@@ -221,7 +221,9 @@ def test_the_documented_standalone_run_of_the_stock_script_completes_as_the_faul
                             env=environment(), check=False)
     assert report.returncode == 0, report.stderr
     [job] = json.loads(report.stdout)["jobs"]
-    assert job["state"] == "completed" and not job["incidents"] and not json.loads(report.stdout)["never_ran"]
+    # an incident in a fault-free run says what the daemon saw (its detection under a busy host, or a real fault)
+    assert job["state"] == "completed" and not job["incidents"], json.dumps(job["incidents"], indent=1)[:4000]
+    assert not json.loads(report.stdout)["never_ran"]
     verify = subprocess.run([*replay, "verify", str(data)], capture_output=True, text=True, timeout=120,
                             env=environment(), check=False)
     assert verify.returncode == 0 and verify.stdout.startswith("ok:"), verify.stdout + verify.stderr
