@@ -175,6 +175,10 @@ async def test_a_suspect_that_renews_again_has_its_read_ahead_cancelled(tmp_path
     await write(bucket, "c", [4, 5])
     await owner._balance(None, bucket)  # type: ignore[arg-type]
     assert owner._suspects == {} and fetches.cancelled == [5] and owner._prefetches == {} and taken == []
+    registry = owner.metrics.registry
+    counted = {outcome: registry.get_sample_value("recovery_takeover_prefetches_total", {"outcome": outcome})
+               for outcome in ("begun", "dropped")}
+    assert counted == {"begun": 1.0, "dropped": 1.0}  # what `/metrics` tells a platform engineer of false suspicions
 
 
 # -- restores from a prefetch, on a real server ------------------------------------------------------------------

@@ -42,6 +42,9 @@ class Metrics:
                                     registry=r)
         self.snapshots = Counter("recovery_snapshots", "snapshots written to the KV bucket", registry=r)
         self.reconnects = Counter("recovery_nats_reconnects", "reconnections to NATS", registry=r)
+        self.prefetches = Counter("recovery_takeover_prefetches", "takeovers read ahead while their owner was "
+                                  "suspected dead, by outcome: begun, taken (a worker got it), dropped", ["outcome"],
+                                  registry=r)
         self.consumer_resets = Counter("recovery_consumer_resets",
                                        "input consumer re-created at the next sequence (gap, outage)", registry=r)
         self.open_incidents = Gauge("recovery_open_incidents", "jobs with an open incident", registry=r)

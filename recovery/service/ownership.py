@@ -341,11 +341,13 @@ class Ownership:
         for k in sorted(self._prefetches):
             if k not in mine or self._prefetches[k].stale(self.cfg.lease_ttl_s):
                 self._prefetches.pop(k).cancel()
+                self.metrics.prefetches.labels("dropped").inc()
         for k in mine:
             if k not in self._prefetches and self.nc is not None and self._js is not None:
                 logger.info("takeover prefetch begun", extra={"fields": {
                     "partition": k, "suspects": sorted(self._suspects)}})
                 self._prefetches[k] = Prefetch(self.nc, self._js, self.worker_config(), k, lambda: self.stopping)
+                self.metrics.prefetches.labels("begun").inc()
 
     async def _members(self, js: JetStreamContext, written: float) -> list[str]:
         """The live members, this one among them: the bucket's member keys less those a TTL old by the server's clock,
@@ -401,6 +403,8 @@ class Ownership:
     def _start_worker(self, group: TaskGroup, index: int) -> None:
         daemon = Daemon(self.worker_config(), Partition(index, self.count))
         daemon.prefetched = self._prefetches.pop(index, None)
+        if daemon.prefetched is not None:
+            self.metrics.prefetches.labels("taken").inc()
         self.workers[index] = daemon
         logger.info("partition taken", extra={"fields": {"partition": index, "share": self.target,
                                                          "prefetched": daemon.prefetched is not None}})
