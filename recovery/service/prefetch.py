@@ -31,7 +31,7 @@ from nats.js import JetStreamContext
 from events import subjects
 from recovery.core.engine import Engine
 from recovery.core.partition import Partition
-from recovery.service import connection
+from recovery.service import connection, jsonlog
 from recovery.service.config import DaemonConfig
 from recovery.service.consumer import BacklogAhead
 from recovery.service.restore import StoredIds, published_after, restore_newest
@@ -105,6 +105,7 @@ class Prefetch:
 
     async def _read(self) -> None:
         cfg, nc, js = self._cfg, self._nc, self._js
+        jsonlog.PARTITION.set(cfg.partition_key(self.index))  # this task's lines name the partition, as its worker's
         await self._retry(self.snapshots.ensure, "snapshot bucket")
         self.newest, self.stored = await restore_newest(
             self.snapshots, self._retry, self.partition,
