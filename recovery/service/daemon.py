@@ -72,7 +72,7 @@ from recovery.service.parts import Parts
 from recovery.service.prefetch import Prefetch
 from recovery.service.processor import AppliedWaits, Listener, Processor
 from recovery.service.publisher import Outgoing, Publisher, reraise_cancel
-from recovery.service.restore import StoredIds, published_after, restore_newest
+from recovery.service.restore import StoredIds, restore_newest, scan_published
 from recovery.service.seal import Seal, load_seal
 from recovery.service.snapshots import SnapshotStore, Snapshotter
 from recovery.service.streams import ensure_streams
@@ -427,9 +427,9 @@ class Daemon(ConnectionEvents):
         if pre is not None and (taken := await pre.take(self.snapshots, self._retry)) is not None:
             newest, self.stored, self._ahead = taken
         else:
-            newest, self.stored = await restore_newest(self.snapshots, self._retry, self.partition, lambda seq, ts: (
-                self._retry(lambda: published_after(nc, js, cfg.stream, cfg.command_stream, seq, ts),
-                            "published-id scan")), ahead=self._read_ahead if self.partition else lambda start: None)
+            scan = scan_published(nc, js, cfg.stream, cfg.command_stream, self._retry)
+            ahead = self._read_ahead if self.partition else lambda start: None
+            newest, self.stored = await restore_newest(self.snapshots, self._retry, self.partition, scan, ahead)
         if newest is not None and self.snapshotter is not None:
             (opened, manifest), self.processor.engine = newest, newest[0]
             self.restored_seq = self.clean_seq = opened.last_seq

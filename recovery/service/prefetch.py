@@ -34,7 +34,7 @@ from recovery.core.partition import Partition
 from recovery.service import connection, jsonlog
 from recovery.service.config import DaemonConfig
 from recovery.service.consumer import BacklogAhead
-from recovery.service.restore import StoredIds, published_after, restore_newest
+from recovery.service.restore import StoredIds, restore_newest, scan_published
 from recovery.service.snapshots import Retry, SnapshotStore
 
 logger = logging.getLogger("recovery.ownership")
@@ -109,9 +109,7 @@ class Prefetch:
         await self._retry(self.snapshots.ensure, "snapshot bucket")
         self.newest, self.stored = await restore_newest(
             self.snapshots, self._retry, self.partition,
-            lambda seq, ts: self._retry(lambda: published_after(nc, js, cfg.stream, cfg.command_stream, seq, ts),
-                                        "published-id scan"),
-            ahead=self._read_ahead)
+            scan_published(nc, js, cfg.stream, cfg.command_stream, self._retry), ahead=self._read_ahead)
         logger.info("takeover prefetched", extra={"fields": {
             "partition": self.index, "snapshot_seq": self.newest[0].last_seq if self.newest else 0,
             "seconds": round(time.monotonic() - self.started, 3)}})

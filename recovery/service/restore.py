@@ -189,6 +189,12 @@ async def restore_newest(snapshots: SnapshotStore, retry: Retry, partition: Part
     return newest, stored
 
 
+def scan_published(nc: Client, js: JetStreamContext, stream: str, command_stream: str, retry: Retry) -> Scan:
+    """The scan a restore begins: `published_after` on these streams, retried through an outage."""
+    return lambda seq, ts: retry(lambda: published_after(nc, js, stream, command_stream, seq, ts),
+                                 "published-id scan")
+
+
 async def published_after(nc: Client, js: JetStreamContext, stream: str, command_stream: str, seq: int,
                           ts: int) -> set[str]:
     """Ids of outputs stored after the snapshot: decisions and dead letters in the log after `seq`, commands in
