@@ -4,6 +4,8 @@ with the command line, environment, working directory, output and exit status a 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from events.values import Entrypoint
 from recovery.agent import ranks
-from recovery.agent.standby import StandbyPool, can_hand_over, standbys_wanted
+from recovery.agent.standby import THREAD_SETTINGS, StandbyPool, can_hand_over, standbys_wanted
 from tests.e2e_support import environment
 
 SCRIPT = """
@@ -91,9 +93,9 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
         try:
             with anyio.fail_after(60):
                 await pool.keep("job", entrypoint)
-            standby = pool.take("job")
+            standby = pool.take("job", dict(os.environ))
             assert standby is not None
-            assert pool.take("job") is None  # taken: the next one is the agent's to start
+            assert pool.take("job", dict(os.environ)) is None  # taken: the next one is the agent's to start
             assert "ready" in (tmp_path / "runtime" / "job.standby1.log").read_text()
             env = {k: v for k, v in environment().items() if k != "ONLY_IN_THE_STANDBY"}
             env.update({"RANK": "2", "EXIT_WITH": str(exit_with)})
@@ -124,9 +126,9 @@ async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:
     [standby] = pool._standbys["job"]
     await pool.close()
     assert standby.process.returncode is not None
-    assert pool.take("job") is None
+    assert pool.take("job", dict(os.environ)) is None
     await pool.keep("job", entrypoint)  # closed for good: no other standby starts
-    assert pool.take("job") is None and "job" not in pool._standbys
+    assert pool.take("job", dict(os.environ)) is None and "job" not in pool._standbys
 
 
 def test_how_many_standbys_a_job_keeps() -> None:
@@ -149,9 +151,9 @@ async def test_a_job_that_wants_two_standbys_keeps_two_and_hands_them_over(tmp_p
                     tg.start_soon(pool.keep, "job", entrypoint, 2)
             await pool.keep("job", entrypoint, 2)  # already two: no third
         assert len(pool._standbys["job"]) == 2
-        first, second = pool.take("job"), pool.take("job")
+        first, second = pool.take("job", dict(os.environ)), pool.take("job", dict(os.environ))
         assert first is not None and second is not None and first.pid != second.pid
-        assert pool.take("job") is None
+        assert pool.take("job", dict(os.environ)) is None
         for standby in (first, second):
             await standby.close()
     finally:
@@ -199,3 +201,54 @@ async def test_a_standby_of_a_node_of_several_ranks_imports_torch_with_the_ranks
         assert "OMP_NUM_THREADS" not in environ(single.pid)
     finally:
         await pool.close()
+
+
+THREADS = """
+import torch
+print("threads", torch.get_num_threads(), "env", __import__("os").environ.get("OMP_NUM_THREADS"))
+"""
+
+
+async def test_a_standby_becomes_only_a_rank_whose_thread_settings_it_imported_torch_with(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standby of a node with one rank of the job imported torch with every core in its pool; a rank whose
+    environment says OMP_NUM_THREADS=1 (a node of two ranks after a move) handed to it would still compute with two
+    threads, where its cold start computes with one: it starts cold instead."""
+    for name in THREAD_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "job.py").write_text(THREADS)
+    entrypoint = Entrypoint(command=sys.executable, args=[str(tmp_path / "job.py")],
+                            env={"PYTHONPATH": environment()["PYTHONPATH"]})
+    pool = StandbyPool(tmp_path, enabled=True, preload="torch", delay_s=0)
+    one_thread = {**os.environ, **entrypoint.env, "OMP_NUM_THREADS": "1"}
+    async with anyio.create_task_group() as tg:
+        try:
+            with anyio.fail_after(120):
+                await pool.keep("job", entrypoint, 1, local_ranks=1)
+                assert pool.take("job", one_thread) is None  # imported with the node's cores: not this rank's
+                cold = await ranks.start(entrypoint, one_thread, tmp_path / "cold.log", job="job", rank=0, attempt=1,
+                                         standby=None)
+                [standby] = pool._standbys["job"]
+                # what a hand-over regardless of the settings would run: the rank's environment, the standby's pool
+                mismatched = await ranks.start(entrypoint, one_thread, tmp_path / "warm.log", job="job", rank=0,
+                                               attempt=1, standby=standby)
+                for proc in (cold, mismatched):
+                    tg.start_soon(ranks.reap, proc)
+                    await proc.ended.wait()
+        finally:
+            await pool.close()
+
+    def threads(log: str) -> str:
+        [line] = [line for line in (tmp_path / log).read_text().splitlines() if line.startswith("threads ")]
+        return line
+
+    assert threads("cold.log") == "threads 1 env 1"
+    assert threads("warm.log") == f"threads {torch_default_threads()} env 1"  # the node's cores: the pool's
+
+
+def torch_default_threads() -> int:
+    """torch's pool where nothing sizes it (this test's own process may have imported torch otherwise)."""
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_SETTINGS}
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    return int(done.stdout.split()[-1])

@@ -360,7 +360,7 @@ class Agent(Relay, Rescale, Admission):
                                 memory_dir=self.memory.job_dir(job.id),
                                 error_file=errors.error_file(self.runtime_dir, job.id, rank, attempt))
         output = errors.output_file(self.runtime_dir, job.id, rank, attempt)
-        standby = self.standbys.take(job.id)
+        standby = self.standbys.take(job.id, env)
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
                                  standby=standby)
         proc.command_seq = self._command_seqs.get(command_id, self.command_seq) if command_id else self.command_seq

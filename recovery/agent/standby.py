@@ -42,6 +42,15 @@ INTERPRETER = "recovery.agent.interpreter"
 DEFAULT_PER_NODE = 2
 """standbys a job keeps on a node when its entrypoint does not say (fewer where it has fewer ranks there)"""
 READY_TIMEOUT_S = 600.0
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_DYNAMIC", "MKL_DYNAMIC")
+"""what the thread pools of torch and its math libraries read once, when torch is imported: a standby imported it
+under its own environment, so it can become only a rank whose environment says the same (or the rank would compute
+with other threads than a cold start of it, and a CPU reduction split another way can end in other bits)"""
+
+
+def thread_settings(env: dict[str, str]) -> tuple[str | None, ...]:
+    """The values of THREAD_SETTINGS in `env` (None: unset)."""
+    return tuple(env.get(name) for name in THREAD_SETTINGS)
 
 
 def can_hand_over(entrypoint: Entrypoint) -> bool:
@@ -58,6 +67,7 @@ class Standby:
 
     job: str
     process: Process
+    threads: tuple[str | None, ...] = ()  # `thread_settings` of the environment it imported under
     ready: anyio.Event = field(default_factory=anyio.Event)
 
     @property
@@ -125,10 +135,12 @@ class StandbyPool:
             return 0
         return standbys_wanted(entrypoint.env.get(STANDBY_ENV), self.enabled, local_ranks)
 
-    def take(self, job: str) -> Standby | None:
-        """One of the job's ready standbys (it is then the caller's), else None: a cold start."""
+    def take(self, job: str, env: dict[str, str]) -> Standby | None:
+        """One of the job's ready standbys that imported under the thread settings of `env`, the rank's environment
+        (it is then the caller's), else None: a cold start."""
+        wanted = thread_settings(env)
         for standby in self._standbys.get(job, []):
-            if standby.ready.is_set() and standby.process.returncode is None:
+            if standby.ready.is_set() and standby.process.returncode is None and standby.threads == wanted:
                 self._standbys[job].remove(standby)
                 return standby
         return None
@@ -150,7 +162,7 @@ class StandbyPool:
             process = await anyio.open_process([entrypoint.command, "-m", INTERPRETER, *modules], cwd=entrypoint.cwd,
                                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                stderr=errors, start_new_session=True)
-        standby = Standby(job, process)
+        standby = Standby(job, process, thread_settings(env))
         self._standbys.setdefault(job, []).append(standby)
         assert process.stdout is not None
         line = b""
