@@ -187,10 +187,10 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "snapshot.pt --out final.pt":
         "tests/test_e2e_ddp_sdk.py::test_a_sigkilled_rank_alone_restarts_and_the_survivors_go_on_within_seconds",
     "recovery-run --standalone --nproc-per-node 4 train.py --epochs 10":
-        "tests/test_e2e_stock.py::test_the_documented_standalone_run_of_the_stock_script_completes_as_the_fault_free_run",
+        "tests/test_e2e_stock.py::test_the_documented_standalone_run_of_the_stock_script_completes_with_no_incident_and_its_log_replays",
     "recovery-run --standalone --nproc-per-node 2 examples/ddp-tutorial/stock.py --epochs 6 --snapshot "
     "snapshot.pt --out final.pt":
-        "tests/test_e2e_stock.py::test_the_documented_standalone_run_of_the_stock_script_completes_as_the_fault_free_run",
+        "tests/test_e2e_stock.py::test_the_documented_standalone_run_of_the_stock_script_completes_with_no_incident_and_its_log_replays",
     "recovery-run --standalone --nnodes 2 --nproc-per-node 2 --spares 1 --max-restarts 3 train.py":
         "tests/test_run_cli.py::test_torchruns_flags_under_both_spellings_make_the_job_spec",
     "recovery-run --nats-url nats://nats-0:4222 --nodes gpu-1,gpu-2 --nproc-per-node 8 --rdzv-endpoint "
