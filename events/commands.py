@@ -11,7 +11,19 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from events.subjects import Token
-from events.values import Attempt, Device, Frozen, Id, Interval, Rank, ResumePlan, Seconds, Size, Step
+from events.values import (
+    Attempt,
+    Device,
+    Frozen,
+    Id,
+    Interval,
+    Rank,
+    ResumePlan,
+    Seconds,
+    Size,
+    Step,
+    StopSignal,
+)
 
 
 class CommandBase(Frozen):
@@ -27,6 +39,16 @@ class StopRanks(CommandBase):
     ranks: list[Rank]
     mode: Literal["graceful", "kill"] = "graceful"
     grace_s: Seconds = Field(30.0, description="how long a graceful stop may take before the kill: 0 .. 30 days")
+    signal: StopSignal = Field("SIGTERM", description="what a graceful stop sends a rank first (after the SDK's stop "
+                                                      "where the rank has one): SIGTERM, or SIGINT as Ctrl-C does")
+
+    @model_serializer(mode="wrap")
+    def _without_default_signal(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A stop that sends SIGTERM is written as before the signal could be chosen, so logs stay byte for byte.
+        data: dict[str, Any] = handler(self)
+        if data.get("signal") == "SIGTERM":
+            del data["signal"]
+        return data
 
 
 class SaveCheckpoint(CommandBase):

@@ -37,6 +37,7 @@ from events.values import (
     SignalNumber,
     Size,
     Step,
+    StopSignal,
     Text,
     Tier,
     drop_empty,
@@ -474,7 +475,12 @@ class OperatorResume(Frozen):
 
 
 class OperatorCancel(Frozen):
+    """End the job: its ranks get `signal` and up to `grace_s` to end by themselves (a script's handlers save on the
+    way out, as Lightning's on an interrupt), then SIGKILL; `grace_s` 0 kills them at once."""
+
     reason: Text = ""
+    grace_s: Seconds = 0.0
+    signal: StopSignal = "SIGTERM"
 
 
 class OperatorForce(Frozen):

@@ -91,6 +91,9 @@ DueTime = Annotated[int, Strict(), Ge(0), Le(MAX_DUE_NS)]
 """a due time, nanoseconds of log time: 0 .. 2^63-1"""
 Seconds = Annotated[float, Strict(), AllowInfNan(False), Ge(0), Le(MAX_SECONDS)]
 """a duration that may be zero (no debounce, no grace): 0 .. 30 days"""
+StopSignal = Literal["SIGTERM", "SIGINT"]
+"""the signal a graceful stop sends first: SIGTERM (a scheduler's, a preemption's), SIGINT (Ctrl-C, as torchrun
+passes it on)"""
 Interval = Annotated[float, Strict(), AllowInfNan(False), Ge(MIN_INTERVAL_S), Le(MAX_SECONDS)]
 """a duration that must pass (a deadline, a window, a silence): 1 ms .. 30 days"""
 WatchdogInterval = Annotated[float, Strict(), AllowInfNan(False), Ge(MIN_WATCHDOG_S), Le(MAX_WATCHDOG_S)]

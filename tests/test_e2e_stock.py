@@ -304,24 +304,53 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
           f"(report: running again {incident['ttr_s']:.2f}s after its first signal); attempts {granularities}")
 
 
-def test_ctrl_c_cancels_the_job_and_stops_every_process_recovery_run_started(tmp_path: Path) -> None:
+SAVES_ON_THE_WAY_OUT = """
+import os, signal, sys, time
+rank = os.environ["RANK"]
+
+
+def on_term(signum, frame):
+    raise KeyboardInterrupt  # as a framework turns SIGTERM into the path its checkpoint on an exception takes
+
+
+signal.signal(signal.SIGTERM, on_term)
+print(f"[rank {rank}] training", flush=True)
+try:
+    while True:
+        time.sleep(0.05)
+except KeyboardInterrupt:
+    time.sleep(1.0)  # writing a checkpoint takes a while
+    with open(f"{sys.argv[1]}.{rank}", "w") as out:
+        out.write("saved")
+    print(f"[rank {rank}] saved on the way out", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_gives_the_ranks_the_signal_and_time_to_save_then_stops_every_process_it_started(
+        tmp_path: Path, signum: signal.Signals) -> None:
+    """As torchrun: Ctrl-C reaches the ranks as SIGINT (SIGTERM as SIGTERM), and they get the stop grace to end by
+    themselves, so a script's own handler (Lightning's checkpoint on an interrupt) writes its checkpoint."""
     data = tmp_path / "data"
-    proc = recovery_run(["--standalone", "--nproc-per-node", "2", "--data-dir", str(data), "--rdzv-id", "stock-int",
-                         str(STOCK), "--epochs", "40", "--step-time", str(STEP_TIME_S), "--snapshot",
-                         str(tmp_path / "snap.pt")], tmp_path)
+    script = tmp_path / "interruptible.py"
+    script.write_text(SAVES_ON_THE_WAY_OUT)
+    job = f"stock-{signum.name.lower()}"
+    proc = recovery_run(["--standalone", "--nproc-per-node", "2", "--data-dir", str(data), "--rdzv-id", job,
+                         "--stop-grace", "20", str(script), str(tmp_path / "checkpoint")], tmp_path)
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while "Epoch 1 | Batchsize" not in (tmp_path / "recovery-run.out").read_text(errors="replace"):
+    while (tmp_path / "recovery-run.out").read_text(errors="replace").count("training") < 2:
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "recovery-run.out").read_text()
         time.sleep(0.05)  # polling interval of a deadline-bounded wait
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     code, output = finish(proc, tmp_path, 90)
-    assert code == 130, output
-    assert "cancelling stock-int" in output and "stock-int cancelled" in output, output
+    assert code == 128 + signum, output
+    assert f"cancelling {job}" in output and output.count(f"{job} cancelled") == 1, output  # the verdict once
+    saved = sorted(p.name for p in tmp_path.glob("checkpoint.*"))
+    assert saved == ["checkpoint.0", "checkpoint.1"], output
     left = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if str(data).encode() in cmdline.read_bytes() or str(tmp_path / "snap.pt").encode() in \
-                    cmdline.read_bytes():
+            if str(data).encode() in cmdline.read_bytes() or str(script).encode() in cmdline.read_bytes():
                 left.append(cmdline.parent.name)
         except OSError:
             continue

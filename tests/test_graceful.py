@@ -73,3 +73,22 @@ def test_no_wait_when_the_policy_says_zero() -> None:
     s.job_event("z", "process.exited", rank=0, signal=15)
     assert not s.find("checkpoint.awaiting", "z")
     assert s.commands_of("restart_job")[0].plan.checkpoint_step is None
+
+
+def test_a_cancel_with_a_grace_stops_the_ranks_gracefully_with_its_signal_and_one_without_kills_them() -> None:
+    """What recovery-run sends on Ctrl-C (SIGINT, its --stop-grace) reaches the agents as a graceful stop, so that a
+    script's own handlers (Lightning's checkpoint on an interrupt) run; a cancel without a grace kills at once, and is
+    written as it was before a grace could be given."""
+    s = Scenario()
+    s.submit("a", ["n0", "n1"], ranks_per_node=2, dp=4)
+    s.submit("b", ["n2", "n3"], ranks_per_node=2, dp=4)
+    s.train("a", 3)
+    s.train("b", 3)
+    s.job_event("a", "operator.cancel", reason="Ctrl-C", grace_s=30.0, signal="SIGINT")
+    s.job_event("b", "operator.cancel", reason="give up")
+    graceful, kill = s.commands_of("stop_ranks")
+    assert (graceful.job, graceful.mode, graceful.grace_s, graceful.signal) == ("a", "graceful", 30.0, "SIGINT")
+    assert graceful.ranks == [0, 1, 2, 3] and graceful.deadline_s >= 30.0 + 30.0  # the grace, then a kill's time
+    assert (kill.job, kill.mode, kill.grace_s, kill.signal, kill.deadline_s) == ("b", "kill", 0.0, "SIGTERM", 60.0)
+    assert "signal" not in kill.model_dump(mode="json")  # a SIGTERM stop's bytes are the older ones
+    assert s.state("a") == s.state("b") == "cancelled"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 import time
 from typing import Any
 
@@ -33,7 +34,7 @@ from events.commands import (
 from events.envelope import make_envelope
 from events.kinds import RankStack
 from events.values import Layout, ResumePlan
-from recovery.agent import errors, ranks
+from recovery.agent import errors, ranks, stopping
 from recovery.agent.admission import Admission, submissions
 from recovery.agent.config import AgentConfig
 from recovery.agent.exits import take_last_exit
@@ -214,30 +215,9 @@ class Agent(Relay, Rescale, Admission):
             for job in self.jobs.values():
                 live = [p for p in job.processes.values() if p.alive]
                 if live:
-                    tg.start_soon(self._stop_saving, job, live, grace, stopped)
+                    tg.start_soon(stopping.stop_saving, self.node, job, live, grace, self.cfg.kill_grace_s, stopped)
         if any(stopped):
             await anyio.sleep(self.cfg.preempt_linger_s)  # commands about the stopped ranks are still to come
-
-    async def _stop_saving(self, job: JobOnNode, procs: list[ranks.RankProcess], grace_s: float,
-                           stopped: list[bool]) -> None:
-        saved: list[tuple[ranks.RankProcess, anyio.Event]] = []
-        for proc in procs:
-            request = f"preempt:{self.node}:{proc.rank}:{proc.attempt}"
-            job.saves[request] = anyio.Event()
-            if await job.channel.send(proc.rank, {"op": "save", "id": request, "hold": True}):
-                saved.append((proc, job.saves[request]))
-            else:
-                logger.info("rank %d of %s has no SDK connection: stopped by signals only", proc.rank, job.id)
-        with anyio.move_on_after(grace_s / 2):
-            for proc, event in saved:
-                await ranks.first_set(event, proc.ended)  # a rank that exited answers no more
-        for proc in procs:  # a failed save is the engine's to learn from the missing checkpoint: no ack carries it
-            job.save_failures.pop(f"preempt:{self.node}:{proc.rank}:{proc.attempt}", None)
-        running = [proc for proc in procs if proc.alive]
-        stopped.append(bool(running))
-        async with anyio.create_task_group() as tg:
-            for proc in running:
-                tg.start_soon(ranks.stop, proc, grace_s / 2, self.cfg.kill_grace_s)
 
     async def _shutdown(self) -> None:
         """The agent stops: its ranks get SIGTERM and the kill grace to end (a platform stopping the node), then
@@ -389,13 +369,13 @@ class Agent(Relay, Rescale, Admission):
         if job.processes.get(proc.rank) is proc:
             self.silence.forget(job.id, proc.rank)  # gone: its exit says so, not a silence
             self.progress.forget(job.id, proc.rank)
-        exit_code, signal = proc.status()
+        exit_code, killed_by = proc.status()
         data: dict[str, Any] = {"rank": proc.rank, "attempt": proc.attempt}
-        if signal is not None:
-            data["signal"] = signal
+        if killed_by is not None:
+            data["signal"] = killed_by
         else:
             data["exit_code"] = exit_code
-        error = errors.script_error(self.runtime_dir, job.id, proc.rank, proc.attempt, exit_code, signal)
+        error = errors.script_error(self.runtime_dir, job.id, proc.rank, proc.attempt, exit_code, killed_by)
         if error is not None:
             data["error"] = error.model_dump()
         self.job_event(job.id, "process.exited", data)
@@ -459,7 +439,9 @@ class Agent(Relay, Rescale, Admission):
                 if command.mode == "kill":
                     await self._kill(job, mine)
                 else:
-                    await self._stop(job, mine, command.grace_s)
+                    await self.dumps.settled(job.id)
+                    await stopping.stop_gracefully(job, mine, command.grace_s, self.cfg.kill_grace_s,
+                                                   signal.Signals[command.signal])
                 return {"stopped": mine}
             case MigrateRanks():
                 assert job is not None
@@ -528,30 +510,6 @@ class Agent(Relay, Rescale, Admission):
         async with anyio.create_task_group() as tg:
             for proc in procs:
                 tg.start_soon(ranks.kill, proc, self.cfg.kill_grace_s)
-        if any(p.alive for p in procs):
-            raise CommandFailed(f"ranks {[p.rank for p in procs if p.alive]} did not end after SIGKILL")
-
-    async def _stop(self, job: JobOnNode, which: list[int], grace_s: float) -> None:
-        """The SDK's stop first (the step ends cleanly), then SIGTERM, then SIGKILL, within `grace_s`; a rank with no
-        SDK connection (a stock script) gets SIGTERM at once, as torchrun sends it to a failed group's workers."""
-        await self.dumps.settled(job.id)
-        procs = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
-        asked: set[int] = set()
-        for proc in procs:
-            if await job.channel.send(proc.rank, {"op": "stop"}):
-                asked.add(proc.rank)
-            else:
-                logger.info("rank %d of %s has no SDK connection: stopped by signals only", proc.rank, job.id)
-
-        async def one(proc: ranks.RankProcess) -> None:
-            if proc.rank in asked:  # its SDK ends the step cleanly; a script without one gets SIGTERM at once
-                with anyio.move_on_after(grace_s / 2):
-                    await proc.ended.wait()
-            await ranks.stop(proc, grace_s / 2, self.cfg.kill_grace_s)
-
-        async with anyio.create_task_group() as tg:
-            for proc in procs:
-                tg.start_soon(one, proc)
         if any(p.alive for p in procs):
             raise CommandFailed(f"ranks {[p.rank for p in procs if p.alive]} did not end after SIGKILL")
 

@@ -224,11 +224,11 @@ async def first_set(*events: anyio.Event) -> None:
             tg.start_soon(wait, event)
 
 
-async def stop(proc: RankProcess, grace_s: float, kill_after_s: float) -> bool:
-    """SIGTERM, up to `grace_s` for the process to end, then SIGKILL; True if it ended within `kill_after_s`
-    of the kill."""
+async def stop(proc: RankProcess, grace_s: float, kill_after_s: float, signum: int = signal.SIGTERM) -> bool:
+    """`signum` (SIGTERM; SIGINT for an interrupt), up to `grace_s` for the process to end, then SIGKILL; True if it
+    ended within `kill_after_s` of the kill."""
     if proc.alive and grace_s > 0:
-        proc.signal(signal.SIGTERM)
+        proc.signal(signum)
         proc.signal(signal.SIGCONT)  # a stopped rank (a hang that was a SIGSTOP) handles it only once continued
         with anyio.move_on_after(grace_s):
             await proc.ended.wait()

@@ -224,6 +224,8 @@ def build_body(args: argparse.Namespace) -> dict[str, Any]:
                 body["device"] = args.device
         if getattr(args, "reason", None):
             body["reason"] = args.reason
+        if verb == "cancel" and args.grace > 0:
+            body.update(grace_s=args.grace, signal=args.signal)
     elif verb == "incidents":
         body["all"] = args.all
     return body
@@ -417,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--id")
         if verb != "resume":
             p.add_argument("--reason", default="")
+        if verb == "cancel":
+            p.add_argument("--grace", type=float, default=0.0, metavar="S",
+                           help="the ranks get --signal and S seconds to save and end by themselves before they are "
+                                "killed (default 0: killed at once)")
+            p.add_argument("--signal", choices=("SIGTERM", "SIGINT"), default="SIGTERM",
+                           help="what a graceful cancel sends the ranks first (default SIGTERM)")
     p = sub.add_parser("force", help="start a recovery attempt of this granularity now")
     p.add_argument("job")
     p.add_argument("granularity")

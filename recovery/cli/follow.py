@@ -49,6 +49,12 @@ class JobFollower:
     generation: int | None = None
     """the generation the latest incident's latest restart started"""
     recovering: bool = False
+    defer_verdict: bool = False
+    """the caller says the verdict last (standalone: after stopping what it started), so it is not said at the end"""
+    live: set[tuple[int, int]] = field(default_factory=set)
+    """the job's processes started and not yet exited, as (rank, generation)"""
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    """set while no process of the job is live (after one started)"""
     _printed_step: int = -1
     _printed_at: float = 0.0
 
@@ -92,7 +98,8 @@ class JobFollower:
             self._closed(reason, detail)
         if self.state in ENDED and not self.ended.is_set():
             self.reason = reason
-            self.say(self.verdict())
+            if not self.defer_verdict:
+                self.say(self.verdict())
             self.ended.set()
 
     def _closed(self, reason: str, detail: dict[str, Any]) -> None:
@@ -116,6 +123,7 @@ class JobFollower:
     def on_event(self, envelope: dict[str, Any]) -> None:
         data = envelope.get("data") or {}
         type_ = envelope.get("type")
+        self._track(type_, data)
         if type_ in ("progress.step", "progress.report", "progress.summary", "process.heartbeat"):
             # the agents fold their ranks' words into one progress.report a period (what recovery-ctl's step is), or
             # the daemon a job's into one progress.summary
@@ -135,6 +143,19 @@ class JobFollower:
             elif data.get("exit_code") not in (0, None):
                 self.say(f"rank {data.get('rank')} (generation {data.get('attempt')}) exited with "
                          f"{data['exit_code']}{_said(data.get('error'))}")
+
+    def _track(self, type_: object, data: dict[str, Any]) -> None:
+        """Keep `live` and `stopped` from the agents' process.started and process.exited."""
+        rank, attempt = data.get("rank"), data.get("attempt")
+        if not isinstance(rank, int) or not isinstance(attempt, int):
+            return
+        if type_ == "process.started":
+            self.live.add((rank, attempt))
+            self.stopped.clear()
+        elif type_ == "process.exited":
+            self.live.discard((rank, attempt))
+            if not self.live:
+                self.stopped.set()
 
     def tick(self) -> None:
         """Print the step now and then while the job runs."""

@@ -11,7 +11,9 @@
 job to the daemon of that cluster, whose agents run on `--nodes`; inside a Slurm allocation (`sbatch`, `salloc`)
 the nodes default to the allocation's, and the job names the allocation (docs/slurm.md). Either way it follows the
 job, printing its recoveries (and, standalone, its ranks' output, prefixed `[rank<r>]:`), and exits with the job's
-end: the exit status below. Ctrl-C or SIGTERM cancels the job and stops every process it started.
+end: the exit status below. Ctrl-C or SIGTERM cancels the job: its ranks get the signal (Ctrl-C: SIGINT, as torchrun
+passes it on) and `--stop-grace` seconds to save and end by themselves before they are killed (a second Ctrl-C ends
+the wait), then every process it started is stopped.
 docs/recovery-run.md has the details: every flag, the ranks' environment, and how torchrun's flags map to the job
 spec.
 """
@@ -28,6 +30,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,11 @@ EXIT_NO_CONTROL_PLANE = 4
 EXIT_SIGNAL_BASE = 128  # + the signal's number: 130 after Ctrl-C, 143 after SIGTERM
 DEFAULT_STORE_PORT = 29500
 CANCEL_WAIT_S = 20.0
+"""how long the cancel's decision is waited for"""
+STOP_GRACE_S = 30.0
+"""a cancelled job's ranks' time to end by themselves after the signal, as torchrun gives its workers"""
+STOPPED_MARGIN_S = 15.0
+"""beyond the grace: the agents' kill and their reports of the exits"""
 
 EXIT_CODES = f"""exit status:
   {EXIT_COMPLETED}    the job completed
@@ -108,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                       help="set in the ranks' environment (repeatable); standalone ranks also inherit this one")
     ours.add_argument("--quiet", action="store_true", help="standalone: do not print the ranks' output")
+    _flag(ours, "stop-grace", type=float, default=STOP_GRACE_S,
+          help="after Ctrl-C or SIGTERM: the seconds the ranks get to save and end by themselves after the signal, "
+               f"before they are killed (default {STOP_GRACE_S:g}; 0 kills them at once)")
     parser.add_argument("script", help="the training script (or module, or program)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -268,7 +279,7 @@ async def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(
             signum, lambda s=signum: interrupted.done() or interrupted.set_result(s))
-    follower = JobFollower(job)
+    follower = JobFollower(job, defer_verdict=bool(args.standalone))  # standalone: said last, after the stop
     postmortem = ""
     try:
         if args.standalone:
@@ -335,13 +346,7 @@ async def run(args: argparse.Namespace) -> int:
                 follower.say(f"postmortem: {postmortem}")  # the last line: where to read what happened
             return ENDS.get(following.result(), EXIT_FAILED)
         signum = interrupted.result()
-        follower.say(f"{signal.Signals(signum).name}: cancelling {job}")
-        with contextlib.suppress(CtlFailure):
-            await request(url, "cancel", {"job": job, "reason": f"recovery-run got {signal.Signals(signum).name}"},
-                          5.0)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(following), CANCEL_WAIT_S)
-        following.cancel()
+        await cancel(url, job, follower, following, signum, max(0.0, args.stop_grace), output)
         return EXIT_SIGNAL_BASE + signum
     except StackFailed as exc:
         follower.say(f"the control plane did not start: {exc}")
@@ -358,10 +363,41 @@ async def run(args: argparse.Namespace) -> int:
             await asyncio.to_thread(stack.stop)
             follower.say(f"logs: {stack.data_dir} (the daemon's in daemon.log, each agent's in agent-<node>.log)")
             if follower.ended.is_set():
-                follower.say(follower.verdict())  # how the job ended, and why
+                follower.say(follower.verdict())  # how the job ended, and why: said here only (`defer_verdict`)
             if postmortem:
                 # the last line: the log stays in the data directory, which recovery-replay reads as it is
                 follower.say(f"postmortem: {postmortem}")
+
+
+async def cancel(url: str, job: str, follower: JobFollower, following: asyncio.Future[str], signum: int,
+                 grace_s: float, output: RankOutput | None) -> None:
+    """Cancel the job, its ranks sent `signum` (SIGINT or SIGTERM) and `grace_s` to end by themselves, and wait for
+    its decision, then for every rank to end (their handlers may be saving); a second interrupt ends the wait."""
+    name = signal.Signals(signum).name
+    follower.say(f"{name}: cancelling {job}" + (f"; its ranks get {name} and {grace_s:g}s to save and end "
+                                                "(Ctrl-C again: stop waiting)" if grace_s > 0 else ""))
+    again = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for each in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(each, again.set)
+    body: dict[str, object] = {"job": job, "reason": f"recovery-run got {name}", "grace_s": float(grace_s),
+                               "signal": name if name in ("SIGINT", "SIGTERM") else "SIGTERM"}
+    with contextlib.suppress(CtlFailure):
+        await request(url, "cancel", body, 5.0)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(following), CANCEL_WAIT_S)
+    following.cancel()
+    deadline = time.monotonic() + grace_s + STOPPED_MARGIN_S
+    while grace_s > 0 and follower.live and not again.is_set() and time.monotonic() < deadline:
+        if output is not None:
+            output.poll()  # what the ranks print on their way out (their handlers' saves)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(follower.stopped.wait(), 0.1)
+    if output is not None:
+        output.poll(final=True)
+    if grace_s > 0 and follower.live:
+        follower.say(f"ranks {sorted(rank for rank, _ in follower.live)} still running: stopping without them"
+                     if not again.is_set() else "not waiting for the ranks any more")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -70,8 +70,12 @@ class Operators:
     def handle(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
         if type_ == "operator.cancel":
             stopping = [r for r in range(job.world) if job.alive[r]]
-            command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
-                                ranks=stopping, mode="kill", grace_s=0)
+            # With a grace, a graceful stop: each rank gets the signal and the grace to save and end by itself (its
+            # SDK's stop first, where it has one); the command is due once the grace and a kill have passed.
+            grace = data.grace_s
+            command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                deadline_s=max(60.0, grace + 30.0), ranks=stopping,
+                                mode="graceful" if grace > 0 else "kill", grace_s=grace, signal=data.signal)
             cancelled = self.timekeeper.cancel(*self.timekeeper.of_job(job))
             job.suspects.clear()
             job.watchdog = None

@@ -267,6 +267,10 @@ class ControlService:
                 data["device"] = body.get("device")
         if verb in ("pause", "cancel", "force", "release") and body.get("reason"):
             data["reason"] = str(body["reason"])
+        if verb == "cancel":  # a graceful cancel: checked as the event's own fields, named in the error if invalid
+            for key in ("grace_s", "signal"):
+                if body.get(key) is not None:
+                    data[key] = body[key]
         return await self._publish(f"operator.{verb}", data, body, job=job)
 
     async def _publish(self, type_: str, data: dict[str, Any], body: dict[str, Any], *, job: str | None = None,

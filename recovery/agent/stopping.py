@@ -1,0 +1,77 @@
+"""How a node's ranks are stopped with time to save: a graceful stop (a cancel, a stop the engine sends) and a
+preemption (the platform's SIGTERM to the agent). A rank that speaks through the SDK is asked first (to stop, or to
+save and hold); a script without it (a stock script, a framework's own loop) gets the signal at once and the whole
+grace, as torchrun gives its workers, so that its own handlers run: Lightning's checkpoint on an interrupt, a
+`SIGTERM` handler that saves. Whatever still runs at the end of the grace is killed."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import anyio
+
+from recovery.agent import ranks
+from recovery.agent.jobs import CommandFailed, JobOnNode
+
+logger = logging.getLogger("recovery.agent")
+
+
+async def stop_gracefully(job: JobOnNode, which: list[int], grace_s: float, kill_grace_s: float,
+                          signum: signal.Signals = signal.SIGTERM) -> None:
+    """The SDK's stop first (the step ends cleanly), then `signum` (SIGTERM, or SIGINT for an interrupt), then
+    SIGKILL, within `grace_s`; a rank with no SDK connection gets the signal at once and the whole grace. Raises
+    `CommandFailed` if a rank outlives its SIGKILL by `kill_grace_s`."""
+    procs = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
+    asked: set[int] = set()
+    for proc in procs:
+        if await job.channel.send(proc.rank, {"op": "stop"}):
+            asked.add(proc.rank)
+        else:
+            logger.info("rank %d of %s has no SDK connection: %s now, and the whole grace to end", proc.rank,
+                        job.id, signum.name)
+
+    async def one(proc: ranks.RankProcess) -> None:
+        if proc.rank in asked:  # its SDK ends the step cleanly
+            with anyio.move_on_after(grace_s / 2):
+                await proc.ended.wait()
+            await ranks.stop(proc, grace_s / 2, kill_grace_s, signum)
+        else:
+            await ranks.stop(proc, grace_s, kill_grace_s, signum)
+
+    async with anyio.create_task_group() as tg:
+        for proc in procs:
+            tg.start_soon(one, proc)
+    if any(p.alive for p in procs):
+        raise CommandFailed(f"ranks {[p.rank for p in procs if p.alive]} did not end after SIGKILL")
+
+
+async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess], grace_s: float,
+                      kill_grace_s: float, stopped: list[bool]) -> None:
+    """A preemption's stop of `procs`: each SDK rank saves a dying checkpoint at its next step boundary and holds
+    there (up to half the grace), then gets SIGTERM and the rest; a rank without the SDK gets SIGTERM at once and the
+    whole grace. Appends True to `stopped` if any rank had to be stopped (the agent lingers for the engine then)."""
+    saved: list[tuple[ranks.RankProcess, anyio.Event]] = []
+    unasked: list[ranks.RankProcess] = []
+    for proc in procs:
+        request = f"preempt:{node}:{proc.rank}:{proc.attempt}"
+        job.saves[request] = anyio.Event()
+        if await job.channel.send(proc.rank, {"op": "save", "id": request, "hold": True}):
+            saved.append((proc, job.saves[request]))
+        else:
+            logger.info("rank %d of %s has no SDK connection: SIGTERM now, and the whole grace to end", proc.rank,
+                        job.id)
+            unasked.append(proc)
+    stopped.append(bool(unasked))
+    async with anyio.create_task_group() as tg:
+        for proc in unasked:
+            tg.start_soon(ranks.stop, proc, grace_s, kill_grace_s)
+        with anyio.move_on_after(grace_s / 2):
+            for proc, event in saved:
+                await ranks.first_set(event, proc.ended)  # a rank that exited answers no more
+        for proc in procs:  # a failed save is the engine's to learn from the missing checkpoint: no ack says it
+            job.save_failures.pop(f"preempt:{node}:{proc.rank}:{proc.attempt}", None)
+        running = [proc for proc, _ in saved if proc.alive]
+        stopped.append(bool(running))
+        for proc in running:
+            tg.start_soon(ranks.stop, proc, grace_s / 2, kill_grace_s)
