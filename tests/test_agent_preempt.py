@@ -1,6 +1,7 @@
 """A preemption (the agent's SIGTERM) asks each live rank for a dying checkpoint and stops it: a rank that ends by
 itself meanwhile (its script finished as the node was taken away) is waited for no more, and leaves nothing for the
-agent to linger for; one that neither saves nor ends is stopped after half the grace."""
+agent to linger for; one that neither saves nor ends is stopped after half the grace; a rank without the SDK gets SIGTERM at once
+and the whole grace."""
 
 from __future__ import annotations
 
@@ -20,22 +21,25 @@ from recovery.agent.ranks import RankProcess
 class Channel:
     """The job's socket as the preemption uses it: what it sends each rank, and what the rank does then."""
 
-    def __init__(self, on_send: Any) -> None:
+    def __init__(self, on_send: Any, connected: bool = True) -> None:
         self.sent: list[dict[str, Any]] = []
         self.on_send = on_send
+        self.connected = connected  # False: a script without the SDK, which nothing can be sent to
 
     async def send(self, rank: int, message: dict[str, Any]) -> bool:
+        if not self.connected:
+            return False
         self.sent.append(message)
         self.on_send()
         return True
 
 
 async def preempt_one(tmp_path: Path, on_send: Any, proc: subprocess.Popen[bytes], grace_s: float,
-                      linger_s: float) -> tuple[Channel, RankProcess]:
+                      linger_s: float, connected: bool = True) -> tuple[Channel, RankProcess]:
     cfg = load(node="n0", runtime_dir=tmp_path, preempt_grace_s=grace_s, preempt_linger_s=linger_s, kill_grace_s=5)
     agent = Agent(cfg)
     rank = RankProcess(job="j", rank=0, attempt=0, process=None, pid=proc.pid)
-    channel = Channel(on_send)
+    channel = Channel(on_send, connected)
     agent.jobs["j"] = SimpleNamespace(id="j", channel=channel, processes={0: rank}, saves={},  # type: ignore[assignment]
                                       save_failures={})
 
@@ -70,6 +74,34 @@ async def test_a_rank_that_neither_saves_nor_ends_is_stopped_after_half_the_grac
         channel, rank = await preempt_one(tmp_path, lambda: None, proc, grace_s=1.0, linger_s=0.1)
         assert [m["op"] for m in channel.sent] == ["save"]
         assert not rank.alive and rank.returncode == -15  # SIGTERM, the grace's second half
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+SAVES_ON_SIGTERM = """
+import signal, sys, time
+def on_term(signum, frame):
+    time.sleep(3.5)  # a framework's checkpoint on the way out: longer than half the grace
+    open(sys.argv[1], "w").write("saved")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+async def test_a_rank_without_the_sdk_gets_sigterm_at_once_and_the_whole_grace_to_save(tmp_path: Path) -> None:
+    """A stock script or a framework's own loop cannot be asked to save: its own SIGTERM handler is its dying
+    checkpoint, and it gets the whole grace for it (half the grace was the SDK's share, and killed it mid-save)."""
+    saved = tmp_path / "saved"
+    proc = subprocess.Popen([sys.executable, "-c", SAVES_ON_SIGTERM, str(saved)], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"  # its handler is in place
+        channel, rank = await preempt_one(tmp_path, lambda: None, proc, grace_s=6.0, linger_s=0.1, connected=False)
+        assert channel.sent == []
+        assert not rank.alive and rank.returncode == 0 and saved.read_text() == "saved"
     finally:
         proc.kill()
         proc.wait(timeout=30)
