@@ -1,7 +1,7 @@
 """A preemption (the agent's SIGTERM) asks each live rank for a dying checkpoint and stops it: a rank that ends by
 itself meanwhile (its script finished as the node was taken away) is waited for no more, and leaves nothing for the
-agent to linger for; one that neither saves nor ends is stopped after half the grace; a rank without the SDK gets SIGTERM at once
-and the whole grace."""
+agent to linger for; one that neither saves nor ends is stopped after half the grace; a rank without the SDK gets
+SIGTERM at once and the whole grace."""
 
 from __future__ import annotations
 
