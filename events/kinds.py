@@ -14,6 +14,7 @@ from events.subjects import Token
 from events.values import (
     MAX_SKIP,
     Attempt,
+    Capability,
     Count,
     DataName,
     Device,
@@ -66,6 +67,21 @@ class ProcessStarted(Frozen):
     rank: Rank
     pid: Pid
     attempt: Attempt = Field(0, description="the job's restart generation the process belongs to")
+    announces: Flag = Field(False, description="its agent relays what the process's SDK says it can do "
+                                               "(`process.capabilities`): none until it says; false (an older "
+                                               "agent): a rank that reports through the SDK is taken to do all")
+
+
+class ProcessCapabilities(Frozen):
+    """What a rank's script wired up through the SDK (`Capability`), as the SDK announces it when it connects and
+    again whenever it grows (a `ProcessGroupRecovery` made, a save handler registered, a first step reported). The
+    engine restarts a rank alone (its survivors re-forming in process) only of a job whose ranks said `reform`, and
+    asks a dying checkpoint only of one whose ranks said `save`; step reports alone change how a fault is found and
+    timed, never how much restarts."""
+
+    rank: Rank
+    attempt: Attempt = Field(0, description="the job's restart generation the process belongs to")
+    caps: list[Capability] = Field(default_factory=list, max_length=8)
 
 
 class ProcessOutput(Frozen):
@@ -500,6 +516,7 @@ class OperatorRelease(Frozen):
 
 JOB_EVENTS: dict[str, type[Frozen]] = {
     "process.started": ProcessStarted,
+    "process.capabilities": ProcessCapabilities,
     "process.exited": ProcessExited,
     "process.output": ProcessOutput,
     "process.heartbeat": Heartbeat,

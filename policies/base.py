@@ -350,9 +350,13 @@ class RescheduleContext:
     """the nodes the job must still leave once the devices a reset clears are reset: a pod-level move of only
     these, resetting the others (`StartRung(MIGRATE, ..., reset_devices=True)`), needs this many spares"""
     sdk: bool = True
-    """the job's script reports through the SDK: its surviving processes can rejoin a partial restart (in place,
-    migrate, retry). False: a stock script that knows nothing of recovery; only a job-level restart (every process
-    anew, from the script's own checkpoint) recovers it"""
+    """the job's script reports through the SDK (heartbeats, steps): its silence means something, and its steps
+    measure it. False: a stock script that knows nothing of recovery"""
+    reform: bool = True
+    """the job's ranks said they form their process group again in their process (`ProcessGroupRecovery`): its
+    surviving processes can rejoin a partial restart (in place, migrate, retry). False (a stock script, or one that
+    only reports steps): only a job-level restart (every process anew, from the script's own checkpoint) recovers
+    it"""
     now_ns: int = 0
     """log time of the record being applied"""
     fault_step: int = 0

@@ -148,7 +148,7 @@ class LadderRescheduling(ReschedulingPolicyBase):
     def _quick(self, ctx: RescheduleContext) -> bool:
         """Does a widened incident restart at once: a crash or hang whose attempts so far were all in place, and no
         more than `quick_widenings` of them superseded?"""
-        if ctx.fault_class not in (FaultClass.PROCESS, FaultClass.HANG) or not ctx.sdk:
+        if ctx.fault_class not in (FaultClass.PROCESS, FaultClass.HANG) or not ctx.reform:
             return False
         if any(a.granularity is not G.IN_PLACE for a in ctx.previous):
             return False
@@ -195,8 +195,9 @@ class LadderRescheduling(ReschedulingPolicyBase):
                 return Fail(f"ladder for {ctx.fault_class.value} ends in fail")
             if g is G.RETRY and (ctx.any_lost or ctx.needs_move):
                 continue
-            if not ctx.sdk and g in (G.RETRY, G.IN_PLACE, G.MIGRATE):
-                # A stock script's surviving processes cannot join restarted peers: only a job-level restart helps.
+            if not ctx.reform and g in (G.RETRY, G.IN_PLACE, G.MIGRATE):
+                # Surviving processes that do not re-form in process (a stock script's, or a script's that only
+                # reports its steps) cannot join restarted peers: only a job-level restart helps.
                 stock = True
                 continue
             if g is G.IN_PLACE and ctx.needs_move:
@@ -305,8 +306,8 @@ class LadderRescheduling(ReschedulingPolicyBase):
         devices a reset clears and restart those ranks where they are (moving only the ranks of the other nodes, if
         the spares cover them), else fail and say why."""
         # A reset and a restart of some ranks keeps the others running: a script without the SDK cannot rejoin them.
-        in_place = ctx.reset_clears and ctx.sdk
-        partly = (ctx.sdk and not in_place and ctx.nodes_after_reset < ctx.nodes_to_replace
+        in_place = ctx.reset_clears and ctx.reform
+        partly = (ctx.reform and not in_place and ctx.nodes_after_reset < ctx.nodes_to_replace
                   and ctx.nodes_after_reset <= ctx.spares_available)
         if ctx.wait_expired:
             waited = f"waited {ctx.waited_ns / NS:.0f} s: "

@@ -233,19 +233,25 @@ def test_the_documented_standalone_run_of_the_stock_script_completes_with_no_inc
     assert verify.returncode == 0 and verify.stdout.startswith("ok:"), verify.stdout + verify.stderr
 
 
-async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_and_ends_as_the_fault_free_run(
-        cluster: Cluster, fault_free: dict[str, Any], tmp_path: Path) -> None:
-    job = "stock-kill"
+@dataclass
+class Killed:
+    """A run on the cluster whose rank 1 was SIGKILLed in its third epoch: how it ended, and what was seen."""
+
+    code: int
+    output: str
+    watch: JobWatch
+    steps: list[int]  # the steps the ranks had printed at the kill
+    regained_s: float  # from the kill until a process of a later formation trained past them
+
+
+async def kill_rank_1_at_epoch_2(cluster: Cluster, job: str, spec: dict[str, Any], tmp_path: Path,
+                                 script: Path = STOCK) -> Killed:
     nc = await connect(cluster.nats.url)
     w: JobWatch = await watch(nc, job)
-    # Watchdog thresholds a stock script would trip within a second if its lack of heartbeats counted, and a grace
-    # period short enough to see the incident close within the run.
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"watchdog_interval_s": 0.5, "policies": {
-        "detection": {"name": "default", "params": {"hang_min_silence_s": 1, "stall_min_s": 1, "first_steps_s": 1}},
-        "rescheduling": {"name": "ladder", "params": {"running_grace_s": 2}}}}))
-    proc = recovery_run(["--spec", str(spec), *cluster_args(cluster, job, tmp_path / "final.pt", tmp_path / "snap.pt")],
-                        tmp_path)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    args = cluster_args(cluster, job, tmp_path / "final.pt", tmp_path / "snap.pt")
+    args[args.index(str(STOCK))] = str(script)
+    proc = recovery_run(["--spec", str(tmp_path / "spec.json"), *args], tmp_path)
     victim = cluster.workdir / "n1" / f"{job}.rank1.json"
     try:
         def at_epoch_2() -> bool:
@@ -267,9 +273,21 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # recovery-run cancels the job and stops
-            proc.wait(timeout=60)
+            proc.wait(timeout=90)
         kill_leftovers([pid for pids in w.pids().values() for pid in pids])
         await nc.close()
+    return Killed(code, output, w, steps, regained_s)
+
+
+async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_and_ends_as_the_fault_free_run(
+        cluster: Cluster, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    job = "stock-kill"
+    # Watchdog thresholds a stock script would trip within a second if its lack of heartbeats counted, and a grace
+    # period short enough to see the incident close within the run.
+    run = await kill_rank_1_at_epoch_2(cluster, job, {"watchdog_interval_s": 0.5, "policies": {
+        "detection": {"name": "default", "params": {"hang_min_silence_s": 1, "stall_min_s": 1, "first_steps_s": 1}},
+        "rescheduling": {"name": "ladder", "params": {"running_grace_s": 2}}}}, tmp_path)
+    code, output, w, steps, regained_s = run.code, run.output, run.watch, run.steps, run.regained_s
     assert code == 0, f"{output}\n{cluster.explain()}"
     granularities = [d["data"]["detail"].get("granularity") for d in w.decided("attempt.started")]
     # the one fault is the kill: the script's silence is none, and one job-level restart recovers it
@@ -302,6 +320,40 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
     assert incident["checkpoint"]["source"] == "the script's own" and incident["ttr_s"] < regained_s + 5
     print(f"stock script, SIGKILL of rank 1: trained past step {max(steps)} again {regained_s:.2f}s later "
           f"(report: running again {incident['ttr_s']:.2f}s after its first signal); attempts {granularities}")
+
+
+def with_step_reports(path: Path) -> Path:
+    """The stock script with the SDK's step reports added (`report_step` after every step), nothing else: the
+    partial use the docs show first."""
+    text = STOCK.read_text()
+    printed = 'print(f"[rank {self.rank}] step {epoch * steps + index + 1}", flush=True)'
+    assert printed in text and "import torch\n" in text
+    sdk = "import recovery.client as recovery\nimport torch\n\nCLIENT = recovery.connect()\n"
+    text = text.replace("import torch\n", sdk, 1)
+    text = text.replace(printed, f"{printed}\n            CLIENT.report_step(epoch * steps + index + 1)")
+    path.write_text(text)
+    return path
+
+
+async def test_step_reports_alone_recover_a_killed_rank_as_the_stock_script_does(
+        cluster: Cluster, fault_free: dict[str, Any], tmp_path: Path) -> None:
+    """Reporting steps says nothing of whether the survivors can take a restarted peer: the job restarts whole, as
+    the script without them does, and no dying checkpoint is asked of a script that registered no save."""
+    run = await kill_rank_1_at_epoch_2(cluster, "stock-steps", {"policies": {
+        "rescheduling": {"name": "ladder", "params": {"running_grace_s": 2}}}}, tmp_path,
+        with_step_reports(tmp_path / "stock_with_steps.py"))
+    w = run.watch
+    assert run.code == 0, f"{run.output}\n{cluster.explain()}"
+    announced = {tuple(e["data"]["caps"]) for e in w.of("process.capabilities")}
+    assert announced == {("steps",)}, announced  # what the script wired up, as the SDK said it
+    [fault] = w.decided("fault.confirmed")
+    assert fault["data"]["reason"].startswith("rank 1: SIGKILL"), fault
+    assert [d["data"]["detail"].get("granularity") for d in w.decided("attempt.started")] == ["restart_job"]
+    asked = [k for k in w.kinds() if k.startswith("checkpoint.") and k != "checkpoint.plan"]
+    assert not asked, asked  # no dying checkpoint asked, none awaited, none failed
+    assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
+    print(f"stock script with step reports, SIGKILL of rank 1: trained past step {max(run.steps)} again "
+          f"{run.regained_s:.2f}s later")
 
 
 SAVES_ON_THE_WAY_OUT = """

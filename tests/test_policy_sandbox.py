@@ -161,7 +161,7 @@ def test_a_partial_restart_of_a_stock_script_is_refused_and_the_job_restarts_who
     install(s, "stock", InPlace)
     s.job_event("stock", "process.exited", rank=1, exit_code=1)
     [failed] = s.find("policy.failed", "stock")
-    assert "answered in_place for a script without the SDK" in failed.reason
+    assert "answered in_place for a script whose ranks do not re-form in process" in failed.reason
     assert s.find("attempt.started", "stock")[0].detail["granularity"] == "restart_job"
 
 

@@ -47,8 +47,9 @@ SPEC = {"nodes": ["n0", "n1"], "ranks_per_node": 2, "layout": {"dp": 4}}
 SAMPLES: dict[str, dict[str, Any]] = {
     "device.fault": {"device": 1, "vendor": "nvidia", "code": "79", "ecc_sbe": 2, "ecc_dbe": 1},
     "device.recovered": {"device": 1},
-    "process.started": {"rank": 3, "pid": 4242, "attempt": 1},
+    "process.started": {"rank": 3, "pid": 4242, "attempt": 1, "announces": True},
     "process.output": {"rank": 3, "attempt": 1},
+    "process.capabilities": {"rank": 3, "attempt": 1, "caps": ["reform", "steps"]},
     "process.exited": {"rank": 3, "exit_code": 139, "signal": 11, "attempt": 1},
     "process.heartbeat": {"rank": 3, "step": 7, "attempt": 1},
     "process.hang": {"rank": 3, "seconds_without_progress": 42.5, "attempt": 1},

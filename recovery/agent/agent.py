@@ -351,7 +351,10 @@ class Agent(Relay, Rescale, Admission):
             local_ranks = len(job.ranks_on(self.node))
             self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint,
                                 self.standbys.wanted(job.spec.entrypoint, local_ranks), local_ranks)
-        self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt})
+        # `announces`: this agent relays what the process's SDK says it can do; until it says, it can do nothing
+        # more than a stock script (`process.capabilities`)
+        self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt,
+                                                   "announces": True})
         assert self._tg is not None
         self._tg.start_soon(self._watch, job, proc)
         self._tg.start_soon(first_output, job, proc, output, self.job_event)

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, get_args
 
 import anyio
 from pydantic import BaseModel, ValidationError
 
-from events.values import STORAGE_HOLDER, Tier
+from events.values import STORAGE_HOLDER, Capability, Tier
 from recovery.agent import ranks
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import JobOnNode
 from recovery.agent.memory import MemoryTier
 from recovery.agent.progress import ProgressFold, SilenceWatch, measured, wire_loss, wire_skip
+
+CAPABILITIES = frozenset(get_args(Capability))
+"""what an SDK may announce; a word a newer SDK adds is not relayed (the engine would refuse the event)"""
 
 logger = logging.getLogger("recovery.agent")
 _PROGRESS = ("process.heartbeat", "progress.step", "progress.report")
@@ -171,6 +174,11 @@ class Relay:
                     "rank": rank, "attempt": message.get("generation", attempt), "step": message["step"],
                     "operation": str(message.get("operation") or "allreduce")[:64],
                     "timeout_s": message.get("timeout_s", 0), "error": str(message.get("error", ""))[:1024]})
+            elif op == "caps":
+                # What the script wired up through the SDK: how much a fault of the job may restart (`Job.can`).
+                said = message.get("caps")
+                caps = sorted({c for c in said if c in CAPABILITIES}) if isinstance(said, list) else []
+                self.job_event(job_id, "process.capabilities", {"rank": rank, "attempt": attempt, "caps": caps})
             elif op == "closing":
                 proc = job.processes.get(rank)
                 self.silence.forget(job_id, rank)  # the script is done: its silence from here is no hang

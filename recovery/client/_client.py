@@ -70,6 +70,7 @@ class Client:
         self._plan = plan
         self._heartbeat_s = heartbeat_s
         self._step: int | None = None
+        self._caps: set[str] = set()  # what this process said it can do (`announce`)
         self._save: Callable[[int], dict[str, Any] | None] | None = None
         self._save_requested: str | None = None  # the request's id, until the step boundary runs it
         self._hold_after_save = False  # the request's: after saving, wait at the boundary to be stopped
@@ -106,6 +107,7 @@ class Client:
         characters): what the job skips should the step be bad; without it, the step itself is skipped
         (`skip_steps`)."""
         self._step = step
+        self.announce("steps")
         message: dict[str, Any] = {"op": "step", "step": step}
         if compute_s is not None:
             message["compute_s"] = compute_s
@@ -150,6 +152,7 @@ class Client:
     def checkpoint_saved(self, step: int, tier: str, shards: list[int], location: str | None = None) -> None:
         """A checkpoint of `shards` at `step` is complete in `tier` (memory, local, dying, storage); `location`
         is where (a path or URL), kept by the agent for the operator."""
+        self.announce("checkpoints")
         self._send({"op": "checkpoint", "step": step, "tier": tier, "shards": list(shards), "location": location})
 
     def save_async(self, state: Any, step: int | None = None, *, shards: list[int] | None = None,
@@ -166,6 +169,7 @@ class Client:
         at = step if step is not None else (self._step if self._step is not None else 0)
         shards = list(shards) if shards is not None else [0]
         path = self._memory_dir / memory.file_name(at, shards[0], self.rank)
+        self.announce("checkpoints")
         self._slots.write(state, path)
         self._send({"op": "memory_saved", "step": at, "shards": shards, "file": path.name,
                     "storage": None if storage is None else str(Path(storage).resolve())})
@@ -187,6 +191,18 @@ class Client:
         """`save(step)` writes a dying checkpoint of this rank's state at `step` and may return
         `{"tier": ..., "shards": [...], "location": ...}` (default: tier `dying`, this rank's shard 0)."""
         self._save = save
+        self.announce("save")
+
+    def announce(self, capability: str) -> None:
+        """Say that this process can do `capability`: `reform` (its process group is formed again in this process
+        when a peer restarts: `ProcessGroupRecovery` says it), `save` (`on_save` says it), `checkpoints`
+        (`checkpoint_saved` and `save_async` say it), `steps` (`report_step` says it). The control plane restarts a
+        rank alone, keeping its peers' processes, only where the ranks said `reform`, and asks a dying checkpoint
+        only where they said `save`; an integration that wires these up in a framework's own loop says so here."""
+        if capability in self._caps:
+            return
+        self._caps.add(capability)
+        self._send({"op": "caps", "caps": sorted(self._caps)})
 
     def on_world_change(self, callback: Callable[[int, int], None]) -> None:
         """`callback(world_size, rank)` runs when this process re-forms its process group in a world of another size

@@ -176,6 +176,7 @@ class ProcessGroupRecovery:
     def __init__(self, client: Client, backend: str = "gloo", timeout_s: float = 30.0,
                  wait_for_generation_s: float = 300.0, check_every_s: float = 1.0, watch: bool = True) -> None:
         self.client = client
+        client.announce("reform")  # peers restarted alone find this process's group formed again with them
         self.check_every_s = check_every_s
         self._checked = 0.0
         self.backend = backend

@@ -50,6 +50,7 @@ from recovery.core.operators import Operators
 from recovery.core.overruns import CallKey, PolicyCalls, PolicyOverran
 from recovery.core.partition import Partition
 from recovery.core.placement import Placement
+from recovery.core.processes import AFTER_THE_END, NOTED, note
 from recovery.core.progress import Progress
 from recovery.core.record import Effect, RecordEffects, Rejected, check_encodable
 from recovery.core.timers import Timekeeper, TimerEntry
@@ -360,8 +361,7 @@ class Engine(Progress):
                    detail={"policies": dict(policies.labels)})
 
     def _job_event(self, out: RecordEffects, job: Job, type_: str, data: Any) -> None:
-        if job.state in FINAL and type_ not in ("checkpoint.saved", "process.stacks", "policy.overran",
-                                                "process.output"):
+        if job.state in FINAL and type_ not in AFTER_THE_END and type_ not in ("checkpoint.saved", "policy.overran"):
             raise Rejected("invalid_state", f"job {job.id} is {job.state}; {type_} has no effect")
         if type_ == "job.started":
             if job.state != "submitted":
@@ -372,10 +372,8 @@ class Engine(Progress):
             job.last_progress = [out.ts] * job.world
             out.decide(job, DecisionKind.JOB_STARTED, "processes started", trigger="start",
                        timers=self.timekeeper.arm_watchdog(out, job))
-        elif type_ == "process.started":
-            if not self._check_rank(job, data.rank, data.attempt, progress=False):
-                job.put(job.alive, data.rank, 1)
-                job.put(job.last_seen, data.rank, out.ts)
+        elif type_ in NOTED:
+            note(job, type_, data, out.ts, lambda j, rank, attempt: self._check_rank(j, rank, attempt, False))
         elif type_ == "checkpoint.saved":
             bad = [s for s in data.shards if s >= job.layout.shards]
             if bad:
@@ -402,15 +400,6 @@ class Engine(Progress):
             self.operators.unserved(out, job, data)
         elif type_ == "control.outage":
             self.liveness.outage(out, job, data)
-        elif type_ == "process.output":
-            if data.rank >= job.world:
-                raise Rejected("unknown_rank", f"rank {data.rank} is not in job {job.id}")
-            # For the postmortem (a stock script's restart is measured to it): the engine decides nothing from it.
-        elif type_ == "process.stacks":
-            outside = sorted({s.rank for s in data.ranks if s.rank >= job.world})
-            if outside:
-                raise Rejected("unknown_rank", f"ranks {outside} are not in job {job.id}")
-            # For the postmortem (`recovery-replay report` compares them): the engine decides nothing from them.
         elif type_ == "command.ack":
             self.incidents.ack(out, job, data)
         elif type_ == "timer.fired":

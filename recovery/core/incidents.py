@@ -82,7 +82,7 @@ class Incidents(Restarts):
             waited_ns=0 if incident.waiting_since is None else out.ts - incident.waiting_since,
             reset_clears=self.placement.reset_clears(vacate),
             nodes_after_reset=len(self.placement.split_by_reset(vacate)[0]),
-            sdk=job.sdk, now_ns=out.ts, fault_step=incident.fault_step,
+            sdk=job.sdk, reform=job.can("reform"), now_ns=out.ts, fault_step=incident.fault_step,
             fault_ranks=tuple(sorted({r for f in incident.faults for r in f["ranks"]})),
             recent=_recent(job), restart_times=job.restart_times, exits=incident.exits, world=job.world,
         )
@@ -93,9 +93,9 @@ class Incidents(Restarts):
         policy = job.policies.labels["rescheduling"]
         out.plans += 1
         short = None
-        if isinstance(answer, StartRung) and answer.granularity is G.MIGRATE and forced is G.MIGRATE and not job.sdk:
-            # A stock script's surviving processes cannot join restarted peers: an operator's move of its ranks is a
-            # job-level restart with the nodes moved off replaced by spares.
+        if (isinstance(answer, StartRung) and answer.granularity is G.MIGRATE and forced is G.MIGRATE
+                and not job.can("reform")):
+            # Survivors that cannot join restarted peers: a move is a job-level restart, the nodes off it replaced.
             vacate = migrate
             answer = replace(answer, granularity=G.RESTART_JOB, reason=f"{answer.reason}: the script does not use the "
                              f"SDK, so every rank restarts, off {', '.join(migrate) or 'no node'}")
@@ -314,12 +314,6 @@ class Incidents(Restarts):
         else:
             self.checkpoint(out, job, attempt)
 
-    def _resume_step(self, job: Job, attempt: Attempt) -> int:
-        if attempt.granularity is G.RETRY:
-            assert job.incident is not None
-            return job.incident.fault_step
-        return attempt.plan.checkpoint_step or 0 if attempt.plan else 0
-
     def closes(self, job: Job, rank: int, step: int | None, current: bool) -> bool:
         """Would `rank` reporting `step` (`current`: in the job's newest generation) close the incident?"""
         incident = job.incident
@@ -358,7 +352,7 @@ class Incidents(Restarts):
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
         assert incident is not None and attempt is not None
-        resume = self._resume_step(job, attempt)
+        resume = self._resumed_at(job, attempt, step)
         lost = max(0, incident.fault_step - resume) if incident.cause is IncidentCause.FAULT else 0
         self._recovered(out, job, attempt, f"progress to step {step} past resume point {resume}", lost)
 

@@ -184,6 +184,7 @@ class Job:
 
     __slots__ = (
         "alive",
+        "caps",
         "catalog",
         "catalog_log",
         "closed",
@@ -261,6 +262,9 @@ class Job:
         self.restart_times: tuple[int, ...] = ()  # log times the job's restarts began, newest last (RESTART_TIMES kept)
         self.policy_errors: dict[str, int] = {}  # family -> errors of its plugin (replaced whole, never changed)
         self.sdk = False  # some rank reported through the SDK (a heartbeat, a step): not a stock script
+        self.caps: frozenset[str] | None = None
+        """what the job's ranks said their SDK can do (`process.capabilities`), from the first process whose agent
+        relays it; None: its agents relay nothing of it (an older log): `can` answers as the engine did before"""
         self.seen: dict[str, None] = {}  # in insertion order: the oldest id is next(iter(seen))
         self.losses: tuple[float, ...] = ()  # recent finite losses, none judged bad, oldest first (LOSS_HISTORY)
         self.skip_steps: tuple[int, ...] = ()  # the data every resume plan skips: bad steps of closed incidents
@@ -391,6 +395,14 @@ class Job:
                        for tier, shards in sorted(by_tier.items())}
                 for step, by_tier in sorted(self.catalog.items(), reverse=True)}
 
+    def can(self, capability: str) -> bool:
+        """Did the job's ranks say they can do `capability` (`events.values.Capability`)? A job whose agents relay
+        no capabilities is answered as before they were announced: any rank reporting through the SDK could rejoin
+        restarted peers, and a dying checkpoint was asked of any script."""
+        if self.caps is None:
+            return self.sdk if capability == "reform" else capability == "save" or self.sdk
+        return capability in self.caps
+
     def snapshot(self) -> dict[str, Any]:
         """The job's state as plain data, for replay output, `recovery-ctl` and tests."""
         return {
@@ -399,6 +411,7 @@ class Job:
             "layout": self.layout.model_dump(), "nodes": list(self.nodes),
             "alive": sum(self.alive), "world": self.world, "step_time_ns": self.step_time,
             "restarts_used": self.restarts_used, "used": dict(sorted(self.used.items())), "sdk": self.sdk,
+            **({} if self.caps is None else {"capabilities": sorted(self.caps)}),
             "checkpoints": {str(step): {tier.value: sorted(shards) for tier, shards in by_tier.items()}
                             for step, by_tier in self.frozen_catalog().items()},
             "incident": None if self.incident is None else self.incident.summary(),
@@ -431,9 +444,9 @@ class Job:
 
 
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
-                 "watchdog", "restarts_used", "restart_times", "sdk", "policies", "policy_errors", "alive", "steps",
-                 "rank_gen", "last_seen", "last_progress", "compute_steps", "compute_ns", "losses", "skip_steps",
-                 "skip_data")
+                 "watchdog", "restarts_used", "restart_times", "sdk", "caps", "policies", "policy_errors", "alive",
+                 "steps", "rank_gen", "last_seen", "last_progress", "compute_steps", "compute_ns", "losses",
+                 "skip_steps", "skip_data")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
 _SCALARS = attrgetter(*_SCALAR_NAMES)

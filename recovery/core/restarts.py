@@ -43,10 +43,30 @@ class Restarts:
         """The executors have started the attempt's processes: wait for them to show it worked."""
         raise NotImplementedError
 
+    def _resume_step(self, job: Job, attempt: Attempt) -> int:
+        """The step the attempt's restarted processes resume from: the plan's checkpoint (0 without one), or the
+        fault's step for a retry (nothing is lost)."""
+        if attempt.granularity is G.RETRY:
+            assert job.incident is not None
+            return job.incident.fault_step
+        return attempt.plan.checkpoint_step or 0 if attempt.plan else 0
+
+    def _resumed_at(self, job: Job, attempt: Attempt, step: int) -> int:
+        """Where the processes resumed, once the first of them reported `step` past `_resume_step`: a script whose
+        ranks said they report no checkpoints resumed from its own, which only its first step tells (the step before
+        it, if it reports every step)."""
+        resume = self._resume_step(job, attempt)
+        if job.caps is not None and not job.can("checkpoints") and attempt.granularity is not G.RETRY:
+            resume = max(resume, step - 1)
+        return resume
+
     def _checkpoint_ctx(self, job: Job, attempt: Attempt, dying_allowed: bool, peer_allowed: bool
                         ) -> CheckpointContext:
         incident = job.incident
         assert incident is not None
+        # A dying checkpoint is asked only of ranks that said they can write one (a save handler): asked of a
+        # script that cannot answer, it fails after its deadline, and the restart waited for nothing.
+        dying_allowed = dying_allowed and job.can("save")
         alive_list = list(map(bool, job.alive))
         if attempt.granularity is G.IN_PLACE:
             for rank in attempt.ranks:  # restarting: no source of state

@@ -217,9 +217,9 @@ def _check_reschedule(answer: Any, ctx: Any) -> str | None:
             return f"answered StartRung of {answer.granularity!r}, not a Granularity"
         if not isinstance(answer.rung, int) or isinstance(answer.rung, bool) or answer.rung < 0:
             return f"answered StartRung with rung={answer.rung!r}: a count from 0"
-        if not ctx.sdk and ctx.forced is None and answer.granularity in _PARTIAL:
-            return (f"answered {answer.granularity.value} for a script without the SDK: its surviving processes "
-                    f"cannot join restarted peers, only a job-level restart recovers it")
+        if not ctx.reform and ctx.forced is None and answer.granularity in _PARTIAL:
+            return (f"answered {answer.granularity.value} for a script whose ranks do not re-form in process: its "
+                    f"surviving processes cannot join restarted peers, only a job-level restart recovers it")
         return _duration("deadline_ns", answer.deadline_ns) or _duration("grace_ns", answer.grace_ns)
     if isinstance(answer, Wait):
         return _duration("deadline_ns", answer.deadline_ns, optional=True)

@@ -346,6 +346,7 @@ def reschedule_contexts(draw: st.DrawFn) -> RescheduleContext:
     replace are the ones a move must vacate, a smaller data-parallel size is below the current one, and `widened`
     follows a superseded attempt."""
     fault_class = draw(st.sampled_from(list(FaultClass)))
+    sdk = draw(st.integers(0, 4)) > 0
     previous = tuple(AttemptSummary(draw(st.sampled_from(_LADDER)), draw(st.sampled_from(_ENDED)),
                                     draw(st.integers(0, 4)))
                      for _ in range(draw(st.integers(0, 5))))
@@ -376,7 +377,8 @@ def reschedule_contexts(draw: st.DrawFn) -> RescheduleContext:
         forced=draw(st.sampled_from(list(Granularity))) if draw(st.integers(0, 4)) == 0 else None,  # operators
         step_time_ns=draw(_STEP_TIMES),
         widened=bool(previous) and previous[-1].outcome == AttemptOutcome.SUPERSEDED and draw(st.booleans()),
-        sdk=draw(st.integers(0, 4)) > 0, now_ns=now, fault_step=fault_step,
+        sdk=sdk, reform=sdk and draw(st.integers(0, 3)) > 0,  # re-formed in process: through the SDK
+        now_ns=now, fault_step=fault_step,
         recent=recent, restart_times=tuple(sorted(now - draw(_AGO) for _ in range(draw(st.integers(0, 60))))),
     )
 

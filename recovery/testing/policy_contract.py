@@ -426,8 +426,9 @@ class ReschedulingPolicyContract(PolicyContract):
             make_reschedule_context(max_restarts=3, restarts_used=3),
             make_reschedule_context(forced=Granularity.RESTART_JOB),
             make_reschedule_context(step_time_ns=120 * NS),
-            make_reschedule_context(sdk=False),  # a stock script: only a job-level restart recovers it
-            make_reschedule_context(sdk=False, nodes_to_replace=1),
+            make_reschedule_context(sdk=False, reform=False),  # a stock script: only a job-level restart recovers it
+            make_reschedule_context(sdk=False, reform=False, nodes_to_replace=1),
+            make_reschedule_context(reform=False),  # steps reported, survivors that do not re-form: the same
             make_reschedule_context(  # the same crash after two recoveries: a crash loop
                 now_ns=NOW, fault_step=2000, fault_ranks=(1,), restart_times=(NOW - 200 * NS, NOW - 100 * NS),
                 recent=tuple(PastIncident(FaultClass.PROCESS, 2000, 1000, NOW - t * NS, NOW - t * NS + 20 * NS,

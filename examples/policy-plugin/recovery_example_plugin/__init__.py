@@ -41,9 +41,9 @@ class InPlaceFirst(ReschedulingPolicyBase):
         deadline = int(self.params.deadline_s * NS)
         if ctx.forced is not None:
             return StartRung(ctx.forced, f"operator forced {ctx.forced.value}", deadline)
-        # A second attempt restarts the job; so does the first for a stock script (no SDK), whose surviving
-        # processes cannot join restarted peers.
-        job_level = bool(ctx.previous) or not ctx.sdk
+        # A second attempt restarts the job; so does the first for a script whose ranks do not re-form in process
+        # (a stock one, or one that only reports steps): its surviving processes cannot join restarted peers.
+        job_level = bool(ctx.previous) or not ctx.reform
         need = ctx.nodes_to_replace if job_level else ctx.nodes_to_migrate if ctx.needs_move else 0
         if need > ctx.spares_available:
             if ctx.wait_expired:  # every wait needs an exit: the engine asks again once its deadline has passed
