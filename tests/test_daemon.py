@@ -248,6 +248,14 @@ async def test_ctl_verbs_and_the_cli(daemon: Daemon, nats_server: NatsServer, tm
     # the node and device reach the engine, which says they are not isolated (it releases only what is)
     assert release.returncode == 1 and "device 1 of t1 is not isolated" in release.stdout, release.stdout
     assert "operator.release" in release.stdout
+    graceful = await asyncio.to_thread(subprocess.run, [*cli, "--json", "cancel", "train", "--grace", "30",
+                                                        "--signal", "SIGINT"], capture_output=True, text=True,
+                                       cwd=ROOT, check=False)
+    assert graceful.returncode == 0, graceful.stdout + graceful.stderr
+    said = orjson.loads(graceful.stdout)
+    assert [d["commands"] for d in said["decisions"] if d["kind"] == "job.cancelled"] == [["stop_ranks"]], said
+    [stop] = [c for e in daemon.recent[said["seq"]] for c in getattr(e, "commands", ())]
+    assert (stop.mode, stop.grace_s, stop.signal) == ("graceful", 30.0, "SIGINT")  # what the agents are sent
 
 
 async def test_http_endpoints_and_metrics(daemon: Daemon, nats_server: NatsServer) -> None:

@@ -222,6 +222,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "recovery-ctl pause llama-7b": "tests/test_daemon.py::test_ctl_verbs_and_the_cli",
     "recovery-ctl resume llama-7b": "tests/test_daemon.py::test_ctl_verbs_and_the_cli",
     "recovery-ctl cancel llama-7b": "tests/test_daemon.py::test_ctl_verbs_and_the_cli",
+    "recovery-ctl cancel llama-7b --grace 30 --signal SIGINT": "tests/test_daemon.py::test_ctl_verbs_and_the_cli",
     "recovery-ctl release llama-7b gpu-2 --device 3 --reason \"HBM replaced\"":
         "tests/test_isolation.py::test_an_operator_releases_an_isolated_device_and_only_an_isolated_one",
     "recovery-ctl --timeout 5 status":
