@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -18,13 +21,28 @@ logger = logging.getLogger("recovery.agent")
 MAX_LINE = 64 * 1024
 
 Handler = Callable[[dict[str, Any]], Awaitable[None]]
+UNIX_PATH_MAX = 107
+"""the longest path a Unix socket binds to on Linux (`sun_path` is 108 bytes, with its NUL)"""
+
+
+def socket_path(wanted: Path) -> Path:
+    """`wanted`, or, where it is too long to bind (a deep runtime directory), a short path that stands for it: in a
+    directory of this user's under the temporary directory, named by a digest of `wanted` (the same for an agent
+    started again on the node). The ranks read the path from their environment, whichever it is."""
+    if len(os.fsencode(wanted)) <= UNIX_PATH_MAX:
+        return wanted
+    private = Path(tempfile.gettempdir()) / f"recovery-{os.getuid()}"
+    private.mkdir(mode=0o700, exist_ok=True)
+    short = private / f"{hashlib.sha1(os.fsencode(wanted)).hexdigest()[:20]}.sock"
+    logger.info("the channel %s is too long for a Unix socket: it is %s", wanted, short)
+    return short
 
 
 class ProcessChannel:
     """The socket a job's processes connect to; `send(rank, message)` reaches the rank's latest connection."""
 
     def __init__(self, path: Path, handler: Handler) -> None:
-        self.path = path
+        self.path = socket_path(path)
         self.handler = handler
         self._streams: dict[int, SocketStream] = {}
 
