@@ -39,3 +39,4 @@ async def test_a_job_channel_under_a_runtime_directory_too_deep_for_a_unix_socke
             client.close()
             tg.cancel_scope.cancel()
     assert heard[0]["op"] == "hello" and heard[0]["rank"] == 3
+    assert not channel.path.exists()  # removed once served: nothing is left in the shared directory

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -49,9 +50,16 @@ class ProcessChannel:
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.path.unlink(missing_ok=True)
         listener = await anyio.create_unix_listener(self.path)
+        bound = self.path.stat().st_ino
         task_status.started()
-        async with listener:
-            await listener.serve(self._connection)
+        try:
+            async with listener:
+                await listener.serve(self._connection)
+        finally:
+            # Removed once served (a short path's directory is shared by every job), unless a later agent's is there.
+            with contextlib.suppress(OSError):
+                if self.path.stat().st_ino == bound:
+                    self.path.unlink()
 
     async def _connection(self, stream: SocketStream) -> None:
         reader = BufferedByteReceiveStream(stream)
