@@ -8,6 +8,7 @@ with those parameters. World size 2: gloo's sum of two gradients is the same whi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -390,23 +391,41 @@ def test_ctrl_c_or_sigterm_gives_the_ranks_the_signal_and_time_to_save_then_stop
     proc = recovery_run(["--standalone", "--nproc-per-node", "2", "--data-dir", str(data), "--rdzv-id", job,
                          "--stop-grace", "20", str(script), str(tmp_path / "checkpoint")], tmp_path)
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while (tmp_path / "recovery-run.out").read_text(errors="replace").count("training") < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "recovery-run.out").read_text()
-        time.sleep(0.05)  # polling interval of a deadline-bounded wait
+    try:
+        while (tmp_path / "recovery-run.out").read_text(errors="replace").count("training") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "recovery-run.out").read_text()
+            time.sleep(0.05)  # polling interval of a deadline-bounded wait
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)  # it stops nothing it started then: its data directory's pids are ended
+        proc.wait(timeout=60)
+        kill_started_under(data)
+        raise
     proc.send_signal(signum)
     code, output = finish(proc, tmp_path, 90)
     assert code == 128 + signum, output
     assert f"cancelling {job}" in output and output.count(f"{job} cancelled") == 1, output  # the verdict once
     saved = sorted(p.name for p in tmp_path.glob("checkpoint.*"))
     assert saved == ["checkpoint.0", "checkpoint.1"], output
-    left = []
+    left = started_under(data) + started_under(script)
+    assert not left, f"processes left running: {left}"
+
+
+def started_under(path: Path) -> list[int]:
+    """The processes whose command line names `path`."""
+    found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if str(data).encode() in cmdline.read_bytes() or str(script).encode() in cmdline.read_bytes():
-                left.append(cmdline.parent.name)
+            if str(path).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
         except OSError:
             continue
-    assert not left, f"processes left running: {left}"
+    return found
+
+
+def kill_started_under(path: Path) -> None:
+    for pid in started_under(path):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 async def test_a_sigstopped_rank_of_the_stock_script_is_found_from_outside_and_the_job_restarts_and_completes(
