@@ -27,9 +27,7 @@ def note(job: Job, type_: str, data: Any, ts: int, stale: Callable[[Job, int, in
             job.put(job.alive, data.rank, 1)
             job.put(job.last_seen, data.rank, ts)
     elif type_ == "process.capabilities":
-        if data.rank >= job.world:
-            raise Rejected("unknown_rank", f"rank {data.rank} is not in job {job.id}")
-        if data.attempt >= job.rank_gen[data.rank]:  # a replaced process's word is no longer the rank's
+        if not stale(job, data.rank, data.attempt):  # a replaced process's word is no longer the rank's
             job.caps = (job.caps or frozenset()) | frozenset(data.caps)
     elif type_ == "process.output":
         if data.rank >= job.world:
