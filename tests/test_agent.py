@@ -213,6 +213,50 @@ async def test_a_graceful_stop_of_a_rank_without_the_sdk_sends_sigterm_at_once(
         await nc.close()
 
 
+SLOW_EXIT = """
+import atexit, os, sys, time
+def teardown():  # as torch's on a loaded host: seconds in which no other thread of the process runs
+    sys.setswitchinterval(60.0)
+    end = time.monotonic() + float(os.environ["TEARDOWN_S"])
+    while time.monotonic() < end:
+        pass
+atexit.register(teardown)  # before the SDK's exit handler, so it runs after it
+import recovery.client as recovery
+client = recovery.connect()
+for step in range(1, 4):
+    client.report_step(step)
+    time.sleep(0.05)
+"""
+
+
+async def test_a_rank_whose_interpreter_takes_long_to_exit_is_not_taken_for_a_hung_one(
+        streams: NatsServer, tmp_path: Path) -> None:
+    """A script that ends without a word to the SDK (most do) and whose interpreter then takes longer to exit than
+    the agent's silence bound, no heartbeat sent meanwhile: the SDK says at exit that the process is ending, so the
+    agent neither reports it hung nor counts its exit as anything but what its status says."""
+    agent = AgentProcess(tmp_path, "n9", streams.url, env={"RECOVERY_AGENT_RANK_SILENCE_S": "1.5"})
+    nc = await connect(streams.url)
+    w = await watch(nc, "slowexit")
+    ready = await node_heard(nc, "recovery.ev.node.n9.>")
+    try:
+        await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
+        spec = stand_in_job(tmp_path, ["elsewhere", "n9"], 1, 2)
+        spec["entrypoint"]["env"]["TEARDOWN_S"] = "4"
+        (tmp_path / "stand_in.py").write_text(SLOW_EXIT)
+        await submit(nc, "slowexit", spec, accepted=True)
+        await wait_until(lambda: bool(w.of("process.exited")), 60, "rank 1 to exit", agent.log_tail)
+        assert w.step(1) == 3
+        assert w.of("process.exited")[0]["data"] == {"rank": 1, "exit_code": 0, "signal": None, "attempt": 0}
+        assert not w.of("process.hang"), w.of("process.hang")
+        # and its agent said it lived while it ended, as its heartbeats would have
+        named = [r for e in w.of("progress.report") for r in e["data"]["ranks"] if r["rank"] == 1]
+        assert sum(r["step"] is None for r in named[named.index(next(r for r in named if r["step"] == 3)):]) >= 2
+    finally:
+        agent.stop()
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+
+
 async def test_an_agent_started_after_a_job_was_submitted_knows_it_and_carries_out_its_commands(
         streams: NatsServer, tmp_path: Path) -> None:
     """As a restarted agent does: the job is read back from the stream, nothing is launched for it, and a restart

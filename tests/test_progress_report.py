@@ -182,9 +182,10 @@ def test_the_fold_keeps_each_ranks_worst_loss_and_sends_a_bad_one_at_once() -> N
     assert wire_skip(["a", 7, "", "x" * 129, "b\n", None]) == ["a", "7"] and wire_skip("a") is None
 
 
-def test_the_agent_says_a_closing_rank_lives_until_its_process_ends() -> None:
-    """A rank whose script said it is done sends nothing more while its process ends (a final save, torch's
-    teardown): its agent's report says it lives each period, and says nothing of a rank that is not closing."""
+def test_the_agent_says_an_ending_rank_lives_until_its_process_ends_within_a_bound() -> None:
+    """A rank whose script said it is done, or whose interpreter is exiting, sends nothing more while its process
+    ends (a final save, torch's teardown): its agent's report says it lives each period, for `ending_alive_s` at
+    most, and says nothing of a rank that is not ending."""
     from types import SimpleNamespace
     from typing import Any
 
@@ -192,8 +193,10 @@ def test_the_agent_says_a_closing_rank_lives_until_its_process_ends() -> None:
 
     class Agent(Relay):
         def __init__(self) -> None:
-            closing, training = SimpleNamespace(alive=True, closing=True), SimpleNamespace(alive=True, closing=False)
-            self.jobs = {"j": SimpleNamespace(processes={1: closing, 2: training}, nodes=["n0"])}  # type: ignore[dict-item]
+            ending = SimpleNamespace(alive=True, ending_since=100.0)
+            training = SimpleNamespace(alive=True, ending_since=None)
+            self.jobs = {"j": SimpleNamespace(processes={1: ending, 2: training}, nodes=["n0"])}  # type: ignore[dict-item]
+            self.cfg = SimpleNamespace(ending_alive_s=30.0)  # type: ignore[assignment]
             self.progress = ProgressFold()
             self.sent: list[dict[str, Any]] = []
 
@@ -204,10 +207,13 @@ def test_the_agent_says_a_closing_rank_lives_until_its_process_ends() -> None:
     for rank in (1, 2):
         agent.progress.note("j", rank, 7, 3)
     agent.flush("j")
-    agent._closing_alive()
+    agent._ending_alive(129.0)
     agent.flush("j")
     assert agent.sent[-1] == {"ranks": [{"rank": 1, "step": None, "attempt": 3}]}, agent.sent
+    agent._ending_alive(130.0)  # a process that takes longer to end than the bound is silent again
+    agent.flush("j")
+    assert len(agent.sent) == 2, agent.sent
     agent.jobs["j"].processes[1].alive = False  # type: ignore[attr-defined]  # its process ended
-    agent._closing_alive()
+    agent._ending_alive(101.0)
     agent.flush("j")
     assert len(agent.sent) == 2, "nothing said for a rank whose process ended"

@@ -79,6 +79,12 @@ class AgentConfig(FileSettings):
     rank_silence_s: float = Field(8.0, ge=0, le=3600, description="a rank whose SDK spoke and then said nothing "
                                                                    "this long is reported hung (`process.hang`); "
                                                                    "0: the engine's watchdog alone finds it")
+    ending_alive_s: float = Field(120.0, ge=0, le=3600, description="a rank whose SDK said its script is done or "
+                                                                     "its interpreter is exiting sends no heartbeat "
+                                                                     "while its process ends (torch's teardown takes "
+                                                                     "seconds on a loaded host): the agent says it "
+                                                                     "lives this long at most, then it is silent "
+                                                                     "again")
     stock_stopped_s: float = Field(10.0, ge=0, le=3600, description="a rank of a script without the SDK whose "
                                                                      "process is stopped (state T: SIGSTOP) this "
                                                                      "long is reported hung; 0: not watched")

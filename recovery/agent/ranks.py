@@ -40,6 +40,7 @@ class RankProcess:
     ended: anyio.Event = field(default_factory=anyio.Event)
     returncode: int | None = None
     closing: bool = False  # its SDK said the script is done (the exit of an adopted rank counts as clean)
+    ending_since: float | None = None  # monotonic time its SDK said the script is done or the interpreter exits
     command_seq: int = 0  # the last command (RECOVERY_CMD sequence) the agent had read when it started this process
 
     @property

@@ -78,7 +78,7 @@ class Relay:
         while True:
             await anyio.sleep(self.cfg.report_s)  # the period of the reports
             now = time.monotonic()
-            self._closing_alive()
+            self._ending_alive(now)
             for job in self.progress.jobs():
                 # A tick early still counts: the ticks drift, and a period of 2 ticks must not become 3.
                 if now - flushed.get(job, -1e18) >= self.report_period(job) - self.cfg.report_s / 2:
@@ -93,18 +93,19 @@ class Relay:
                 for job_id, rank, seconds in self.silence.silent(time.monotonic(), self.cfg.rank_silence_s):
                     job = self.jobs.get(job_id)
                     proc = job.processes.get(rank) if job is not None else None
-                    if proc is not None and proc.alive:
+                    if proc is not None and proc.alive and proc.ending_since is None:
                         logger.warning("rank %d of %s silent for %.1f s: reported hung", rank, job_id, seconds)
                         self.job_event(job_id, "process.hang", {"rank": rank, "attempt": proc.attempt,
                                                                 "seconds_without_progress": round(seconds, 3)})
 
-    def _closing_alive(self) -> None:
-        """A rank whose script said it is done (`closing`) sends nothing more, yet its process may take seconds to
-        end (a final save, torch's teardown on a loaded host): the agent says it lives, as its heartbeat would, until
-        it exits, so that the engine never takes a finished rank for a hung one."""
+    def _ending_alive(self, now: float) -> None:
+        """A rank whose script said it is done (`closing`) or whose interpreter is exiting (`exiting`) sends nothing
+        more, yet its process may take seconds to end (a final save, torch's teardown on a loaded host): the agent
+        says it lives, as its heartbeat would, until it exits, so that the engine never takes a finished rank for a
+        hung one; for `ending_alive_s` at most, past which a process that has not ended is silent again."""
         for job_id, job in self.jobs.items():
             for rank, proc in job.processes.items():
-                if proc.alive and proc.closing:
+                if proc.alive and proc.ending_since is not None and now - proc.ending_since < self.cfg.ending_alive_s:
                     said = self.progress.known.get((job_id, rank))
                     if said is not None:
                         self.progress.note(job_id, rank, None, said[0])
@@ -130,7 +131,18 @@ class Relay:
         if job is None:
             return
         rank, attempt, op = message["rank"], message.get("attempt", 0), message.get("op")
-        if op != "closing":
+        proc = job.processes.get(rank)  # the rank's process now (a survivor's generation moves on)
+        if op in ("closing", "exiting"):
+            # the script is done, or its interpreter exits: its silence from here on is no hang
+            self.silence.forget(job_id, rank)
+            pid = message.get("pid")  # an SDK of old sends none
+            if proc is not None and proc.alive and (pid is None or ranks.in_session(pid, proc)):
+                # not a stopped process of the rank's generation before, whose exit handlers may speak late
+                proc.closing = proc.closing or op == "closing"
+                if proc.ending_since is None:
+                    proc.ending_since = time.monotonic()
+            return
+        if proc is None or proc.ending_since is None:  # a heartbeat sent while it ends starts no silence watch
             self.silence.spoke(job_id, rank, time.monotonic())
         try:
             if op == "heartbeat":
@@ -161,8 +173,8 @@ class Relay:
                 if job.caught_up.is_set():
                     # Found by its pid, not its rank: a scale that keeps it renumbers it (the SDK learns its new rank
                     # from the job store, maybe before this agent has carried the scale out).
-                    ok = any(proc.alive and ranks.in_session(message.get("pid"), proc)
-                             for proc in job.processes.values())
+                    ok = any(other.alive and ranks.in_session(message.get("pid"), other)
+                             for other in job.processes.values())
                     await job.channel.send(rank, {"op": "join_ok" if ok else "join_refused",
                                                   "generation": message.get("generation")})
                     if not ok:
@@ -179,11 +191,6 @@ class Relay:
                 said = message.get("caps")
                 caps = sorted({c for c in said if c in CAPABILITIES}) if isinstance(said, list) else []
                 self.job_event(job_id, "process.capabilities", {"rank": rank, "attempt": attempt, "caps": caps})
-            elif op == "closing":
-                proc = job.processes.get(rank)
-                self.silence.forget(job_id, rank)  # the script is done: its silence from here is no hang
-                if proc is not None and proc.alive:  # the rank's process now (a survivor's generation moves on)
-                    proc.closing = True
             elif op == "save_failed":
                 request = str(message.get("id"))
                 done = job.saves.get(request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -87,6 +88,8 @@ class Client:
             self._send({"op": "hello", "pid": os.getpid()})
             self._thread = threading.Thread(target=self._beat, name="recovery-heartbeat", daemon=True)
             self._thread.start()
+            # Registered first, run last: after the script's own exit handlers, just before finalisation.
+            atexit.register(self._exiting)
 
     # -- what training calls ---------------------------------------------------------------------------
     def resume_plan(self) -> ResumePlan | None:
@@ -262,7 +265,7 @@ class Client:
         teardown on a loaded host) is not taken for a hung rank, and the agent reports the exit it sees."""
         # An agent that did not start this process (it was restarted meanwhile) cannot read its exit status: this
         # tells it that the exit to come is the script's own end.
-        self._send({"op": "closing"})
+        self._send({"op": "closing", "pid": os.getpid()})
         if keep_heartbeats:
             return
         self._closed.set()
@@ -274,6 +277,14 @@ class Client:
             self._slots.close()
 
     # -- inside ----------------------------------------------------------------------------------------
+    def _exiting(self) -> None:
+        """The interpreter is exiting: from here on no heartbeat comes (finalisation stops the heartbeat's daemon
+        thread, and tearing torch down takes seconds on a loaded host), so the agent hears that the process is
+        ending, not hung. Not `closing`: the exit status is not known here, and an agent that did not start the
+        process must not count a failure as a clean end."""
+        if not self._closed.is_set():
+            self._send({"op": "exiting", "pid": os.getpid()})
+
     def _send(self, message: dict[str, Any]) -> None:
         if self._channel is not None:
             self._channel.send({**message, "rank": self.rank, "attempt": self.generation})
