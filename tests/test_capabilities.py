@@ -105,3 +105,36 @@ def test_a_script_reporting_checkpoints_has_its_lost_steps_from_its_newest_compl
     # the checkpoint of step 2 landed before the restart was sent, and its plan carried it: 5 - 2, whatever the
     # first step reported says (4, which would have said 3)
     assert closed.detail["lost_steps"] == 3 and "resume point 2" in closed.reason, closed
+
+
+def test_counted_steps_time_a_stock_restart_to_its_first_optimizer_step_and_claim_no_resume_point() -> None:
+    """The step hook's counts (`counts`, no `steps`): the job is a stock script in how it is found and restarted
+    (whole, no dying checkpoint, no silence rule), yet its restart closes at the first step a restarted process
+    counts, with the steps lost unknown, never counted from a resume point the script never named."""
+    s = killed(["counts"])
+    job = s.engine.jobs["j"]
+    assert not job.sdk and job.counted
+    assert first_granularity(s) == "restart_job" and not dying_asked(s)
+    s.ack_all()
+    assert job.phase == "restoring", s.kinds("j")
+    s.steps("j", 1, attempt=job.generation)
+    [closed] = s.find("incident.closed", "j")
+    assert closed.detail["lost_steps"] is None and "1 optimizer step(s) counted" in closed.reason, closed
+    s.advance(120)  # no word from the ranks for two minutes: a stock script's silence, never a hang
+    assert not s.find("fault.confirmed", "j")[1:], s.kinds("j")
+
+
+def test_counts_that_came_before_their_word_still_make_no_sdk_job() -> None:
+    """The daemon may log a rank's first counted step before the word that says what it is (the summary path):
+    once the word comes, the job is the stock script it is."""
+    s = Scenario()
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, spares=0)
+    for rank in range(4):
+        s.job_event("j", "process.started", rank=rank, pid=100 + rank, attempt=0, announces=True)
+    s.train("j", 3)
+    job = s.engine.jobs["j"]
+    assert job.sdk
+    s.job_event("j", "process.capabilities", rank=0, attempt=0, caps=["counts"])
+    assert not job.sdk and job.counted
+    s.job_event("j", "process.capabilities", rank=1, attempt=0, caps=["counts", "steps"])  # a real SDK rank
+    assert not job.counted

@@ -284,10 +284,10 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
         cluster: Cluster, fault_free: dict[str, Any], tmp_path: Path) -> None:
     job = "stock-kill"
     # Watchdog thresholds a stock script would trip within a second if its lack of heartbeats counted, and a grace
-    # period short enough to see the incident close within the run.
+    # period longer than the run: the incident closes at the first optimizer step the step hook counts.
     run = await kill_rank_1_at_epoch_2(cluster, job, {"watchdog_interval_s": 0.5, "policies": {
         "detection": {"name": "default", "params": {"hang_min_silence_s": 1, "stall_min_s": 1, "first_steps_s": 1}},
-        "rescheduling": {"name": "ladder", "params": {"running_grace_s": 2}}}}, tmp_path)
+        "rescheduling": {"name": "ladder", "params": {"running_grace_s": 600}}}}, tmp_path)
     code, output, w, steps, regained_s = run.code, run.output, run.watch, run.steps, run.regained_s
     assert code == 0, f"{output}\n{cluster.explain()}"
     granularities = [d["data"]["detail"].get("granularity") for d in w.decided("attempt.started")]
@@ -296,7 +296,8 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
     assert fault["data"]["reason"].startswith("rank 1: SIGKILL"), fault
     assert granularities == ["restart_job"]
     [closed] = w.decided("incident.closed")
-    assert "ran 2 s without exiting" in closed["data"]["reason"], closed
+    assert "optimizer step(s) counted in the restarted processes" in closed["data"]["reason"], closed
+    assert closed["data"]["detail"]["lost_steps"] is None  # counted steps name no resume point
     last = max(e["data"]["attempt"] for e in w.of("process.started"))
     # the job restarted whole: every rank of the last generation is a new process (whatever rung the engine chose:
     # restart_job, or restarts in place that ended up restarting every rank), each on the fresh torch store
@@ -305,10 +306,12 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
                if p.name.endswith(f".gen{last}.log") and "Resuming training from snapshot at Epoch 2" in text]
     assert len(resumed) == 2, rank_logs(cluster, job).keys()  # both ranks of the job-level restart loaded it
     assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
-    # What recovery-run and the report say of it is measured: the restart to a restarted rank's first output (the
-    # script reports no steps), never the grace the incident's close waits; no dying checkpoint was possible.
+    # What recovery-run and the report say of it is measured: the restart to a restarted rank's first optimizer step
+    # (the step hook counts them; the script reports none), never its first output nor a grace; no dying checkpoint
+    # was possible.
     assert [e for e in w.of("process.output") if e["data"]["attempt"] == last], "the restarted ranks' first output"
-    assert "running again" in output and "recovered in" not in output, output
+    assert output.count("running again") == 1 and "first optimizer step" in output, output
+    assert "recovered in" not in output, output
     assert "checkpoint.dying_failed" not in output and "step 0" not in output, output
     assert output.strip().splitlines()[-1].endswith(f"postmortem: recovery-replay report --nats {cluster.nats.url} "
                                                     f"--job {job}"), output
@@ -317,7 +320,7 @@ async def test_a_sigkilled_rank_restarts_the_job_from_the_scripts_own_snapshot_a
                             check=False)
     assert report.returncode == 0, report.stderr
     [incident] = json.loads(report.stdout)["jobs"][0]["incidents"]
-    assert incident["ttr_basis"].startswith("first output of a restarted process"), incident["ttr_basis"]
+    assert incident["ttr_basis"].startswith("first optimizer step of a restarted process"), incident["ttr_basis"]
     assert incident["checkpoint"]["source"] == "the script's own" and incident["ttr_s"] < regained_s + 5
     print(f"stock script, SIGKILL of rank 1: trained past step {max(steps)} again {regained_s:.2f}s later "
           f"(report: running again {incident['ttr_s']:.2f}s after its first signal); attempts {granularities}")

@@ -346,6 +346,33 @@ def test_a_stock_scripts_restart_is_measured_to_its_first_output_and_it_resumes_
     assert bare["ttr_s"] == round((added[3]["ts"] - first_signal) / NS, 3)
 
 
+def test_a_counted_stock_restart_is_measured_to_its_first_optimizer_step() -> None:
+    """The same log, the step hook on (its ranks said `counts`, their counted steps reported): the restart is
+    measured to the first step a restarted process counted, after its first output; the job is still a script
+    that reports neither its steps nor its checkpoints (its own snapshot, steps lost unknown)."""
+    records = list(iter_file(GOLDEN / "stock_script_restarts_whole.jsonl"))
+    started = next(r for r in records if r["subject"].startswith("recovery.dec.")
+                   and r["envelope"]["data"]["kind"] == "job.started")
+    rescheduled = [r for r in records if r["subject"].startswith("recovery.dec.")
+                   and r["envelope"]["data"]["kind"] == "ranks.rescheduling"][-1]
+    generation = rescheduled["envelope"]["data"]["detail"]["generation"]
+    at = rescheduled["ts"]
+    said = [_input(9_000 + rank, started["ts"] + NS, "stock", "process.capabilities",
+                   {"rank": rank, "attempt": 0, "caps": ["counts"]}) for rank in range(4)]
+    output_ts, step_ts = at + 3 * NS, at + 9 * NS
+    added = [_input(10_010, output_ts, "stock", "process.output", {"rank": 0, "attempt": generation}),
+             _input(10_011, step_ts, "stock", "progress.report",
+                    {"ranks": [{"rank": 2, "step": 1, "attempt": generation}]})]
+    where, first = records.index(rescheduled) + 1, records.index(started) + 1
+    report = build_report(records[:first] + said + records[first:where] + added + records[where:])
+    incident = only_incident(report)
+    first_signal = 1767225600 * NS + int(incident["first_signal_s"] * NS)
+    assert incident["ttr_basis"].startswith("first optimizer step of a restarted process"), incident["ttr_basis"]
+    assert incident["ttr_s"] == round((step_ts - first_signal) / NS, 3)
+    assert incident["checkpoint"]["source"] == "the script's own" and incident["lost_steps"] is None
+    assert not report["jobs"][0]["reports_steps"]
+
+
 def test_the_step_and_step_time_come_from_the_agents_progress_reports() -> None:
     """Agents fold their ranks' steps into one progress.report a period: what the engine (and so recovery-ctl jobs)
     reads the job's step from, and the report too."""

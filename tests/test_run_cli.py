@@ -154,3 +154,35 @@ def test_recovery_run_prints_the_step_of_the_progress_reports_and_measures_a_sto
     assert "step 0" not in said and "the script's own snapshot" in said
     assert "running again 6.5s after the fault (to a restarted rank's first output" in said
     assert "recovered in" not in said and "incident closed: the 2 restarted process(es) ran 30 s" in said
+
+
+@pytest.mark.parametrize("grace_first", [False, True])
+def test_recovery_run_times_a_counted_stock_restart_to_its_first_optimizer_step(
+        monkeypatch: pytest.MonkeyPatch, grace_first: bool) -> None:
+    """The step hook counts a stock script's optimizer steps: its restart is said once, at a restarted process's
+    first counted step (the incident's close, or a step after the ladder's grace closed it), never at the first
+    output, and with no resume point or steps lost the script never reported."""
+    clock = [100.0]
+    monkeypatch.setattr("recovery.cli.follow.time.monotonic", lambda: clock[0])
+    run = JobFollower("hooked", out=io.StringIO(), started=100.0)
+    run.on_event({"type": "process.capabilities", "data": {"rank": 0, "attempt": 0, "caps": ["counts"]}})
+    run.on_event({"type": "progress.report", "data": {"ranks": [{"rank": 0, "step": 40, "attempt": 0}]}})
+    run.on_decision(_decision("fault.confirmed", "rank 1: SIGKILL"))
+    run.on_decision(_decision("checkpoint.plan", "no complete checkpoint: start from step 0", checkpoint_step=None))
+    run.on_decision(_decision("ranks.rescheduling", "restart_job: 1 command(s)", generation=1))
+    clock[0] = 102.0
+    run.on_event({"type": "process.output", "data": {"rank": 0, "attempt": 1}})  # torch's import: no training yet
+    if grace_first:
+        clock[0] = 104.0
+        run.on_decision(_decision("incident.closed", "the 2 restarted process(es) ran 2 s without exiting"))
+    clock[0] = 107.5
+    run.on_event({"type": "progress.report", "data": {"ranks": [{"rank": 1, "step": 1, "attempt": 1}]}})
+    if not grace_first:
+        run.on_decision(_decision("incident.closed", "progress: 1 optimizer step(s) counted in the restarted "
+                                                     "processes", mttr_ns=7_400_000_000, lost_steps=None))
+    said = run.out.getvalue()  # type: ignore[attr-defined]
+    assert said.count("running again") == 1 and "running again 7.5s after the fault (to a restarted rank's first " \
+                                                "optimizer step" in said, said
+    assert "step 0" not in said and "the script's own snapshot" in said and "lost" not in said.replace(
+        "the steps lost are the script's to say", ""), said
+    assert run.recovered_s == [7.5]

@@ -338,7 +338,8 @@ class Agent(Relay, Rescale, Admission):
                                 attempt=attempt, plan=plan, store_addr=job.store_addr, store_port=job.store_port,
                                 torch_port=torch_port, socket=job.channel.path, heartbeat_s=self.cfg.heartbeat_s,
                                 memory_dir=self.memory.job_dir(job.id),
-                                error_file=errors.error_file(self.runtime_dir, job.id, rank, attempt))
+                                error_file=errors.error_file(self.runtime_dir, job.id, rank, attempt),
+                                step_hook=self.cfg.step_hook)
         output = errors.output_file(self.runtime_dir, job.id, rank, attempt)
         standby = self.standbys.take(job.id, env)
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,

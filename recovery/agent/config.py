@@ -79,6 +79,10 @@ class AgentConfig(FileSettings):
     rank_silence_s: float = Field(8.0, ge=0, le=3600, description="a rank whose SDK spoke and then said nothing "
                                                                    "this long is reported hung (`process.hang`); "
                                                                    "0: the engine's watchdog alone finds it")
+    step_hook: bool = Field(True, description="start the ranks with the hook that counts their optimizer steps "
+                                              "(`recovery.client.steps`): a script without the SDK is timed to its "
+                                              "first step after a restart; a job turns it off with "
+                                              "RECOVERY_STEP_HOOK=0 in its environment")
     ending_alive_s: float = Field(120.0, ge=0, le=3600, description="a rank whose SDK said its script is done or "
                                                                      "its interpreter is exiting sends no heartbeat "
                                                                      "while its process ends (torch's teardown takes "

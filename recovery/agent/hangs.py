@@ -29,7 +29,7 @@ async def first_output(job: JobOnNode, proc: RankProcess, output: Path,
                        report: Callable[[str, str, dict[str, Any]], None]) -> None:
     """Report `process.output` once `proc` has written to its output file; nothing for a process that ends first,
     is replaced, or connects through the SDK (its steps are the measure then)."""
-    while proc.alive and job.processes.get(proc.rank) is proc and not job.channel.connected(proc.rank):
+    while proc.alive and job.processes.get(proc.rank) is proc and not speaks(job, proc):
         try:
             grown = output.stat().st_size > 0
         except OSError:
@@ -38,6 +38,11 @@ async def first_output(job: JobOnNode, proc: RankProcess, output: Path,
             report(job.id, "process.output", {"rank": proc.rank, "attempt": proc.attempt})
             return
         await anyio.sleep(OUTPUT_POLL_S)  # the period of the look, until the process ends or writes
+
+
+def speaks(job: JobOnNode, proc: RankProcess) -> bool:
+    """Does the rank speak through the SDK (its steps and silence are the measure), not only the step hook?"""
+    return job.channel.connected(proc.rank) and not proc.counted_only
 
 
 class StockHangs:
@@ -64,7 +69,7 @@ class StockHangs:
 
     async def _check(self, job: JobOnNode) -> None:
         live = {rank: proc for rank, proc in job.processes.items()
-                if proc.alive and not job.channel.connected(rank)}  # an SDK rank's silence says more
+                if proc.alive and not speaks(job, proc)}  # an SDK rank's silence says more
         rules = self.rules.setdefault(job.id, HangRules(stopped_s=self.cfg.stock_stopped_s or float("inf"),
                                                         still_s=self.cfg.stock_hang_s or float("inf")))
         samples: dict[int, ProcSample] = {}

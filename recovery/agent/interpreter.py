@@ -58,6 +58,9 @@ def become(rank: dict[str, object]) -> None:
     cwd = rank.get("cwd")
     if cwd:
         os.chdir(str(cwd))
+    from recovery.client.steps import install_from_environment
+
+    install_from_environment()  # what the start-up hook on the rank's PYTHONPATH does in a cold start
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()

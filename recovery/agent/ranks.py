@@ -16,6 +16,9 @@ from anyio.abc import Process
 
 from events.values import Entrypoint, ResumePlan
 from recovery.agent.standby import Standby, one_thread_each
+from recovery.client import startup, steps
+
+COUNTED = frozenset(("counts",))
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,13 @@ class RankProcess:
     returncode: int | None = None
     closing: bool = False  # its SDK said the script is done (the exit of an adopted rank counts as clean)
     ending_since: float | None = None  # monotonic time its SDK said the script is done or the interpreter exits
+    caps: frozenset[str] | None = None  # what its SDK announced (`process.capabilities`); None: nothing yet
+
+    @property
+    def counted_only(self) -> bool:
+        """Only the step hook speaks for it (`recovery.client.steps`): a script without the SDK, whose steps are
+        counted. Its agent treats it as a stock script in all else (signals at once, its hangs seen from outside)."""
+        return self.caps is not None and self.caps <= COUNTED
     command_seq: int = 0  # the last command (RECOVERY_CMD sequence) the agent had read when it started this process
 
     @property
@@ -62,14 +72,17 @@ class RankProcess:
 
 def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node: str, attempt: int,
                 plan: ResumePlan | None, store_addr: str, store_port: int, torch_port: int | None, socket: Path,
-                heartbeat_s: float, memory_dir: Path | None = None, error_file: Path | None = None) -> dict[str, str]:
+                heartbeat_s: float, memory_dir: Path | None = None, error_file: Path | None = None,
+                step_hook: bool = True) -> dict[str, str]:
     """The agent's environment, the job's, then what the agent sets for the rank (which wins): torchrun's, with its
     agent-store contract (`TORCHELASTIC_USE_AGENT_STORE=True`: every rank, rank 0 too, is a client of the store at
     MASTER_ADDR:MASTER_PORT, which is the fresh torch store of the rank's formation, `torch_port`; the job store's
     own port without one), and the job store itself as RECOVERY_STORE_ADDR/RECOVERY_STORE_PORT, where the SDK's
     generations live across formations; RECOVERY_MEMORY_DIR, the job's shared memory on the node
     (`recovery.agent.memory`); TORCHELASTIC_ERROR_FILE, where `@record` writes the exception the script dies of
-    (`recovery.agent.errors`); OMP_NUM_THREADS as torchrun sets it (`one_thread_each`)."""
+    (`recovery.agent.errors`); OMP_NUM_THREADS as torchrun sets it (`one_thread_each`); with `step_hook`, unless
+    the job says RECOVERY_STEP_HOOK=0, the start-up hook that counts the script's optimizer steps
+    (`recovery.client.steps`) first on PYTHONPATH."""
     env = one_thread_each({**os.environ, **entrypoint.env}, placement.local_world_size)
     env.update({
         "RANK": str(placement.rank),
@@ -108,6 +121,11 @@ def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node:
         env["RECOVERY_RESUME_PLAN"] = plan.model_dump_json()
     else:
         env.pop("RECOVERY_RESUME_PLAN", None)
+    env.pop(steps.OWNER_ENV, None)  # the agent's own, if it was started from a rank: the rank's process is its own
+    if step_hook and env.get(steps.HOOK_ENV) != "0":
+        env[steps.HOOK_ENV] = "1"
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = startup.DIRECTORY + (os.pathsep + path if path else "")
     return env
 
 

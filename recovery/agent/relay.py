@@ -142,11 +142,15 @@ class Relay:
                 if proc.ending_since is None:
                     proc.ending_since = time.monotonic()
             return
-        if proc is None or proc.ending_since is None:  # a heartbeat sent while it ends starts no silence watch
+        counted = proc is not None and proc.counted_only
+        if (proc is None or proc.ending_since is None) and not counted:
+            # A heartbeat sent while it ends starts no silence watch; nor does the step hook's, whose script may hold
+            # the interpreter for seconds in a native call that no SDK user chose: its hangs are seen from outside.
             self.silence.spoke(job_id, rank, time.monotonic())
         try:
             if op == "heartbeat":
-                self._progress(job_id, rank, message.get("step"), attempt)
+                if not counted:  # the step hook's: only its counts are news (the engine reads no silence of it)
+                    self._progress(job_id, rank, message.get("step"), attempt)
             elif op == "step":
                 self._progress(job_id, rank, message["step"], attempt, measured(message.get("compute_s")),
                                wire_loss(message.get("loss")), wire_skip(message.get("skip")))
@@ -190,6 +194,10 @@ class Relay:
                 # What the script wired up through the SDK: how much a fault of the job may restart (`Job.can`).
                 said = message.get("caps")
                 caps = sorted({c for c in said if c in CAPABILITIES}) if isinstance(said, list) else []
+                if proc is not None and proc.alive:
+                    proc.caps = frozenset(caps)
+                    if proc.counted_only:
+                        self.silence.forget(job_id, rank)  # its hello started a watch its hook's silence must not end
                 self.job_event(job_id, "process.capabilities", {"rank": rank, "attempt": attempt, "caps": caps})
             elif op == "save_failed":
                 request = str(message.get("id"))

@@ -25,7 +25,8 @@ async def stop_gracefully(job: JobOnNode, which: list[int], grace_s: float, kill
     procs = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
     asked: set[int] = set()
     for proc in procs:
-        if await job.channel.send(proc.rank, {"op": "stop"}):
+        # the step hook's client reads no stop: its script gets the signal as a stock script does
+        if not proc.counted_only and await job.channel.send(proc.rank, {"op": "stop"}):
             asked.add(proc.rank)
         else:
             logger.info("rank %d of %s has no SDK connection: %s now, and the whole grace to end", proc.rank,
@@ -56,7 +57,7 @@ async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess],
     for proc in procs:
         request = f"preempt:{node}:{proc.rank}:{proc.attempt}"
         job.saves[request] = anyio.Event()
-        if await job.channel.send(proc.rank, {"op": "save", "id": request, "hold": True}):
+        if not proc.counted_only and await job.channel.send(proc.rank, {"op": "save", "id": request, "hold": True}):
             saved.append((proc, job.saves[request]))
         else:
             logger.info("rank %d of %s has no SDK connection: SIGTERM now, and the whole grace to end", proc.rank,

@@ -44,6 +44,9 @@ class JobFollower:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     sdk: bool = False
     """a rank spoke through the SDK: steps measure the job; without, only its processes and their output do"""
+    counted: bool = False
+    """only the step hook reports the job's steps (`recovery.client.steps`): a script without the SDK, measured to
+    a restarted process's first optimizer step"""
     fault_at: float | None = None
     """when the latest incident's fault was confirmed (this process's clock); None once its restart was said to run"""
     generation: int | None = None
@@ -51,6 +54,7 @@ class JobFollower:
     recovering: bool = False
     defer_verdict: bool = False
     """the caller says the verdict last (standalone: after stopping what it started), so it is not said at the end"""
+    caps: set[str] = field(default_factory=set)
     live: set[tuple[int, int]] = field(default_factory=set)
     """the job's processes started and not yet exited, as (rank, generation)"""
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -83,12 +87,12 @@ class JobFollower:
             self.say(f"fault: {reason}")
         elif kind == "attempt.started":
             self.say(f"recovery: {detail.get('granularity', '?')} ({reason})")
-        elif kind == "checkpoint.dying_failed" and not self.sdk:
+        elif kind == "checkpoint.dying_failed" and not self.speaks:
             pass  # no rank speaks through the SDK, so none could ever save one: nothing failed that could succeed
         elif kind in ("attempt.failed", "attempt.timed_out", "checkpoint.dying_failed", "job.paused"):
             self.say(f"{kind}: {reason}")
         elif kind == "checkpoint.plan":
-            if not self.sdk:
+            if not self.speaks:
                 self.say("resuming from the script's own snapshot, if it keeps one (it reports no checkpoints)")
             elif detail.get("checkpoint_step") is not None:
                 self.say(f"resuming from the checkpoint of step {detail['checkpoint_step']}")
@@ -104,7 +108,11 @@ class JobFollower:
 
     def _closed(self, reason: str, detail: dict[str, Any]) -> None:
         self.recovering = False  # a stock script's first output may come after the close: it is still said
-        if not self.sdk:
+        if self.counted and reason.startswith("progress:"):
+            # closed by a restarted process's first counted optimizer step: the restart's true time
+            self.said_running(self.fault_at)
+            return
+        if not self.speaks:
             # A stock script's incident closes after the ladder's grace (its processes ran so long without exiting):
             # a wait, not a measure. When it ran again was said at its first output.
             self.say(f"incident closed: {reason}")
@@ -116,6 +124,20 @@ class JobFollower:
         took = f" in {mttr / 1e9:.1f}s (to the first step past the resume point)" if isinstance(mttr, int) else ""
         self.say(f"recovered{took}{f', {lost} step(s) lost' if lost is not None else ''}")
 
+    @property
+    def speaks(self) -> bool:
+        """A rank reports through the SDK itself (not only the step hook's counts)."""
+        return self.sdk and not self.counted
+
+    def said_running(self, fault_at: float | None) -> None:
+        """A restarted process of a script without the SDK counted its first optimizer step: said once."""
+        if fault_at is not None:
+            took = time.monotonic() - fault_at
+            self.recovered_s.append(took)
+            self.say(f"running again {took:.1f}s after the fault (to a restarted rank's first optimizer step; the "
+                     f"steps lost are the script's to say)")
+        self.fault_at = None
+
     def verdict(self) -> str:
         """The job's end in one line, with the reason (a failed job's quotes the script's error when it said one)."""
         return f"{self.job} {self.state}{f': {self.reason}' if self.reason else ''}"
@@ -124,6 +146,9 @@ class JobFollower:
         data = envelope.get("data") or {}
         type_ = envelope.get("type")
         self._track(type_, data)
+        if type_ == "process.capabilities" and isinstance(data.get("caps"), list):
+            self.caps |= {str(c) for c in data["caps"]}
+            self.counted = "counts" in self.caps and "steps" not in self.caps
         if type_ in ("progress.step", "progress.report", "progress.summary", "process.heartbeat"):
             # the agents fold their ranks' words into one progress.report a period (what recovery-ctl's step is), or
             # the daemon a job's into one progress.summary
@@ -131,7 +156,10 @@ class JobFollower:
             for entry in data.get("ranks") or [] if type_ in ("progress.report", "progress.summary") else [data]:
                 if isinstance(entry, dict) and isinstance(entry.get("step"), int):
                     self.step = max(self.step, entry["step"])
-        elif (type_ == "process.output" and self.fault_at is not None and not self.sdk
+                    if (self.counted and not self.recovering and self.fault_at is not None
+                            and entry.get("attempt") == self.generation):
+                        self.said_running(self.fault_at)  # its incident closed before (the ladder's grace)
+        elif (type_ == "process.output" and self.fault_at is not None and not self.sdk and not self.counted
               and data.get("attempt") == self.generation):
             self.say(f"running again {time.monotonic() - self.fault_at:.1f}s after the fault (to a restarted rank's "
                      f"first output: the script reports no steps)")

@@ -61,11 +61,22 @@ class ResumePlan:
                    frozenset(str(d) for d in raw.get("skip_data", [])))
 
 
+_live: Client | None = None
+"""the process's client connected to an agent, if any (the step hook stays quiet beside one)"""
+
+
+def live_client() -> Client | None:
+    return _live
+
+
 class Client:
     """A training process's side of its agent. Create it with `connect()`, once per process."""
 
     def __init__(self, socket_path: str | None, rank: int, generation: int = 0, plan: ResumePlan | None = None,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, counts: bool = False) -> None:
+        """`counts`: the client of the step hook (`recovery.client.steps`), which says so before its first
+        heartbeat: its steps are counts of optimizer steps since the process started."""
+        global _live
         self.rank = rank
         self.generation = generation
         self._plan = plan
@@ -85,7 +96,10 @@ class Client:
         self._channel = AgentChannel(socket_path, self._on_message) if socket_path else None
         self._thread: threading.Thread | None = None
         if self._channel is not None:
+            _live = self
             self._send({"op": "hello", "pid": os.getpid()})
+            if counts:
+                self.announce("counts")
             self._thread = threading.Thread(target=self._beat, name="recovery-heartbeat", daemon=True)
             self._thread.start()
             # Registered first, run last: after the script's own exit handlers, just before finalisation.
@@ -195,6 +209,11 @@ class Client:
         `{"tier": ..., "shards": [...], "location": ...}` (default: tier `dying`, this rank's shard 0)."""
         self._save = save
         self.announce("save")
+
+    def count_step(self, count: int) -> None:
+        """The step hook's report: `count` optimizer steps since this process started (not the job's step)."""
+        self._step = count
+        self._send({"op": "step", "step": count})
 
     def announce(self, capability: str) -> None:
         """Say that this process can do `capability`: `reform` (its process group is formed again in this process
@@ -324,11 +343,11 @@ class Client:
                     "shards": result.get("shards", [0]), "location": result.get("location")})
 
 
-def connect(heartbeat_s: float | None = None) -> Client:
+def connect(heartbeat_s: float | None = None, counts: bool = False) -> Client:
     """The client for this process, from the environment its agent set (RANK, the agent's socket, the generation
     and the resume plan); without an agent, a client whose calls do nothing."""
     plan_text = os.environ.get(RESUME_PLAN_ENV)
     interval = heartbeat_s if heartbeat_s is not None else float(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S))
     return Client(os.environ.get(SOCKET_ENV) or None, int(os.environ.get("RANK", "0")),
                   int(os.environ.get(GENERATION_ENV, "0")), ResumePlan.from_json(plan_text) if plan_text else None,
-                  interval)
+                  interval, counts)

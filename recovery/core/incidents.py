@@ -352,9 +352,7 @@ class Incidents(Restarts):
         incident = job.incident
         attempt = incident.attempt if incident is not None else None
         assert incident is not None and attempt is not None
-        resume = self._resumed_at(job, attempt, step)
-        lost = max(0, incident.fault_step - resume) if incident.cause is IncidentCause.FAULT else 0
-        self._recovered(out, job, attempt, f"progress to step {step} past resume point {resume}", lost)
+        self._recovered(out, job, attempt, *self._progress_past(job, incident, attempt, step))
 
     def _recovered(self, out: RecordEffects, job: Job, attempt: Attempt, reason: str, lost: int | None) -> None:
         """The attempt worked: close the incident (`lost`: the steps trained again, None when the script reports

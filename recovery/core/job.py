@@ -395,6 +395,13 @@ class Job:
                        for tier, shards in sorted(by_tier.items())}
                 for step, by_tier in sorted(self.catalog.items(), reverse=True)}
 
+    @property
+    def counted(self) -> bool:
+        """Only the step hook reports the job's steps (`counts`, no `steps`): they count each process's optimizer
+        steps from 1, so they time a restart and show progress, yet are no resume point; in all else (detection, the
+        ladder's grace) the job is a stock script."""
+        return self.caps is not None and "counts" in self.caps and "steps" not in self.caps
+
     def can(self, capability: str) -> bool:
         """Did the job's ranks say they can do `capability` (`events.values.Capability`)? A job whose agents relay
         no capabilities is answered as before they were announced: any rank reporting through the SDK could rejoin

@@ -29,6 +29,8 @@ def note(job: Job, type_: str, data: Any, ts: int, stale: Callable[[Job, int, in
     elif type_ == "process.capabilities":
         if not stale(job, data.rank, data.attempt):  # a replaced process's word is no longer the rank's
             job.caps = (job.caps or frozenset()) | frozenset(data.caps)
+            if job.counted:
+                job.sdk = False  # its reports, however they came before this word, were the step hook's counts
     elif type_ == "process.output":
         if data.rank >= job.world:
             raise Rejected("unknown_rank", f"rank {data.rank} is not in job {job.id}")

@@ -124,8 +124,9 @@ class Progress:
             job.put(job.last_seen, rank, ts)
         else:
             job.last_seen[rank] = ts
-        if not job.sdk:
+        if not job.sdk and not job.counted:
             # The first report through the SDK: the script is not a stock one, and its ranks' silence means something.
+            # (The step hook's counts make no script an SDK one.)
             self.guard(job)
             job.sdk = True
         if step is not None and self.closing:  # the record may close the incident (`Incidents.may_close`)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from events import kinds
 from events.commands import MigrateRanks, RestartJob, RestartRanks, RetryStep, SaveCheckpoint, ScaleJob, StopRanks
-from events.names import AttemptOutcome, AttemptPurpose, DecisionKind, TimerPurpose
+from events.names import AttemptOutcome, AttemptPurpose, DecisionKind, IncidentCause, TimerPurpose
 from events.values import Granularity, Layout, ResumePlan, Tier
 from policies.base import NS, AwaitDying, CheckpointContext, CheckpointPlan, Resume, SaveDying
 from recovery.core.addressing import command_nodes
@@ -59,6 +59,15 @@ class Restarts:
         if job.caps is not None and not job.can("checkpoints") and attempt.granularity is not G.RETRY:
             resume = max(resume, step - 1)
         return resume
+
+    def _progress_past(self, job: Job, incident: Incident, attempt: Attempt, step: int) -> tuple[str, int | None]:
+        """Why `step` closes the incident, and the steps trained again (None: not known). Steps the step hook counts
+        (`Job.counted`) number each process's optimizer steps from 1: progress and time, but no resume point."""
+        if job.counted:
+            return f"progress: {step} optimizer step(s) counted in the restarted processes", None
+        resume = self._resumed_at(job, attempt, step)
+        lost = max(0, incident.fault_step - resume) if incident.cause is IncidentCause.FAULT else 0
+        return f"progress to step {step} past resume point {resume}", lost
 
     def _checkpoint_ctx(self, job: Job, attempt: Attempt, dying_allowed: bool, peer_allowed: bool
                         ) -> CheckpointContext:

@@ -38,12 +38,12 @@ def job_report(job: JobFold, end: int) -> dict[str, Any]:
         "policy_params": job.params,
         "state": job.end_state or job.state, "end_reason": job.end_reason, "started_ns": job.started,
         "ended_ns": job.ended,
-        "wall_s": _s(wall), "step": job.step, "reports_steps": job.sdk,
+        "wall_s": _s(wall), "step": job.step, "reports_steps": job.speaks,
         "step_time_s": round(step_ns / NS, 3) if step_ns else None,
         "ettr": round(max(0.0, 1 - lost_s / (wall / NS)), 6) if wall else None,
         # a script that reports no steps redid, after each restart, the work since its own last snapshot, which
         # nothing measures: its ETTR is at most this
-        "ettr_upper_bound": bool(incidents) and not job.sdk,
+        "ettr_upper_bound": bool(incidents) and not job.speaks,
         "lost_s": round(lost_s, 3), "lost_gpu_hours": round(lost_gpu_hours, 3),
         "lost_s_by_cause": lost_by_cause, "lost_gpu_hours_by_cause": by_cause,
         "mttr_by_fault_class": mttr(reports), "restarts_by_granularity": restarts(reports),
@@ -74,15 +74,18 @@ LOWER_BOUND = "a lower bound (the script reports no steps, and its restarted pro
 def ran_again(job: JobFold, inc: Incident) -> tuple[int | None, str]:
     """When the job ran again after the incident's fault, and what that is measured to. A script that reports
     steps: its first step past the resume point (the incident's close). One that reports none (a stock script): the
-    first output of a restarted process, which its agent sees; without one, the start of every restarted process,
-    which is only a lower bound. The engine's close of a stock script's incident (its restarted processes ran the
+    first optimizer step of a restarted process, where the step hook counts them; else the first output of a
+    restarted process, which its agent sees; without one, the start of every restarted process, which is only a
+    lower bound. The engine's close of a stock script's incident (its restarted processes ran the
     ladder's `running_grace_s` without exiting) is a wait, not a measurement, and is never the answer."""
-    if job.sdk:
+    if job.speaks:
         if inc.outcome == "recovered":
             return inc.closed, "first step past the resume point"
         return None, "no step past the resume point was reported"
     if inc.generation is None:
         return None, "no restart started"
+    if job.counted and inc.first_step is not None:
+        return inc.first_step, "first optimizer step of a restarted process (counted by the step hook)"
     if inc.first_output is not None:
         return inc.first_output, "first output of a restarted process (the script reports no steps)"
     if inc.all_started is not None:
@@ -101,7 +104,7 @@ def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> di
                for p in inc.phases]
     # Lost: the job's time until it ran again. A stock script's incident stays open through the grace in which
     # its restarted processes already train: that time is not lost.
-    lost_until = back if back is not None and not job.sdk else stop
+    lost_until = back if back is not None and not job.speaks else stop
     seconds_by_phase: dict[str, float] = {"detection": _s(inc.opened - first)}
     for p in inc.phases:
         seconds = _s(max(0, min(p.end or stop, lost_until) - p.start))
@@ -135,9 +138,9 @@ def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> di
         "escalations": escalations,
         # a stock script resumes from its own snapshot, which the engine never hears of: its plan's "step 0" is not
         # where it resumed
-        "checkpoint": ({**inc.checkpoint, "source": "the script's own"} if inc.checkpoint and not job.sdk else
+        "checkpoint": ({**inc.checkpoint, "source": "the script's own"} if inc.checkpoint and not job.speaks else
                        {**inc.checkpoint, "source": "the plan"} if inc.checkpoint else None),
-        "dying_checkpoint": inc.dying if job.sdk else None,
+        "dying_checkpoint": inc.dying if job.speaks else None,
         "lost_steps": inc.lost_steps, "step_at_fault": inc.step_at_open,
         "lost_s_by_phase": seconds_by_phase, "lost_gpu_hours_by_phase": gpu_hours,
         "lost_gpu_hours": round(sum(gpu_hours.values()), 3),

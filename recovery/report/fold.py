@@ -157,6 +157,11 @@ class ReportFold:
             job = self.jobs.get(job_id)
             if job is not None:
                 self._restarted(job, type_, env["data"], ts)
+        elif type_ == "process.capabilities":
+            job = self.jobs.get(job_id)
+            caps = (env.get("data") or {}).get("caps")
+            if job is not None and isinstance(caps, list):
+                job.caps = (job.caps or set()) | {str(c) for c in caps}
         elif type_ == "job.submitted":
             self._submitted(job_id, env["data"]["spec"], ts)
 
@@ -183,6 +188,10 @@ class ReportFold:
         step = entry.get("step")
         if step is not None:
             self._progress(job, int(step), ts)  # a step that is no number: malformed, as the engine found it
+            incident = job.incident or (job.incidents[-1] if job.incidents else None)
+            if (incident is not None and incident.first_step is None and incident.generation is not None
+                    and entry.get("attempt") == incident.generation):
+                incident.first_step = ts  # the restart's first step (its processes' generation)
 
     def _restarted(self, job: JobFold, type_: str, data: dict[str, Any], ts: int) -> None:
         """A process of the incident's restart started, or wrote its first output: when a script that reports no
@@ -442,7 +451,7 @@ class ReportFold:
             incident.phases[-1].end = ts
         incident.closed = ts
         incident.outcome = "recovered" if kind == "incident.closed" else _ENDS.get(kind, kind)
-        lost = detail.get("lost_steps", 0) if kind == "incident.closed" and job.sdk else None
+        lost = detail.get("lost_steps", 0) if kind == "incident.closed" and job.speaks else None
         incident.lost_steps = None if lost is None else int(lost)  # None: the script reports no steps
         job.incident = None
         job.incidents.append(incident)

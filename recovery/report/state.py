@@ -64,6 +64,8 @@ class Incident:
     """log time when every restarted process had started"""
     first_output: int | None = None
     """log time of the first output of a process of the restart (a stock script's first sign that it runs)"""
+    first_step: int | None = None
+    """log time of the first step a process of the restart reported (counted, for a script without the SDK)"""
 
 
 @dataclass
@@ -105,7 +107,9 @@ class JobFold:
     """`policy.failed` decisions: a plugin erred or looped, and the built-in answered"""
     first_policy_failures: list[dict[str, Any]] = field(default_factory=list)
     sdk: bool = False
-    """a rank spoke through the SDK (a heartbeat, a step): the job's progress is measured, not only its processes"""
+    """a rank reported a heartbeat or a step"""
+    caps: set[str] | None = None
+    """what its ranks said they can do (`process.capabilities`); None: nothing said"""
     submitted: bool = False
     """its submission is among the records read (not before --since)"""
     refused: str | None = None
@@ -117,6 +121,17 @@ class JobFold:
     decision_counts: dict[str, int] = field(default_factory=dict)
     loose: list[dict[str, Any]] = field(default_factory=list)
     loose_omitted: int = 0
+
+    @property
+    def counted(self) -> bool:
+        """Only the step hook reported its steps: a script without the SDK, its optimizer steps counted from 1 in each
+        process (`recovery.client.steps`)."""
+        return self.caps is not None and "counts" in self.caps and "steps" not in self.caps
+
+    @property
+    def speaks(self) -> bool:
+        """A rank spoke through the SDK: the job's progress is measured, not only its processes."""
+        return self.sdk and not self.counted
 
     @property
     def never_ran(self) -> bool:
