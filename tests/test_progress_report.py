@@ -217,3 +217,39 @@ def test_the_agent_says_an_ending_rank_lives_until_its_process_ends_within_a_bou
     agent._ending_alive(101.0)
     agent.flush("j")
     assert len(agent.sent) == 2, "nothing said for a rank whose process ended"
+
+
+async def test_a_rank_only_the_step_hook_speaks_for_is_relayed_its_counts_and_never_watched_for_silence() -> None:
+    """The hook's client says hello, `counts`, heartbeats and counted steps: its agent relays the counts, drops the
+    heartbeats (no rule reads them), and keeps no silence watch of it (a script that holds the interpreter in a
+    native call for seconds is no hang); a rank whose SDK reports its own steps is watched as before."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from recovery.agent.progress import SilenceWatch
+    from recovery.agent.ranks import RankProcess
+    from recovery.agent.relay import Relay
+
+    class Agent(Relay):
+        def __init__(self) -> None:
+            procs = {rank: RankProcess("j", rank, 0, None, 100 + rank) for rank in (0, 1)}
+            self.jobs = {"j": SimpleNamespace(processes=procs, nodes=["n0"], saves={})}  # type: ignore[dict-item]
+            self.cfg = SimpleNamespace(report_s=1.0)  # type: ignore[assignment]
+            self.progress = ProgressFold()
+            self.silence = SilenceWatch()
+            self.sent: list[tuple[str, Any]] = []
+
+        def publish(self, job: str, type_: str, data: Any, event_id: str | None, heartbeat: bool) -> None:
+            self.sent.append((type_, data))
+
+    agent = Agent()
+    for rank, caps in ((0, ["counts"]), (1, ["steps"])):
+        for message in ({"op": "hello", "pid": 100 + rank}, {"op": "caps", "caps": caps},
+                        {"op": "heartbeat", "step": None}, {"op": "step", "step": 1}):
+            await agent._report("j", {**message, "rank": rank, "attempt": 0})
+    assert agent.jobs["j"].processes[0].counted_only and not agent.jobs["j"].processes[1].counted_only
+    assert [rank for _, rank, _ in agent.silence.silent(1e12, 1.0)] == [1]
+    agent.flush("j")
+    said = [(r["rank"], r["step"]) for type_, data in agent.sent if type_ == "progress.report" for r in data["ranks"]]
+    assert [step for rank, step in said if rank == 0] == [1], said  # its count, never its heartbeat
+    assert [step for rank, step in said if rank == 1] == [None, 1], said

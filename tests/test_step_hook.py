@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from recovery.agent import ranks
-from recovery.client import startup
+from recovery.agent import ranks, stephook
 from tests.e2e_support import ROOT
 
 TRAIN = """
@@ -80,9 +79,9 @@ def run_rank(tmp_path: Path, listener: Listener, script: str, **env: str) -> sub
     path.write_text(script)
     base = {k: v for k, v in os.environ.items() if not k.startswith("RECOVERY_")}
     full = {**base, "PYTHONPATH": str(ROOT), "RANK": "0", "RECOVERY_AGENT_SOCKET": str(listener.path)}
-    full.pop(ranks.steps.OWNER_ENV, None)
-    full.update({ranks.steps.HOOK_ENV: "1",
-                 "PYTHONPATH": f"{startup.DIRECTORY}{os.pathsep}{ROOT}"})
+    full.pop(stephook.OWNER_ENV, None)
+    full.update({stephook.HOOK_ENV: "1",
+                 "PYTHONPATH": f"{stephook.STARTUP}{os.pathsep}{ROOT}"})
     full.update(env)
     done = subprocess.run([sys.executable, str(path)], env=full, capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
@@ -120,7 +119,7 @@ def test_a_sitecustomize_the_hook_hides_still_runs(tmp_path: Path, listener: Lis
     site.mkdir()
     (site / "sitecustomize.py").write_text("import builtins\nbuiltins.SITE_WAS_HERE = True\n")
     done = run_rank(tmp_path, listener, "print(SITE_WAS_HERE)\n" + TRAIN.format(steps=1),
-                    PYTHONPATH=f"{startup.DIRECTORY}{os.pathsep}{site}{os.pathsep}{ROOT}")
+                    PYTHONPATH=f"{stephook.STARTUP}{os.pathsep}{site}{os.pathsep}{ROOT}")
     assert done.stdout.startswith("True")
     assert [m["step"] for m in listener.connections[0] if m["op"] == "step"] == [1]
 
@@ -132,8 +131,53 @@ def test_the_agent_starts_ranks_with_the_hook_unless_told_not_to(tmp_path: Path)
     common: dict[str, Any] = {"job": "j", "node": "n0", "attempt": 0, "plan": None, "store_addr": "127.0.0.1",
                               "store_port": 1, "torch_port": None, "socket": tmp_path / "s", "heartbeat_s": 1.0}
     on = ranks.environment(Entrypoint(command="python", env={"PYTHONPATH": "/mine"}), placement, **common)
-    assert on["PYTHONPATH"] == f"{startup.DIRECTORY}{os.pathsep}/mine" and on["RECOVERY_STEP_HOOK"] == "1"
+    assert on["PYTHONPATH"] == f"{stephook.STARTUP}{os.pathsep}/mine" and on["RECOVERY_STEP_HOOK"] == "1"
     off = ranks.environment(Entrypoint(command="python", env={"RECOVERY_STEP_HOOK": "0"}), placement, **common)
-    assert startup.DIRECTORY not in off.get("PYTHONPATH", "") and off["RECOVERY_STEP_HOOK"] == "0"
+    assert stephook.STARTUP not in off.get("PYTHONPATH", "") and off["RECOVERY_STEP_HOOK"] == "0"
     agent_off = ranks.environment(Entrypoint(command="python"), placement, **common, step_hook=False)
-    assert startup.DIRECTORY not in agent_off.get("PYTHONPATH", "")
+    assert stephook.STARTUP not in agent_off.get("PYTHONPATH", "")
+
+
+async def test_a_rank_handed_to_a_warm_standby_counts_its_steps_as_a_cold_one(tmp_path: Path,
+                                                                              listener: Listener) -> None:
+    """The standby installed the hook at its start (its environment the ranks' own), before torch was imported:
+    the rank it becomes counts from its first optimizer step, its pid the hook's."""
+    import anyio
+
+    from events.values import Entrypoint
+    from recovery.agent.standby import StandbyPool
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.format(steps=3))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RECOVERY_")}
+    entrypoint = Entrypoint(command=sys.executable, args=[str(script)], cwd=str(tmp_path),
+                            env={"PYTHONPATH": str(ROOT)})
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    pool = StandbyPool(runtime, enabled=True, preload="torch", delay_s=0, step_hook=True)
+    old = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(base)  # the agent's environment, which the standby starts from
+    try:
+        async with anyio.create_task_group() as tg:
+            try:
+                with anyio.fail_after(90):
+                    await pool.keep("job", entrypoint)
+                standby = pool.take("job", dict(os.environ))
+                assert standby is not None
+                env = stephook.with_step_hook({**base, "PYTHONPATH": str(ROOT), "RANK": "0",
+                                               "RECOVERY_AGENT_SOCKET": str(listener.path)}, True)
+                proc = await ranks.start(entrypoint, env, tmp_path / "rank0.log", job="job", rank=0, attempt=1,
+                                         standby=standby)
+                tg.start_soon(ranks.reap, proc)
+                with anyio.fail_after(90):
+                    await proc.ended.wait()
+            finally:
+                await pool.close()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert proc.status() == (0, None), (tmp_path / "rank0.log").read_text()
+    [lines] = listener.connections
+    assert lines[0] == {"op": "hello", "pid": proc.pid, "rank": 0, "attempt": 0}
+    assert [m["step"] for m in lines if m["op"] == "step"] == [1, 2, 3]

@@ -84,7 +84,8 @@ class Agent(Relay, Rescale, Admission):
         self.progress = ProgressFold()
         self.silence = SilenceWatch()
         self.stores = JobStores(cfg.store_host)  # by port: jobs naming the same MASTER_PORT share one
-        self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s)
+        self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s,
+                                    cfg.step_hook)
         self.dumps = Dumps()
         self.memory = MemoryTier(memory_root(cfg.memory_dir, cfg.node, self.runtime_dir), self.checkpoint_saved)
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)

@@ -23,6 +23,8 @@ import runpy
 import sys
 import time
 
+OWNER_ENV = "RECOVERY_STEP_HOOK_PID"  # `recovery.agent.stephook`'s, not imported: this runs with the rank's imports
+
 
 def main() -> None:
     started = time.monotonic()
@@ -53,14 +55,14 @@ def become(rank: dict[str, object]) -> None:
     os.dup2(output, 2)
     os.close(devnull)
     os.close(output)
+    owner = os.environ.get(OWNER_ENV)
     os.environ.clear()  # through unsetenv/putenv: the C library (and torch's C++) sees the rank's environment too
     os.environ.update(env)
+    if owner is not None:
+        os.environ[OWNER_ENV] = owner  # the step hook this interpreter installed at its start counts the rank now
     cwd = rank.get("cwd")
     if cwd:
         os.chdir(str(cwd))
-    from recovery.client.steps import install_from_environment
-
-    install_from_environment()  # what the start-up hook on the rank's PYTHONPATH does in a cold start
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()

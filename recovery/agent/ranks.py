@@ -16,7 +16,7 @@ from anyio.abc import Process
 
 from events.values import Entrypoint, ResumePlan
 from recovery.agent.standby import Standby, one_thread_each
-from recovery.client import startup, steps
+from recovery.agent.stephook import with_step_hook
 
 COUNTED = frozenset(("counts",))
 
@@ -82,7 +82,7 @@ def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node:
     (`recovery.agent.memory`); TORCHELASTIC_ERROR_FILE, where `@record` writes the exception the script dies of
     (`recovery.agent.errors`); OMP_NUM_THREADS as torchrun sets it (`one_thread_each`); with `step_hook`, unless
     the job says RECOVERY_STEP_HOOK=0, the start-up hook that counts the script's optimizer steps
-    (`recovery.client.steps`) first on PYTHONPATH."""
+    (`recovery.agent.stephook`)."""
     env = one_thread_each({**os.environ, **entrypoint.env}, placement.local_world_size)
     env.update({
         "RANK": str(placement.rank),
@@ -121,12 +121,7 @@ def environment(entrypoint: Entrypoint, placement: Placement, *, job: str, node:
         env["RECOVERY_RESUME_PLAN"] = plan.model_dump_json()
     else:
         env.pop("RECOVERY_RESUME_PLAN", None)
-    env.pop(steps.OWNER_ENV, None)  # the agent's own, if it was started from a rank: the rank's process is its own
-    if step_hook and env.get(steps.HOOK_ENV) != "0":
-        env[steps.HOOK_ENV] = "1"
-        path = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = startup.DIRECTORY + (os.pathsep + path if path else "")
-    return env
+    return with_step_hook(env, step_hook)
 
 
 async def start(entrypoint: Entrypoint, env: dict[str, str], output: Path, *, job: str, rank: int,

@@ -33,6 +33,7 @@ import orjson
 from anyio.abc import Process
 
 from events.values import Entrypoint
+from recovery.agent.stephook import with_step_hook
 
 logger = logging.getLogger("recovery.agent")
 
@@ -119,8 +120,9 @@ def standbys_wanted(choice: str | None, enabled: bool, local_ranks: int) -> int:
 class StandbyPool:
     """The agent's standbys: per job, as many as it wants (`standbys_wanted`)."""
 
-    def __init__(self, runtime_dir: Path, enabled: bool, preload: str, delay_s: float) -> None:
+    def __init__(self, runtime_dir: Path, enabled: bool, preload: str, delay_s: float, step_hook: bool = True) -> None:
         self.runtime_dir = runtime_dir
+        self.step_hook = step_hook  # the ranks' step hook, installed at the standby's start as at a rank's
         self.enabled = enabled
         self.preload = preload
         self.delay_s = delay_s
@@ -157,7 +159,7 @@ class StandbyPool:
         modules = [m.strip() for m in preload.split(",") if m.strip()]
         self._count += 1
         log = self.runtime_dir / f"{job}.standby{self._count}.log"
-        env = one_thread_each({**os.environ, **entrypoint.env}, local_ranks)
+        env = with_step_hook(one_thread_each({**os.environ, **entrypoint.env}, local_ranks), self.step_hook)
         with log.open("ab") as errors:
             process = await anyio.open_process([entrypoint.command, "-m", INTERPRETER, *modules], cwd=entrypoint.cwd,
                                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

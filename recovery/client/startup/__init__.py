@@ -1,6 +1,2 @@
-"""The directory the agent puts first on its ranks' `PYTHONPATH`: its `sitecustomize` installs the step hook
-(`recovery.client.steps`) in the rank's process before the script runs."""
-
-from pathlib import Path
-
-DIRECTORY = str(Path(__file__).resolve().parent)
+"""The directory the agent puts first on its ranks' `PYTHONPATH` (`recovery.agent.stephook`): its `sitecustomize`
+installs the step hook (`recovery.client.steps`) in the rank's process before the script runs."""
