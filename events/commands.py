@@ -41,13 +41,21 @@ class StopRanks(CommandBase):
     grace_s: Seconds = Field(30.0, description="how long a graceful stop may take before the kill: 0 .. 30 days")
     signal: StopSignal = Field("SIGTERM", description="what a graceful stop sends a rank first (after the SDK's stop "
                                                       "where the rank has one): SIGTERM, or SIGINT as Ctrl-C does")
+    stuck: Literal["wait", "kill"] = Field("wait", description="what a graceful stop does with a rank that cannot run "
+                                                            "a signal handler (stopped, or waiting in a collective, "
+                                                            "as its stack shows): `kill` it at once (a stop after a "
+                                                            "fault: its collective waits on a rank the fault took), "
+                                                            "or `wait` the grace for it")
 
     @model_serializer(mode="wrap")
-    def _without_default_signal(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A stop that sends SIGTERM is written as before the signal could be chosen, so logs stay byte for byte.
+    def _without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A stop that sends SIGTERM and waits for every rank is written as before either could be chosen, so logs
+        # stay byte for byte.
         data: dict[str, Any] = handler(self)
         if data.get("signal") == "SIGTERM":
             del data["signal"]
+        if data.get("stuck") == "wait":
+            del data["stuck"]
         return data
 
 

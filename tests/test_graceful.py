@@ -92,3 +92,29 @@ def test_a_cancel_with_a_grace_stops_the_ranks_gracefully_with_its_signal_and_on
     assert (kill.job, kill.mode, kill.grace_s, kill.signal, kill.deadline_s) == ("b", "kill", 0.0, "SIGTERM", 60.0)
     assert "signal" not in kill.model_dump(mode="json")  # a SIGTERM stop's bytes are the older ones
     assert s.state("a") == s.state("b") == "cancelled"
+    assert graceful.stuck == "wait"  # an operator's stop waits for every rank: nothing is known to be stuck
+
+
+def test_a_stop_after_a_fault_kills_the_ranks_that_cannot_run_a_handler_where_the_agents_know_the_word() -> None:
+    """A job stopped whole after a fault: its survivors get SIGTERM and the grace, except one that cannot run a
+    handler (its collective waits on the rank the fault took): the stop says so to agents that announce what the
+    SDK can do; to older ones (an old log) the stop is written as it always was."""
+    for announces in (True, False):
+        s = Scenario()
+        s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, spares=0, policies=NO_LIVE_STATE)
+        for rank in range(4):
+            s.job_event("j", "process.started", rank=rank, pid=100 + rank, attempt=0, announces=announces)
+        s.advance(5)
+        s.job_event("j", "process.exited", rank=1, attempt=0, signal=9)
+        s.advance(1)
+        [stop] = s.outstanding("stop_ranks")
+        assert stop.mode == "graceful" and stop.ranks == [0, 2, 3]
+        assert stop.stuck == ("kill" if announces else "wait")
+        assert ("stuck" in stop.model_dump(mode="json")) is announces
+    s = Scenario()  # not after a fault: an operator's forced restart waits for every rank
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, spares=0, policies=NO_LIVE_STATE)
+    for rank in range(4):
+        s.job_event("j", "process.started", rank=rank, pid=100 + rank, attempt=0, announces=True)
+    s.job_event("j", "operator.force", granularity="restart_job", reason="driver update")
+    [stop] = s.outstanding("stop_ranks")
+    assert stop.mode == "graceful" and stop.stuck == "wait"

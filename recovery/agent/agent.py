@@ -446,7 +446,7 @@ class Agent(Relay, Rescale, Admission):
                 else:
                     await self.dumps.settled(job.id)
                     await stopping.stop_gracefully(job, mine, command.grace_s, self.cfg.kill_grace_s,
-                                                   signal.Signals[command.signal])
+                                                   signal.Signals[command.signal], stuck_kill=command.stuck == "kill")
                 return {"stopped": mine}
             case MigrateRanks():
                 assert job is not None

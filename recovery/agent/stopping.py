@@ -8,21 +8,49 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import anyio
 
 from recovery.agent import ranks
 from recovery.agent.jobs import CommandFailed, JobOnNode
+from recovery.agent.probes.hang import STOPPED, in_collective, read_sample
+from recovery.agent.stacks import dump_tool, take_stack
 
 logger = logging.getLogger("recovery.agent")
+STUCK_DUMP_S = 5.0
+"""the longest a stuck rank's stack may take before its stop goes on as if it could handle the signal"""
+
+
+async def cannot_handle(proc: ranks.RankProcess) -> str | None:
+    """Why `proc` cannot run a signal handler now, or None: stopped (state T), or waiting in a collective (its stack,
+    py-spy's: a Python handler runs only between the main thread's bytecodes, never inside the C++ call)."""
+    sample = read_sample(proc.pid)
+    if sample is None:
+        return None  # gone
+    if sample.state == STOPPED:
+        return "it is stopped (state T)"
+    taken = await take_stack(proc.rank, proc.pid, dump_tool(), STUCK_DUMP_S)
+    return "it waits in a collective" if taken.stack and in_collective(taken.stack) else None
 
 
 async def stop_gracefully(job: JobOnNode, which: list[int], grace_s: float, kill_grace_s: float,
-                          signum: signal.Signals = signal.SIGTERM) -> None:
+                          signum: signal.Signals = signal.SIGTERM, stuck_kill: bool = False) -> None:
     """The SDK's stop first (the step ends cleanly), then `signum` (SIGTERM, or SIGINT for an interrupt), then
-    SIGKILL, within `grace_s`; a rank with no SDK connection gets the signal at once and the whole grace. Raises
-    `CommandFailed` if a rank outlives its SIGKILL by `kill_grace_s`."""
-    procs = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
+    SIGKILL, within `grace_s`; a rank with no SDK connection gets the signal at once and the whole grace. With
+    `stuck_kill` (a stop after a fault), a rank that cannot run a handler (`cannot_handle`) is killed at once: what
+    it waits on, the fault took. Raises `CommandFailed` if a rank outlives its SIGKILL by `kill_grace_s`."""
+    procs = everyone = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
+    if stuck_kill:
+        stuck: list[ranks.RankProcess] = []
+        for proc, why in zip(procs, await _all(cannot_handle, procs), strict=True):
+            if why is not None:
+                logger.info("rank %d of %s cannot run a signal handler (%s): killed at once", proc.rank, job.id, why)
+                stuck.append(proc)
+        async with anyio.create_task_group() as tg:
+            for proc in stuck:
+                tg.start_soon(ranks.kill, proc, kill_grace_s)
+        procs = [proc for proc in procs if proc not in stuck]
     asked: set[int] = set()
     for proc in procs:
         # the step hook's client reads no stop: its script gets the signal as a stock script does
@@ -43,8 +71,22 @@ async def stop_gracefully(job: JobOnNode, which: list[int], grace_s: float, kill
     async with anyio.create_task_group() as tg:
         for proc in procs:
             tg.start_soon(one, proc)
-    if any(p.alive for p in procs):
-        raise CommandFailed(f"ranks {[p.rank for p in procs if p.alive]} did not end after SIGKILL")
+    if any(p.alive for p in everyone):
+        raise CommandFailed(f"ranks {[p.rank for p in everyone if p.alive]} did not end after SIGKILL")
+
+
+async def _all(probe: Callable[[ranks.RankProcess], Awaitable[str | None]],
+               procs: list[ranks.RankProcess]) -> list[str | None]:
+    """`probe` of every process at once (a py-spy dump takes a second on a loaded host)."""
+    found: list[str | None] = [None] * len(procs)
+
+    async def one(index: int) -> None:
+        found[index] = await probe(procs[index])
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(procs)):
+            tg.start_soon(one, index)
+    return found
 
 
 async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess], grace_s: float,

@@ -208,8 +208,13 @@ class Restarts:
         faulty = {r for f in incident.faults for r in f["ranks"]}
         kill = attempt.granularity in (G.IN_PLACE, G.MIGRATE) or all(r in faulty for r in stopping)
         mode: Literal["graceful", "kill"] = "kill" if kill else "graceful"
+        # A rank that cannot run a handler after a fault waits on a rank the fault took: killed at once (agents that
+        # announce capabilities know the word; a log of older ones is decided as it was). A drain's or an operator's
+        # stop waits for every rank: its collectives complete.
+        stuck: Literal["wait", "kill"] = ("kill" if mode == "graceful" and incident.cause is IncidentCause.FAULT
+                                          and job.caps is not None else "wait")
         command = StopRanks(id=out.command_id(job.id), job=job.id, attempt=job.generation, deadline_s=60,
-                            ranks=stopping, mode=mode, grace_s=30.0)
+                            ranks=stopping, mode=mode, grace_s=30.0, stuck=stuck)
         incident.stopped |= frozenset(stopping)
         timer = self._ack_timer(out, job, command.id, command.deadline_s)
         attempt.pending = {command.id: (command.kind, timer.id)}
