@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Awaitable, Callable
 
 import anyio
 
@@ -22,35 +21,40 @@ STUCK_DUMP_S = 5.0
 """the longest a stuck rank's stack may take before its stop goes on as if it could handle the signal"""
 
 
-async def cannot_handle(proc: ranks.RankProcess) -> str | None:
-    """Why `proc` cannot run a signal handler now, or None: stopped (state T), or waiting in a collective (its stack,
-    py-spy's: a Python handler runs only between the main thread's bytecodes, never inside the C++ call)."""
+def is_stopped(proc: ranks.RankProcess) -> bool:
+    """Is `proc` stopped (state T: SIGSTOP)? It runs no handler until continued."""
     sample = read_sample(proc.pid)
-    if sample is None:
-        return None  # gone
-    if sample.state == STOPPED:
-        return "it is stopped (state T)"
+    return sample is not None and sample.state == STOPPED
+
+
+async def kill_if_in_collective(job: JobOnNode, proc: ranks.RankProcess, kill_grace_s: float) -> None:
+    """Kill `proc` if its stack (py-spy's) shows it waiting in a collective: a Python handler runs only between the
+    main thread's bytecodes, never inside the C++ call, and what the collective waits on, the fault took."""
     taken = await take_stack(proc.rank, proc.pid, dump_tool(), STUCK_DUMP_S)
-    return "it waits in a collective" if taken.stack and in_collective(taken.stack) else None
+    if proc.alive and taken.stack and in_collective(taken.stack):
+        logger.info("rank %d of %s waits in a collective and cannot run a signal handler: killed at once", proc.rank,
+                    job.id)
+        await ranks.kill(proc, kill_grace_s)
 
 
 async def stop_gracefully(job: JobOnNode, which: list[int], grace_s: float, kill_grace_s: float,
                           signum: signal.Signals = signal.SIGTERM, stuck_kill: bool = False) -> None:
     """The SDK's stop first (the step ends cleanly), then `signum` (SIGTERM, or SIGINT for an interrupt), then
     SIGKILL, within `grace_s`; a rank with no SDK connection gets the signal at once and the whole grace. With
-    `stuck_kill` (a stop after a fault), a rank that cannot run a handler (`cannot_handle`) is killed at once: what
-    it waits on, the fault took. Raises `CommandFailed` if a rank outlives its SIGKILL by `kill_grace_s`."""
+    `stuck_kill` (a stop after a fault), a rank that cannot run a handler is killed at once: a stopped one before any
+    signal, one waiting in a collective as soon as its stack shows it (the signal and the grace go on meanwhile, so
+    that a rank that ends by itself is not held up by the look). Raises `CommandFailed` if a rank outlives its
+    SIGKILL by `kill_grace_s`."""
     procs = everyone = [job.processes[r] for r in which if r in job.processes and job.processes[r].alive]
     if stuck_kill:
-        stuck: list[ranks.RankProcess] = []
-        for proc, why in zip(procs, await _all(cannot_handle, procs), strict=True):
-            if why is not None:
-                logger.info("rank %d of %s cannot run a signal handler (%s): killed at once", proc.rank, job.id, why)
-                stuck.append(proc)
+        stopped = [proc for proc in procs if is_stopped(proc)]
+        for proc in stopped:
+            logger.info("rank %d of %s is stopped (state T) and cannot run a signal handler: killed at once",
+                        proc.rank, job.id)
         async with anyio.create_task_group() as tg:
-            for proc in stuck:
+            for proc in stopped:
                 tg.start_soon(ranks.kill, proc, kill_grace_s)
-        procs = [proc for proc in procs if proc not in stuck]
+        procs = [proc for proc in procs if proc not in stopped]
     asked: set[int] = set()
     for proc in procs:
         # the step hook's client reads no stop: its script gets the signal as a stock script does
@@ -71,22 +75,10 @@ async def stop_gracefully(job: JobOnNode, which: list[int], grace_s: float, kill
     async with anyio.create_task_group() as tg:
         for proc in procs:
             tg.start_soon(one, proc)
+            if stuck_kill:
+                tg.start_soon(kill_if_in_collective, job, proc, kill_grace_s)
     if any(p.alive for p in everyone):
         raise CommandFailed(f"ranks {[p.rank for p in everyone if p.alive]} did not end after SIGKILL")
-
-
-async def _all(probe: Callable[[ranks.RankProcess], Awaitable[str | None]],
-               procs: list[ranks.RankProcess]) -> list[str | None]:
-    """`probe` of every process at once (a py-spy dump takes a second on a loaded host)."""
-    found: list[str | None] = [None] * len(procs)
-
-    async def one(index: int) -> None:
-        found[index] = await probe(procs[index])
-
-    async with anyio.create_task_group() as tg:
-        for index in range(len(procs)):
-            tg.start_soon(one, index)
-    return found
 
 
 async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess], grace_s: float,
