@@ -114,6 +114,14 @@ def test_the_reference_tables_are_generated_from_the_code() -> None:
     assert tool.render(reference) == reference, "run `python tools/config_reference.py` and commit the result"
 
 
+def test_the_sdk_reference_is_generated_from_the_code() -> None:
+    spec = importlib.util.spec_from_file_location("sdk_reference", ROOT / "tools" / "sdk_reference.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.render() == (ROOT / "docs" / "sdk.md").read_text(), "run `python tools/sdk_reference.py` and commit"
+
+
 # -- every command in the docs runs -------------------------------------------------------------------------
 SHELL_FENCES = {"sh", "bash", "shell", "console", ""}
 

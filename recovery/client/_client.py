@@ -48,10 +48,12 @@ class ResumePlan:
     """the samples or batches the script named for its bad steps: skip them"""
 
     def source_of(self, rank: int) -> ShardSource | None:
+        """Where `rank`'s shard of the state comes from (its tier and holders); None: the plan names none."""
         return self.shards[rank % len(self.shards)] if self.shards else None
 
     @classmethod
     def from_json(cls, text: str) -> ResumePlan:
+        """The plan as the agent passes it in RECOVERY_RESUME_PLAN (`connect` reads it)."""
         raw = json.loads(text)
         shards = [ShardSource(int(s["shard"]), str(s["tier"]), [str(h) for h in s["holders"]])
                   for s in raw.get("shards", [])]

@@ -71,6 +71,7 @@ class Training:
 
     @property
     def client(self) -> recovery.Client:
+        """The process's client (its agent's socket)."""
         return self.group.client
 
     # -- the model ----------------------------------------------------------------------------------------
@@ -129,10 +130,12 @@ class Training:
             self._fix_buckets()
 
     def state(self) -> dict[str, Any]:
+        """The wrapped module's and optimizer's state dicts: what a replica hands a restarted peer."""
         assert self._module is not None and self._optimizer is not None
         return {"model": self._module.state_dict(), "optimizer": self._optimizer.state_dict()}
 
     def load(self, state: dict[str, Any]) -> None:
+        """Load what `state` returned on a peer."""
         assert self._module is not None and self._optimizer is not None
         self._module.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
@@ -225,6 +228,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 30.0, client: r
 
 
 def current() -> Training:
+    """The process's training, made by `init_process_group`; the functions below are its methods."""
     if _current is None:
         raise RuntimeError("call recovery.client.ddp.init_process_group first")
     return _current

@@ -208,6 +208,7 @@ class ProcessGroupRecovery:
 
     @property
     def job_store(self) -> _JobStore:
+        """The job's long-lived store (RECOVERY_STORE_ADDR/PORT), where the generations live."""
         if self._store is None:
             self._store = _JobStore(self.timeout)
         return self._store
@@ -505,6 +506,7 @@ class ProcessGroupRecovery:
         return best
 
     def close(self) -> None:
+        """Stop watching the job store and release the live group's connections (before the process exits)."""
         self._stop_watcher()
         with self._lock:
             aborted = self._aborted
