@@ -5,6 +5,8 @@ agents are played by `_Agents`, which answer for the nodes that live and never f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from events.values import FaultClass, Granularity
@@ -188,3 +190,30 @@ def test_a_node_that_joins_again_before_its_not_ready_grace_is_not_confirmed_gon
     assert cleared.reason == "node n1 joined again"
     s.train("j", 30)  # past the grace, the ranks training on
     assert not s.find("fault.confirmed", "j") and s.state("j") == "running"
+
+
+def test_the_report_dates_a_lost_node_from_when_it_was_last_heard_and_names_its_rank_first(tmp_path: Path) -> None:
+    """n1 goes silent; three seconds later its survivors' exits are heard (gloo's reset) and open the incident;
+    the node's loss is confirmed after that. The postmortem's first signal is when n1 was last heard, not the first
+    exit, and its first failing rank is one of n1's, not a survivor."""
+    from recovery.log.file import FileLog
+    from recovery.report import build_report, iter_file
+
+    path = tmp_path / "log.jsonl"
+    s = Scenario(log=FileLog(path))
+    s.spare("sp0")
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, max_restarts=3, watchdog_interval_s=WATCHDOG_S)
+    agents = _Agents(s, "j", {"n0", "n1", "sp0"}, sdk=False)
+    for _ in range(10):
+        agents.second()
+    agents.live.discard("n1")
+    for _ in range(3):
+        agents.second()
+    _kill_n1(s, agents, survivors_exit=True)
+    agents.until(lambda: _on_spare(s), 60)
+    report = build_report(iter_file(path))
+    [incident] = report["jobs"][0]["incidents"]
+    assert [f["class"] for f in incident["faults"]] == ["process", "node"]
+    assert incident["first_failing_rank"] in (2, 3) and incident["fault_class"] == "node", incident
+    exits_s = incident["faults"][0]["at_s"]
+    assert incident["first_signal_s"] == exits_s - 3 and incident["detection_latency_s"] == 3, incident

@@ -118,8 +118,10 @@ def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> di
     escalations = [{"from": a["granularity"], "to": b["granularity"], "after": a["outcome"],
                     "reason": a["outcome_reason"]}
                    for a, b in zip(inc.attempts, inc.attempts[1:], strict=False)]
-    root = inc.faults[0] if inc.faults else None
-    roots = [f for f in inc.faults if root is not None and f["ts"] == root["ts"]]
+    # the root: what began first (a node lost before its peers' exits were heard), not what was confirmed first
+    began = min((f.get("onset_ts", f["ts"]) for f in inc.faults), default=None)
+    roots = [f for f in inc.faults if f.get("onset_ts", f["ts"]) == began]
+    root = roots[0] if roots else None
     first_rank = min((f["ranks"][0] for f in roots if f["ranks"]), default=None)
     return {
         "id": inc.id, "job": job.id, "cause": inc.cause,

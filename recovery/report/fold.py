@@ -30,6 +30,7 @@ from typing import Any
 
 from events.subjects import unpartitioned
 from recovery.report.figures import job_report, lemons, mttr, never_ran, restarts, sum_dicts
+from recovery.report.onset import onset, silent_nodes
 from recovery.report.source import RawDict
 from recovery.report.stacks import StackGroups
 from recovery.report.state import Incident, JobFold, Phase
@@ -58,7 +59,8 @@ _ATTEMPT_ENDS = {"attempt.failed": "failed", "attempt.timed_out": "timed_out", "
 _QUIET_INPUTS = frozenset({"process.heartbeat"})
 _REPORTS = frozenset({"process.heartbeat", "progress.step", "progress.report", "progress.summary"})
 _FOLDS = frozenset({"progress.report", "progress.summary"})
-_SILENCE_CLASSES = frozenset({"hang", "node"})
+_AGENT_SPOKE = frozenset({"node.heartbeat", "node.ready", "node.joined", "node.not_ready", "node.heard"})
+"""what a node's agent says (or the daemon, having heard it): it was alive then"""
 _CLASS_OF_SIGNAL = {"process.exited": "process", "process.hang": "hang", "device.fault": "device",
                     "network.link_down": "network", "network.collective_timeout": "hang", "node.not_ready": "node",
                     "process.collective_failed": "network"}
@@ -79,6 +81,8 @@ class ReportFold:
         self.until = until
         self.jobs: dict[str, JobFold] = {}
         self.recent: dict[int, RawDict] = {}
+        self.node_heard: dict[str, int] = {}
+        """node -> log time of its agent's last node event (a heartbeat, a ready): when a lost node was last heard"""
         self.records = 0
         self.read = 0
         self.first_ts: int | None = None
@@ -138,6 +142,8 @@ class ReportFold:
                 for entry in env["data"]["ranks"] if type_ in _FOLDS else [env["data"]]:
                     # a summary's rank was heard `heard_s` before the record (the engine's reading too)
                     self._heard(job, entry, ts - round(float(entry.get("heard_s") or 0) * 1e9))
+        if type_ in _AGENT_SPOKE and env.get("node"):
+            self.node_heard[str(env["node"])] = ts
         if type_ in ("node.ready", "node.joined") and env.get("node") and (env.get("data") or {}).get("last_exit"):
             self._agent_back(str(env["node"]), str(env["data"]["last_exit"]), ts)
         if type_ == "process.stacks" and job_id is not None:
@@ -338,20 +344,8 @@ class ReportFold:
         if job.step_after_close is not None and job.step <= job.step_after_close and job.incidents:
             incident.restart_loop = True  # the recovery before this one did not get the job going
         signals = list(job.suspected.values())
-        fault = (d.get("detail") or {}).get("fault")
-        if isinstance(fault, dict) and isinstance(fault.get("ts"), int):
-            signals.append(fault["ts"])
-            cause = self.recent.get(d["cause_seq"])
-            if fault.get("class") in _SILENCE_CLASSES and cause is not None and \
-                    cause["envelope"].get("type") == "timer.fired" and \
-                    "/watchdog/" in str((cause["envelope"].get("data") or {}).get("timer_id", "")):
-                # found by its silence (the watchdog's tick, not a suspicion's confirmation timer): the signal began
-                # when the rank was last heard from
-                heard = [job.last_heard[r] for r in (fault.get("ranks") or [])[:4096] if r in job.last_heard]
-                if heard:
-                    signals.append(min(heard))
-        elif kind in _FAULT_KINDS:
-            signals.append(self._signal_ts(d, ts))
+        if kind in _FAULT_KINDS:  # its first sign: a silence from when the node or the ranks were last heard
+            signals.append(self._fault(job, d, ts, d.get("detail") or {})["onset_ts"])
         incident.first_signal = min(signals) if signals else ts
         job.suspected.clear()
         job.incident = incident
@@ -368,8 +362,11 @@ class ReportFold:
             incident.decisions_omitted += 1
         if kind in _FAULT_KINDS:
             incident.fault_count += 1
+            fault = self._fault(job, d, ts, detail)
+            # a fault that joined later may have begun first (a node lost before its peers' exits were heard)
+            incident.first_signal = min(incident.first_signal or ts, fault["onset_ts"])
             if len(incident.faults) < INCIDENT_FAULTS:
-                incident.faults.append(self._fault(job, d, ts, detail))
+                incident.faults.append(fault)
         elif kind == "attempt.started":
             incident.attempts.append({"attempt": detail.get("attempt"), "granularity": detail.get("granularity"),
                                       "rung": detail.get("rung"), "ranks": len(detail.get("ranks", [])),
@@ -396,6 +393,14 @@ class ReportFold:
             incident.starts, incident.all_started, incident.first_output = 0, None, None
 
     def _fault(self, job: JobFold, d: dict[str, Any], ts: int, detail: dict[str, Any]) -> dict[str, Any]:
+        found = self._fault_as_recorded(job, d, ts, detail)
+        cause = self.recent.get(d["cause_seq"])
+        found["onset_ts"] = onset(found["class"], found["nodes"], found["ranks"], cause, found["ts"], self.node_heard,
+                                  job.last_heard)
+        return found
+
+    def _fault_as_recorded(self, job: JobFold, d: dict[str, Any], ts: int, detail: dict[str, Any]
+                           ) -> dict[str, Any]:
         fault = detail.get("fault")
         if isinstance(fault, dict):
             ranks = list(fault.get("ranks") or [])
@@ -418,6 +423,13 @@ class ReportFold:
             node = job.node_of(rank)
             nodes = [node] if node else []
         kind_class = "node" if d["kind"] == "faults.confirmed_together" else _CLASS_OF_SIGNAL.get(str(env.get("type")))
+        lost = silent_nodes(str(d.get("reason", "")), job.nodes) if env.get("type") in ("timer.fired", None) else []
+        if lost:  # a silent agent's, found at a watchdog's tick: the node's ranks
+            nodes, kind_class = lost, "node"
+            ranks = [r for r in range(len(job.nodes) * max(job.rpn, 1)) if job.node_of(r) in lost]
+            return {"class": "node", "scope": "node", "code": None, "ranks": ranks[:64], "rank_count": len(ranks),
+                    "nodes": nodes, "device": None, "signal_seq": d["cause_seq"],
+                    "at_s": _s(ts - (job.started or ts)), "ts": ts, "reason": d.get("reason", "")}
         return {"class": kind_class, "scope": None,
                 "code": data.get("code"), "ranks": [rank] if isinstance(rank, int) else [],
                 "rank_count": 1 if isinstance(rank, int) else 0, "nodes": nodes, "device": data.get("device"),
