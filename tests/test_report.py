@@ -421,3 +421,22 @@ def test_jobs_that_never_ran_are_listed_apart_and_counted_in_no_figure(capsys: p
     page = render_html(report)
     assert page.count('class="chart timeline"') == len(alone["jobs"])  # no empty chart for a job that never ran
     assert page.index("timeline-0") < page.index("Jobs that never ran") and "aaa-refused" in page
+
+
+def test_a_hang_an_agent_saw_is_dated_from_when_the_rank_stopped_making_progress(tmp_path: Path) -> None:
+    """A stock rank stopped (or still) for 12 s when its agent reports it hung: the postmortem's first signal is 12 s
+    before the report, and the detection took those 12 s."""
+    from recovery.log.file import FileLog
+    from recovery.testing.scenario import Scenario
+
+    path = tmp_path / "log.jsonl"
+    s = Scenario(log=FileLog(path))
+    s.submit("j", ["n0", "n1"], ranks_per_node=1, dp=2, spares=0)
+    for rank in range(2):
+        s.job_event("j", "process.started", rank=rank, pid=100 + rank, attempt=0, announces=True)
+    s.advance(20)
+    s.job_event("j", "process.hang", rank=1, attempt=0, seconds_without_progress=12.0)
+    s.advance(5)
+    incident = only_incident(build_report(iter_file(path)))
+    assert incident["fault_class"] == "hang" and incident["first_failing_rank"] == 1
+    assert incident["first_signal_s"] == incident["opened_s"] - 12 and incident["detection_latency_s"] == 12

@@ -186,3 +186,28 @@ def test_recovery_run_times_a_counted_stock_restart_to_its_first_optimizer_step(
     assert "step 0" not in said and "the script's own snapshot" in said and "lost" not in said.replace(
         "the steps lost are the script's to say", ""), said
     assert run.recovered_s == [7.5]
+
+
+def test_recovery_run_times_a_restart_from_when_the_fault_began(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hang its agent saw 12 s after the rank stopped, and an agent silent past its 5 s bound: each restart is
+    timed from when the fault began, not from its confirmation."""
+    clock = [100.0]
+    monkeypatch.setattr("recovery.cli.follow.time.monotonic", lambda: clock[0])
+    run = JobFollower("hang", out=io.StringIO(), started=100.0)
+    run.on_event({"type": "process.hang", "data": {"rank": 1, "attempt": 0, "seconds_without_progress": 12.0}})
+    clock[0] = 101.0
+    run.on_decision(_decision("fault.confirmed", "rank 1 hangs: stopped (state T: SIGSTOP) for 12 s",
+                              fault={"class": "hang", "ranks": [1]}))
+    run.on_decision(_decision("ranks.rescheduling", "restart_job: 1 command(s)", generation=1))
+    clock[0] = 110.0
+    run.on_event({"type": "process.output", "data": {"rank": 0, "attempt": 1}})
+    assert "running again 22.0s after the fault" in run.out.getvalue()  # type: ignore[attr-defined]
+
+    clock[0] = 200.0
+    lost = JobFollower("lost", out=io.StringIO(), started=200.0)
+    lost.on_decision(_decision("fault.confirmed", "agent of n1 silent for more than 5s: the host or its agent is gone",
+                               fault={"class": "node", "ranks": [2, 3]}))
+    lost.on_decision(_decision("ranks.rescheduling", "restart_job: 1 command(s)", generation=1))
+    clock[0] = 209.0
+    lost.on_event({"type": "process.output", "data": {"rank": 0, "attempt": 1}})
+    assert "running again 14.0s after the fault" in lost.out.getvalue()  # type: ignore[attr-defined]

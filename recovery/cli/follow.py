@@ -29,6 +29,9 @@ PROGRESS_EVERY_S = 10.0
 RANK_LOG = re.compile(r"\.rank(\d+)\.gen(\d+)\.log$")
 
 
+_SILENT_FOR = re.compile(r"silent for more than ([0-9.]+)s")
+"""the built-in detection's words for a silent agent or rank: its bound, the silence at least"""
+
 @dataclass
 class JobFollower:
     """What `recovery-run` prints about a job, from its decisions and events; `ended` is set with its final state."""
@@ -55,6 +58,8 @@ class JobFollower:
     defer_verdict: bool = False
     """the caller says the verdict last (standalone: after stopping what it started), so it is not said at the end"""
     caps: set[str] = field(default_factory=set)
+    hung_since: dict[int, float] = field(default_factory=dict)
+    """rank -> when it stopped making progress, as its agent's hang report said"""
     live: set[tuple[int, int]] = field(default_factory=set)
     """the job's processes started and not yet exited, as (rank, generation)"""
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -82,8 +87,8 @@ class JobFollower:
             self.say(f"{self.job}: running")
         elif kind == "fault.confirmed":
             self.incidents += 1
-            if not self.recovering:  # the first fault of an incident: its restart is measured from here
-                self.recovering, self.fault_at = True, time.monotonic()
+            if not self.recovering:  # the first fault of an incident: its restart is measured from its onset
+                self.recovering, self.fault_at = True, self._onset(reason, detail)
             self.say(f"fault: {reason}")
         elif kind == "attempt.started":
             self.say(f"recovery: {detail.get('granularity', '?')} ({reason})")
@@ -124,6 +129,17 @@ class JobFollower:
         took = f" in {mttr / 1e9:.1f}s (to the first step past the resume point)" if isinstance(mttr, int) else ""
         self.say(f"recovered{took}{f', {lost} step(s) lost' if lost is not None else ''}")
 
+    def _onset(self, reason: str, detail: dict[str, Any]) -> float:
+        """When the confirmed fault began (this process's clock): a hang its agent saw, when the rank stopped
+        making progress; a silent agent or rank, its silence bound before; anything else, now."""
+        now = time.monotonic()
+        fault = detail.get("fault") if isinstance(detail.get("fault"), dict) else {}
+        began = [self.hung_since[r] for r in fault.get("ranks") or [] if r in self.hung_since]
+        silent = _SILENT_FOR.search(reason)
+        if silent is not None:
+            began.append(now - float(silent.group(1)))
+        return min([now, *began])
+
     @property
     def speaks(self) -> bool:
         """A rank reports through the SDK itself (not only the step hook's counts)."""
@@ -146,6 +162,10 @@ class JobFollower:
         data = envelope.get("data") or {}
         type_ = envelope.get("type")
         self._track(type_, data)
+        if type_ == "process.hang" and isinstance(data.get("rank"), int):
+            still = data.get("seconds_without_progress")
+            if isinstance(still, int | float) and 0 <= still < 1e9:
+                self.hung_since[data["rank"]] = time.monotonic() - still
         if type_ == "process.capabilities" and isinstance(data.get("caps"), list):
             self.caps |= {str(c) for c in data["caps"]}
             self.counted = "counts" in self.caps and "steps" not in self.caps

@@ -331,8 +331,10 @@ class ReportFold:
             job.ended, job.end_state, job.end_reason = ts, _ENDS[kind], str(d.get("reason", ""))
 
     def _signal_ts(self, d: dict[str, Any], ts: int) -> int:
+        """When the signal behind decision `d` began: its record's time, or before it for a record that says so (a
+        hang report's `seconds_without_progress`)."""
         cause = self.recent.get(d["cause_seq"])
-        return int(cause["ts"]) if cause is not None else ts
+        return onset("hang", [], [], cause, int(cause["ts"]), {}, {}) if cause is not None else ts
 
     def _open(self, job: JobFold, d: dict[str, Any], ts: int, kind: str) -> Incident:
         job.incident_count += 1

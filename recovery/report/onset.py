@@ -4,6 +4,7 @@ agent silence bound, a rank silent for the hang bound), and the time a postmorte
 - a node's loss found by its silence: from when its agent was last heard (its last word in the log: a heartbeat, a
   ready), or from `node.silent`'s own `silent_s` where the liveness monitor found it (its heartbeats are not logged);
 - a silence the watchdog found: from when the silent ranks were last heard (a heartbeat or a step);
+- a hang an agent saw (`process.hang`: a stock rank stopped, or still): `seconds_without_progress` before it;
 - anything else (an exit, an XID, a node that said it is not ready): its signal's time.
 
 Some confirmations carry no fault record of their own (a `fault.added` during a recovery): the built-in detection's
@@ -40,6 +41,9 @@ def onset(fault_class: str | None, nodes: Sequence[str], ranks: Sequence[int], c
     """The earliest sign of a fault signalled at `ts` (see the module's docstring), never after `ts`."""
     start = ts
     env = (cause or {}).get("envelope") or {}
+    still = (env.get("data") or {}).get("seconds_without_progress") if env.get("type") == "process.hang" else None
+    if _seconds(still) and cause is not None:  # a hang its agent saw: the rank stopped making progress that long ago
+        return min(start, int(cause["ts"]) - round(still * NS))
     if fault_class not in ("hang", "node") or not (by_watchdog(cause) or env.get("type") == "node.silent"):
         return start  # signalled by an event of its own (an exit, an XID): it began then
     if fault_class == "node":
@@ -47,10 +51,14 @@ def onset(fault_class: str | None, nodes: Sequence[str], ranks: Sequence[int], c
         if heard:
             start = min(start, min(heard))
         silent = (env.get("data") or {}).get("silent_s") if env.get("type") == "node.silent" else None
-        if isinstance(silent, int | float) and not isinstance(silent, bool) and silent >= 0 and cause is not None:
+        if _seconds(silent) and cause is not None:
             start = min(start, int(cause["ts"]) - round(silent * NS))
     if by_watchdog(cause):
         heard = [rank_heard[r] for r in ranks[:4096] if r in rank_heard]
         if heard:
             start = min(start, min(heard))
     return start
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e9
