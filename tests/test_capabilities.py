@@ -138,3 +138,25 @@ def test_counts_that_came_before_their_word_still_make_no_sdk_job() -> None:
     assert not job.sdk and job.counted
     s.job_event("j", "process.capabilities", rank=1, attempt=0, caps=["counts", "steps"])  # a real SDK rank
     assert not job.counted
+
+
+def test_the_report_of_a_script_reporting_steps_but_no_checkpoints_names_its_own_snapshot(tmp_path: Any) -> None:
+    """Its restart resumed from a snapshot the plan never named: the postmortem says the script's own, never the
+    plan's "step 0"."""
+    from recovery.log.file import FileLog
+    from recovery.report import build_report, iter_file
+
+    path = tmp_path / "log.jsonl"
+    s = Scenario(log=FileLog(path))
+    s.submit("j", ["n0", "n1"], ranks_per_node=2, dp=4, spares=0)
+    for rank in range(4):
+        s.job_event("j", "process.started", rank=rank, pid=100 + rank, attempt=0, announces=True)
+        s.job_event("j", "process.capabilities", rank=rank, attempt=0, caps=["steps"])
+    s.train("j", 5)
+    s.job_event("j", "process.exited", rank=1, attempt=0, signal=9)
+    s.advance(1)
+    s.ack_all()
+    s.steps("j", 4, attempt=s.engine.jobs["j"].generation)
+    [incident] = build_report(iter_file(path))["jobs"][0]["incidents"]
+    assert incident["checkpoint"]["source"] == "the script's own", incident["checkpoint"]
+    assert incident["lost_steps"] == 2  # from where its first step says it resumed

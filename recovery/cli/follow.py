@@ -97,7 +97,7 @@ class JobFollower:
         elif kind in ("attempt.failed", "attempt.timed_out", "checkpoint.dying_failed", "job.paused"):
             self.say(f"{kind}: {reason}")
         elif kind == "checkpoint.plan":
-            if not self.speaks:
+            if not self.speaks or (self.caps and "checkpoints" not in self.caps):
                 self.say("resuming from the script's own snapshot, if it keeps one (it reports no checkpoints)")
             elif detail.get("checkpoint_step") is not None:
                 self.say(f"resuming from the checkpoint of step {detail['checkpoint_step']}")

@@ -138,9 +138,10 @@ def incident_report(job: JobFold, inc: Incident, end: int, step_ns: float) -> di
         "open_s": _s(stop - first),
         "phases": phases, "granularity": grans[-1] if grans else None, "attempts": inc.attempts,
         "escalations": escalations,
-        # a stock script resumes from its own snapshot, which the engine never hears of: its plan's "step 0" is not
-        # where it resumed
-        "checkpoint": ({**inc.checkpoint, "source": "the script's own"} if inc.checkpoint and not job.speaks else
+        # a script that reports no checkpoints resumes from its own snapshot, which the engine never hears of: its
+        # plan's "step 0" is not where it resumed
+        "checkpoint": ({**inc.checkpoint, "source": "the script's own"} if inc.checkpoint and not
+                       job.reports_checkpoints else
                        {**inc.checkpoint, "source": "the plan"} if inc.checkpoint else None),
         "dying_checkpoint": inc.dying if job.speaks else None,
         "lost_steps": inc.lost_steps, "step_at_fault": inc.step_at_open,

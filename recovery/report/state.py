@@ -129,6 +129,12 @@ class JobFold:
         return self.caps is not None and "counts" in self.caps and "steps" not in self.caps
 
     @property
+    def reports_checkpoints(self) -> bool:
+        """Its ranks report the checkpoints they write (said `checkpoints`; before capabilities were said, any SDK
+        job was taken to): a restart resumes from one the plan names, else from the script's own."""
+        return self.speaks and (self.caps is None or "checkpoints" in self.caps)
+
+    @property
     def speaks(self) -> bool:
         """A rank spoke through the SDK: the job's progress is measured, not only its processes."""
         return self.sdk and not self.counted
