@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 
 from recovery.agent import stopping
+from recovery.agent.probes.hang import STOPPED, read_sample
 from recovery.agent.ranks import RankProcess
 from tests.e2e_support import kill_leftovers
 
@@ -48,6 +49,10 @@ def start(tmp_path: Path, function: str) -> subprocess.Popen[bytes]:
 async def test_a_stop_after_a_fault_kills_at_once_only_the_ranks_that_cannot_run_a_handler(tmp_path: Path) -> None:
     procs = [start(tmp_path, name) for name in ("all_reduce", "train", "train")]
     os.kill(procs[2].pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30  # the signal's delivery, on a busy host
+    while (sample := read_sample(procs[2].pid)) is None or sample.state != STOPPED:
+        assert time.monotonic() < deadline, "SIGSTOP did not stop the process"
+        time.sleep(0.01)  # polling the process's state, within the deadline above
     ranks = {r: RankProcess(job="j", rank=r, attempt=0, process=None, pid=p.pid) for r, p in enumerate(procs)}
     job = SimpleNamespace(id="j", channel=Channel(), processes=ranks)
     try:
