@@ -270,3 +270,24 @@ def test_a_process_of_an_abandoned_generation_never_hides_the_newer_one_it_annou
     assert survivor.newest() == 2
     started_in_1._announce(1)  # said again: still no step back
     assert survivor.newest() == 2
+
+
+def test_a_forked_child_that_exits_says_nothing_for_the_rank(agent: StandInAgent, tmp_path: Path) -> None:
+    """A process the rank forks inherits its client and its exit handlers; its exit is no word of the rank's (it
+    would tell the agent that the rank, still training, is ending)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import os, sys\nfrom recovery.client import Client\n"
+              f"client = Client({str(tmp_path / 'agent.sock')!r}, rank=0)\n"
+              "child = os.fork()\n"
+              "if child == 0:\n    sys.exit(0)  # the child's exit handlers run here\n"
+              "os.waitpid(child, 0)\nclient.report_step(1)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: bool(agent.ops("exiting")))  # the rank's own, at its end
+    [hello] = agent.ops("hello")
+    assert [m["pid"] for m in agent.ops("exiting")] == [hello["pid"]]
+    assert agent.ops("step")[0]["step"] == 1

@@ -79,6 +79,7 @@ class Client:
         """`counts`: the client of the step hook (`recovery.client.steps`), which says so before its first
         heartbeat: its steps are counts of optimizer steps since the process started."""
         global _live
+        self._pid = os.getpid()  # a forked child inherits the client, and its exit handlers, but is not the rank
         self.rank = rank
         self.generation = generation
         self._plan = plan
@@ -303,7 +304,7 @@ class Client:
         thread, and tearing torch down takes seconds on a loaded host), so the agent hears that the process is
         ending, not hung. Not `closing`: the exit status is not known here, and an agent that did not start the
         process must not count a failure as a clean end."""
-        if not self._closed.is_set():
+        if not self._closed.is_set() and os.getpid() == self._pid:
             self._send({"op": "exiting", "pid": os.getpid()})
 
     def _send(self, message: dict[str, Any]) -> None:
