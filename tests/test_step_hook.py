@@ -114,6 +114,12 @@ def test_the_hook_stays_quiet_where_the_rank_is_not_its_script_alone(tmp_path: P
     assert len(listener.connections) == 1, listener.connections[1:]
 
 
+def test_a_failure_of_the_hook_never_reaches_the_script(tmp_path: Path, listener: Listener) -> None:
+    """Its client cannot be made (a resume plan it cannot read): the script trains on as a stock one."""
+    done = run_rank(tmp_path, listener, TRAIN.format(steps=2), RECOVERY_RESUME_PLAN="{not json")
+    assert "trained" in done.stdout and not [m for c in listener.connections for m in c if m["op"] == "step"]
+
+
 def test_a_sitecustomize_the_hook_hides_still_runs(tmp_path: Path, listener: Listener) -> None:
     site = tmp_path / "site"
     site.mkdir()
