@@ -346,8 +346,10 @@ class ReportFold:
         if job.step_after_close is not None and job.step <= job.step_after_close and job.incidents:
             incident.restart_loop = True  # the recovery before this one did not get the job going
         signals = list(job.suspected.values())
-        if kind in _FAULT_KINDS:  # its first sign: a silence from when the node or the ranks were last heard
-            signals.append(self._fault(job, d, ts, d.get("detail") or {})["onset_ts"])
+        fault = (d.get("detail") or {}).get("fault")
+        if kind in _FAULT_KINDS and not (isinstance(fault, dict) and isinstance(fault.get("ts"), int)):
+            signals.append(self._signal_ts(d, ts))  # a fault the decision does not record: its signal's time
+        # a fault's onset (a silence from when it was last heard) lowers this in `_incident_decision`, for every fault
         incident.first_signal = min(signals) if signals else ts
         job.suspected.clear()
         job.incident = incident
