@@ -179,7 +179,9 @@ class Training:
         if done >= per_epoch:
             return
         sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if hasattr(loader, "set_epoch"):  # a loader that keeps its own epoch (Accelerate's DataLoaderShard)
+            loader.set_epoch(epoch)
+        elif hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         for index, batch in enumerate(loader):
             if index < done:
