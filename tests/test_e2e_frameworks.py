@@ -1,0 +1,253 @@
+"""Training frameworks on real processes, with the real packages: a Lightning `Trainer` script whose strategy is
+`RecoveryDDPStrategy` (examples/lightning/train.py) and an Accelerate script using `recovery.client.accelerate`
+(examples/accelerate/train.py), each on a nats-server, a `recovery-daemon`, two agents of two ranks each and a job
+store off the nodes. A SIGKILLed rank is restarted alone, the three others keep their processes, and the run ends
+with the parameters of the same script's run without faults, bit for bit: the survivors ran the failed step again,
+and the restarted rank took the live state (Lightning's whole checkpoint, built in memory; Accelerate's model,
+optimizer and scheduler) and resumed at the survivors' batch. Ctrl-C to `recovery-run` reaches a stock Lightning
+script as SIGINT, and Lightning's own exception checkpoint is written."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recovery.testing.nats import NatsServer
+from tests.daemon_support import DaemonProcess
+from tests.e2e_support import (
+    AgentProcess,
+    JobWatch,
+    RendezvousProcess,
+    connect,
+    environment,
+    kill_leftovers,
+    stop_agents,
+    submit,
+    wait_until,
+    watch,
+)
+from tests.test_e2e_stock import kill_started_under, started_under
+
+ROOT = Path(__file__).resolve().parents[1]
+LIGHTNING = ROOT / "examples" / "lightning" / "train.py"
+ACCELERATE = ROOT / "examples" / "accelerate" / "train.py"
+EPOCHS = 3
+SAMPLES = 1024  # 4 ranks x batch 16: 16 steps an epoch
+STEP_TIME_S = 0.05
+FAULT_AT_STEP = 20  # in the second epoch: the restarted rank resumes mid-epoch
+RUN_TIMEOUT_S = 180
+
+
+@dataclass
+class Cluster:
+    nats: NatsServer
+    daemon: DaemonProcess
+    store: RendezvousProcess
+    agents: list[AgentProcess]
+    workdir: Path
+    started: list[int]
+
+    def explain(self) -> str:
+        return "\n".join(f"--- agent {a.node}:\n{a.log_tail()}" for a in self.agents) + \
+            f"\n--- daemon:\n{self.daemon.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("frameworks")
+    server = NatsServer(workdir / "nats")
+    server.start()
+    daemon = DaemonProcess(workdir / "daemon", server.url, lease_ttl_s=0, snapshot_fork=False)
+    store = RendezvousProcess(workdir / "rendezvous")
+    agents: list[AgentProcess] = []
+    state = Cluster(server, daemon, store, agents, workdir, [])
+    try:
+        daemon.start(PYTHONPATH=environment()["PYTHONPATH"])
+        daemon.wait_ready()
+        store.wait_ready()
+
+        async def start_agents() -> None:
+            nc = await connect(server.url)
+            ready: set[str] = set()
+
+            async def on_node(msg: Any) -> None:
+                ready.add(msg.subject.split(".")[3])
+
+            await nc.subscribe("recovery.ev.node.>", cb=on_node)
+            agents.extend(AgentProcess(workdir, node, server.url) for node in ("n0", "n1"))
+            await wait_until(lambda: ready >= {"n0", "n1"}, 30, "the agents to report their nodes", state.explain)
+            await nc.close()
+
+        asyncio.run(start_agents())
+        yield state
+    finally:
+        stop_agents(agents)
+        kill_leftovers(state.started)
+        store.stop()
+        daemon.close()
+        server.stop()
+
+
+def script_args(script: Path, job: str, out: Path, workdir: Path) -> list[str]:
+    args = [str(script), "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--step-time", str(STEP_TIME_S),
+            "--out", str(out)]
+    if script == LIGHTNING:  # each job its own checkpoints: `fit(ckpt_path="last")` must not find another's
+        return [*args, "--strategy", "recovery", "--checkpoints", str(workdir / f"{job}-checkpoints")]
+    return [*args, "--recovery"]
+
+
+def spec(cluster: Cluster, job: str, out: Path, script: Path) -> dict[str, Any]:
+    return {
+        "nodes": ["n0", "n1"], "ranks_per_node": 2, "layout": {"dp": 4}, "watchdog_interval_s": 1.0,
+        "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": 5.0,
+                                                                 "agent_silence_s": 3.0}}},
+        "entrypoint": {"command": sys.executable, "args": script_args(script, job, out, cluster.workdir),
+                       "cwd": str(cluster.workdir), "rendezvous": "external",
+                       "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cluster.store.port),
+                               "PYTHONPATH": environment()["PYTHONPATH"], "OMP_NUM_THREADS": "1"}},
+    }
+
+
+Fault = Callable[[JobWatch, Callable[[], str]], Any]
+
+
+async def run_job(cluster: Cluster, job: str, script: Path,
+                  fault: Fault | None = None) -> tuple[JobWatch, dict[str, Any]]:
+    """Submit the job, let `fault(watch, explain)` strike once every rank passed FAULT_AT_STEP, wait for the job
+    to complete; returns what was seen and the final parameters."""
+    import torch
+
+    out = cluster.workdir / f"{job}.pt"
+    nc = await connect(cluster.nats.url)
+    w = await watch(nc, job)
+
+    def explain() -> str:
+        decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
+        logs = "\n".join(f"--- {p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
+                         for p in sorted(cluster.workdir.glob(f"n*/{job}.rank*.log")))
+        return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{logs}\n{cluster.explain()}"
+
+    try:
+        await submit(nc, job, spec(cluster, job, out, script))
+        await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), RUN_TIMEOUT_S,
+                         f"{job} to train {FAULT_AT_STEP} steps", explain)
+        if fault is not None:
+            await fault(w, explain)
+        await wait_until(lambda: "job.completed" in w.kinds() and out.exists(), RUN_TIMEOUT_S, f"{job} to complete",
+                         explain)
+    finally:
+        cluster.started.extend(pid for pids in w.pids().values() for pid in pids)
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+    loaded: dict[str, Any] = torch.load(out)
+    return w, loaded
+
+
+def sigkill(victim: int, measured: dict[str, float]) -> Fault:
+    """SIGKILL `victim`; `measured['recovered_s']`: from the kill to its replacement's first step past the step
+    the job was on."""
+
+    async def strike(w: JobWatch, explain: Callable[[], str]) -> None:
+        step = max(w.step(r) for r in range(4))
+        killed = time.monotonic()
+        os.kill(w.pids()[victim][-1], signal.SIGKILL)
+
+        def recovered() -> bool:
+            return any(e["data"]["rank"] == victim and e["data"]["attempt"] >= 1 and e["data"]["step"] > step
+                       and e["_seen"] > killed for e in w.of("progress.step"))
+
+        await wait_until(recovered, 120, f"rank {victim} to be recovered", explain)
+        measured["recovered_s"] = time.monotonic() - killed
+
+    return strike
+
+
+def assert_bitwise_equal(found: dict[str, Any], reference: dict[str, Any]) -> None:
+    import torch
+
+    assert found.keys() == reference.keys()
+    for name in found:
+        assert torch.equal(found[name], reference[name]), f"{name} differs from the run without faults"
+
+
+def assert_restarted_alone(w: JobWatch, victim: int) -> None:
+    pids = w.pids()
+    seen = f"pids {pids}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
+    assert all(len(pids[r]) == 1 for r in range(4) if r != victim), seen  # the survivors kept their processes
+    assert len(pids[victim]) == 2, seen
+    granularities = [d["data"]["detail"].get("granularity") for d in w.decided("attempt.started")]
+    assert granularities == ["in_place"], seen
+
+
+@pytest.fixture(scope="module")
+def lightning_fault_free(cluster: Cluster) -> dict[str, Any]:
+    w, params = asyncio.run(run_job(cluster, "lightning-ref", LIGHTNING))
+    assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
+    return params
+
+
+@pytest.fixture(scope="module")
+def accelerate_fault_free(cluster: Cluster) -> dict[str, Any]:
+    w, params = asyncio.run(run_job(cluster, "accelerate-ref", ACCELERATE))
+    assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
+    return params
+
+
+async def test_a_lightning_rank_killed_is_restarted_alone_and_the_trainer_ends_as_the_fault_free_run(
+        cluster: Cluster, lightning_fault_free: dict[str, Any]) -> None:
+    measured: dict[str, float] = {}
+    w, params = await run_job(cluster, "lightning-kill", LIGHTNING, sigkill(1, measured))
+    assert_restarted_alone(w, 1)
+    assert_bitwise_equal(params, lightning_fault_free)
+    # the strategy reports steps and Lightning's checkpoints: the capabilities say so, no guess
+    announced = {cap for e in w.of("process.capabilities") for cap in e["data"]["caps"]}
+    assert {"reform", "steps", "checkpoints"} <= announced and "save" not in announced, announced
+    print(f"Lightning, SIGKILL of rank 1: first step past it {measured['recovered_s']:.2f}s later; pids {w.pids()}")
+
+
+async def test_an_accelerate_rank_killed_is_restarted_alone_and_the_script_ends_as_the_fault_free_run(
+        cluster: Cluster, accelerate_fault_free: dict[str, Any]) -> None:
+    measured: dict[str, float] = {}
+    w, params = await run_job(cluster, "accelerate-kill", ACCELERATE, sigkill(2, measured))
+    assert_restarted_alone(w, 2)
+    assert_bitwise_equal(params, accelerate_fault_free)
+    print(f"Accelerate, SIGKILL of rank 2: first step past it {measured['recovered_s']:.2f}s later; pids {w.pids()}")
+
+
+def test_ctrl_c_reaches_a_stock_lightning_script_and_its_exception_checkpoint_is_written(tmp_path: Path) -> None:
+    """The stock script (`strategy="ddp"`, `OnExceptionCheckpoint`) under `recovery-run --standalone`: SIGINT to
+    `recovery-run`, as a terminal's Ctrl-C sends it, gives every rank SIGINT and the grace to save."""
+    checkpoints = tmp_path / "checkpoints"
+    log = tmp_path / "recovery-run.out"
+    args = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", "2", "--data-dir",
+            str(tmp_path / "data"), "--env", "OMP_NUM_THREADS=1", str(LIGHTNING), "--epochs", "50", "--samples",
+            "256", "--step-time", "0.1", "--checkpoints", str(checkpoints)]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(args, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=environment(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while "trained step 6" not in log.read_text(errors="replace"):  # training, past its first checkpoints
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+            time.sleep(0.2)  # polling a file the run writes, within the deadline
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # it stops nothing it started then: end what runs under its data
+            proc.wait(timeout=30)
+        kill_started_under(tmp_path / "data")
+    output = log.read_text(errors="replace")
+    assert code == 128 + signal.SIGINT and "cancelled" in output, output[-4000:]
+    assert (checkpoints / "on_exception.ckpt").exists(), output[-4000:]  # Lightning saved on the interrupt
+    assert not started_under(tmp_path / "data") + started_under(checkpoints), "processes left running"
