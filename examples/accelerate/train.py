@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--out", default="")
+    parser.add_argument("--checkpoints", default="", help="accelerator.save_state here after every epoch; resume")
     parser.add_argument("--digest", action="store_true", help="print the parameters' sum after every step")
     args = parser.parse_args()
 
@@ -57,9 +58,15 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
+    first = 0
+    saved = Path(args.checkpoints) / "epoch" if args.checkpoints else None
+    if saved is not None and saved.exists():  # a restarted job resumes from the last epoch's state
+        accelerator.load_state(args.checkpoints)
+        first = int(saved.read_text()) + 1
+        print(f"[rank {accelerator.process_index}] resuming from the state of epoch {first - 1}", flush=True)
 
     def train() -> None:
-        for epoch in epochs(0, args.epochs):  # recovery: from the epoch a recovery resumes in
+        for epoch in epochs(first, args.epochs):  # recovery: from the epoch a recovery resumes in
             for index, (inputs, targets) in batches(loader, epoch):  # recovery: skips the batches done
                 optimizer.zero_grad()
                 loss = F.mse_loss(model(inputs), targets)
@@ -73,6 +80,10 @@ def main() -> None:
                     params = sum(float(p.double().sum()) for p in model.parameters())
                     line += f" params {params:.17g} batch {float(inputs.double().sum()):.17g}"
                 print(line, flush=True)
+            if saved is not None:
+                accelerator.save_state(args.checkpoints)
+                if accelerator.is_main_process:
+                    saved.write_text(str(epoch))
 
     run(train)  # recovery: recovers from a failed step and trains on
     if accelerator.is_main_process and args.out:

@@ -48,6 +48,18 @@ class Regression(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class StepReports(pl.Callback):
+    """The SDK's step reports alone, as a Callback (`--report-steps`): progress and true times, nothing else."""
+
+    def __init__(self) -> None:
+        import recovery.client as recovery
+
+        self.client = recovery.connect()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        self.client.report_step(trainer.global_step)
+
+
 class Synthetic(pl.LightningDataModule):
     def __init__(self, samples: int, batch_size: int) -> None:
         super().__init__()
@@ -69,6 +81,7 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--checkpoints", default="checkpoints")
     parser.add_argument("--out", default="")
+    parser.add_argument("--report-steps", action="store_true", help="the stock script plus the SDK's step reports")
     parser.add_argument("--digest", action="store_true", help="print the parameters' sum after every step")
     args = parser.parse_args()
 
@@ -78,12 +91,13 @@ def main() -> None:
         from recovery.client.lightning import RecoveryDDPStrategy
 
         strategy = RecoveryDDPStrategy(timeout_s=60)
+    reports = [StepReports()] if args.report_steps else []
     checkpoints = ModelCheckpoint(dirpath=args.checkpoints, every_n_train_steps=4, save_last=True, save_top_k=0)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's (and recovery-run's) environment
     nodes = int(os.environ.get("WORLD_SIZE", "1")) // per_node
     trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,
                          max_epochs=args.epochs,
-                         callbacks=[checkpoints, OnExceptionCheckpoint(args.checkpoints)],
+                         callbacks=[checkpoints, OnExceptionCheckpoint(args.checkpoints), *reports],
                          enable_progress_bar=False, enable_model_summary=False, logger=False,
                          num_sanity_val_steps=0, deterministic=True)
     model = Regression(args.step_time, digest=args.digest)

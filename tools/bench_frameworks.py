@@ -1,0 +1,234 @@
+"""Training frameworks under `recovery-run` against torchrun: a Lightning Trainer script and an Accelerate script
+(examples/lightning/train.py, examples/accelerate/train.py, synthetic data), 4 ranks on this host.
+
+    python tools/bench.py e2e --only frameworks            # 3 repeats of every case, medians
+    python tools/bench_frameworks.py --repeat 5
+
+What is measured, each run started alone (the host's two cores are shared by every rank):
+
+- `lightning_rank_kill_ratio_to_torchrun`: rank 1 SIGKILLed once the job printed step `fault_at`; the time from the
+  kill to the first step past the last one printed before it (Lightning prints a step after its optimizer step),
+  with the integration (`RecoveryDDPStrategy`, a rank restarted alone) under `recovery-run`'s defaults, against
+  the stock script (`strategy="ddp"`) under torchrun, which restarts every rank from `last.ckpt`. Median of the
+  per-repeat ratios; goal at most 0.2.
+- `accelerate_rank_kill_ratio_to_torchrun`: the same with the Accelerate script (`recovery.client.accelerate`
+  against the stock script resuming from `accelerator.save_state` of its last epoch). Goal at most 0.2.
+- `lightning_partial_sdk_ratio_to_stock`: the stock Lightning script with the SDK's step reports added (a Callback)
+  against the same script without them, both under `recovery-run`. Goal at most 1.0: reports change no rung.
+- `report_ttr_error_s`: `recovery-replay report`'s time to recovery of the integration's run minus the measured
+  time from the kill to the first step past it, absolute, median. Goal at most 1 s.
+- `lightning_sigint_checkpoint_written`: 1 when SIGINT to `recovery-run` (a terminal's Ctrl-C) gets the stock
+  script's `OnExceptionCheckpoint` written, else 0.
+- `lightning_fault_free_ratio_to_torchrun`: the stock Lightning script to its end, no fault, `recovery-run`'s
+  defaults (warm standbys on) against torchrun, in alternating pairs; median of the pairs' ratios. Goal at most
+  1.05.
+
+The standbys' readiness is waited for before a kill (they start with the agent, and a job that trained
+`fault_at` steps has them ready on a quiet host); the kill then lands at any step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench_stock import launch, rank_pid, standbys_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+LIGHTNING = ROOT / "examples" / "lightning" / "train.py"
+ACCELERATE = ROOT / "examples" / "accelerate" / "train.py"
+STEP = re.compile(rb"trained step (\d+)")
+NPROC = 4
+Emit = Callable[[str, str, float, str], None]
+
+
+class Run:
+    """One launcher's run of a script, its output lines timed as they come."""
+
+    def __init__(self, launcher: str, script: list[str], workdir: Path, tag: str, *options: str) -> None:
+        self.data = workdir / tag
+        command, env = launch(launcher, NPROC, script, self.data, *options)
+        env["OMP_NUM_THREADS"] = "1"
+        self.lines: list[tuple[float, bytes]] = []
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                                     start_new_session=True)
+        self.started = time.monotonic()
+        self.marker = tag
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def steps(self, since: float = 0.0, prefix: bytes = b"") -> list[tuple[float, int]]:
+        return [(t, int(m.group(1))) for t, line in list(self.lines)
+                if t >= since and line.startswith(prefix) and (m := STEP.search(line))]
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = b"".join(line for _, line in self.lines[-40:]).decode(errors="replace")
+                raise RuntimeError(f"{what}: not seen\n{tail}")
+            time.sleep(0.01)  # polling the output, within the deadline
+
+    def stop(self) -> int:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)  # recovery-run stops what it started; torchrun its workers
+        try:
+            return self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+        finally:
+            for rank in range(NPROC):  # a rank left behind by a failed stop
+                if (pid := rank_pid(self.marker, rank)) is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+
+
+def script_args(script: Path, workdir: Path, tag: str, *extra: str, epochs: int = 3) -> list[str]:
+    args = [str(script), "--epochs", str(epochs), "--samples", "1024", "--step-time", "0.1", *extra]
+    return [*args, "--checkpoints", str(workdir / f"{tag}-checkpoints")]
+
+
+def kill_once(launcher: str, script: list[str], workdir: Path, tag: str, fault_at: int,
+              *options: str) -> tuple[float, Path]:
+    """Seconds from rank 1's SIGKILL (once step `fault_at` was printed, and any standbys ready) to the first step
+    printed past the last one printed before it; and the run's data directory."""
+    run = Run(launcher, script, workdir, tag, *options)
+    try:
+        run.wait_for(lambda: any(step >= fault_at for _, step in run.steps()), f"step {fault_at}")
+        if launcher == "recovery-run":
+            run.wait_for(lambda: standbys_ready(run.data) >= 1, "a ready standby")
+        victim = rank_pid(tag, 1, run.data if launcher == "recovery-run" else None)
+        assert victim is not None, "rank 1 not found"
+        seen = max(step for _, step in run.steps())
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        # The replacement's step: recovery-run prefixes a restarted rank's lines with its generation; torchrun
+        # restarts every rank, whose first lines come seconds later (a survivor prints at most the step it was in).
+        prefix, since = (b"[rank1.", killed) if launcher == "recovery-run" else (b"", killed + 1.0)
+        run.wait_for(lambda: any(step > seen for _, step in run.steps(since, prefix)), f"a step past {seen}")
+        regained = min(t for t, step in run.steps(since, prefix) if step > seen) - killed
+        run.wait_for(lambda: run.proc.poll() is not None, "the run's end", timeout=600)
+        return regained, run.data
+    finally:
+        run.stop()
+
+
+def report_ttr(data: Path) -> float | None:
+    """The report's time to recovery of the run's one incident."""
+    report = subprocess.run([sys.executable, "-m", "recovery.cli.replay", "report", str(data), "--json"],
+                            capture_output=True, text=True, timeout=120, check=False,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if report.returncode != 0:
+        return None
+    incidents = [i for job in json.loads(report.stdout)["jobs"] for i in job["incidents"]]
+    return incidents[0].get("ttr_s") if len(incidents) == 1 else None
+
+
+def sigint_checkpoint(workdir: Path) -> int:
+    tag = "sigint"
+    run = Run("recovery-run", script_args(LIGHTNING, workdir, tag, epochs=50), workdir, tag)
+    try:
+        run.wait_for(lambda: any(step >= 6 for _, step in run.steps()), "step 6")
+        run.proc.send_signal(signal.SIGINT)
+        run.wait_for(lambda: run.proc.poll() is not None, "recovery-run's end", timeout=120)
+    finally:
+        run.stop()
+    return int((workdir / f"{tag}-checkpoints" / "on_exception.ckpt").exists())
+
+
+def fault_free_wall(launcher: str, workdir: Path, tag: str) -> float:
+    run = Run(launcher, script_args(LIGHTNING, workdir, tag, epochs=4), workdir, tag)
+    try:
+        run.wait_for(lambda: any(line.startswith(b"`Trainer.fit` stopped") or b"]: `Trainer.fit` stopped" in line
+                                 for _, line in list(run.lines)) or run.proc.poll() is not None, "the run's end",
+                     timeout=600)
+        run.proc.wait(timeout=600)
+        ended = time.monotonic()  # the launcher's exit (polled every 10 ms): start-up to shutdown, as a user waits
+        if run.proc.returncode != 0:
+            raise RuntimeError(f"{launcher} exited {run.proc.returncode}")
+        return ended - run.started
+    finally:
+        run.stop()
+
+
+def measure(repeat: int, workdir: Path, emit: Emit, quick: bool = False) -> None:
+    fault_at = 12 if quick else 20
+    runs: dict[str, list[float]] = {name: [] for name in (
+        "lightning", "lightning_torchrun", "accelerate", "accelerate_torchrun", "stock", "partial")}
+    errors: list[float] = []
+    for index in range(repeat):
+        cases: list[tuple[str, str, list[str]]] = [
+            ("lightning", "recovery-run", ["--strategy", "recovery"]),
+            ("lightning_torchrun", "torchrun", ["--strategy", "ddp"]),
+            ("accelerate", "recovery-run", ["--recovery"]),
+            ("accelerate_torchrun", "torchrun", []),
+            ("stock", "recovery-run", ["--strategy", "ddp"]),
+            ("partial", "recovery-run", ["--strategy", "ddp", "--report-steps"]),
+        ]
+        for name, launcher, extra in cases:
+            tag = f"{name}-{index}"
+            script = ACCELERATE if name.startswith("accelerate") else LIGHTNING
+            seconds, data = kill_once(launcher, script_args(script, workdir, tag, *extra), workdir, tag, fault_at)
+            runs[name].append(seconds)
+            print(f"{tag}: a step past the kill {seconds:.2f}s after it", file=sys.stderr, flush=True)
+            if name == "lightning" and (ttr := report_ttr(data)) is not None:
+                errors.append(abs(ttr - seconds))
+    walls: dict[str, list[float]] = {"recovery-run": [], "torchrun": []}
+    for index in range(repeat):
+        order = ["recovery-run", "torchrun"]
+        for launcher in order if index % 2 == 0 else order[::-1]:
+            walls[launcher].append(fault_free_wall(launcher, workdir, f"faultfree-{launcher}-{index}"))
+
+    def ratio(ours: str, theirs: str) -> float:
+        return round(statistics.median(a / b for a, b in zip(runs[ours], runs[theirs], strict=True)), 3)
+
+    for name, values in runs.items():
+        emit("e2e", f"frameworks_{name}_regained_s", round(statistics.median(values), 3),
+             "s from rank 1's SIGKILL to a step past it")
+    emit("e2e", "lightning_rank_kill_ratio_to_torchrun", ratio("lightning", "lightning_torchrun"),
+         "x (RecoveryDDPStrategy under recovery-run against the stock script under torchrun; goal at most 0.2)")
+    emit("e2e", "accelerate_rank_kill_ratio_to_torchrun", ratio("accelerate", "accelerate_torchrun"),
+         "x (recovery.client.accelerate under recovery-run against the stock script under torchrun; goal <= 0.2)")
+    emit("e2e", "lightning_partial_sdk_ratio_to_stock", ratio("partial", "stock"),
+         "x (step reports alone against the same script without them, both under recovery-run; goal at most 1.0)")
+    emit("e2e", "report_ttr_error_s", round(statistics.median(errors), 3) if errors else float("nan"),
+         "s (|the report's time to recovery - the measured kill to a step past it|; goal at most 1)")
+    emit("e2e", "lightning_sigint_checkpoint_written", sigint_checkpoint(workdir),
+         "(1: Ctrl-C to recovery-run got Lightning's exception checkpoint written)")
+    emit("e2e", "lightning_fault_free_ratio_to_torchrun",
+         round(statistics.median(a / b for a, b in zip(walls["recovery-run"], walls["torchrun"], strict=True)), 3),
+         "x (the stock Lightning script to its last step, no fault, median of pairs; goal at most 1.05)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+
+    def emit(bench: str, metric: str, value: float, unit: str) -> None:
+        print(f"{bench}.{metric} = {value} {unit}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-frameworks-") as workdir:
+        measure(args.repeat, Path(workdir), emit, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
