@@ -187,3 +187,28 @@ async def test_a_rank_handed_to_a_warm_standby_counts_its_steps_as_a_cold_one(tm
     [lines] = listener.connections
     assert lines[0] == {"op": "hello", "pid": proc.pid, "rank": 0, "attempt": 0}
     assert [m["step"] for m in lines if m["op"] == "step"] == [1, 2, 3]
+
+
+class _Counts:
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def count_step(self, count: int) -> None:
+        self.sent.append(count)
+
+
+def test_the_count_is_of_iterations_whatever_optimizers_take_the_steps() -> None:
+    from recovery.client.steps import StepCounter
+
+    def counted(pattern: list[object]) -> list[int]:
+        counter = StepCounter(os.getpid())
+        counter.client = _Counts()
+        for optimizer in pattern:
+            counter(optimizer)
+        return counter.client.sent
+
+    generator, critic = object(), object()
+    assert counted([generator, critic] * 3) == [1, 2, 3]  # a GAN: one count an iteration
+    epochs = [object() for _ in range(3)]  # an optimizer made again every epoch, 4 steps each
+    assert counted([o for o in epochs for _ in range(4)]) == list(range(1, 11))  # on, one step missed at a switch
+    assert counted([critic, critic, generator] * 2) == [1, 2, 3, 4]  # two critic steps an iteration: the critic's

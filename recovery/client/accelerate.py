@@ -56,6 +56,7 @@ class AcceleratedTraining(Training):
         self._schedulers: list[Any] = []
 
     def track(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], schedulers: list[Any]) -> None:
+        """The objects given to `prepare` whose state a replica hands over (before Accelerate wraps them)."""
         self._module, self._optimizers, self._schedulers = module, optimizers, schedulers
         self._optimizer = optimizers[0] if optimizers else None
         if self.group.device.type == "cuda":
@@ -78,11 +79,13 @@ class AcceleratedTraining(Training):
         super()._rewrap(fresh=True)
 
     def state(self) -> dict[str, Any]:
+        """The model's, every optimizer's and every scheduler's state dicts."""
         assert self._module is not None
         return {"model": self._module.state_dict(), "optimizers": [o.state_dict() for o in self._optimizers],
                 "schedulers": [s.state_dict() for s in self._schedulers]}
 
     def load(self, state: dict[str, Any]) -> None:
+        """Load what `state` returned on a peer."""
         assert self._module is not None
         self._module.load_state_dict(state["model"])
         for optimizer, saved in zip(self._optimizers, state["optimizers"], strict=True):
@@ -146,14 +149,18 @@ def current() -> AcceleratedTraining:
 
 
 def epochs(start: int, stop: int) -> Iterator[int]:
+    """`range(start, stop)`, from the epoch of the position if that is later (see `Training.epochs`)."""
     return current().epochs(start, stop)
 
 
 def batches(loader: Iterable[Batch], epoch: int) -> Iterator[tuple[int, Batch]]:
+    """`enumerate(loader)` for `epoch` (its epoch set), without the batches already trained; reports each step
+    (see `Training.batches`)."""
     return current().batches(loader, epoch)
 
 
 def run(train: Callable[..., Result], *args: Any, **kwargs: Any) -> Result | None:
+    """`train(*args, **kwargs)`, called again after each recovery until it returns (see `Training.run`)."""
     return current().run(train, *args, **kwargs)
 
 

@@ -108,12 +108,15 @@ class RecoveryDDPStrategy(DDPStrategy):
 
     @property
     def client(self) -> recovery.Client:
+        """The process's SDK client (connected at first use)."""
         if self._client is None:
             self._client = recovery.connect()
         return self._client
 
     # -- the group ----------------------------------------------------------------------------------------
     def setup_distributed(self) -> None:
+        """Form the SDK's process group of this process's generation (instead of `env://`), then agree with the
+        live ranks: a restarted rank receives Lightning's whole state from the one furthest ahead."""
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
@@ -205,8 +208,8 @@ class RecoveryDDPStrategy(DDPStrategy):
 
     # -- the step -----------------------------------------------------------------------------------------
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """The step, run again on the same batch after a recovery (the closure recomputes the loss and the
-        gradients in the new group); then it is reported, and a stop the agent asked for ends `fit` here."""
+        """Lightning's optimizer step, run again on the same batch after a recovery (the closure recomputes the loss
+        and the gradients in the new group); then it is reported, and a stop the agent asked for ends `fit` here."""
         while True:
             failed, error = False, ""
             self._in_step = True
@@ -248,20 +251,26 @@ class RecoveryDDPStrategy(DDPStrategy):
         return alone()
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier; on this process alone between a (re)formation and its next step."""
         self._outside_step(lambda: super(RecoveryDDPStrategy, self).barrier(*args, **kwargs), lambda: None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast; `obj` itself between a (re)formation and this process's next step."""
         return self._outside_step(lambda: super(RecoveryDDPStrategy, self).broadcast(obj, src), lambda: obj)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduce; `tensor` itself between a (re)formation and this process's next step."""
         return self._outside_step(lambda: super(RecoveryDDPStrategy, self).reduce(tensor, group, reduce_op),
                                   lambda: tensor)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's decision of every rank; this process's between a (re)formation and its next step."""
         return self._outside_step(lambda: super(RecoveryDDPStrategy, self).reduce_boolean_decision(decision, all),
                                   lambda: decision)
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """Lightning's all_gather; this process's tensor for every rank between a (re)formation and its next
+        step."""
         world = self.world_size
 
         def alone() -> torch.Tensor:
@@ -272,6 +281,7 @@ class RecoveryDDPStrategy(DDPStrategy):
 
     # -- the data and the loop ----------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
+        """A training loader that a restarted rank resumes in the running ranks' epoch, at their batch."""
         dataloader = super().process_dataloader(dataloader)
         if not self._training_data:
             return dataloader
@@ -284,6 +294,7 @@ class RecoveryDDPStrategy(DDPStrategy):
         return resumable
 
     def setup(self, trainer: pl.Trainer) -> None:
+        """Lightning's set-up, with the fit loop's training data and SIGTERM flag made to follow the rules above."""
         super().setup(trainer)
         setup_data = trainer.fit_loop.setup_data
 
@@ -307,11 +318,14 @@ class RecoveryDDPStrategy(DDPStrategy):
         loop._broadcast_sigterm_tensor = sigterm_flag  # type: ignore[method-assign]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's save, then reported (`checkpoint_saved`, tier `storage`): a restart of the whole job
+        resumes from the checkpoint Lightning's `ckpt_path="last"` loads, and the report names it."""
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.is_global_zero:  # the whole state: one shard, which every replica holds
             self.client.checkpoint_saved(int(checkpoint.get("global_step", 0)), "storage", [0], str(filepath))
 
     def teardown(self) -> None:
+        """Lightning's teardown, then the SDK's group closed (its watcher stopped)."""
         super().teardown()
         if self.group is not None:
             self.group.close()

@@ -36,13 +36,15 @@ _counter: StepCounter | None = None
 
 
 class StepCounter:
-    """Counts optimizer steps per optimizer; the process's count is the highest (two optimizers stepped once each
-    per iteration, a GAN's, count one iteration). Reports only what raises it."""
+    """Counts the process's training iterations from its optimizer steps: an iteration begins when an optimizer
+    steps that has stepped already in the current one (two optimizers stepped once each per iteration, a GAN's,
+    count one iteration; an optimizer made again every epoch goes on counting, missing one step at the switch).
+    Reports each new count."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.counts: dict[int, int] = {}
-        self.top = 0
+        self.count = 0
+        self.iteration: set[int] = set()  # the optimizers (their ids) stepped in the current iteration
         self.client: Any = None
         self.off = False
 
@@ -53,15 +55,15 @@ class StepCounter:
             self.off = True
             return
         key = id(optimizer)
-        count = self.counts.get(key, 0) + 1
-        self.counts[key] = count
-        if count <= self.top:
+        if self.iteration and key not in self.iteration:
+            self.iteration.add(key)  # another optimizer of the same iteration
             return
-        self.top = count
+        self.iteration = {key}
+        self.count += 1
         try:
             if self.client is None and not self._connect():
                 return
-            self.client.count_step(count)
+            self.client.count_step(self.count)
         except Exception:  # the hook never stops training: without it, the script is a stock one again
             self.off = True
 
