@@ -41,6 +41,7 @@ from tests.test_e2e_stock import kill_started_under, started_under
 ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING = ROOT / "examples" / "lightning" / "train.py"
 ACCELERATE = ROOT / "examples" / "accelerate" / "train.py"
+HSDP = ROOT / "examples" / "fsdp" / "train.py"
 EPOCHS = 3
 SAMPLES = 1024  # 4 ranks x batch 16: 16 steps an epoch
 STEP_TIME_S = 0.05
@@ -103,7 +104,7 @@ def script_args(script: Path, job: str, out: Path, workdir: Path) -> list[str]:
             "--out", str(out)]
     if script == LIGHTNING:  # each job its own checkpoints: `fit(ckpt_path="last")` must not find another's
         return [*args, "--strategy", "recovery", "--checkpoints", str(workdir / f"{job}-checkpoints")]
-    return [*args, "--recovery"]
+    return [*args, "--recovery"]  # Accelerate's and HSDP's scripts: the SDK's integration
 
 
 def spec(cluster: Cluster, job: str, out: Path, script: Path) -> dict[str, Any]:
@@ -222,6 +223,25 @@ async def test_an_accelerate_rank_killed_is_restarted_alone_and_the_script_ends_
     assert_restarted_alone(w, 2)
     assert_bitwise_equal(params, accelerate_fault_free)
     print(f"Accelerate, SIGKILL of rank 2: first step past it {measured['recovered_s']:.2f}s later; pids {w.pids()}")
+
+
+@pytest.fixture(scope="module")
+def hsdp_fault_free(cluster: Cluster) -> dict[str, Any]:
+    w, params = asyncio.run(run_job(cluster, "hsdp-ref", HSDP))
+    assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
+    return params
+
+
+async def test_an_hsdp_rank_killed_takes_its_shards_from_its_replica_and_the_run_ends_as_the_fault_free_one(
+        cluster: Cluster, hsdp_fault_free: dict[str, Any]) -> None:
+    """A (replicate 2, shard 2) mesh, a replica group per node: rank 1 (replica 0, shard 1) is killed; rank 3 holds
+    the same shards on the other node. The survivors keep their processes and build the mesh and the model again;
+    the restarted rank takes its parameters' and optimizer's shards from rank 3."""
+    measured: dict[str, float] = {}
+    w, params = await run_job(cluster, "hsdp-kill", HSDP, sigkill(1, measured))
+    assert_restarted_alone(w, 1)
+    assert_bitwise_equal(params, hsdp_fault_free)
+    print(f"HSDP 2x2, SIGKILL of rank 1: first step past it {measured['recovered_s']:.2f}s later; pids {w.pids()}")
 
 
 def test_ctrl_c_reaches_a_stock_lightning_script_and_its_exception_checkpoint_is_written(tmp_path: Path) -> None:

@@ -445,6 +445,13 @@ class ProcessGroupRecovery:
             self._connections = _connections_since(before)
         return True
 
+    def shut_with_group(self, before: dict[int, str]) -> None:
+        """The TCP connections opened since `before` (`_sockets()` before a device mesh's subgroups were made) are
+        shut with the group's own on a failure: a collective blocked in a subgroup is freed as in the default one."""
+        with self._lock:
+            if self._formed is not None:
+                self._connections.update(_connections_since(before))
+
     def _watch(self, generation: int, stop: threading.Event) -> None:
         """While the group of `generation` lives: shut it down as soon as a peer marks it failed or a newer
         generation is decided, so that a collective blocked in it raises now."""

@@ -1,0 +1,122 @@
+"""An HSDP training loop (FSDP2's `fully_shard` on a 2-D mesh: replica groups x shards), the shape torchtitan and
+PyTorch's FSDP2 example use, on synthetic data. `--recovery` uses `recovery.client.fsdp`: a killed rank takes its
+shards from its replica, and the survivors keep their processes (the lines marked `# recovery:`). Without it, the
+script is a stock one: torchrun restarts every rank, which resume from the last epoch's checkpoint
+(`torch.distributed.checkpoint`).
+
+    recovery-run --standalone --nproc-per-node 4 examples/fsdp/train.py --recovery --out final.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--recovery", action="store_true")
+parser.add_argument("--replicas", type=int, default=2, help="the mesh's replica groups (its first dimension)")
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--samples", type=int, default=1024)
+parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--step-time", type=float, default=0.0)
+parser.add_argument("--checkpoints", default="", help="the stock script's DCP checkpoint directory")
+parser.add_argument("--out", default="")
+args = parser.parse_args()
+
+if args.recovery:
+    import recovery.client.fsdp as resilient  # recovery: first, it connects to the node's agent
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = F.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def build(mesh: DeviceMesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)  # every rank the same initial weights, as FSDP expects
+    model = Net()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def main() -> None:
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    shape = (args.replicas, world // args.replicas)
+    if args.recovery:
+        training = resilient.init_process_group(mesh_shape=shape, timeout_s=60)  # recovery: was init_process_group
+        training.build(build)  # recovery: was model, optimizer = build(init_device_mesh(...))
+        epochs, batches = resilient.epochs, resilient.batches
+    else:
+        dist.init_process_group("gloo")
+        model, optimizer = build(init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
+
+        def epochs(start: int, stop: int) -> range:
+            return range(start, stop)
+
+        def batches(loader: DataLoader, epoch: int) -> object:
+            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+            return enumerate(loader)
+
+    generator = torch.Generator().manual_seed(1234)
+    source = torch.randn(args.samples, 32, generator=generator)
+    data = TensorDataset(source, source.sum(dim=1, keepdim=True) * 0.1)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(data, world, rank, seed=7))
+    first = 0
+    if not args.recovery and args.checkpoints and (Path(args.checkpoints) / "epoch").exists():
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=args.checkpoints)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        first = int((Path(args.checkpoints) / "epoch").read_text()) + 1
+
+    def train() -> None:
+        if args.recovery:
+            model, optimizer = training.model, training.optimizer  # recovery: built again after a fault
+        else:
+            model, optimizer = globals()["model"], globals()["optimizer"]
+        for epoch in epochs(first, args.epochs):  # recovery: from the epoch a recovery resumes in
+            for index, (inputs, targets) in batches(loader, epoch):  # recovery: skips the batches done
+                optimizer.zero_grad()
+                F.mse_loss(model(inputs), targets).backward()
+                optimizer.step()
+                if args.step_time:
+                    time.sleep(args.step_time)
+                print(f"[rank {rank}] trained step {epoch * len(loader) + index + 1}", flush=True)
+            if not args.recovery and args.checkpoints:
+                dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                         checkpoint_id=args.checkpoints)
+                if rank == 0:
+                    (Path(args.checkpoints) / "epoch").write_text(str(epoch))
+
+    if args.recovery:
+        resilient.run(train)  # recovery: recovers from a failed step and trains on
+        model = training.model
+    else:
+        globals().update(model=model, optimizer=optimizer)
+        train()
+    full = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}  # a collective: every rank
+    if rank == 0 and args.out:
+        torch.save(full, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
