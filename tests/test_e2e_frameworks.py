@@ -1,11 +1,13 @@
-"""Training frameworks on real processes, with the real packages: a Lightning `Trainer` script whose strategy is
-`RecoveryDDPStrategy` (examples/lightning/train.py) and an Accelerate script using `recovery.client.accelerate`
-(examples/accelerate/train.py), each on a nats-server, a `recovery-daemon`, two agents of two ranks each and a job
-store off the nodes. A SIGKILLed rank is restarted alone, the three others keep their processes, and the run ends
-with the parameters of the same script's run without faults, bit for bit: the survivors ran the failed step again,
-and the restarted rank took the live state (Lightning's whole checkpoint, built in memory; Accelerate's model,
-optimizer and scheduler) and resumed at the survivors' batch. Ctrl-C to `recovery-run` reaches a stock Lightning
-script as SIGINT, and Lightning's own exception checkpoint is written."""
+"""Training frameworks and sharded state on real processes, with the real packages: a Lightning `Trainer` script
+whose strategy is `RecoveryDDPStrategy` (examples/lightning/train.py), an Accelerate script using
+`recovery.client.accelerate` (examples/accelerate/train.py) and an HSDP script using `recovery.client.fsdp`
+(examples/fsdp/train.py, FSDP2 on a 2 x 2 mesh), each on a nats-server, a `recovery-daemon`, two agents of two
+ranks each and a job store off the nodes. A SIGKILLed rank is restarted alone, the three others keep their
+processes, and the run ends with the parameters of the same script's run without faults, bit for bit: the
+survivors ran the failed step again, and the restarted rank took the live state (Lightning's whole checkpoint,
+built in memory; Accelerate's model, optimizer and scheduler; HSDP's shards of its replica) and resumed at the
+survivors' batch. Ctrl-C to `recovery-run` reaches a stock Lightning script as SIGINT, and Lightning's own
+exception checkpoint is written."""
 
 from __future__ import annotations
 

@@ -128,7 +128,8 @@ ENDING_SILENCE_S = 15.0
 interpreter with torch loaded can take more than 5 s to exit after that (the SIGSTOPped job is cancelled instead)"""
 WATCHDOG_S = 1.0
 POLL_S = 0.01
-CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock", "ddp", "memory", "faultfree", "frameworks")
+CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock", "ddp", "memory", "faultfree", "frameworks",
+         "fsdp")
 BENCH = "e2e"
 
 Emit = Callable[[str, str, float, str], None]
@@ -506,6 +507,8 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
             bench_faultfree.measure(args.repeat, workdir, emit, quick=args.quick)
         if "frameworks" in args.only:
             bench_frameworks.measure(args.repeat, workdir, emit, quick=args.quick)
+        if "fsdp" in args.only:
+            bench_frameworks.measure_fsdp(args.repeat, workdir, emit, quick=args.quick)
     _report(emit, outcomes, detections)
     if "overhead" in args.only:
         step_ms = f"{overhead.step_s * 1000:.0f} ms"

@@ -2,7 +2,8 @@
 (examples/lightning/train.py, examples/accelerate/train.py, synthetic data), 4 ranks on this host.
 
     python tools/bench.py e2e --only frameworks            # 3 repeats of every case, medians
-    python tools/bench_frameworks.py --repeat 5
+    python tools/bench.py e2e --only fsdp                  # the HSDP script (`measure_fsdp`)
+    python tools/bench_frameworks.py --repeat 5 --only frameworks
 
 What is measured, each run started alone (the host's two cores are shared by every rank):
 
@@ -49,6 +50,7 @@ from bench_stock import launch, rank_pid, standbys_ready
 ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING = ROOT / "examples" / "lightning" / "train.py"
 ACCELERATE = ROOT / "examples" / "accelerate" / "train.py"
+HSDP = ROOT / "examples" / "fsdp" / "train.py"
 STEP = re.compile(rb"trained step (\d+)")
 NPROC = 4
 Emit = Callable[[str, str, float, str], None]
@@ -217,17 +219,61 @@ def measure(repeat: int, workdir: Path, emit: Emit, quick: bool = False) -> None
          "x (the stock Lightning script to its last step, no fault, median of pairs; goal at most 1.05)")
 
 
+def measure_fsdp(repeat: int, workdir: Path, emit: Emit, quick: bool = False) -> None:
+    """`python tools/bench.py e2e --only fsdp`: the HSDP script (examples/fsdp/train.py, a 2 x 2 mesh) with
+    `recovery.client.fsdp` under `recovery-run` against the stock script under torchrun (every rank restarted, from
+    the last epoch's DCP checkpoint); the restarted processes counted, and the final parameters against a
+    fault-free run of the same script."""
+    import torch
+
+    fault_at = 12 if quick else 20
+    ours: list[float] = []
+    theirs: list[float] = []
+    restarted: list[int] = []
+    equal: list[int] = []
+    reference = workdir / "hsdp-reference.pt"
+    run = Run("recovery-run", [*script_args(HSDP, workdir, "hsdp-reference"), "--recovery", "--out", str(reference)],
+              workdir, "hsdp-reference")
+    try:
+        run.wait_for(lambda: run.proc.poll() is not None, "the fault-free run's end", timeout=600)
+    finally:
+        run.stop()
+    for index in range(repeat):
+        tag = f"hsdp-{index}"
+        out = workdir / f"{tag}.pt"
+        seconds, data = kill_once("recovery-run", [*script_args(HSDP, workdir, tag), "--recovery", "--out", str(out)],
+                                  workdir, tag, fault_at)
+        ours.append(seconds)
+        restarted.append(sum(1 for log in data.glob("agents/*/*.rank*.gen*.log") if ".gen0." not in log.name))
+        full, fault_free = torch.load(out), torch.load(reference)
+        equal.append(int(full.keys() == fault_free.keys() and all(torch.equal(full[k], fault_free[k]) for k in full)))
+        tag = f"hsdp_torchrun-{index}"
+        theirs.append(kill_once("torchrun", script_args(HSDP, workdir, tag), workdir, tag, fault_at)[0])
+        print(f"hsdp {index}: {ours[-1]:.2f}s ({restarted[-1]} restarted, equal {equal[-1]}), torchrun "
+              f"{theirs[-1]:.2f}s", file=sys.stderr, flush=True)
+    emit("e2e", "hsdp_regained_s", round(statistics.median(ours), 3), "s from rank 1's SIGKILL to a step past it")
+    emit("e2e", "hsdp_torchrun_regained_s", round(statistics.median(theirs), 3), "s, the stock script under torchrun")
+    emit("e2e", "hsdp_rank_kill_ratio_to_torchrun",
+         round(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)), 3), "x (goal at most 0.2)")
+    emit("e2e", "hsdp_processes_restarted", max(restarted), "processes (the most in a run; goal 1)")
+    emit("e2e", "hsdp_equal_to_fault_free", min(equal), "(1: every run ended bit for bit as the fault-free one)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="+", choices=("frameworks", "fsdp"), default=["frameworks", "fsdp"])
     args = parser.parse_args()
 
     def emit(bench: str, metric: str, value: float, unit: str) -> None:
         print(f"{bench}.{metric} = {value} {unit}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="bench-frameworks-") as workdir:
-        measure(args.repeat, Path(workdir), emit, quick=args.quick)
+        if "frameworks" in args.only:
+            measure(args.repeat, Path(workdir), emit, quick=args.quick)
+        if "fsdp" in args.only:
+            measure_fsdp(args.repeat, Path(workdir), emit, quick=args.quick)
 
 
 if __name__ == "__main__":

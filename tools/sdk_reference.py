@@ -23,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SDK = ROOT / "docs" / "sdk.md"
 MODULES = ("recovery.client", "recovery.client.ddp", "recovery.client.torch", "recovery.client.steps",
-           "recovery.client.lightning", "recovery.client.accelerate")
+           "recovery.client.fsdp", "recovery.client.lightning", "recovery.client.accelerate")
 """in the order a user meets them: the client, the DDP loop's helpers, the process group's recovery, the step hook"""
 INTERNAL = {"recovery.client": {"AgentChannel"}, "recovery.client.steps": {"StepCounter", "install_from_environment"}}
 """public in Python, not for scripts: the transport, and what the rank's start-up hook calls"""
