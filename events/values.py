@@ -91,11 +91,12 @@ DueTime = Annotated[int, Strict(), Ge(0), Le(MAX_DUE_NS)]
 """a due time, nanoseconds of log time: 0 .. 2^63-1"""
 Seconds = Annotated[float, Strict(), AllowInfNan(False), Ge(0), Le(MAX_SECONDS)]
 """a duration that may be zero (no debounce, no grace): 0 .. 30 days"""
-Capability = Literal["reform", "save", "checkpoints", "steps", "counts"]
+Capability = Literal["reform", "save", "checkpoints", "steps", "counts", "stops"]
 """what a rank's script wired up through the SDK: `reform` its process group is formed again in its process after a
 peer's restart (`ProcessGroupRecovery`), `save` it writes a dying checkpoint when asked (`Client.on_save`),
 `checkpoints` it reports the checkpoints it writes, `steps` it reports its steps, `counts` the step hook counts its
-optimizer steps (`recovery.client.steps`: progress and time, from 1 again in each process, not the job's step)"""
+optimizer steps (`recovery.client.steps`: progress and time, from 1 again in each process, not the job's step),
+`stops` it reads the agent's graceful stop (`Client.should_stop`), so a stop is asked through the SDK first"""
 StopSignal = Literal["SIGTERM", "SIGINT"]
 """the signal a graceful stop sends first: SIGTERM (a scheduler's, a preemption's), SIGINT (Ctrl-C, as torchrun
 passes it on)"""

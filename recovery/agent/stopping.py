@@ -57,11 +57,12 @@ async def stop_gracefully(job: JobOnNode, which: list[int], grace_s: float, kill
         procs = [proc for proc in procs if proc not in stopped]
     asked: set[int] = set()
     for proc in procs:
-        # the step hook's client reads no stop: its script gets the signal as a stock script does
-        if not proc.counted_only and await job.channel.send(proc.rank, {"op": "stop"}):
+        # Only a script that reads the SDK's stop (`stops`) is asked first: any other (the step hook's client, a
+        # script that only reports steps) gets the signal at once, as a stock script does.
+        if proc.caps is not None and "stops" in proc.caps and await job.channel.send(proc.rank, {"op": "stop"}):
             asked.add(proc.rank)
         else:
-            logger.info("rank %d of %s has no SDK connection: %s now, and the whole grace to end", proc.rank,
+            logger.info("rank %d of %s does not read the SDK's stop: %s now, and the whole grace to end", proc.rank,
                         job.id, signum.name)
 
     async def one(proc: ranks.RankProcess) -> None:
@@ -91,10 +92,11 @@ async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess],
     for proc in procs:
         request = f"preempt:{node}:{proc.rank}:{proc.attempt}"
         job.saves[request] = anyio.Event()
-        if not proc.counted_only and await job.channel.send(proc.rank, {"op": "save", "id": request, "hold": True}):
+        if proc.caps is not None and "save" in proc.caps and await job.channel.send(
+                proc.rank, {"op": "save", "id": request, "hold": True}):
             saved.append((proc, job.saves[request]))
         else:
-            logger.info("rank %d of %s has no SDK connection: SIGTERM now, and the whole grace to end", proc.rank,
+            logger.info("rank %d of %s has no SDK save: SIGTERM now, and the whole grace to end", proc.rank,
                         job.id)
             unasked.append(proc)
     stopped.append(bool(unasked))

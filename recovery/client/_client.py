@@ -221,9 +221,10 @@ class Client:
     def announce(self, capability: str) -> None:
         """Say that this process can do `capability`: `reform` (its process group is formed again in this process
         when a peer restarts: `ProcessGroupRecovery` says it), `save` (`on_save` says it), `checkpoints`
-        (`checkpoint_saved` and `save_async` say it), `steps` (`report_step` says it). The control plane restarts a
-        rank alone, keeping its peers' processes, only where the ranks said `reform`, and asks a dying checkpoint
-        only where they said `save`; an integration that wires these up in a framework's own loop says so here."""
+        (`checkpoint_saved` and `save_async` say it), `steps` (`report_step` says it), `stops` (`should_stop` says
+        it). The control plane restarts a rank alone, keeping its peers' processes, only where the ranks said
+        `reform`, and asks a dying checkpoint only where they said `save`; an integration that wires these up in a
+        framework's own loop says so here."""
         if capability in self._caps:
             return
         self._caps.add(capability)
@@ -278,7 +279,10 @@ class Client:
             return self._join_answers[generation]
 
     def should_stop(self) -> bool:
-        """The agent asked this process to stop (a graceful stop): finish the step and exit."""
+        """The agent asked this process to stop (a graceful stop): finish the step and exit. Calling it says
+        `stops`: from then on the agent asks a stop here first, and signals only after half the grace."""
+        if "stops" not in self._caps:
+            self.announce("stops")
         return self._stop_requested.is_set()
 
     def close(self, keep_heartbeats: bool = False) -> None:
