@@ -187,24 +187,39 @@ async def test_a_dying_save_that_the_sdk_could_not_write_is_acked_failed_with_it
         await nc.close()
 
 
-async def test_a_graceful_stop_of_a_rank_without_the_sdk_sends_sigterm_at_once(
-        streams: NatsServer, tmp_path: Path) -> None:
-    """A stock script has no SDK connection to receive the stop: it gets SIGTERM at once, as torchrun sends it,
-    not after half the grace period spent waiting for a clean end of step that cannot come."""
+REPORTS_ONLY = """
+import time
+import recovery.client as recovery
+client = recovery.connect()
+for step in range(1, 100000):
+    client.report_step(step)
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("script", ["import time\ntime.sleep(600)\n", REPORTS_ONLY], ids=["stock", "reports-only"])
+async def test_a_graceful_stop_of_a_rank_that_does_not_read_the_sdks_stop_sends_sigterm_at_once(
+        streams: NatsServer, tmp_path: Path, script: str) -> None:
+    """A stock script has no SDK connection to receive the stop, and one that only reports steps never reads it: it
+    gets SIGTERM at once, as torchrun sends it, not after half the grace period spent waiting for a clean end of step
+    that cannot come."""
     agent = AgentProcess(tmp_path, "n8", streams.url)
     nc = await connect(streams.url)
-    w = await watch(nc, "stock")
+    job = "stock" if script != REPORTS_ONLY else "reports-only"
+    w = await watch(nc, job)
     ready = await node_heard(nc, "recovery.ev.node.n8.>")
     try:
         await wait_until(lambda: bool(ready), 30, "the agent's node.ready", agent.log_tail)
         spec = stand_in_job(tmp_path, ["elsewhere", "n8"], 1, 2)
-        (tmp_path / "stand_in.py").write_text("import time\ntime.sleep(600)\n")
-        await submit(nc, "stock", spec, accepted=True)
+        (tmp_path / "stand_in.py").write_text(script)
+        await submit(nc, job, spec, accepted=True)
         await wait_until(lambda: 1 in w.pids(), 30, "rank 1 to start", agent.log_tail)
+        if script == REPORTS_ONLY:
+            await wait_until(lambda: w.step(1) >= 2, 30, "rank 1 to report steps", agent.log_tail)
         stopped = time.monotonic()
-        await command(nc, "n8", {"id": "stock:3:0", "job": "stock", "attempt": 0, "deadline_s": 60.0,
+        await command(nc, "n8", {"id": f"{job}:3:0", "job": job, "attempt": 0, "deadline_s": 60.0,
                                  "kind": "stop_ranks", "ranks": [1], "mode": "graceful", "grace_s": 30.0})
-        await wait_until(lambda: acks(w, "stock:3:0") == ["accepted", "done"], 30, "the stop's acks", agent.log_tail)
+        await wait_until(lambda: acks(w, f"{job}:3:0") == ["accepted", "done"], 30, "the stop's acks", agent.log_tail)
         assert time.monotonic() - stopped < 10.0  # not the 15 s of half the grace
         assert w.of("process.exited")[0]["data"]["signal"] == signal.SIGTERM
     finally:
