@@ -37,6 +37,12 @@ CLIENT_DDP = "recovery.client.ddp"
 CLIENT_BACKEND = "recovery.client._backend"  # the process group's backends (torch inside its functions)
 CLIENT_PINNED = "recovery.client._pinned"  # GPU tensors into the memory tier (torch inside its functions)
 """a DDP script's helpers, imported by the script itself (never by `recovery.client`): torch at its top"""
+CLIENT_INTEGRATIONS = {
+    "recovery.client.fsdp": {"torch"},
+    "recovery.client.lightning": {"torch", "lightning", "pytorch_lightning", "lightning_fabric"},
+    "recovery.client.accelerate": {"torch", "accelerate"},
+}
+"""the integrations a script imports itself, each with the framework it plugs into (never `recovery.client`'s)"""
 CORE_MAY_NOT_IMPORT = frozenset({
     "anyio", "asyncio", "concurrent", "datetime", "glob", "http", "io", "logging", "multiprocessing", "nats", "os",
     "pathlib", "pickle", "prometheus_client", "random", "rich", "select", "selectors", "shutil", "signal", "socket",
@@ -172,6 +178,8 @@ def test_the_client_imports_nothing_of_ours_and_only_the_standard_library() -> N
                 continue
             top = target.split(".")[0]
             if top == "torch" and name in (CLIENT_TORCH, CLIENT_MEMORY, CLIENT_DDP, CLIENT_BACKEND, CLIENT_PINNED):
+                continue
+            if top in CLIENT_INTEGRATIONS.get(name, ()):
                 continue
             if top not in sys.stdlib_module_names:
                 wrong.append(f"{where(name, line)}: {name} imports {target}, not in the standard library")

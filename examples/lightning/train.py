@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
+
+if "recovery" in sys.argv:  # `--strategy recovery`: the integration first, before Lightning (see its docstring)
+    from recovery.client.lightning import RecoveryDDPStrategy
 
 import lightning.pytorch as pl
 import torch
@@ -88,8 +92,6 @@ def main() -> None:
     torch.manual_seed(0)
     strategy: object = "ddp"
     if args.strategy == "recovery":
-        from recovery.client.lightning import RecoveryDDPStrategy
-
         strategy = RecoveryDDPStrategy(timeout_s=60)
     reports = [StepReports()] if args.report_steps else []
     checkpoints = ModelCheckpoint(dirpath=args.checkpoints, every_n_train_steps=4, save_last=True, save_top_k=0)

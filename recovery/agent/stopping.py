@@ -92,11 +92,10 @@ async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess],
     for proc in procs:
         request = f"preempt:{node}:{proc.rank}:{proc.attempt}"
         job.saves[request] = anyio.Event()
-        if proc.caps is not None and "save" in proc.caps and await job.channel.send(
-                proc.rank, {"op": "save", "id": request, "hold": True}):
+        if not proc.counted_only and await job.channel.send(proc.rank, {"op": "save", "id": request, "hold": True}):
             saved.append((proc, job.saves[request]))
         else:
-            logger.info("rank %d of %s has no SDK save: SIGTERM now, and the whole grace to end", proc.rank,
+            logger.info("rank %d of %s has no SDK connection: SIGTERM now, and the whole grace to end", proc.rank,
                         job.id)
             unasked.append(proc)
     stopped.append(bool(unasked))

@@ -29,9 +29,14 @@ SEND_TIMEOUT_S = 1.0
 class AgentChannel:
     """One connection to the agent, shared by the training thread and the heartbeat thread."""
 
-    def __init__(self, path: str, on_message: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, path: str, on_message: Callable[[dict[str, Any]], None],
+                 again: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+        """`again()`: what to say first on every connection after the first (an agent restarted meanwhile knows
+        nothing of what this process said to the one before: its capabilities)."""
         self.path = path
         self._on_message = on_message
+        self._again = again
+        self._connections = 0
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._buffer = b""
@@ -49,6 +54,14 @@ class AgentChannel:
             return None
         self._sock = sock
         self._buffer = b""
+        self._connections += 1
+        if self._connections > 1 and self._again is not None:
+            try:
+                for message in self._again():
+                    sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+            except OSError:
+                self._close_locked()
+                return None
         return sock
 
     def send(self, message: dict[str, Any]) -> bool:

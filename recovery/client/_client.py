@@ -96,7 +96,7 @@ class Client:
         self._closed = threading.Event()
         self._memory_dir = memory.memory_dir()
         self._slots: memory.MemorySlots | None = None
-        self._channel = AgentChannel(socket_path, self._on_message) if socket_path else None
+        self._channel = AgentChannel(socket_path, self._on_message, self._said) if socket_path else None
         self._thread: threading.Thread | None = None
         if self._channel is not None:
             _live = self
@@ -217,6 +217,11 @@ class Client:
         """The step hook's report: `count` optimizer steps since this process started (not the job's step)."""
         self._step = count
         self._send({"op": "step", "step": count})
+
+    def _said(self) -> list[dict[str, Any]]:
+        """What a new connection to the agent is told again: the capabilities said so far."""
+        said = {"op": "caps", "caps": sorted(self._caps), "rank": self.rank, "attempt": self.generation}
+        return [said] if self._caps else []
 
     def announce(self, capability: str) -> None:
         """Say that this process can do `capability`: `reform` (its process group is formed again in this process

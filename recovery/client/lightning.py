@@ -1,7 +1,9 @@
 """In-process recovery under PyTorch Lightning's own loop: a strategy that a `Trainer(strategy="ddp")` script
-swaps in, with no other change.
+swaps in, with no other change. Importing it connects to the node's agent, then imports Lightning: import it
+first, so that heartbeats flow while Lightning and torch are imported (seconds on a busy host, long enough for a
+silent rank to be taken for a hung one).
 
-    from recovery.client.lightning import RecoveryDDPStrategy
+    from recovery.client.lightning import RecoveryDDPStrategy           # before `import lightning`
 
     trainer = Trainer(strategy=RecoveryDDPStrategy(timeout_s=60), ...)   # was strategy="ddp"
     trainer.fit(model, datamodule, ckpt_path="last")
@@ -29,15 +31,19 @@ there. A collective the script runs itself through `torch.distributed` outside `
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-from torch.nn.parallel import DistributedDataParallel
-
 import recovery.client as recovery
-from recovery.client.torch import ProcessGroupRecovery, _broadcast
+
+_connected = recovery.connect()  # before Lightning and torch are imported (seconds): heartbeats flow meanwhile
+
+import torch  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from recovery.client.torch import ProcessGroupRecovery, _broadcast  # noqa: E402
 
 try:  # the unified package first, then the standalone one: the same classes
     import lightning.pytorch as pl
@@ -108,9 +114,9 @@ class RecoveryDDPStrategy(DDPStrategy):
 
     @property
     def client(self) -> recovery.Client:
-        """The process's SDK client (connected at first use)."""
+        """The process's SDK client (the one this module connected at its import, unless one was given)."""
         if self._client is None:
-            self._client = recovery.connect()
+            self._client = _connected
         return self._client
 
     # -- the group ----------------------------------------------------------------------------------------
@@ -201,6 +207,7 @@ class RecoveryDDPStrategy(DDPStrategy):
         positions, the live state, DDP's construction), then on."""
         assert self.group is not None
         self.group.recover(error)
+        gc.collect()  # the failed generation's groups, whose last references went with the failed step
         self._agree(joining=False)
         self._build(fresh=False)
         if self.root_device.type == "cuda":
@@ -325,11 +332,13 @@ class RecoveryDDPStrategy(DDPStrategy):
             self.client.checkpoint_saved(int(checkpoint.get("global_step", 0)), "storage", [0], str(filepath))
 
     def teardown(self) -> None:
-        """Lightning's teardown, then the SDK's group closed (its watcher stopped)."""
+        """Lightning's teardown, then the SDK's group closed (its watcher stopped) and the groups of earlier
+        generations freed now: a gloo group left to the interpreter's finalisation may abort the process."""
         super().teardown()
         if self.group is not None:
             self.group.close()
             self.group = None
+        gc.collect()
 
 
 __all__ = ["RecoveryDDPStrategy"]
