@@ -17,27 +17,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from recovery.testing.nats import NatsServer
-from tests.daemon_support import DaemonProcess
-from tests.e2e_support import (
-    AgentProcess,
-    JobWatch,
-    RendezvousProcess,
-    connect,
-    environment,
-    kill_leftovers,
-    stop_agents,
-    submit,
-    wait_until,
-    watch,
-)
+from tests.e2e_cluster import Cluster
+from tests.e2e_support import JobWatch, connect, environment, kill_leftovers, submit, wait_until, watch
 from tests.test_e2e_stock import kill_started_under, started_under
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,54 +38,11 @@ FAULT_AT_STEP = 20  # in the second epoch: the restarted rank resumes mid-epoch
 RUN_TIMEOUT_S = 180
 
 
-@dataclass
-class Cluster:
-    nats: NatsServer
-    daemon: DaemonProcess
-    store: RendezvousProcess
-    agents: list[AgentProcess]
-    workdir: Path
-    started: list[int]
-
-    def explain(self) -> str:
-        return "\n".join(f"--- agent {a.node}:\n{a.log_tail()}" for a in self.agents) + \
-            f"\n--- daemon:\n{self.daemon.log_tail()}"
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("frameworks")
-    server = NatsServer(workdir / "nats")
-    server.start()
-    daemon = DaemonProcess(workdir / "daemon", server.url, lease_ttl_s=0, snapshot_fork=False)
-    store = RendezvousProcess(workdir / "rendezvous")
-    agents: list[AgentProcess] = []
-    state = Cluster(server, daemon, store, agents, workdir, [])
-    try:
-        daemon.start(PYTHONPATH=environment()["PYTHONPATH"])
-        daemon.wait_ready()
-        store.wait_ready()
-
-        async def start_agents() -> None:
-            nc = await connect(server.url)
-            ready: set[str] = set()
-
-            async def on_node(msg: Any) -> None:
-                ready.add(msg.subject.split(".")[3])
-
-            await nc.subscribe("recovery.ev.node.>", cb=on_node)
-            agents.extend(AgentProcess(workdir, node, server.url) for node in ("n0", "n1"))
-            await wait_until(lambda: ready >= {"n0", "n1"}, 30, "the agents to report their nodes", state.explain)
-            await nc.close()
-
-        asyncio.run(start_agents())
-        yield state
-    finally:
-        stop_agents(agents)
-        kill_leftovers(state.started)
-        store.stop()
-        daemon.close()
-        server.stop()
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The session's cluster (tests/e2e_cluster.py): these jobs run on n0 and n1, two ranks each, and leave the
+    nodes as they found them."""
+    return shared_cluster
 
 
 def script_args(script: Path, job: str, out: Path, workdir: Path) -> list[str]:
@@ -138,7 +82,7 @@ async def run_job(cluster: Cluster, job: str, script: Path,
         decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
         logs = "\n".join(f"--- {p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
                          for p in sorted(cluster.workdir.glob(f"n*/{job}.rank*.log")))
-        return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{logs}\n{cluster.explain()}"
+        return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{logs}\n{cluster.explain(job)}"
 
     try:
         await submit(nc, job, spec(cluster, job, out, script))

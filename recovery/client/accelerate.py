@@ -28,11 +28,10 @@ Not covered: more than one model (FSDP, DeepSpeed and Megatron plug-ins), and co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import recovery.client as recovery
-from recovery.client.ddp import StopRequested, Training
+from recovery.client.ddp import StopRequested, Training, _make_current, batches, epochs, run
 
 _connected = recovery.connect()  # before torch is imported; a client whose calls do nothing without an agent
 
@@ -41,9 +40,6 @@ import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from recovery.client.torch import ProcessGroupRecovery  # noqa: E402
-
-Batch = TypeVar("Batch")
-Result = TypeVar("Result")
 
 
 class AcceleratedTraining(Training):
@@ -108,6 +104,7 @@ class Accelerator(accelerate.Accelerator):
         group.form()  # Accelerate's state takes the default group as it finds it
         self.training = AcceleratedTraining(group)
         _current = self.training
+        _make_current(self.training)
         super().__init__(*args, **kwargs)
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -142,26 +139,10 @@ _current: AcceleratedTraining | None = None
 
 
 def current() -> AcceleratedTraining:
-    """The process's training, made by `Accelerator()`; the functions below are its methods."""
+    """The process's training, made by `Accelerator()`: `epochs`, `batches` and `run` act on it."""
     if _current is None:
         raise RuntimeError("make a recovery.client.accelerate.Accelerator first")
     return _current
-
-
-def epochs(start: int, stop: int) -> Iterator[int]:
-    """`range(start, stop)`, from the epoch of the position if that is later (see `Training.epochs`)."""
-    return current().epochs(start, stop)
-
-
-def batches(loader: Iterable[Batch], epoch: int) -> Iterator[tuple[int, Batch]]:
-    """`enumerate(loader)` for `epoch` (its epoch set), without the batches already trained; reports each step
-    (see `Training.batches`)."""
-    return current().batches(loader, epoch)
-
-
-def run(train: Callable[..., Result], *args: Any, **kwargs: Any) -> Result | None:
-    """`train(*args, **kwargs)`, called again after each recovery until it returns (see `Training.run`)."""
-    return current().run(train, *args, **kwargs)
 
 
 __all__ = ["AcceleratedTraining", "Accelerator", "StopRequested", "batches", "current", "epochs", "run"]

@@ -140,15 +140,21 @@ class Training:
         self._module.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
 
-    def _agree(self) -> bool:
-        """Agree on the position with every replica and take the state of the one furthest ahead (the lowest rank
-        of those) where they differ; True if no process holds a position (a new formation: each keeps its own)."""
+    def _positions(self) -> list[tuple[int, int]]:
+        """(step, steps per epoch) of every rank, in rank order (a collective); step -1: no position held."""
         group = self.group
         mine = torch.tensor([-1 if self.step is None else self.step, self.steps_per_epoch or 0], dtype=torch.int64,
                             device=group.device)
         positions = [torch.zeros(2, dtype=torch.int64, device=group.device) for _ in range(group.world_size)]
         dist.all_gather(positions, mine)
-        steps = [int(p[0]) for p in positions]
+        return [(int(p[0]), int(p[1])) for p in positions]
+
+    def _agree(self) -> bool:
+        """Agree on the position with every replica and take the state of the one furthest ahead (the lowest rank
+        of those) where they differ; True if no process holds a position (a new formation: each keeps its own)."""
+        group = self.group
+        positions = self._positions()
+        steps = [step for step, _ in positions]
         best = max(steps)
         if best < 0:
             return True
@@ -157,7 +163,7 @@ class Training:
             state = _broadcast(self.state() if group.rank == source else None, source, group.rank, group.device)
             if group.rank != source:
                 self.load(state)
-        self.step, self.steps_per_epoch = best, int(positions[source][1]) or self.steps_per_epoch
+        self.step, self.steps_per_epoch = best, positions[source][1] or self.steps_per_epoch
         return False
 
     # -- the position -------------------------------------------------------------------------------------
@@ -230,10 +236,17 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 30.0, client: r
 
 
 def current() -> Training:
-    """The process's training, made by `init_process_group`; the functions below are its methods."""
+    """The process's training, made by `init_process_group` (or by an integration: `recovery.client.fsdp`,
+    `recovery.client.accelerate`); the functions below are its methods."""
     if _current is None:
-        raise RuntimeError("call recovery.client.ddp.init_process_group first")
+        raise RuntimeError("call recovery.client.ddp.init_process_group (or an integration's) first")
     return _current
+
+
+def _make_current(training: Training) -> None:
+    """An integration's training is the process's: `epochs`, `batches` and `run` below act on it."""
+    global _current
+    _current = training
 
 
 def wrap(module: torch.nn.Module, optimizer: torch.optim.Optimizer, fixed_buckets: bool = True,

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import ctypes
 import io
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import recovery.client as recovery
-from recovery.client.ddp import StopRequested, Training
+from recovery.client.ddp import StopRequested, Training, _make_current, batches, epochs, run
 
 _connected = recovery.connect()  # before torch is imported; a client whose calls do nothing without an agent
 
@@ -52,8 +52,6 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from recovery.client.torch import ProcessGroupRecovery, _sockets  # noqa: E402
 
-Batch = TypeVar("Batch")
-Result = TypeVar("Result")
 Build = Callable[[DeviceMesh], tuple[torch.nn.Module, torch.optim.Optimizer]]
 
 
@@ -175,11 +173,8 @@ class ShardedTraining(Training):
         True if no process holds a position (a new formation)."""
         self._make()
         group = self.group
-        mine = torch.tensor([-1 if self.step is None else self.step, self.steps_per_epoch or 0], dtype=torch.int64,
-                            device=group.device)
-        positions = [torch.zeros(2, dtype=torch.int64, device=group.device) for _ in range(group.world_size)]
-        dist.all_gather(positions, mine)
-        steps = [int(p[0]) for p in positions]
+        positions = self._positions()
+        steps = [step for step, _ in positions]
         best = max(steps)
         if best < 0:
             return True
@@ -195,7 +190,7 @@ class ShardedTraining(Training):
                 _send(self.state(), rank, group.device)
             elif group.rank == rank:
                 self.load(_receive(source, group.device))
-        self.step, self.steps_per_epoch = best, int(positions[steps.index(best)][1]) or self.steps_per_epoch
+        self.step, self.steps_per_epoch = best, positions[steps.index(best)][1] or self.steps_per_epoch
         return False
 
 
@@ -231,29 +226,15 @@ def init_process_group(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, .
     group = ProcessGroupRecovery(client or _connected, backend, timeout_s, **options)
     group.form()
     _current = ShardedTraining(group, mesh_shape, mesh_dim_names)
+    _make_current(_current)
     return _current
 
 
 def current() -> ShardedTraining:
-    """The process's training, made by `init_process_group`; the functions below are its methods."""
+    """The process's training, made by `init_process_group`: `epochs`, `batches` and `run` act on it."""
     if _current is None:
         raise RuntimeError("call recovery.client.fsdp.init_process_group first")
     return _current
-
-
-def epochs(start: int, stop: int) -> Iterator[int]:
-    """`range(start, stop)`, from the epoch of the position if that is later (see `Training.epochs`)."""
-    return current().epochs(start, stop)
-
-
-def batches(loader: Iterable[Batch], epoch: int) -> Iterator[tuple[int, Batch]]:
-    """`enumerate(loader)` for `epoch`, without the batches already trained; reports each step."""
-    return current().batches(loader, epoch)
-
-
-def run(train: Callable[..., Result], *args: Any, **kwargs: Any) -> Result | None:
-    """`train(*args, **kwargs)`, called again after each recovery until it returns (see `Training.run`)."""
-    return current().run(train, *args, **kwargs)
 
 
 __all__ = ["NoLiveReplica", "ShardedTraining", "StopRequested", "batches", "current", "epochs", "init_process_group",
