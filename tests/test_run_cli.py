@@ -156,6 +156,24 @@ def test_recovery_run_prints_the_step_of_the_progress_reports_and_measures_a_sto
     assert "recovered in" not in said and "incident closed: the 2 restarted process(es) ran 30 s" in said
 
 
+def test_a_rank_restarted_alone_is_said_to_take_its_state_from_a_live_replica() -> None:
+    """A job whose ranks re-form in process (`reform`: the DDP SDK, Lightning's and Accelerate's integrations, HSDP)
+    restarts a rank alone, which takes its state from the survivors: no snapshot of the script's is read, whatever
+    checkpoints it reports; a restart of the whole job still resumes from them."""
+    run = JobFollower("hsdp", out=io.StringIO(), started=100.0)
+    run.on_event({"type": "process.capabilities", "data": {"rank": 0, "attempt": 0, "caps": ["reform", "steps"]}})
+    run.on_event({"type": "progress.report", "data": {"ranks": [{"rank": 0, "step": 23, "attempt": 0}]}})
+    run.on_decision(_decision("fault.confirmed", "rank 1: SIGKILL"))
+    run.on_decision(_decision("attempt.started", "process fault, rung 0: in_place", granularity="in_place"))
+    run.on_decision(_decision("checkpoint.plan", "every shard has a live replica at step 23", checkpoint_step=23))
+    run.on_decision(_decision("attempt.started", "process fault, rung 2: restart_job", granularity="restart_job"))
+    run.on_decision(_decision("checkpoint.plan", "no complete checkpoint", checkpoint_step=None))
+    said = run.out.getvalue()  # type: ignore[attr-defined]
+    alone, whole = said.split("restart_job", 1)
+    assert "take their state from a live replica; the others keep theirs" in alone and "snapshot" not in alone
+    assert "live replica" not in whole and "the script's own snapshot" in whole, said
+
+
 @pytest.mark.parametrize("grace_first", [False, True])
 def test_recovery_run_times_a_counted_stock_restart_to_its_first_optimizer_step(
         monkeypatch: pytest.MonkeyPatch, grace_first: bool) -> None:

@@ -58,6 +58,7 @@ class JobFollower:
     defer_verdict: bool = False
     """the caller says the verdict last (standalone: after stopping what it started), so it is not said at the end"""
     caps: set[str] = field(default_factory=set)
+    granularity: str = ""  # the attempt under way's
     hung_since: dict[int, float] = field(default_factory=dict)
     """rank -> when it stopped making progress, as its agent's hang report said"""
     live: set[tuple[int, int]] = field(default_factory=set)
@@ -91,13 +92,18 @@ class JobFollower:
                 self.recovering, self.fault_at = True, self._onset(reason, detail)
             self.say(f"fault: {reason}")
         elif kind == "attempt.started":
-            self.say(f"recovery: {detail.get('granularity', '?')} ({reason})")
+            self.granularity = str(detail.get("granularity", "?"))
+            self.say(f"recovery: {self.granularity} ({reason})")
         elif kind == "checkpoint.dying_failed" and not self.speaks:
             pass  # no rank speaks through the SDK, so none could ever save one: nothing failed that could succeed
         elif kind in ("attempt.failed", "attempt.timed_out", "checkpoint.dying_failed", "job.paused"):
             self.say(f"{kind}: {reason}")
         elif kind == "checkpoint.plan":
-            if not self.speaks or (self.caps and "checkpoints" not in self.caps):
+            if "reform" in self.caps and self.granularity in ("in_place", "migrate"):
+                # the survivors keep their processes and hand the restarted ranks their live state (the SDK's
+                # agreement, HSDP's replicas): no checkpoint is read, whatever the plan's newest one
+                self.say("the restarted rank(s) take their state from a live replica; the others keep theirs")
+            elif not self.speaks or (self.caps and "checkpoints" not in self.caps):
                 self.say("resuming from the script's own snapshot, if it keeps one (it reports no checkpoints)")
             elif detail.get("checkpoint_step") is not None:
                 self.say(f"resuming from the checkpoint of step {detail['checkpoint_step']}")
