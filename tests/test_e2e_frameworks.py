@@ -6,15 +6,13 @@ ranks each and a job store off the nodes. A SIGKILLed rank is restarted alone, t
 processes, and the run ends with the parameters of the same script's run without faults, bit for bit: the
 survivors ran the failed step again, and the restarted rank took the live state (Lightning's whole checkpoint,
 built in memory; Accelerate's model, optimizer and scheduler; HSDP's shards of its replica) and resumed at the
-survivors' batch. Ctrl-C to `recovery-run` reaches a stock Lightning script as SIGINT, and Lightning's own
-exception checkpoint is written."""
+survivors' batch. They run on the session's shared cluster."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +23,6 @@ import pytest
 
 from tests.e2e_cluster import Cluster
 from tests.e2e_support import JobWatch, connect, environment, kill_leftovers, submit, wait_until, watch
-from tests.test_e2e_stock import kill_started_under, started_under
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING = ROOT / "examples" / "lightning" / "train.py"
@@ -188,32 +185,3 @@ async def test_an_hsdp_rank_killed_takes_its_shards_from_its_replica_and_the_run
     assert_restarted_alone(w, 1)
     assert_bitwise_equal(params, hsdp_fault_free)
     print(f"HSDP 2x2, SIGKILL of rank 1: first step past it {measured['recovered_s']:.2f}s later; pids {w.pids()}")
-
-
-def test_ctrl_c_reaches_a_stock_lightning_script_and_its_exception_checkpoint_is_written(tmp_path: Path) -> None:
-    """The stock script (`strategy="ddp"`, `OnExceptionCheckpoint`) under `recovery-run --standalone`: SIGINT to
-    `recovery-run`, as a terminal's Ctrl-C sends it, gives every rank SIGINT and the grace to save."""
-    checkpoints = tmp_path / "checkpoints"
-    log = tmp_path / "recovery-run.out"
-    args = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", "2", "--data-dir",
-            str(tmp_path / "data"), "--env", "OMP_NUM_THREADS=1", str(LIGHTNING), "--epochs", "50", "--samples",
-            "256", "--step-time", "0.1", "--checkpoints", str(checkpoints)]
-    with log.open("ab") as out:
-        proc = subprocess.Popen(args, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=environment(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while "trained step 6" not in log.read_text(errors="replace"):  # training, past its first checkpoints
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
-            time.sleep(0.2)  # polling a file the run writes, within the deadline
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # it stops nothing it started then: end what runs under its data
-            proc.wait(timeout=30)
-        kill_started_under(tmp_path / "data")
-    output = log.read_text(errors="replace")
-    assert code == 128 + signal.SIGINT and "cancelled" in output, output[-4000:]
-    assert (checkpoints / "on_exception.ckpt").exists(), output[-4000:]  # Lightning saved on the interrupt
-    assert not started_under(tmp_path / "data") + started_under(checkpoints), "processes left running"

@@ -557,3 +557,35 @@ async def test_a_lost_node_moves_the_job_to_the_spare_and_it_ends_as_the_fault_f
     assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)
     print(f"stock script, n1's agent and rank killed: running on the spare {on_spare_s:.2f}s later, completed "
           f"{completed_s:.2f}s later; decisions {w.kinds()}")
+
+
+LIGHTNING = ROOT / "examples" / "lightning" / "train.py"  # a stock Lightning Trainer script (strategy="ddp")
+
+
+def test_ctrl_c_reaches_a_stock_lightning_script_and_its_exception_checkpoint_is_written(tmp_path: Path) -> None:
+    """The stock script (`strategy="ddp"`, `OnExceptionCheckpoint`) under `recovery-run --standalone`: SIGINT to
+    `recovery-run`, as a terminal's Ctrl-C sends it, gives every rank SIGINT and the grace to save."""
+    checkpoints = tmp_path / "checkpoints"
+    log = tmp_path / "recovery-run.out"
+    args = [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", "2", "--data-dir",
+            str(tmp_path / "data"), "--env", "OMP_NUM_THREADS=1", str(LIGHTNING), "--epochs", "50", "--samples",
+            "256", "--step-time", "0.1", "--checkpoints", str(checkpoints)]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(args, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=environment(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while "trained step 6" not in log.read_text(errors="replace"):  # training, past its first checkpoints
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+            time.sleep(0.2)  # polling a file the run writes, within the deadline
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # it stops nothing it started then: end what runs under its data
+            proc.wait(timeout=30)
+        kill_started_under(tmp_path / "data")
+    output = log.read_text(errors="replace")
+    assert code == 128 + signal.SIGINT and "cancelled" in output, output[-4000:]
+    assert (checkpoints / "on_exception.ckpt").exists(), output[-4000:]  # Lightning saved on the interrupt
+    assert not started_under(tmp_path / "data") + started_under(checkpoints), "processes left running"
