@@ -159,6 +159,11 @@ class RecoveryDDPStrategy(DDPStrategy):
             state = self._live_state() if group.rank == source else None
             state = _broadcast(state, source, group.rank, group.device)
             if group.rank != source and steps[group.rank] < best:
+                if not joining:
+                    # A survivor whose step failed where another's completed: Lightning's loop cannot be moved on
+                    # in place. It ends, and is restarted as a rank that joins (the others recover once more).
+                    raise RuntimeError(f"rank {group.rank} is at batch {steps[group.rank]}, behind the live ranks' "
+                                       f"{best}: it restarts and joins them")
                 self._handed = state
         self._local = True
         logger.info("rank %d: %s at batch %d (state of rank %d)", group.rank,
