@@ -4,6 +4,7 @@ and under the NATS permissions of its node it connects through its own inbox and
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import orjson
@@ -57,8 +58,15 @@ async def test_an_agent_under_its_node_permissions_reports_its_node(tmp_path: Pa
             try:
                 await async_wait_for(lambda: "n1" in daemon.engine.cluster.nodes, 60,
                                      f"the confined agent's node to reach the daemon:\n{agent.log_tail()}")
-                beats = [r for r in await read_stream(roles["daemon"]["url"])
-                         if r.subject == subjects.node_event("n1", "node.heartbeat")]
+                # The node joins with its `node.ready`; its first heartbeat follows within a period (later on a
+                # loaded host): read the stream again until one is there.
+                deadline = asyncio.get_running_loop().time() + 30
+                beats: list[object] = []
+                while not beats and asyncio.get_running_loop().time() < deadline:
+                    beats = [r for r in await read_stream(roles["daemon"]["url"])
+                             if r.subject == subjects.node_event("n1", "node.heartbeat")]
+                    if not beats:
+                        await asyncio.sleep(0.2)  # the poll's interval, within the deadline
                 assert beats, "the agent's heartbeats go through under its permissions"
                 assert "Permissions Violation" not in agent.log_path.read_text(errors="replace")
             finally:
