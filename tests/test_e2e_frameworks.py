@@ -133,18 +133,21 @@ def assert_restarted_alone(w: JobWatch, victim: int) -> None:
     assert granularities == ["in_place"], seen
 
 
-@pytest.fixture(scope="module")
-def lightning_fault_free(cluster: Cluster) -> dict[str, Any]:
-    w, params = asyncio.run(run_job(cluster, "lightning-ref", LIGHTNING))
+def fault_free(cluster: Cluster, job: str, script: Path) -> dict[str, Any]:
+    """The final parameters of `script`'s run without faults: the reference of its recovered runs."""
+    w, params = asyncio.run(run_job(cluster, job, script))
     assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
     return params
+
+
+@pytest.fixture(scope="module")
+def lightning_fault_free(cluster: Cluster) -> dict[str, Any]:
+    return fault_free(cluster, "lightning-ref", LIGHTNING)
 
 
 @pytest.fixture(scope="module")
 def accelerate_fault_free(cluster: Cluster) -> dict[str, Any]:
-    w, params = asyncio.run(run_job(cluster, "accelerate-ref", ACCELERATE))
-    assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
-    return params
+    return fault_free(cluster, "accelerate-ref", ACCELERATE)
 
 
 async def test_a_lightning_rank_killed_is_restarted_alone_and_the_trainer_ends_as_the_fault_free_run(
@@ -170,9 +173,7 @@ async def test_an_accelerate_rank_killed_is_restarted_alone_and_the_script_ends_
 
 @pytest.fixture(scope="module")
 def hsdp_fault_free(cluster: Cluster) -> dict[str, Any]:
-    w, params = asyncio.run(run_job(cluster, "hsdp-ref", HSDP))
-    assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
-    return params
+    return fault_free(cluster, "hsdp-ref", HSDP)
 
 
 async def test_an_hsdp_rank_killed_takes_its_shards_from_its_replica_and_the_run_ends_as_the_fault_free_one(
