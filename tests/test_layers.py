@@ -39,6 +39,7 @@ CLIENT_PINNED = "recovery.client._pinned"  # GPU tensors into the memory tier (t
 """a DDP script's helpers, imported by the script itself (never by `recovery.client`): torch at its top"""
 CLIENT_INTEGRATIONS = {
     "recovery.client.fsdp": {"torch"},
+    "recovery.client.shards": {"torch"},  # fsdp's memory copies, imported by it after torch
     "recovery.client.lightning": {"torch", "lightning", "pytorch_lightning", "lightning_fabric"},
     "recovery.client.accelerate": {"torch", "accelerate"},
 }

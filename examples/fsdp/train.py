@@ -1,10 +1,14 @@
-"""An HSDP training loop (FSDP2's `fully_shard` on a 2-D mesh: replica groups x shards), the shape torchtitan and
-PyTorch's FSDP2 example use, on synthetic data. `--recovery` uses `recovery.client.fsdp`: a killed rank takes its
-shards from its replica, and the survivors keep their processes (the lines marked `# recovery:`). Without it, the
-script is a stock one: torchrun restarts every rank, which resume from the last epoch's checkpoint
+"""An FSDP2 training loop (`fully_shard`) on an HSDP mesh (replica groups x shards) or, with `--replicas 1`, a 1-D
+one: the shape torchtitan and PyTorch's FSDP2 example use, on synthetic data. `--recovery` uses
+`recovery.client.fsdp` (the lines marked `# recovery:`): the survivors of a fault keep their processes; a killed
+HSDP rank takes its shards from its replica, and without a replica (`--replicas 1`, `--save-async-every N`) every
+rank resumes from the newest step whose shards are all in node memory, a lost node's from its buddy node. Without
+it, the script is a stock one: torchrun restarts every rank, which resume from the last epoch's checkpoint
 (`torch.distributed.checkpoint`).
 
     recovery-run --standalone --nproc-per-node 4 examples/fsdp/train.py --recovery --out final.pt
+    recovery-run --standalone --nproc-per-node 4 examples/fsdp/train.py --recovery --replicas 1 \
+        --save-async-every 4 --out final.pt
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from pathlib import Path
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--recovery", action="store_true")
-parser.add_argument("--replicas", type=int, default=2, help="the mesh's replica groups (its first dimension)")
+parser.add_argument("--replicas", type=int, default=2,
+                    help="the mesh's replica groups (its first dimension); 1: FSDP on a 1-D mesh, no replica")
+parser.add_argument("--save-async-every", type=int, default=0,
+                    help="with --recovery: every that many steps, the shards go to node memory and a buddy node's")
+parser.add_argument("--storage", default="", help="with --recovery: where the agents persist the memory copies")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--samples", type=int, default=1024)
 parser.add_argument("--batch-size", type=int, default=16)
@@ -59,14 +67,16 @@ def build(mesh: DeviceMesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def main() -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    shape = (args.replicas, world // args.replicas)
+    shape = (world,) if args.replicas == 1 else (args.replicas, world // args.replicas)
+    names = ("shard",) if args.replicas == 1 else ("replicate", "shard")
     if args.recovery:
-        training = resilient.init_process_group(mesh_shape=shape, timeout_s=60)  # recovery: was init_process_group
+        training = resilient.init_process_group(  # recovery: was init_process_group
+            mesh_shape=shape, timeout_s=60, save_every=args.save_async_every, storage=args.storage or None)
         training.build(build)  # recovery: was model, optimizer = build(init_device_mesh(...))
         epochs, batches = resilient.epochs, resilient.batches
     else:
         dist.init_process_group("gloo")
-        model, optimizer = build(init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
+        model, optimizer = build(init_device_mesh("cpu", shape, mesh_dim_names=names))
 
         def epochs(start: int, stop: int) -> range:
             return range(start, stop)

@@ -50,6 +50,8 @@ class Persist:
 class JobMemory:
     directory: Path
     files: dict[int, list[Path]] = field(default_factory=dict)  # rank -> its checkpoint files, oldest first
+    held: dict[int, list[Path]] = field(default_factory=dict)  # rank of another node -> its copies here, oldest first
+    keep: dict[int, int] = field(default_factory=dict)  # rank -> how many of its newest files stay
     persisting: set[Path] = field(default_factory=set)
     freed: int = 0  # names handed back so far, for unique `.free` names
 
@@ -102,9 +104,13 @@ class MemoryTier:
             memory = self.jobs[job] = JobMemory(self.root / job)
         return memory.directory
 
-    def saved(self, job: str, rank: int, step: int, shards: list[int], name: str, storage: str | None) -> None:
+    def saved(self, job: str, rank: int, step: int, shards: list[int], name: str, storage: str | None,
+              held_for: int | None = None, keep: int = 1) -> None:
         """A rank's SDK copied a checkpoint into `name` of its job's directory: report it, queue its persisting,
-        hand the rank's older files back."""
+        hand the rank's older files back. `held_for`: the file is a copy of another rank's (on another node: a
+        sharded job's buddy copy), which that rank persists itself; `keep`: how many of the newest files of the rank
+        (or of its copies here) stay (a sharded job keeps two: the newest complete step across every shard may be
+        the one before the newest, while the newest's copies are on their way)."""
         memory = self.jobs.get(job)
         if memory is None or "/" in name or not name.startswith(FILE_PREFIX) or not name.endswith(FILE_SUFFIX):
             logger.warning("rank %d of %s named no checkpoint file of its job's memory: %r", rank, job, name)
@@ -114,10 +120,12 @@ class MemoryTier:
             logger.warning("the memory checkpoint %s of rank %d of %s is gone", name, rank, job)
             return
         self.report(job, step, "memory", shards)
-        files = memory.files.setdefault(rank, [])
+        owner = rank if held_for is None else held_for
+        files = (memory.files if held_for is None else memory.held).setdefault(owner, [])
         if path not in files:
             files.append(path)
-        if storage:
+        memory.keep[owner] = max(1, min(keep, 8))
+        if storage and held_for is None:
             memory.persisting.add(path)
             try:
                 self._queue[0].send_nowait(Persist(job, rank, step, shards, path, Path(storage)))
@@ -125,23 +133,39 @@ class MemoryTier:
                 memory.persisting.discard(path)
                 logger.warning("persisting is %d checkpoints behind: step %d of %s stays in memory only",
                                PERSIST_QUEUE, step, job)
-        self._release(job, rank)
+        if held_for is None:
+            self._release(job, rank)
+        else:
+            self._drop_held(job, held_for)
 
     def _release(self, job: str, rank: int) -> None:
-        """Every checkpoint file of the rank but its newest, unless still being persisted, back to its SDK."""
+        """Every checkpoint file of the rank but its newest (`keep` of them), unless still being persisted, back to
+        its SDK."""
         memory = self.jobs.get(job)
         if memory is None:
             return
         files = memory.files.get(rank, [])
-        keep = files[-1:]
-        for path in files[:-1]:
+        count = memory.keep.get(rank, 1)
+        keep = files[-count:]
+        for path in files[:-count]:
             if path in memory.persisting:
-                keep.insert(len(keep) - 1, path)
+                keep.insert(len(keep) - count, path)
                 continue
             memory.freed += 1
             with contextlib.suppress(FileNotFoundError):
                 path.rename(path.with_name(f".free.rank{rank}.agent{memory.freed:06d}"))
         memory.files[rank] = keep
+
+    def _drop_held(self, job: str, rank: int) -> None:
+        """Copies of another node's rank beyond the newest `keep`: removed (no process here writes into them)."""
+        memory = self.jobs.get(job)
+        if memory is None:
+            return
+        files = memory.held.get(rank, [])
+        count = memory.keep.get(rank, 1)
+        for path in files[:-count]:
+            path.unlink(missing_ok=True)
+        memory.held[rank] = files[-count:]
 
     async def run(self) -> None:
         """Persist the queued checkpoints, one at a time (the storage's bandwidth is the job's, not this agent's)."""

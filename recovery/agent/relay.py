@@ -167,9 +167,11 @@ class Relay:
                         done.set()
             elif op == "memory_saved":
                 # the SDK's copy into this node's shared memory (`recovery.agent.memory`): reported, then persisted
-                storage = message.get("storage")
+                storage, held_for = message.get("storage"), message.get("held_for")
                 self.memory.saved(job_id, rank, int(message["step"]), [int(s) for s in message["shards"]],
-                                  str(message["file"]), storage if isinstance(storage, str) else None)
+                                  str(message["file"]), storage if isinstance(storage, str) else None,
+                                  held_for=int(held_for) if held_for is not None else None,
+                                  keep=int(message.get("keep", 1)))
             elif op == "join":
                 # Only a process this agent runs for the rank may join a new generation: one it does not know (it
                 # outlived an agent and was not adopted) or that a replacement superseded would join beside the

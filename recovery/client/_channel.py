@@ -3,11 +3,12 @@
 Messages from the process (`op`): `hello` (rank, pid, attempt), `heartbeat` (step), `step` (step; its compute time,
 its loss and `skip`, the data named for it, if the script gave them), `checkpoint` (step, tier, shards, location),
 `memory_saved` (step, shards, file: a checkpoint copied into the job's directory of the node's shared memory;
-storage: where the agent persists it, or null), `joined` (the generation it re-formed its process group in),
-`saved`/`save_failed` (answers to a save request), `join` (generation, pid: may this process join that generation's
-process group?), `caps` (what the script wired up), `closing` (pid: the script is done), `exiting` (pid: the
-interpreter exits, its status not known yet; no heartbeat comes while it ends). From the agent: `save` (write a
-dying checkpoint at the next step boundary), `stop` (finish the step and exit), `join_ok`/`join_refused`
+storage: where the agent persists it, or null; keep: how many of the rank's newest the agent keeps; held_for: the
+rank of another node whose copy it is, kept here and never persisted), `joined` (the generation it re-formed its
+process group in), `saved`/`save_failed` (answers to a save request), `join` (generation, pid: may this process join
+that generation's process group?), `caps` (what the script wired up), `closing` (pid: the script is done), `exiting`
+(pid: the interpreter exits, its status not known yet; no heartbeat comes while it ends). From the agent: `save`
+(write a dying checkpoint at the next step boundary), `stop` (finish the step and exit), `join_ok`/`join_refused`
 (generation). Nothing here blocks training for long: a send to an agent that is gone is dropped, and the channel
 connects again at the next send.
 """

@@ -109,6 +109,12 @@ class Client:
             atexit.register(self._exiting)
 
     # -- what training calls ---------------------------------------------------------------------------
+    @property
+    def memory_directory(self) -> Path | None:
+        """The job's directory of this node's shared memory that the agent keeps (`save_async` writes there), or
+        None without one."""
+        return self._memory_dir
+
     def resume_plan(self) -> ResumePlan | None:
         """The plan this process was started with: None on a job's first start."""
         return self._plan
@@ -176,11 +182,12 @@ class Client:
         self._send({"op": "checkpoint", "step": step, "tier": tier, "shards": list(shards), "location": location})
 
     def save_async(self, state: Any, step: int | None = None, *, shards: list[int] | None = None,
-                   storage: str | os.PathLike[str] | None = None) -> Path | None:
+                   storage: str | os.PathLike[str] | None = None, keep: int = 1) -> Path | None:
         """Checkpoint `state` (tensors anywhere in it, on the CPU) at `step` (default: the last reported) into the
         node agent's shared memory, which outlives this process: training stalls only for the copy. The agent
         reports it (tier `memory`, this node), and with `storage` (a directory every node reads) persists it there
-        in the background and reports that too (tier `storage`). `shards`: the shards the state is (default: 0).
+        in the background and reports that too (tier `storage`). `shards`: the shards the state is (default: 0);
+        `keep`: how many of this rank's newest checkpoints the agent keeps in memory (default 1: the newest).
         Returns the file, or None when the agent keeps no memory tier (none, or an older one)."""
         if self._memory_dir is None:
             return None
@@ -192,8 +199,15 @@ class Client:
         self.announce("checkpoints")
         self._slots.write(state, path)
         self._send({"op": "memory_saved", "step": at, "shards": shards, "file": path.name,
-                    "storage": None if storage is None else str(Path(storage).resolve())})
+                    "storage": None if storage is None else str(Path(storage).resolve()), "keep": keep})
         return path
+
+    def held_copy(self, step: int, shards: list[int], path: Path, for_rank: int, keep: int = 1) -> None:
+        """`path`, in this node's shared memory, is now a whole copy of rank `for_rank`'s checkpoint of `shards` at
+        `step` (a sharded job's copy for a rank on another node): the agent reports it in tier `memory` on this
+        node, keeps the newest `keep` of that rank's copies here and never persists them (their rank does)."""
+        self._send({"op": "memory_saved", "step": step, "shards": list(shards), "file": path.name, "storage": None,
+                    "held_for": for_rank, "keep": keep})
 
     def restore(self, storage: str | os.PathLike[str] | None = None) -> memory.Restored | None:
         """The state the resume plan names for this rank in the `memory` or `storage` tier, read from this node's

@@ -67,6 +67,8 @@ class Training:
         self._optimizer: torch.optim.Optimizer | None = None
         self._ddp_kwargs: dict[str, Any] = {}
         self._fixed_buckets = True
+        self.at_step: list[Callable[[int], None]] = []
+        """called with the step at every step boundary of `batches`, before the step is reported (a save due)"""
         group.holders.append(self._release)
 
     @property
@@ -194,6 +196,8 @@ class Training:
                 continue  # trained before a recovery: the loader still yields it, in its order
             yield index, batch
             self.step = epoch * per_epoch + index + 1
+            for hook in self.at_step:
+                hook(self.step)
             self.client.report_step(self.step)
             if self.client.should_stop():
                 raise StopRequested(f"the agent asked this process to stop after step {self.step}")

@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import ctypes
 import io
+import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import recovery.client as recovery
@@ -50,23 +53,28 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from recovery.client import shards  # noqa: E402
+from recovery.client._client import NODE_ENV  # noqa: E402
 from recovery.client.torch import ProcessGroupRecovery, _sockets  # noqa: E402
 
 Build = Callable[[DeviceMesh], tuple[torch.nn.Module, torch.optim.Optimizer]]
+logger = logging.getLogger("recovery.client")
 
 
 class NoLiveReplica(RuntimeError):
     """A rank behind the others has no live replica of its shards to take them from."""
 
 
-def _local(value: Any) -> Any:
-    """`value` with every DTensor replaced by its local shard (a plain tensor): what a rank holds of it."""
+def _local(value: Any, copy: bool = True) -> Any:
+    """`value` with every DTensor replaced by its local shard (a plain tensor): what a rank holds of it; a copy, or
+    (`copy=False`, for a save that copies it anyway) the shard itself."""
     if isinstance(value, DTensor):
-        return value.to_local().detach().clone()
+        local = value.to_local().detach()
+        return local.clone() if copy else local
     if isinstance(value, dict):
-        return {k: _local(v) for k, v in value.items()}
+        return {k: _local(v, copy) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_local(v) for v in value)
+        return type(value)(_local(v, copy) for v in value)
     return value
 
 
@@ -75,9 +83,18 @@ class ShardedTraining(Training):
     position in the data. `model` and `optimizer` are new objects after each recovery."""
 
     def __init__(self, group: ProcessGroupRecovery, mesh_shape: tuple[int, ...],
-                 mesh_dim_names: tuple[str, ...]) -> None:
+                 mesh_dim_names: tuple[str, ...], save_every: int = 0, storage: str | None = None) -> None:
         super().__init__(group)
         self.mesh_shape, self.mesh_dim_names = tuple(mesh_shape), tuple(mesh_dim_names)
+        self.shards = group.world_size // mesh_shape[0] if len(mesh_shape) > 1 else group.world_size
+        """distinct shards of the state: the ranks of one replica group (every rank, on a 1-D mesh)"""
+        self.save_every = save_every
+        self.storage = None if storage is None else Path(storage).resolve()
+        self.resumed: shards.Resumed | None = None
+        """the step and the source of this rank's shards at its last resume from a checkpoint, if any"""
+        self._copies: shards.BuddyCopies | None = None
+        if save_every:
+            self.at_step.append(self._save_due)
         self.mesh: DeviceMesh | None = None
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -108,6 +125,11 @@ class ShardedTraining(Training):
         before = _sockets()
         self.mesh = init_device_mesh(device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
         self.model, self.optimizer = self._build(self.mesh)
+        if self.save_every:  # the same collectives on every rank: the nodes, then the copies' own group
+            nodes: list[Any] = [None] * self.group.world_size
+            dist.all_gather_object(nodes, os.environ.get(NODE_ENV, ""))
+            directory = self.client.memory_directory
+            self._copies = shards.BuddyCopies(self.client, self.group.rank, nodes, directory or Path("."))
         self.group.shut_with_group(before)  # the mesh's subgroups: freed on a failure as the default group is
         self._module, self._optimizer = self.model, self.optimizer
         self.optimizer.register_step_pre_hook(self._commit)
@@ -126,6 +148,8 @@ class ShardedTraining(Training):
 
     def _release(self) -> None:
         """Before the group is destroyed: keep this rank's shards (plain tensors), drop what holds the groups."""
+        shards.shut(self._copies)  # its group is shut already: a copy under way ends
+        self._copies = None
         if self.model is not None and self.optimizer is not None:
             self._kept = self.state()
         self.model = self.optimizer = self._module = self._optimizer = None
@@ -139,6 +163,24 @@ class ShardedTraining(Training):
         """This rank's shards: the model's parameters and buffers and the optimizer's state, each a plain tensor."""
         assert self.model is not None and self.optimizer is not None
         return {"model": _local(dict(self.model.state_dict())), "optimizer": _local(self.optimizer.state_dict())}
+
+    def save_async(self, step: int | None = None) -> Path | None:
+        """Copy this rank's shards at `step` (default: the position) into its node's memory, and in the background
+        to its buddy's node (`recovery.client.shards`); with `storage` given to `init_process_group`, the agent also
+        persists them there. The stall is the copy into memory. None without an agent that keeps memory."""
+        assert self.model is not None and self.optimizer is not None
+        at = step if step is not None else (self.step or 0)
+        state = {"model": _local(dict(self.model.state_dict()), copy=False),
+                 "optimizer": _local(self.optimizer.state_dict(), copy=False)}
+        shard = self.group.rank % self.shards
+        path = self.client.save_async(state, at, shards=[shard], storage=self.storage, keep=shards.KEEP)
+        if path is not None and self._copies is not None:
+            self._copies.copy(at, shard, path)
+        return path
+
+    def _save_due(self, step: int) -> None:
+        if step % self.save_every == 0:
+            self.save_async(step)
 
     def load(self, state: dict[str, Any]) -> None:
         """Copy shards that `state` returned (here or on a replica) into the current model and optimizer."""
@@ -161,11 +203,7 @@ class ShardedTraining(Training):
     # -- the agreement ------------------------------------------------------------------------------------
     def _replicas(self, rank: int) -> list[int]:
         """The ranks that hold the same shards as `rank` (its column of the mesh: the other replica groups)."""
-        shards = 1
-        for size in self.mesh_shape[1:]:
-            shards *= size
-        return [replica * shards + rank % shards for replica in range(self.mesh_shape[0]) if
-                replica * shards + rank % shards != rank]
+        return [r for r in range(rank % self.shards, self.group.world_size, self.shards) if r != rank]
 
     def _agree(self) -> bool:
         """Build the model on this generation's mesh; then agree on the position: every rank behind the others
@@ -178,20 +216,34 @@ class ShardedTraining(Training):
         best = max(steps)
         if best < 0:
             return True
-        for rank in range(group.world_size):  # every rank walks the same pairs, in rank order
-            if steps[rank] == best:
-                continue
-            sources = [r for r in self._replicas(rank) if steps[r] == best]
-            if not sources:
-                raise NoLiveReplica(f"rank {rank} is behind (step {steps[rank]}) and no replica of its shards is at "
-                                    f"step {best}: the job restarts from its checkpoint")
-            source = sources[0]
+        per_epoch = max(p[1] for p in positions) or self.steps_per_epoch
+        behind = [rank for rank in range(group.world_size) if steps[rank] != best]
+        if any(all(steps[r] != best for r in self._replicas(rank)) for rank in behind):
+            self._resume_from_checkpoint(best, behind)
+            self.steps_per_epoch = per_epoch
+            return False
+        for rank in behind:  # every rank walks the same pairs, in rank order
+            source = next(r for r in self._replicas(rank) if steps[r] == best)
             if group.rank == source:
                 _send(self.state(), rank, group.device)
             elif group.rank == rank:
                 self.load(_receive(source, group.device))
-        self.step, self.steps_per_epoch = best, positions[steps.index(best)][1] or self.steps_per_epoch
+        self.step, self.steps_per_epoch = best, per_epoch
         return False
+
+    def _resume_from_checkpoint(self, best: int, behind: list[int]) -> None:
+        """Some rank behind has no live replica at `best`: every rank goes back to the newest step whose every shard
+        is in memory on a live node (or, failing that, on storage), its own shards of it loaded."""
+        group = self.group
+        resumed = shards.resume(group.rank, group.world_size, self.shards, lambda r: r % self.shards, best,
+                                os.environ.get(NODE_ENV, ""), self.client.memory_directory,
+                                self.storage, self.load)
+        if resumed is None:
+            raise NoLiveReplica(f"rank(s) {', '.join(map(str, behind))} behind (the others at step {best}) have no "
+                                f"live replica of their shards and no step is whole in memory or on storage: the "
+                                f"job restarts from its checkpoint")
+        self.resumed, self.step = resumed, resumed.step
+        logger.warning("rank %d resumed at step %d, its shards from %s", group.rank, resumed.step, resumed.source)
 
 
 def _send(state: Any, to: int, device: Any) -> None:
@@ -214,18 +266,27 @@ def _receive(source: int, device: Any) -> Any:
 _current: ShardedTraining | None = None
 
 
-def init_process_group(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] = ("replicate", "shard"),
+def init_process_group(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None = None,
                        backend: str = "gloo", timeout_s: float = 30.0, client: recovery.Client | None = None,
+                       save_every: int = 0, storage: str | os.PathLike[str] | None = None,
                        **options: Any) -> ShardedTraining:
     """Connect to the agent and form the default process group of this process's generation; the mesh is
-    `mesh_shape` (replica groups first), built with the model by `ShardedTraining.build`."""
+    `mesh_shape` (replica groups first: `(replicas, shards)` for HSDP, `(world,)` for FSDP), built with the model by
+    `ShardedTraining.build`. `save_every`: every that many steps, each rank's shards go to its node's memory and to
+    its buddy node's (`save_async`), what a job without a live replica of a lost shard resumes from; `storage`: a
+    directory every node reads, where the agents also persist them."""
     global _current
-    if len(mesh_shape) < 2 or mesh_shape[0] < 2:
-        raise ValueError(f"mesh {mesh_shape}: in-process recovery of sharded state needs replicas (a first dimension "
-                         "of at least 2, HSDP); a 1-D FSDP mesh restarts as a stock job")
+    if mesh_dim_names is None:
+        mesh_dim_names = ("replicate", "shard") if len(mesh_shape) > 1 else ("shard",)
+    if len(mesh_shape) != len(mesh_dim_names) or not 1 <= len(mesh_shape) <= 2:
+        raise ValueError(f"mesh {mesh_shape} named {mesh_dim_names}: one dimension (FSDP) or two (HSDP: replica "
+                         f"groups, then shards), one name each")
+    if save_every < 0:
+        raise ValueError(f"save_every={save_every}: a number of steps, 0 for none")
     group = ProcessGroupRecovery(client or _connected, backend, timeout_s, **options)
     group.form()
-    _current = ShardedTraining(group, mesh_shape, mesh_dim_names)
+    _current = ShardedTraining(group, tuple(mesh_shape), tuple(mesh_dim_names), save_every,
+                               None if storage is None else os.fspath(storage))
     _make_current(_current)
     return _current
 

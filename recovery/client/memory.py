@@ -255,30 +255,40 @@ def read_state(path: Path) -> Any:
     """The state `write_state` wrote at `path` (or a byte-for-byte copy of it): the file is mapped and each tensor
     copied out of the mapping once. Not views of it: the agent hands a file back to its rank's SDK for reuse, and a
     private mapping still shows the pages a later save rewrites."""
-    import torch
-
     with path.open("rb") as file:
         size = os.fstat(file.fileno()).st_size
         if size < len(MAGIC) + 8:
             raise ValueError(f"{path} is no in-memory checkpoint")
         mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)  # writable (torch wants it), file untouched
-    if mapped[: len(MAGIC)] != MAGIC:
-        raise ValueError(f"{path} is no in-memory checkpoint")
-    (length,) = struct.unpack("<Q", mapped[len(MAGIC): len(MAGIC) + 8])
-    header = pickle.loads(mapped[len(MAGIC) + 8: len(MAGIC) + 8 + length])
+    try:
+        return state_from_buffer(mapped, str(path))
+    finally:
+        mapped.close()
+
+
+def state_from_buffer(buffer: Any, name: str = "the buffer") -> Any:
+    """The state held by `buffer` (a writable buffer with a checkpoint file's bytes: a mapping of one, or bytes
+    received from a peer), each tensor copied out of it once."""
+    import torch
+
+    if len(buffer) < len(MAGIC) + 8 or bytes(buffer[: len(MAGIC)]) != MAGIC:
+        raise ValueError(f"{name} is no in-memory checkpoint")
+    (length,) = struct.unpack("<Q", bytes(buffer[len(MAGIC): len(MAGIC) + 8]))
+    header = pickle.loads(bytes(buffer[len(MAGIC) + 8: len(MAGIC) + 8 + length]))
     data_start = _aligned(len(MAGIC) + 8 + length)
-    source = ctypes.c_char.from_buffer(mapped)
+    source = ctypes.c_char.from_buffer(buffer)
     base = ctypes.addressof(source) + data_start
     tensors = []
-    for dtype, shape, start, nbytes in header["tensors"]:
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-        if tensor.numel() * tensor.element_size() != nbytes:
-            raise ValueError(f"{path}: a tensor of {shape} {dtype} holds {nbytes} bytes")
-        if nbytes:
-            ctypes.memmove(tensor.data_ptr(), base + start, nbytes)  # one thread: see MemorySlots.write
-        tensors.append(tensor)
-    del source  # the mapping cannot close while a pointer into it is exported
-    mapped.close()
+    try:
+        for dtype, shape, start, nbytes in header["tensors"]:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            if tensor.numel() * tensor.element_size() != nbytes or data_start + start + nbytes > len(buffer):
+                raise ValueError(f"{name}: a tensor of {shape} {dtype} holds {nbytes} bytes")
+            if nbytes:
+                ctypes.memmove(tensor.data_ptr(), base + start, nbytes)  # one thread: see MemorySlots.write
+            tensors.append(tensor)
+    finally:
+        del source  # a mapping cannot close while a pointer into it is exported
     return _Unpacker(io.BytesIO(header["skeleton"]), tensors).load()
 
 

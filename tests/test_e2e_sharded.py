@@ -1,0 +1,168 @@
+"""Sharded state without a replica, on real processes: FSDP2 on a 1-D mesh of four ranks (examples/fsdp/train.py
+`--replicas 1`, `recovery.client.fsdp` with `save_every`), on two agents of two ranks, a nats-server, a
+`recovery-daemon`, a job store off the nodes and spares. Every few steps each rank's shards go to its node's memory
+and, in the background, to its buddy node's. A node is lost (its agent, its ranks and its memory gone at once): its
+ranks move to a spare, the other node's ranks keep their processes, and every rank resumes from the newest step
+whose shards are all in memory on a live node: the survivors' from their own, the lost node's from their buddies'.
+Nothing is read from storage, the engine's resume plan names the memory tier on the surviving node, and the run
+ends bit for bit as the same script's run without faults. The node does not come back: the module has its own
+cluster."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recovery.agent.memory import memory_root
+from tests.e2e_cluster import Cluster, start_cluster
+from tests.e2e_support import JobWatch, connect, environment, kill_leftovers, submit, wait_until, watch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "fsdp" / "train.py"
+EPOCHS = 3
+SAMPLES = 1024  # 4 ranks x batch 16: 16 steps an epoch
+STEP_TIME_S = 0.05
+SAVE_EVERY = 4
+FAULT_AT_STEP = 20
+RUN_TIMEOUT_S = 180
+SPARES = {f"spare{i}" for i in range(4)}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with start_cluster(tmp_path_factory.mktemp("sharded")) as state:
+        yield state
+
+
+def spec(cluster: Cluster, job: str, out: Path, storage: Path, nodes: list[str]) -> dict[str, Any]:
+    return {
+        # Four distinct shards, no replica: the engine's `tp` counts the ranks of distinct state in one replica
+        "nodes": nodes, "ranks_per_node": 2, "layout": {"dp": 1, "tp": 4}, "watchdog_interval_s": 1.0,
+        "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": 5.0,
+                                                                 "agent_silence_s": 3.0}}},
+        "entrypoint": {"command": sys.executable,
+                       "args": [str(SCRIPT), "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--step-time",
+                                str(STEP_TIME_S), "--recovery", "--replicas", "1", "--save-async-every",
+                                str(SAVE_EVERY), "--storage", str(storage), "--out", str(out)],
+                       "cwd": str(cluster.workdir), "rendezvous": "external",
+                       "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cluster.store.port),
+                               "PYTHONPATH": environment()["PYTHONPATH"], "OMP_NUM_THREADS": "1"}},
+    }
+
+
+Fault = Callable[[JobWatch, Callable[[], str]], Any]
+
+
+async def run_job(cluster: Cluster, job: str, nodes: list[str],
+                  fault: Fault | None = None) -> tuple[JobWatch, dict[str, Any], Path]:
+    """Submit the job, let `fault` strike once every rank passed FAULT_AT_STEP, wait for the job to complete;
+    returns what was seen, the final parameters and the job's storage directory."""
+    import torch
+
+    out, storage = cluster.workdir / f"{job}.pt", cluster.workdir / f"{job}-storage"
+    nc = await connect(cluster.nats.url)
+    w = await watch(nc, job)
+
+    def explain() -> str:
+        decisions = [(d["data"]["kind"], d["data"].get("reason", "")) for d in w.decisions]
+        return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain(job)}"
+
+    try:
+        await submit(nc, job, spec(cluster, job, out, storage, nodes))
+        await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), RUN_TIMEOUT_S,
+                         f"{job} to train {FAULT_AT_STEP} steps", explain)
+        if fault is not None:
+            await fault(w, explain)
+        await wait_until(lambda: "job.completed" in w.kinds() and out.exists(), RUN_TIMEOUT_S, f"{job} to complete",
+                         explain)
+    finally:
+        cluster.started.extend(pid for pids in w.pids().values() for pid in pids)
+        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
+        await nc.close()
+    return w, torch.load(out), storage
+
+
+def resumes(cluster: Cluster, job: str) -> dict[int, str]:
+    """Each rank's last "resumed at step S, its shards from X" line, by rank."""
+    found: dict[int, str] = {}
+    for log in sorted(cluster.workdir.glob(f"*/{job}.rank*.gen*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if " resumed at step " in line:
+                found[int(line.split("rank ", 1)[1].split()[0])] = line.split("rank ", 1)[1]
+    return found
+
+
+@pytest.fixture(scope="module")
+def fault_free(cluster: Cluster) -> dict[str, Any]:
+    import asyncio
+
+    w, params, _ = asyncio.run(run_job(cluster, "fsdp-ref", ["n2", "n3"]))
+    assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
+    return params
+
+
+async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_ends_as_the_fault_free_one(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+    import torch
+
+    job = "fsdp-node-loss"
+    lost_memory = memory_root(Path("/dev/shm"), "n0", cluster.workdir / "n0") / job
+    measured: dict[str, float] = {}
+
+    async def node_loss(w: JobWatch, explain: Callable[[], str]) -> None:
+        def copied() -> list[int]:
+            """Steps whose every shard's memory copy is on n1 (the buddy copies of n0's ranks among them)."""
+            shards: dict[int, set[int]] = {}
+            for e in w.of("checkpoint.saved"):
+                if e["data"]["tier"] == "memory" and e["data"]["holder"] == "n1":
+                    shards.setdefault(e["data"]["step"], set()).update(e["data"]["shards"])
+            return sorted(step for step, have in shards.items() if have >= {0, 1, 2, 3})
+
+        await wait_until(lambda: bool(copied()), 60, "every shard's copy in n1's memory", explain)
+        ranks = [w.pids()[r][-1] for r in (0, 1)]
+        step = max(w.step(r) for r in range(4))
+        killed = time.monotonic()
+        cluster.agent("n0").proc.kill()  # the host is gone: its agent, its ranks and its memory
+        kill_leftovers(ranks)
+        shutil.rmtree(lost_memory, ignore_errors=True)
+
+        def recovered() -> bool:
+            return all(any(e["data"]["rank"] == r and e["data"]["attempt"] >= 1 and e["data"]["step"] > step
+                           and e["_seen"] > killed for e in w.of("progress.step")) for r in (0, 1))
+
+        await wait_until(recovered, 120, "n0's ranks to train past the lost step on a spare", explain)
+        measured["recovered_s"] = time.monotonic() - killed
+
+    w, params, storage = await run_job(cluster, job, ["n0", "n1"], node_loss)
+    pids = w.pids()
+    seen = f"pids {pids}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
+    assert all(len(pids[r]) == 1 for r in (2, 3)), seen  # the surviving node's processes were kept
+    assert all(len(pids[r]) == 2 for r in (0, 1)), seen
+    moved = {e["source"].removeprefix("agent@") for e in w.of("process.started") if e["data"]["attempt"] >= 1}
+    assert len(moved) == 1 and moved <= SPARES, moved
+    assert "migrate" in [d["data"].get("detail", {}).get("granularity") for d in w.decided("attempt.started")], seen
+    # every rank went back to one step, the lost ranks' shards sent from the buddy node's memory, none from storage
+    lines = resumes(cluster, job)
+    assert sorted(lines) == [0, 1, 2, 3], lines
+    steps = {line.split(" resumed at step ")[1].split(",")[0] for line in lines.values()}
+    assert len(steps) == 1, lines
+    assert all("peer memory (n1)" in lines[r] for r in (0, 1)), lines
+    assert all(lines[r].endswith("from memory") for r in (2, 3)), lines
+    assert not any("storage" in line for line in lines.values()), lines
+    # the engine's plan said the same: the memory tier, held on n1
+    plans = [c["plan"] for d in w.decided("ranks.rescheduling") for c in d["data"].get("commands", [])
+             if c.get("plan")]
+    assert plans and plans[-1]["checkpoint_step"] == int(steps.pop()), plans
+    assert {s["tier"] for s in plans[-1]["shards"]} == {"memory"}, plans
+    assert all(s["holders"] == ["n1"] for s in plans[-1]["shards"]), plans
+    assert storage.is_dir() and any(storage.glob("step*.mem")), "the agents persisted nothing to storage"
+    assert params.keys() == fault_free.keys()
+    for name in params:
+        assert torch.equal(params[name], fault_free[name]), f"{name} differs from the run without faults"
+    print(f"FSDP node loss: first step past it {measured['recovered_s']:.2f}s later; {lines}")
