@@ -40,15 +40,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield state
 
 
-def spec(cluster: Cluster, job: str, out: Path, storage: Path, nodes: list[str]) -> dict[str, Any]:
+def spec(cluster: Cluster, job: str, out: Path, storage: Path, nodes: list[str], replicas: int) -> dict[str, Any]:
     return {
-        # Four distinct shards, no replica: the engine's `tp` counts the ranks of distinct state in one replica
-        "nodes": nodes, "ranks_per_node": 2, "layout": {"dp": 1, "tp": 4}, "watchdog_interval_s": 1.0,
+        # The engine's `tp` counts the ranks of distinct state in one replica: FSDP's 4 shards, HSDP's 2
+        "nodes": nodes, "ranks_per_node": 2, "layout": {"dp": replicas, "tp": 4 // replicas},
+        "watchdog_interval_s": 1.0,
         "policies": {"detection": {"name": "default", "params": {"hang_min_silence_s": 5.0,
                                                                  "agent_silence_s": 3.0}}},
         "entrypoint": {"command": sys.executable,
                        "args": [str(SCRIPT), "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--step-time",
-                                str(STEP_TIME_S), "--recovery", "--replicas", "1", "--save-async-every",
+                                str(STEP_TIME_S), "--recovery", "--replicas", str(replicas), "--save-async-every",
                                 str(SAVE_EVERY), "--storage", str(storage), "--out", str(out)],
                        "cwd": str(cluster.workdir), "rendezvous": "external",
                        "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cluster.store.port),
@@ -59,8 +60,8 @@ def spec(cluster: Cluster, job: str, out: Path, storage: Path, nodes: list[str])
 Fault = Callable[[JobWatch, Callable[[], str]], Any]
 
 
-async def run_job(cluster: Cluster, job: str, nodes: list[str],
-                  fault: Fault | None = None) -> tuple[JobWatch, dict[str, Any], Path]:
+async def run_job(cluster: Cluster, job: str, nodes: list[str], fault: Fault | None = None,
+                  replicas: int = 1) -> tuple[JobWatch, dict[str, Any], Path]:
     """Submit the job, let `fault` strike once every rank passed FAULT_AT_STEP, wait for the job to complete;
     returns what was seen, the final parameters and the job's storage directory."""
     import torch
@@ -74,7 +75,7 @@ async def run_job(cluster: Cluster, job: str, nodes: list[str],
         return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain(job)}"
 
     try:
-        await submit(nc, job, spec(cluster, job, out, storage, nodes))
+        await submit(nc, job, spec(cluster, job, out, storage, nodes, replicas))
         await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), RUN_TIMEOUT_S,
                          f"{job} to train {FAULT_AT_STEP} steps", explain)
         if fault is not None:
@@ -98,19 +99,35 @@ def resumes(cluster: Cluster, job: str) -> dict[int, str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def fault_free(cluster: Cluster) -> dict[str, Any]:
+def reference(cluster: Cluster, job: str, replicas: int) -> dict[str, Any]:
+    """The final parameters of the script's run without faults (on n2 and n3, which no test takes away)."""
     import asyncio
 
-    w, params, _ = asyncio.run(run_job(cluster, "fsdp-ref", ["n2", "n3"]))
+    w, params, _ = asyncio.run(run_job(cluster, job, ["n2", "n3"], replicas=replicas))
     assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
     return params
 
 
-async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_ends_as_the_fault_free_one(
-        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def fault_free(cluster: Cluster) -> dict[str, Any]:
+    return reference(cluster, "fsdp-ref", 1)
+
+
+@pytest.fixture(scope="module")
+def hsdp_fault_free(cluster: Cluster) -> dict[str, Any]:
+    return reference(cluster, "hsdp-ref", 2)
+
+
+def assert_bitwise_equal(params: dict[str, Any], reference: dict[str, Any]) -> None:
     import torch
 
+    assert params.keys() == reference.keys()
+    for name in params:
+        assert torch.equal(params[name], reference[name]), f"{name} differs from the run without faults"
+
+
+async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_ends_as_the_fault_free_one(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
     job = "fsdp-node-loss"
     lost_memory = memory_root(Path("/dev/shm"), "n0", cluster.workdir / "n0") / job
     measured: dict[str, float] = {}
@@ -162,7 +179,34 @@ async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_
     assert {s["tier"] for s in plans[-1]["shards"]} == {"memory"}, plans
     assert all(s["holders"] == ["n1"] for s in plans[-1]["shards"]), plans
     assert storage.is_dir() and any(storage.glob("step*.mem")), "the agents persisted nothing to storage"
-    assert params.keys() == fault_free.keys()
-    for name in params:
-        assert torch.equal(params[name], fault_free[name]), f"{name} differs from the run without faults"
+    assert_bitwise_equal(params, fault_free)
     print(f"FSDP node loss: first step past it {measured['recovered_s']:.2f}s later; {lines}")
+
+
+async def test_an_hsdp_job_that_lost_both_replicas_of_a_shard_resumes_from_memory_with_every_process_kept_but_those(
+        cluster: Cluster, hsdp_fault_free: dict[str, Any]) -> None:
+    """On a 2 x 2 mesh ranks 1 and 3 hold shard 1: both SIGKILLed at once leave no live replica of it. They restart
+    in place, and every rank goes back to the newest step whose shards are in memory (each on its own node)."""
+    job = "hsdp-both-replicas"
+
+    async def kill_both(w: JobWatch, explain: Callable[[], str]) -> None:
+        await wait_until(lambda: any(e["data"]["tier"] == "memory" for e in w.of("checkpoint.saved")), 60,
+                         "a memory checkpoint", explain)
+        step = max(w.step(r) for r in range(4))
+        kill_leftovers([w.pids()[1][-1], w.pids()[3][-1]])
+
+        def recovered() -> bool:
+            return all(any(e["data"]["rank"] == r and e["data"]["attempt"] >= 1 and e["data"]["step"] > step
+                           for e in w.of("progress.step")) for r in (1, 3))
+
+        await wait_until(recovered, 120, "ranks 1 and 3 to train past the lost step", explain)
+
+    w, params, _ = await run_job(cluster, job, ["n2", "n3"], kill_both, replicas=2)
+    pids = w.pids()
+    seen = f"pids {pids}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
+    assert all(len(pids[r]) == 1 for r in (0, 2)) and all(len(pids[r]) >= 2 for r in (1, 3)), seen
+    assert not any(d["data"].get("detail", {}).get("granularity") == "restart_job"
+                   for d in w.decided("attempt.started")), seen
+    lines = resumes(cluster, job)
+    assert sorted(lines) == [0, 1, 2, 3] and all(line.endswith("from memory") for line in lines.values()), lines
+    assert_bitwise_equal(params, hsdp_fault_free)

@@ -1,11 +1,18 @@
-"""In-process recovery for sharded data parallelism (FSDP2's `fully_shard`) with replicas: HSDP, a 2-D device mesh
-(replicate, shard) whose replica groups hold the same shards. When a rank dies, the survivors keep their
-processes; every process builds the mesh and the model again on the next generation's group, the survivors keep
-their own shards, and the restarted rank receives its shards of the parameters and of the optimizer state, the
-step and the data position from the rank that holds the same shards in another replica group. Importing it
-connects to the node's agent, then imports torch: import it before torch.
+"""In-process recovery for sharded data parallelism (FSDP2's `fully_shard`). When a rank dies, the survivors keep
+their processes; every process builds the mesh and the model again on the next generation's group, and the
+survivors keep their own shards. Then:
 
-The loop is `recovery.client.ddp`'s, with a function that builds the model and its optimizer on a mesh:
+- HSDP, a 2-D device mesh (replicate, shard) whose replica groups hold the same shards: the restarted rank receives
+  its shards of the parameters and of the optimizer state, the step and the data position from the rank that holds
+  the same shards in another replica group. No step is lost.
+- FSDP on a 1-D mesh (no replica), or an HSDP job that lost every replica of one shard at once: with `save_every`,
+  each rank's shards were copied every that many steps into its node's memory and, in the background, into a buddy
+  node's (`recovery.client.shards`); every rank goes back to the newest step whose shards are all in memory on a
+  live node, a lost node's shards sent from its buddy's. Storage (where the agents persist the copies) is read only
+  when memory holds no whole step.
+
+Importing it connects to the node's agent, then imports torch: import it before torch. The loop is
+`recovery.client.ddp`'s, with a function that builds the model and its optimizer on a mesh:
 
     import recovery.client.fsdp as resilient
 
@@ -24,13 +31,16 @@ The loop is `recovery.client.ddp`'s, with a function that builds the model and i
                 ...
     resilient.run(train, max_epochs)
 
+For FSDP without replicas: `init_process_group(mesh_shape=(world,), save_every=50, storage=...)`, and the job's
+layout names its shards (`layout: {dp: 1, tp: <world>}`), so that the control plane's resume plan counts them.
+
 Why the model is built again rather than kept: its DTensors and FSDP's state hold the process groups of the mesh,
 which a new generation replaces. Building it costs a model's construction (no collective: FSDP2 moves no data at
 `fully_shard`); the shards it then holds are the live ones, copied in place.
 
-Where no replica of a lost rank's shards is alive (a 1-D mesh, or every replica of one shard lost at once) the
-process cannot be recovered in place: `build` and `run` raise `NoLiveReplica`, the process ends, and the job
-restarts as a stock one, from the script's own checkpoint.
+Where neither a live replica nor a whole step in memory or on storage exists, the process cannot be recovered in
+place: `build` and `run` raise `NoLiveReplica`, the process ends, and the job restarts as a stock one, from the
+script's own checkpoint.
 """
 
 from __future__ import annotations
