@@ -55,6 +55,20 @@ def test_a_module_a_program_and_the_spec_file_the_flags_complete(tmp_path: Path)
     assert "job" not in spec and "max_restarts" not in spec
 
 
+def test_shards_declare_the_distinct_state_of_a_sharded_job(tmp_path: Path) -> None:
+    # FSDP on a 1-D mesh of 4 ranks: no replica; HSDP of 2 x 2: two replicas of two shards
+    assert spec_of(["--nproc-per-node", "2", "--shards", "4", "train.py"], ["a", "b"])["layout"] == {"dp": 1, "tp": 4}
+    assert spec_of(["--nproc-per-node", "2", "--shards", "2", "train.py"], ["a", "b"])["layout"] == {"dp": 2, "tp": 2}
+    base = tmp_path / "pp.json"
+    base.write_text(json.dumps({"layout": {"pp": 2}}))
+    assert spec_of(["--spec", str(base), "--nproc-per-node", "4", "--shards", "4", "train.py"],
+                   ["a"])["layout"] == {"dp": 1, "tp": 2, "pp": 2}
+    with pytest.raises(UsageError, match="disagrees"):
+        spec_of(["--spec", str(base), "--nproc-per-node", "4", "--shards", "3", "train.py"], ["a"])
+    with pytest.raises(UsageError, match="not a multiple"):
+        spec_of(["--nproc-per-node", "2", "--shards", "3", "train.py"], ["a", "b"])
+
+
 def test_what_recovery_run_cannot_do_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(UsageError, match="elastic"):
         nodes_count(build_parser().parse_args(["--nnodes", "1:4", "train.py"]))

@@ -2,7 +2,7 @@
 (examples/lightning/train.py, examples/accelerate/train.py, synthetic data), 4 ranks on this host.
 
     python tools/bench.py e2e --only frameworks            # 3 repeats of every case, medians
-    python tools/bench.py e2e --only fsdp                  # the HSDP script (`measure_fsdp`)
+    python tools/bench.py e2e --only fsdp                  # the HSDP and FSDP scripts (`measure_fsdp`)
     python tools/bench_frameworks.py --repeat 5 --only frameworks
 
 What is measured, each run started alone (the host's two cores are shared by every rank):
@@ -59,9 +59,10 @@ Emit = Callable[[str, str, float, str], None]
 class Run:
     """One launcher's run of a script, its output lines timed as they come."""
 
-    def __init__(self, launcher: str, script: list[str], workdir: Path, tag: str, *options: str) -> None:
+    def __init__(self, launcher: str, script: list[str], workdir: Path, tag: str, *options: str,
+                 nproc: int = NPROC) -> None:
         self.data = workdir / tag
-        command, env = launch(launcher, NPROC, script, self.data, *options)
+        command, env = launch(launcher, nproc, script, self.data, *options)
         env["OMP_NUM_THREADS"] = "1"
         self.lines: list[tuple[float, bytes]] = []
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=workdir,
@@ -108,22 +109,24 @@ def script_args(script: Path, workdir: Path, tag: str, *extra: str, epochs: int 
 
 
 def kill_once(launcher: str, script: list[str], workdir: Path, tag: str, fault_at: int,
-              *options: str) -> tuple[float, Path]:
-    """Seconds from rank 1's SIGKILL (once step `fault_at` was printed, and any standbys ready) to the first step
-    printed past the last one printed before it; and the run's data directory."""
+              *options: str, victims: tuple[int, ...] = (1,)) -> tuple[float, Path]:
+    """Seconds from the SIGKILL of `victims` (rank 1; once step `fault_at` was printed, and any standbys ready) to
+    the first step printed past the last one printed before it; and the run's data directory."""
     run = Run(launcher, script, workdir, tag, *options)
     try:
         run.wait_for(lambda: any(step >= fault_at for _, step in run.steps()), f"step {fault_at}")
         if launcher == "recovery-run":
-            run.wait_for(lambda: standbys_ready(run.data) >= 1, "a ready standby")
-        victim = rank_pid(tag, 1, run.data if launcher == "recovery-run" else None)
-        assert victim is not None, "rank 1 not found"
+            run.wait_for(lambda: standbys_ready(run.data) >= len(victims), "ready standbys")
+        pids = [rank_pid(tag, victim, run.data if launcher == "recovery-run" else None) for victim in victims]
+        assert None not in pids, f"ranks {victims} not all found: {pids}"
         seen = max(step for _, step in run.steps())
         killed = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
         # The replacement's step: recovery-run prefixes a restarted rank's lines with its generation; torchrun
         # restarts every rank, whose first lines come seconds later (a survivor prints at most the step it was in).
-        prefix, since = (b"[rank1.", killed) if launcher == "recovery-run" else (b"", killed + 1.0)
+        prefix = f"[rank{victims[0]}.".encode()
+        prefix, since = (prefix, killed) if launcher == "recovery-run" else (b"", killed + 1.0)
         run.wait_for(lambda: any(step > seen for _, step in run.steps(since, prefix)), f"a step past {seen}")
         regained = min(t for t, step in run.steps(since, prefix) if step > seen) - killed
         run.wait_for(lambda: run.proc.poll() is not None, "the run's end", timeout=600)
@@ -257,6 +260,9 @@ def measure_fsdp(repeat: int, workdir: Path, emit: Emit, quick: bool = False) ->
          round(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)), 3), "x (goal at most 0.2)")
     emit("e2e", "hsdp_processes_restarted", max(restarted), "processes (the most in a run; goal 1)")
     emit("e2e", "hsdp_equal_to_fault_free", min(equal), "(1: every run ended bit for bit as the fault-free one)")
+    import bench_sharded  # FSDP without a replica: a node lost, and the stall of a save
+
+    bench_sharded.measure(repeat, workdir, emit, quick=quick)
 
 
 def main() -> None:

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(ours, "nodes", default="", help="with --nats-url: the job's nodes, comma-separated (their agents run); "
                                          "default inside a Slurm allocation: its nodes (SLURM_JOB_NODELIST)")
     _flag(ours, "spares", type=int, default=0, help="standalone: spare agents to start beside the job's")
+    _flag(ours, "shards", type=int, default=0,
+          help="ranks of distinct model state in one replica: FSDP's shard dimension (the world on a 1-D mesh), "
+               "tensor x pipeline parallel; the layout's tp x pp (default 1: every rank a replica, as in DDP)")
     _flag(ours, "data-dir", default="", help="standalone: where the daemon, the agents and the ranks' output "
                                              "live (default: a new temporary directory, kept)")
     _flag(ours, "spec", default="", help="a job spec file (JSON or TOML) whose fields the flags complete: "
@@ -162,6 +165,12 @@ def build_spec(args: argparse.Namespace, nodes: list[str], store: tuple[str, int
     spec.pop("job", None)
     rpn = ranks_per_node(args)
     layout = dict(spec.get("layout") or {})
+    if args.shards:
+        pp = int(layout.get("pp", 1))
+        if args.shards % pp or ("tp" in layout and int(layout["tp"]) * pp != args.shards):
+            raise UsageError(f"--shards {args.shards} disagrees with the spec's layout (tp {layout.get('tp', 1)} x "
+                             f"pp {pp})")
+        layout["tp"] = args.shards // pp  # the engine counts distinct state as tp x pp, tensor parallel fastest
     shards = int(layout.get("tp", 1)) * int(layout.get("pp", 1))
     world = len(nodes) * rpn
     if world % shards:
@@ -230,6 +239,8 @@ def check_usage(args: argparse.Namespace) -> None:
             raise UsageError(f"--env {item!r}: KEY=VALUE")
     if args.spares < 0:
         raise UsageError(f"--spares {args.spares}: 0 or more")
+    if args.shards < 0:
+        raise UsageError(f"--shards {args.shards}: 1 or more (0: the spec's layout)")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts}: 0 or more")
     if not 0 < args.master_port < 65536:
