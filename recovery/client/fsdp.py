@@ -75,16 +75,14 @@ class NoLiveReplica(RuntimeError):
     """A rank behind the others has no live replica of its shards to take them from."""
 
 
-def _local(value: Any, copy: bool = True) -> Any:
-    """`value` with every DTensor replaced by its local shard (a plain tensor): what a rank holds of it; a copy, or
-    (`copy=False`, for a save that copies it anyway) the shard itself."""
+def _local(value: Any) -> Any:
+    """`value` with every DTensor replaced by a copy of its local shard (a plain tensor): what a rank holds of it."""
     if isinstance(value, DTensor):
-        local = value.to_local().detach()
-        return local.clone() if copy else local
+        return value.to_local().detach().clone()
     if isinstance(value, dict):
-        return {k: _local(v, copy) for k, v in value.items()}
+        return {k: _local(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_local(v, copy) for v in value)
+        return type(value)(_local(v) for v in value)
     return value
 
 
@@ -180,8 +178,11 @@ class ShardedTraining(Training):
         persists them there. The stall is the copy into memory. None without an agent that keeps memory."""
         assert self.model is not None and self.optimizer is not None
         at = step if step is not None else (self.step or 0)
-        state = {"model": _local(dict(self.model.state_dict()), copy=False),
-                 "optimizer": _local(self.optimizer.state_dict(), copy=False)}
+        # the shards themselves (the save copies them), and where each sits in its whole tensor: the copies of one
+        # step make a DCP checkpoint (`python -m recovery.client.shards`)
+        state, layout = shards.local_shards({"model": dict(self.model.state_dict()),
+                                             "optimizer": self.optimizer.state_dict()})
+        state["layout"] = layout
         shard = self.group.rank % self.shards
         path = self.client.save_async(state, at, shards=[shard], storage=self.storage, keep=shards.KEEP)
         if path is not None and self._copies is not None:

@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import re
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -204,6 +205,96 @@ class BuddyCopies:
         self._thread.join(COPY_JOIN_S)
 
 
+Path_ = tuple[Any, ...]
+"""where a tensor sits in a state: its keys and indices, outermost first"""
+Layout = dict[Path_, tuple[tuple[int, ...], tuple[int, ...]]]
+"""each DTensor of a state, by its place: its global shape and its local shard's offset in it"""
+
+
+def local_shards(value: Any, place: Path_ = (), layout: Layout | None = None) -> tuple[Any, Layout]:
+    """`value` with every DTensor replaced by its local shard (not a copy), and the layout that puts the shards of
+    every rank together again (`to_dcp`)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    layout = {} if layout is None else layout
+    if isinstance(value, DTensor):
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        layout[place] = (tuple(value.shape), tuple(int(o) for o in offset))
+        return value.to_local().detach(), layout
+    if isinstance(value, dict):
+        return {k: local_shards(v, (*place, k), layout)[0] for k, v in value.items()}, layout
+    if isinstance(value, list | tuple):
+        return type(value)(local_shards(v, (*place, i), layout)[0] for i, v in enumerate(value)), layout
+    return value, layout
+
+
+def _at(value: Any, place: Path_) -> Any:
+    for key in place:
+        value = value[key]
+    return value
+
+
+def _replaced(value: Any, place: Path_, full: dict[Path_, torch.Tensor]) -> Any:
+    if place in full:
+        return full[place]
+    if isinstance(value, dict):
+        return {k: _replaced(v, (*place, k), full) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_replaced(v, (*place, i), full) for i, v in enumerate(value))
+    return value
+
+
+def whole_state(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole state from every shard's (`ShardedTraining.save_async`'s files of one step, one per shard): each
+    sharded tensor put together from its shards, everything else as the first shard holds it. Raises ValueError
+    when a tensor is not wholly covered (a shard missing)."""
+    full: dict[Path_, torch.Tensor] = {}
+    covered: dict[Path_, int] = {}
+    for state in states:
+        for place, (shape, offset) in state.get("layout", {}).items():
+            local = _at(state, place)
+            whole = full.setdefault(place, torch.zeros(shape, dtype=local.dtype))
+            whole[tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=False))] = local
+            covered[place] = covered.get(place, 0) + local.numel()
+    for place, whole in full.items():
+        if covered[place] != whole.numel():
+            raise ValueError(f"{'.'.join(map(str, place))}: the shards hold {covered[place]} of its {whole.numel()} "
+                             f"elements: a shard is missing")
+    first = {k: v for k, v in states[0].items() if k != "layout"}
+    return _replaced(first, (), full)
+
+
+def to_dcp(files: list[Path], checkpoint_id: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write the whole state of `files` (one step's, every shard's) as a `torch.distributed.checkpoint` checkpoint
+    at `checkpoint_id`, in the layout a script's own `dcp.save({"model": model.state_dict(), "optimizer":
+    optimizer.state_dict()})` has: `dcp.load` reads it into any mesh (DCP reshards on load). Returns the state."""
+    import torch.distributed.checkpoint as dcp
+
+    state = whole_state([memory.read_state(path) for path in files])
+    dcp.save(state, checkpoint_id=os.fspath(checkpoint_id), no_dist=True)
+    return state
+
+
+def export(directories: list[Path], checkpoint_id: Path, step: int | None = None) -> int:
+    """The newest step (or `step`) whose every shard is in `directories` (node memory or storage copies), written
+    as a DCP checkpoint; its step."""
+    found: dict[Held, Path] = {}
+    for directory in directories:
+        for held, path in held_here(directory, directory).items():
+            found.setdefault(Held(held.step, held.shard, "memory"), path)
+    shards = 1 + max((h.shard for h in found), default=-1)
+    complete = sorted({h.step for h in found if all(Held(h.step, s, "memory") in found for s in range(shards))})
+    if step is None and not complete:
+        raise ValueError(f"no step has every one of {shards} shard(s) in {', '.join(map(str, directories))}")
+    chosen = complete[-1] if step is None else step
+    files = [found.get(Held(chosen, shard, "memory")) for shard in range(shards)]
+    if None in files:
+        raise ValueError(f"step {chosen}: shard(s) {[s for s, f in enumerate(files) if f is None]} not found")
+    to_dcp([f for f in files if f is not None], checkpoint_id)
+    return chosen
+
+
 @dataclass(frozen=True)
 class Resumed:
     """What `resume` loaded on this rank: the step, and where its shards came from (`memory` on its own node,
@@ -254,3 +345,26 @@ def shut(copies: BuddyCopies | None) -> None:
     if copies is not None:
         with contextlib.suppress(Exception):
             copies.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m recovery.client.shards --to CKPT DIR...`: a sharded job's memory copies (a node's
+    /dev/shm/recovery-<node>-*/<job>, or the storage the agents persisted them to) as a DCP checkpoint."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directories", nargs="+", type=Path)
+    parser.add_argument("--to", required=True, type=Path, help="the DCP checkpoint's directory")
+    parser.add_argument("--step", type=int, default=None, help="default: the newest step with every shard")
+    args = parser.parse_args(argv)
+    try:
+        step = export(args.directories, args.to, args.step)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"step {step} written to {args.to}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
