@@ -33,6 +33,11 @@ class NewestCompleteParams(Params):
     """live replicas named per shard: the executor takes the one on its own node, else the first that answers"""
     tiers: tuple[Tier, ...] = tuple(Tier)
     """tiers this job may resume from"""
+    memory_first: Flag = True
+    """resume from the newest step whose every shard is in a node's memory or on its disk (or in a dying checkpoint)
+    before a newer one that needs storage for some shard: with sharded state (each rank its own shard), a node lost
+    while its shards' copies were on their way to another node leaves the step before whole in memory, and storage
+    is read only when no such step exists"""
     dying_wait_s: Seconds = 30.0
     """after ranks were stopped by SIGTERM, hold the restart this long for the dying checkpoint their handlers write
     on the way out (0: never wait); torchrun and ModelArts give a process 30 s between SIGTERM and SIGKILL"""
@@ -58,7 +63,7 @@ class NewestCompleteCheckpoint(CheckpointPolicyBase):
         self.params = NewestCompleteParams.model_validate(dict(params or {}))
 
     def plan(self, ctx: CheckpointContext) -> CheckpointPlan:
-        resume = newest_complete(ctx, self.params.tiers)
+        resume = newest_complete(ctx, self.params.tiers, self.params.memory_first)
         newest = resume.checkpoint_step if resume.checkpoint_step is not None else -1
         if self.params.dying and self.params.peer and ctx.peer_allowed and Tier.PEER in self.params.tiers:
             peers = live_peers(ctx, self.params.peer_holders)
@@ -158,7 +163,17 @@ def _first_nodes(ctx: CheckpointContext, ranks: Iterable[int], count: int) -> li
     return list(nodes)
 
 
-def newest_complete(ctx: CheckpointContext, tiers: tuple[Tier, ...]) -> ResumePlan:
+def newest_complete(ctx: CheckpointContext, tiers: tuple[Tier, ...], memory_first: bool = False) -> ResumePlan:
+    """The newest step every shard has in one of `tiers` (each shard from its cheapest); with `memory_first`, the
+    newest such step without storage first, if there is one."""
+    if memory_first and Tier.STORAGE in tiers:
+        found = _newest_in(ctx, tuple(t for t in tiers if t is not Tier.STORAGE))
+        if found.checkpoint_step is not None:
+            return found
+    return _newest_in(ctx, tiers)
+
+
+def _newest_in(ctx: CheckpointContext, tiers: tuple[Tier, ...]) -> ResumePlan:
     shards = ctx.layout.shards
     for step in sorted(ctx.catalog, reverse=True):
         by_tier = ctx.catalog[step]

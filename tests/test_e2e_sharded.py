@@ -6,7 +6,11 @@ ranks move to a spare, the other node's ranks keep their processes, and every ra
 whose shards are all in memory on a live node: the survivors' from their own, the lost node's from their buddies'.
 Nothing is read from storage, the engine's resume plan names the memory tier on the surviving node, and the run
 ends bit for bit as the same script's run without faults. The node does not come back: the module has its own
-cluster."""
+cluster.
+
+An elastic HSDP job that loses a node and finds no spare drops the replica group: the survivors keep their processes
+and their shards (renumbered, each on the shards it holds), and each takes twice the share of the global batch.
+"""
 
 from __future__ import annotations
 
@@ -40,8 +44,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield state
 
 
-def spec(cluster: Cluster, job: str, out: Path, storage: Path, nodes: list[str], replicas: int) -> dict[str, Any]:
-    return {
+def spec(cluster: Cluster, job: str, out: Path, storage: Path, nodes: list[str], replicas: int,
+         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**(extra or {}),
         # The engine's `tp` counts the ranks of distinct state in one replica: FSDP's 4 shards, HSDP's 2
         "nodes": nodes, "ranks_per_node": 2, "layout": {"dp": replicas, "tp": 4 // replicas},
         "watchdog_interval_s": 1.0,
@@ -49,8 +54,9 @@ def spec(cluster: Cluster, job: str, out: Path, storage: Path, nodes: list[str],
                                                                  "agent_silence_s": 3.0}}},
         "entrypoint": {"command": sys.executable,
                        "args": [str(SCRIPT), "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--step-time",
-                                str(STEP_TIME_S), "--recovery", "--replicas", str(replicas), "--save-async-every",
-                                str(SAVE_EVERY), "--storage", str(storage), "--out", str(out)],
+                                str(STEP_TIME_S), "--recovery", "--replicas", str(replicas), "--shards",
+                                str(4 // replicas), "--save-async-every", str(SAVE_EVERY), "--storage", str(storage),
+                                "--out", str(out)],
                        "cwd": str(cluster.workdir), "rendezvous": "external",
                        "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cluster.store.port),
                                "PYTHONPATH": environment()["PYTHONPATH"], "OMP_NUM_THREADS": "1"}},
@@ -61,7 +67,7 @@ Fault = Callable[[JobWatch, Callable[[], str]], Any]
 
 
 async def run_job(cluster: Cluster, job: str, nodes: list[str], fault: Fault | None = None,
-                  replicas: int = 1) -> tuple[JobWatch, dict[str, Any], Path]:
+                  replicas: int = 1, extra: dict[str, Any] | None = None) -> tuple[JobWatch, dict[str, Any], Path]:
     """Submit the job, let `fault` strike once every rank passed FAULT_AT_STEP, wait for the job to complete;
     returns what was seen, the final parameters and the job's storage directory."""
     import torch
@@ -75,7 +81,7 @@ async def run_job(cluster: Cluster, job: str, nodes: list[str], fault: Fault | N
         return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain(job)}"
 
     try:
-        await submit(nc, job, spec(cluster, job, out, storage, nodes, replicas))
+        await submit(nc, job, spec(cluster, job, out, storage, nodes, replicas, extra))
         await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), RUN_TIMEOUT_S,
                          f"{job} to train {FAULT_AT_STEP} steps", explain)
         if fault is not None:
@@ -210,3 +216,38 @@ async def test_an_hsdp_job_that_lost_both_replicas_of_a_shard_resumes_from_memor
     lines = resumes(cluster, job)
     assert sorted(lines) == [0, 1, 2, 3] and all(line.endswith("from memory") for line in lines.values()), lines
     assert_bitwise_equal(params, hsdp_fault_free)
+
+
+async def test_an_elastic_hsdp_job_without_a_spare_drops_a_replica_group_and_keeps_the_global_batch(
+        cluster: Cluster, hsdp_fault_free: dict[str, Any]) -> None:
+    """n2 (ranks 0 and 1: replica group 0) is lost and the job's pool has no spare: the job scales in to one replica
+    group on n3, whose ranks 2 and 3 become 0 and 1, keep their processes and their shards (no shard moves: a scale
+    changes the replica groups, never the shards of one), and take 32 samples a step each instead of 16: the global
+    batch of 64 stays. The same samples make each step as without the fault, summed in another order: the result is
+    the fault-free one to float rounding, not bit for bit. Last in the module: n2 does not come back."""
+    import torch
+
+    job = "hsdp-scale-in"
+    survivors: dict[int, int] = {}
+
+    async def node_loss(w: JobWatch, explain: Callable[[], str]) -> None:
+        survivors.update({r: w.pids()[r][-1] for r in (2, 3)})
+        lost = [w.pids()[r][-1] for r in (0, 1)]
+        cluster.agent("n2").proc.kill()
+        kill_leftovers(lost)
+        await wait_until(lambda: any(d["data"].get("detail", {}).get("granularity") == "scale_in"
+                                     for d in w.decided("incident.closed")), 120, "the job to scale in", explain)
+
+    w, params, _ = await run_job(cluster, job, ["n2", "n3"], node_loss, replicas=2,
+                                 extra={"elastic": {"min_dp": 1, "max_dp": 2}, "spare_pool": "no-such-pool"})
+    seen = f"pids {w.pids()}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
+    assert not [e for e in w.of("process.started") if e["data"]["attempt"] >= 1], seen  # nothing restarted
+    assert all(w.pids()[r] == [pid] for r, pid in survivors.items()), seen
+    scales = [c for d in w.decided("ranks.rescheduling") for c in d["data"].get("commands", [])
+              if c["kind"] == "scale_job"]
+    assert [(c["dp"], c["nodes"]) for c in scales] == [(1, ["n3"])], scales
+    # no rank went back to a checkpoint: the survivors' shards were live
+    assert not resumes(cluster, job), resumes(cluster, job)
+    assert params.keys() == hsdp_fault_free.keys()
+    for name in params:
+        assert torch.allclose(params[name], hsdp_fault_free[name], rtol=1e-4, atol=1e-6), name

@@ -145,6 +145,24 @@ def test_cheapest_reachable_tier_and_older_step_when_newest_is_incomplete() -> N
                                                          (Tier.MEMORY, "a"), (Tier.STORAGE, "storage")]
 
 
+def test_a_step_whole_in_memory_wins_over_a_newer_one_that_needs_storage_for_a_lost_nodes_shard() -> None:
+    """FSDP without a replica: node b was lost while its shard of step 12 was on its way to a's memory, but its agent
+    had persisted it; step 8 is whole in a's memory. Storage is read only when memory holds no whole step."""
+    catalog = {12: {Tier.MEMORY: {0: ("a",)}, Tier.STORAGE: {1: ("storage",)}},
+               8: {Tier.MEMORY: {0: ("a",), 1: ("a", "b")}}}
+    lost_b = cctx((True, True, False, False), catalog, unreachable=frozenset({"b"}))
+    plan = NewestCompleteCheckpoint({"dying": False}).plan(lost_b)
+    assert isinstance(plan, Resume) and plan.plan.checkpoint_step == 8
+    assert {s.tier for s in plan.plan.shards} == {Tier.MEMORY} and plan.plan.shards[1].holders == ["a"]
+    newest = NewestCompleteCheckpoint({"dying": False, "memory_first": False}).plan(lost_b)
+    assert isinstance(newest, Resume) and newest.plan.checkpoint_step == 12
+    # no step whole in memory: storage it is
+    del catalog[8]
+    plan = NewestCompleteCheckpoint({"dying": False}).plan(cctx((True, True, False, False), catalog,
+                                                                unreachable=frozenset({"b"})))
+    assert isinstance(plan, Resume) and plan.plan.checkpoint_step == 12
+
+
 class NoDecide:
     family = "rescheduling"
     name = "no-decide"

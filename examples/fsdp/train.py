@@ -27,7 +27,11 @@ parser.add_argument("--save-async-every", type=int, default=0,
 parser.add_argument("--storage", default="", help="with --recovery: where the agents persist the memory copies")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--samples", type=int, default=1024)
-parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--shards", type=int, default=0,
+                    help="HSDP: the shards of one replica group (default: the world over --replicas); an elastic "
+                         "job's scale changes the replica groups, never this")
+parser.add_argument("--global-batch", type=int, default=64,
+                    help="samples a step over every rank: each rank takes its share of the world it trains in")
 parser.add_argument("--step-time", type=float, default=0.0)
 parser.add_argument("--checkpoints", default="", help="the stock script's DCP checkpoint directory")
 parser.add_argument("--out", default="")
@@ -66,8 +70,9 @@ def build(mesh: DeviceMesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def main() -> None:
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    shape = (world,) if args.replicas == 1 else (args.replicas, world // args.replicas)
+    world = int(os.environ["WORLD_SIZE"])
+    shards = args.shards or world // args.replicas
+    shape = (world,) if args.replicas == 1 else (world // shards, shards)
     names = ("shard",) if args.replicas == 1 else ("replicate", "shard")
     if args.recovery:
         training = resilient.init_process_group(  # recovery: was init_process_group
@@ -88,7 +93,13 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1234)
     source = torch.randn(args.samples, 32, generator=generator)
     data = TensorDataset(source, source.sum(dim=1, keepdim=True) * 0.1)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(data, world, rank, seed=7))
+
+    def loader_now() -> DataLoader:
+        # Each rank its share of the global batch in the world it trains in now: an elastic job's scale changes it
+        world_now, rank_now = dist.get_world_size(), dist.get_rank()
+        return DataLoader(data, batch_size=args.global_batch // world_now,
+                          sampler=DistributedSampler(data, world_now, rank_now, seed=7))
+
     first = 0
     if not args.recovery and args.checkpoints and (Path(args.checkpoints) / "epoch").exists():
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -102,6 +113,7 @@ def main() -> None:
             model, optimizer = training.model, training.optimizer  # recovery: built again after a fault
         else:
             model, optimizer = globals()["model"], globals()["optimizer"]
+        loader = loader_now()
         for epoch in epochs(first, args.epochs):  # recovery: from the epoch a recovery resumes in
             for index, (inputs, targets) in batches(loader, epoch):  # recovery: skips the batches done
                 optimizer.zero_grad()
@@ -109,11 +121,11 @@ def main() -> None:
                 optimizer.step()
                 if args.step_time:
                     time.sleep(args.step_time)
-                print(f"[rank {rank}] trained step {epoch * len(loader) + index + 1}", flush=True)
+                print(f"[rank {dist.get_rank()}] trained step {epoch * len(loader) + index + 1}", flush=True)
             if not args.recovery and args.checkpoints:
                 dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                          checkpoint_id=args.checkpoints)
-                if rank == 0:
+                if dist.get_rank() == 0:
                     (Path(args.checkpoints) / "epoch").write_text(str(epoch))
 
     if args.recovery:
@@ -123,7 +135,7 @@ def main() -> None:
         globals().update(model=model, optimizer=optimizer)
         train()
     full = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}  # a collective: every rank
-    if rank == 0 and args.out:
+    if dist.get_rank() == 0 and args.out:
         torch.save(full, args.out)
     dist.destroy_process_group()
 

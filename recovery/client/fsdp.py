@@ -94,8 +94,9 @@ class ShardedTraining(Training):
                  mesh_dim_names: tuple[str, ...], save_every: int = 0, storage: str | None = None) -> None:
         super().__init__(group)
         self.mesh_shape, self.mesh_dim_names = tuple(mesh_shape), tuple(mesh_dim_names)
-        self.shards = group.world_size // mesh_shape[0] if len(mesh_shape) > 1 else group.world_size
-        """distinct shards of the state: the ranks of one replica group (every rank, on a 1-D mesh)"""
+        self.shards = mesh_shape[1] if len(mesh_shape) > 1 else group.world_size
+        """distinct shards of the state: the ranks of one replica group (every rank, on a 1-D mesh); a scale changes
+        the number of replica groups, never this"""
         self.save_every = save_every
         self.storage = None if storage is None else Path(storage).resolve()
         self.resumed: shards.Resumed | None = None
@@ -108,6 +109,7 @@ class ShardedTraining(Training):
         self.optimizer: torch.optim.Optimizer | None = None
         self._build: Build | None = None
         self._kept: dict[str, Any] | None = None  # this rank's shards, taken as its group went down
+        self._kept_shard = -1  # ... which shards they are
 
     # -- the model ----------------------------------------------------------------------------------------
     def build(self, build: Build) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -130,6 +132,7 @@ class ShardedTraining(Training):
     def _make(self) -> None:
         assert self._build is not None
         device = self.group.device.type
+        self._fit_world()
         before = _sockets()
         self.mesh = init_device_mesh(device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
         self.model, self.optimizer = self._build(self.mesh)
@@ -145,6 +148,22 @@ class ShardedTraining(Training):
             self.load(self._kept)
             self._kept = None
 
+    def _fit_world(self) -> None:
+        """The mesh of this generation's world: a scale (an elastic job that lost a node and found no spare) changes
+        the number of replica groups, never the shards of one. A survivor renumbered onto other shards than it holds
+        drops its own and is behind: its shards come from a replica, or from memory."""
+        world = self.group.world_size
+        if len(self.mesh_shape) > 1:
+            if world % self.shards:
+                raise NoLiveReplica(f"a world of {world} ranks is no whole number of replica groups of {self.shards} "
+                                    f"shards: the job restarts from its checkpoint")
+            self.mesh_shape = (world // self.shards, *self.mesh_shape[1:])
+        elif world != self.mesh_shape[0]:
+            raise NoLiveReplica(f"FSDP on a 1-D mesh of {self.mesh_shape[0]} ranks cannot go on with {world}: every "
+                                f"shard would change; the job restarts from its checkpoint")
+        if self._kept is not None and self._kept_shard != self.group.rank % self.shards:
+            self._kept, self.step = None, None
+
     def _commit(self, *_: Any) -> None:
         """Before the optimizer's step, every rank's gradients are complete: one collective of the whole world, so
         that a rank's death during the step's collectives fails the step on every survivor, not only on the ranks
@@ -159,7 +178,7 @@ class ShardedTraining(Training):
         shards.shut(self._copies)  # its group is shut already: a copy under way ends
         self._copies = None
         if self.model is not None and self.optimizer is not None:
-            self._kept = self.state()
+            self._kept, self._kept_shard = self.state(), self.group.rank % self.shards
         self.model = self.optimizer = self._module = self._optimizer = None
         self.mesh = None
 
@@ -246,9 +265,12 @@ class ShardedTraining(Training):
         """Some rank behind has no live replica at `best`: every rank goes back to the newest step whose every shard
         is in memory on a live node (or, failing that, on storage), its own shards of it loaded."""
         group = self.group
+        plan = self.client.resume_plan()
+        # the control plane's plan holds for a process started for this recovery: it has no position, no recovery
+        planned = plan.checkpoint_step if plan is not None and self.step is None and not group.recoveries else None
         resumed = shards.resume(group.rank, group.world_size, self.shards, lambda r: r % self.shards, best,
                                 os.environ.get(NODE_ENV, ""), self.client.memory_directory,
-                                self.storage, self.load)
+                                self.storage, self.load, planned)
         if resumed is None:
             raise NoLiveReplica(f"rank(s) {', '.join(map(str, behind))} behind (the others at step {best}) have no "
                                 f"live replica of their shards and no step is whole in memory or on storage: the "

@@ -105,6 +105,12 @@ def newest_complete(held: list[list[Held]], shards: int, at_most: int) -> tuple[
     return (max(either), "storage") if either else None
 
 
+def whole_at(held: list[list[Held]], shards: int, step: int) -> bool:
+    """Can every shard of `step` be read, from memory or from storage?"""
+    found = {entry.shard for entries in held for entry in entries if entry.step == step}
+    return found >= set(range(shards))
+
+
 def _read(path: Path) -> torch.Tensor:
     return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
 
@@ -305,16 +311,21 @@ class Resumed:
 
 
 def resume(rank: int, world: int, shards: int, shard_of: Callable[[int], int], at_most: int, node: str,
-           directory: Path | None, storage: Path | None, load: Callable[[Any], None]) -> Resumed | None:
-    """Agree with every rank on the newest step whose every shard can be read, and `load` this rank's shards of it
-    (see the module's doc); None where no step is complete (then the job restarts from its own checkpoint). A
-    collective of the default group: every rank calls it at once."""
+           directory: Path | None, storage: Path | None, load: Callable[[Any], None],
+           planned: int | None = None) -> Resumed | None:
+    """Agree with every rank on the step to resume from, and `load` this rank's shards of it (see the module's doc):
+    the step of the control plane's resume plan that a rank started for this recovery holds (`planned`), when every
+    shard of it can be read, else the newest step whose every shard can be; None where no step is complete (then the
+    job restarts from its own checkpoint). A collective of the default group: every rank calls it at once."""
     mine = held_here(directory, storage)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (node, sorted(mine)))
+    dist.all_gather_object(gathered, (node, sorted(mine), planned))
     nodes = [entry[0] for entry in gathered]
     held: list[list[Held]] = [entry[1] for entry in gathered]
+    plans = [entry[2] for entry in gathered if entry[2] is not None]
     found = newest_complete(held, shards, at_most)
+    if plans and plans[0] <= at_most and whole_at(held, shards, plans[0]):
+        found = (plans[0], "plan")
     if found is None:
         return None
     step, _ = found
