@@ -171,8 +171,8 @@ async def _lapsed(kv: Any, key: str) -> bool:
 
 async def test_a_refused_renewal_reads_the_key_before_it_gives_the_lease_up(nats_server: NatsServer) -> None:
     """A renewal whose compare-and-set fails is not yet a lost lease: its own write stored after a timeout, or a key
-    that expired while nobody could take it (renewed less than two TTLs ago), keep it; another's entry, or a key gone
-    for longer, lose it."""
+    that expired while nobody could take it (renewed less than two TTLs ago, or nothing written to the bucket since),
+    keep it; another's entry, or a key gone for longer with another daemon's write since, lose it."""
     nc, js = await connect(nats_server.url)
     clock = Clock()
     try:
@@ -189,8 +189,14 @@ async def test_a_refused_renewal_reads_the_key_before_it_gives_the_lease_up(nats
         await lease.renew()
         assert orjson.loads((await kv.get("p")).value or b"{}")["token"] == lease.token
         await async_wait_for(lambda: _lapsed(kv, "p"), 15, "the key to expire again")
-        clock.now += 2.5  # gone longer than that: another daemon may have held it and gone
-        with pytest.raises(LeaseLost, match=r"lapsed 2\.5s"):
+        clock.now += 2.5  # gone longer than that, but nothing written since: nobody took it (a long NATS outage)
+        await lease.renew()
+        assert orjson.loads((await kv.get("p")).value or b"{}")["token"] == lease.token
+        await async_wait_for(lambda: _lapsed(kv, "p"), 15, "the key to expire a third time")
+        await kv.create("p", orjson.dumps({"instance": "other", "pid": 7}))  # another daemon took it meanwhile ...
+        await async_wait_for(lambda: _lapsed(kv, "p"), 15, "the other's entry to expire")  # ... and went
+        clock.now += 2.5
+        with pytest.raises(LeaseLost, match=r"lapsed 2\.5s .* written since"):
             await lease.renew()
         assert await lease.try_acquire()
         await kv.put("p", orjson.dumps({"instance": "other", "pid": 7}))
@@ -250,3 +256,45 @@ async def test_a_renewal_stored_after_its_acknowledgement_was_lost_keeps_the_lea
             await lease.renew()
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize("daemons", [1, 2])
+async def test_a_nats_outage_of_several_lease_ttls_leaves_one_daemon_serving(nats_server: NatsServer, tmp_path: Path,
+                                                                             daemons: int) -> None:
+    """NATS away for more than three lease TTLs: nobody could renew or take the lease. The only daemon takes its lease
+    again when NATS returns and serves on (it used to stop: "lease lost ... lapsed"); of two, one serves and the
+    other stands by, or stops because the other really holds the lease."""
+    members = list(pair(tmp_path, nats_server.url))[:daemons]
+    try:
+        members[0].start()
+        await asyncio.to_thread(members[0].wait_ready)
+        for standby in members[1:]:
+            standby.start()
+            await async_wait_for(lambda s=standby: role(s) == "standby", 30, "the second daemon to stand by")
+        nats_server.stop()
+        await asyncio.sleep(3.5 * TTL_S)  # the outage itself: how long NATS stays away, not a wait for anything
+        nats_server.start()
+        nc, js = await connect(nats_server.url)
+        try:
+            envelope = make_envelope("node.heartbeat", {}, id="after-the-outage", node="n1", source="test")
+            ack = await js.publish(subjects.node_event("n1", "node.heartbeat"), encode_envelope(envelope),
+                                   headers={MSG_ID: "after-the-outage"})
+        finally:
+            await nc.close()
+
+        def serving() -> list[DaemonProcess]:
+            return [d for d in members if d.running() and role(d) == "active"
+                    and d.status().get("published_seq", 0) >= ack.seq]
+
+        await async_wait_for(lambda: len(serving()) == 1, 60, "one daemon to serve the input after the outage",
+                             lambda: "\n".join(d.log_tail() for d in members))
+        lost = [line for d in members for line in d.logs() if line.get("msg") == "lease lost: stopping"]
+        if daemons == 1:
+            assert members[0].running() and not lost, members[0].log_tail()
+        else:
+            other = next(d for d in members if d is not serving()[0])
+            assert role(other) in ("standby", "unreachable"), other.log_tail()
+            assert all("held by" in str(line.get("reason", "")) for line in lost), lost
+    finally:
+        for member in members:
+            member.close()

@@ -15,7 +15,11 @@ whose compare-and-set fails reads the key before it concludes anything (`renew`)
   successful renewal was sent less than `2 * ttl` ago: nobody else can have held it meanwhile (another daemon could
   take it only `ttl` after that renewal, and its own entries, renewed every `ttl / 3` or deleted at its release,
   would still be there), so it is created again;
-- anything else (another daemon's entry, a delete marker of another's release, a key gone for longer) is a lost
+- the key is gone for longer (a NATS outage of many TTLs, with one daemon or with every daemon cut off alike) but
+  nothing was written to the bucket since this holder's last write: its stream's last sequence is still that
+  write's, which any other daemon's take would have moved, so it is created again too, and the daemon serves on;
+- anything else (another daemon's entry, a delete marker of another's release, a key gone for longer with the
+  bucket written since) is a lost
   lease: another daemon may have applied inputs meanwhile, which this one's engine never saw, so it must start
   again from the snapshot rather than carry on (`LeaseLost`, naming the holder).
 
@@ -157,9 +161,10 @@ class Lease:
         except nats.js.errors.KeyNotFoundError:
             # Measured now, when the key was seen gone (not from the refused write's send): the later, the safer.
             lapsed = self._clock() - self.sent if self.sent is not None else float("inf")
-            if lapsed >= 2 * self.ttl_s:
-                raise LeaseLost(f"the lease of partition {self.key} lapsed {lapsed:.1f}s after its last renewal: "
-                                f"another daemon may have held it meanwhile ({refused})") from refused
+            if lapsed >= 2 * self.ttl_s and not await self._untouched():
+                raise LeaseLost(f"the lease of partition {self.key} lapsed {lapsed:.1f}s after its last renewal, "
+                                f"and the lease bucket was written since: another daemon may have held it meanwhile "
+                                f"({refused})") from refused
             sent = self._clock()
             try:
                 self.revision = await self.kv.create(self.key, self._value())
@@ -180,6 +185,18 @@ class Lease:
         self.holder = holder if isinstance(holder, dict) else {}
         raise LeaseLost(f"the lease of partition {self.key} changed hands: held by {self.holder.get('instance')} "
                         f"(pid {self.holder.get('pid')}) ({refused})") from refused
+
+    async def _untouched(self) -> bool:
+        """Was nothing written to the lease bucket since this holder's last write? Its entries expire without a
+        write, and its stream's last sequence stays where the last write left it: a daemon that took the lease
+        meanwhile (and lost it, or let it expire) would have written, and so would a standby's take. With several
+        partitions the bucket holds other keys too, whose writes make this say no: the lease is given up, as
+        before."""
+        try:
+            info = await self.js.stream_info(f"KV_{self.bucket}")
+        except nats.errors.Error:
+            return False
+        return self.revision is not None and info.state.last_seq == self.revision
 
     async def hold(self) -> None:
         """Renew the lease every third of its TTL until cancelled; LeaseLost once another daemon has taken it.
