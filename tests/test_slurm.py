@@ -224,7 +224,8 @@ async def test_recovery_run_in_sbatch_takes_the_allocation_and_a_lost_node_reque
             await until(lambda: slurm.job(job)["Restarts"] == "1", 60, "Slurm to requeue the allocation", logs)
             assert "DRAIN" in slurm.node("n2")["State"]
             assert slurm.node("n2")["Reason"].startswith(f"recovery: {first} had to leave it, no spare: XID 79")
-            assert await job_state(stack.url, first) == "cancelled"  # its recovery-run ended with the run
+            # its recovery-run ends with the run: its cancel reaches the daemon shortly after Slurm requeued
+            await until(lambda: _is(job_state(stack.url, first), "cancelled"), 30, f"{first} to be cancelled", logs)
 
             # The requeued run starts on the nodes Slurm picks, not the drained one, as a new recovery job.
             await until(lambda: slurm.job(job)["JobState"] == "COMPLETED", 90, "the requeued run to complete", logs)

@@ -137,10 +137,12 @@ class ShardedTraining(Training):
         self.mesh = init_device_mesh(device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
         self.model, self.optimizer = self._build(self.mesh)
         if self.save_every:  # the same collectives on every rank: the nodes, then the copies' own group
-            nodes: list[Any] = [None] * self.group.world_size
-            dist.all_gather_object(nodes, os.environ.get(NODE_ENV, ""))
             directory = self.client.memory_directory
-            self._copies = shards.BuddyCopies(self.client, self.group.rank, nodes, directory or Path("."))
+            nodes: list[Any] = [None] * self.group.world_size
+            dist.all_gather_object(nodes, (os.environ.get(NODE_ENV, ""), directory is not None))
+            if all(kept for _, kept in nodes):  # else no copies at all: a buddy without memory would never take one
+                self._copies = shards.BuddyCopies(self.client, self.group.rank, [n for n, _ in nodes],
+                                                  directory or Path("."))
         self.group.shut_with_group(before)  # the mesh's subgroups: freed on a failure as the default group is
         self._module, self._optimizer = self.model, self.optimizer
         self.optimizer.register_step_pre_hook(self._commit)

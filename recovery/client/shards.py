@@ -181,18 +181,24 @@ class BuddyCopies:
                 return
 
     def _exchange(self, step: int, shard: int, path: Path) -> None:
+        """One round: the file's size (0: none to send) and bytes to the buddy, the wards' from them. A local error (a
+        file gone, memory full) costs this round's copy, never the round itself: a rank that left it would hold up
+        its ward's next copy, and so that ward's training."""
         sizes = {ward: torch.zeros(2, dtype=torch.int64) for ward in self.wards}
         works = [dist.irecv(size, src=ward, group=self.group) for ward, size in sizes.items()]
-        data = None
+        data = torch.empty(0, dtype=torch.uint8)
         if self.buddy is not None:
-            data = _read(path)
+            try:
+                data = _read(path)
+            except (OSError, RuntimeError) as exc:
+                logger.warning("rank %d: step %d not copied to its buddy: %s", self.rank, step, exc)
             works.append(dist.isend(torch.tensor([data.numel(), shard], dtype=torch.int64), dst=self.buddy,
                                     group=self.group))
         for work in works:
             work.wait()
-        payloads = {ward: torch.empty(int(size[0]), dtype=torch.uint8) for ward, size in sizes.items()}
+        payloads = {ward: torch.empty(int(size[0]), dtype=torch.uint8) for ward, size in sizes.items() if size[0]}
         works = [dist.irecv(payload, src=ward, group=self.group) for ward, payload in payloads.items()]
-        if self.buddy is not None and data is not None:
+        if self.buddy is not None and data.numel():
             works.append(dist.isend(data, dst=self.buddy, group=self.group))
         for work in works:
             work.wait()
@@ -200,9 +206,14 @@ class BuddyCopies:
             ward_shard = int(sizes[ward][1])
             target = self.directory / memory.file_name(step, ward_shard, ward)
             temporary = self.directory / f".held.rank{ward}.{os.getpid()}.tmp"
-            with temporary.open("wb") as file:
-                file.write(memoryview(_view(payload)))
-            os.replace(temporary, target)  # whole or not at all, as a rank's own save
+            try:
+                with temporary.open("wb") as file:
+                    file.write(memoryview(_view(payload)))
+                os.replace(temporary, target)  # whole or not at all, as a rank's own save
+            except OSError as exc:
+                temporary.unlink(missing_ok=True)
+                logger.warning("rank %d: the copy of rank %d's step %d not kept: %s", self.rank, ward, step, exc)
+                continue
             self.client.held_copy(step, [ward_shard], target, ward, keep=KEEP)
 
     def close(self) -> None:
