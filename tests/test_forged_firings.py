@@ -199,3 +199,80 @@ def test_a_refused_early_firing_is_sent_again_no_sooner_than_its_due_time() -> N
     assert table.due(649 * NS) == []
     [again] = table.due(650 * NS)
     assert again.refired_at == 650 * NS and again.due == 600 * NS
+
+
+def test_from_the_logs_sealed_from_on_an_unsealed_firing_is_dead_lettered_before_any_sealed_one() -> None:
+    """The daemon knows from the log stream's metadata where seals begin: no sealed firing needs to come first. What
+    the log held before that sequence (written before daemons recorded it) is judged as it always was."""
+    s = Scenario()
+    timer_id, due = link_down(s)
+    s.now = due + NS
+    envelope = make_envelope("timer.fired", {"timer_id": timer_id, "due": due}, id="old", job="j", source="agent")
+    appended = s.log.append_sync(subjects.job_event("j", "timer.fired"), envelope, headers={MSG_ID: "old"})
+    assert appended.record is not None
+    s.engine.sealed_from = appended.record.seq + 1  # what the log held before it: judged as it always was
+    effects = [effect for effect, _, _, _ in s.recorder.apply(appended.record)]
+    assert not [e for e in effects if isinstance(e, Rejection)] and s.find("fault.confirmed", "j")
+    timer_id, due = link_down_on(s)
+    s.now = due + NS
+    assert not s.engine.firings_sealed
+    [rejection] = fire(s, timer_id, due, ident="forged-later")
+    assert isinstance(rejection, Rejection) and rejection.code == "timer_unsealed"
+    assert "sealed_from" not in s.engine.__getstate__()  # the daemon's to set again, never a snapshot's
+
+
+def test_an_unsealed_overrun_fact_is_dead_lettered_and_skips_no_call_in_a_replay() -> None:
+    """A forged `policy.overran` after the log's seals began is dead-lettered, and the replay's reading of the facts
+    before it applies anything (`overruns_in`) leaves it out: verify finds no divergence where there is none."""
+    from events.kinds import PolicyOverran
+    from recovery.core.overruns import fact_message, overruns_in
+
+    s = Scenario()
+    s.submit("j", ["a"], ranks_per_node=2, dp=2)
+    s.engine.sealed_from = 1
+    fact = PolicyOverran(seq=2, policy="third-party@1", family="rescheduling", method="decide", call=0,
+                         budget_s=1.0)
+    subject, envelope = fact_message("j", fact)
+    appended = s.log.append_sync(subject, envelope, headers={MSG_ID: envelope.id})
+    assert appended.record is not None
+    [rejection] = [e for e, _, _, _ in s.recorder.apply(appended.record)]
+    assert isinstance(rejection, Rejection) and rejection.code == "overrun_unsealed"
+    assert overruns_in(s.log.records(), sealed_from=1) == {}
+    assert len(overruns_in(s.log.records())) == 1  # a log that needs no seal: the fact counts, as it always did
+    sealed_fact = s.log.append_sync(subject, envelope, headers={MSG_ID: SEAL(envelope.id)})
+    assert sealed_fact.record is not None or sealed_fact.duplicate  # the same id: JetStream would drop it too
+
+
+async def test_a_forged_daemon_fact_right_after_the_job_starts_is_dead_lettered_with_no_firing_before_it(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """A new log is sealed from its first record: a `node.silent` for a healthy node and a `policy.overran` published
+    by anyone right after `job.started`, before any timer fired, are dead-lettered and change nothing (they used to
+    confirm a node fault and move its ranks); an offline replay judges them as the daemon did."""
+    from events.kinds import PolicyOverran
+    from recovery.core.overruns import fact_message
+
+    url = nats_server.url
+    async with running_daemon(url, tmp_path / "data") as daemon:
+        await ctl(url, "submit", job="j", spec=spec(["a", "b"], watchdog_interval_s=3600.0))
+        await ctl(url, "inject", type="job.started", job="j")
+        assert daemon.engine.sealed_from == 1 and not daemon.engine.firings_sealed
+        nc, js = await connect(url)
+        try:
+            silent = make_envelope("node.silent", {"silent_s": 30.0, "bound_s": 5.0}, id="forged-silence", node="b",
+                                   source="recovery-daemon/liveness")
+            await js.publish(subjects.node_event("b", "node.silent"), encode_envelope(silent),
+                             headers={MSG_ID: "forged-silence"})
+            subject, overran = fact_message("j", PolicyOverran(seq=1, policy="x@1", family="rescheduling",
+                                                               method="decide", call=0, budget_s=1.0))
+            ack = await js.publish(subject, encode_envelope(overran), headers={MSG_ID: overran.id})
+            await daemon.wait_applied(ack.seq, 10)
+        finally:
+            await nc.close()
+        assert daemon.engine.jobs["j"].state == "running" and daemon.engine.jobs["j"].incident is None
+    records = await read_stream(url)
+    dead = [r.envelope.data for r in records if r.subject.startswith("recovery.dlq.") and isinstance(r, Record)]
+    assert sorted((d.event_id, d.code) for d in dead) == [("forged-silence", "silence_unsealed"),
+                                                         (overran.id, "overrun_unsealed")]
+    assert not [r for r in records if isinstance(r, Record) and r.envelope.type == "decision"
+                and r.envelope.data.kind in ("fault.confirmed", "ranks.rescheduling")]
+    check_log(records)  # the replay, without the stream's metadata, takes where seals began from the dead letters

@@ -71,6 +71,9 @@ class Engine(Progress):
     """the deployment's seal of timer firings, in the daemon (`recovery.core.firings`); never in a snapshot"""
     firings_sealed = False
     """whether the log has held a sealed timer firing: from there on, every firing must be sealed"""
+    sealed_from: int | None = None
+    """the log's first sequence from which every daemon-only record must be sealed, whatever came before (the
+    daemon's, from the log's metadata; None: a replay that does not know it); never in a snapshot"""
     policy_calls: PolicyCalls | None = None
     """where the host runs third-party policies, within a budget (`recovery.plugins`); never in a snapshot"""
     overruns: Mapping[CallKey, PolicyOverranFact] = MappingProxyType({})
@@ -110,7 +113,7 @@ class Engine(Progress):
         # The journal and the last record are about the record just applied, not the engine's state: a
         # snapshot leaves them out (and the envelope models made at import time do not pickle).
         state = {**self.__dict__, "journal": None, "_last": None, "closing": False}
-        state.pop("firing_seal", None)  # the secret stays in the daemon's bucket; the daemon sets it again
+        state.pop("firing_seal", None), state.pop("sealed_from", None)  # the daemon's to set again
         state.pop("policy_calls", None), state.pop("overruns", None)  # the host's, and the log's: set again there
         return state
 

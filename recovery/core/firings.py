@@ -10,7 +10,9 @@ read only the record and the engine's state, so a replay judges every firing as 
   never runs ahead of it (`recovery.service.timers.ServerClock`), so a real firing is never early; one the engine
   refuses is sent again no sooner than its due time (`TimerTable.refused`).
 - **Only from the timer service.** The daemon publishes each firing under its id sealed with an HMAC of a secret
-  only daemons read (`recovery.service.seal`). From the first sealed firing in the log on, a firing whose message id
+  only daemons read (`recovery.service.seal`). From the log's `sealed_from` on (a sequence the daemon records in the
+  log stream's metadata: 1 for a log it created, the one after the last record for a log an older version wrote),
+  and in a replay that does not know it from the first sealed firing in the log on, a firing whose message id
   is not sealed is dead-lettered (`timer_unsealed`); an engine given the deployment's seal (the daemon's) also checks
   the digest (`timer_forged`). Logs made before seals, and drivers that do not seal (`Scenario`, the simulator,
   file logs), hold no sealed firing and replay as they always did. A replay without the secret (`recovery-replay
@@ -21,7 +23,7 @@ read only the record and the engine's state, so a replay judges every firing as 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from events.envelope import EnvelopeBase, RawRecord, Record
@@ -33,9 +35,11 @@ DIGEST_CHARS = 24
 """hex characters of the HMAC a sealed message id ends with (`<id>~<digest>`): 96 bits no publisher guesses"""
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_CHARS}}}")
 
-SEALED_FACTS = {"control.outage": "outage", "node.silent": "silence", "node.heard": "heard"}
-"""the daemon's own facts beside its timer firings (its outages, its liveness monitor's word on a node), by type:
-each sealed as a firing is, and its dead letters coded `<code>_unsealed`, `<code>_forged`"""
+SEALED_FACTS = {"control.outage": "outage", "node.silent": "silence", "node.heard": "heard",
+                "policy.overran": "overrun"}
+"""the daemon's own facts beside its timer firings (its outages, its liveness monitor's word on a node, a
+third-party policy's call it abandoned), by type: each sealed as a firing is, and its dead letters coded
+`<code>_unsealed`, `<code>_forged`"""
 FORGED_FIRING_CODES = ("timer_early", "timer_unsealed", "timer_forged",
                        *(f"{code}_{how}" for code in SEALED_FACTS.values() for how in ("unsealed", "forged")))
 """the dead-letter codes of firings (and of the daemon's other facts, `SEALED_FACTS`) that are not real:
@@ -47,6 +51,7 @@ class FiringState(Protocol):
 
     firing_seal: Callable[[str], str] | None
     firings_sealed: bool
+    sealed_from: int | None
 
     @property
     def timers(self) -> Mapping[str, TimerEntry]: ...
@@ -73,7 +78,7 @@ def admit_firing(engine: FiringState, record: Record | RawRecord, envelope: Enve
         raise Rejected("timer_early", f"timer {data.timer_id} of job {entry[0]} is due at {entry[1]}; a firing at "
                                       f"log time {record.ts} is {(entry[1] - record.ts) / 1e9:.3f}s early and fires "
                                       f"nothing")
-    _check_seal(engine, msg_id, ident, sealed, "timer", "timer.fired", "the timer service")
+    _check_seal(engine, msg_id, ident, sealed, "timer", "timer.fired", "the timer service", record.seq)
 
 
 def admit_fact(engine: FiringState, record: Record | RawRecord, envelope: EnvelopeBase) -> None:
@@ -85,16 +90,40 @@ def admit_fact(engine: FiringState, record: Record | RawRecord, envelope: Envelo
     sealed = sealed_form(msg_id, ident)
     if sealed and not engine.firings_sealed:
         engine.firings_sealed = True  # the daemon seals what it sends: every later firing must be sealed too
-    _check_seal(engine, msg_id, ident, sealed, SEALED_FACTS[envelope.type], envelope.type, "the daemon")
+    _check_seal(engine, msg_id, ident, sealed, SEALED_FACTS[envelope.type], envelope.type, "the daemon", record.seq)
+
+
+def sealed_from_in(records: Iterable[Record | RawRecord]) -> int | None:
+    """For a replay that reads a log without its stream's metadata (an export, a file): the first input the daemon
+    dead-lettered as an unsealed daemon-only record, or None. The log's own `sealed_from` is at or before it, and no
+    unsealed daemon-only record lies between the two (the daemon would have dead-lettered it too): from there on the
+    replay judges as the daemon did."""
+    from events.outputs import Rejection
+    from events.subjects import is_output
+
+    first: int | None = None
+    for record in records:
+        if type(record) is Record and is_output(record.subject) and record.envelope.type == "rejection":
+            data = record.envelope.data
+            if isinstance(data, Rejection) and data.code.endswith("_unsealed") and data.code in FORGED_FIRING_CODES:
+                first = data.seq if first is None else min(first, data.seq)
+    return first
+
+
+def must_be_sealed(engine: FiringState, seq: int) -> bool:
+    """Must a daemon-only record at `seq` be sealed: from the log's `sealed_from` on (the daemon knows it), or once
+    the log held a sealed one (a replay that does not know it reads the log as the daemon did before it was
+    recorded)."""
+    return engine.firings_sealed or (engine.sealed_from is not None and seq >= engine.sealed_from)
 
 
 def _check_seal(engine: FiringState, msg_id: str | None, ident: str, sealed: bool, code: str, type_: str,
-                sender: str) -> None:
+                sender: str, seq: int) -> None:
     if sealed:
         seal = engine.firing_seal
         if seal is not None and msg_id != seal(ident):
             raise Rejected(f"{code}_forged", f"{type_} {ident} was not sent by {sender}: its message id "
                                              f"{msg_id!r} carries a seal that does not verify")
-    elif engine.firings_sealed:
+    elif must_be_sealed(engine, seq):
         raise Rejected(f"{code}_unsealed", f"{type_} {ident} was not sent by {sender}: its message id "
                                            f"{msg_id!r} is not sealed, and the daemon seals every firing")

@@ -81,13 +81,28 @@ def fact_message(job: str, fact: OverranFact) -> tuple[str, EnvelopeBase]:
     return subjects.job_event(job, OVERRAN), make_envelope(OVERRAN, fact, id=ident, job=job, source=FACT_SOURCE)
 
 
-def overruns_in(records: Iterable[Record | RawRecord]) -> dict[CallKey, OverranFact]:
+def overruns_in(records: Iterable[Record | RawRecord], sealed_from: int | None = None) -> dict[CallKey, OverranFact]:
     """Every call the log says was abandoned, for a replay to answer by the built-in. Only a fact about an earlier
-    input counts (a fact is written after the input it is about)."""
+    input counts (a fact is written after the input it is about), and only one the engine admits: sealed, or
+    unsealed where the log needs no seal yet (before `sealed_from` and before its first sealed daemon-only record:
+    `recovery.core.firings`). A forged fact, dead-lettered where it stands, must not skip a call the daemon made."""
+    from recovery.core.firings import MSG_ID, SEALED_FACTS, sealed_form  # firings imports the record, which imports us
+
     found: dict[CallKey, OverranFact] = {}
+    sealing = False
     for record in records:
-        if type(record) is Record and record.envelope.type == OVERRAN and record.envelope.job is not None:
-            fact = record.envelope.data
-            if isinstance(fact, OverranFact) and fact.seq < record.seq:
-                found[key_of(record.envelope.job, fact)] = fact
+        if type(record) is not Record:
+            continue
+        envelope = record.envelope
+        if envelope.type != "timer.fired" and envelope.type not in SEALED_FACTS:
+            continue
+        sealed = sealed_form(record.headers.get(MSG_ID), envelope.id)
+        sealing = sealing or sealed
+        if envelope.type != OVERRAN or envelope.job is None:
+            continue
+        if not sealed and (sealing or (sealed_from is not None and record.seq >= sealed_from)):
+            continue
+        fact = envelope.data
+        if isinstance(fact, OverranFact) and fact.seq < record.seq:
+            found[key_of(envelope.job, fact)] = fact
     return found

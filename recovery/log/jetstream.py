@@ -22,6 +22,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import nats
@@ -390,10 +391,13 @@ def stream_config(
 
 
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
-    """Create the stream, or bring an existing one to `config` (a no-op when it already matches)."""
+    """Create the stream, or bring an existing one to `config` (a no-op when it already matches). The existing
+    stream's metadata is kept beside `config`'s: what a daemon recorded there (`recovery.service.streams`) stays."""
     try:
         return await js.add_stream(config)
     except nats.js.errors.BadRequestError as exc:
         if exc.err_code != 10058:  # stream name already in use with a different configuration
             raise
+    existing = (await js.stream_info(config.name)).config.metadata or {}
+    config = replace(config, metadata={**existing, **(config.metadata or {})})
     return await js.update_stream(config)

@@ -409,7 +409,7 @@ class Daemon(ConnectionEvents):
     async def _ensure_streams(self) -> None:
         js, cfg = self.js, self.cfg
         assert js is not None
-        await ensure_streams(js, cfg, self._retry, once=self.partition is not None)  # a takeover asks no more
+        self.processor.sealed_from = await ensure_streams(js, cfg, self._retry, once=self.partition is not None)
         self.snapshots = SnapshotStore(js, cfg.snapshot_bucket, self.key, cfg.snapshot_chunk_bytes, cfg.replicas)
         await self._retry(self.snapshots.ensure, "snapshot bucket")
         self.processor.seal = await self._retry(lambda: load_seal(js, cfg.snapshot_bucket), "seal")
@@ -435,10 +435,10 @@ class Daemon(ConnectionEvents):
             self.restored_seq = self.clean_seq = opened.last_seq
             self.last_ts = int(manifest.get("ts", 0))
             self.snapshotter.restored(opened.last_seq, manifest)
-        # The engine checks each timer firing's seal with the secret (a snapshot never holds it); before the seal is
-        # loaded there is none to check against, and the engine checks the seal's form only.
+        # The seal's secret (a snapshot never holds it); the engine requires a seal from the log's `sealed_from` on.
         seal = self.processor.seal
         self.engine.firing_seal = seal if isinstance(seal, Seal) else None
+        self.engine.sealed_from = self.processor.sealed_from
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
         logger.info("restored", extra=_fields(snapshot_seq=self.restored_seq, jobs=len(self.engine.jobs),

@@ -76,6 +76,8 @@ class Processor(EffectRouter):
         """ids of effects stored before a restart, found by scanning the streams: routed, not published again"""
         self.seal: Callable[[str], str] = str
         """the message id a decision or dead letter is published under (`recovery.service.seal`)"""
+        self.sealed_from: int | None = None
+        """the log's first sequence from which daemon-only records must be sealed (`recovery.service.streams`)"""
         self.recent: OrderedDict[int, list[Effect]] = OrderedDict()
         """the effects of the control service's inputs, by sequence, for its answers"""
         self.listeners: list[Listener] = []

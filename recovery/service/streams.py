@@ -3,6 +3,8 @@ the configuration at start."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, SubjectTransform
@@ -38,21 +40,40 @@ _ENSURED: set[tuple[str, str, int, int]] = set()
 time, so that another server's log of the same name (a test's, a rebuilt deployment's) is checked again"""
 
 
-async def ensure_streams(js: JetStreamContext, cfg: DaemonConfig, retry: Retry, *, once: bool = False) -> None:
+SEALED_FROM = "recovery_sealed_from"
+"""the log stream's metadata key: the first sequence from which every record only the daemon may write must carry the
+deployment's seal (`recovery.core.firings`). A new log's is 1; a log that held records before daemons recorded it
+(written by an older version) gets the sequence after its last, so that what it held replays as it was decided."""
+
+
+async def sealed_from(js: JetStreamContext, cfg: DaemonConfig) -> int:
+    """The log's `SEALED_FROM`, recorded now if the log has none (its stream's metadata, kept by every update)."""
+    info = await js.stream_info(cfg.stream)
+    metadata = dict(info.config.metadata or {})
+    if SEALED_FROM not in metadata:
+        metadata[SEALED_FROM] = str(info.state.last_seq + 1)
+        info = await js.update_stream(replace(info.config, metadata=metadata))
+        metadata = dict(info.config.metadata or {})
+    return int(metadata[SEALED_FROM])
+
+
+async def ensure_streams(js: JetStreamContext, cfg: DaemonConfig, retry: Retry, *, once: bool = False) -> int:
     """Create both streams, or bring them to `cfg`, retrying through an outage. A log that already holds
     messages under another partitioning is refused: its jobs' state lives in partitions that would move.
 
     `once`: the log's partitioning is checked, and the rest not again if this process made sure of the same log
     already. A partition taken over is a takeover's wait, and each creation request is answered by the cluster's
-    meta leader, busiest then; the first partition this process served made sure of the same configuration."""
+    meta leader, busiest then; the first partition this process served made sure of the same configuration.
+    Returns the log's `SEALED_FROM`."""
     created = await retry(lambda: check_partitioning(js, cfg), "log stream")
     key = (str(created), cfg.command_stream, cfg.partitions, cfg.replicas)
-    if once and created is not None and key in _ENSURED:
-        return
-    await retry(lambda: ensure_stream(js, log_config(cfg)), "log stream")
-    await retry(lambda: ensure_stream(js, command_config(cfg)), "command stream")
-    if created is not None:
-        _ENSURED.add(key)
+    if not (once and created is not None and key in _ENSURED):
+        await retry(lambda: ensure_stream(js, log_config(cfg)), "log stream")
+        await retry(lambda: ensure_stream(js, command_config(cfg)), "command stream")
+        if created is not None:
+            _ENSURED.add(key)
+    first: int = await retry(lambda: sealed_from(js, cfg), "log stream")
+    return first
 
 
 async def check_partitioning(js: JetStreamContext, cfg: DaemonConfig) -> object:
