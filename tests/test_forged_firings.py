@@ -276,3 +276,30 @@ async def test_a_forged_daemon_fact_right_after_the_job_starts_is_dead_lettered_
     assert not [r for r in records if isinstance(r, Record) and r.envelope.type == "decision"
                 and r.envelope.data.kind in ("fault.confirmed", "ranks.rescheduling")]
     check_log(records)  # the replay, without the stream's metadata, takes where seals began from the dead letters
+
+
+async def test_a_log_written_before_seals_were_recorded_is_sealed_after_its_last_record_and_keeps_it(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """A log stream an older version made (no metadata) is sealed from the record after its last: what it held is
+    judged as it was decided. The value stays through every later start, whatever updates the stream."""
+    from recovery.log.jetstream import ensure_stream
+    from recovery.service import config as config_mod
+    from recovery.service.streams import SEALED_FROM, ensure_streams, log_config, sealed_from
+
+    cfg = config_mod.load(nats_url=nats_server.url, http_port=-1, data_dir=tmp_path / "d")
+    nc, js = await connect(nats_server.url)
+    try:
+        await ensure_stream(js, log_config(cfg))  # as an older version made it
+        for i in range(3):
+            envelope = make_envelope("node.heartbeat", {}, id=f"old-{i}", node="a", source="agent")
+            await js.publish(subjects.node_event("a", "node.heartbeat"), encode_envelope(envelope),
+                             headers={MSG_ID: f"old-{i}"})
+
+        async def once(op: object, what: str) -> object:
+            return await op()  # type: ignore[operator]
+
+        assert await sealed_from(js, cfg) == 4
+        assert await ensure_streams(js, cfg, once) == 4  # the stream brought to the configuration again: kept
+        assert (await js.stream_info(cfg.stream)).config.metadata[SEALED_FROM] == "4"
+    finally:
+        await nc.close()
