@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events import subjects
 from events.codec import encode_envelope
@@ -21,7 +23,7 @@ from recovery.service.seal import Seal
 from recovery.service.timers import timer_messages
 from recovery.testing import Scenario
 from recovery.testing.nats import NatsServer
-from tests.daemon_support import async_wait_for, check_log, connect, read_stream, running_daemon
+from tests.daemon_support import async_wait_for, check_log, connect, dumps, read_stream, running_daemon
 from tests.test_daemon import ctl, spec
 from tests.test_replay_cli import run_cli
 
@@ -303,3 +305,91 @@ async def test_a_log_written_before_seals_were_recorded_is_sealed_after_its_last
         assert (await js.stream_info(cfg.stream)).config.metadata[SEALED_FROM] == "4"
     finally:
         await nc.close()
+
+
+async def test_a_node_that_never_joined_cannot_be_invented_and_a_slice_of_the_log_replays_as_the_daemon_judged(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """A `device.fault` from a node nobody placed a job on and whose agent never started (`ä`) is dead-lettered
+    `unknown_node` and adds no node to the cluster view; once the node's agent says it is ready, its events count. A
+    replay of the whole log, or of a slice that starts after the node's start, judges each as the daemon did."""
+    from recovery.log.recorder import replay
+
+    url = nats_server.url
+    async with running_daemon(url, tmp_path / "data") as daemon:
+        nc, js = await connect(url)
+        try:
+            async def node_event(node: str, kind: str, data: dict[str, object], ident: str) -> int:
+                envelope = make_envelope(kind, data, id=ident, node=node, source="agent")
+                return (await js.publish(subjects.node_event(node, kind), encode_envelope(envelope),
+                                         headers={MSG_ID: ident})).seq
+
+            fault = {"device": 0, "vendor": "nvidia", "code": "79"}
+            await node_event("ä", "device.fault", fault, "invented")
+            await node_event("n9", "node.ready", {}, "n9-ready")
+            last = await node_event("n9", "device.fault", fault, "n9-fault")
+            await daemon.wait_applied(last, 10)
+        finally:
+            await nc.close()
+        assert "ä" not in daemon.engine.cluster.nodes and "n9" in daemon.engine.cluster.nodes
+        assert daemon.engine.cluster.nodes["n9"].bad_devices == {0}
+    records = await read_stream(url)
+    dead = [r.envelope.data for r in records if r.subject.startswith("recovery.dlq.") and isinstance(r, Record)]
+    assert [(d.event_id, d.code) for d in dead] == [("invented", "unknown_node")]
+    check_log(records)
+    ready_at = next(r.seq for r in records if isinstance(r, Record) and r.envelope.id == "n9-ready")
+    sliced = replay([r for r in records if r.seq > ready_at])  # n9's start is not in it: its fault still counts
+    assert [(r.event_id, r.code) for r in sliced.rejections] == []
+
+
+FORGERIES = [
+    ("timer.fired", "job", {"timer_id": "j/watchdog/0", "due": 1}, "timer_unsealed"),
+    ("node.silent", "node", {"silent_s": 30.0, "bound_s": 5.0}, "silence_unsealed"),
+    ("node.heard", "node", {"silent_s": 1.0}, "heard_unsealed"),
+    ("control.outage", "job", {"away_s": 60.0, "bound_s": 30.0}, "outage_unsealed"),
+    ("device.fault", "stranger", {"device": 0, "vendor": "nvidia", "code": "79"}, "unknown_node"),
+    ("network.link_down", "stranger", {"link": "mlx5_0"}, "unknown_node"),
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(FORGERIES) - 1), st.sampled_from(["a", "b", "z9", "ä"])),
+                min_size=1, max_size=12),
+       st.integers(0, 3))
+def test_hostile_daemon_records_and_invented_nodes_from_a_logs_first_record_change_nothing(
+        forgeries: list[tuple[int, str]], started_after: int) -> None:
+    """A log sealed from its first record: forged daemon-only records and events of nodes that never joined, before
+    and after a job starts, are each dead-lettered with its code, change no state, and a replay that reads the log
+    without its metadata judges every one as the daemon did."""
+    from recovery.log.recorder import replay
+
+    s = Scenario()
+    s.engine.sealed_from = s.engine.nodes_from = 1
+
+    def state() -> dict[str, object]:
+        return {k: v for k, v in s.engine.snapshot().items() if k != "last_seq"}  # a rejection is a record too
+
+    before = state()
+    for index, (which, node) in enumerate(forgeries):
+        if index == started_after:
+            s.submit("j", ["a", "b"], ranks_per_node=2, dp=4)
+            before = state()
+        kind, scope, data, code = FORGERIES[which]
+        if kind == "control.outage" and "j" not in s.engine.jobs:
+            continue  # a job event of no job is refused as unknown first
+        if scope == "job" and "j" in s.engine.jobs:
+            envelope = make_envelope(kind, data, id=f"forged-{index}", job="j", source="agent")
+            subject = subjects.job_event("j", kind)
+        elif scope == "job":
+            continue
+        else:
+            target = node if scope == "node" else f"stranger-{node}"  # a daemon fact's seal is judged first
+            envelope = make_envelope(kind, data, id=f"forged-{index}", node=target, source="agent")
+            subject = subjects.node_event(target, kind)
+        appended = s.log.append_sync(subject, envelope, headers={MSG_ID: envelope.id})
+        assert appended.record is not None
+        effects = [effect for effect, _, _, _ in s.recorder.apply(appended.record)]
+        assert [(type(e).__name__, getattr(e, "code", None)) for e in effects] == [("Rejection", code)], effects
+        assert state() == before
+    replayed = replay(s.log.records())
+    assert [dumps(r) for r in replayed.rejections] == [dumps(r) for r in replayed.recorded_rejections]
+    assert replayed.engine.snapshot() == s.engine.snapshot()

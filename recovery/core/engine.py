@@ -40,7 +40,7 @@ from recovery.core.cluster import ClusterView
 from recovery.core.containment import contain
 from recovery.core.detection import Detection
 from recovery.core.failures import exit_text, note_exit, stop_like
-from recovery.core.firings import SEALED_FACTS, admit_fact, admit_firing
+from recovery.core.firings import JOINS, SEALED_FACTS, admit_fact, admit_firing, unknown_node
 from recovery.core.incidents import MAX_PLANS_PER_RECORD, Incidents
 from recovery.core.job import DEDUPE_WINDOW, Job, hungry
 from recovery.core.journal import Journal
@@ -74,6 +74,10 @@ class Engine(Progress):
     sealed_from: int | None = None
     """the log's first sequence from which every daemon-only record must be sealed, whatever came before (the
     daemon's, from the log's metadata; None: a replay that does not know it); never in a snapshot"""
+    nodes_from: int | None = None
+    """the daemon's: from this sequence on, a node event of a node that never joined is dead-lettered"""
+    unknown_nodes_at: frozenset[int] = frozenset()
+    """a replay's: the inputs the daemon dead-lettered `unknown_node` (`recovery.core.firings.unknown_nodes_in`)"""
     policy_calls: PolicyCalls | None = None
     """where the host runs third-party policies, within a budget (`recovery.plugins`); never in a snapshot"""
     overruns: Mapping[CallKey, PolicyOverranFact] = MappingProxyType({})
@@ -113,7 +117,7 @@ class Engine(Progress):
         # The journal and the last record are about the record just applied, not the engine's state: a
         # snapshot leaves them out (and the envelope models made at import time do not pickle).
         state = {**self.__dict__, "journal": None, "_last": None, "closing": False}
-        state.pop("firing_seal", None), state.pop("sealed_from", None)  # the daemon's to set again
+        state.pop("firing_seal", None), state.pop("sealed_from", None), state.pop("nodes_from", None)  # the daemon's
         state.pop("policy_calls", None), state.pop("overruns", None)  # the host's, and the log's: set again there
         return state
 
@@ -315,6 +319,9 @@ class Engine(Progress):
                                                   f"expected {node_event(env.node, type_)!r}")
             if env.id in self._node_seen:
                 raise Rejected("duplicate", f"event id {env.id!r} already applied")
+            if env.node not in self.cluster.nodes and type_ not in JOINS and unknown_node(self, out.seq):
+                raise Rejected("unknown_node", f"{type_} from node {env.node!r}, which never joined: no node.joined "
+                                               f"or node.ready (its agent's start), no job placed on it")
             self.guard(None)
             self._node_event(out, env.node, type_, env.data)
             self._remember(self._node_seen, env.id, NODE_DEDUPE_WINDOW)

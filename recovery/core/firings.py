@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from events.envelope import EnvelopeBase, RawRecord, Record
 from recovery.core.record import Rejected
@@ -108,6 +108,28 @@ def sealed_from_in(records: Iterable[Record | RawRecord]) -> int | None:
             if isinstance(data, Rejection) and data.code.endswith("_unsealed") and data.code in FORGED_FIRING_CODES:
                 first = data.seq if first is None else min(first, data.seq)
     return first
+
+
+JOINS = frozenset(("node.joined", "node.ready"))
+"""how a node becomes known: a spare's agent joins, a job node's agent says it is ready as it starts"""
+
+
+def unknown_node(engine: Any, seq: int) -> bool:
+    """Is a node event at `seq` from a node the engine's cluster view has never seen to be dead-lettered? In the
+    daemon, from the log's `nodes_from` on (where its seals begin: what an older version accepted replays as it was);
+    in a replay, exactly where the daemon did (`unknown_nodes_in`): a replay of a slice of the log lacks the joins
+    before the slice, and must not refuse what the daemon knew."""
+    return (engine.nodes_from is not None and seq >= engine.nodes_from) or seq in engine.unknown_nodes_at
+
+
+def unknown_nodes_in(records: Iterable[Record | RawRecord]) -> frozenset[int]:
+    """The inputs the daemon dead-lettered as events of a node that never joined."""
+    from events.outputs import Rejection
+    from events.subjects import is_output
+
+    return frozenset(record.envelope.data.seq for record in records
+                     if type(record) is Record and is_output(record.subject) and record.envelope.type == "rejection"
+                     and isinstance(record.envelope.data, Rejection) and record.envelope.data.code == "unknown_node")
 
 
 def must_be_sealed(engine: FiringState, seq: int) -> bool:

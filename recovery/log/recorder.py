@@ -16,7 +16,7 @@ from events.kinds import PolicyOverran as PolicyOverranFact
 from events.outputs import Decision, Rejection
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Effect, Engine
-from recovery.core.firings import sealed_from_in
+from recovery.core.firings import sealed_from_in, unknown_nodes_in
 from recovery.core.overruns import CallKey, OverranFact, fact_message, overruns_in
 from recovery.core.router import EffectRouter
 from recovery.core.timers import TimerTable
@@ -100,6 +100,7 @@ def replay(records: Iterable[Record | RawRecord], engine: Engine | None = None,
         records = records if isinstance(records, list | tuple) else list(records)
         if engine.sealed_from is None:  # where the daemon's seals began, as its dead letters say
             engine.sealed_from = sealed_from_in(records)
+        engine.unknown_nodes_at = unknown_nodes_in(records)
         overruns = overruns_in(records, engine.sealed_from)
     if overruns:  # calls the run abandoned: answered by the built-in here too, however long they would take
         engine.overruns = overruns

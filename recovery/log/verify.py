@@ -19,7 +19,7 @@ from events.subjects import PREFIX, is_output
 from policies import registry
 from recovery.core.effects import apply_encoded
 from recovery.core.engine import Engine
-from recovery.core.firings import FORGED_FIRING_CODES, sealed_from_in
+from recovery.core.firings import FORGED_FIRING_CODES, sealed_from_in, unknown_nodes_in
 from recovery.core.overruns import CallKey, OverranFact, overruns_in
 from recovery.log.export import ExportHeader, rejection_jobs
 from recovery.log.recorder import Replay, decision_order, rejection_order
@@ -99,6 +99,7 @@ def replay_log(located: Iterable[Located], engine: Engine | None = None, job: st
         located = located if isinstance(located, list | tuple) else list(located)
         if engine.sealed_from is None:  # where the daemon's seals began, as its dead letters say
             engine.sealed_from = sealed_from_in(record for _, record in located)
+        engine.unknown_nodes_at = unknown_nodes_in(record for _, record in located)
         overruns = overruns_in((record for _, record in located), engine.sealed_from)
     if overruns:  # calls the daemon abandoned: answered by the built-in here too, however long they would take
         engine.overruns = overruns

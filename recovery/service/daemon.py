@@ -438,7 +438,7 @@ class Daemon(ConnectionEvents):
         # The seal's secret (a snapshot never holds it); the engine requires a seal from the log's `sealed_from` on.
         seal = self.processor.seal
         self.engine.firing_seal = seal if isinstance(seal, Seal) else None
-        self.engine.sealed_from = self.processor.sealed_from
+        self.engine.sealed_from = self.engine.nodes_from = self.processor.sealed_from
         self.processor.timers.load(self.engine.timers)
         self.metrics.restored_seq.set(self.restored_seq)
         logger.info("restored", extra=_fields(snapshot_seq=self.restored_seq, jobs=len(self.engine.jobs),
