@@ -85,15 +85,21 @@ def overruns_in(records: Iterable[Record | RawRecord], sealed_from: int | None =
     """Every call the log says was abandoned, for a replay to answer by the built-in. Only a fact about an earlier
     input counts (a fact is written after the input it is about), and only one the engine admits: sealed, or
     unsealed where the log needs no seal yet (before `sealed_from` and before its first sealed daemon-only record:
-    `recovery.core.firings`). A forged fact, dead-lettered where it stands, must not skip a call the daemon made."""
+    `recovery.core.firings`), and not dead-lettered by the daemon (a seal's form on a forged digest, which only the
+    daemon's secret tells). A forged fact must not skip a call the daemon made."""
+    from events.subjects import is_output
     from recovery.core.firings import MSG_ID, SEALED_FACTS, sealed_form  # firings imports the record, which imports us
 
-    found: dict[CallKey, OverranFact] = {}
+    found: dict[int, tuple[CallKey, OverranFact]] = {}  # by the fact's own record
+    refused: set[int] = set()  # inputs the daemon dead-lettered
     sealing = False
     for record in records:
         if type(record) is not Record:
             continue
         envelope = record.envelope
+        if envelope.type == "rejection" and is_output(record.subject):
+            refused.add(getattr(envelope.data, "seq", -1))
+            continue
         if envelope.type != "timer.fired" and envelope.type not in SEALED_FACTS:
             continue
         sealed = sealed_form(record.headers.get(MSG_ID), envelope.id)
@@ -104,5 +110,5 @@ def overruns_in(records: Iterable[Record | RawRecord], sealed_from: int | None =
             continue
         fact = envelope.data
         if isinstance(fact, OverranFact) and fact.seq < record.seq:
-            found[key_of(envelope.job, fact)] = fact
-    return found
+            found[record.seq] = (key_of(envelope.job, fact), fact)
+    return dict(entry for seq, entry in found.items() if seq not in refused)
