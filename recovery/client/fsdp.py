@@ -210,6 +210,17 @@ class ShardedTraining(Training):
             self._copies.copy(at, shard, path)
         return path
 
+    def run(self, train: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`ddp.Training.run`; then the last copy to the buddy ends (its peer sends or takes it too: every rank saved
+        the same steps) before the script destroys the process group, which would abort a thread still inside it."""
+        try:
+            return super().run(train, *args, **kwargs)
+        finally:
+            if self._copies is not None:
+                self._copies.wait(shards.COPY_JOIN_S * 3)
+                self._copies.close()
+                self._copies = None
+
     def _save_due(self, step: int) -> None:
         if step % self.save_every == 0:
             self.save_async(step)

@@ -163,9 +163,9 @@ class BuddyCopies:
         self._idle.clear()
         self._queue.put((step, shard, path))
 
-    def wait(self) -> None:
-        """Until the copy under way, if any, is done (or failed)."""
-        self._idle.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the copy under way, if any, is done (or failed); False if `timeout` passed first."""
+        return self._idle.wait(timeout)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -217,7 +217,8 @@ class BuddyCopies:
             self.client.held_copy(step, [ward_shard], target, ward, keep=KEEP)
 
     def close(self) -> None:
-        """Stop the thread (its group is shut or about to be destroyed)."""
+        """Stop the thread (its group is shut or about to be destroyed). A thread still inside a collective when the
+        process group is destroyed, or when the interpreter exits, aborts the process: it ends first."""
         self._queue.put(None)
         self._thread.join(COPY_JOIN_S)
 

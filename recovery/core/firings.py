@@ -22,28 +22,13 @@ read only the record and the engine's state, so a replay judges every firing as 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from events.envelope import EnvelopeBase, RawRecord, Record
 from recovery.core.record import Rejected
+from recovery.core.seals import FORGED_FIRING_CODES, MSG_ID, SEALED_FACTS, sealed_form
 from recovery.core.timers import TimerEntry
-
-MSG_ID = "Nats-Msg-Id"
-DIGEST_CHARS = 24
-"""hex characters of the HMAC a sealed message id ends with (`<id>~<digest>`): 96 bits no publisher guesses"""
-_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_CHARS}}}")
-
-SEALED_FACTS = {"control.outage": "outage", "node.silent": "silence", "node.heard": "heard",
-                "policy.overran": "overrun"}
-"""the daemon's own facts beside its timer firings (its outages, its liveness monitor's word on a node, a
-third-party policy's call it abandoned), by type: each sealed as a firing is, and its dead letters coded
-`<code>_unsealed`, `<code>_forged`"""
-FORGED_FIRING_CODES = ("timer_early", "timer_unsealed", "timer_forged",
-                       *(f"{code}_{how}" for code in SEALED_FACTS.values() for how in ("unsealed", "forged")))
-"""the dead-letter codes of firings (and of the daemon's other facts, `SEALED_FACTS`) that are not real:
-`recovery-replay verify` reports every one"""
 
 
 class FiringState(Protocol):
@@ -55,12 +40,6 @@ class FiringState(Protocol):
 
     @property
     def timers(self) -> Mapping[str, TimerEntry]: ...
-
-
-def sealed_form(msg_id: str | None, ident: str) -> bool:
-    """Whether `msg_id` is `ident` followed by a seal's digest (whether the digest is right needs the secret)."""
-    return (msg_id is not None and len(msg_id) == len(ident) + 1 + DIGEST_CHARS and msg_id.startswith(ident)
-            and msg_id[len(ident)] == "~" and _DIGEST.fullmatch(msg_id, len(ident) + 1) is not None)
 
 
 def admit_firing(engine: FiringState, record: Record | RawRecord, envelope: EnvelopeBase) -> None:
@@ -118,7 +97,10 @@ def unknown_node(engine: Any, seq: int) -> bool:
     """Is a node event at `seq` from a node the engine's cluster view has never seen to be dead-lettered? In the
     daemon, from the log's `nodes_from` on (where its seals begin: what an older version accepted replays as it was);
     in a replay, exactly where the daemon did (`unknown_nodes_in`): a replay of a slice of the log lacks the joins
-    before the slice, and must not refuse what the daemon knew."""
+    before the slice, and must not refuse what the daemon knew. Not with several partitions: each hears every node's
+    events but knows only the nodes of its own jobs and spares, and the one that owns the node applies them."""
+    if engine.partition is not None:
+        return False
     return (engine.nodes_from is not None and seq >= engine.nodes_from) or seq in engine.unknown_nodes_at
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from events import subjects
 from events.envelope import EnvelopeBase, RawRecord, Record, make_envelope
 from events.kinds import PolicyOverran as OverranFact
+from recovery.core.seals import MSG_ID, SEALED_FACTS, sealed_form
 
 CallKey = tuple[int, str, str, str, int]
 """(input seq, job, family, method, call): one call of a job's policy within one input's handling"""
@@ -88,7 +89,6 @@ def overruns_in(records: Iterable[Record | RawRecord], sealed_from: int | None =
     `recovery.core.firings`), and not dead-lettered by the daemon (a seal's form on a forged digest, which only the
     daemon's secret tells). A forged fact must not skip a call the daemon made."""
     from events.subjects import is_output
-    from recovery.core.firings import MSG_ID, SEALED_FACTS, sealed_form  # firings imports the record, which imports us
 
     found: dict[int, tuple[CallKey, OverranFact]] = {}  # by the fact's own record
     refused: set[int] = set()  # inputs the daemon dead-lettered

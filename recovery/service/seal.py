@@ -19,7 +19,7 @@ import os
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from recovery.core.firings import DIGEST_CHARS  # the engine checks a firing's seal by its form too
+from recovery.core.seals import DIGEST_CHARS  # the engine checks a firing's seal by its form too
 
 SEAL_KEY = "_seal.secret"
 """the secret's key in the snapshot bucket (a partition's keys are `<partition>` and `<partition>.<slot>.<n>`)"""
