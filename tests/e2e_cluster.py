@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -146,6 +147,32 @@ async def run_job(cluster: Cluster, job: str, fault: Any = None, nodes: list[str
     finally:
         await nc.close()
     return w, torch.load(out)
+
+
+async def through_a_fault(cluster: Cluster, nc: Any, w: JobWatch, job: str, spec: dict[str, Any], out: Path,
+                          fault: Any, explain: Any, fault_at: int, timeout_s: float) -> None:
+    """Submit `spec` as `job`, let `fault(w, explain)` strike once every rank of 4 passed `fault_at`, wait for the job
+    to complete and write `out`; every process it started is the cluster's to stop, and any left is killed here."""
+    try:
+        await submit(nc, job, spec)
+        await wait_until(lambda: all(w.step(r) >= fault_at for r in range(4)), timeout_s,
+                         f"{job} to train {fault_at} steps", explain)
+        if fault is not None:
+            await fault(w, explain)
+        await wait_until(lambda: "job.completed" in w.kinds() and out.exists(), timeout_s, f"{job} to complete",
+                         explain)
+    finally:
+        pids = [pid for pids in w.pids().values() for pid in pids]
+        cluster.started.extend(pids)
+        kill_leftovers([pid for pid in pids if _running(pid)])
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def fault_free_run(cluster: Cluster, job: str = "fault-free") -> dict[str, Any]:

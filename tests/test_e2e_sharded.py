@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from recovery.agent.memory import memory_root
-from tests.e2e_cluster import Cluster, start_cluster
-from tests.e2e_support import JobWatch, connect, environment, kill_leftovers, submit, wait_until, watch
+from tests.e2e_cluster import Cluster, start_cluster, through_a_fault
+from tests.e2e_support import JobWatch, connect, environment, kill_leftovers, wait_until, watch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "fsdp" / "train.py"
@@ -81,16 +81,9 @@ async def run_job(cluster: Cluster, job: str, nodes: list[str], fault: Fault | N
         return f"--- decisions of {job}: {decisions}\n--- pids: {w.pids()}\n{cluster.explain(job)}"
 
     try:
-        await submit(nc, job, spec(cluster, job, out, storage, nodes, replicas, extra))
-        await wait_until(lambda: all(w.step(r) >= FAULT_AT_STEP for r in range(4)), RUN_TIMEOUT_S,
-                         f"{job} to train {FAULT_AT_STEP} steps", explain)
-        if fault is not None:
-            await fault(w, explain)
-        await wait_until(lambda: "job.completed" in w.kinds() and out.exists(), RUN_TIMEOUT_S, f"{job} to complete",
-                         explain)
+        await through_a_fault(cluster, nc, w, job, spec(cluster, job, out, storage, nodes, replicas, extra), out,
+                              fault, explain, FAULT_AT_STEP, RUN_TIMEOUT_S)
     finally:
-        cluster.started.extend(pid for pids in w.pids().values() for pid in pids)
-        kill_leftovers([pid for pids in w.pids().values() for pid in pids])
         await nc.close()
     return w, torch.load(out), storage
 
