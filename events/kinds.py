@@ -392,6 +392,20 @@ class NodeHeard(Frozen):
                                                        "when it knows")
 
 
+class NodeUnreachable(Frozen):
+    """The daemon asked the node's agent whether it lives (a request on `recovery.probe.<node>`, core NATS) and NATS
+    answered that nothing listens there, twice, `confirm_s` apart: the agent's connection is gone, and with it every
+    report of its ranks. Asked because something suggested a loss (`cause`): a survivor's process group lost a peer's
+    connection, or an incident of a job on the node began. The engine's detection policy may take it as the agent's
+    silence past any bound (the default does: `DefaultDetectionParams.unreachable_is_lost`). A probe that merely went
+    unanswered is not this record: a slow agent is no lost one, and the silence bound decides. Only the daemon sends
+    it, sealed (`recovery.core.firings`)."""
+
+    cause: Text = Field("", max_length=256, description="what made the daemon ask: the survivor's report or the "
+                                                        "incident")
+    confirm_s: Seconds = Field(0, description="the time between the two probes nothing answered")
+
+
 # --- job lifecycle ----------------------------------------------------------------------------------
 class JobSubmitted(Frozen):
     spec: JobSpec
@@ -560,5 +574,6 @@ NODE_EVENTS: dict[str, type[Frozen]] = {
     "node.heartbeat": NodeHeartbeat,
     "node.silent": NodeSilent,
     "node.heard": NodeHeard,
+    "node.unreachable": NodeUnreachable,
 }
 """Event types that concern one node: the envelope carries `node`."""

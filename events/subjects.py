@@ -67,6 +67,18 @@ def live(node: str) -> str:
 
 
 
+def probe(node: str) -> str:
+    """The core-NATS subject a node's agent answers on, whatever its liveness mode: the daemon asks it when something
+    suggests the node is lost, and NATS's "no responders" says at once that no agent listens (`node.unreachable`)."""
+    return f"{PREFIX}.probe.{node}"
+
+
+def suspect(node: str) -> str:
+    """The core-NATS subject on which a node's agent says that a rank it runs lost a peer's connection (the peer's
+    process or host is gone, maybe with its agent): the daemon then probes the job's nodes (`SUSPECTS`)."""
+    return f"{PREFIX}.suspect.{node}"
+
+
 def reports(node: str) -> str:
     """The core-NATS subject of a node's periodic progress reports (`recovery-agent` with `progress = "summary"`): no
     stream captures it; the daemon folds what it hears into one `progress.summary` per job per period (`REPORTS`)."""
@@ -113,6 +125,7 @@ def command_msg_id(command_id: str, node: str) -> str:
 
 EVENTS = f"{PREFIX}.ev.>"
 LIVE = f"{PREFIX}.live.*"
+SUSPECTS = f"{PREFIX}.suspect.*"
 REPORTS = f"{PREFIX}.progress.*"
 DECISIONS = f"{PREFIX}.dec.>"
 DEAD_LETTERS = f"{PREFIX}.dlq.>"

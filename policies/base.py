@@ -177,11 +177,12 @@ class WatchdogView:
     ranks, ...)`, as tests do) has its columns made from them. Read-only: a policy never changes what it is shown."""
 
     __slots__ = ("_ranks", "agents_heard", "compute_ns", "compute_steps", "last_progress", "last_seen", "nodes", "now",
-                 "ranks_per_node", "recovering", "sdk", "step_time_ns", "steps")
+                 "ranks_per_node", "recovering", "sdk", "step_time_ns", "steps", "unreachable")
 
     def __init__(self, now: int, step_time_ns: int | None, ranks: Sequence[RankActivity] = (),
                  nodes: tuple[str, ...] = (), ranks_per_node: int = 1, agents_heard: tuple[int | None, ...] = (),
-                 sdk: bool = True, *, columns: RankColumns | None = None, recovering: bool = False) -> None:
+                 sdk: bool = True, *, columns: RankColumns | None = None, recovering: bool = False,
+                 unreachable: frozenset[int] = frozenset()) -> None:
         self.now = now
         self.step_time_ns = step_time_ns
         self.nodes = nodes
@@ -189,6 +190,9 @@ class WatchdogView:
         self.ranks_per_node = ranks_per_node
         self.agents_heard = agents_heard
         """per node of `nodes`, log time of its agent's last heartbeat (None: its agent sends none); empty: unknown"""
+        self.unreachable = unreachable
+        """indices in `nodes` of the nodes whose agent nothing listened for when the daemon asked (`node.unreachable`),
+        since no sign of life: gone, to a policy that trusts NATS's word over its own silence bound"""
         self.sdk = sdk
         """the job's script reports through the SDK (some rank sent a heartbeat or a step): its ranks' silence and
         stalls mean something. False: a stock script, which sends neither; only its processes' exits and its agents'

@@ -53,6 +53,9 @@ class DefaultDetectionParams(Params):
     nic_error_threshold: PositiveCount = 100
     agent_silence_s: Interval = Field(5.0, description="a node whose agent sent heartbeats and then none for this "
                                                       "long is gone, with its ranks: 1 ms .. 30 days")
+    unreachable_is_lost: Flag = Field(True, description="a node whose agent nothing listened for when the daemon "
+                                                        "asked (`node.unreachable`: NATS said so twice) is gone at "
+                                                        "once, as one silent past `agent_silence_s`")
     hang_min_silence_s: Interval = Field(10.0, description="a rank silent this long at least hangs: 1 ms .. 30 days")
     hang_silence_factor: Factor = Field(5.0, description="... or this many step times if longer: (0, 1000]")
     stall_min_s: Interval = Field(60.0, description="no rank advancing this long at least is a stall: 1 ms .. 30 days")
@@ -97,6 +100,7 @@ class DefaultDetection(DetectionPolicyBase):
     # node is drained (a loss check is no new version: no log before it holds a loss, so no decision of one
     # changes); 9: a rank's collective timeout with every rank alive is a network fault of the job (a retry first);
     # 10: a node that joins again (rebooted, repaired) clears its pending not-ready suspicion, as a ready one does
+    # (an unreachable node is gone at once: no new version either, no log before it holds a `node.unreachable`)
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -301,14 +305,19 @@ class DefaultDetection(DetectionPolicyBase):
         stall = (max(int(p.stall_min_s * NS), int(p.stall_factor * step_time)) if view.step_time_ns
                  else int(p.first_steps_s * NS))
         lost = _silent_agents(view, int(p.agent_silence_s * NS))
-        if lost:
-            # Everything a node's ranks say goes through its agent: with the agent silent they are as good as gone,
-            # whether the host died or only the agent did. Move them now.
+        unreachable = sorted(view.unreachable.difference(lost)) if p.unreachable_is_lost else []
+        if lost or unreachable:
+            # Everything a node's ranks say goes through its agent: with the agent silent (or nothing listening for
+            # it) they are as good as gone, whether the host died or only the agent did. Move them now.
+            lost = sorted((*lost, *unreachable))
             names = [view.nodes[i] for i in lost]
             rpn = view.ranks_per_node
             ranks = tuple(r for i in lost for r in range(i * rpn, (i + 1) * rpn) if r < view.world)
-            return [Fault(f"agent of {', '.join(names)} silent for more than {p.agent_silence_s:g}s: the host or "
-                          f"its agent is gone", FaultClass.NODE, "node", ranks, names[0] if len(names) == 1 else None)]
+            how = (f"silent for more than {p.agent_silence_s:g}s" if not unreachable else
+                   "unreachable (nothing listens for it)" if len(unreachable) == len(lost) else
+                   f"silent for more than {p.agent_silence_s:g}s or unreachable")
+            return [Fault(f"agent of {', '.join(names)} {how}: the host or its agent is gone", FaultClass.NODE,
+                          "node", ranks, names[0] if len(names) == 1 else None)]
         if not view.sdk or view.recovering:
             # A stock script sends no heartbeats and reports no steps: its silence is no sign of a hang. Its exits
             # and its agents' heartbeats are what tell of it. Nor is a recovering job's: its ranks are being

@@ -160,6 +160,9 @@ async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_
     seen = f"pids {pids}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
     assert all(len(pids[r]) == 1 for r in (2, 3)), seen  # the surviving node's processes were kept
     assert all(len(pids[r]) == 2 for r in (0, 1)), seen
+    # found when a survivor lost its peers' connections: the daemon asked n0's agent, and nothing listened for it
+    faults = [d["data"].get("reason", "") for d in w.decided("fault.confirmed")]
+    assert any(reason.startswith("agent of n0 unreachable") for reason in faults), faults
     moved = {e["source"].removeprefix("agent@") for e in w.of("process.started") if e["data"]["attempt"] >= 1}
     assert len(moved) == 1 and moved <= SPARES, moved
     assert "migrate" in [d["data"].get("detail", {}).get("granularity") for d in w.decided("attempt.started")], seen

@@ -74,6 +74,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "node.heartbeat": {"interval_s": 1.0},
     "node.silent": {"silent_s": 3.2, "bound_s": 3.0},
     "node.heard": {"silent_s": 4.1},
+    "node.unreachable": {"cause": "rank 2 of j (n1) lost a peer's connection", "confirm_s": 0.2},
     "job.submitted": {"spec": {**SPEC, "spares": 1, "max_restarts": 3, "watchdog_interval_s": 2.0,
                                "elastic": {"min_dp": 2, "max_dp": 4}}},
     "job.started": {},

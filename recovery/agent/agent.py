@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import nats
+import orjson
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -149,6 +150,14 @@ class Agent(Relay, Rescale, Admission):
                         "result": {"node": self.node, **result}},
                        event_id=f"{subjects.command_msg_id(command.id, self.node)}:{status}")
 
+    async def suspect_peer(self, job: str, rank: int, generation: int, error: str) -> None:
+        """A rank this agent runs lost a peer's connection: the daemon probes the job's nodes at once."""
+        if self.nc is None:
+            return
+        said = {"job": job, "rank": rank, "generation": generation, "error": error[:256]}
+        with contextlib.suppress(Exception):  # NATS away: the silence bound finds a lost node instead
+            await self.nc.publish(subjects.suspect(self.node), orjson.dumps(said))
+
     # -- running ---------------------------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
@@ -167,6 +176,9 @@ class Agent(Relay, Rescale, Admission):
                                      name=f"recovery-agent-{self.node}", error_cb=refusals.around(on_error),
                                      inbox_prefix=self.cfg.nats_inbox_prefix)
         attempts.succeeded("NATS reached")
+        # The daemon asks when something suggests this node is lost (`recovery.service.reachability`): the answer says
+        # it lives, and its absence (NATS's "no responders") that no agent listens for the node.
+        await self.nc.subscribe(subjects.probe(self.node), cb=_answer_probe)
         js = self.nc.jetstream(timeout=5.0)
         self.outbox = Outbox(js, self.cfg.outbox_capacity)
         log = JetStreamLog(self.nc, js, self.cfg.stream, owns_connection=False)
@@ -546,3 +558,7 @@ class Agent(Relay, Rescale, Admission):
 async def _next_seq(log: JetStreamLog) -> int:
     return await log.last_seq() + 1
 
+
+async def _answer_probe(msg: Any) -> None:
+    with contextlib.suppress(Exception):  # NATS away: the daemon asked in vain, and its silence bound decides
+        await msg.respond(b"")

@@ -40,6 +40,10 @@ class Relay:
         """Put one event of `job` in the outbox (the agent's)."""
         raise NotImplementedError
 
+    async def suspect_peer(self, job: str, rank: int, generation: int, error: str) -> None:
+        """Tell the daemon that `rank` lost a peer's connection (the agent's)."""
+        raise NotImplementedError
+
     def job_event(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None = None) -> None:
         if type_ not in _PROGRESS:
             self.flush(job)  # what the ranks said before this change reaches the engine before it
@@ -192,6 +196,11 @@ class Relay:
                     "rank": rank, "attempt": message.get("generation", attempt), "step": message["step"],
                     "operation": str(message.get("operation") or "allreduce")[:64],
                     "timeout_s": message.get("timeout_s", 0), "error": str(message.get("error", ""))[:1024]})
+            elif op == "peer_lost":
+                # A survivor's group lost a peer's connection: the peer's host may be gone with its agent, which
+                # then says nothing; the daemon asks the job's agents at once (`recovery.service.reachability`).
+                await self.suspect_peer(job_id, rank, int(message.get("generation", attempt)),
+                                        str(message.get("error", "")))
             elif op == "caps":
                 # What the script wired up through the SDK: how much a fault of the job may restart (`Job.can`).
                 said = message.get("caps")

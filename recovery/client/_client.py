@@ -273,6 +273,13 @@ class Client:
         self._send({"op": "collective_failed", "generation": generation, "step": failed_step,
                     "operation": operation, "timeout_s": timeout_s, "error": error[:1024]})
 
+    def peer_lost(self, generation: int, error: str) -> None:
+        """A peer's connection in `generation`'s process group closed under this live process (`error`: what the
+        backend raised): the peer died, maybe with its host and agent, which then say nothing. The agent tells the
+        daemon, which asks the job's agents at once instead of waiting out their silence
+        (`recovery.service.reachability`)."""
+        self._send({"op": "peer_lost", "generation": generation, "error": error[:1024]})
+
     def joined(self, generation: int) -> None:
         """This process re-formed its process group in `generation`: its reports now carry it."""
         self.generation = generation

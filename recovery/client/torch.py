@@ -305,7 +305,8 @@ class ProcessGroupRecovery:
         Call it outside the `except` block that caught the failure (the traceback holds the frames that hold
         the process group), with the failure's text as `error` (`str(exc)`): a collective that timed out is
         reported to the agent (`Client.collective_failed`), and with every rank alive the engine retries the step in
-        a new generation, which this process then joins, as it joins one after a peer's restart. The group's
+        a new generation, which this process then joins, as it joins one after a peer's restart; a peer's closed
+        connection is reported too (`Client.peer_lost`): the daemon asks the agents at once. The group's
         connections are shut first, so that peers blocked on this process are freed at once even while something
         still holds it, and its failure is marked in the job store, where every peer's watcher sees it and shuts its
         own group down: a survivor blocked in a collective with other survivors only (not next to the dead rank) is
@@ -313,6 +314,8 @@ class ProcessGroupRecovery:
         failed = self._formed if self._formed is not None else self.client.generation
         if error is not None and self.timed_out(error):
             self.client.collective_failed(failed, error, timeout_s=self.timeout.total_seconds())
+        elif error is not None and not self._aborted:  # a peer's connection closed: its host may be gone, unheard
+            self.client.peer_lost(failed, error)
         with contextlib.suppress(Exception):  # the store unreachable: the peers' own failures free them
             self.store.set(f"gen{failed}/failed", str(self.rank))
         self._teardown()
@@ -550,9 +553,9 @@ def _broadcast(state: Any, source: int, rank: int, device: Any = None) -> Any:
 def warm_up() -> None:
     """Pay now what a new process pays on its first step: autograd's first backward pass, an optimizer's first step
     (`torch._dynamo`'s import among it), a state's serialisation both ways, and on a node with a GPU CUDA's
-    initialisation and a device's context (seconds: see `warm_up_cuda`). A warm
-    standby calls it before it waits (`recovery.client.torch:warm_up` in the agent's `standby_preload`); the global
-    random state is left as it was, so a rank handed to the standby draws the numbers a cold start would."""
+    initialisation and a device's context (seconds: see `warm_up_cuda`). A warm standby calls it before it waits
+    (`recovery.client.torch:warm_up` in the agent's `standby_preload`); the global random state is left as it was, so
+    a rank handed to the standby draws the numbers a cold start would."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
@@ -584,11 +587,8 @@ def warm_up_cuda() -> int | None:
         return None
     torch.cuda.init()
     named = os.environ.get(STANDBY_DEVICE_ENV, "")
-    if named:
-        index = int(named)
-    elif torch.cuda.device_count() == 1:
-        index = 0
-    else:
+    index = int(named) if named else 0 if torch.cuda.device_count() == 1 else None
+    if index is None:
         return None
     device = torch.device("cuda", index)
     # The CUDA generators are left alone (fork_rng(devices=[]) above forks none): nothing here draws from them.

@@ -34,6 +34,7 @@ class NodeState:
         "resettable",
         "silent",
         "spare",
+        "unreachable",
     )
 
     def __init__(self, name: str, devices: int = 8, spare: bool = False) -> None:
@@ -52,6 +53,9 @@ class NodeState:
         # silent). The watchdog sees such an agent heard at every tick until then (`recovery.core.liveness`).
         self.live = False
         self.silent: int | None = None
+        # The log time of the daemon's `node.unreachable` (nothing listened on the agent's probe subject), until any
+        # sign of life: the watchdog's policy may take it as a silence past any bound (`WatchdogView.unreachable`).
+        self.unreachable: int | None = None
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
         self.resettable: set[int] = set()  # bad devices a reset clears (XID 48): sorted when read
         self.isolated_devices: set[int] = set()  # bad devices a policy isolated (lemons): released by a decision
@@ -89,7 +93,8 @@ class NodeState:
                 "drained": self.drained, "isolated": self.isolated, "gone": self.gone, "job": self.job,
                 "bad_devices": sorted(self.bad_devices), "links_down": sorted(self.links_down or ()),
                 # only when set: the snapshot of a node whose heartbeats are logged is what it always was
-                **({"live": True, "silent": self.silent} if self.live else {})}
+                **({"live": True, "silent": self.silent} if self.live else {}),
+                **({"unreachable": self.unreachable} if self.unreachable is not None else {})}
 
 
 class ClusterView:

@@ -463,11 +463,12 @@ class Detection:
                           else agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
         else:
             heard = tuple(agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
+        unreachable = frozenset(i for i, n in enumerate(job.nodes) if n in agents and agents[n].unreachable is not None)
         if checked is not None:  # the same record, nothing changed since: its columns, not copied again
             return WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn, heard, job.sdk,
                                 columns=RankColumns(checked.last_seen, checked.last_progress, checked.steps,
                                                     checked.compute_steps, checked.compute_ns),
-                                recovering=recovering)
+                                recovering=recovering, unreachable=unreachable)
         world = job.world
         # Columns copied at C speed (a 131,072-rank job is checked every few seconds); a rank's own slot only.
         seen = tuple(job.last_seen[:world])
@@ -479,7 +480,7 @@ class Detection:
         columns = RankColumns(seen, tuple(job.last_progress[:world]), tuple(job.steps[:world]),
                               tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]))
         return WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn, heard, job.sdk, columns=columns,
-                            recovering=recovering)
+                            recovering=recovering, unreachable=unreachable)
 
     def _hosts_lost(self, out: RecordEffects, job: Job, verdicts: list[Verdict]) -> None:
         """The watchdog's verdicts while the job recovers: only a host lost (its agent fell silent) is news. The ranks

@@ -480,13 +480,14 @@ class Engine(Progress):
         device_times: tuple[int, ...] = ()
         node_times: tuple[int, ...] = ()
         back = node.gone  # the host a node fault declared gone speaks again: usable once its state says so
-        if isinstance(data, kinds.NodeSilent):  # the monitor's word: no sign of life, judged now as at a tick
-            job = self.liveness.silent(out, node, data)
+        if isinstance(data, kinds.NodeSilent | kinds.NodeUnreachable):  # the daemon's word: judged now, as at a tick
+            job = (self.liveness.silent(out, node, data) if isinstance(data, kinds.NodeSilent)
+                   else self.liveness.unreachable(out, node))
             if job is not None:
                 self.touch(job)
                 self.detection.watchdog(out, job)
             return
-        node.gone = False
+        node.gone, node.unreachable = False, None  # any event of its own: its agent speaks
         if isinstance(data, kinds.NodeHeartbeat | kinds.NodeHeard):
             self.liveness.alive(out, node, data)  # for the watchdog of the job on the node, no signal itself
             if back and node.usable:

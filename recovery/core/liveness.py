@@ -14,6 +14,10 @@ Two rules, both read only the record and the engine's state:
   liveness mark is moved on by the part of the outage after it, so a silence that began within the outage counts
   from the record, and one that began before keeps only what was measured while the daemon was connected. Past
   the bound, silence counts as before.
+- **An agent nothing listens for is gone.** When something suggests a loss (a survivor lost a peer's connection, an
+  incident began), the daemon asks the job's agents whether they live; NATS answers at once, twice, that no agent
+  listens on one's subject: `node.unreachable`. The node counts as unreachable until any sign of life, and the
+  watchdog's policy may take it as a silence past any bound, judged at the record itself.
 - **A live agent's silence is the monitor's word.** An agent that states `live_s` in its `node.heartbeat` beats on
   core NATS instead of the log; the daemon's liveness monitor logs `node.silent` when it heard nothing of the node for
   the job's bound, and `node.heard` when it hears it again. Until a `node.silent`, the watchdog sees such an agent
@@ -84,8 +88,9 @@ class Liveness:
             if name in job.nodes or (incident is not None and name in incident.dead_hosts):
                 self.back(out, name)
             return
-        if node.silent is not None and node.job == job.id:
-            self.cluster.node(name).silent = None  # its agent speaks for it: whatever the monitor missed, it lives
+        if (node.silent is not None or node.unreachable is not None) and node.job == job.id:
+            node = self.cluster.node(name)  # its agent speaks for it: whatever the monitor missed, it lives
+            node.silent = node.unreachable = None
         if report and node.heard is not None and node.job == job.id:
             # Last, once every entry was applied: nothing after it refuses the record, so only an open journal needs
             # to hear of it (the hot path writes the node in place).
@@ -99,7 +104,7 @@ class Liveness:
         self.guard(None)
         node = self.cluster.node(name)
         node.gone = False
-        node.silent = None
+        node.silent = node.unreachable = None
         if node.heard is not None:
             node.heard = out.ts
         if node.usable:
@@ -112,7 +117,7 @@ class Liveness:
         if isinstance(data, kinds.NodeHeartbeat):
             node.live = data.live_s is not None
         node.heard = out.ts
-        node.silent = None
+        node.silent = node.unreachable = None
 
     def silent(self, out: RecordEffects, node: NodeState, data: kinds.NodeSilent) -> Job | None:
         """The monitor heard nothing of a live node for `data.silent_s`: from then on the watchdog sees its agent as
@@ -124,6 +129,16 @@ class Liveness:
         mark = out.ts - int(data.silent_s * NS)
         if node.silent is None or mark < node.silent:
             node.silent = mark
+        job = self.jobs.get(node.job) if node.job is not None else None
+        if job is None or job.state not in ("running", "recovering") or node.name not in job.nodes:
+            return None
+        return job
+
+    def unreachable(self, out: RecordEffects, node: NodeState) -> Job | None:
+        """Nothing listened on the node's probe subject when the daemon asked (`node.unreachable`): its agent is
+        gone, whatever its mode of liveness. The job to judge now (running or recovering on the node), if any."""
+        if node.unreachable is None:
+            node.unreachable = out.ts
         job = self.jobs.get(node.job) if node.job is not None else None
         if job is None or job.state not in ("running", "recovering") or node.name not in job.nodes:
             return None

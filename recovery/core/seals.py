@@ -14,7 +14,7 @@ DIGEST_CHARS = 24
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_CHARS}}}")
 
 SEALED_FACTS = {"control.outage": "outage", "node.silent": "silence", "node.heard": "heard",
-                "policy.overran": "overrun"}
+                "node.unreachable": "unreachable", "policy.overran": "overrun"}
 """the daemon's own facts beside its timer firings (its outages, its liveness monitor's word on a node, a
 third-party policy's call it abandoned), by type: each sealed as a firing is, and its dead letters coded
 `<code>_unsealed`, `<code>_forged`"""

@@ -8,7 +8,9 @@ password per user, and the URL each role connects with (`nats://user:password@ho
 - `daemon`: everything (it alone writes decisions, dead letters, timer firings and commands, and answers
   `recovery-ctl`).
 - `agent-<node>`, one per node: publishes its node's events (`recovery.ev.node.<node>.>`, but the liveness monitor's
-  `node.silent` and `node.heard`), its live beats (`recovery.live.<node>`) and job events (the ranks it
+  `node.silent`, `node.heard` and `node.unreachable`), its live beats (`recovery.live.<node>`), its ranks' word that a
+  peer's connection closed (`recovery.suspect.<node>`), and answers the daemon's probe (`recovery.probe.<node>`, a
+  reply only: `allow_responses`); it publishes job events (the ranks it
   runs report through it, for jobs it does not know in advance) except timer firings and `policy.overran` facts,
   which only the daemon sends (the engine also refuses a firing not sealed by it: `recovery.core.firings`); reads the
   log's job submissions and its own node's commands (`recovery.cmd.<node>.>`, through a JetStream consumer filtered
@@ -62,15 +64,19 @@ class User:
     notes: list[str] = field(default_factory=list)
     publish_deny: list[str] = field(default_factory=list)
     """subjects refused although `publish` allows them"""
+    responds: bool = False
+    """may answer a request it received (NATS's `allow_responses`: one reply, to the subject the request named)"""
 
     def block(self) -> str:
         def quoted(items: list[str]) -> str:
             return ", ".join(json.dumps(item) for item in items)
 
         deny = f", deny: [{quoted(self.publish_deny)}]" if self.publish_deny else ""
+        responds = "      allow_responses: true\n" if self.responds else ""
         return (f"    {{user: {json.dumps(self.name)}, password: {json.dumps(self.password)}, permissions: {{\n"
                 f"      publish: {{allow: [{quoted(self.publish)}]{deny}}}\n"
                 f"      subscribe: {{allow: [{quoted(self.subscribe)}]}}\n"
+                f"{responds}"
                 f"    }}}}")
 
 
@@ -115,9 +121,11 @@ def agent_user(node: str, password: str, log_stream: str = LOG_STREAM, command_s
     deny = [subjects.job_event("*", kind) for kind in ("timer.fired", "control.outage", "policy.overran",
                                                        "progress.summary")]
     # Nor the liveness monitor's word on a node (`recovery.service.liveness`): an agent would declare itself silent.
-    deny += [subjects.node_event(node, kind) for kind in ("node.silent", "node.heard")]
-    return User(f"agent-{node}", password, publish, [f"{agent_inbox(node)}.>"], inbox_prefix=agent_inbox(node),
-                publish_deny=deny)
+    deny += [subjects.node_event(node, kind) for kind in ("node.silent", "node.heard", "node.unreachable")]
+    # The daemon's probe of this node, answered on the asker's inbox (`allow_responses`: a reply only, once).
+    return User(f"agent-{node}", password, [*publish, subjects.suspect(node)],
+                [f"{agent_inbox(node)}.>", subjects.probe(node)], inbox_prefix=agent_inbox(node), publish_deny=deny,
+                responds=True)
 
 
 def operator_user(password: str) -> User:

@@ -37,6 +37,7 @@ from events.envelope import make_envelope
 from recovery.core.engine import Engine
 from recovery.core.job import Job
 from recovery.service.publisher import Outgoing
+from recovery.service.reachability import Prober
 from recovery.service.shared import SharedSubscription
 from recovery.service.summaries import ProgressSummaries
 
@@ -77,6 +78,8 @@ class LivenessMonitor:
         self._granted: float | None = None  # every node's silence counts from here at the earliest; None: may not judge
         self._declared: dict[str, float] = {}  # node -> when this monitor declared it silent
         self._pending: dict[str, str] = {}  # node -> the id of the fact sent about it, until the engine holds it
+        # A node suspected lost is asked at once (`recovery.service.reachability`), not waited out for its bound.
+        self.prober = Prober(engine, publish, seal, may_judge, clock)
 
     def beat(self, node: str) -> None:
         self.heard[node] = self.clock()
@@ -141,12 +144,12 @@ class LivenessMonitor:
         return min(max(min(bounds, default=DEFAULT_BOUND_S) / 10, 0.05), 1.0)
 
     async def run(self, nc: Client) -> None:
-        """Hear the beats and publish the facts (and the progress summaries, if asked), until cancelled."""
-        if self.summaries is None:
-            await self._watch(nc)
-            return
+        """Hear the beats and publish the facts (and the progress summaries, if asked), probe the nodes of suspected
+        losses, until cancelled."""
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(self.summaries.run, nc, self.publish, self.may_judge)
+            tasks.start_soon(self.prober.run, nc, self.period_s)
+            if self.summaries is not None:
+                tasks.start_soon(self.summaries.run, nc, self.publish, self.may_judge)
             await self._watch(nc)
 
     async def _watch(self, nc: Client) -> None:

@@ -45,9 +45,10 @@ RANKS_PER_NODE = 4
 
 JOB_SIGNALS = ("process.exited", "process.hang", "network.collective_timeout")
 """job events the engine hands to `classify` (the others it handles itself)"""
-NODE_SIGNALS = tuple(t for t in kinds.NODE_EVENTS if t not in ("node.heartbeat", "node.silent", "node.heard"))
+NODE_SIGNALS = tuple(t for t in kinds.NODE_EVENTS if t not in ("node.heartbeat", "node.silent", "node.heard",
+                                                                 "node.unreachable"))
 """node events: every one reaches the detection policy of the job on the node, but the agent's heartbeat and the
-liveness monitor's word on it, which the engine keeps for the watchdog (`WatchdogView.agents_heard`)"""
+daemon's word on it, which the engine keeps for the watchdog (`WatchdogView.agents_heard`, `.unreachable`)"""
 LOSS_SIGNAL = "progress.loss"
 """a loss a rank reported with its step (data a `LossSample`, the job's recent losses in `Signal.losses`)"""
 SIGNAL_TYPES = JOB_SIGNALS + NODE_SIGNALS + (LOSS_SIGNAL,)
@@ -146,18 +147,21 @@ def make_watchdog_view(*, now: int = NOW, nodes: Sequence[str] = NODES, ranks_pe
                        steps: int | Sequence[int] | Mapping[int, int] = 100,
                        agents_heard: Sequence[int | None] = (), sdk: bool = True,
                        compute_steps: int | Sequence[int] | Mapping[int, int] = 0,
-                       compute_ns: int | Sequence[int] | Mapping[int, int] = 0) -> WatchdogView:
+                       compute_ns: int | Sequence[int] | Mapping[int, int] = 0,
+                       unreachable: Iterable[int] = ()) -> WatchdogView:
     """What the watchdog sees of a job on `nodes` at `now`. Per-rank values are one number for every rank, one per
     rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100, with no compute
     time reported (`compute_steps` steps measured in all `compute_ns`). `agents_heard` is per node the last heartbeat
-    of its agent (None: it sends none; empty: unknown)."""
+    of its agent (None: it sends none; empty: unknown); `unreachable`, the indices of the nodes the daemon found
+    unreachable (`node.unreachable`)."""
     world = len(nodes) * ranks_per_node
     seen = _per_rank(now if last_seen is None else last_seen, world, now)
     progress = _per_rank(now if last_progress is None else last_progress, world, now)
     at = _per_rank(steps, world, 100)
     measured, spent = _per_rank(compute_steps, world, 0), _per_rank(compute_ns, world, 0)
     return WatchdogView(now, step_time_ns, (), tuple(nodes), ranks_per_node, tuple(agents_heard), sdk,
-                        columns=RankColumns(tuple(seen), tuple(progress), tuple(at), tuple(measured), tuple(spent)))
+                        columns=RankColumns(tuple(seen), tuple(progress), tuple(at), tuple(measured), tuple(spent)),
+                        unreachable=frozenset(unreachable))
 
 
 def incident_usage(fault_class: FaultClass, previous: Iterable[AttemptSummary]) -> dict[str, int]:
@@ -330,9 +334,12 @@ def watchdog_views(draw: st.DrawFn) -> WatchdogView:
     # Compute times as the engine tallies them (up to 512 steps), each rank its own mean: some stand out.
     measured = [draw(st.integers(0, 512)) for _ in range(world)] if draw(st.booleans()) else [0] * world
     spent = [n * draw(st.integers(0, 10 * NS)) for n in measured]
+    # Now and then a node the daemon found unreachable (nothing listened for its agent).
+    unreachable = draw(st.sets(st.integers(0, len(nodes) - 1), max_size=2)) if draw(st.integers(0, 3)) == 0 else ()
     return make_watchdog_view(now=now, nodes=nodes, ranks_per_node=rpn, step_time_ns=draw(_STEP_TIMES),
                               last_seen=seen, last_progress=progress, steps=steps, agents_heard=agents,
-                              sdk=draw(st.integers(0, 4)) > 0, compute_steps=measured, compute_ns=spent)
+                              sdk=draw(st.integers(0, 4)) > 0, compute_steps=measured, compute_ns=spent,
+                              unreachable=unreachable)
 
 
 _LADDER = [Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE, Granularity.RESTART_JOB,
