@@ -6,19 +6,19 @@ Something usually suggests it much sooner: a survivor's process group loses a pe
 through its agent, on `recovery.suspect.<node>`), or an incident of a job begins (a stock script's survivors exit on
 the closed connection). The daemon then asks each of the job's other agents whether it lives, a core-NATS request on
 `recovery.probe.<node>` that every agent answers whatever its liveness mode; NATS itself answers "no responders" at
-once when no agent listens there, which is what a dead agent's closed connection leaves. Asked again `CONFIRM_S`
-later with the same answer, the daemon logs `node.unreachable`, sealed, and the engine's detection policy takes the
-node as gone (`recovery.core.liveness`). A probe that is merely not answered in time says nothing: a slow agent is no
-lost one, and the silence bound decides as before.
+once when no agent listens there, which is what a dead agent's closed connection leaves. Asked twice more over
+`CONFIRM_S` (longer than an agent's reconnection to NATS) with the same answer, the daemon logs `node.unreachable`,
+sealed, and the engine's detection policy takes the node as gone (`recovery.core.liveness`). A probe that is merely
+not answered in time says nothing: a slow agent is no lost one, and the silence bound decides.
 
 Only a node whose agent answered a probe once (since this daemon started) is ever declared unreachable: an agent of
 an older release, or any client that speaks for a node without answering probes, is never taken for a lost one. The
 first answers are asked for as the daemon sees a job's nodes, a bounded number per look, so that a fleet's start
 costs NATS one request per node.
 
-Like the liveness monitor, the prober declares nothing while the daemon may not write; its ids are made from the
-engine's state (`unreachable:<node>:<job>:<generation>`), so that a repeat, or the same finding of a daemon that took
-the partition over, is one record.
+Like the liveness monitor, the prober declares nothing while the daemon may not write, nor for `GRACE_S` after it may
+again (the agents reconnect too); its ids are made from the engine's state (`unreachable:<node>:<job>:<generation>`),
+so that a repeat, or the same finding of a daemon that took the partition over, is one record.
 """
 
 from __future__ import annotations
@@ -48,9 +48,13 @@ WATCHED = ("running", "recovering")
 ANSWER_S = 1.0
 """how long a probe waits for the agent's answer; past it the probe says nothing (NATS's own "no responders" comes
 at once)"""
-CONFIRM_S = 0.2
-"""between the two probes that must both find no agent listening: a reconnecting agent's subscription is back
-within it"""
+CONFIRMS = (0.3, 0.7)
+"""the waits before the second and the third probe, which must find no agent listening as the first did: an agent
+whose connection to NATS dropped is back within them (it waits 0.5 s before it reconnects)"""
+CONFIRM_S = sum(CONFIRMS)
+GRACE_S = 5.0
+"""nothing is declared this long after the daemon may write again (a start, a reconnection): the agents reconnect
+after a NATS server's restart too, later than the daemon maybe"""
 JUDGE_S = 3.0
 """how long a node is asked while its probes go unanswered in time: past it, the silence bound decides"""
 AGAIN_S = 1.0
@@ -81,6 +85,7 @@ class Prober:
         self._incidents: set[tuple[str, str]] = set()  # (job, incident) already probed for
         self._queue: list[tuple[str, str, str | None]] = []  # (job, cause, node that spoke) to probe
         self._woken: anyio.Event | None = None  # made in the event loop that runs the prober
+        self._since: float | None = None  # since when the daemon may write (None: it may not)
 
     def suspect(self, job: str, cause: str, speaker: str | None) -> None:
         self._queue.append((job, cause, speaker))
@@ -96,6 +101,15 @@ class Prober:
             logger.warning("bad suspicion from %s: %r", node, data[:200])
             return
         self.suspect(job, f"rank {rank} of {job} ({node}) lost a peer's connection", node)
+
+    def judging(self) -> bool:
+        """May the daemon write, and has it for `GRACE_S`?"""
+        if not self.may_judge():
+            self._since = None
+            return False
+        if self._since is None:
+            self._since = self.clock()
+        return self.clock() - self._since >= GRACE_S
 
     def look(self) -> list[str]:
         """Queue the jobs whose incident began since the last look; the nodes to ask for a first answer."""
@@ -114,6 +128,9 @@ class Prober:
                     learn.append(name)
         if len(self._incidents) > len(engine.jobs):  # an ended job's incidents are never probed for again
             self._incidents = {key for key in self._incidents if key[0] in engine.jobs}
+        if len(self._asked) > len(engine.jobs):  # a generation's probe limits nothing once `AGAIN_S` passed
+            now = self.clock()
+            self._asked = {key: at for key, at in self._asked.items() if now - at < AGAIN_S}
         return learn
 
     async def ask(self, nc: Client, node: str) -> bool | None:
@@ -142,18 +159,18 @@ class Prober:
                 tasks.start_soon(one, node)
 
     async def nobody_listens(self, nc: Client, node: str) -> bool:
-        """Did NATS say twice, `CONFIRM_S` apart, that no agent listens for `node`? A probe not answered in time (the
-        subscription of a connection the server is still closing, a slow agent) is asked again, for `JUDGE_S`."""
+        """Did NATS say three times, over `CONFIRM_S`, that no agent listens for `node`? A probe not answered in time
+        (the subscription of a connection the server is still closing, a slow agent) is asked again, for `JUDGE_S`."""
         deadline, nobody = self.clock() + JUDGE_S, 0
         while self.clock() < deadline:
             answer = await self.ask(nc, node)
             if answer is True:
                 return False
             if answer is False:
-                nobody += 1
-                if nobody == 2:
+                if nobody == len(CONFIRMS):
                     return True
-                await anyio.sleep(CONFIRM_S)  # the second probe's distance from the first
+                await anyio.sleep(CONFIRMS[nobody])  # the next probe's distance from this one
+                nobody += 1
         return False
 
     async def probe_job(self, nc: Client, job_id: str, cause: str, speaker: str | None) -> list[Outgoing]:
@@ -202,7 +219,7 @@ class Prober:
                 tasks.start_soon(self._answer_suspicions, nc)
                 while True:
                     await anyio.sleep(period_s())  # the look's period
-                    if self.may_judge():
+                    if self.judging() or self._since is not None:  # learning needs no grace
                         learn = self.look()
                         if learn:  # in its own task: an agent slow to answer delays no suspicion
                             tasks.start_soon(self._ask_all, nc, learn)
@@ -216,8 +233,8 @@ class Prober:
             if not self._queue:
                 await woken.wait()
             queue, self._queue = self._queue, []
-            if not self.may_judge():
-                continue  # what a daemon that may not write was told is for the one that may
+            if not self.judging():
+                continue  # what a daemon that may not write (or just came back) was told is for the silence bound
             for job, cause, speaker in queue:
                 out = await self.probe_job(nc, job, cause, speaker)
                 if not out:
