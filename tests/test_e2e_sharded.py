@@ -14,6 +14,7 @@ and their shards (renumbered, each on the shards it holds), and each takes twice
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import time
@@ -25,7 +26,7 @@ import pytest
 
 from recovery.agent.memory import memory_root
 from tests.e2e_cluster import Cluster, start_cluster, through_a_fault
-from tests.e2e_support import JobWatch, connect, environment, kill_leftovers, wait_until, watch
+from tests.e2e_support import AgentProcess, JobWatch, connect, environment, kill_leftovers, wait_until, watch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "fsdp" / "train.py"
@@ -35,13 +36,25 @@ STEP_TIME_S = 0.05
 SAVE_EVERY = 4
 FAULT_AT_STEP = 20
 RUN_TIMEOUT_S = 180
-SPARES = {f"spare{i}" for i in range(4)}
+
+
+WARM_POOL = "warm"
+"""the pool of one more spare, the only agent here with standbys on: a job that takes its spares from it finds one
+warm interpreter for each rank a node of it runs"""
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with start_cluster(tmp_path_factory.mktemp("sharded")) as state:
+        state.agents.append(AgentProcess(state.workdir, "warm0", state.nats.url, True, "--pool", WARM_POOL,
+                                         env={"RECOVERY_AGENT_STANDBY": "1", "RECOVERY_AGENT_STANDBY_DELAY_S": "0"}))
         yield state
+
+
+def standby_pids(cluster: Cluster, node: str, job: str) -> set[int]:
+    """The standbys the node's agent reported ready for the job."""
+    log = (cluster.workdir / node / "agent.log").read_text(errors="replace")
+    return {int(pid) for pid in re.findall(rf"standby of {re.escape(job)} ready \(pid (\d+)", log)}
 
 
 def spec(cluster: Cluster, job: str, out: Path, storage: Path, nodes: list[str], replicas: int,
@@ -141,6 +154,9 @@ async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_
             return sorted(step for step, have in shards.items() if have >= {0, 1, 2, 3})
 
         await wait_until(lambda: bool(copied()), 60, "every shard's copy in n1's memory", explain)
+        # the spare of the job's pool keeps a warm interpreter for each rank a node of the job runs
+        await wait_until(lambda: len(standby_pids(cluster, "warm0", job)) == 2, 120, "the spare's two standbys",
+                         explain)
         ranks = [w.pids()[r][-1] for r in (0, 1)]
         step = max(w.step(r) for r in range(4))
         killed = time.monotonic()
@@ -155,7 +171,7 @@ async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_
         await wait_until(recovered, 120, "n0's ranks to train past the lost step on a spare", explain)
         measured["recovered_s"] = time.monotonic() - killed
 
-    w, params, storage = await run_job(cluster, job, ["n0", "n1"], node_loss)
+    w, params, storage = await run_job(cluster, job, ["n0", "n1"], node_loss, extra={"spare_pool": WARM_POOL})
     pids = w.pids()
     seen = f"pids {pids}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
     assert all(len(pids[r]) == 1 for r in (2, 3)), seen  # the surviving node's processes were kept
@@ -164,7 +180,10 @@ async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_
     faults = [d["data"].get("reason", "") for d in w.decided("fault.confirmed")]
     assert any(reason.startswith("agent of n0 unreachable") for reason in faults), faults
     moved = {e["source"].removeprefix("agent@") for e in w.of("process.started") if e["data"]["attempt"] >= 1}
-    assert len(moved) == 1 and moved <= SPARES, moved
+    assert moved == {"warm0"}, moved
+    # both moved ranks were handed to the spare's standbys, warm: no interpreter started for them
+    assert {pids[r][1] for r in (0, 1)} <= standby_pids(cluster, "warm0", job), (pids, standby_pids(cluster, "warm0",
+                                                                                                    job))
     assert "migrate" in [d["data"].get("detail", {}).get("granularity") for d in w.decided("attempt.started")], seen
     # every rank went back to one step, the lost ranks' shards sent from the buddy node's memory, none from storage
     lines = resumes(cluster, job)

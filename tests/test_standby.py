@@ -252,3 +252,41 @@ def torch_default_threads() -> int:
     done = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
                           capture_output=True, text=True, timeout=120, check=True)
     return int(done.stdout.split()[-1])
+
+
+def test_a_spare_keeps_one_standby_for_each_rank_of_a_node_unless_the_job_says() -> None:
+    def entrypoint(**env: str) -> Entrypoint:
+        return Entrypoint(command=sys.executable, args=["job.py"], env=env)
+
+    on, off = (StandbyPool(Path("/nonexistent"), enabled=e, preload="json", delay_s=0) for e in (True, False))
+    # a lost node's ranks all move to the spare together: every one of them starts warm
+    assert [on.spare_wanted(entrypoint(), rpn) for rpn in (1, 4, 8)] == [1, 4, 8]
+    assert off.spare_wanted(entrypoint(), 8) == 0
+    assert [off.spare_wanted(entrypoint(RECOVERY_STANDBY=c), 8) for c in ("all", "2", "0")] == [8, 2, 0]
+    assert on.spare_wanted(Entrypoint(command="bash", args=["run.sh"]), 8) == 0  # nothing to hand over
+
+
+async def test_a_spare_warms_for_its_newest_jobs_and_drops_an_older_ones_standbys(tmp_path: Path) -> None:
+    entrypoint = Entrypoint(command=sys.executable, args=["job.py"], env={"PYTHONPATH": environment()["PYTHONPATH"]})
+    pool = StandbyPool(tmp_path, enabled=True, preload="json", delay_s=0)
+    try:
+        assert pool.warm_for("a", 1) == []
+        with anyio.fail_after(60):
+            await pool.keep("a", entrypoint, 1)
+        [standby] = pool._standbys["a"]
+        assert pool.warm_for("b", 1) == ["a"] and pool.warm_for("b", 1) == []  # a job warmed again stays
+        await pool.drop("a")
+        assert standby.process.returncode is not None and "a" not in pool._standbys
+        pool.delay_s = 0.5
+        async with anyio.create_task_group() as tg:  # a keep asked before the drop, due after it: starts nothing
+            tg.start_soon(pool.keep, "a", entrypoint, 1)
+            await anyio.wait_all_tasks_blocked()
+            await pool.drop("a")
+        assert "a" not in pool._standbys
+        pool.delay_s = 0
+        with anyio.fail_after(60):
+            await pool.keep("a", entrypoint, 1)  # asked again (the spare granted to it): warm again
+        assert len(pool._standbys["a"]) == 1
+        assert pool.warm_for("c", 2) == [] and pool.warm_for("d", 2) == ["b"]
+    finally:
+        await pool.close()

@@ -173,6 +173,33 @@ class Admission:
             job.caught_up.set()  # a job that starts under this agent missed nothing
         if self.node in spec.nodes:
             self._tg.start_soon(self._admit, log, job, seq, known)
+        elif self.cfg.spare and spec.spares != 0 and spec.spare_pool == self.cfg.pool and self.cfg.spare_standby_jobs:
+            # a spare of the pool the job takes its spares from, which it may take (`spares`: null, as many as free)
+            self._tg.start_soon(self._warm_spare, log, job, seq)
+
+    async def _warm_spare(self, log: JetStreamLog, job: JobOnNode, seq: int) -> None:
+        """A spare keeps standbys for a job that may take it once the engine accepted it (its ranks moved here then
+        start warm, as a restart in place does), until the job ends: a job submitted before this agent started
+        included, unless it ended already."""
+        assert job.spec.entrypoint is not None and self._tg is not None
+        count = self.standbys.spare_wanted(job.spec.entrypoint, job.rpn)
+        try:
+            if count == 0 or await standing(log, job.id, seq) in FINAL or not await answer(log, job.id, seq):
+                return
+            for older in self.standbys.warm_for(job.id, self.cfg.spare_standby_jobs):
+                granted = older in self.jobs and self.node in self.jobs[older].nodes
+                if not granted:  # a job this spare runs now keeps its standbys as on any node of it
+                    await self.standbys.drop(older)
+            for _ in range(count):  # one after the other: each waits its delay, then for its imports
+                self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint, count, job.rpn)
+            async for record in log.follow(seq + 1, subjects.decision(job.id)):
+                data = record.envelope.data if isinstance(record, Record) else None
+                if isinstance(data, Decision) and data.state in FINAL:
+                    break
+            if self.node not in job.nodes:  # granted meanwhile, its standbys are the job's, ended with it here
+                await self.standbys.drop(job.id)
+        except Exception:  # the spare's warmth is no one's failure: its ranks would start cold
+            logger.warning("the spare %s keeps no standbys for %s", self.node, job.id, exc_info=True)
 
     async def _admit(self, log: JetStreamLog, job: JobOnNode, seq: int, known: bool) -> None:
         """Start what this node serves of `job` once the engine accepted it; a failure is the job's alone."""

@@ -142,6 +142,11 @@ class AgentConfig(FileSettings):
     standby_delay_s: float = Field(5.0, ge=0, le=3600, description="how long after a job's start or a hand-over "
                                                                     "the next standby starts (its imports would "
                                                                     "compete for the CPU with the ranks')")
+    spare_standby_jobs: int = Field(1, ge=0, le=64, description="with `spare` and `standby`: for how many jobs "
+                                                                 "(the newest accepted that ask for spares) this "
+                                                                 "spare keeps standbys, one for each rank a node of "
+                                                                 "the job runs, so that a lost node's ranks start "
+                                                                 "warm here; 0: none")
     device_reset_command: str = Field(DEFAULT_RESET_COMMAND, description="how a GPU is reset before its ranks "
                                                                         "restart in place (an XID 48): a command "
                                                                         "line, `{device}` the device index; empty: "

@@ -8,11 +8,13 @@ On by default, two per job and node (one where the job has one rank there): the 
 job (a cold restart's `import torch` is most of a single rank's recovery, and an idle interpreter is cheap on a
 training node; two, because one fault often takes two ranks of a node together, a rank dying with the peer it
 crashed or a host's memory killer taking two, and with one standby the second rank starts cold and the whole
-recovery waits for it), or the job's own entrypoint environment
-`RECOVERY_STANDBY` (`0` opts a job out; a number N keeps N per node, `all` one per rank on the node: a job whose
-faults restart every rank, a script without the SDK, needs one for each); `RECOVERY_STANDBY_PRELOAD` (comma-separated
-modules) overrides the agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...`
-or `python -m module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a
+recovery waits for it), or the job's own entrypoint environment `RECOVERY_STANDBY` (`0` opts a job out; a number N
+keeps N per node, `all` one per rank on the node: a job whose faults restart every rank, a script without the SDK,
+needs one for each). A spare keeps standbys too, for the newest accepted job that may take it (the agent's
+`spare_standby_jobs`), one for each rank of a node of the job, since a lost node's ranks all move to the spare
+together, until the job ends or a newer one takes its place. `RECOVERY_STANDBY_PRELOAD` (comma-separated modules)
+overrides the agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...` or
+`python -m module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a
 standby. The standby runs `recovery.agent.interpreter` (see there what a hand-over changes) in a session of its own,
 started with the job's environment and working directory, so that what the imports read is what a cold start would
 have read; a standby that is not ready when a rank is needed is not waited for.
@@ -129,6 +131,7 @@ class StandbyPool:
         self._standbys: dict[str, list[Standby]] = {}
         self._wanted: dict[str, int] = {}
         self._closed: set[str] = set()
+        self._warming: list[str] = []  # a spare's: the jobs it keeps standbys for, oldest first
         self._count = 0
 
     def wanted(self, entrypoint: Entrypoint, local_ranks: int = 1) -> int:
@@ -136,6 +139,31 @@ class StandbyPool:
         if not can_hand_over(entrypoint):
             return 0
         return standbys_wanted(entrypoint.env.get(STANDBY_ENV), self.enabled, local_ranks)
+
+    def spare_wanted(self, entrypoint: Entrypoint, ranks_per_node: int) -> int:
+        """How many standbys a spare keeps for a job that may take it: one for each rank a node of the job runs (a
+        lost node's ranks all move to the spare together), unless the job's `RECOVERY_STANDBY` says otherwise."""
+        if not can_hand_over(entrypoint):
+            return 0
+        choice = entrypoint.env.get(STANDBY_ENV)
+        if choice is None:
+            return max(1, ranks_per_node) if self.enabled else 0
+        return standbys_wanted(choice, self.enabled, ranks_per_node)
+
+    def warm_for(self, job: str, jobs: int) -> list[str]:
+        """A spare warms standbys for `job` now, keeping them for the `jobs` newest such jobs: the older ones it
+        drops (their standbys are to be stopped with `drop`)."""
+        self._warming = [*(j for j in self._warming if j != job), job]
+        dropped, self._warming = self._warming[:-jobs] if jobs else self._warming, self._warming[-jobs:] if jobs else []
+        return dropped
+
+    async def drop(self, job: str) -> None:
+        """Stop the job's standbys and want none until it asks again (`keep`): a spare no longer warm for it."""
+        self._wanted[job] = 0
+        with contextlib.suppress(ValueError):
+            self._warming.remove(job)
+        for standby in self._standbys.pop(job, []):
+            await standby.close()
 
     def take(self, job: str, env: dict[str, str]) -> Standby | None:
         """One of the job's ready standbys that imported under the thread settings of `env`, the rank's environment
