@@ -50,7 +50,6 @@ import io
 import linecache
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -60,15 +59,30 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import bench_daemon  # beside this script (`python tools/bench.py` puts tools/ on the path)
+# The benches, beside this script (`python tools/bench.py` puts tools/ on the path): each imports only the harness
+# (`bench_harness*`), and where one bench's run takes in others' (e2e's cases, the daemon's failover and reports, the
+# fleet's three cases), they are put together here.
+import bench_daemon
+import bench_ddp
 import bench_e2e
+import bench_failover
+import bench_faultfree
 import bench_fleet
+import bench_fleet_many
+import bench_fleet_steady
+import bench_frameworks
 import bench_gpu
+import bench_memory
 import bench_policy_calls
 import bench_report
+import bench_reports
+import bench_sdk_overhead
+import bench_sharded
 import bench_soak
+import bench_stock
 import orjson
-from bench_workload import (
+from bench_harness import emit, environment, note, sig, sigterm_unwinds
+from bench_harness_workload import (
     CHUNK,
     NODES_PER_JOB,
     RANKS_PER_JOB,
@@ -77,7 +91,6 @@ from bench_workload import (
     Workload,
     describe,
     generate,
-    note,
 )
 
 from events import subjects
@@ -91,19 +104,6 @@ from recovery.log.file import overruns_in_file
 from recovery.log.recorder import replay
 from recovery.sim import bench as sim_bench
 from recovery.sim import storm as sim_storm
-
-
-# -- output ------------------------------------------------------------------------------------------------
-def emit(bench: str, metric: str, value: float, unit: str) -> None:
-    line = orjson.dumps({"bench": bench, "metric": metric, "value": value, "unit": unit})
-    sys.stdout.write(line.decode() + "\n")
-    sys.stdout.flush()
-
-
-def _sig(value: float, digits: int = 4) -> float:
-    """Round to a few significant digits: medians of noisy rates carry no more."""
-    return float(f"{value:.{digits}g}")
-
 
 # -- measuring ---------------------------------------------------------------------------------------------
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -274,12 +274,12 @@ def run_engine(args: argparse.Namespace) -> None:
     ratios = [r / b for r, b in zip(rates, baselines, strict=True)]
     note(f"engine events/s runs: {[round(r) for r in rates]}; baseline: {[round(b) for b in baselines]}; "
          f"ratios: {[round(r, 3) for r in ratios]}")
-    emit("engine", "events_per_s", _sig(statistics.median(rates)), "events/s")
-    emit("engine", "baseline_ops_per_s", _sig(statistics.median(baselines)), "records/s (dict-update loop)")
-    emit("engine", "ratio_to_baseline", _sig(statistics.median(ratios)), "x")
-    emit("engine", "bytes_per_rank", _sig(per_rank), "B/rank")
+    emit("engine", "events_per_s", sig(statistics.median(rates)), "events/s")
+    emit("engine", "baseline_ops_per_s", sig(statistics.median(baselines)), "records/s (dict-update loop)")
+    emit("engine", "ratio_to_baseline", sig(statistics.median(ratios)), "x")
+    emit("engine", "bytes_per_rank", sig(per_rank), "B/rank")
     emit("engine", "events", events, "events")
-    emit("engine", "non_progress_pct", _sig(share, 3), "%")
+    emit("engine", "non_progress_pct", sig(share, 3), "%")
 
 
 def orjson_baseline(path: Path) -> int:
@@ -324,10 +324,10 @@ def run_replay(args: argparse.Namespace) -> None:
     ratios = [r / b for r, b in zip(line_rates, baselines, strict=True)]
     note(f"replay events/s runs: {[round(r) for r in rates]}; orjson lines/s: {[round(b) for b in baselines]}; "
          f"ratios: {[round(r, 3) for r in ratios]}")
-    emit("replay", "events_per_s", _sig(statistics.median(rates)), "events/s")
-    emit("replay", "records_per_s", _sig(statistics.median(line_rates)), "lines/s")
-    emit("replay", "baseline_ops_per_s", _sig(statistics.median(baselines)), "lines/s (orjson.loads)")
-    emit("replay", "ratio_to_baseline", _sig(statistics.median(ratios)), "x")
+    emit("replay", "events_per_s", sig(statistics.median(rates)), "events/s")
+    emit("replay", "records_per_s", sig(statistics.median(line_rates)), "lines/s")
+    emit("replay", "baseline_ops_per_s", sig(statistics.median(baselines)), "lines/s (orjson.loads)")
+    emit("replay", "ratio_to_baseline", sig(statistics.median(ratios)), "x")
     emit("replay", "events", inputs, "events")
 
 
@@ -419,8 +419,17 @@ def run_storm(args: argparse.Namespace) -> None:
 
 # -- daemon: the recovery-daemon process on a real nats-server (tools/bench_daemon.py) -----------------------
 def run_daemon(args: argparse.Namespace) -> None:
-    """Throughput, fault-to-command latency under load, restart-to-ready, RSS; the raw nats-py ceiling."""
-    bench_daemon.run(args, emit)
+    """Throughput, fault-to-command latency under load, restart-to-ready, RSS; the raw nats-py ceiling; a standby's
+    failover (tools/bench_failover.py) and edge aggregation's saving (tools/bench_reports.py) on the same server."""
+    parts = set(args.only or bench_daemon.PARTS)
+
+    def beside(work: Path, url: str, events: int) -> None:
+        if "failover" in parts:
+            bench_failover.failover(work, url, emit)
+        if "reports" in parts:
+            bench_reports.measure(work, url, min(events, 200_000), emit)
+
+    bench_daemon.run(args, emit, beside)
 
 
 # -- report: recovery-replay report over a million records and the 54-day simulated run (tools/bench_report.py) ---
@@ -429,21 +438,58 @@ def run_report(args: argparse.Namespace) -> None:
     bench_report.run(args, emit, note, generate)
 
 
-# -- e2e: a rank's fault on real processes, our stack against torchrun (tools/bench_e2e.py) ----------------------
+# -- soak: the daemon for hours under load, faults, its own SIGKILLs and NATS restarts (tools/bench_soak.py) -------
 def run_soak(args: argparse.Namespace) -> None:
     """The daemon for --minutes under load, faults, SIGKILLs and NATS restarts: losses, doubles, RSS, throughput."""
     bench_soak.run(args, emit)
 
 
+# -- fleet: the control plane at a fleet's scale (tools/bench_fleet.py, bench_fleet_many.py, bench_fleet_steady.py) ---
+def _fleet_args(parser: argparse.ArgumentParser) -> None:
+    bench_fleet.add_arguments(parser)
+    bench_fleet_many.add_arguments(parser)
+    bench_fleet_steady.add_arguments(parser)
+
+
 def run_fleet(args: argparse.Namespace) -> None:
-    """The control plane at a fleet's scale: one job of 131,072 GPUs, simulated agents in processes of their own."""
-    bench_fleet.run(args, emit)
+    """One job of 131,072 GPUs (a), a fleet of 200,000 over three daemons and servers (b), a healthy fleet's log (c):
+    simulated agents in processes of their own."""
+    with sigterm_unwinds(), bench_fleet.workspace(args.keep_logs) as work:
+        if args.only in (None, "job"):
+            bench_fleet.run_job(args, work / "job", emit)
+        if args.only in (None, "fleet"):
+            bench_fleet_many.run_fleet(args, work / "fleet", emit)
+        if args.only in (None, "steady"):
+            bench_fleet_steady.run_steady(args, work / "steady", emit)
 
 
+# -- e2e: a rank's fault on real processes, our stack against torchrun (tools/bench_e2e.py and its cases') ----------
 def run_e2e(args: argparse.Namespace) -> None:
     """SIGKILL of a rank to the job's step completed again, by phase, cold, warm and under torchrun; SIGSTOP
-    detection; the SDK's overhead."""
-    bench_e2e.run(args, emit)
+    detection; the SDK's overhead; the stock, DDP, memory-tier, fault-free, frameworks' and FSDP cases."""
+    bench_e2e.resolve(args)
+    only = set(args.only)
+    overhead = None
+    with sigterm_unwinds(), bench_e2e.workspace(args) as workdir:
+        recoveries = bench_e2e.measure(args, workdir)
+        if "overhead" in only:
+            overhead = bench_sdk_overhead.sdk_overhead(2 if args.quick else 30, workdir, environment())
+        if "stock" in only:
+            bench_stock.measure(args.repeat, workdir, emit, quick=args.quick)
+        if "ddp" in only:
+            bench_ddp.measure(args.repeat, workdir, emit, quick=args.quick)
+        if "memory" in only:
+            bench_memory.measure(workdir, emit, quick=args.quick)
+        if "faultfree" in only:
+            bench_faultfree.measure(args.repeat, workdir, emit, quick=args.quick)
+        if "frameworks" in only:
+            bench_frameworks.measure(args.repeat, workdir, emit, quick=args.quick)
+        if "fsdp" in only:
+            bench_frameworks.measure_fsdp(args.repeat, workdir, emit, quick=args.quick)
+            bench_sharded.measure(args.repeat, workdir, emit, quick=args.quick)  # FSDP without a replica
+    bench_e2e.report(emit, recoveries)
+    if overhead is not None:
+        bench_sdk_overhead.report(emit, overhead)
 
 
 def run_policy_calls(args: argparse.Namespace) -> None:
@@ -481,7 +527,7 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
     "e2e": ("a rank's SIGKILL to the job's step completed again, by phase, against torchrun; SIGSTOP detection; "
             "SDK overhead", bench_e2e.add_arguments, run_e2e),
     "fleet": ("the control plane at a fleet's scale over real NATS, agents simulated in processes of their own: "
-              "fault-to-command p99 and daemon CPU for a 131,072-GPU job", bench_fleet.add_arguments, run_fleet),
+              "fault-to-command p99 and daemon CPU for a 131,072-GPU job", _fleet_args, run_fleet),
     "gpu": ("on an NVIDIA GPU: a warm standby's CUDA context, the in-memory tier's stall on GPU tensors against "
             "torch.save, NCCL's abort and formation again in process", bench_gpu.add_arguments, run_gpu),
     "soak": ("the daemon for --minutes under load with faults, its own SIGKILLs and NATS restarts: events lost, "

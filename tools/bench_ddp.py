@@ -22,24 +22,19 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_stock import launch, standbys_ready
+from bench_harness import Emit
+from bench_harness_launch import STEP, TUTORIAL, launch, standbys_ready
 
 from recovery.agent.standby import DEFAULT_PER_NODE
-
-ROOT = Path(__file__).resolve().parents[1]
-TUTORIAL = ROOT / "examples" / "ddp-tutorial"
-STEP = re.compile(rb"\] step (\d+)")
 
 
 @dataclass(frozen=True)
@@ -144,8 +139,7 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                 os.killpg(pid, signal.SIGKILL)
 
 
-def measure(repeat: int, workdir: Path, emit: Callable[[str, str, float, str], None], quick: bool = False,
-            nproc: int = 4) -> None:
+def measure(repeat: int, workdir: Path, emit: Emit, quick: bool = False, nproc: int = 4) -> None:
     """The `ddp` case of `python tools/bench.py e2e`: with_sdk.py under recovery-run and original.py under torchrun
     on the same single kill, back to back in every repeat, then with_sdk.py with two ranks killed together."""
     fault_at, epochs = (12, 4) if quick else (20, 8)

@@ -95,15 +95,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import bench_ddp
-import bench_faultfree
-import bench_frameworks
-import bench_memory
-import bench_stock
 import nats
-from bench_daemon import Daemon, nats_server, sigterm_unwinds
-from bench_e2e_phases import WORLD, Outcome, confirmed_after, phases_of_ours
-from bench_sdk_overhead import sdk_overhead
+from bench_harness import ROOT, Emit, environment, note, sig
+from bench_harness_daemon import Daemon, nats_server
+from bench_harness_phases import WORLD, Outcome, confirmed_after, phases_of_ours
 from nats.aio.msg import Msg
 
 from events import subjects
@@ -112,7 +107,6 @@ from events.envelope import Record, make_envelope
 from recovery.log.jetstream import JetStreamLog
 from recovery.testing.nats import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dp-training" / "train.py"
 TORCHRUN_RANK = Path(__file__).resolve().parent / "torchrun_rank.py"
 NODES = ["n0", "n1"]
@@ -131,22 +125,6 @@ POLL_S = 0.01
 CASES = ("cold", "warm", "torchrun", "sigstop", "overhead", "stock", "ddp", "memory", "faultfree", "frameworks",
          "fsdp")
 BENCH = "e2e"
-
-Emit = Callable[[str, str, float, str], None]
-
-
-def note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _sig(value: float, digits: int = 4) -> float:
-    return float(f"{value:.{digits}g}")
-
-
-def environment() -> dict[str, str]:
-    """Every process started here imports this checkout's code."""
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
 
 
 async def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -455,69 +433,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="work in DIR and keep it (every process's log) instead of a temporary directory")
 
 
-def run(args: argparse.Namespace, emit: Emit) -> None:
+def resolve(args: argparse.Namespace) -> None:
+    """`--quick`: one repeat of a shorter job, for every case (`args.repeat` is theirs too)."""
     if args.quick:
         args.repeat, args.fault_at = 1, 25
+
+
+@contextlib.contextmanager
+def workspace(args: argparse.Namespace) -> Iterator[Path]:
+    """Where every case works: a temporary directory, or `--keep`'s, kept with every process's log."""
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-e2e-") as tmp:
+        if args.keep is None:
+            yield Path(tmp)
+            return
+        kept = args.keep.resolve()
+        kept.mkdir(parents=True, exist_ok=True)
+        yield kept
+
+
+@dataclass
+class Recoveries:
+    """The cases on the example job: each run's outcome by case, and the SIGSTOPs' seconds to a confirmed fault."""
+
+    outcomes: dict[str, list[Outcome]] = field(default_factory=lambda: {c: [] for c in ("cold", "warm", "torchrun")})
+    detections: list[float] = field(default_factory=list)
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> Recoveries:
+    """`cold`, `warm`, `torchrun` and `sigstop` of `args.only`, interleaved in every repeat; `report` emits them."""
     shape = JobShape(steps=args.fault_at + 15, step_time=args.step_time, fault_at=args.fault_at)
-    outcomes: dict[str, list[Outcome]] = {case: [] for case in ("cold", "warm", "torchrun")}
-    detections: list[float] = []
-    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="recovery-bench-e2e-") as tmp:
-        workdir = Path(tmp)
-        if args.keep is not None:
-            workdir = args.keep.resolve()
-            workdir.mkdir(parents=True, exist_ok=True)
-        torchrun_pids: set[int] = set()
-        try:
-            needs_stack = any(c in args.only for c in ("cold", "warm", "sigstop"))
-            with stack(workdir) if needs_stack else contextlib.nullcontext() as stack_:
-                for repeat in range(args.repeat):
-                    for case in ("cold", "warm", "torchrun", "sigstop"):
-                        if case not in args.only:
+    found = Recoveries()
+    outcomes, detections = found.outcomes, found.detections
+    torchrun_pids: set[int] = set()
+    try:
+        needs_stack = any(c in args.only for c in ("cold", "warm", "sigstop"))
+        with stack(workdir) if needs_stack else contextlib.nullcontext() as stack_:
+            for repeat in range(args.repeat):
+                for case in ("cold", "warm", "torchrun", "sigstop"):
+                    if case not in args.only:
+                        continue
+                    job = f"{case}-{repeat}"
+                    started = time.monotonic()
+                    if case == "torchrun":
+                        outcome = asyncio.run(run_torchrun(workdir, job, shape, torchrun_pids))
+                    else:
+                        assert stack_ is not None
+                        outcome, confirmed = asyncio.run(run_ours(stack_, job, shape, case == "warm",
+                                                                  "stop" if case == "sigstop" else "kill"))
+                        if case == "sigstop":
+                            detections.append(confirmed)
+                            note(f"{job}: SIGSTOP confirmed after {confirmed:.2f}s, recovered after "
+                                 f"{outcome.recovered_s:.2f}s ({time.monotonic() - started:.0f}s)")
                             continue
-                        job = f"{case}-{repeat}"
-                        started = time.monotonic()
-                        if case == "torchrun":
-                            outcome = asyncio.run(run_torchrun(workdir, job, shape, torchrun_pids))
-                        else:
-                            assert stack_ is not None
-                            outcome, confirmed = asyncio.run(run_ours(stack_, job, shape, case == "warm",
-                                                                      "stop" if case == "sigstop" else "kill"))
-                            if case == "sigstop":
-                                detections.append(confirmed)
-                                note(f"{job}: SIGSTOP confirmed after {confirmed:.2f}s, recovered after "
-                                     f"{outcome.recovered_s:.2f}s ({time.monotonic() - started:.0f}s)")
-                                continue
-                        outcomes[case].append(outcome)
-                        note(f"{job}: recovered {outcome.recovered_s:.3f}s, "
-                             f"{', '.join(f'{k} {v:.3f}' for k, v in outcome.phases.items())}; "
-                             f"{outcome.processes_restarted} processes restarted, {outcome.recomputed_steps} steps "
-                             f"recomputed ({time.monotonic() - started:.0f}s)")
-                _compare_parameters([o.out for runs in outcomes.values() for o in runs])
-        finally:
-            kill_sessions(torchrun_pids)
-        if "overhead" in args.only:
-            overhead = sdk_overhead(2 if args.quick else 30, workdir, environment())
-        if "stock" in args.only:
-            bench_stock.measure(args.repeat, workdir, emit, quick=args.quick)
-        if "ddp" in args.only:
-            bench_ddp.measure(args.repeat, workdir, emit, quick=args.quick)
-        if "memory" in args.only:
-            bench_memory.measure(workdir, emit, quick=args.quick)
-        if "faultfree" in args.only:
-            bench_faultfree.measure(args.repeat, workdir, emit, quick=args.quick)
-        if "frameworks" in args.only:
-            bench_frameworks.measure(args.repeat, workdir, emit, quick=args.quick)
-        if "fsdp" in args.only:
-            bench_frameworks.measure_fsdp(args.repeat, workdir, emit, quick=args.quick)
-    _report(emit, outcomes, detections)
-    if "overhead" in args.only:
-        step_ms = f"{overhead.step_s * 1000:.0f} ms"
-        emit(BENCH, "sdk_overhead_pct", _sig(overhead.loop_pct, 3),
-             f"% of a {step_ms} step (CPU time, paired blocks with and without; heartbeats every 1 s, report_step "
-             "every step)")
-        emit(BENCH, "sdk_cost_pct", _sig(overhead.direct_pct, 3),
-             f"% of a {step_ms} step (one report_step per step and one heartbeat a second, timed directly)")
-        emit(BENCH, "sdk_report_step_us", _sig(overhead.report_step_us, 3), "us per report_step")
+                    outcomes[case].append(outcome)
+                    note(f"{job}: recovered {outcome.recovered_s:.3f}s, "
+                         f"{', '.join(f'{k} {v:.3f}' for k, v in outcome.phases.items())}; "
+                         f"{outcome.processes_restarted} processes restarted, {outcome.recomputed_steps} steps "
+                         f"recomputed ({time.monotonic() - started:.0f}s)")
+            _compare_parameters([o.out for runs in outcomes.values() for o in runs])
+    finally:
+        kill_sessions(torchrun_pids)
+    return found
 
 
 def _compare_parameters(outs: list[Path]) -> None:
@@ -532,15 +508,16 @@ def _compare_parameters(outs: list[Path]) -> None:
             note(f"warning: the final parameters of {out.parent.name} differ from those of {outs[0].parent.name}")
 
 
-def _report(emit: Emit, outcomes: dict[str, list[Outcome]], detections: list[float]) -> None:
+def report(emit: Emit, found: Recoveries) -> None:
+    outcomes, detections = found.outcomes, found.detections
     for case, runs in outcomes.items():
         if not runs:
             continue
         unit = "s" if case != "torchrun" else \
             f"s (torchrun --max-restarts {MAX_RESTARTS}, {TORCHRUN_SETTING}, checkpoint every {CHECKPOINT_EVERY})"
-        emit(BENCH, f"{case}_recovered_s", _sig(statistics.median(o.recovered_s for o in runs)), unit)
+        emit(BENCH, f"{case}_recovered_s", sig(statistics.median(o.recovered_s for o in runs)), unit)
         for phase in runs[0].phases:
-            emit(BENCH, f"{case}_{phase}_s", _sig(statistics.median(o.phases[phase] for o in runs), 3), "s")
+            emit(BENCH, f"{case}_{phase}_s", sig(statistics.median(o.phases[phase] for o in runs), 3), "s")
         emit(BENCH, f"{case}_processes_restarted", statistics.median(o.processes_restarted for o in runs),
              "processes per fault")
         emit(BENCH, f"{case}_recomputed_steps", statistics.median(o.recomputed_steps for o in runs), "steps")
@@ -549,11 +526,11 @@ def _report(emit: Emit, outcomes: dict[str, list[Outcome]], detections: list[flo
         runs = outcomes[case]
         if runs and len(runs) == len(torchrun):
             ratios = [o.recovered_s / t.recovered_s for o, t in zip(runs, torchrun, strict=True)]
-            emit(BENCH, f"ratio_{case}_to_torchrun", _sig(statistics.median(ratios), 3), "x (lower is faster)")
+            emit(BENCH, f"ratio_{case}_to_torchrun", sig(statistics.median(ratios), 3), "x (lower is faster)")
     if detections:
-        emit(BENCH, "sigstop_detected_s", _sig(statistics.median(detections), 3),
+        emit(BENCH, "sigstop_detected_s", sig(statistics.median(detections), 3),
              f"s (heartbeats every {HEARTBEAT_S:g} s, watchdog {WATCHDOG_S:g} s, "
              f"hang_min_silence_s {HANG_MIN_SILENCE_S:g})")
 
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "measure", "report", "resolve", "workspace"]

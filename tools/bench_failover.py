@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench_daemon import Daemon, Emit, note
-from bench_daemon import _sig as sig
+from bench_harness import Emit, note, sig
+from bench_harness_daemon import Daemon
 
 
 def failover(work: Path, url: str, emit: Emit, ttl_s: float = 10.0) -> None:

@@ -23,16 +23,13 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from bench_stock import launch
+from bench_harness import Emit
+from bench_harness_launch import TUTORIAL, launch
 
-ROOT = Path(__file__).resolve().parents[1]
-TUTORIAL = ROOT / "examples" / "ddp-tutorial"
 SCRIPTS = {"stock": ("stock.py", "stock.py"), "sdk": ("with_sdk.py", "original.py")}
 """script name -> (what recovery-run runs, what torchrun runs)"""
-Emit = Callable[[str, str, float, str], None]
 
 
 def run_once(launcher: str, script: str, workdir: Path, nproc: int, step_time: float, epochs: int) -> float:

@@ -32,25 +32,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import bench_fleet_many
-import bench_fleet_steady
 import orjson
-from bench_daemon import Daemon, connect, nats_server, note, publish_all, sigterm_unwinds, wait_seq
-from bench_fleet_agents import CONTROL, RPN, node_name
+from bench_harness import Emit, note
+from bench_harness_daemon import Daemon, connect, nats_server, publish_all, wait_seq
+from bench_harness_fleet import AGENTS, BENCH, CONTROL, RPN, node_name
 
 from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
 from events.values import JobSpec
 from recovery.agent.config import AgentConfig
-
-Emit = Callable[[str, str, float, str], None]
-BENCH = "fleet"
-AGENTS = Path(__file__).resolve().parent / "bench_fleet_agents.py"
 
 
 # -- the bench -----------------------------------------------------------------------------------------------------
@@ -85,7 +80,7 @@ async def measure_job(url: str, daemon: Daemon, job: str, nodes: int, seconds: f
     await nc.subscribe(subjects.COMMANDS, cb=on_command)
     await nc.subscribe(subjects.decision(job), cb=on_decision)
     latencies: list[float] = []
-    events0, cpu0, t0 = _events_total(daemon), daemon.cpu_s(), time.monotonic()
+    events0, cpu0, t0 = daemon.events_total() or 0.0, daemon.cpu_s(), time.monotonic()
     while time.monotonic() - t0 < seconds - fault_every_s:
         await asyncio.sleep(fault_every_s)  # the pace of the faults
         rank = rng.randrange(nodes * RPN)
@@ -101,18 +96,9 @@ async def measure_job(url: str, daemon: Daemon, job: str, nodes: int, seconds: f
             await asyncio.wait_for(closed.wait(), 30)  # the next fault strikes a running job
     wall = time.monotonic() - t0
     cores = (daemon.cpu_s() - cpu0) / wall
-    applied = (_events_total(daemon) - events0) / wall
+    applied = ((daemon.events_total() or 0.0) - events0) / wall
     await nc.close()
     return latencies, cores, applied
-
-
-def _events_total(daemon: Daemon) -> float:
-    code, body = daemon.get("/metrics")
-    total = 0.0
-    for line in body.decode().splitlines() if code == 200 else []:
-        if line.startswith("recovery_events_total{"):
-            total += float(line.rpartition(" ")[2])
-    return total
 
 
 def run_job(args: argparse.Namespace, work: Path, emit: Emit) -> None:
@@ -181,23 +167,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
                         help="copy the daemons' and servers' logs here when the bench ends (where a fault's time went)")
-    bench_fleet_many.add_arguments(parser)
-    bench_fleet_steady.add_arguments(parser)
 
 
-def run(args: argparse.Namespace, emit: Emit) -> None:
-    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="recovery-fleet-") as tmp:
+@contextlib.contextmanager
+def workspace(keep_logs: Path | None) -> Iterator[Path]:
+    """A temporary directory for the cases, its logs copied to `keep_logs` when they end, however they end."""
+    with tempfile.TemporaryDirectory(prefix="recovery-fleet-") as tmp:
         try:
-            if args.only in (None, "job"):
-                run_job(args, Path(tmp) / "job", emit)
-            if args.only in (None, "fleet"):
-                bench_fleet_many.run_fleet(args, Path(tmp) / "fleet", emit)
-            if args.only in (None, "steady"):
-                bench_fleet_steady.run_steady(args, Path(tmp) / "steady", emit)
+            yield Path(tmp)
         finally:
-            if args.keep_logs is not None:
+            if keep_logs is not None:
                 for log in Path(tmp).rglob("*.log"):
-                    kept = args.keep_logs / log.relative_to(tmp)
+                    kept = keep_logs / log.relative_to(tmp)
                     kept.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(log, kept)
-

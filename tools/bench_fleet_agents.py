@@ -30,18 +30,11 @@ from typing import Any
 
 import nats
 import orjson
+from bench_harness_fleet import CONTROL, RPN, node_name
 
 from events import subjects
+from recovery.log import MSG_ID
 from recovery.log.jetstream import publish_with_retry
-
-RPN = 8
-MSG_ID = "Nats-Msg-Id"
-CONTROL = "bench.fleet"
-"""core-NATS subjects of the bench's own control of its simulated agents (nothing of the product's)"""
-
-
-def node_name(index: int) -> str:
-    return f"f{index:05d}"
 
 
 @dataclass

@@ -49,10 +49,21 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from bench_daemon import Daemon, note, publish_all
-from bench_fleet_agents import CONTROL, RPN, node_name
+from bench_harness import Emit, note
+from bench_harness_daemon import Daemon, publish_all
+from bench_harness_fleet import (
+    AGENTS,
+    BENCH,
+    CONTROL,
+    NODES_PER_JOB,
+    RPN,
+    job_name,
+    log_state,
+    node_name,
+    stream_messages,
+)
 from nats.aio.client import Client
-from nats.js.api import AckPolicy, ConsumerConfig, StreamState
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from events import subjects
 from events.codec import encode_envelope
@@ -62,10 +73,6 @@ from recovery.log import MSG_ID
 from recovery.log.pull import PullReader
 from recovery.testing.nats import NatsCluster, NatsServer
 
-Emit = Callable[[str, str, float, str], None]
-BENCH = "fleet"
-AGENTS = Path(__file__).resolve().parent / "bench_fleet_agents.py"
-NODES_PER_JOB = 25
 SERVING_LAG = 200
 """a partition's consumer this close to the log's end serves a fault at once (it reads the whole log: about a
 second's records)"""
@@ -100,10 +107,6 @@ class Watch:
     async def on_decision(self, msg: Any) -> None:
         if b'"incident.closed"' in msg.data:
             self.open_jobs.discard(msg.subject.rsplit(".", 1)[-1])
-
-
-def job_name(index: int) -> str:
-    return f"fleet-{index:04d}"
 
 
 def submissions(jobs: int, report_s: float = 1.0) -> list[tuple[str, bytes, str]]:
@@ -319,25 +322,6 @@ async def read_back(url: str, faults: list[Fault]) -> tuple[int, int, str]:
 def _which(faults: list[Fault]) -> str:
     return "" if not faults else " (" + ", ".join(f"{f.job} of partition {f.partition} in generation {f.generation}"
                                                    for f in faults[:5]) + ")"
-
-
-def log_state(url: str, subjects_filter: str | None = None) -> StreamState:
-    """The log stream's state now (with `subjects_filter`, the subjects it stored under it, and how many on each)."""
-    async def read() -> StreamState:
-        import nats
-
-        nc = await nats.connect(url.split(","))
-        try:
-            return (await nc.jetstream(timeout=30).stream_info("RECOVERY", subjects_filter=subjects_filter)).state
-        finally:
-            await nc.close()
-
-    return asyncio.run(read())
-
-
-def stream_messages(url: str) -> int:
-    """Messages the log holds now (inputs and outputs)."""
-    return int(log_state(url).messages)
 
 
 def stream_mix(url: str, first: int, last: int) -> Counter[str]:

@@ -21,22 +21,17 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
-from bench_daemon import Daemon, connect, nats_server, note, publish_all, wait_seq
-from bench_fleet_agents import RPN
-from bench_fleet_many import NODES_PER_JOB, job_name, stream_messages
+from bench_harness import Emit, note
+from bench_harness_daemon import Daemon, connect, nats_server, publish_all, wait_seq
+from bench_harness_fleet import AGENTS, BENCH, NODES_PER_JOB, RPN, job_name, stream_messages
 
 from events import subjects
 from events.codec import encode_envelope
 from events.envelope import make_envelope
 from events.values import JobSpec
-
-Emit = Callable[[str, str, float, str], None]
-BENCH = "fleet"
-AGENTS = Path(__file__).resolve().parent / "bench_fleet_agents.py"
 
 
 def submissions(jobs: int, period_s: float) -> list[tuple[str, bytes, str]]:

@@ -2,8 +2,9 @@
 (examples/lightning/train.py, examples/accelerate/train.py, synthetic data), 4 ranks on this host.
 
     python tools/bench.py e2e --only frameworks            # 3 repeats of every case, medians
-    python tools/bench.py e2e --only fsdp                  # the HSDP and FSDP scripts (`measure_fsdp`)
+    python tools/bench.py e2e --only fsdp                  # the HSDP script (`measure_fsdp`), then bench_sharded.py
     python tools/bench_frameworks.py --repeat 5 --only frameworks
+    python tools/bench_frameworks.py --only fsdp           # the HSDP script alone
 
 What is measured, each run started alone (the host's two cores are shared by every rank):
 
@@ -31,108 +32,21 @@ The standbys' readiness is waited for before a kill (they start with the agent, 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from bench_stock import launch, rank_pid, standbys_ready
+from bench_harness import ROOT, Emit
+from bench_harness_launch import HSDP, Run, kill_once, script_args
 
-ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING = ROOT / "examples" / "lightning" / "train.py"
 ACCELERATE = ROOT / "examples" / "accelerate" / "train.py"
-HSDP = ROOT / "examples" / "fsdp" / "train.py"
-STEP = re.compile(rb"trained step (\d+)")
-NPROC = 4
-Emit = Callable[[str, str, float, str], None]
-
-
-class Run:
-    """One launcher's run of a script, its output lines timed as they come."""
-
-    def __init__(self, launcher: str, script: list[str], workdir: Path, tag: str, *options: str,
-                 nproc: int = NPROC) -> None:
-        self.data = workdir / tag
-        command, env = launch(launcher, nproc, script, self.data, *options)
-        env["OMP_NUM_THREADS"] = "1"
-        self.lines: list[tuple[float, bytes]] = []
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                                     start_new_session=True)
-        self.started = time.monotonic()
-        self.marker = tag
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line))
-
-    def steps(self, since: float = 0.0, prefix: bytes = b"") -> list[tuple[float, int]]:
-        return [(t, int(m.group(1))) for t, line in list(self.lines)
-                if t >= since and line.startswith(prefix) and (m := STEP.search(line))]
-
-    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = b"".join(line for _, line in self.lines[-40:]).decode(errors="replace")
-                raise RuntimeError(f"{what}: not seen\n{tail}")
-            time.sleep(0.01)  # polling the output, within the deadline
-
-    def stop(self) -> int:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)  # recovery-run stops what it started; torchrun its workers
-        try:
-            return self.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
-        finally:
-            for rank in range(NPROC):  # a rank left behind by a failed stop
-                if (pid := rank_pid(self.marker, rank)) is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-
-
-def script_args(script: Path, workdir: Path, tag: str, *extra: str, epochs: int = 3) -> list[str]:
-    args = [str(script), "--epochs", str(epochs), "--samples", "1024", "--step-time", "0.1", *extra]
-    return [*args, "--checkpoints", str(workdir / f"{tag}-checkpoints")]
-
-
-def kill_once(launcher: str, script: list[str], workdir: Path, tag: str, fault_at: int,
-              *options: str, victims: tuple[int, ...] = (1,)) -> tuple[float, Path]:
-    """Seconds from the SIGKILL of `victims` (rank 1; once step `fault_at` was printed, and any standbys ready) to
-    the first step printed past the last one printed before it; and the run's data directory."""
-    run = Run(launcher, script, workdir, tag, *options)
-    try:
-        run.wait_for(lambda: any(step >= fault_at for _, step in run.steps()), f"step {fault_at}")
-        if launcher == "recovery-run":
-            run.wait_for(lambda: standbys_ready(run.data) >= len(victims), "ready standbys")
-        pids = [rank_pid(tag, victim, run.data if launcher == "recovery-run" else None) for victim in victims]
-        assert None not in pids, f"ranks {victims} not all found: {pids}"
-        seen = max(step for _, step in run.steps())
-        killed = time.monotonic()
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
-        # The replacement's step: recovery-run prefixes a restarted rank's lines with its generation; torchrun
-        # restarts every rank, whose first lines come seconds later (a survivor prints at most the step it was in).
-        prefix = f"[rank{victims[0]}.".encode()
-        prefix, since = (prefix, killed) if launcher == "recovery-run" else (b"", killed + 1.0)
-        run.wait_for(lambda: any(step > seen for _, step in run.steps(since, prefix)), f"a step past {seen}")
-        regained = min(t for t, step in run.steps(since, prefix) if step > seen) - killed
-        run.wait_for(lambda: run.proc.poll() is not None, "the run's end", timeout=600)
-        return regained, run.data
-    finally:
-        run.stop()
 
 
 def report_ttr(data: Path) -> float | None:
@@ -260,9 +174,6 @@ def measure_fsdp(repeat: int, workdir: Path, emit: Emit, quick: bool = False) ->
          round(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)), 3), "x (goal at most 0.2)")
     emit("e2e", "hsdp_processes_restarted", max(restarted), "processes (the most in a run; goal 1)")
     emit("e2e", "hsdp_equal_to_fault_free", min(equal), "(1: every run ended bit for bit as the fault-free one)")
-    import bench_sharded  # FSDP without a replica: a node lost, and the stall of a save
-
-    bench_sharded.measure(repeat, workdir, emit, quick=quick)
 
 
 def main() -> None:

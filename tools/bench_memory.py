@@ -39,26 +39,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+from bench_harness import ROOT, Emit, emit, note
 
 from recovery.agent.channel import ProcessChannel
 from recovery.agent.memory import MemoryTier, memory_root
 
-ROOT = Path(__file__).resolve().parents[1]
 JOB = "bench-memory"
 NODE = "bench"
 HIDDEN = 2048
 PERSIST_WAIT_S = 120.0
-
-Emit = Callable[[str, str, float, str], None]
-
-
-def note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- the training process ------------------------------------------------------------------------------------------
@@ -274,9 +267,6 @@ def main() -> None:
         child_restore(args)
     else:
         with tempfile.TemporaryDirectory(prefix="recovery-bench-memory-") as tmp:
-            def emit(bench: str, metric: str, value: float, unit: str) -> None:
-                print(json.dumps({"bench": bench, "metric": metric, "value": value, "unit": unit}), flush=True)
-
             measure(Path(tmp), emit, mb=args.mb, saves=args.saves, restores=args.restores)
 
 

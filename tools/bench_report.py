@@ -19,11 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench_harness import Emit
+
 from recovery.log import write_file
 from recovery.sim.config import Cluster, SimConfig
 from recovery.sim.sim import simulate
 
-Emit = Callable[[str, str, float, str], None]
 Note = Callable[[str], None]
 
 

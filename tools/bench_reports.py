@@ -12,12 +12,13 @@ import asyncio
 from pathlib import Path
 
 import orjson
-from bench_daemon import RANKS, Daemon, Emit, _sig, blast, connect, job_setup, note, progress, publish_all, wait_seq
+from bench_harness import Emit, note, sig
+from bench_harness_daemon import RANKS, Daemon, blast, connect, job_setup, progress, publish_all, wait_seq
 
 from events import subjects
+from recovery.log import MSG_ID
 from recovery.log.jetstream import publish_with_retry
 
-MSG_ID = "Nats-Msg-Id"
 JOBS = 125
 
 
@@ -65,7 +66,7 @@ def measure(work: Path, url: str, events: int, emit: Emit) -> None:
     per_rank = per_report / RANKS
     note(f"edge aggregation: {per_event:.1f} us of daemon CPU per per-rank event, {per_report:.1f} us per report of "
          f"{RANKS} ranks ({per_rank:.1f} us per rank covered): {per_event / per_rank:.1f}x less per rank")
-    emit("daemon", "daemon_cpu_us_per_rank_event", _sig(per_event), "us (a rank's own progress.step)")
-    emit("daemon", "daemon_cpu_us_per_node_report", _sig(per_report), f"us (a progress.report of {RANKS} ranks)")
-    emit("daemon", "daemon_cpu_us_per_rank_reported", _sig(per_rank), "us (per rank a report covers)")
-    emit("daemon", "aggregation_cpu_ratio", _sig(per_rank / per_event), "x (per rank, folded against per-rank)")
+    emit("daemon", "daemon_cpu_us_per_rank_event", sig(per_event), "us (a rank's own progress.step)")
+    emit("daemon", "daemon_cpu_us_per_node_report", sig(per_report), f"us (a progress.report of {RANKS} ranks)")
+    emit("daemon", "daemon_cpu_us_per_rank_reported", sig(per_rank), "us (per rank a report covers)")
+    emit("daemon", "aggregation_cpu_ratio", sig(per_rank / per_event), "x (per rank, folded against per-rank)")

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_daemon import note
+from bench_harness import Emit, note, sig
 
 
 # -- the SDK's overhead ----------------------------------------------------------------------------------------
@@ -88,6 +88,16 @@ def sdk_overhead(pairs: int, workdir: Path, env: dict[str, str]) -> Overhead:
     note(f"SDK overhead: per-pair ratios (with/without) {[round(r, 4) for r in ratios]}; step {step_s * 1000:.1f} ms")
     return Overhead(100 * (statistics.median(ratios) - 1), 100 * report_s * (1 + step_s / 1.0) / step_s,
                     report_s * 1e6, step_s)
+
+
+def report(emit: Emit, overhead: Overhead) -> None:
+    step_ms = f"{overhead.step_s * 1000:.0f} ms"
+    emit("e2e", "sdk_overhead_pct", sig(overhead.loop_pct, 3),
+         f"% of a {step_ms} step (CPU time, paired blocks with and without; heartbeats every 1 s, report_step "
+         "every step)")
+    emit("e2e", "sdk_cost_pct", sig(overhead.direct_pct, 3),
+         f"% of a {step_ms} step (one report_step per step and one heartbeat a second, timed directly)")
+    emit("e2e", "sdk_report_step_us", sig(overhead.report_step_us, 3), "us per report_step")
 
 
 _DRAIN = """

@@ -1,5 +1,7 @@
 """Sharded state without a replica: FSDP2 on a 1-D mesh (examples/fsdp/train.py `--replicas 1`), part of
-`python tools/bench.py e2e --only fsdp` (`tools/bench_frameworks.py` calls `measure`).
+`python tools/bench.py e2e --only fsdp` (after the HSDP script of `tools/bench_frameworks.py`), or on its own:
+
+    python tools/bench_sharded.py --repeat 3
 
 - `fsdp_node_loss_ratio_to_torchrun`: a node of two is lost once the job printed step `fault_at` (its agent and its
   two ranks SIGKILLed, its shared memory removed: the host is gone) under `recovery-run --nnodes 2 --spares 1` with
@@ -18,6 +20,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -25,19 +28,17 @@ import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from bench_frameworks import HSDP, Run, kill_once, script_args
-from bench_stock import rank_pid
+from bench_harness import ROOT, Emit
+from bench_harness_launch import HSDP, Run, kill_once, rank_pid, script_args
 
 from recovery.agent.memory import memory_root
 
-ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tools" / "fsdp_stall_probe.py"
 SAVE_EVERY = 4
-Emit = Callable[[str, str, float, str], None]
 
 
 def agent_pid(data: Path, node: str) -> int | None:
@@ -145,3 +146,20 @@ def stall_once(workdir: Path, tag: str) -> dict[str, float]:
     if result.get("buddy_copies", 0) < 1:
         raise RuntimeError(f"{tag}: no copy reached the buddy node: {result}")
     return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+
+    def emit(bench: str, metric: str, value: float, unit: str) -> None:
+        print(f"{bench}.{metric} = {value} {unit}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-sharded-") as workdir:
+        measure(args.repeat, Path(workdir), emit, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

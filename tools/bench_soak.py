@@ -37,12 +37,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
-from bench_daemon import Daemon, nats_server, sigterm_unwinds
+from bench_harness import Emit, sigterm_unwinds
+from bench_harness_daemon import Daemon, nats_server
 
 from events.envelope import Record
 from events.outputs import Decision
@@ -54,7 +54,6 @@ from recovery.log.jetstream import JetStreamLog
 from recovery.service.demo import BuiltinCluster, Bus, DemoSettings
 from recovery.testing.nats import NatsCluster, NatsServer
 
-Emit = Callable[[str, str, float, str], None]
 BENCH = "soak"
 RANKS = 8  # the demo cluster's jobs: two nodes of four ranks
 
@@ -74,17 +73,6 @@ class Soak:
     nats_restarts: list[float] = field(default_factory=list)
     restarts: list[tuple[float, float, int]] = field(default_factory=list)
     """per daemon SIGKILL: (time into the run, seconds until ready again, inputs replayed past its snapshot)"""
-
-
-def _events_total(daemon: Daemon) -> float | None:
-    code, body = daemon.get("/metrics")
-    if code != 200:
-        return None
-    total = 0.0
-    for line in body.decode().splitlines():
-        if line.startswith("recovery_events_total{"):
-            total += float(line.rpartition(" ")[2])
-    return total
 
 
 class Outage:
@@ -139,7 +127,7 @@ async def soak_run(args: argparse.Namespace, work: Path, outage: Outage, daemon:
     try:
         while (now := time.monotonic()) < end:
             if now >= next_sample:
-                total = await asyncio.to_thread(_events_total, daemon)
+                total = await asyncio.to_thread(daemon.events_total)
                 if total is not None and daemon.proc is not None and daemon.proc.poll() is None:
                     soak.samples.append(Sample(now - start, daemon.rss_mb(), total, incarnation))
                 next_sample += args.sample_s
@@ -265,12 +253,12 @@ def run(args: argparse.Namespace, emit: Emit) -> None:
 def _wait_quiet(daemon: Daemon, quiet_s: float = 5.0, timeout: float = 600.0) -> None:
     """Until the daemon's applied count stays put for `quiet_s` (everything published is applied)."""
     deadline = time.monotonic() + timeout
-    last, since = _events_total(daemon), time.monotonic()
+    last, since = daemon.events_total(), time.monotonic()
     while time.monotonic() - since < quiet_s:
         if time.monotonic() > deadline:
             raise TimeoutError("the daemon never went quiet")
         time.sleep(0.5)  # sampling interval of a deadline-bounded wait
-        now = _events_total(daemon)
+        now = daemon.events_total()
         if now != last:
             last, since = now, time.monotonic()
 

@@ -18,62 +18,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-STOCK = ROOT / "examples" / "ddp-tutorial" / "stock.py"
-STEP = re.compile(rb"\] step (\d+)")
+from bench_harness import Emit
+from bench_harness_launch import STEP, TUTORIAL, launch, rank_pid, standbys_ready
+
+STOCK = TUTORIAL / "stock.py"
 EPOCH_STEPS = re.compile(rb"\| Steps: (\d+)")
-
-
-def rank_pid(marker: str, rank: int, data_dir: Path | None = None) -> int | None:
-    """The process of `rank`: as recovery-run's agents recorded it under `data_dir` (a rank handed to a standby runs
-    in the standby's interpreter, whose command line is not the script's), else the one whose command line holds
-    `marker` (the run's own snapshot path)."""
-    for record in sorted(data_dir.glob(f"agents/*/*.rank{rank}.json")) if data_dir is not None else ():
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            return int(json.loads(record.read_text())["pid"])
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker.encode() not in (entry / "cmdline").read_bytes():
-                continue
-            if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                return int(entry.name)
-        except OSError:
-            continue
-    return None
-
 
 JOB_LEVEL_SPEC = """{"policies": {"rescheduling": {"name": "ladder", "params": {"ladders": {"process": [
     {"granularity": "restart_job", "budget": 3, "deadline_s": 900.0}]}}}}}"""
 """`--job-level`: a process fault restarts the job at once, as torchrun does (a stock script's survivors cannot
 re-form their process group, so restarting the dead rank alone cannot work for it)"""
-
-
-def launch(launcher: str, nproc: int, script: list[str], data_dir: Path, *options: str) -> tuple[list[str],
-                                                                                          dict[str, str]]:
-    """The command line and environment that start `script` on `nproc` ranks of this host under `launcher`
-    (torchrun, or recovery-run with `options` and its data in `data_dir`), as the e2e benches run both."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    if launcher == "torchrun":
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                "--max-restarts", "3", *script], env
-    return [sys.executable, "-m", "recovery.cli.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", "3", "--data-dir", str(data_dir), *options, *script], env
 
 
 def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time: float, epochs: int,
@@ -148,15 +112,7 @@ def run_once(launcher: str, workdir: Path, nproc: int, fault_at: int, step_time:
                 os.killpg(leftover, signal.SIGKILL)
 
 
-def standbys_ready(data_dir: Path) -> int:
-    """How many standbys of the standalone run have said they are ready (each writes `ready <import seconds>` to its
-    own output; the agents log at WARNING there)."""
-    return sum(1 for log in data_dir.glob("agents/*/*.standby*.log")
-               if any(line.startswith("ready ") for line in log.read_text(errors="replace").splitlines()))
-
-
-def measure(repeat: int, workdir: Path, emit: Callable[[str, str, float, str], None], quick: bool = False,
-            nproc: int = 4) -> None:
+def measure(repeat: int, workdir: Path, emit: Emit, quick: bool = False, nproc: int = 4) -> None:
     """The `stock` case of `python tools/bench.py e2e`: recovery-run cold and with warm standbys, and torchrun, on the
     same kill, back to back in every repeat; the medians, and the medians of the per-repeat ratios to torchrun."""
     fault_at, epochs = (12, 4) if quick else (20, 8)

@@ -6,10 +6,11 @@ docstring for the mix)."""
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from bench_harness import note
 
 from events import subjects
 from events.commands import CommandBase, MigrateRanks, RestartJob, RestartRanks, SaveCheckpoint, ScaleJob
@@ -29,12 +30,6 @@ TICK_NS = 100
 PROGRESS = frozenset({"progress.step", "process.heartbeat"})
 CHUNK = 20_000
 """records per turn when the engine and its baseline are timed in alternation"""
-
-
-
-
-def note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- the workload ------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ class Outcome:
     out: Path
 
 
-
 def unfolded(records: list[Record]) -> list[Any]:
     """The records, each `progress.report` in them as its ranks' own heartbeats and steps at its log time."""
     out: list[Any] = []
