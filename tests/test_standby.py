@@ -290,3 +290,40 @@ async def test_a_spare_warms_for_its_newest_jobs_and_drops_an_older_ones_standby
         assert pool.warm_for("c", 2) == [] and pool.warm_for("d", 2) == ["b"]
     finally:
         await pool.close()
+
+
+def test_a_job_whose_faults_restart_every_rank_keeps_one_for_each_rank_here_by_default() -> None:
+    pool = StandbyPool(Path("/nonexistent"), enabled=True, preload="json", delay_s=0)
+    stock = Entrypoint(command=sys.executable, args=["job.py"])
+    assert [pool.wanted(stock, 4, whole=w) for w in (False, True)] == [2, 4]
+    assert pool.wanted(Entrypoint(command=sys.executable, args=["job.py"], env={"RECOVERY_STANDBY": "1"}), 4,
+                       whole=True) == 1  # the job's word rules
+    assert StandbyPool(Path("/nonexistent"), enabled=False, preload="json", delay_s=0).wanted(stock, 4, True) == 0
+
+
+async def test_standbys_start_once_the_ranks_stepped_as_many_as_wanted_then_and_trimmed_when_fewer_are(
+        tmp_path: Path) -> None:
+    entrypoint = Entrypoint(command=sys.executable, args=["job.py"], env={"PYTHONPATH": environment()["PYTHONPATH"]})
+    pool = StandbyPool(tmp_path, enabled=True, preload="json", delay_s=3600)  # only the step ends the wait
+    wanted, asked = [3], []
+    stepped = anyio.Event()
+
+    def count() -> int:
+        asked.append(wanted[0])
+        return wanted[0]
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):  # one per rank here; as many start as wanted once they may
+                    tg.start_soon(pool.keep, "job", entrypoint, count, 4, stepped)
+                await anyio.wait_all_tasks_blocked()
+                assert not asked and "job" not in pool._standbys  # the ranks' start-up first
+                stepped.set()
+        assert len(asked) == 4 and len(pool._standbys["job"]) == 3
+        extra = pool.trim("job", 2)  # it said it recovers in place: the default two
+        assert len(extra) == 1 and len(pool._standbys["job"]) == 2 and pool.trim("job", 2) == []
+        for standby in extra:
+            await standby.close()
+    finally:
+        await pool.close()

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_harness import ROOT, Emit
+from bench_harness import ROOT, Emit, sigterm_unwinds
 from bench_harness_launch import HSDP, Run, kill_once, rank_pid, script_args
 
 from recovery.agent.memory import memory_root
@@ -157,7 +157,7 @@ def main() -> None:
     def emit(bench: str, metric: str, value: float, unit: str) -> None:
         print(f"{bench}.{metric} = {value} {unit}", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="bench-sharded-") as workdir:
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="bench-sharded-") as workdir:
         measure(args.repeat, Path(workdir), emit, quick=args.quick)
 
 

@@ -122,6 +122,9 @@ class Admission:
     def _adopt(self, job: JobOnNode) -> None:
         raise NotImplementedError
 
+    def standbys_wanted(self, job: JobOnNode) -> int:
+        raise NotImplementedError
+
     async def _fence(self, job: JobOnNode) -> None:
         raise NotImplementedError
 
@@ -253,6 +256,6 @@ class Admission:
             await self._launch(job, rank, 0, None, whole=True)
         if spec.nodes[0] == self.node:
             self.job_event(job.id, "job.started", {}, event_id=f"{job.id}:started")
-        wanted = self.standbys.wanted(spec.entrypoint, len(here))
-        for _ in range(wanted):  # one after the other: each waits its delay, then for its imports
-            self._tg.start_soon(self.standbys.keep, job.id, spec.entrypoint, wanted, len(here))
+        for _ in range(max(1, len(here))):  # how many: asked once the ranks' start-up is over (`standbys_wanted`)
+            self._tg.start_soon(self.standbys.keep, job.id, spec.entrypoint, lambda: self.standbys_wanted(job),
+                                len(here), job.stepped)

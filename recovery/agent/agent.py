@@ -150,6 +150,13 @@ class Agent(Relay, Rescale, Admission):
                         "result": {"node": self.node, **result}},
                        event_id=f"{subjects.command_msg_id(command.id, self.node)}:{status}")
 
+    def standbys_wanted(self, job: JobOnNode) -> int:
+        """The standbys the job keeps here: one for each of its ranks here while its faults restart every rank (no
+        process of it here said it recovers in place: a stock script), else the pool's default (`StandbyPool`)."""
+        assert job.spec.entrypoint is not None
+        whole = not any(p.alive and p.caps is not None and "reform" in p.caps for p in job.processes.values())
+        return self.standbys.wanted(job.spec.entrypoint, len(job.ranks_on(self.node)), whole)
+
     async def suspect_peer(self, job: str, rank: int, generation: int, error: str) -> None:
         """A rank this agent runs lost a peer's connection: the daemon probes the job's nodes at once."""
         if self.nc is None:
@@ -362,9 +369,8 @@ class Agent(Relay, Rescale, Admission):
         ranks.write_record(self.runtime_dir, proc)
         if standby is not None:
             assert self._tg is not None
-            local_ranks = len(job.ranks_on(self.node))
-            self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint,
-                                self.standbys.wanted(job.spec.entrypoint, local_ranks), local_ranks)
+            self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint, lambda: self.standbys_wanted(job),
+                                len(job.ranks_on(self.node)))
         # `announces`: this agent relays what the process's SDK says it can do; until it says, it can do nothing
         # more than a stock script (`process.capabilities`)
         self.job_event(job.id, "process.started", {"rank": rank, "pid": proc.pid, "attempt": attempt,

@@ -42,6 +42,7 @@ class JobOnNode:
     torch_ports: dict[int, int | None] = field(default_factory=dict)  # generation -> its torch store's port
     torch_lock: anyio.Lock = field(default_factory=anyio.Lock)
     serving: anyio.CancelScope = field(default_factory=anyio.CancelScope)  # cancelled: its socket is closed
+    stepped: anyio.Event = field(default_factory=anyio.Event)  # a rank here reported a step: its start-up is over
 
     async def serve_channel(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve the job's socket until `serving` is cancelled (a job the daemon rejected is forgotten)."""

@@ -19,6 +19,7 @@ from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import JobOnNode
 from recovery.agent.memory import MemoryTier
 from recovery.agent.progress import ProgressFold, SilenceWatch, measured, wire_loss, wire_skip
+from recovery.agent.standby import StandbyPool
 
 CAPABILITIES = frozenset(get_args(Capability))
 """what an SDK may announce; a word a newer SDK adds is not relayed (the engine would refuse the event)"""
@@ -34,6 +35,7 @@ class Relay:
     progress: ProgressFold
     silence: SilenceWatch
     memory: MemoryTier
+    standbys: StandbyPool
 
     def publish(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None,
                 heartbeat: bool) -> None:
@@ -42,6 +44,10 @@ class Relay:
 
     async def suspect_peer(self, job: str, rank: int, generation: int, error: str) -> None:
         """Tell the daemon that `rank` lost a peer's connection (the agent's)."""
+        raise NotImplementedError
+
+    def standbys_wanted(self, job: JobOnNode) -> int:
+        """The standbys the job keeps on this node now (the agent's)."""
         raise NotImplementedError
 
     def job_event(self, job: str, type_: str, data: dict[str, Any] | BaseModel, event_id: str | None = None) -> None:
@@ -152,6 +158,8 @@ class Relay:
             # the interpreter for seconds in a native call that no SDK user chose: its hangs are seen from outside.
             self.silence.spoke(job_id, rank, time.monotonic())
         try:
+            if op == "step" or (op == "heartbeat" and message.get("step") is not None):
+                job.stepped.set()  # the ranks' start-up is over: standbys may import now
             if op == "heartbeat":
                 if not counted:  # the step hook's: only its counts are news (the engine reads no silence of it)
                     self._progress(job_id, rank, message.get("step"), attempt)
@@ -207,6 +215,9 @@ class Relay:
                 caps = sorted({c for c in said if c in CAPABILITIES}) if isinstance(said, list) else []
                 if proc is not None and proc.alive:
                     proc.caps = frozenset(caps)
+                    if "reform" in caps:  # it recovers in place: the job needs no standby for every rank here
+                        for extra in self.standbys.trim(job_id, self.standbys_wanted(job)):
+                            await extra.close()
                     if proc.counted_only:
                         self.silence.forget(job_id, rank)  # its hello started a watch its hook's silence must not end
                 self.job_event(job_id, "process.capabilities", {"rank": rank, "attempt": attempt, "caps": caps})

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,13 +133,27 @@ class StandbyPool:
         self._wanted: dict[str, int] = {}
         self._closed: set[str] = set()
         self._warming: list[str] = []  # a spare's: the jobs it keeps standbys for, oldest first
+        self._starting: dict[str, int] = {}  # per job, standbys being started, not yet in the pool
         self._count = 0
 
-    def wanted(self, entrypoint: Entrypoint, local_ranks: int = 1) -> int:
-        """How many standbys the job keeps here (0: none)."""
+    def wanted(self, entrypoint: Entrypoint, local_ranks: int = 1, whole: bool = False) -> int:
+        """How many standbys the job keeps here (0: none); `whole`: its faults restart every rank (no process of it
+        here recovers in place), so by default each of its ranks here has one."""
         if not can_hand_over(entrypoint):
             return 0
-        return standbys_wanted(entrypoint.env.get(STANDBY_ENV), self.enabled, local_ranks)
+        choice = entrypoint.env.get(STANDBY_ENV)
+        if choice is None and whole and self.enabled:
+            return max(1, local_ranks)
+        return standbys_wanted(choice, self.enabled, local_ranks)
+
+    def trim(self, job: str, wanted: int) -> list[Standby]:
+        """The job's standbys past `wanted`, taken out to be closed (it learned it needs fewer)."""
+        self._wanted[job] = wanted
+        standbys = self._standbys.get(job)
+        if not standbys or len(standbys) <= wanted:
+            return []
+        extra, self._standbys[job] = standbys[wanted:], standbys[:wanted]
+        return extra
 
     def spare_wanted(self, entrypoint: Entrypoint, ranks_per_node: int) -> int:
         """How many standbys a spare keeps for a job that may take it: one for each rank a node of the job runs (a
@@ -175,14 +190,30 @@ class StandbyPool:
                 return standby
         return None
 
-    async def keep(self, job: str, entrypoint: Entrypoint, count: int = 1, local_ranks: int = 1) -> None:
-        """Start the job's next standby after the delay, unless it has `count` already, and wait for it to be ready
-        (a task of the agent). Its environment has the threads a rank of `local_ranks` here gets: torch sizes its
-        pool at import, before the hand-over."""
-        self._wanted[job] = max(count, self._wanted.get(job, 0))
-        await anyio.sleep(self.delay_s)  # the recovery or the job's start first: they want the CPU now
-        if job in self._closed or len(self._standbys.get(job, [])) >= self._wanted[job]:
+    async def keep(self, job: str, entrypoint: Entrypoint, count: int | Callable[[], int] = 1,
+                   local_ranks: int = 1, stepped: anyio.Event | None = None) -> None:
+        """Start the job's next standby after the delay (or once `stepped` is set: its ranks here stepped, their
+        start-up is over), unless it has `count` already (a function: asked once the delay is over, what the agent
+        knows of the job then), and wait for it to be ready (a task of the agent). Its environment has the threads a
+        rank of `local_ranks` here gets: torch sizes its pool at import, before the hand-over."""
+        if isinstance(count, int):
+            self._wanted[job] = max(count, self._wanted.get(job, 0))
+        with anyio.move_on_after(self.delay_s):  # the recovery or the job's start first: they want the CPU now
+            await (stepped.wait() if stepped is not None else anyio.sleep(self.delay_s))
+        if not isinstance(count, int):
+            self._wanted[job] = count()
+        starting = self._starting.get(job, 0)
+        if job in self._closed or len(self._standbys.get(job, [])) + starting >= self._wanted.get(job, 0):
             return
+        self._starting[job] = starting + 1  # counted until it is in the pool: the job's other keeps see it
+        try:
+            standby, log = await self._open(job, entrypoint, local_ranks)
+        finally:
+            self._starting[job] -= 1
+        await self._ready(job, standby, log)
+
+    async def _open(self, job: str, entrypoint: Entrypoint, local_ranks: int) -> tuple[Standby, Path]:
+        """Start a standby of the job, in the pool from then on; and its log."""
         preload = entrypoint.env.get(PRELOAD_ENV, self.preload)
         modules = [m.strip() for m in preload.split(",") if m.strip()]
         self._count += 1
@@ -194,6 +225,10 @@ class StandbyPool:
                                                stderr=errors, start_new_session=True)
         standby = Standby(job, process, thread_settings(env))
         self._standbys.setdefault(job, []).append(standby)
+        return standby, log
+
+    async def _ready(self, job: str, standby: Standby, log: Path) -> None:
+        process = standby.process
         assert process.stdout is not None
         line = b""
         with anyio.move_on_after(READY_TIMEOUT_S):
