@@ -26,6 +26,8 @@ print("rank", os.environ.get("RANK"), "agent-only", os.environ.get("ONLY_IN_THE_
 print("name", __name__)
 print("interpreter-stdin", sys.stdin.read() == "")
 print("warmed", getattr(sys.modules.get("tests.test_standby"), "WARMED", False))
+print("idle threads", [t for t in os.listdir("/proc/self/task")
+                       if os.sched_getscheduler(int(t)) == getattr(os, "SCHED_IDLE", -1)])
 sys.exit(int(os.environ["EXIT_WITH"]))
 """
 
@@ -95,6 +97,8 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
                 await pool.keep("job", entrypoint)
             standby = pool.take("job", dict(os.environ))
             assert standby is not None
+            # it waits on the CPU time no rank wants
+            assert os.sched_getscheduler(standby.pid) == getattr(os, "SCHED_IDLE", os.sched_getscheduler(0))
             assert pool.take("job", dict(os.environ)) is None  # taken: the next one is the agent's to start
             assert "ready" in (tmp_path / "runtime" / "job.standby1.log").read_text()
             env = {k: v for k, v in environment().items() if k != "ONLY_IN_THE_STANDBY"}
@@ -116,6 +120,7 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
     assert "name __main__" in lines
     assert "interpreter-stdin True" in lines
     assert "warmed True" in lines  # `module:function` in the preload: imported and called before the hand-over
+    assert "idle threads []" in lines  # the rank, and every thread the imports started, runs as a cold start would
 
 
 async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:

@@ -5,9 +5,9 @@ imports stays in the rank's process.
     python -m recovery.agent.interpreter torch torch.distributed torch._dynamo recovery.client.torch:warm_up
 
 Each argument is a module to import, or `module:function` to import and call with no arguments (a warm-up: what a
-new process pays once, paid before the rank needs it). It writes `ready <seconds it took>` on its standard output
-once they are done, then reads one
-JSON line on its standard input: `{"argv": [script, *args] or ["-m", module, *args], "cwd": ..., "env": {...},
+new process pays once, paid before the rank needs it). It imports under `SCHED_IDLE`, on CPU time no other process
+wants, and writes `ready <seconds it took>` on its standard output once they are done, then reads one JSON line on
+its standard input: `{"argv": [script, *args] or ["-m", module, *args], "cwd": ..., "env": {...},
 "output": path}`. It then becomes the rank: its output goes to `output`, its standard input to /dev/null, its
 environment and working directory are the rank's, and the script runs as `__main__` with the `sys.argv` and
 `sys.path[0]` that `python script.py` (or `python -m module`) would have given it. The end of its standard input
@@ -16,6 +16,7 @@ before a hand-over (the agent is gone) ends it quietly.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -26,8 +27,25 @@ import time
 OWNER_ENV = "RECOVERY_STEP_HOOK_PID"  # `recovery.agent.stephook`'s, not imported: this runs with the rank's imports
 
 
+def _scheduled(policy: str) -> None:
+    """Every thread of this process under `policy` (`SCHED_IDLE`, `SCHED_OTHER`), where the platform has it. Idle
+    while it imports and waits: it runs only on CPU time the node's ranks leave, so a job's standbys cost its
+    training nothing; the rank it becomes runs as any process does (an unprivileged process may go back to
+    `SCHED_OTHER` at its own nice value)."""
+    if not hasattr(os, policy):
+        return
+    try:
+        tasks = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        tasks = [0]
+    for tid in tasks:
+        with contextlib.suppress(OSError):  # a thread gone meanwhile, or a platform that refuses: it runs as it was
+            os.sched_setscheduler(tid, getattr(os, policy), os.sched_param(0))
+
+
 def main() -> None:
     started = time.monotonic()
+    _scheduled("SCHED_IDLE")
     for preload in sys.argv[1:]:
         module, _, function = preload.partition(":")
         loaded = importlib.import_module(module)
@@ -44,6 +62,7 @@ def main() -> None:
 
 
 def become(rank: dict[str, object]) -> None:
+    _scheduled("SCHED_OTHER")  # the threads the imports started too
     argv = [str(a) for a in rank["argv"]]  # type: ignore[attr-defined]
     env = {str(k): str(v) for k, v in rank["env"].items()}  # type: ignore[attr-defined]
     output = os.open(str(rank["output"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
