@@ -226,7 +226,9 @@ async def test_a_lost_node_moves_its_ranks_to_a_spare_and_the_other_node_keeps_i
     moved_to = {sources(w, r)[-1] for r in (0, 1)}
     assert len(moved_to) == 1 and moved_to <= SPARES, moved_to
     confirmed = w.decided("fault.confirmed")[0]["data"]["reason"]
-    assert "agent of n0 silent" in confirmed, confirmed
+    # the survivors lost n0's connections: the daemon asked n0's agent at once, and nothing listened for it (its
+    # silence past the bound is the way left when no probe is answered at all)
+    assert confirmed.startswith(("agent of n0 unreachable", "agent of n0 silent")), confirmed
     assert "migrate" in [d["data"].get("detail", {}).get("granularity") for d in w.decided("attempt.started")]
     assert w.kinds().count("incident.closed") == 1
     assert_bitwise_equal(params, fault_free)

@@ -551,7 +551,10 @@ async def test_a_lost_node_moves_the_job_to_the_spare_and_it_ends_as_the_fault_f
         await nc.close()
     assert code == 0, f"{output}\n{cluster.explain()}"
     assert "job.failed" not in w.kinds() and not w.decided("attempt.timed_out"), w.kinds()
-    assert any(d["data"]["reason"].startswith("agent of n1 silent") for d in w.decisions), w.kinds()
+    # found when the survivors' exit began the incident: the daemon asked n1's agent, and nothing listened for it
+    # (its silence past the bound is the way left when no probe is answered at all)
+    reasons = [d["data"].get("reason", "") for d in w.decisions]
+    assert any(r.startswith(("agent of n1 unreachable", "agent of n1 silent")) for r in reasons), reasons
     restarts = w.decided("ranks.rescheduling")
     assert restarts[-1]["data"]["detail"]["nodes"] == ["n0", "spare0"], restarts[-1]
     assert_bitwise_equal(params(tmp_path / "final.pt"), fault_free)

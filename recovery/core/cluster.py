@@ -98,6 +98,10 @@ class NodeState:
 
 
 class ClusterView:
+    any_unreachable = False
+    """set at the first `node.unreachable` and never cleared: until then no watchdog check looks for one (its views'
+    `unreachable` is empty without a pass over the job's nodes); it decides nothing itself"""
+
     def __init__(self) -> None:
         self.nodes: dict[str, NodeState] = {}
         self.journal: dict[str, NodeState | None] | None = None

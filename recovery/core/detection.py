@@ -463,7 +463,8 @@ class Detection:
                           else agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
         else:
             heard = tuple(agents[n].heard_at(out.ts) if n in agents else None for n in job.nodes)
-        unreachable = frozenset(i for i, n in enumerate(job.nodes) if n in agents and agents[n].unreachable is not None)
+        unreachable = frozenset(i for i, n in enumerate(job.nodes) if n in agents and agents[n].unreachable is not None
+                                ) if self.cluster.any_unreachable else frozenset()
         if checked is not None:  # the same record, nothing changed since: its columns, not copied again
             return WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn, heard, job.sdk,
                                 columns=RankColumns(checked.last_seen, checked.last_progress, checked.steps,

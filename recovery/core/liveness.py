@@ -139,6 +139,7 @@ class Liveness:
         gone, whatever its mode of liveness. The job to judge now (running or recovering on the node), if any."""
         if node.unreachable is None:
             node.unreachable = out.ts
+        self.cluster.any_unreachable = True
         job = self.jobs.get(node.job) if node.job is not None else None
         if job is None or job.state not in ("running", "recovering") or node.name not in job.nodes:
             return None
