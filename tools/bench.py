@@ -62,6 +62,7 @@ from typing import Any
 # The benches, beside this script (`python tools/bench.py` puts tools/ on the path): each imports only the harness
 # (`bench_harness*`), and where one bench's run takes in others' (e2e's cases, the daemon's failover and reports, the
 # fleet's three cases), they are put together here.
+import bench_compile
 import bench_daemon
 import bench_ddp
 import bench_e2e
@@ -502,6 +503,12 @@ def _policy_calls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=2000, help="calls per run (the 131,072-rank view: 1/200 of them)")
 
 
+def run_restart_cost(args: argparse.Namespace) -> None:
+    """What a restart costs beyond the process: compiled code found again on the node and on a spare."""
+    with sigterm_unwinds():
+        bench_compile.measure(args, emit)
+
+
 def run_gpu(args: argparse.Namespace) -> None:
     """On a machine with an NVIDIA GPU: a warm standby's CUDA context, the in-memory tier's stall on GPU state, the
     SDK's NCCL abort and formation again."""
@@ -528,6 +535,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
             "SDK overhead", bench_e2e.add_arguments, run_e2e),
     "fleet": ("the control plane at a fleet's scale over real NATS, agents simulated in processes of their own: "
               "fault-to-command p99 and daemon CPU for a 131,072-GPU job", _fleet_args, run_fleet),
+    "restart-cost": ("a restarted rank's first compiled step with the job's compile caches kept by the agent, on "
+                     "its node and on a spare, against empty caches", bench_compile.add_arguments, run_restart_cost),
     "gpu": ("on an NVIDIA GPU: a warm standby's CUDA context, the in-memory tier's stall on GPU tensors against "
             "torch.save, NCCL's abort and formation again in process", bench_gpu.add_arguments, run_gpu),
     "soak": ("the daemon for --minutes under load with faults, its own SIGKILLs and NATS restarts: events lost, "

@@ -26,7 +26,7 @@ steps, the same seed everywhere. The fault is a SIGKILL of rank 2 once the job h
 - `stock`: an unmodified torchrun script (`examples/ddp-tutorial/stock.py`: DDP, rank 0's snapshot every epoch,
   nothing of `recovery`) on 4 ranks of this host under `recovery-run --standalone` (as the agents come, cold: `--env
   RECOVERY_STANDBY=0`, and with a warm standby per rank the kill waits for: `--env RECOVERY_STANDBY=all`) and under
-  torchrun, rank 1 SIGKILLed after step 20, and after step 2 (`tools/bench_stock.py`): `stock_ratio_to_torchrun`
+  torchrun, rank 1 SIGKILLed after step 20, and after step 5 (`tools/bench_stock.py`): `stock_ratio_to_torchrun`
   (the default), `stock_cold_ratio_to_torchrun`, `stock_warm_ratio_to_torchrun`, `stock_early_kill_ratio_to_torchrun`.
 - `ddp`: the same tutorial script converted to the SDK (`with_sdk.py`, group timeout 60 s) under `recovery-run`
   against `original.py` under torchrun, rank 1 SIGKILLed after step 20, and two ranks killed together

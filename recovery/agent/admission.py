@@ -39,6 +39,7 @@ from events.names import DecisionKind
 from events.outputs import Decision, Rejection
 from events.values import JobSpec, ResumePlan
 from recovery.agent.channel import ProcessChannel
+from recovery.agent.compilecache import SYNC_S, CompileCaches
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import DEFAULT_STORE_PORT, JobOnNode
 from recovery.agent.standby import StandbyPool
@@ -109,6 +110,7 @@ class Admission:
     jobs: dict[str, JobOnNode]
     runtime_dir: Path
     standbys: StandbyPool
+    caches: CompileCaches
     stores: JobStores
     _tg: TaskGroup | None
 
@@ -124,6 +126,13 @@ class Admission:
 
     def standbys_wanted(self, job: JobOnNode) -> int:
         raise NotImplementedError
+
+    async def _prefetch_caches(self, job: JobOnNode) -> None:
+        """A spare warm for a job fetches what the job compiled elsewhere as its nodes copy it to the shared
+        directory (after their first steps, then every `SYNC_S`), so that its ranks moved here compile nothing."""
+        while True:
+            await anyio.sleep(SYNC_S)  # the nodes' copies' period
+            await self.caches.fetch(job.id)
 
     async def _fence(self, job: JobOnNode) -> None:
         raise NotImplementedError
@@ -195,10 +204,13 @@ class Admission:
                     await self.standbys.drop(older)
             for _ in range(count):  # one after the other: each waits its delay, then for its imports
                 self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint, count, job.rpn)
-            async for record in log.follow(seq + 1, subjects.decision(job.id)):
-                data = record.envelope.data if isinstance(record, Record) else None
-                if isinstance(data, Decision) and data.state in FINAL:
-                    break
+            async with anyio.create_task_group() as fetching:
+                fetching.start_soon(self._prefetch_caches, job)
+                async for record in log.follow(seq + 1, subjects.decision(job.id)):
+                    data = record.envelope.data if isinstance(record, Record) else None
+                    if isinstance(data, Decision) and data.state in FINAL:
+                        break
+                fetching.cancel_scope.cancel()
             if self.node not in job.nodes:  # granted meanwhile, its standbys are the job's, ended with it here
                 await self.standbys.drop(job.id)
         except Exception:  # the spare's warmth is no one's failure: its ranks would start cold

@@ -37,6 +37,7 @@ from events.kinds import RankStack
 from events.values import Layout, ResumePlan
 from recovery.agent import errors, ranks, stopping
 from recovery.agent.admission import Admission, submissions
+from recovery.agent.compilecache import CompileCaches
 from recovery.agent.config import AgentConfig
 from recovery.agent.exits import take_last_exit
 from recovery.agent.hangs import StockHangs, first_output
@@ -89,6 +90,8 @@ class Agent(Relay, Rescale, Admission):
                                     cfg.step_hook)
         self.dumps = Dumps()
         self.memory = MemoryTier(memory_root(cfg.memory_dir, cfg.node, self.runtime_dir), self.checkpoint_saved)
+        self.caches = CompileCaches(cfg.compile_cache_dir or self.runtime_dir / "compile-cache", cfg.shared_dir,
+                                    cfg.compile_cache)
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
         self.last_exit: str | None = None
         """why the previous agent on this node stopped, as it kept it in the runtime directory"""
@@ -360,6 +363,11 @@ class Agent(Relay, Rescale, Admission):
                                 memory_dir=self.memory.job_dir(job.id),
                                 error_file=errors.error_file(self.runtime_dir, job.id, rank, attempt),
                                 step_hook=self.cfg.step_hook)
+        env.update(self.caches.environment(job.id, job.spec.entrypoint.env))
+        await self.caches.fetch(job.id)  # what the job compiled elsewhere, before its first rank here (once)
+        if (following := self.caches.to_follow(job.id)) is not None:
+            assert self._tg is not None
+            self._tg.start_soon(self.caches.follow, job.id, job.stepped, following)
         output = errors.output_file(self.runtime_dir, job.id, rank, attempt)
         standby = self.standbys.take(job.id, env)
         proc = await ranks.start(job.spec.entrypoint, env, output, job=job.id, rank=rank, attempt=attempt,
@@ -406,6 +414,7 @@ class Agent(Relay, Rescale, Admission):
             await self.standbys.discard(job.id, for_good=True)  # the job is done here: no rank to hand over
             assert self._tg is not None
             self._tg.start_soon(self.memory.end, job.id)  # and no checkpoint in memory to restart from
+            self._tg.start_soon(self.caches.end, job.id, bool(job.nodes) and job.nodes[0] == self.node)
         if exit_code == 0 and job.nodes and job.nodes[0] == self.node and not job.finished:
             here = [job.processes.get(r) for r in job.ranks_on(self.node)]
             if all(p is not None and not p.alive and p.returncode == 0 for p in here):
@@ -498,6 +507,7 @@ class Agent(Relay, Rescale, Admission):
                 await end_torch_stores(job.store_addr, job.store_port, job.id)
                 assert self._tg is not None
                 self._tg.start_soon(self.memory.end, job.id)
+                self._tg.start_soon(self.caches.end, job.id, bool(job.nodes) and job.nodes[0] == self.node)
                 return {}
             case RetryStep():
                 assert job is not None

@@ -142,6 +142,14 @@ class AgentConfig(FileSettings):
     standby_delay_s: float = Field(5.0, ge=0, le=3600, description="how long after a job's start or a hand-over "
                                                                     "the next standby starts (its imports would "
                                                                     "compete for the CPU with the ranks')")
+    compile_cache: bool = Field(True, description="give each job its own compile caches on this node "
+                                                  "(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, unless the job's "
+                                                  "environment names them), kept across its ranks' restarts")
+    compile_cache_dir: Path | None = Field(None, description="where the jobs' compile caches are kept (default: "
+                                                             "`compile-cache` in the runtime directory)")
+    shared_dir: Path | None = Field(None, description="a directory every node reads and writes (a network file "
+                                                      "system): the jobs' compile caches are copied there, so that "
+                                                      "a spare or a new node finds what the job compiled")
     spare_standby_jobs: int = Field(1, ge=0, le=64, description="with `spare` and `standby`: for how many jobs "
                                                                  "(the newest accepted that ask for spares) this "
                                                                  "spare keeps standbys, one for each rank a node of "
