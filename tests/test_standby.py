@@ -277,8 +277,9 @@ async def test_a_spare_warms_for_its_newest_jobs_and_drops_an_older_ones_standby
     try:
         assert pool.warm_for("a", 1) == []
         with anyio.fail_after(60):
-            await pool.keep("a", entrypoint, 1)
+            await pool.keep("a", entrypoint, 1, idle=False)
         [standby] = pool._standbys["a"]
+        assert os.sched_getscheduler(standby.pid) == os.sched_getscheduler(0)  # beside no rank: at full speed
         assert pool.warm_for("b", 1) == ["a"] and pool.warm_for("b", 1) == []  # a job warmed again stays
         await pool.drop("a")
         assert standby.process.returncode is not None and "a" not in pool._standbys

@@ -24,6 +24,7 @@ A restarted agent takes back its duties for the jobs still live: the job store o
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +204,9 @@ class Admission:
                 if not granted:  # a job this spare runs now keeps its standbys as on any node of it
                     await self.standbys.drop(older)
             for _ in range(count):  # one after the other: each waits its delay, then for its imports
-                self._tg.start_soon(self.standbys.keep, job.id, job.spec.entrypoint, count, job.rpn)
+                # at full speed: a spare runs no rank its imports would slow
+                self._tg.start_soon(partial(self.standbys.keep, job.id, job.spec.entrypoint, count, job.rpn,
+                                            idle=False))
             async with anyio.create_task_group() as fetching:
                 fetching.start_soon(self._prefetch_caches, job)
                 async for record in log.follow(seq + 1, subjects.decision(job.id)):

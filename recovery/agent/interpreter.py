@@ -6,8 +6,9 @@ imports stays in the rank's process.
 
 Each argument is a module to import, or `module:function` to import and call with no arguments (a warm-up: what a
 new process pays once, paid before the rank needs it). It imports under `SCHED_IDLE`, on CPU time no other process
-wants, and writes `ready <seconds it took>` on its standard output once they are done, then reads one JSON line on
-its standard input: `{"argv": [script, *args] or ["-m", module, *args], "cwd": ..., "env": {...},
+wants (unless `RECOVERY_STANDBY_IDLE=0`: a spare's, beside no rank), and writes `ready <seconds it took>` on its
+standard output once they are done, then reads one JSON line on its standard input: `{"argv": [script, *args] or
+["-m", module, *args], "cwd": ..., "env": {...},
 "output": path}`. It then becomes the rank: its output goes to `output`, its standard input to /dev/null, its
 environment and working directory are the rank's, and the script runs as `__main__` with the `sys.argv` and
 `sys.path[0]` that `python script.py` (or `python -m module`) would have given it. The end of its standard input
@@ -24,6 +25,7 @@ import runpy
 import sys
 import time
 
+IDLE_ENV = "RECOVERY_STANDBY_IDLE"
 OWNER_ENV = "RECOVERY_STEP_HOOK_PID"  # `recovery.agent.stephook`'s, not imported: this runs with the rank's imports
 
 
@@ -45,7 +47,8 @@ def _scheduled(policy: str) -> None:
 
 def main() -> None:
     started = time.monotonic()
-    _scheduled("SCHED_IDLE")
+    if os.environ.get(IDLE_ENV, "1") != "0":  # a spare's standby runs beside no rank: it imports at full speed
+        _scheduled("SCHED_IDLE")
     for preload in sys.argv[1:]:
         module, _, function = preload.partition(":")
         loaded = importlib.import_module(module)

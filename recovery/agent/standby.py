@@ -43,6 +43,7 @@ logger = logging.getLogger("recovery.agent")
 STANDBY_ENV = "RECOVERY_STANDBY"
 PRELOAD_ENV = "RECOVERY_STANDBY_PRELOAD"
 INTERPRETER = "recovery.agent.interpreter"
+IDLE_ENV = "RECOVERY_STANDBY_IDLE"  # `recovery.agent.interpreter`'s: it imports nothing of the agent
 DEFAULT_PER_NODE = 2
 """standbys a job keeps on a node when its entrypoint does not say (fewer where it has fewer ranks there)"""
 READY_TIMEOUT_S = 600.0
@@ -191,11 +192,12 @@ class StandbyPool:
         return None
 
     async def keep(self, job: str, entrypoint: Entrypoint, count: int | Callable[[], int] = 1,
-                   local_ranks: int = 1, stepped: anyio.Event | None = None) -> None:
+                   local_ranks: int = 1, stepped: anyio.Event | None = None, idle: bool = True) -> None:
         """Start the job's next standby after the delay (or once `stepped` is set: its ranks here stepped, their
         start-up is over), unless it has `count` already (a function: asked once the delay is over, what the agent
         knows of the job then), and wait for it to be ready (a task of the agent). Its environment has the threads a
-        rank of `local_ranks` here gets: torch sizes its pool at import, before the hand-over."""
+        rank of `local_ranks` here gets: torch sizes its pool at import, before the hand-over. `idle`: it imports
+        on CPU time the node's ranks leave (`SCHED_IDLE`); a spare's, beside no rank, at full speed."""
         if isinstance(count, int):
             self._wanted[job] = max(count, self._wanted.get(job, 0))
         with anyio.move_on_after(self.delay_s):  # the recovery or the job's start first: they want the CPU now
@@ -207,18 +209,19 @@ class StandbyPool:
             return
         self._starting[job] = starting + 1  # counted until it is in the pool: the job's other keeps see it
         try:
-            standby, log = await self._open(job, entrypoint, local_ranks)
+            standby, log = await self._open(job, entrypoint, local_ranks, idle)
         finally:
             self._starting[job] -= 1
         await self._ready(job, standby, log)
 
-    async def _open(self, job: str, entrypoint: Entrypoint, local_ranks: int) -> tuple[Standby, Path]:
+    async def _open(self, job: str, entrypoint: Entrypoint, local_ranks: int, idle: bool) -> tuple[Standby, Path]:
         """Start a standby of the job, in the pool from then on; and its log."""
         preload = entrypoint.env.get(PRELOAD_ENV, self.preload)
         modules = [m.strip() for m in preload.split(",") if m.strip()]
         self._count += 1
         log = self.runtime_dir / f"{job}.standby{self._count}.log"
         env = with_step_hook(one_thread_each({**os.environ, **entrypoint.env}, local_ranks), self.step_hook)
+        env[IDLE_ENV] = "1" if idle else "0"
         with log.open("ab") as errors:
             process = await anyio.open_process([entrypoint.command, "-m", INTERPRETER, *modules], cwd=entrypoint.cwd,
                                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
