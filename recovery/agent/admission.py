@@ -23,6 +23,7 @@ A restarted agent takes back its duties for the jobs still live: the job store o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from pathlib import Path
@@ -111,6 +112,7 @@ class Admission:
     jobs: dict[str, JobOnNode]
     runtime_dir: Path
     standbys: StandbyPool
+    warming: dict[str, anyio.CancelScope]  # a spare's: the jobs it keeps standbys for, each its follower's scope
     caches: CompileCaches
     stores: JobStores
     _tg: TaskGroup | None
@@ -192,8 +194,9 @@ class Admission:
 
     async def _warm_spare(self, log: JetStreamLog, job: JobOnNode, seq: int) -> None:
         """A spare keeps standbys for a job that may take it once the engine accepted it (its ranks moved here then
-        start warm, as a restart in place does), until the job ends: a job submitted before this agent started
-        included, unless it ended already."""
+        start warm, as a restart in place does), and fetches what it compiled, until the job ends or a newer job
+        takes its place (`spare_standby_jobs`): a job submitted before this agent started included, unless it ended
+        already."""
         assert job.spec.entrypoint is not None and self._tg is not None
         count = self.standbys.spare_wanted(job.spec.entrypoint, job.rpn)
         try:
@@ -203,17 +206,21 @@ class Admission:
                 granted = older in self.jobs and self.node in self.jobs[older].nodes
                 if not granted:  # a job this spare runs now keeps its standbys as on any node of it
                     await self.standbys.drop(older)
+                    with contextlib.suppress(KeyError):
+                        self.warming[older].cancel()  # no more to follow of it
             for _ in range(count):  # one after the other: each waits its delay, then for its imports
                 # at full speed: a spare runs no rank its imports would slow
                 self._tg.start_soon(partial(self.standbys.keep, job.id, job.spec.entrypoint, count, job.rpn,
                                             idle=False))
-            async with anyio.create_task_group() as fetching:
-                fetching.start_soon(self._prefetch_caches, job)
-                async for record in log.follow(seq + 1, subjects.decision(job.id)):
-                    data = record.envelope.data if isinstance(record, Record) else None
-                    if isinstance(data, Decision) and data.state in FINAL:
-                        break
-                fetching.cancel_scope.cancel()
+            with anyio.CancelScope() as self.warming[job.id]:
+                async with anyio.create_task_group() as fetching:
+                    fetching.start_soon(self._prefetch_caches, job)
+                    async for record in log.follow(seq + 1, subjects.decision(job.id)):
+                        data = record.envelope.data if isinstance(record, Record) else None
+                        if isinstance(data, Decision) and data.state in FINAL:
+                            break
+                    fetching.cancel_scope.cancel()
+            self.warming.pop(job.id, None)
             if self.node not in job.nodes:  # granted meanwhile, its standbys are the job's, ended with it here
                 await self.standbys.drop(job.id)
         except Exception:  # the spare's warmth is no one's failure: its ranks would start cold

@@ -90,6 +90,7 @@ class Agent(Relay, Rescale, Admission):
                                     cfg.step_hook)
         self.dumps = Dumps()
         self.memory = MemoryTier(memory_root(cfg.memory_dir, cfg.node, self.runtime_dir), self.checkpoint_saved)
+        self.warming: dict[str, anyio.CancelScope] = {}
         self.caches = CompileCaches(cfg.compile_cache_dir or self.runtime_dir / "compile-cache", cfg.shared_dir,
                                     cfg.compile_cache)
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
