@@ -44,7 +44,7 @@ def main() -> None:
     inductor = counters["inductor"]
     result = {"start_s": imported - STARTED, "first_step_s": done - begun, "total_s": done - STARTED,
               "cache_hits": inductor["fxgraph_cache_hit"], "cache_misses": inductor["fxgraph_cache_miss"],
-              "loss": float(loss)}
+              "loss": float(loss.detach())}
     with open(args.out, "w") as out:
         json.dump(result, out)
 
