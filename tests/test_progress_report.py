@@ -4,6 +4,8 @@ are still accepted; a report that names a rank the job does not have changes not
 
 from __future__ import annotations
 
+import anyio
+
 from events.envelope import make_envelope
 from events.outputs import Rejection
 from recovery.agent.progress import ProgressFold, SilenceWatch, wire_loss, wire_skip
@@ -233,7 +235,8 @@ async def test_a_rank_only_the_step_hook_speaks_for_is_relayed_its_counts_and_ne
     class Agent(Relay):
         def __init__(self) -> None:
             procs = {rank: RankProcess("j", rank, 0, None, 100 + rank) for rank in (0, 1)}
-            self.jobs = {"j": SimpleNamespace(processes=procs, nodes=["n0"], saves={})}  # type: ignore[dict-item]
+            self.jobs = {"j": SimpleNamespace(processes=procs, nodes=["n0"], saves={},  # type: ignore[dict-item]
+                                              stepped=anyio.Event())}
             self.cfg = SimpleNamespace(report_s=1.0)  # type: ignore[assignment]
             self.progress = ProgressFold()
             self.silence = SilenceWatch()

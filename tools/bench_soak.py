@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
-from bench_harness import Emit, sigterm_unwinds
+from bench_harness import Emit, note, sigterm_unwinds
 from bench_harness_daemon import Daemon, nats_server
 
 from events.envelope import Record
@@ -327,7 +327,7 @@ def draw(soak: Soak, rates: list[tuple[float, float]], png: Path) -> None:
     svg_path.write_text(svg)
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        print(f"no chromium: the figure is {svg_path}", flush=True)
+        note(f"no chromium: the figure is {svg_path}")  # stdout holds the figures alone
         return
     with tempfile.TemporaryDirectory(prefix="soak-chromium-") as profile:
         subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
