@@ -394,7 +394,7 @@ class NodeHeard(Frozen):
 
 class NodeUnreachable(Frozen):
     """The daemon asked the node's agent whether it lives (a request on `recovery.probe.<node>`, core NATS) and NATS
-    answered that nothing listens there, twice, `confirm_s` apart: the agent's connection is gone, and with it every
+    answered that nothing listens there, three times over `confirm_s`: the agent's connection is gone, and with it every
     report of its ranks. Asked because something suggested a loss (`cause`): a survivor's process group lost a peer's
     connection, or an incident of a job on the node began. The engine's detection policy may take it as the agent's
     silence past any bound (the default does: `DefaultDetectionParams.unreachable_is_lost`). A probe that merely went
@@ -403,7 +403,7 @@ class NodeUnreachable(Frozen):
 
     cause: Text = Field("", max_length=256, description="what made the daemon ask: the survivor's report or the "
                                                         "incident")
-    confirm_s: Seconds = Field(0, description="the time between the two probes nothing answered")
+    confirm_s: Seconds = Field(0, description="the time from the first to the last of the probes nothing answered")
 
 
 # --- job lifecycle ----------------------------------------------------------------------------------

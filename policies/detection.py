@@ -54,8 +54,8 @@ class DefaultDetectionParams(Params):
     agent_silence_s: Interval = Field(5.0, description="a node whose agent sent heartbeats and then none for this "
                                                       "long is gone, with its ranks: 1 ms .. 30 days")
     unreachable_is_lost: Flag = Field(True, description="a node whose agent nothing listened for when the daemon "
-                                                        "asked (`node.unreachable`: NATS said so twice) is gone at "
-                                                        "once, as one silent past `agent_silence_s`")
+                                                        "asked (`node.unreachable`: NATS said so three times) is "
+                                                        "gone at once, as one silent past `agent_silence_s`")
     hang_min_silence_s: Interval = Field(10.0, description="a rank silent this long at least hangs: 1 ms .. 30 days")
     hang_silence_factor: Factor = Field(5.0, description="... or this many step times if longer: (0, 1000]")
     stall_min_s: Interval = Field(60.0, description="no rank advancing this long at least is a stall: 1 ms .. 30 days")

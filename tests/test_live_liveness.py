@@ -91,11 +91,8 @@ def test_a_node_whose_heartbeats_are_logged_is_judged_by_them_not_by_a_silence()
     assert not s.find("fault.confirmed", "j") and s.engine.cluster.nodes["n0"].silent is None
 
 
-def test_an_unsealed_silence_in_a_sealed_log_is_dead_lettered() -> None:
-    """Once the log holds the daemon's seals, a `node.silent` without one (an agent's forgery) moves nothing."""
-    s = Scenario()
-    live_job(s)
-    s.train("j", 3)
+def forged_after_seals(s: Scenario, type_: str, data: dict[str, Any], ident: str) -> list[object]:
+    """The effects of an agent's unsealed node `type_` on n0, once the log holds the daemon's seals."""
     seal = Seal(b"secret")
 
     def append(subject: str, envelope: Any, msg_id: str) -> list[object]:
@@ -106,9 +103,16 @@ def test_an_unsealed_silence_in_a_sealed_log_is_dead_lettered() -> None:
     outage = make_envelope("control.outage", {"away_s": 0.5, "bound_s": 300.0}, id="outage:j:1:1", job="j",
                            source="daemon")
     append(subjects.job_event("j", "control.outage"), outage, seal("outage:j:1:1"))  # the daemon seals from here
-    forged = make_envelope("node.silent", {"silent_s": 9.0, "bound_s": BOUND_S}, id="silent:n0:x", node="n0",
-                           source="agent")
-    [rejection] = append(subjects.node_event("n0", "node.silent"), forged, "silent:n0:x")
+    forged = make_envelope(type_, data, id=ident, node="n0", source="agent")
+    return append(subjects.node_event("n0", type_), forged, ident)
+
+
+def test_an_unsealed_silence_in_a_sealed_log_is_dead_lettered() -> None:
+    """Once the log holds the daemon's seals, a `node.silent` without one (an agent's forgery) moves nothing."""
+    s = Scenario()
+    live_job(s)
+    s.train("j", 3)
+    [rejection] = forged_after_seals(s, "node.silent", {"silent_s": 9.0, "bound_s": BOUND_S}, "silent:n0:x")
     assert isinstance(rejection, Rejection) and rejection.code == "silence_unsealed"
     assert not s.find("fault.confirmed", "j") and s.engine.cluster.nodes["n0"].silent is None
 

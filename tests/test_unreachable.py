@@ -14,16 +14,14 @@ import pytest
 from nats.aio.client import Client
 
 from events import subjects
-from events.envelope import make_envelope
 from events.outputs import Rejection
-from recovery.log import MSG_ID
 from recovery.service.auth import agent_user, authorization, urls, users
 from recovery.service.publisher import Outgoing
 from recovery.service.reachability import Prober
-from recovery.service.seal import Seal
 from recovery.testing.nats import NatsServer
 from recovery.testing.scenario import Scenario
 from tests.daemon_support import async_wait_for
+from tests.test_live_liveness import forged_after_seals
 from tests.test_node_heartbeat import beat
 
 DETECTION = {"detection": {"name": "default", "params": {"agent_silence_s": 30.0, "hang_min_silence_s": 60.0}}}
@@ -66,19 +64,7 @@ def test_a_sign_of_life_before_the_watchdog_judges_ends_it_and_a_policy_may_not_
 def test_an_unsealed_unreachable_in_a_sealed_log_is_dead_lettered() -> None:
     s = Scenario()
     job(s)
-    seal = Seal(b"secret")
-
-    def append(subject: str, envelope: Any, msg_id: str) -> list[object]:
-        appended = s.log.append_sync(subject, envelope, headers={MSG_ID: msg_id})
-        assert appended.record is not None
-        return [effect for effect, _, _, _ in s.recorder.apply(appended.record)]
-
-    outage = make_envelope("control.outage", {"away_s": 0.5, "bound_s": 300.0}, id="outage:j:1:1", job="j",
-                           source="daemon")
-    append(subjects.job_event("j", "control.outage"), outage, seal("outage:j:1:1"))  # the daemon seals from here
-    forged = make_envelope("node.unreachable", {"cause": "forged"}, id="unreachable:n0:j:0", node="n0",
-                           source="agent")
-    [rejection] = append(subjects.node_event("n0", "node.unreachable"), forged, "unreachable:n0:j:0")
+    [rejection] = forged_after_seals(s, "node.unreachable", {"cause": "forged"}, "unreachable:n0:j:0")
     assert isinstance(rejection, Rejection) and rejection.code == "unreachable_unsealed"
     assert not s.find("fault.confirmed", "j") and not s.engine.cluster.nodes["n0"].gone
 

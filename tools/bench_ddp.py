@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_harness import Emit
-from bench_harness_launch import STEP, TUTORIAL, launch, standbys_ready
+from bench_harness_launch import STEP, TUTORIAL, launch, rank_pids, standbys_ready
 
 from recovery.agent.standby import DEFAULT_PER_NODE
 
@@ -41,24 +41,6 @@ from recovery.agent.standby import DEFAULT_PER_NODE
 class Run:
     regained_s: float
     processes_restarted: int
-
-
-def rank_pids(marker: str) -> dict[int, int]:
-    """pid -> rank of the rank processes whose command line holds `marker` (the run's own snapshot path)."""
-    found: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker.encode() not in (entry / "cmdline").read_bytes():
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ranks = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
-        if ranks:
-            found[int(entry.name)] = ranks[0]
-    return found
 
 
 def recorded_pids(data_dir: Path) -> dict[int, int]:

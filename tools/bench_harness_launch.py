@@ -41,6 +41,24 @@ def launch(launcher: str, nproc: int, script: list[str], data_dir: Path, *option
             "--max-restarts", "3", "--data-dir", str(data_dir), *options, *script], env
 
 
+def rank_pids(marker: str) -> dict[int, int]:
+    """pid -> rank of the rank processes whose command line holds `marker` (the run's own snapshot path)."""
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() not in (entry / "cmdline").read_bytes():
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
+        if ranks:
+            found[int(entry.name)] = ranks[0]
+    return found
+
+
 def rank_pid(marker: str, rank: int, data_dir: Path | None = None) -> int | None:
     """The process of `rank`: as recovery-run's agents recorded it under `data_dir` (a rank handed to a standby runs
     in the standby's interpreter, whose command line is not the script's), else the one whose command line holds
@@ -48,17 +66,7 @@ def rank_pid(marker: str, rank: int, data_dir: Path | None = None) -> int | None
     for record in sorted(data_dir.glob(f"agents/*/*.rank{rank}.json")) if data_dir is not None else ():
         with contextlib.suppress(OSError, ValueError, KeyError):
             return int(json.loads(record.read_text())["pid"])
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker.encode() not in (entry / "cmdline").read_bytes():
-                continue
-            if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                return int(entry.name)
-        except OSError:
-            continue
-    return None
+    return next((pid for pid, of in rank_pids(marker).items() if of == rank), None)
 
 
 def standbys_ready(data_dir: Path) -> int:

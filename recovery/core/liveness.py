@@ -15,9 +15,9 @@ Two rules, both read only the record and the engine's state:
   from the record, and one that began before keeps only what was measured while the daemon was connected. Past
   the bound, silence counts as before.
 - **An agent nothing listens for is gone.** When something suggests a loss (a survivor lost a peer's connection, an
-  incident began), the daemon asks the job's agents whether they live; NATS answers at once, twice, that no agent
-  listens on one's subject: `node.unreachable`. The node counts as unreachable until any sign of life, and the
-  watchdog's policy may take it as a silence past any bound, judged at the record itself.
+  incident began), the daemon asks the job's agents whether they live; NATS answers at once, three times over a
+  second, that no agent listens on one's subject: `node.unreachable`. The node counts as unreachable until any sign
+  of life, and the watchdog's policy may take it as a silence past any bound, judged at the record itself.
 - **A live agent's silence is the monitor's word.** An agent that states `live_s` in its `node.heartbeat` beats on
   core NATS instead of the log; the daemon's liveness monitor logs `node.silent` when it heard nothing of the node for
   the job's bound, and `node.heard` when it hears it again. Until a `node.silent`, the watchdog sees such an agent
@@ -129,10 +129,7 @@ class Liveness:
         mark = out.ts - int(data.silent_s * NS)
         if node.silent is None or mark < node.silent:
             node.silent = mark
-        job = self.jobs.get(node.job) if node.job is not None else None
-        if job is None or job.state not in ("running", "recovering") or node.name not in job.nodes:
-            return None
-        return job
+        return self._judged(node)
 
     def unreachable(self, out: RecordEffects, node: NodeState) -> Job | None:
         """Nothing listened on the node's probe subject when the daemon asked (`node.unreachable`): its agent is
@@ -140,6 +137,10 @@ class Liveness:
         if node.unreachable is None:
             node.unreachable = out.ts
         self.cluster.any_unreachable = True
+        return self._judged(node)
+
+    def _judged(self, node: NodeState) -> Job | None:
+        """The job running or recovering on `node`, which the daemon's word on the node is judged for now."""
         job = self.jobs.get(node.job) if node.job is not None else None
         if job is None or job.state not in ("running", "recovering") or node.name not in job.nodes:
             return None

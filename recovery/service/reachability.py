@@ -175,7 +175,7 @@ class Prober:
 
     async def probe_job(self, nc: Client, job_id: str, cause: str, speaker: str | None) -> list[Outgoing]:
         """Probe the nodes of `job_id` that answered once (but `speaker`, which just spoke): the `node.unreachable`
-        facts of those no agent listened for."""
+        facts of those no agent listens for any more."""
         engine = self.engine()
         job = engine.jobs.get(job_id)
         if job is None or job.state not in WATCHED:
