@@ -177,7 +177,7 @@ class WatchdogView:
     ranks, ...)`, as tests do) has its columns made from them. Read-only: a policy never changes what it is shown."""
 
     __slots__ = ("_ranks", "agents_heard", "compute_ns", "compute_steps", "last_progress", "last_seen", "nodes", "now",
-                 "ranks_per_node", "recovering", "sdk", "step_time_ns", "steps", "unreachable")
+                 "ranks_per_node", "recovering", "sdk", "spoke", "step_time_ns", "steps", "unreachable")
 
     def __init__(self, now: int, step_time_ns: int | None, ranks: Sequence[RankActivity] = (),
                  nodes: tuple[str, ...] = (), ranks_per_node: int = 1, agents_heard: tuple[int | None, ...] = (),
@@ -219,6 +219,8 @@ class WatchdogView:
         """per rank, the steps whose compute time it reported in the job's current generation (0: none)"""
         self.compute_ns = columns.compute_ns
         """per rank, their compute time in all, ns (`RankActivity.compute_ns`)"""
+        self.spoke = columns.spoke
+        """per rank, 1 once its current process has spoken, 0 while it may still be importing (None: all have)"""
 
     @property
     def world(self) -> int:
@@ -247,6 +249,8 @@ class RankColumns:
     steps: tuple[int, ...]
     compute_steps: tuple[int, ...]
     compute_ns: tuple[int, ...]
+    spoke: bytes | None = None
+    """per rank, 1 once its current process sent a heartbeat or a step (None: every rank has)"""
 
 
 @runtime_checkable

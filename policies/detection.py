@@ -56,7 +56,9 @@ class DefaultDetectionParams(Params):
     unreachable_is_lost: Flag = Field(True, description="a node whose agent nothing listened for when the daemon "
                                                         "asked (`node.unreachable`: NATS said so three times) is "
                                                         "gone at once, as one silent past `agent_silence_s`")
-    hang_min_silence_s: Interval = Field(10.0, description="a rank silent this long at least hangs: 1 ms .. 30 days")
+    hang_min_silence_s: Interval = Field(10.0, description="a rank silent this long at least hangs (one whose process "
+                                         "has not spoken yet, still importing, only past `first_steps_s` or the "
+                                         "stall bound): 1 ms .. 30 days")
     hang_silence_factor: Factor = Field(5.0, description="... or this many step times if longer: (0, 1000]")
     stall_min_s: Interval = Field(60.0, description="no rank advancing this long at least is a stall: 1 ms .. 30 days")
     stall_factor: Factor = Field(10.0, description="... or this many step times if longer: (0, 1000]")
@@ -93,14 +95,15 @@ def _in_window(times: tuple[int, ...], now: int, window: int) -> int:
 
 class DefaultDetection(DetectionPolicyBase):
     name: ClassVar[str] = "default"
-    version: ClassVar[str] = "10"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
+    version: ClassVar[str] = "11"  # 2: sub-health drains at the next checkpoint; 3: a silent node is a node fault;
     # 4: a fault of a device no rank uses marks it (and a node-level fix moves the node's ranks); 5: first_steps_s;
     # 6: a lemon is isolated only when a spare can replace it or the job can do without it, for isolation_s; a
     # fault a device reset clears says so; 7: a stock script (no SDK) is never silent nor stalled; 8: a straggler's
     # node is drained (a loss check is no new version: no log before it holds a loss, so no decision of one
     # changes); 9: a rank's collective timeout with every rank alive is a network fault of the job (a retry first);
     # 10: a node that joins again (rebooted, repaired) clears its pending not-ready suspicion, as a ready one does
-    # (an unreachable node is gone at once: no new version either, no log before it holds a `node.unreachable`)
+    # (an unreachable node is gone at once: no new version either, no log before it holds a `node.unreachable`);
+    # 11: a rank whose process has not spoken yet is silent only past the first steps' (or the stall) bound
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -326,19 +329,26 @@ class DefaultDetection(DetectionPolicyBase):
         # Each test first asks the columns' min or max (C speed): a rank at a time only when one may be found.
         now, seen, progress, steps = view.now, view.last_seen, view.last_progress, view.steps
         silent: tuple[int, ...] = ()
+        how = f"silent for more than {silence / NS:.1f}s"
         if seen and now - min(seen) > silence:
             silent = tuple(r for r, at in enumerate(seen) if now - at > silence)
+            if silent and view.spoke is not None:
+                # A process that has not spoken yet may still be importing its framework (seconds apart between
+                # ranks on a loaded host, minutes on a cold shared filesystem): it hangs only past the bound the
+                # job's first steps get, as the peers waiting for it in their first collective would.
+                first, spoke = max(silence, stall), view.spoke
+                silent = tuple(r for r in silent if spoke[r] or now - seen[r] > first)
+                if silent and not any(spoke[r] for r in silent):
+                    how = f"not heard since their processes started, more than {first / NS:.1f}s"
         if silent:
             gone = _silent_nodes(view, set(silent))
             if gone and all(r // view.ranks_per_node in gone for r in silent):
                 # Every rank of a node fell silent at once: the host or its agent is gone, not one process. Move
                 # the ranks now rather than restart them in place on a host that may not answer.
                 names = [view.nodes[i] for i in sorted(gone)]
-                return [Fault(f"all ranks on {', '.join(names)} silent for more than "
-                              f"{silence / NS:.1f}s: the host or its agent is gone", FaultClass.NODE,
-                                "node", silent, names[0] if len(names) == 1 else None)]
-            return [Fault(f"ranks {list(silent)} silent for more than {silence / NS:.1f}s",
-                          FaultClass.HANG, "rank", silent)]
+                return [Fault(f"all ranks on {', '.join(names)} {how}: the host or its agent is gone",
+                              FaultClass.NODE, "node", silent, names[0] if len(names) == 1 else None)]
+            return [Fault(f"ranks {list(silent)} {how}", FaultClass.HANG, "rank", silent)]
         newest = max(progress, default=now)
         if now - newest > stall:
             return [Fault(f"no rank advanced for {(now - newest) / NS:.1f}s",
@@ -371,7 +381,13 @@ class DefaultDetection(DetectionPolicyBase):
             stall = (max(int(p.stall_min_s * NS), int(p.stall_factor * step_time)) if view.step_time_ns
                      else int(p.first_steps_s * NS))
             progress, steps = view.last_progress, view.steps
-            deadlines.append(min(view.last_seen) + silence + 1)
+            spoke = view.spoke
+            if spoke is None:
+                deadlines.append(min(view.last_seen) + silence + 1)
+            else:  # the ranks yet to speak by the first steps' bound, as `check` judges them
+                first = max(silence, stall)
+                deadlines.append(min(at + (silence if said else first)
+                                     for at, said in zip(view.last_seen, spoke, strict=True)) + 1)
             deadlines.append(max(progress) + stall + 1)
             top = max(steps)
             if min(steps) < top:  # ranks behind: the stall of the one that advanced longest ago

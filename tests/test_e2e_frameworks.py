@@ -129,7 +129,8 @@ def assert_restarted_alone(w: JobWatch, victim: int) -> None:
 def fault_free(cluster: Cluster, job: str, script: Path) -> dict[str, Any]:
     """The final parameters of `script`'s run without faults: the reference of its recovered runs."""
     w, params = asyncio.run(run_job(cluster, job, script))
-    assert all(len(pids) == 1 for pids in w.pids().values()), w.pids()
+    seen = f"pids {w.pids()}; decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
+    assert all(len(pids) == 1 for pids in w.pids().values()), seen
     return params
 
 

@@ -184,7 +184,10 @@ def test_the_check_finds_nothing_before_next_check_says(data: st.DataObject, sil
                                "first_steps_s": float(first_steps_s)})
     silence_ms = max(silence_s, 5 * (step_s or 0)) * 1000  # each rule's bound, as the policy's parameters make it
     stall_ms = (first_steps_s if step_s is None else max(stall_s, 10 * step_s)) * 1000
-    seen_ms = data.draw(st.lists(st.integers(0, silence_ms + 1000), min_size=4, max_size=4))
+    # Some ranks' processes have not spoken yet: judged by the first steps' (or the stall) bound, so drawn that far.
+    unspoken = data.draw(st.sets(st.integers(0, 3)))
+    seen_ms = data.draw(st.lists(st.integers(0, (max(silence_ms, stall_ms) if unspoken else silence_ms) + 1000),
+                                 min_size=4, max_size=4))
     progress_ms = data.draw(st.lists(st.integers(0, stall_ms + 1000), min_size=4, max_size=4))
     behind = data.draw(st.lists(st.integers(0, 2), min_size=4, max_size=4))
     heard_ms = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 6000)), min_size=2, max_size=2))
@@ -197,7 +200,7 @@ def test_the_check_finds_nothing_before_next_check_says(data: st.DataObject, sil
                                   last_progress=[now - a * NS // 1000 for a in progress_ms],
                                   steps=[100 - b for b in behind],
                                   agents_heard=[None if h is None else now - h * NS // 1000 for h in heard_ms],
-                                  sdk=sdk)
+                                  sdk=sdk, unspoken=unspoken)
 
     if policy.check(at(now)):
         return

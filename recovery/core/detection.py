@@ -468,7 +468,7 @@ class Detection:
         if checked is not None:  # the same record, nothing changed since: its columns, not copied again
             return WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn, heard, job.sdk,
                                 columns=RankColumns(checked.last_seen, checked.last_progress, checked.steps,
-                                                    checked.compute_steps, checked.compute_ns),
+                                                    checked.compute_steps, checked.compute_ns, checked.spoke),
                                 recovering=recovering, unreachable=unreachable)
         world = job.world
         # Columns copied at C speed (a 131,072-rank job is checked every few seconds); a rank's own slot only.
@@ -479,7 +479,8 @@ class Detection:
             # done, not silent. The others may take seconds more to end, and none of them is a hang for it.
             seen = tuple(at if r >= len(alive) or alive[r] else out.ts for r, at in enumerate(seen))
         columns = RankColumns(seen, tuple(job.last_progress[:world]), tuple(job.steps[:world]),
-                              tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]))
+                              tuple(job.compute_steps[:world]), tuple(job.compute_ns[:world]),
+                              None if 0 not in (spoke := job.spoke[:world]) else bytes(spoke))
         return WatchdogView(out.ts, job.step_time, (), tuple(job.nodes), job.rpn, heard, job.sdk, columns=columns,
                             recovering=recovering, unreachable=unreachable)
 

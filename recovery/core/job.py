@@ -213,6 +213,7 @@ class Job:
         "skip_data",
         "skip_steps",
         "spec",
+        "spoke",
         "state",
         "step",
         "step_time",
@@ -243,6 +244,7 @@ class Job:
         self.steps = [0] * world
         self.rank_gen = [0] * world  # the generation whose restart started each rank's current process
         self.last_seen = [0] * world
+        self.spoke = bytearray(world)  # 1 once the rank's current process sent a heartbeat or a step
         self.last_progress = [0] * world
         self.compute_steps = [0] * world  # steps whose compute time each rank reported in this generation
         self.compute_ns = [0] * world  # ... and that time in all (a straggler's stands out: detection's watchdog)
@@ -361,6 +363,7 @@ class Job:
         self.steps = [0] * world
         self.rank_gen = [self.generation] * world
         self.last_seen = [ts] * world
+        self.spoke = bytearray(world)
         self.last_progress = [ts] * world
         self.compute_steps = [0] * world
         self.compute_ns = [0] * world
@@ -452,7 +455,7 @@ class Job:
 
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
                  "watchdog", "restarts_used", "restart_times", "sdk", "caps", "policies", "policy_errors", "alive",
-                 "steps", "rank_gen", "last_seen", "last_progress", "compute_steps", "compute_ns", "losses",
+                 "steps", "rank_gen", "last_seen", "spoke", "last_progress", "compute_steps", "compute_ns", "losses",
                  "skip_steps", "skip_data")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""

@@ -26,6 +26,7 @@ def note(job: Job, type_: str, data: Any, ts: int, stale: Callable[[Job, int, in
         if not stale(job, data.rank, data.attempt):
             job.put(job.alive, data.rank, 1)
             job.put(job.last_seen, data.rank, ts)
+            job.put(job.spoke, data.rank, 0)  # a new process: silent until it has spoken is not yet a hang
     elif type_ == "process.capabilities":
         if not stale(job, data.rank, data.attempt):  # a replaced process's word is no longer the rank's
             job.caps = (job.caps or frozenset()) | frozenset(data.caps)

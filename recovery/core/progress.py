@@ -124,6 +124,8 @@ class Progress:
             job.put(job.last_seen, rank, ts)
         else:
             job.last_seen[rank] = ts
+        if not job.spoke[rank]:
+            job.put(job.spoke, rank, 1)
         if not job.sdk and not job.counted:
             # The first report through the SDK: the script is not a stock one, and its ranks' silence means something.
             # (The step hook's counts make no script an SDK one.)

@@ -26,9 +26,10 @@ import recovery.core
 from policies.base import label
 from recovery.core.engine import Engine
 
-SNAPSHOT_FORMAT = 6
+SNAPSHOT_FORMAT = 7
 """2: Engine._order and Engine._hungry; 3: Engine._finished and _submissions; 4: the engine in parts; 5: suspicions
-hold typed Faults; 6: jobs keep their recent losses and the data they skip, incidents their bad steps"""
+hold typed Faults; 6: jobs keep their recent losses and the data they skip, incidents their bad steps; 7: jobs keep
+which ranks' processes have spoken"""
 
 
 def dump_snapshot(engine: Engine) -> bytes:

@@ -148,19 +148,22 @@ def make_watchdog_view(*, now: int = NOW, nodes: Sequence[str] = NODES, ranks_pe
                        agents_heard: Sequence[int | None] = (), sdk: bool = True,
                        compute_steps: int | Sequence[int] | Mapping[int, int] = 0,
                        compute_ns: int | Sequence[int] | Mapping[int, int] = 0,
-                       unreachable: Iterable[int] = ()) -> WatchdogView:
+                       unreachable: Iterable[int] = (), unspoken: Iterable[int] = ()) -> WatchdogView:
     """What the watchdog sees of a job on `nodes` at `now`. Per-rank values are one number for every rank, one per
     rank, or {rank: value} over the default: every rank seen and progressing at `now`, at step 100, with no compute
     time reported (`compute_steps` steps measured in all `compute_ns`). `agents_heard` is per node the last heartbeat
     of its agent (None: it sends none; empty: unknown); `unreachable`, the indices of the nodes the daemon found
-    unreachable (`node.unreachable`)."""
+    unreachable (`node.unreachable`); `unspoken`, the ranks whose process has not spoken yet (still importing)."""
     world = len(nodes) * ranks_per_node
     seen = _per_rank(now if last_seen is None else last_seen, world, now)
     progress = _per_rank(now if last_progress is None else last_progress, world, now)
     at = _per_rank(steps, world, 100)
     measured, spent = _per_rank(compute_steps, world, 0), _per_rank(compute_ns, world, 0)
+    quiet = set(unspoken)
+    spoke = bytes(0 if r in quiet else 1 for r in range(world)) if quiet else None
     return WatchdogView(now, step_time_ns, (), tuple(nodes), ranks_per_node, tuple(agents_heard), sdk,
-                        columns=RankColumns(tuple(seen), tuple(progress), tuple(at), tuple(measured), tuple(spent)),
+                        columns=RankColumns(tuple(seen), tuple(progress), tuple(at), tuple(measured), tuple(spent),
+                                            spoke),
                         unreachable=frozenset(unreachable))
 
 
@@ -336,10 +339,12 @@ def watchdog_views(draw: st.DrawFn) -> WatchdogView:
     spent = [n * draw(st.integers(0, 10 * NS)) for n in measured]
     # Now and then a node the daemon found unreachable (nothing listened for its agent).
     unreachable = draw(st.sets(st.integers(0, len(nodes) - 1), max_size=2)) if draw(st.integers(0, 3)) == 0 else ()
+    # Now and then ranks whose process has not spoken yet (a job starting, a rank restarted).
+    unspoken = draw(st.sets(st.integers(0, world - 1), max_size=world)) if draw(st.integers(0, 3)) == 0 else ()
     return make_watchdog_view(now=now, nodes=nodes, ranks_per_node=rpn, step_time_ns=draw(_STEP_TIMES),
                               last_seen=seen, last_progress=progress, steps=steps, agents_heard=agents,
                               sdk=draw(st.integers(0, 4)) > 0, compute_steps=measured, compute_ns=spent,
-                              unreachable=unreachable)
+                              unreachable=unreachable, unspoken=unspoken)
 
 
 _LADDER = [Granularity.RETRY, Granularity.IN_PLACE, Granularity.MIGRATE, Granularity.RESTART_JOB,
