@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
+from events.health import NodeChecked
 from events.subjects import Token
 from events.values import (
     MAX_SKIP,
@@ -317,15 +318,23 @@ LAST_EXIT_DESCRIPTION = ("why this node's agent last stopped, said by the agent 
                          "ended without a word (killed, its host down); null: a first start")
 
 
+CHECKS_DESCRIPTION = ("its agent runs health checks and logs `node.checked` next: the node takes no new ranks until "
+                      "they pass (false: an agent without checks, taken at its word)")
+
+
 def _without_last_exit(data: dict[str, Any]) -> dict[str, Any]:
-    # An agent's first start is written as before agents said why they last stopped, so logs stay byte for byte.
+    # An agent's first start is written as before agents said why they last stopped, so logs stay byte for byte;
+    # and one without health checks as before they existed.
     if data.get("last_exit", ...) is None:
         del data["last_exit"]
+    if data.get("checks", ...) is False:
+        del data["checks"]
     return data
 
 
 class NodeReady(Frozen):
     last_exit: Text | None = Field(None, max_length=1024, description=LAST_EXIT_DESCRIPTION)
+    checks: Flag = Field(False, description=CHECKS_DESCRIPTION)
 
     @model_serializer(mode="wrap")
     def _first_start_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -345,6 +354,7 @@ class NodeJoined(Frozen):
                                                  "take it; null: the shared pool")
 
     last_exit: Text | None = Field(None, max_length=1024, description=LAST_EXIT_DESCRIPTION)
+    checks: Flag = Field(False, description=CHECKS_DESCRIPTION)
 
     @model_serializer(mode="wrap")
     def _without_shared_pool(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -575,5 +585,6 @@ NODE_EVENTS: dict[str, type[Frozen]] = {
     "node.silent": NodeSilent,
     "node.heard": NodeHeard,
     "node.unreachable": NodeUnreachable,
+    "node.checked": NodeChecked,
 }
 """Event types that concern one node: the envelope carries `node`."""
