@@ -75,6 +75,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "node.silent": {"silent_s": 3.2, "bound_s": 3.0},
     "node.heard": {"silent_s": 4.1},
     "node.unreachable": {"cause": "rank 2 of j (n1) lost a peer's connection", "confirm_s": 0.2},
+    "node.checked": {"when": "start", "job": "j",
+                     "results": [{"check": "disk:/ckpt", "ok": False, "saw": "0.2 GiB free", "took_s": 0.01}]},
     "job.submitted": {"spec": {**SPEC, "spares": 1, "max_restarts": 3, "watchdog_interval_s": 2.0,
                                "elastic": {"min_dp": 2, "max_dp": 4}}},
     "job.started": {},
