@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from events import kinds
+from events.health import NodeChecked
 from events.values import Factor, FaultClass, Flag, Interval, PositiveCount, Seconds
 from policies.base import (
     LOSS_HISTORY,
@@ -103,7 +104,8 @@ class DefaultDetection(DetectionPolicyBase):
     # changes); 9: a rank's collective timeout with every rank alive is a network fault of the job (a retry first);
     # 10: a node that joins again (rebooted, repaired) clears its pending not-ready suspicion, as a ready one does
     # (an unreachable node is gone at once: no new version either, no log before it holds a `node.unreachable`);
-    # 11: a rank whose process has not spoken yet is silent only past the first steps' (or the stall) bound
+    # 11: a rank whose process has not spoken yet is silent only past the first steps' (or the stall) bound (a failed
+    # health check moves the node's ranks: no new version, no log before it holds a `node.checked`)
 
     parameters = DefaultDetectionParams
     params: DefaultDetectionParams
@@ -173,6 +175,12 @@ class DefaultDetection(DetectionPolicyBase):
             return Fault(f"node {signal.node} drained: {data.reason}".rstrip(": "),
                          FaultClass.PREEMPTION, "node", signal.ranks, signal.node, lost=False,
                          needs_move=True)
+        if isinstance(data, NodeChecked):
+            if data.ok:
+                return Ignore(f"node {signal.node} passed its health checks ({data.when})")
+            # Its agent found it unable to train (`events.health`): the ranks it holds or was to start go elsewhere.
+            return Fault(f"node {signal.node} failed its health checks: {data.summary()}", FaultClass.NODE, "node",
+                         signal.ranks, signal.node, needs_move=True, code="health_check")
         return Ignore(f"{signal.type} needs no action")
 
     def _loss(self, signal: Signal, sample: LossSample) -> Verdict:

@@ -262,8 +262,8 @@ lacks an agent on; every other cell of `jobs` and `incidents` is a name or a num
 WRAPPED_MIN = 16
 """the fewest characters a free-text column is counted at (recovery.report.screen.TEXT_MIN; not imported, for
 start-up time: rich is imported only to render)"""
-NODE_FREE_TEXT = frozenset({"ranks"})
-"""`nodes`' column that may wrap at its words: the node's ranks (its job is whole, over its state)"""
+NODE_FREE_TEXT = frozenset({"ranks", "out"})
+"""`nodes`' columns that may wrap at their words: the node's ranks (its job is whole, over its state), why it is out"""
 
 
 def _column_width(column: str, rows: Sequence[dict[str, str]], wrapped: bool = False) -> int:
@@ -330,7 +330,8 @@ def render(verb: str, reply: dict[str, Any], wide: bool = False) -> None:
             table.add_row(*(Text(row[c]) for c in shown))
         console.print(table)
     elif verb == "nodes":
-        columns = ("node", "agent", "seen", "job", "ranks", *(("partition",) if "partitions" in reply else ()))
+        out = ("out",) if any(row.get("out") for row in reply["nodes"]) else ()  # why a node takes no ranks
+        columns = ("node", "agent", "seen", "job", "ranks", *out, *(("partition",) if "partitions" in reply else ()))
         table = Table(title=f"{len(reply['nodes'])} node(s)")
         for column in columns:
             table.add_column(column, no_wrap=column not in NODE_FREE_TEXT, overflow="fold")

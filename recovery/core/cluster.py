@@ -17,6 +17,7 @@ HISTORY = 64
 class NodeState:
     __slots__ = (
         "bad_devices",
+        "check_failed",
         "device_faults",
         "devices",
         "drained",
@@ -34,6 +35,7 @@ class NodeState:
         "resettable",
         "silent",
         "spare",
+        "unproven",
         "unreachable",
     )
 
@@ -56,6 +58,10 @@ class NodeState:
         # The log time of the daemon's `node.unreachable` (nothing listened on the agent's probe subject), until any
         # sign of life: the watchdog's policy may take it as a silence past any bound (`WatchdogView.unreachable`).
         self.unreachable: int | None = None
+        # Health checks (`node.checked`): what the last ones that failed saw (None: passed, or none ran), and whether
+        # its agent said checks follow that have not passed yet (`checks` on node.joined / node.ready).
+        self.check_failed: str | None = None
+        self.unproven = False
         self.bad_devices: set[int] = set()  # membership only; never iterated for decisions
         self.resettable: set[int] = set()  # bad devices a reset clears (XID 48): sorted when read
         self.isolated_devices: set[int] = set()  # bad devices a policy isolated (lemons): released by a decision
@@ -86,7 +92,7 @@ class NodeState:
     def usable(self) -> bool:
         # A node whose fabric link is down can hold no rank of a collective job: restarting ranks there fails.
         return (self.ready and not self.gone and not self.drained and not self.isolated and not self.bad_devices
-                and not self.links_down)
+                and not self.links_down and self.check_failed is None and not self.unproven)
 
     def snapshot(self) -> dict[str, object]:
         return {"name": self.name, "devices": self.devices, "spare": self.spare, "ready": self.ready,
@@ -94,7 +100,9 @@ class NodeState:
                 "bad_devices": sorted(self.bad_devices), "links_down": sorted(self.links_down or ()),
                 # only when set: the snapshot of a node whose heartbeats are logged is what it always was
                 **({"live": True, "silent": self.silent} if self.live else {}),
-                **({"unreachable": self.unreachable} if self.unreachable is not None else {})}
+                **({"unreachable": self.unreachable} if self.unreachable is not None else {}),
+                **({"check_failed": self.check_failed} if self.check_failed is not None else {}),
+                **({"unproven": True} if self.unproven else {})}
 
 
 class ClusterView:
@@ -161,7 +169,8 @@ class ClusterView:
         if state is None:
             return False
         if state.bad_devices and all(d >= ranks_per_node for d in state.bad_devices):
-            return state.ready and not state.gone and not state.drained and not state.isolated and not state.links_down
+            return (state.ready and not state.gone and not state.drained and not state.isolated
+                    and not state.links_down and state.check_failed is None and not state.unproven)
         return state.usable
 
     def agents_heard(self, names: Iterable[str]) -> bool:

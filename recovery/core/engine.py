@@ -46,6 +46,7 @@ from recovery.core.job import DEDUPE_WINDOW, Job, hungry
 from recovery.core.journal import Journal
 from recovery.core.liveness import Liveness
 from recovery.core.machine import FINAL
+from recovery.core.nodes import RETURNS, update_node
 from recovery.core.operators import Operators
 from recovery.core.overruns import CallKey, PolicyCalls, PolicyOverran
 from recovery.core.partition import Partition
@@ -477,8 +478,6 @@ class Engine(Progress):
 
     def _node_event(self, out: RecordEffects, name: str, type_: str, data: Any) -> None:
         node = self.cluster.node(name)
-        device_times: tuple[int, ...] = ()
-        node_times: tuple[int, ...] = ()
         back = node.gone  # the host a node fault declared gone speaks again: usable once its state says so
         if isinstance(data, kinds.NodeSilent | kinds.NodeUnreachable):  # the daemon's word: judged now, as at a tick
             job = (self.liveness.silent(out, node, data) if isinstance(data, kinds.NodeSilent)
@@ -493,45 +492,8 @@ class Engine(Progress):
             if back and node.usable:
                 self._capacity_returned(out)
             return
-        released = None  # an isolation this event ends: a repaired device, a node replaced or rebooted
-        if isinstance(data, kinds.DeviceRecovered) and data.device in node.isolated_devices:
-            node.isolated_devices.discard(data.device)
-            released = f"{name} device {data.device} recovered"
-        elif isinstance(data, kinds.NodeJoined) and (node.isolated or node.isolated_devices):
-            node.isolated_devices.clear()
-            released = f"{name} joined again (repaired or replaced)"
-        if isinstance(data, kinds.DeviceFault):
-            device_times, node_times = self.cluster.record_device_fault(name, data.device, out.ts)
-        elif isinstance(data, kinds.DeviceRecovered):
-            node.bad_devices.discard(data.device)
-            node.resettable.discard(data.device)
-        elif isinstance(data, kinds.NodeNotReady):
-            node.ready = False
-        elif isinstance(data, kinds.NodeReady):
-            node.ready = True
-        elif isinstance(data, kinds.NodeDrained):
-            node.drained = True
-        elif isinstance(data, kinds.LinkDown):
-            if node.links_down is None:
-                node.links_down = set()
-            node.links_down.add(data.link)
-        elif isinstance(data, kinds.LinkUp):
-            if node.links_down:
-                node.links_down.discard(data.link)
-        elif isinstance(data, kinds.NodeJoined):
-            # A spare every partition hears of is granted by the one partition that owns it (`core.partition`).
-            node.spare = data.spare and node.job is None and (self.partition is None or self.partition.owns_spare(name))
-            node.pool = data.pool
-            node.devices = data.devices
-            node.ready, node.drained, node.isolated = True, False, False
-            node.bad_devices.clear()
-            node.resettable.clear()
-            node.links_down = None
-            # A node that (re)joins has been booted: whatever it held in host memory is gone.
-            for other in self.jobs.values():
-                if other.holds_memory_on(name):
-                    self.touch(other)
-                    other.forget_memory(name)
+        released, device_times, node_times = update_node(self.cluster, node, data, out.ts, self.jobs, self.partition,
+                                                         self.touch)
         job = self.jobs.get(node.job) if node.job is not None else None
         if job is not None:
             self.touch(job)
@@ -558,8 +520,7 @@ class Engine(Progress):
             verdict = self.detection.hardware.classify(Signal(type_, data, out.ts, name, (), device_times, node_times))
             if isinstance(verdict, Fault):
                 self.detection.mark_hardware(verdict)
-        if (back or isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered | kinds.LinkUp)
-                ) and node.usable:
+        if (back or isinstance(data, RETURNS)) and node.usable:
             self._capacity_returned(out)
 
     def _timer_fired(self, out: RecordEffects, job: Job, data: kinds.TimerFired) -> None:

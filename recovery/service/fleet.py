@@ -1,5 +1,5 @@
 """The nodes as the engine knows them, for `recovery-ctl nodes` and the `jobs` rows: each node's agent (heard when,
-and in what state) and the job and ranks it runs.
+and in what state), the job and ranks it runs, and why it takes no new ranks (failed health checks first).
 
 A node is known from its agent's events or from a job placed on it. One placed on but never heard from has no agent
 serving it: its job's ranks cannot start there, which `jobs` says (the job stays `submitted` with none alive, and
@@ -28,6 +28,23 @@ def agent_state(node: NodeState | None) -> str:
     return "spare" if node.spare and node.job is None else "ready"
 
 
+def why_out(node: NodeState) -> str | None:
+    """Why the node takes no new ranks, in words (None: it may take them): its health checks first, as the most
+    common reason a recovery would otherwise land twice on a bad node."""
+    if node.check_failed is not None:
+        return f"failed health checks: {node.check_failed}"
+    if node.unproven:
+        return "health checks not passed yet"
+    reasons = [flag for flag in ("gone", "isolated", "drained") if getattr(node, flag)]
+    if not node.ready:
+        reasons.append("not ready")
+    if node.bad_devices:
+        reasons.append(f"bad devices {sorted(node.bad_devices)}")
+    if node.links_down:
+        reasons.append(f"links down {sorted(node.links_down)}")
+    return ", ".join(reasons) or None
+
+
 def unserved(engine: Engine, nodes: list[str]) -> list[str]:
     """The nodes of `nodes` that no live agent serves: never heard from, or declared gone."""
     known = engine.cluster.nodes
@@ -46,5 +63,5 @@ def node_rows(engine: Engine) -> list[dict[str, Any]]:
             ranks = [r for r in range(first, first + job.rpn) if r < job.world]
         rows.append({"node": name, "agent": agent_state(node), "seen": node.heard, "job": node.job,
                      "job_state": None if job is None else job.state, "ranks": ranks,
-                     "devices": node.devices, "pool": node.pool})
+                     "devices": node.devices, "pool": node.pool, "out": why_out(node)})
     return rows

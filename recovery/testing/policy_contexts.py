@@ -66,6 +66,8 @@ PAYLOADS: dict[str, dict[str, Any]] = {
     "node.ready": {},
     "node.drained": {"reason": "maintenance"},
     "node.joined": {"spare": False, "devices": 8},
+    "node.checked": {"when": "fault", "results": [{"check": "gpu-compute", "ok": False, "saw": "device 3: result off",
+                                                   "took_s": 4.2}]},
 }
 """the payload of each signal type when a test names no field of it"""
 
@@ -282,7 +284,12 @@ def _payload(draw: st.DrawFn, type_: str, world: int, ranks_per_node: int) -> di
     if type_ == "network.nic_errors":
         return {"link": draw(_LINKS), "errors": draw(st.integers(min_value=1, max_value=10**6))}
     if type_ == "node.joined":
-        return {"spare": draw(st.booleans()), "devices": ranks_per_node}
+        return {"spare": draw(st.booleans()), "devices": ranks_per_node, "checks": draw(st.booleans())}
+    if type_ == "node.checked":
+        results = [{"check": name, "ok": draw(st.booleans()), "saw": "", "took_s": draw(st.floats(0, 30.0))}
+                   for name in draw(st.lists(st.sampled_from(["memory", "disk:/ckpt", "gpu-state", "gpu-compute"]),
+                                             min_size=1, unique=True))]
+        return {"when": draw(st.sampled_from(["join", "start", "spare", "fault"])), "results": results}
     return dict(PAYLOADS[type_])
 
 
