@@ -48,7 +48,10 @@ EPOCHS = 4
 SAMPLES = 1024  # 4 ranks x batch 16: 16 steps an epoch
 STEP_TIME_S = 0.05
 FAULT_AT_STEP = 20  # in the second epoch: the survivors resume mid-epoch
-RECOVERED_WITHIN_S = 15.0  # the group's timeout is 60 s; measured medians are in tools/bench_ddp.py
+RECOVERED_WITHIN_S = 40.0
+"""well under the group's 60 s timeout, so a survivor that waited for it fails the bound, and far above the seconds
+the recovery takes (medians in tools/bench_ddp.py), so that a loaded host does not: not a timing, a proof that no
+survivor sat out the timeout"""
 RUN_TIMEOUT_S = 120
 
 
