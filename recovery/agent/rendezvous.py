@@ -35,6 +35,9 @@ says that this store serves them.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import resource
 import signal
 import sys
 import threading
@@ -123,6 +126,13 @@ def main() -> None:
     parser.add_argument("--torch-store-linger-s", type=float, default=DEFAULT_LINGER_S,
                         help="how long a job's torch store stays open after a newer formation of the job took over")
     args = parser.parse_args()
+    # Every rank holds a connection to the job's stores: at 16,384 ranks the common soft limit of 1,024 open files
+    # would refuse most of them. The hard limit is the node's to set; up to it is ours to take.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux caps open files at nr_open anyway
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # a limit we cannot raise leaves the store as it was
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
     from torch.distributed import TCPStore  # the only torch in the agent's processes, imported to serve the store
 
     stop = threading.Event()
@@ -139,7 +149,11 @@ def main() -> None:
             pass
     else:
         sys.stdin.read()  # until the agent closes the pipe
-    del store
+    # Out at once: destroying the stores while the torch-stores thread still serves from a clone ends the process in
+    # a C++ terminate with its trace on stderr. A server has nothing to flush but its output.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
