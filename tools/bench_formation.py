@@ -14,7 +14,7 @@ server; `tools/bench_harness_store.py` replays it byte for byte, keys under `def
     scalable init: one root per 128 ranks sets `UniqueNCCLID:<root>`.
 - get/wait: gloo: for every rank j, itself included, `WAIT j` (gloo's own) then torch's `get`, which is `WAIT j` and
   `GET j` on the wire: 3N requests and N(154 + 8N) bytes read per rank, 3N^2 requests in all (805 million for 16,384
-  ranks, 2.2 TB read: gloo's eager full mesh does not form at that size through any store; GLOO_ENABLE_STORE_V2_API=1
+  ranks, 35 TB read: gloo's eager full mesh does not form at that size through any store; GLOO_ENABLE_STORE_V2_API=1
   makes it one WAIT and one MULTI_GET of N keys, GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1 constant 154-byte keys, and
   TORCH_GLOO_LAZY_INIT=1 leaves only the SET, each measured with the proxy). NCCL: `WAIT` and `GET 0`, or the
   scalable init's `WAIT` on the 128 roots' keys and one `MULTI_GET` of them (16 KB): 2 requests per rank.
@@ -22,12 +22,16 @@ server; `tools/bench_harness_store.py` replays it byte for byte, keys under `def
   `ADD key 0` (the count; the rank that reads N sets `key:last_worker`) and `WAIT key:last_worker`. Timed here
   (`--no-barrier` leaves it out) because it is the one point where the store itself sees the generation formed.
 
-So an NCCL formation of 16,384 ranks is about 7 requests per rank, 115,000 in all, and the time goes to the
-connections (16,384 accepts on one loop thread, each followed by torch 2.13's reverse-DNS lookup of the peer's
-address, made on that same thread) and to the single `init/` and barrier counters that every rank adds to.
+So an NCCL formation of 16,384 ranks is 7 requests per rank (115,000 in all). Measured here (both servers alike), the
+time goes to: the connections, half or more of it (16,384 connects at once overflow the listen queue, 4,096 here, and
+the dropped SYNs come back after 1, 3, 7 s; and torch 2.13's server looks up the peer's name of every accepted
+connection on its one loop thread: this machine's resolver made that 45 s for 512 connects); the scalable init's
+multi-get, a third (16 KB to each rank, 268 MB in all); the `init/` and barrier counters, a second or two.
 A "rank table" (the control plane publishing the generation's addresses once) cannot remove any of it while ranks
 use torch's client: NCCL's ids are made by the root ranks' own processes (their bootstrap sockets), gloo's addresses
-by each rank's listening socket, and the counters by the client's constructor and torch's barrier.
+by each rank's listening socket, and the counters by the client's constructor and torch's barrier; and the job's
+torch store is torch's own server (`TCPStore(is_master=True)`, libuv), so the ratio measures the same server twice:
+its spread from run to run (10 s to 29 s on this shared machine) is the connect storm's, not the store's.
 
 Metrics (medians over `--repeat`, both stores alternating which goes first):
 - `formation_16384_s`: from the first rank's connect to the last rank done, on the job's torch store as the agent
@@ -78,15 +82,17 @@ HOSTS = "127.0.0.1 localhost\n::ffff:127.0.0.1 localhost\n"
 INSIDE = "RECOVERY_BENCH_FORMATION_NAMESPACE"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, shared: bool = True) -> None:
+    """The bench's options; `shared=False` leaves out `--repeat` and `--quick`, which a bench run with it defines."""
+    if shared:
+        parser.add_argument("--repeat", type=int, default=3)
+        parser.add_argument("--quick", action="store_true", help="256 ranks, one run (the smoke test)")
     parser.add_argument("--ranks", type=int, default=16384)
     parser.add_argument("--backend", choices=BACKENDS, default="nccl")
-    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--clients", type=int, default=2, help="client processes the ranks are spread over")
     parser.add_argument("--no-barrier", action="store_true", help="leave out TORCH_DIST_INIT_BARRIER's barrier")
     parser.add_argument("--system-resolver", action="store_true",
                         help="keep this machine's resolver for the servers' reverse lookups of every connection")
-    parser.add_argument("--quick", action="store_true", help="256 ranks, one run (the smoke test)")
 
 
 @contextlib.contextmanager
@@ -172,7 +178,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def in_named_loopback() -> bool:
+def in_named_loopback(args: argparse.Namespace) -> bool:
     """Run this bench again where `/etc/hosts` names the loopback's mapped address; False where that cannot be."""
     if os.environ.get(INSIDE) or not shutil.which("unshare"):
         return False
@@ -185,7 +191,10 @@ def in_named_loopback() -> bool:
             note("the servers keep this machine's resolver: no mount namespace here")
             return False
         command = f"mount --bind {hosts} /etc/hosts && exec \"$@\""
-        done = subprocess.run(["unshare", "-rm", "sh", "-c", command, "sh", sys.executable, *sys.argv],
+        argv = [str(Path(__file__)), "--ranks", str(args.ranks), "--backend", args.backend, "--repeat",
+                str(args.repeat), "--clients", str(args.clients), *(["--quick"] if args.quick else []),
+                *(["--no-barrier"] if args.no_barrier else [])]
+        done = subprocess.run(["unshare", "-rm", "sh", "-c", command, "sh", sys.executable, *argv],
                               env={**os.environ, INSIDE: "1"}, check=False)
         if done.returncode:
             raise SystemExit(done.returncode)
@@ -195,7 +204,7 @@ def in_named_loopback() -> bool:
 
 
 def measure(args: argparse.Namespace, emit: Emit) -> None:
-    if not args.system_resolver and in_named_loopback():
+    if not args.system_resolver and in_named_loopback(args):
         return  # measured again in the namespace, whose figures went to the same stdout
     if args.quick:
         args.ranks, args.repeat = min(args.ranks, 256), 1
