@@ -71,6 +71,7 @@ import bench_faultfree
 import bench_fleet
 import bench_fleet_many
 import bench_fleet_steady
+import bench_formation
 import bench_frameworks
 import bench_gpu
 import bench_memory
@@ -504,9 +505,21 @@ def _policy_calls_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_restart_cost(args: argparse.Namespace) -> None:
-    """What a restart costs beyond the process: compiled code found again on the node and on a spare."""
+    """What a restart costs beyond the process: compiled code found again on the node and on a spare, and the
+    store's part of forming the new generation at 16,384 ranks."""
     with sigterm_unwinds():
         bench_compile.measure(args, emit)
+        bench_formation.measure(args, emit)
+
+
+def run_formation(args: argparse.Namespace) -> None:
+    with sigterm_unwinds():
+        bench_formation.measure(args, emit)
+
+
+def _restart_cost_args(p: argparse.ArgumentParser) -> None:
+    bench_compile.add_arguments(p)
+    bench_formation.add_arguments(p, shared=False)
 
 
 def run_gpu(args: argparse.Namespace) -> None:
@@ -536,7 +549,10 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
     "fleet": ("the control plane at a fleet's scale over real NATS, agents simulated in processes of their own: "
               "fault-to-command p99 and daemon CPU for a 131,072-GPU job", _fleet_args, run_fleet),
     "restart-cost": ("a restarted rank's first compiled step with the job's compile caches kept by the agent, on "
-                     "its node and on a spare, against empty caches", bench_compile.add_arguments, run_restart_cost),
+                     "its node and on a spare, against empty caches; the formation of 16,384 ranks on the job's store",
+                     _restart_cost_args, run_restart_cost),
+    "formation": ("the store requests of 16,384 ranks' init_process_group on the job's torch store against torch's "
+                  "own TCPStore server, by phase", bench_formation.add_arguments, run_formation),
     "gpu": ("on an NVIDIA GPU: a warm standby's CUDA context, the in-memory tier's stall on GPU tensors against "
             "torch.save, NCCL's abort and formation again in process", bench_gpu.add_arguments, run_gpu),
     "soak": ("the daemon for --minutes under load with faults, its own SIGKILLs and NATS restarts: events lost, "
