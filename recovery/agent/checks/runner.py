@@ -77,7 +77,7 @@ class HealthChecks:
     def enabled(self) -> bool:
         return bool(self.checks)
 
-    def announcement(self) -> dict[str, bool]:
+    def announcement(self) -> dict[str, Any]:
         """What `node.joined` / `node.ready` say of the checks: that a `node.checked` follows (nothing without)."""
         return {"checks": True} if self.enabled else {}
 
