@@ -94,8 +94,8 @@ class Agent(Relay, Rescale, Admission):
         self.warming: dict[str, anyio.CancelScope] = {}
         self.caches = CompileCaches(cfg.compile_cache_dir or self.runtime_dir / "compile-cache", cfg.shared_dir,
                                     cfg.compile_cache)
-        self.health = open_health_checks(cfg, self.nvml, [cfg.memory_dir, self.caches.root, cfg.shared_dir],
-                                         self.node_event)
+        written = [cfg.memory_dir, self.caches.root if cfg.compile_cache else None, cfg.shared_dir]  # by the ranks
+        self.health = open_health_checks(cfg, self.nvml, written, self.node_event)
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
         self.last_exit: str | None = None
         """why the previous agent on this node stopped, as it kept it in the runtime directory"""
