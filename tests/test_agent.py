@@ -402,7 +402,8 @@ async def test_a_restarted_agent_adopts_the_ranks_that_outlived_the_old_one(stre
         new = AgentProcess(tmp_path, "n6", streams.url)
         await wait_until(lambda: bool(ready), 30, "the new agent's node.ready", new.log_tail)
         await wait_until(lambda: len(said) == 2, 10, "both node.ready's data", new.log_tail)
-        assert said == [{}, {"last_exit": ENDED_WITHOUT_A_WORD}]  # a first start, then the SIGKILL it could not say
+        # a first start, then the SIGKILL it could not say; each announcing the health checks that follow
+        assert said == [{"checks": True}, {"last_exit": ENDED_WITHOUT_A_WORD, "checks": True}]
         await wait_until(lambda: new.log_tail(50).count("outlived the previous agent") == 4, 30, "the four adoptions",
                          new.log_tail)
         # the missed restart ends rank 2's old process (a replacement may run elsewhere) and starts nothing

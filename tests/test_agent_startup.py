@@ -60,14 +60,18 @@ async def test_an_agent_under_its_node_permissions_reports_its_node(tmp_path: Pa
                                      f"the confined agent's node to reach the daemon:\n{agent.log_tail()}")
                 # The node joins with its `node.ready`; its first heartbeat follows within a period (later on a
                 # loaded host): read the stream again until one is there.
+                # Its health checks at the join follow its `node.ready` too.
                 deadline = asyncio.get_running_loop().time() + 30
                 beats: list[object] = []
-                while not beats and asyncio.get_running_loop().time() < deadline:
-                    beats = [r for r in await read_stream(roles["daemon"]["url"])
-                             if r.subject == subjects.node_event("n1", "node.heartbeat")]
-                    if not beats:
+                checked: list[object] = []
+                while not (beats and checked) and asyncio.get_running_loop().time() < deadline:
+                    records = await read_stream(roles["daemon"]["url"])
+                    beats = [r for r in records if r.subject == subjects.node_event("n1", "node.heartbeat")]
+                    checked = [r for r in records if r.subject == subjects.node_event("n1", "node.checked")]
+                    if not (beats and checked):
                         await asyncio.sleep(0.2)  # the poll's interval, within the deadline
                 assert beats, "the agent's heartbeats go through under its permissions"
+                assert checked, "the agent's health checks reach the log under its permissions"
                 assert "Permissions Violation" not in agent.log_path.read_text(errors="replace")
             finally:
                 agent.stop()

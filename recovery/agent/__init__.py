@@ -12,4 +12,5 @@ wait status), and carries out the commands addressed to its node, acknowledging 
   what such an interpreter runs.
 - `agent.py`: the agent itself: jobs, commands, acks.
 - `probes/`: the node's hardware facts: NVIDIA XIDs from the kernel log, links' operstate.
+- `checks/`: the node's health checks before ranks land on it, logged as `node.checked`.
 """

@@ -41,6 +41,7 @@ from events.names import DecisionKind
 from events.outputs import Decision, Rejection
 from events.values import JobSpec, ResumePlan
 from recovery.agent.channel import ProcessChannel
+from recovery.agent.checks.runner import ChecksFailed
 from recovery.agent.compilecache import SYNC_S, CompileCaches
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import DEFAULT_STORE_PORT, JobOnNode
@@ -274,8 +275,13 @@ class Admission:
         assert spec.entrypoint is not None and self._tg is not None
         await self._serve_store(job)
         here = job.ranks_on(self.node)
-        for rank in here:
-            await self._launch(job, rank, 0, None, whole=True)
+        try:
+            for rank in here:
+                await self._launch(job, rank, 0, None, whole=True)
+        except ChecksFailed as exc:
+            # No command to fail: the `node.checked` record tells the engine, which moves the ranks.
+            logger.warning("not starting the ranks of %s: %s", job.id, exc)
+            return
         if spec.nodes[0] == self.node:
             self.job_event(job.id, "job.started", {}, event_id=f"{job.id}:started")
         for _ in range(max(1, len(here))):  # how many: asked once the ranks' start-up is over (`standbys_wanted`)

@@ -37,6 +37,7 @@ from events.kinds import RankStack
 from events.values import Layout, ResumePlan
 from recovery.agent import errors, ranks, stopping
 from recovery.agent.admission import Admission, submissions
+from recovery.agent.checks.selection import open_health_checks
 from recovery.agent.compilecache import CompileCaches
 from recovery.agent.config import AgentConfig
 from recovery.agent.exits import take_last_exit
@@ -93,6 +94,8 @@ class Agent(Relay, Rescale, Admission):
         self.warming: dict[str, anyio.CancelScope] = {}
         self.caches = CompileCaches(cfg.compile_cache_dir or self.runtime_dir / "compile-cache", cfg.shared_dir,
                                     cfg.compile_cache)
+        written = [cfg.memory_dir, self.caches.root if cfg.compile_cache else None, cfg.shared_dir]  # by the ranks
+        self.health = open_health_checks(cfg, self.nvml, written, self.node_event)
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
         self.last_exit: str | None = None
         """why the previous agent on this node stopped, as it kept it in the runtime directory"""
@@ -215,12 +218,15 @@ class Agent(Relay, Rescale, Admission):
                 tg.start_soon(StockHangs(self.cfg, self.jobs, self.job_event).run)
                 tg.start_soon(self.memory.run)
                 said = {"last_exit": self.last_exit} if self.last_exit is not None else {}
+                said |= self.health.announcement()  # `node.checked` follows: no ranks here until it passes
                 if self.cfg.spare:
                     pool = {"pool": self.cfg.pool} if self.cfg.pool is not None else {}
                     self.node_event("node.joined", {"spare": True, "devices": self.cfg.devices, **pool, **said})
                 else:
                     self.node_event("node.ready", said)
-                tg.start_soon(watch_probes, self.link_watcher, self.xid_follower, self.nvml, self.node_event, self.cfg)
+                tg.start_soon(self.health.serve)
+                tg.start_soon(watch_probes, self.link_watcher, self.xid_follower, self.nvml,
+                              self.health.watching(self.node_event), self.cfg)
                 logger.info("agent ready", extra={"fields": {"node": self.node}})
                 task_status.started()
         finally:
@@ -357,6 +363,7 @@ class Agent(Relay, Rescale, Admission):
         """Start `rank` in generation `attempt`; `whole`: every rank of the job starts in it (a new formation, with
         a fresh torch store), else the rank joins the running ones (a partial restart)."""
         assert job.spec.entrypoint is not None
+        await self.health.gate(job.id)  # ChecksFailed: nothing starts on a node that failed its checks
         torch_port = await job.torch_port(attempt, whole, self.cfg.store_wait_s)
         env = ranks.environment(job.spec.entrypoint, job.placement(rank), job=job.id, node=self.node,
                                 attempt=attempt, plan=plan, store_addr=job.store_addr, store_port=job.store_port,
@@ -478,6 +485,8 @@ class Agent(Relay, Rescale, Admission):
                 return {"stopped": mine}
             case MigrateRanks():
                 assert job is not None
+                if command.to_node == self.node:  # before anything changes: a node that fails takes nothing
+                    await self.health.gate(job.id, moved_here=True)
                 if command.from_node == self.node:
                     await self._kill(job, [r for r in command.ranks if r in job.processes])
                 self._place(job, command)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from events.subjects import check_token
@@ -21,9 +21,20 @@ from recovery import settings
 from recovery.agent.reset import DEFAULT_COMMAND as DEFAULT_RESET_COMMAND
 from recovery.settings import ConfigError, FileSettings
 
-__all__ = ["ENV_PREFIX", "AgentConfig", "ConfigError", "add_arguments", "load"]
+__all__ = ["ENV_PREFIX", "AgentConfig", "CommandCheck", "ConfigError", "add_arguments", "load"]
 
 ENV_PREFIX = "RECOVERY_AGENT_"
+
+
+class CommandCheck(BaseModel):
+    """One of the platform's own health checks (as Slurm's NHC or node-problem-detector scripts are run)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$",
+                      description="how `node.checked` names it")
+    command: str = Field(min_length=1, description="a shell command line: exit 0 passes")
+    budget_s: float = Field(30.0, gt=0, le=3600, description="killed, and failed, past this many seconds")
 
 
 class AgentConfig(FileSettings):
@@ -162,16 +173,69 @@ class AgentConfig(FileSettings):
                                                                         "fails and the policy moves the ranks")
     device_reset_timeout_s: float = Field(120.0, gt=0, le=3600, description="how long a reset may take before the "
                                                                              "restart fails")
+    health_check: Literal["auto", "on", "off"] = Field("auto", description="health checks before ranks land on "
+                                                  "this node (at the agent's start, before a job's first ranks here, "
+                                                  "before a spare takes ranks, after a fault it reports), logged as "
+                                                  "`node.checked`: auto, memory, disks and `checks` everywhere, and "
+                                                  "the GPU checks where a GPU is found; on, every built-in check "
+                                                  "(a GPU check on a node without a GPU fails); off, none")
+    checks: list[CommandCheck] = Field([], description="the platform's own health checks, run beside the built-in "
+                                                       "ones: `[[checks]]` tables of `name`, `command` (run with "
+                                                       "/bin/sh; exit 0 passes, its last lines are what it saw) and "
+                                                       "`budget_s` (killed past it); JSON in a flag or the "
+                                                       "environment")
+    check_fresh_s: float = Field(300.0, ge=0, le=86400, description="how long a passing run of the health checks "
+                                                                    "answers for the node (a fault it reports ends "
+                                                                    "that at once); 0: every start runs them")
+    check_dirs: Annotated[list[Path], NoDecode] = Field([], description="directories the ranks write to beside "
+                                                                        "memory_dir, the compile caches and "
+                                                                        "shared_dir, whose free space and write "
+                                                                        "speed are checked (comma-separated)")
+    check_min_free_memory_gb: float = Field(0.5, ge=0, description="the `memory` check: MemAvailable in GiB at "
+                                                                   "least")
+    check_min_free_gb: float = Field(1.0, ge=0, description="the `disk:<dir>` checks: free space in GiB at least")
+    check_min_write_mb_s: float = Field(10.0, ge=0, description="the `disk:<dir>` checks: a write of 4 MiB with "
+                                                                "fsync at this many MiB/s at least")
+    check_budget_s: float = Field(10.0, gt=0, le=3600, description="how long the `memory`, `disk:<dir>` and "
+                                                                   "`gpu-state` checks may take each before they "
+                                                                   "fail")
+    check_gpu_compute_budget_s: float = Field(30.0, gt=0, le=3600, description="how long the `gpu-compute` check "
+                                                                               "(a process importing torch) may "
+                                                                               "take before it fails")
+    check_collective_budget_s: float = Field(60.0, gt=0, le=3600, description="how long the `collective` check "
+                                                                              "(two processes importing torch and "
+                                                                              "forming a group) may take before it "
+                                                                              "fails")
+    check_python: str = Field("", description="the interpreter of the `gpu-compute` and `collective` checks, one "
+                                              "that imports torch (default: the agent's own)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
-    @field_validator("links", mode="before")
+    @field_validator("links", "check_dirs", mode="before")
     @classmethod
-    def _interfaces(cls, value: object) -> object:
+    def _comma_separated(cls, value: object) -> object:
         # A flag or an environment variable lists them comma-separated (as the NATS URLs are) or as JSON.
         if isinstance(value, str):
             if value.lstrip().startswith("["):
                 return json.loads(value)
             return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("checks", mode="before")
+    @classmethod
+    def _check_commands(cls, value: object) -> object:
+        if isinstance(value, str):  # a flag: JSON, as the environment variable is
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not a JSON list of {{name, command, budget_s}}: {exc}") from None
+        return value
+
+    @field_validator("checks")
+    @classmethod
+    def _distinct_names(cls, value: list[CommandCheck]) -> list[CommandCheck]:
+        names = [check.name for check in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two checks share a name: {sorted(n for n in set(names) if names.count(n) > 1)}")
         return value
 
     @field_validator("gpu_bus_ids", mode="before")
