@@ -181,6 +181,36 @@ async def test_a_fault_makes_the_pass_stale_and_runs_the_checks_at_once() -> Non
     assert [t for t, _ in published.events] == ["node.checked", "device.fault", "network.link_down", "node.checked"]
 
 
+async def test_an_idle_spare_keeps_its_pass_fresh_logging_only_what_changes() -> None:
+    """A spare's checks run again every fresh_s / 2 while no rank runs there, so that a grant finds a fresh pass:
+    a pass after a pass is not logged, a failure is (the engine takes the spare out), and so is the pass after it;
+    beside running ranks nothing runs."""
+    check, published = Gated(), Published()
+    health = HealthChecks("s0", [Check("c", 5, check)], published, fresh_s=0.2, spare=True)
+    idle, asked = [True], [0]
+
+    def is_idle() -> bool:
+        asked[0] += 1
+        return idle[0]
+
+    health.idle = is_idle
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(health.serve)
+        await until(lambda: check.runs >= 3, "two refreshes after the join")
+        assert [r.when for r in published.checked()] == ["join"]  # passes after a pass: nothing logged
+        check.ok = False
+        await until(lambda: len(published.checked()) == 2, "the refresh that failed")
+        check.ok = True
+        await until(lambda: len(published.checked()) == 3, "the refresh that passed again")
+        assert [(r.when, r.ok) for r in published.checked()] == [("join", True), ("spare", False), ("spare", True)]
+        idle[0] = False  # ranks run here now: no check competes with them
+        await until(lambda: health._inflight is None, "a refresh under way to end")
+        runs, since = check.runs, asked[0]
+        await until(lambda: asked[0] >= since + 2, "two refresh periods with the spare busy")
+        assert check.runs == runs
+        tg.cancel_scope.cancel()
+
+
 async def test_two_gates_at_once_share_one_run() -> None:
     check, published = Gated(held=True), Published()
     health = HealthChecks("n0", [Check("c", 5, check)], published, fresh_s=60)

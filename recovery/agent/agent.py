@@ -96,6 +96,7 @@ class Agent(Relay, Rescale, Admission):
                                     cfg.compile_cache)
         written = [cfg.memory_dir, self.caches.root if cfg.compile_cache else None, cfg.shared_dir]  # by the ranks
         self.health = open_health_checks(cfg, self.nvml, written, self.node_event)
+        self.health.idle = lambda: not any(p.alive for j in self.jobs.values() for p in j.processes.values())
         self._reported_at = -math.inf  # when a progress report last said this agent lives (monotonic)
         self.last_exit: str | None = None
         """why the previous agent on this node stopped, as it kept it in the runtime directory"""

@@ -4,6 +4,7 @@ run shared by the callers that ask at once, and every run logged as `node.checke
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,9 @@ class HealthChecks:
         self._inflight: _Run | None = None
         self._fault_seen: anyio.Event | None = None  # made on the event loop, by `serve`
         self._started: set[str] = set()  # the jobs whose ranks passed the gate here in this agent's life
+        self.idle: Callable[[], bool] = lambda: False
+        """whether no rank runs on the node now (the agent's): an idle spare's checks are run again in the
+        background every `fresh_s / 2`, so that a grant finds a fresh pass and waits for no check"""
 
     @property
     def enabled(self) -> bool:
@@ -89,9 +93,10 @@ class HealthChecks:
         return self._passed is not None and self._passed[1] == self._epoch
 
     # -- running -----------------------------------------------------------------------------------------
-    async def run(self, when: CheckMoment, job: str = "") -> NodeChecked | None:
-        """Run every check and publish what they found as one `node.checked`; a caller that comes while a run
-        started since the last fault is in flight waits for it and gets its record instead. None without checks."""
+    async def run(self, when: CheckMoment, job: str = "", *, changes_only: bool = False) -> NodeChecked | None:
+        """Run every check and publish what they found as one `node.checked` (`changes_only`: only when the node
+        passes where it failed last, or fails); a caller that comes while a run started since the last fault is in
+        flight waits for it and gets its record instead. None without checks."""
         if not self.enabled:
             return None
         while (current := self._inflight) is not None:
@@ -112,8 +117,10 @@ class HealthChecks:
                     tg.start_soon(one, index, check)
             record = NodeChecked(when=when, job=job, results=[r for r in results if r is not None])
             self._passed = (started, run.epoch) if record.ok else None
+            unchanged = record.ok and self.last is not None and self.last.ok
             self.last = run.record = record
-            self.publish("node.checked", record.model_dump(mode="json"))
+            if not (changes_only and unchanged):
+                self.publish("node.checked", record.model_dump(mode="json"))
             if not record.ok:
                 logger.warning("health checks (%s) failed on %s: %s", when, self.node, record.summary())
             return record
@@ -160,15 +167,21 @@ class HealthChecks:
         return publish_then_check
 
     async def serve(self) -> None:
-        """The agent's part: the checks at its start (`join`), then after each fault (`fault`), until cancelled."""
+        """The agent's part: the checks at its start (`join`), then after each fault (`fault`), and on an idle
+        spare every `fresh_s / 2` (`spare`, logged only when the outcome changes: a spare that went bad leaves the
+        pool, one that passes again comes back), until cancelled."""
         if not self.enabled:
             return
         self._fault_seen = anyio.Event()
         await self.run("join")
         while True:
-            await self._fault_seen.wait()
-            self._fault_seen = anyio.Event()  # faults during the run below: one more run after it
-            await self.run("fault")
+            with anyio.move_on_after(self.fresh_s / 2 if self.spare else math.inf):
+                await self._fault_seen.wait()
+            if self._fault_seen.is_set():
+                self._fault_seen = anyio.Event()  # faults during the run below: one more run after it
+                await self.run("fault")
+            elif self.idle():  # never beside running ranks: a GPU check would compete with them
+                await self.run("spare", changes_only=True)
 
 
 async def _within_budget(check: Check) -> CheckResult:
