@@ -11,10 +11,11 @@ from events.commands import CommandBase
 from events.values import STORAGE_HOLDER, ResumePlan, Tier
 from recovery.sim.answers import DONE, FAILED, RecordedAnswer, answer_kind
 from recovery.sim.config import NS
-from recovery.sim.training import _RESTARTS, TrainingState
+from recovery.sim.health import NodeHealth
+from recovery.sim.training import _RESTARTS
 
 
-class Executors(TrainingState):
+class Executors(NodeHealth):
     # -- executors ------------------------------------------------------------------------------------
     def command_cost_s(self, command: CommandBase) -> float:
         c = self.cfg.costs
@@ -70,7 +71,35 @@ class Executors(TrainingState):
             self._answer_as_recorded(command, recorded)
             return
         cost = int(self.command_cost_s(command) * NS)
+        if self.checks and kind == "stop_ranks":
+            self.stop_sent()
+        if self.checks and kind in _RESTARTS:
+            # the agents check the nodes the ranks start on before starting them (`recovery.sim.health`)
+            targets = [(node, when, self.check_finds(node)) for node, when in self.check_targets(command)]
+            checked = now + lat + self.check_delay(command)
+            failing = [node for node, _, found in targets if found]
+            refuse = bool(failing) and outcome != "timeout"
+            self.sched.at(checked, partial(self._checks_done, command, targets, failing[0] if refuse else None))
+            if refuse:
+                return
+            cost += checked - now - lat
         self.sched.at(now + lat + cost, lambda: self._complete(command, outcome))
+
+    def _checks_done(self, command: Any, targets: list[tuple[str, str, bool]], refused_on: str | None) -> None:
+        """The agents' checks before a restart: each logged; one that failed refuses the command, as a real agent
+        starts no rank on a node it found unable to train."""
+        if self.failed:
+            return
+        for node, when, found in targets:
+            self.checked(node, when, found, self.job)
+        if refused_on is None:
+            return
+        self.inflight.pop(command.id, None)
+        if command.kind == "restart_job":
+            self._place(list(command.nodes))  # the other pods were recreated there, as for an unhealthy node
+        self._count(f"{command.kind}:refused")
+        self._ack(command, "failed", f"health checks failed on {refused_on}", {"node": refused_on})
+        self._maybe_resume()
 
     def _recorded_answer(self, command: Any) -> RecordedAnswer | None:
         """The recorded night's answer to the command of this one's kind and order, if the recorded engine sent as
@@ -131,6 +160,8 @@ class Executors(TrainingState):
             self._ack(command, "failed", why)
             self._maybe_resume()
             return
+        if kind in _RESTARTS:
+            self.note_landed(command)
         if kind != "save_checkpoint":
             self._ack(command, "done")
         self._maybe_resume()
