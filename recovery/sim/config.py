@@ -127,9 +127,9 @@ class Costs:
     """a persistent checkpoint's time from its step to `checkpoint.saved` (its stall and its upload), when measured
     (`recovery-replay whatif` sets it from the log); None: the stall and `save_s` of every shard"""
     check_s: float = 0.5
-    """a node agent's health checks before ranks start on it: 0.5 s for the CPU-only set (memory, disk); a set that
-    can see a bad GPU (`gpu-state`, `gpu-compute`) takes ~10 s (an assumption). They run while the survivors are
-    stopped: a recovery waits only for what is left of them (`recovery.sim.health`)"""
+    """one run of a node agent's health checks: 0.5 s for the CPU-only set (memory, disk); a set that can see a bad
+    GPU (`gpu-state`, `gpu-compute`) takes ~10 s (an assumption). A faulted node's run starts at the fault, so a
+    restart's ranks wait only for what outlasts detection, the stop and any reset (`recovery.sim.health`)"""
     # executors that misbehave
     fail_probability: float = 0.01
     timeout_probability: float = 0.005
@@ -175,11 +175,15 @@ class Agents:
     exit_report_s: float = 0.5
     """a device fault kills the process using the device this long after the XID"""
     health_checks: bool = False
-    """the node agents run health checks (`node.checked`): when a node joins, and before a restart's ranks start on
-    it (the executor refuses the command when they fail); False: no agent checks (every run before issue 47)"""
+    """the node agents run health checks (`node.checked`): when a node joins, again at once after a device or network
+    fault their probes report on it, and in the background on an idle spare; a restart's ranks wait for a run under
+    way on their node, and the executor refuses the command when it fails; False: no agent checks (every run before
+    issue 47)"""
     check_detects: float = 0.9
-    """the chance that the checks can see a given latent bad device (drawn once per device: a check set that missed a
-    defect misses it again); an assumption"""
+    """the chance that one run of the checks sees a given latent bad device (drawn per run); an assumption"""
+    check_fresh_s: float = 300.0
+    """how long a passing run answers for a node (the agent's `check_fresh_s`): an idle spare runs its checks again
+    every half of it, so that a grant finds its pass fresh"""
 
 
 @dataclass(frozen=True)

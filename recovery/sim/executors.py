@@ -71,34 +71,29 @@ class Executors(NodeHealth):
             self._answer_as_recorded(command, recorded)
             return
         cost = int(self.command_cost_s(command) * NS)
-        if self.checks and kind == "stop_ranks":
-            self.stop_sent()
         if self.checks and kind in _RESTARTS:
-            # the agents check the nodes the ranks start on before starting them (`recovery.sim.health`)
-            targets = [(node, when, self.check_finds(node)) for node, when in self.check_targets(command)]
-            checked = now + lat + self.check_delay(command)
-            failing = [node for node, _, found in targets if found]
-            refuse = bool(failing) and outcome != "timeout"
-            self.sched.at(checked, partial(self._checks_done, command, targets, failing[0] if refuse else None))
-            if refuse:
+            # the agents' gate before the ranks start: after the device reset, if any (`recovery.sim.health`)
+            gate_at = now + lat + (int(self.cfg.costs.device_reset_s * NS) if self._resets(command) else 0)
+            wait, refused_on = self.gate(command, gate_at)
+            if refused_on is not None and outcome != "timeout":
+                self.sched.at(gate_at + wait, partial(self._refused, command, refused_on))
                 return
-            cost += checked - now - lat
+            cost += wait
         self.sched.at(now + lat + cost, lambda: self._complete(command, outcome))
 
-    def _checks_done(self, command: Any, targets: list[tuple[str, str, bool]], refused_on: str | None) -> None:
-        """The agents' checks before a restart: each logged; one that failed refuses the command, as a real agent
-        starts no rank on a node it found unable to train."""
+    @staticmethod
+    def _resets(command: Any) -> bool:
+        return command.kind == "restart_ranks" and bool(command.reset_devices)
+
+    def _refused(self, command: Any, node: str) -> None:
+        """A node failed the checks its gate waited for: its agent starts no rank there, and the command fails."""
         if self.failed:
-            return
-        for node, when, found in targets:
-            self.checked(node, when, found, self.job)
-        if refused_on is None:
             return
         self.inflight.pop(command.id, None)
         if command.kind == "restart_job":
             self._place(list(command.nodes))  # the other pods were recreated there, as for an unhealthy node
         self._count(f"{command.kind}:refused")
-        self._ack(command, "failed", f"health checks failed on {refused_on}", {"node": refused_on})
+        self._ack(command, "failed", f"health checks failed on {node}", {"node": node})
         self._maybe_resume()
 
     def _recorded_answer(self, command: Any) -> RecordedAnswer | None:
