@@ -375,19 +375,21 @@ def _policies_args(parser: argparse.ArgumentParser) -> None:
                              "rate")
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 3.0, 10.0],
                         help="fault rates, in times the Llama 3 rate, swept on the smallest size")
-    parser.add_argument("--mixes", nargs="+", default=["llama3", "dbe", "straggler"],
+    parser.add_argument("--mixes", nargs="+", default=["llama3", "dbe", "straggler", "latent"],
                         help="fault mixes: llama3 (the rates above), dbe (repeating double-bit ECC errors, at 3x), "
-                             "straggler (slow nodes, at 3x on 1,024 GPUs for at most 14 days)")
+                             "straggler (slow nodes, at 3x on 1,024 GPUs for at most 14 days), latent (the Llama 3 "
+                             "mix at 3x with latent bad devices, `default` with the agents' health checks and without)")
     parser.add_argument("--days", type=float, default=54.0)
     parser.add_argument("--profiles", nargs="+", default=list(POLICY_PROFILES))
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: 1,024 GPUs for 7 days, one seed, 1x")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: 1,024 GPUs for 7 days, one seed, 1x, and the latent case")
 
 
 def run_policies(args: argparse.Namespace) -> None:
     """54 days per case and profile, medians over seeds (recovery/sim/bench.py)."""
     if args.quick:
-        args.seeds, args.scales, args.days, args.rates, args.mixes = 1, [1_024], 7.0, [1.0], ["llama3"]
+        args.seeds, args.scales, args.days, args.rates, args.mixes = 1, [1_024], 7.0, [1.0], ["llama3", "latent"]
     sim_bench.main(args.seeds, args.scales, args.days, args.profiles, args.workers,
                    lambda metric, value, unit: emit("policies", metric, value, unit), note, rates=args.rates,
                    mixes=args.mixes)

@@ -112,6 +112,11 @@ class Result:
     engine_seconds: float = 0.0
     """of which in the recorder and the engine (log appends, Engine.apply, recording decisions)"""
     stats: dict[str, int] = field(default_factory=dict)
+    landed_on_bad: int = 0
+    """recoveries (incidents closed) whose restarts put ranks on a node with a latent bad device: a second fault
+    follows within minutes (`recovery.sim.health`)"""
+    check_added_s: list[float] = field(default_factory=list)
+    """with the agents' health checks on: per recovery, what waiting for the checks added to it"""
 
     # -- derived --------------------------------------------------------------------------------------
     @property
@@ -121,6 +126,11 @@ class Result:
     @property
     def lost_total_s(self) -> float:
         return sum(self.lost_s.values())
+
+    @property
+    def recoveries(self) -> int:
+        """Incidents closed: the job made progress again after them."""
+        return sum(counts.get("recovered", 0) for counts in self.restarts.values())
 
     def gpu_hours(self, seconds: float) -> float:
         return seconds * self.gpus / 3600
@@ -159,7 +169,10 @@ class Result:
             "policy_failures": self.policy_failures,
             "records": self.records, "job_state": self.job_state, "steps": self.steps,
             "sim_seconds": round(self.sim_seconds, 3), "engine_seconds": round(self.engine_seconds, 3),
-            "stats": self.stats,
+            "stats": self.stats, "landed_on_bad": self.landed_on_bad,
+            "check_added_s": {"recoveries": len(self.check_added_s),
+                              "p50_s": round(percentile(self.check_added_s, 50), 3) if self.check_added_s else 0.0,
+                              "total_s": round(sum(self.check_added_s), 3)},
         }
 
     # -- readable -------------------------------------------------------------------------------------
@@ -190,6 +203,11 @@ class Result:
             console.print(f"[bold red]a policy failed {self.policy_failures:,} time(s)[/bold red]: it raised, answered "
                           f"out of bounds or looped, and the built-in policy of its family answered instead "
                           f"(decisions policy.failed)")
+        if self.landed_on_bad or self.check_added_s:
+            checks = self.check_added_s
+            added = f"; the health checks added {sum(checks):,.0f} s to {len(checks)} recoveries" if checks else ""
+            console.print(f"{self.landed_on_bad} of {self.recoveries} recoveries put ranks on a node with a latent bad "
+                          f"device{added}")
         lost = Table(title="lost time by cause")
         for col in ("cause", "hours", "GPU-hours", "share of wall"):
             lost.add_column(col, justify="left" if col == "cause" else "right")

@@ -7,7 +7,11 @@ striking the same GPUs until they are replaced) at 3x the Llama 3 rate on the sm
 (`data/stragglers.csv`: nodes that compute 1.6-2x slower, and the synchronous job with them, until repaired or
 drained) at 3x on 1,024 GPUs for at most 14 days, with the job's watchdog on (its straggler check reads the ranks'
 compute times): what a straggler costs is the time the job trains at its pace, and a policy that drains it at the
-next checkpoint loses far less than one that waits for its repair. Every profile runs on
+next checkpoint loses far less than one that waits for its repair. The latent case (`latent`) is the Llama 3 mix at
+3x on the smallest size with latent bad devices (repairs that did not hold, spares that came bad:
+`recovery.sim.health`), run with the `default` profile with the node agents' health checks on and off on the same
+seeds: what the checks save (`checks_ettr_gain`, `checks_second_fault_share`) and what they cost a recovery
+(`checks_recovery_added_s`). Every profile runs on
 the same seeds, so on each seed all of them see the same faults at the same times and places (the fault stream is
 drawn before a run and does not depend on the policy). Runs are spread over worker processes; each run is
 deterministic, so the figures do not depend on the number of workers.
@@ -23,7 +27,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from recovery.sim.config import PROFILES, Cluster, SimConfig
+from recovery.sim.accounting import percentile
+from recovery.sim.config import PROFILES, Agents, Cluster, Costs, SimConfig
 from recovery.sim.faults import FaultMix
 from recovery.sim.sim import simulate
 
@@ -32,7 +37,7 @@ BASELINE = "torchelastic-like"
 """the baseline lost GPU-hours are compared against"""
 OURS = ("default", "default-memory")
 MIXES: dict[str, Path | None] = {"llama3": None, "dbe": Path(__file__).parent / "data" / "dbe_repeating.csv",
-                                 "straggler": Path(__file__).parent / "data" / "stragglers.csv"}
+                                 "straggler": Path(__file__).parent / "data" / "stragglers.csv", "latent": None}
 """mix name -> CSV (None: the Llama 3 mix)"""
 STRAGGLER_GPUS = 1_024
 STRAGGLER_DAYS = 14.0
@@ -42,6 +47,14 @@ WATCH_S = 600.0
 """the straggler case's watchdog period: the detection policy's straggler check runs on its ticks"""
 DBE_RATE = 3.0
 """the double-bit-ECC mix runs at this many times the Llama 3 rate (a bad batch of HBM, a cooling failure)"""
+LATENT_AFTER_REPAIR = 0.1
+LATENT_SPARES = 0.05
+"""the latent case: the share of repairs that do not hold and of spares that join with a latent bad device
+(assumptions: no public figure we have gives either; recovery/sim/README.md)"""
+LATENT_CHECK_S = 10.0
+"""the latent case's checks take as long as a set that can see a bad GPU (`gpu-compute`: an assumption), not the
+CPU-only set's 0.5 s: only the GPU checks find a latent GPU"""
+LATENT_PROFILE = "default"
 
 
 @dataclass(frozen=True)
@@ -53,13 +66,16 @@ class Run:
     rate: float = 1.0
     """times the Llama 3 rate (1.97e-5 faults per GPU-hour)"""
     mix: str = "llama3"
+    checks: bool = False
+    """the node agents run health checks (the latent case runs with and without)"""
 
     @property
     def case(self) -> str:
-        """`4096gpu.10x`, `16384gpu` (the Llama 3 mix at its own rate), `4096gpu.dbe`: how metrics name the case."""
+        """`4096gpu.10x`, `16384gpu` (the Llama 3 mix at its own rate), `4096gpu.dbe`, `4096gpu.latent.checks`: how
+        metrics name the case."""
         name = f"{self.gpus}gpu"
         if self.mix != "llama3":
-            return f"{name}.{self.mix}"
+            return f"{name}.{self.mix}" + (".checks" if self.checks else "")
         return name if self.rate == 1.0 else f"{name}.{self.rate:g}x"
 
 
@@ -78,19 +94,30 @@ class Outcome:
     cpu_seconds: float = 0.0
     """the run's process CPU time: what it costs on a machine shared with other work, where wall time says more
     about the neighbours"""
+    recoveries: int = 0
+    landed_on_bad: int = 0
+    """recoveries whose restarts put ranks on a node with a latent bad device"""
+    check_added_s: tuple[float, ...] = ()
+    """per recovery, what waiting for the health checks added to it (runs with checks)"""
 
 
 def one(run: Run) -> Outcome:
     cpu = time.process_time()
     llama = FaultMix.load().rate_per_gpu_hour
     mix = MIXES[run.mix]
-    result = simulate(SimConfig(cluster=Cluster(gpus=run.gpus), days=run.days, seed=run.seed,
+    latent = run.mix == "latent"
+    cluster = (Cluster(gpus=run.gpus, latent_after_repair=LATENT_AFTER_REPAIR, latent_spares=LATENT_SPARES) if latent
+               else Cluster(gpus=run.gpus))
+    result = simulate(SimConfig(cluster=cluster, days=run.days, seed=run.seed,
                                 profile=PROFILES[run.profile], mix_path=None if mix is None else str(mix),
                                 rate_per_gpu_hour=None if run.rate == 1.0 and mix is None else run.rate * llama,
-                                watch_s=WATCH_S if run.mix == "straggler" else None))
+                                watch_s=WATCH_S if run.mix == "straggler" else None,
+                                agents=Agents(health_checks=run.checks),
+                                costs=Costs(check_s=LATENT_CHECK_S) if latent else Costs()))
     return Outcome(run, result.ettr, result.lost_gpu_hours, result.job_state == "failed",
                    "waiting" in result.job_state, len(result.faults), result.sim_seconds, result.engine_seconds,
-                   result.events, time.process_time() - cpu)
+                   result.events, time.process_time() - cpu, result.recoveries, result.landed_on_bad,
+                   tuple(result.check_added_s))
 
 
 def runs(profiles: Sequence[str], scales: Sequence[int], seeds: Sequence[int], days: float,
@@ -102,10 +129,13 @@ def runs(profiles: Sequence[str], scales: Sequence[int], seeds: Sequence[int], d
     if "llama3" in mixes:
         cases += [(g, 1.0, "llama3") for g in sorted(scales, reverse=True) if g != base]
         cases += [(base, r, "llama3") for r in sorted(rates, reverse=True) if r > DBE_RATE]
-    cases += [(base, DBE_RATE, m) for m in mixes if m not in ("llama3", "straggler")]
+    cases += [(base, DBE_RATE, m) for m in mixes if m not in ("llama3", "straggler", "latent")]
     if "llama3" in mixes:
         cases += [(base, r, "llama3") for r in sorted(rates, reverse=True) if r <= DBE_RATE]
     todo = [Run(p, g, s, days, r, m) for g, r, m in cases for s in seeds for p in profiles]
+    if "latent" in mixes:  # one profile, with the agents' checks and without, on the same seeds
+        todo[:0] = [Run(LATENT_PROFILE, base, s, days, DBE_RATE, "latent", checks)
+                    for s in seeds for checks in (False, True)]
     if "straggler" in mixes:
         todo += [Run(p, STRAGGLER_GPUS, s, min(days, STRAGGLER_DAYS), DBE_RATE, "straggler")
                  for s in seeds for p in profiles]
@@ -174,6 +204,29 @@ def metrics(outcomes: list[Outcome], days: float) -> Iterator[tuple[str, float, 
                "s (median: the simulator itself, without Recorder.feed)")
 
 
+def checks_metrics(outcomes: list[Outcome]) -> Iterator[tuple[str, float, str]]:
+    """The latent case: what the node agents' health checks change, runs with them against runs without on the same
+    seeds (the same faults and the same latent devices)."""
+    latent = [o for o in outcomes if o.run.mix == "latent"]
+    by = {(o.run.gpus, o.run.seed, o.run.checks): o for o in latent}
+    for gpus in sorted({o.run.gpus for o in latent}):
+        seeds = sorted(s for g, s, checks in by if g == gpus and checks and (g, s, False) in by)
+        if not seeds:
+            continue
+        name = f"{LATENT_PROFILE}.{gpus}gpu.latent"
+        gains = [by[(gpus, s, True)].ettr - by[(gpus, s, False)].ettr for s in seeds]
+        yield f"{name}.checks_ettr_gain", _sig(statistics.median(gains)), "ETTR (median over seeds: checks - none)"
+        for checks, label in ((True, "with"), (False, "without")):
+            runs_ = [by[(gpus, s, checks)] for s in seeds]
+            recoveries = sum(o.recoveries for o in runs_)
+            landed = sum(o.landed_on_bad for o in runs_)
+            yield (f"{name}.checks_second_fault_share.{label}", _sig(landed / recoveries if recoveries else 0.0),
+                   f"of {recoveries} recoveries landed on a node with a latent bad device ({label} checks)")
+        added = [a for s in seeds for a in by[(gpus, s, True)].check_added_s]
+        yield (f"{name}.checks_recovery_added_s", _sig(percentile(added, 50) if added else 0.0),
+               f"s (median over {len(added)} recoveries with checks: what waiting for them added)")
+
+
 def _sig(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
@@ -190,5 +243,7 @@ def main(seeds: int, scales: Sequence[int], days: float, profiles: Sequence[str]
          f"{list(dict.fromkeys(r.case for r in todo))} x {seeds} seed(s), {days:g} days each, {workers} worker(s)")
     outcomes = execute(todo, workers, note)
     for metric, value, unit in metrics(outcomes, days):
+        emit(metric, value, unit)
+    for metric, value, unit in checks_metrics(outcomes):
         emit(metric, value, unit)
     return outcomes

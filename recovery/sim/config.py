@@ -31,12 +31,20 @@ class Cluster:
     """Llama 3 405B at 16,384 GPUs: TP 8, PP 16, DP 128 (Llama 3 paper, Table 4)"""
     spare_nodes: int | None = None
     """None: 1/64 of the job's nodes, at least 4 (one leaf switch's worth at 16,384 GPUs)"""
+    latent_after_repair: float = 0.0
+    """the share of repaired nodes that rejoin with a latent bad device (a repair that did not hold): silent while the
+    node is idle, it faults once ranks run on it (`recovery.sim.health`); 0: every repair holds"""
+    latent_spares: float = 0.0
+    """the share of the initial spares that join with a latent bad device; 0: none"""
 
     def __post_init__(self) -> None:
         per_replica = self.tp * self.pp
         if self.gpus % self.gpus_per_node or self.gpus % per_replica:
             raise ValueError(f"{self.gpus} GPUs is not a whole number of {self.gpus_per_node}-GPU nodes and of "
                              f"tp*pp={per_replica} replicas")
+        for name in ("latent_after_repair", "latent_spares"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"Cluster.{name} is a share, in [0, 1]: {getattr(self, name)}")
 
     @property
     def nodes(self) -> int:
@@ -118,6 +126,10 @@ class Costs:
     storage_saved_s: float | None = None
     """a persistent checkpoint's time from its step to `checkpoint.saved` (its stall and its upload), when measured
     (`recovery-replay whatif` sets it from the log); None: the stall and `save_s` of every shard"""
+    check_s: float = 0.5
+    """one run of a node agent's health checks: 0.5 s for the CPU-only set (memory, disk); a set that can see a bad
+    GPU (`gpu-state`, `gpu-compute`) takes ~10 s (an assumption). A faulted node's run starts at the fault, so a
+    restart's ranks wait only for what outlasts detection, the stop and any reset (`recovery.sim.health`)"""
     # executors that misbehave
     fail_probability: float = 0.01
     timeout_probability: float = 0.005
@@ -162,6 +174,16 @@ class Agents:
     """a link that stays down this long makes the platform's health check mark the node not ready"""
     exit_report_s: float = 0.5
     """a device fault kills the process using the device this long after the XID"""
+    health_checks: bool = False
+    """the node agents run health checks (`node.checked`): when a node joins, again at once after a device or network
+    fault their probes report on it, and in the background on an idle spare; a restart's ranks wait for a run under
+    way on their node, and the executor refuses the command when it fails; False: no agent checks (every run before
+    issue 47)"""
+    check_detects: float = 0.9
+    """the chance that one run of the checks sees a given latent bad device (drawn per run); an assumption"""
+    check_fresh_s: float = 300.0
+    """how long a passing run answers for a node (the agent's `check_fresh_s`): an idle spare runs its checks again
+    every half of it, so that a grant finds its pass fresh"""
 
 
 @dataclass(frozen=True)
@@ -176,6 +198,9 @@ class Durations:
     nic_repair_mean_s: float = 12 * 3600.0
     node_return_s: float = 60.0
     """a healthy node the job left is back in the spare pool after the scheduler cleaned it up"""
+    latent_work_s: tuple[float, float] = (30.0, 600.0)
+    """a latent bad device faults (XID 79 or 48) after a time uniform in this range of the job's training on its node
+    (an assumption: within minutes of load, as a burn-in finds such devices)"""
     straggler_mean_s: float = 24 * 3600.0
     """a straggler (a throttled GPU, a host short of CPU) stays slow this long on average unless drained: until
     someone notices the job's pace and has the node looked at (our assumption)"""

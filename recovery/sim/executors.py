@@ -11,10 +11,11 @@ from events.commands import CommandBase
 from events.values import STORAGE_HOLDER, ResumePlan, Tier
 from recovery.sim.answers import DONE, FAILED, RecordedAnswer, answer_kind
 from recovery.sim.config import NS
-from recovery.sim.training import _RESTARTS, TrainingState
+from recovery.sim.health import NodeHealth
+from recovery.sim.training import _RESTARTS
 
 
-class Executors(TrainingState):
+class Executors(NodeHealth):
     # -- executors ------------------------------------------------------------------------------------
     def command_cost_s(self, command: CommandBase) -> float:
         c = self.cfg.costs
@@ -70,7 +71,30 @@ class Executors(TrainingState):
             self._answer_as_recorded(command, recorded)
             return
         cost = int(self.command_cost_s(command) * NS)
+        if self.checks and kind in _RESTARTS:
+            # the agents' gate before the ranks start: after the device reset, if any (`recovery.sim.health`)
+            gate_at = now + lat + (int(self.cfg.costs.device_reset_s * NS) if self._resets(command) else 0)
+            wait, refused_on = self.gate(command, gate_at)
+            if refused_on is not None and outcome != "timeout":
+                self.sched.at(gate_at + wait, partial(self._refused, command, refused_on))
+                return
+            cost += wait
         self.sched.at(now + lat + cost, lambda: self._complete(command, outcome))
+
+    @staticmethod
+    def _resets(command: Any) -> bool:
+        return command.kind == "restart_ranks" and bool(command.reset_devices)
+
+    def _refused(self, command: Any, node: str) -> None:
+        """A node failed the checks its gate waited for: its agent starts no rank there, and the command fails."""
+        if self.failed:
+            return
+        self.inflight.pop(command.id, None)
+        if command.kind == "restart_job":
+            self._place(list(command.nodes))  # the other pods were recreated there, as for an unhealthy node
+        self._count(f"{command.kind}:refused")
+        self._ack(command, "failed", f"health checks failed on {node}", {"node": node})
+        self._maybe_resume()
 
     def _recorded_answer(self, command: Any) -> RecordedAnswer | None:
         """The recorded night's answer to the command of this one's kind and order, if the recorded engine sent as
@@ -131,6 +155,8 @@ class Executors(TrainingState):
             self._ack(command, "failed", why)
             self._maybe_resume()
             return
+        if kind in _RESTARTS:
+            self.note_landed(command)
         if kind != "save_checkpoint":
             self._ack(command, "done")
         self._maybe_resume()

@@ -94,6 +94,7 @@ class Simulator:
         self.timers = self.recorder.timers
         self.ledger = Ledger(EPOCH)
         self.world = World(config, self, self._deliver, start_ns=EPOCH)
+        self.world.strike = self._inject  # a latent bad device's fault is one of the run's, counted as the mix's are
         self.faults = faults if faults is not None else faults_for(config)
         self.events = 0
         self.engine_seconds = 0.0
@@ -104,6 +105,8 @@ class Simulator:
         self.restarts: dict[str, dict[str, int]] = {}
         self.outcomes: list[FaultOutcome] = []
         self._open: list[FaultOutcome] = []
+        self.landed_on_bad = 0
+        self.check_added_s: list[float] = []
         self.end = EPOCH + config.horizon_ns
         self._watchdog = f"{config.job}/{TimerPurpose.WATCHDOG}/"
 
@@ -149,6 +152,10 @@ class Simulator:
             for outcome in self._open:
                 outcome.recovered_s = (self._now - EPOCH) / NS
             self._open = []
+            landed, added_ns = self.world.recovered()
+            self.landed_on_bad += landed
+            if self.cfg.agents.health_checks:
+                self.check_added_s.append(added_ns / NS)
 
     def _relabel(self) -> None:
         if self._now < EPOCH:  # the cluster's history, before the job: no time of the job's to book
@@ -255,6 +262,7 @@ class Simulator:
             records=self._records(), job_state=_job_state(job),
             steps=self.world.high_water, sim_seconds=seconds, engine_seconds=self.engine_seconds,
             stats=dict(sorted(self.world.stats.items())),
+            landed_on_bad=self.landed_on_bad, check_added_s=self.check_added_s,
         )
         result.check()
         return result
