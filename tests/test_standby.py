@@ -123,6 +123,51 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
     assert "idle threads []" in lines  # the rank, and every thread the imports started, runs as a cold start would
 
 
+def hold_until_released() -> None:
+    """A warm-up that lasts until the file `RELEASE_FILE` names exists: an import still under way."""
+    import time
+
+    while not os.path.exists(os.environ["RELEASE_FILE"]):
+        time.sleep(0.01)  # the standby's own import, polled: no test waits on it
+
+
+async def test_a_standby_still_importing_is_taken_at_full_speed_and_becomes_the_rank_once_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank is needed before its standby's imports are done (a kill right after the job's start): the standby is
+    taken all the same, every thread of it switched from SCHED_IDLE to SCHED_OTHER, and it becomes the rank once its
+    imports end: a head start on a cold interpreter, never a standby killed half way."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    released = tmp_path / "released"
+    for key, value in environment().items():
+        monkeypatch.setenv(key, value)
+    entrypoint = Entrypoint(command=sys.executable, args=[str(tmp_path / "job.py")], cwd=str(tmp_path),
+                            env={"RECOVERY_STANDBY_PRELOAD": "json,tests.test_standby:hold_until_released",
+                                 "RELEASE_FILE": str(released)})
+    pool = StandbyPool(tmp_path / "runtime", enabled=True, preload="json", delay_s=0)
+    (tmp_path / "runtime").mkdir()
+    output = tmp_path / "runtime" / "job.rank1.gen1.log"
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.keep, "job", entrypoint)
+            with anyio.fail_after(60):
+                while not pool._standbys.get("job"):
+                    await anyio.sleep(0.01)  # polling the pool until the standby's process exists, with a deadline
+            standby = pool.take("job", dict(os.environ))
+            assert standby is not None and not standby.ready.is_set()
+            assert os.sched_getscheduler(standby.pid) == os.sched_getscheduler(0)  # promoted: no longer SCHED_IDLE
+            env = {**environment(), "RANK": "1", "EXIT_WITH": "3"}
+            proc = await ranks.start(entrypoint, env, output, job="job", rank=1, attempt=1, standby=standby)
+            released.touch()  # its imports end: it reads the hand-over waiting on its standard input
+            tg.start_soon(ranks.reap, proc)
+            with anyio.fail_after(60):
+                await proc.ended.wait()
+    finally:
+        await pool.close()
+    assert proc.status() == (3, None)
+    lines = output.read_text().splitlines()
+    assert "rank 1 agent-only None" in lines and "name __main__" in lines and "idle threads []" in lines, lines
+
+
 async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:
     entrypoint = Entrypoint(command=sys.executable, args=["job.py"], env={"PYTHONPATH": environment()["PYTHONPATH"]})
     pool = StandbyPool(tmp_path, enabled=True, preload="json", delay_s=0)

@@ -17,7 +17,8 @@ overrides the agent's `standby_preload`. Only an entrypoint that runs a Python s
 `python -m module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a
 standby. The standby runs `recovery.agent.interpreter` (see there what a hand-over changes) in a session of its own,
 started with the job's environment and working directory, so that what the imports read is what a cold start would
-have read; a standby that is not ready when a rank is needed is not waited for.
+have read; a standby still importing when a rank is needed is taken all the same and switched to full speed (what
+it imported is the rank's head start: a cold interpreter beside it would import it all again).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Standby:
     process: Process
     threads: tuple[str | None, ...] = ()  # `thread_settings` of the environment it imported under
     ready: anyio.Event = field(default_factory=anyio.Event)
+    taken: bool = False  # handed a rank: its imports, if not done yet, finish for the rank
 
     @property
     def pid(self) -> int:
@@ -84,11 +86,19 @@ class Standby:
         assert self.process.stdin is not None
         output.parent.mkdir(parents=True, exist_ok=True)
         rank = {"argv": list(entrypoint.args), "cwd": entrypoint.cwd, "env": env, "output": str(output)}
-        await self.process.stdin.send(orjson.dumps(rank) + b"\n")
+        await self.process.stdin.send(orjson.dumps(rank) + b"\n")  # read once its imports are done
         await self.process.stdin.aclose()
-        if self.process.stdout is not None:
+        if self.process.stdout is not None and self.ready.is_set():
             await self.process.stdout.aclose()  # it said `ready` there; now its output is the rank's
+        # (one still importing says `ready` first: the pool's reader takes the line, then closes the pipe)
         return self.process
+
+    def promote(self) -> None:
+        """Every thread of it back to `SCHED_OTHER`: a rank waits on the rest of its imports now, which must not
+        run only on CPU time the node's other processes leave."""
+        for tid in _threads(self.process.pid):
+            with contextlib.suppress(OSError):  # a thread gone meanwhile, or a platform that refuses
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
 
     async def close(self) -> None:
         """An idle standby ends when its standard input closes; the kill is for one still importing."""
@@ -96,6 +106,13 @@ class Standby:
             os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             await self.process.aclose()
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
 
 
 def one_thread_each(env: dict[str, str], local_ranks: int) -> dict[str, str]:
@@ -182,17 +199,24 @@ class StandbyPool:
             await standby.close()
 
     def take(self, job: str, env: dict[str, str]) -> Standby | None:
-        """One of the job's ready standbys that imported under the thread settings of `env`, the rank's environment
-        (it is then the caller's), else None: a cold start."""
+        """One of the job's standbys that imported under the thread settings of `env`, the rank's environment (it is
+        then the caller's): a ready one, else one still importing, promoted to full speed (what it has imported is
+        the rank's head start over a cold interpreter, which would import it all again beside it); else None: a
+        cold start."""
         wanted = thread_settings(env)
-        for standby in self._standbys.get(job, []):
-            if standby.ready.is_set() and standby.process.returncode is None and standby.threads == wanted:
-                self._standbys[job].remove(standby)
-                return standby
+        fitting = [s for s in self._standbys.get(job, []) if s.process.returncode is None and s.threads == wanted]
+        for standby in sorted(fitting, key=lambda s: not s.ready.is_set()):  # the ready first, in pool order
+            self._standbys[job].remove(standby)
+            standby.taken = True
+            if not standby.ready.is_set():
+                standby.promote()
+                logger.info("standby of %s (pid %d) taken before its imports were done", job, standby.pid)
+            return standby
         return None
 
     async def keep(self, job: str, entrypoint: Entrypoint, count: int | Callable[[], int] = 1,
-                   local_ranks: int = 1, stepped: anyio.Event | None = None, idle: bool = True) -> None:
+                   local_ranks: int = 1, stepped: anyio.Event | None = None, idle: bool = True,
+                   delay_s: float | None = None) -> None:
         """Start the job's next standby after the delay (or once `stepped` is set: its ranks here stepped, their
         start-up is over), unless it has `count` already (a function: asked once the delay is over, what the agent
         knows of the job then), and wait for it to be ready (a task of the agent). Its environment has the threads a
@@ -200,8 +224,9 @@ class StandbyPool:
         on CPU time the node's ranks leave (`SCHED_IDLE`); a spare's, beside no rank, at full speed."""
         if isinstance(count, int):
             self._wanted[job] = max(count, self._wanted.get(job, 0))
-        with anyio.move_on_after(self.delay_s):  # the recovery or the job's start first: they want the CPU now
-            await (stepped.wait() if stepped is not None else anyio.sleep(self.delay_s))
+        delay = self.delay_s if delay_s is None else delay_s
+        with anyio.move_on_after(delay):  # the recovery or the job's start first: they want the CPU now
+            await (stepped.wait() if stepped is not None else anyio.sleep(delay))
         if not isinstance(count, int):
             self._wanted[job] = count()
         starting = self._starting.get(job, 0)
@@ -238,7 +263,10 @@ class StandbyPool:
             with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 while not line.endswith(b"\n"):
                     line += await process.stdout.receive(64)
-        if line.startswith(b"ready"):
+        if standby.taken:  # handed a rank before its imports were done: the line said so, its output is the rank's
+            with contextlib.suppress(Exception):
+                await process.stdout.aclose()
+        elif line.startswith(b"ready"):
             standby.ready.set()
             logger.info("standby of %s ready (pid %d, imports %ss)", job, process.pid, line.split()[1].decode())
         else:
