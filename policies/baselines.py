@@ -199,7 +199,7 @@ class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):
     in-memory one (MindIO ACP) first."""
 
     name: ClassVar[str] = "mindcluster-like-checkpoint"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"  # 2: newest-complete@4's memory-first pass, which passes over a superseded dying one
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         # MindIO TTP saves the healthy replica's state and the restarted processes load it: no transfer from

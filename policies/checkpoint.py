@@ -34,10 +34,11 @@ class NewestCompleteParams(Params):
     tiers: tuple[Tier, ...] = tuple(Tier)
     """tiers this job may resume from"""
     memory_first: Flag = True
-    """resume from the newest step whose every shard is in a node's memory or on its disk (or in a dying checkpoint)
-    before a newer one that needs storage for some shard: with sharded state (each rank its own shard), a node lost
-    while its shards' copies were on their way to another node leaves the step before whole in memory, and storage
-    is read only when no such step exists"""
+    """resume from the newest step whose every shard is in a node's memory or on its disk before a newer one that
+    needs storage for some shard: with sharded state (each rank its own shard), a node lost while its shards' copies
+    were on their way to another node leaves the step before whole in memory, and storage is read only when no such
+    step exists. A dying checkpoint wins only as the newest complete step: the job writes it once, at a fault, and
+    never again, so once it has saved a newer checkpoint the dying one is just an older step, thousands behind"""
     dying_wait_s: Seconds = 30.0
     """after ranks were stopped by SIGTERM, hold the restart this long for the dying checkpoint their handlers write
     on the way out (0: never wait); torchrun and ModelArts give a process 30 s between SIGTERM and SIGKILL"""
@@ -53,7 +54,10 @@ class NewestCompleteCheckpoint(CheckpointPolicyBase):
     """
 
     name: ClassVar[str] = "newest-complete"
-    version: ClassVar[str] = "3"  # 2: state from live peers before a dying checkpoint; 3: await a graceful exit's
+    # 2: state from live peers before a dying checkpoint; 3: await a graceful exit's; 4: memory_first passes over a
+    # dying checkpoint older than the newest complete step (it preferred one saved hours before to every newer
+    # persistent checkpoint)
+    version: ClassVar[str] = "4"
 
     parameters = NewestCompleteParams
     params: NewestCompleteParams
@@ -164,13 +168,16 @@ def _first_nodes(ctx: CheckpointContext, ranks: Iterable[int], count: int) -> li
 
 
 def newest_complete(ctx: CheckpointContext, tiers: tuple[Tier, ...], memory_first: bool = False) -> ResumePlan:
-    """The newest step every shard has in one of `tiers` (each shard from its cheapest); with `memory_first`, the
-    newest such step without storage first, if there is one."""
-    if memory_first and Tier.STORAGE in tiers:
-        found = _newest_in(ctx, tuple(t for t in tiers if t is not Tier.STORAGE))
+    """The newest step every shard has in one of `tiers` (each shard from its cheapest); with `memory_first`, when
+    that step needs storage for some shard, the newest step every shard has in a node's memory or on its disk, if
+    there is one. A dying checkpoint counts as the newest step only: it is written once, at a fault, and stays in
+    the catalog while the job trains on and saves newer checkpoints, which supersede it."""
+    newest = _newest_in(ctx, tiers)
+    if memory_first and any(source.tier is Tier.STORAGE for source in newest.shards):
+        found = _newest_in(ctx, tuple(t for t in tiers if t not in (Tier.STORAGE, Tier.DYING)))
         if found.checkpoint_step is not None:
             return found
-    return _newest_in(ctx, tiers)
+    return newest
 
 
 def _newest_in(ctx: CheckpointContext, tiers: tuple[Tier, ...]) -> ResumePlan:

@@ -118,3 +118,34 @@ def test_a_stop_after_a_fault_kills_the_ranks_that_cannot_run_a_handler_where_th
     s.job_event("j", "operator.force", granularity="restart_job", reason="driver update")
     [stop] = s.outstanding("stop_ranks")
     assert stop.mode == "graceful" and stop.stuck == "wait"
+
+
+def test_a_dying_checkpoint_gives_way_to_a_newer_persistent_one() -> None:
+    """A dying checkpoint is a one-off save of the step a fault reached; once the job has trained on and saved a
+    newer complete checkpoint, it is just an older step. A later crash of every rank (no live state) resumes from
+    the newer checkpoint, not thousands of steps back at the dying one, wherever the dying one was written."""
+    for holder in ("storage", "n0"):
+        s = Scenario()
+        s.submit("j", ["n0", "n1"], ranks_per_node=4, dp=2, tp=4)
+        s.train("j", 10)
+        s.checkpoint("j", 10, "storage", "storage")
+        s.train("j", 10)
+        s.advance(0.5)
+        s.checkpoint("j", 20, "dying", holder)  # the SIGTERM handlers' save
+        for rank in range(8):
+            s.job_event("j", "process.exited", rank=rank, exit_code=None, signal=15)
+        s.advance(5)
+        s.ack_all()
+        s.advance(30)
+        s.train("j", 10)
+        assert s.find("incident.closed", "j")
+        s.checkpoint("j", 30, "storage", "storage")
+        s.train("j", 5)
+        for rank in range(8):  # a dependency crash: every rank exits at once
+            s.job_event("j", "process.exited", rank=rank, exit_code=1, attempt=s.engine.jobs["j"].generation)
+        s.advance(5)
+        s.ack_all()
+        last = [d for d in s.find("checkpoint.plan", "j") if d.incident == "j#2"][-1]
+        assert last.detail["checkpoint_step"] == 30, last.reason
+        restart = s.commands_of("restart_ranks")[-1]
+        assert restart.plan.checkpoint_step == 30 and {src.tier for src in restart.plan.shards} == {Tier.STORAGE}

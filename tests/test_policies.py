@@ -36,7 +36,7 @@ def test_builtins_come_from_the_entry_point_group() -> None:
     found = registry.available()
     assert {"default", "ladder", "newest-complete"} <= set(found)
     labels = registry.load_set(PolicySelection()).labels
-    assert labels == {"detection": "default@11", "rescheduling": "ladder@8", "checkpoint": "newest-complete@3"}
+    assert labels == {"detection": "default@11", "rescheduling": "ladder@8", "checkpoint": "newest-complete@4"}
 
 
 def test_unknown_policy_and_bad_parameters_are_clear_errors() -> None:
@@ -161,6 +161,23 @@ def test_a_step_whole_in_memory_wins_over_a_newer_one_that_needs_storage_for_a_l
     plan = NewestCompleteCheckpoint({"dying": False}).plan(cctx((True, True, False, False), catalog,
                                                                 unreachable=frozenset({"b"})))
     assert isinstance(plan, Resume) and plan.plan.checkpoint_step == 12
+
+
+def test_memory_first_takes_a_dying_checkpoint_only_while_it_is_the_newest_step() -> None:
+    """A dying checkpoint holds the step a fault reached: newest, it beats an older step in memory; once the job has
+    saved a newer checkpoint it is superseded, and memory first looks only in the nodes' memory and disks."""
+    whole = {0: ("storage",), 1: ("storage",)}
+    memory = {0: ("a",), 1: ("b",)}
+    dead = (False,) * 4
+
+    def step_of(catalog: dict) -> int | None:
+        plan = NewestCompleteCheckpoint().plan(cctx(dead, catalog))
+        assert isinstance(plan, Resume)
+        return plan.plan.checkpoint_step
+
+    assert step_of({20: {Tier.DYING: whole}, 15: {Tier.MEMORY: memory}, 10: {Tier.STORAGE: whole}}) == 20
+    assert step_of({2800: {Tier.STORAGE: whole}, 20: {Tier.DYING: whole}}) == 2800
+    assert step_of({2800: {Tier.STORAGE: whole}, 25: {Tier.MEMORY: memory}, 20: {Tier.DYING: memory}}) == 25
 
 
 class NoDecide:
