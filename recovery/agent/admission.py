@@ -284,6 +284,9 @@ class Admission:
             return
         if spec.nodes[0] == self.node:
             self.job_event(job.id, "job.started", {}, event_id=f"{job.id}:started")
-        for _ in range(max(1, len(here))):  # how many: asked once the ranks' start-up is over (`standbys_wanted`)
-            self._tg.start_soon(self.standbys.keep, job.id, spec.entrypoint, lambda: self.standbys_wanted(job),
-                                len(here), job.stepped)
+        # Started with the ranks, under SCHED_IDLE: they import on CPU time the ranks leave, and a kill soon after
+        # the start finds them part of the way (a standby still importing is taken and sped up). How many is asked
+        # now (`standbys_wanted`: one per rank until the ranks say they recover in place) and trimmed later.
+        for _ in range(max(1, len(here))):
+            self._tg.start_soon(partial(self.standbys.keep, job.id, spec.entrypoint, lambda: self.standbys_wanted(job),
+                                        len(here), delay_s=0))
