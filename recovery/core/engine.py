@@ -12,6 +12,7 @@ and hands the rest to the engine's parts, one concern each:
 - `recovery.core.detection`: signals, suspicions and their confirmation, the watchdog, drains;
 - `recovery.core.incidents`: the incident lifecycle (plan, save, stop, reschedule, restore, ack, deadline, close);
 - `recovery.core.placement`: vacating nodes, spares, fitting data-parallel replicas;
+- `recovery.core.nodes`: a node's own events (devices, links, readiness) and the signals they are for its job;
 - `recovery.core.operators`: operator requests;
 - `recovery.core.liveness`: signs of life from hosts declared gone, and the control plane's own outages;
 - `recovery.core.timers`: the timer table and the periodic rule;
@@ -34,7 +35,7 @@ from events.kinds import PolicyOverran as PolicyOverranFact
 from events.names import DecisionKind, IncidentCause, IncidentOutcome
 from events.outputs import Rejection
 from events.subjects import is_output, job_event, node_event
-from policies.base import Fault, Signal, label
+from policies.base import Signal, label
 from policies.registry import PolicyError, load_set
 from recovery.core.cluster import ClusterView
 from recovery.core.containment import contain
@@ -46,6 +47,7 @@ from recovery.core.job import DEDUPE_WINDOW, Job, hungry
 from recovery.core.journal import Journal
 from recovery.core.liveness import Liveness
 from recovery.core.machine import FINAL
+from recovery.core.nodes import apply_node_event
 from recovery.core.operators import Operators
 from recovery.core.overruns import CallKey, PolicyCalls, PolicyOverran
 from recovery.core.partition import Partition
@@ -102,7 +104,7 @@ class Engine(Progress):
         self.incidents = Incidents(self.cluster, self.timekeeper, self.placement)
         self.detection = Detection(self.cluster, self.timekeeper, self.placement, self.incidents)
         self.operators = Operators(self.cluster, self.timekeeper, self.placement, self.incidents)
-        self.liveness = Liveness(self.cluster, self.jobs, self.guard, self._capacity_returned)
+        self.liveness = Liveness(self.cluster, self.jobs, self.guard, self.capacity_returned)
 
     @property
     def timers(self) -> dict[str, TimerEntry]:
@@ -323,7 +325,7 @@ class Engine(Progress):
                 raise Rejected("unknown_node", f"{type_} from node {env.node!r}, which never joined: no node.joined "
                                                f"or node.ready (its agent's start), no job placed on it")
             self.guard(None)
-            self._node_event(out, env.node, type_, env.data)
+            apply_node_event(self, out, env.node, type_, env.data)
             self._remember(self._node_seen, env.id, NODE_DEDUPE_WINDOW)
         else:
             raise Rejected("unknown_type", f"{type_} is not an input event")
@@ -421,7 +423,7 @@ class Engine(Progress):
                          data.reason or "cancelled by the scheduler")
         elif type_ == "operator.release":
             if self.operators.release(out, job, data):
-                self._capacity_returned(out)
+                self.capacity_returned(out)
         elif type_.startswith("operator."):
             self.operators.handle(out, job, type_, data)
         else:  # process.exited, process.hang, process.collective_failed, network.collective_timeout
@@ -475,93 +477,6 @@ class Engine(Progress):
             self.cluster.release(name, job.id)
         out.decide(job, kind, reason, trigger=trigger, cancelled=cancelled)
 
-    def _node_event(self, out: RecordEffects, name: str, type_: str, data: Any) -> None:
-        node = self.cluster.node(name)
-        device_times: tuple[int, ...] = ()
-        node_times: tuple[int, ...] = ()
-        back = node.gone  # the host a node fault declared gone speaks again: usable once its state says so
-        if isinstance(data, kinds.NodeSilent | kinds.NodeUnreachable):  # the daemon's word: judged now, as at a tick
-            job = (self.liveness.silent(out, node, data) if isinstance(data, kinds.NodeSilent)
-                   else self.liveness.unreachable(out, node))
-            if job is not None:
-                self.touch(job)
-                self.detection.watchdog(out, job)
-            return
-        node.gone, node.unreachable = False, None  # any event of its own: its agent speaks
-        if isinstance(data, kinds.NodeHeartbeat | kinds.NodeHeard):
-            self.liveness.alive(out, node, data)  # for the watchdog of the job on the node, no signal itself
-            if back and node.usable:
-                self._capacity_returned(out)
-            return
-        released = None  # an isolation this event ends: a repaired device, a node replaced or rebooted
-        if isinstance(data, kinds.DeviceRecovered) and data.device in node.isolated_devices:
-            node.isolated_devices.discard(data.device)
-            released = f"{name} device {data.device} recovered"
-        elif isinstance(data, kinds.NodeJoined) and (node.isolated or node.isolated_devices):
-            node.isolated_devices.clear()
-            released = f"{name} joined again (repaired or replaced)"
-        if isinstance(data, kinds.DeviceFault):
-            device_times, node_times = self.cluster.record_device_fault(name, data.device, out.ts)
-        elif isinstance(data, kinds.DeviceRecovered):
-            node.bad_devices.discard(data.device)
-            node.resettable.discard(data.device)
-        elif isinstance(data, kinds.NodeNotReady):
-            node.ready = False
-        elif isinstance(data, kinds.NodeReady):
-            node.ready = True
-        elif isinstance(data, kinds.NodeDrained):
-            node.drained = True
-        elif isinstance(data, kinds.LinkDown):
-            if node.links_down is None:
-                node.links_down = set()
-            node.links_down.add(data.link)
-        elif isinstance(data, kinds.LinkUp):
-            if node.links_down:
-                node.links_down.discard(data.link)
-        elif isinstance(data, kinds.NodeJoined):
-            # A spare every partition hears of is granted by the one partition that owns it (`core.partition`).
-            node.spare = data.spare and node.job is None and (self.partition is None or self.partition.owns_spare(name))
-            node.pool = data.pool
-            node.devices = data.devices
-            node.ready, node.drained, node.isolated = True, False, False
-            node.bad_devices.clear()
-            node.resettable.clear()
-            node.links_down = None
-            # A node that (re)joins has been booted: whatever it held in host memory is gone.
-            for other in self.jobs.values():
-                if other.holds_memory_on(name):
-                    self.touch(other)
-                    other.forget_memory(name)
-        job = self.jobs.get(node.job) if node.job is not None else None
-        if job is not None:
-            self.touch(job)
-        if released is not None and job is not None and job.state not in FINAL:
-            out.decide(job, DecisionKind.HARDWARE_RELEASED, f"isolation ended: {released}",
-                       detail={"node": name, "device": getattr(data, "device", None), "by": "repair"})
-        if job is not None and job.state not in FINAL and name in job.nodes:
-            on_node = job.ranks_on(name)
-            spares: int | None = None
-            shrink = False
-            if isinstance(data, kinds.DeviceFault | kinds.DeviceRecovered):
-                ranks: tuple[int, ...] = (on_node[data.device],) if data.device < job.rpn else ()
-                if isinstance(data, kinds.DeviceFault):
-                    # What could replace the device's node, for a policy deciding whether to isolate a lemon.
-                    spares = len(self.placement.spares_for(job))
-                    shrink = self.placement.scale_in_dp(job, [name]) is not None
-            else:
-                ranks = tuple(on_node)
-            self.detection.signal(out, job, Signal(type_, data, out.ts, name, ranks, device_times, node_times,
-                                  job.step_time, job.world, tuple(on_node), spares, shrink))
-        elif isinstance(data, kinds.DeviceFault):
-            # No job runs here (an idle spare, a node between jobs): its hardware health still decides where the next
-            # job or move may go. No job's policy applies, so the built-in detection judges it.
-            verdict = self.detection.hardware.classify(Signal(type_, data, out.ts, name, (), device_times, node_times))
-            if isinstance(verdict, Fault):
-                self.detection.mark_hardware(verdict)
-        if (back or isinstance(data, kinds.NodeJoined | kinds.NodeReady | kinds.DeviceRecovered | kinds.LinkUp)
-                ) and node.usable:
-            self._capacity_returned(out)
-
     def _timer_fired(self, out: RecordEffects, job: Job, data: kinds.TimerFired) -> None:
         timer_id = data.timer_id
         if not self.timekeeper.fired(out, job, timer_id, data.due):
@@ -569,11 +484,11 @@ class Engine(Progress):
         if timer_id == job.watchdog:
             self.detection.tick(out, job, late_ns=out.ts - data.due)
         elif self.detection.release_due(out, job, timer_id):
-            self._capacity_returned(out)
+            self.capacity_returned(out)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):
             self.incidents.timer_fired(out, job, timer_id)
 
-    def _capacity_returned(self, out: RecordEffects) -> None:
+    def capacity_returned(self, out: RecordEffects) -> None:
         """Nodes came back: waiting jobs try again, elastic jobs below their size grow."""
         # Only the jobs in the index can act on it. Visiting them in submission order, re-checking each, gives
         # the decisions of a scan of every job: acting for one job never makes another one hungry.
