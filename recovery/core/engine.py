@@ -53,8 +53,9 @@ from recovery.core.overruns import CallKey, PolicyCalls, PolicyOverran
 from recovery.core.partition import Partition
 from recovery.core.placement import Placement
 from recovery.core.processes import AFTER_THE_END, NOTED, note
-from recovery.core.progress import Progress
+from recovery.core.progress import Progress, implausible_checkpoint
 from recovery.core.record import Effect, RecordEffects, Rejected, check_encodable
+from recovery.core.steady import steady
 from recovery.core.timers import Timekeeper, TimerEntry
 
 _PROGRESS = ("process.heartbeat", "progress.step", "progress.report", "progress.summary")
@@ -131,9 +132,9 @@ class Engine(Progress):
         that one poisoned record never stops the daemon nor leaves a job half changed."""
         self.last_seq = record.seq
         self.journal = self._last = None
-        if is_output(record.subject):
-            return []  # our own decisions and dead letters, kept in the log for audit
         if isinstance(record, RawRecord):
+            if is_output(record.subject):
+                return []
             decoded = decode_envelope(record.data)
             if isinstance(decoded, DecodeError):
                 return [self._rejection(record, decoded.code, decoded.reason, decoded.event_id,
@@ -141,8 +142,15 @@ class Engine(Progress):
             envelope: EnvelopeBase = decoded
         else:
             envelope = record.envelope
-        out = RecordEffects(self, record.seq, record.ts)
         try:
+            # Most records only keep count: applied in place, or declined untouched (`recovery.core.steady`).
+            if steady(self.jobs, self.cluster, record.subject, record.ts, envelope):
+                if len(self._finished) > FINISHED_JOBS_KEPT:
+                    self._forget_finished()  # as after any record (one contained below may have left some)
+                return []
+            if is_output(record.subject):
+                return []  # our own decisions and dead letters, kept in the log for audit
+            out = RecordEffects(self, record.seq, record.ts)
             if envelope.type == "timer.fired":
                 admit_firing(self, record, envelope)
             elif envelope.type in SEALED_FACTS:
@@ -391,7 +399,7 @@ class Engine(Progress):
             if bad:
                 raise Rejected("schema_violation", f"shards {bad} do not exist: the layout has "
                                                   f"{job.layout.shards}")
-            implausible = self._implausible_checkpoint(job, data.step, out.ts)
+            implausible = implausible_checkpoint(job, data.step, out.ts)
             if implausible is not None:
                 raise Rejected("implausible", implausible)
             job.add_checkpoint(data.step, data.tier, data.shards, data.holder)
