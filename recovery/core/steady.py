@@ -75,7 +75,10 @@ def steady(jobs: dict[str, Job], cluster: ClusterView, subject: str, ts: int, en
     node = cluster.nodes.get(name) if name is not None else None
     if node is not None and node.gone:
         return False
-    if not (_saved(job, data, ts) if type_ == SAVED else _beat(job, data, ts)):
+    if type_ == SAVED:
+        if not _saved(job, data, ts):
+            return False
+    elif not _beat(job, data, ts):
         return False
     if node is not None and (node.silent is not None or node.unreachable is not None) and node.job == job_id:
         # `Liveness.heard_from`: its agent speaks for a node the monitor took for silent or unreachable.
