@@ -5,8 +5,11 @@ docstring for the mix)."""
 
 from __future__ import annotations
 
+import gc
 import random
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,3 +322,47 @@ def describe(workload: Workload) -> tuple[int, float]:
     return len(steady), share
 
 
+# -- measuring the engine against its baseline (the bench, and the test suite's guard) -------------------
+def dict_baseline(records: list[Record]) -> int:
+    """The cheapest fold over the records a Python engine could do: two dict updates per record."""
+    latest: dict[tuple[str | None, str], int] = {}
+    seen: dict[str, int] = {}
+    for record in records:
+        envelope = record.envelope
+        latest[(envelope.job or envelope.node, envelope.type)] = record.ts
+        seen[envelope.id] = record.seq
+    return len(seen)
+
+
+def apply_all(engine: Engine, records: list[Record]) -> int:
+    apply = engine.apply
+    effects = 0
+    for record in records:
+        effects += len(apply(record))
+    return effects
+
+
+def chunk_times(engine: Engine, records: list[Record], chunk: int = CHUNK,
+                clock: Callable[[], float] = time.process_time) -> tuple[list[tuple[float, float]], int]:
+    """Seconds the dict baseline and the engine take over each chunk of `records`, timed in turn so that both see
+    the same load on a shared machine; and the number of effects the engine returned."""
+    gc.collect()
+    times: list[tuple[float, float]] = []
+    effects = 0
+    for start in range(0, len(records), chunk):
+        part = records[start : start + chunk]
+        t0 = clock()
+        dict_baseline(part)
+        t1 = clock()
+        effects += apply_all(engine, part)
+        t2 = clock()
+        times.append((t1 - t0, t2 - t1))
+    return times, effects
+
+
+def interleaved(engine: Engine, records: list[Record], chunk: int = CHUNK,
+                clock: Callable[[], float] = time.process_time) -> tuple[float, float, int]:
+    """Seconds the engine and the dict baseline take over `records` (`chunk_times`, summed); and the number of
+    effects the engine returned."""
+    times, effects = chunk_times(engine, records, chunk, clock)
+    return sum(e for _, e in times), sum(b for b, _ in times), effects

@@ -12,6 +12,7 @@ and hands the rest to the engine's parts, one concern each:
 - `recovery.core.detection`: signals, suspicions and their confirmation, the watchdog, drains;
 - `recovery.core.incidents`: the incident lifecycle (plan, save, stop, reschedule, restore, ack, deadline, close);
 - `recovery.core.placement`: vacating nodes, spares, fitting data-parallel replicas;
+- `recovery.core.nodes`: a node's own events (devices, links, readiness) and the signals they are for its job;
 - `recovery.core.operators`: operator requests;
 - `recovery.core.liveness`: signs of life from hosts declared gone, and the control plane's own outages;
 - `recovery.core.timers`: the timer table and the periodic rule;
@@ -34,7 +35,7 @@ from events.kinds import PolicyOverran as PolicyOverranFact
 from events.names import DecisionKind, IncidentCause, IncidentOutcome
 from events.outputs import Rejection
 from events.subjects import is_output, job_event, node_event
-from policies.base import Fault, Signal, label
+from policies.base import Signal, label
 from policies.registry import PolicyError, load_set
 from recovery.core.cluster import ClusterView
 from recovery.core.containment import contain
@@ -46,14 +47,15 @@ from recovery.core.job import DEDUPE_WINDOW, Job, hungry
 from recovery.core.journal import Journal
 from recovery.core.liveness import Liveness
 from recovery.core.machine import FINAL
-from recovery.core.nodes import RETURNS, update_node
+from recovery.core.nodes import apply_node_event
 from recovery.core.operators import Operators
 from recovery.core.overruns import CallKey, PolicyCalls, PolicyOverran
 from recovery.core.partition import Partition
 from recovery.core.placement import Placement
 from recovery.core.processes import AFTER_THE_END, NOTED, note
-from recovery.core.progress import Progress
+from recovery.core.progress import Progress, implausible_checkpoint
 from recovery.core.record import Effect, RecordEffects, Rejected, check_encodable
+from recovery.core.steady import steady
 from recovery.core.timers import Timekeeper, TimerEntry
 
 _PROGRESS = ("process.heartbeat", "progress.step", "progress.report", "progress.summary")
@@ -103,7 +105,7 @@ class Engine(Progress):
         self.incidents = Incidents(self.cluster, self.timekeeper, self.placement)
         self.detection = Detection(self.cluster, self.timekeeper, self.placement, self.incidents)
         self.operators = Operators(self.cluster, self.timekeeper, self.placement, self.incidents)
-        self.liveness = Liveness(self.cluster, self.jobs, self.guard, self._capacity_returned)
+        self.liveness = Liveness(self.cluster, self.jobs, self.guard, self.capacity_returned)
 
     @property
     def timers(self) -> dict[str, TimerEntry]:
@@ -130,9 +132,9 @@ class Engine(Progress):
         that one poisoned record never stops the daemon nor leaves a job half changed."""
         self.last_seq = record.seq
         self.journal = self._last = None
-        if is_output(record.subject):
-            return []  # our own decisions and dead letters, kept in the log for audit
         if isinstance(record, RawRecord):
+            if is_output(record.subject):
+                return []
             decoded = decode_envelope(record.data)
             if isinstance(decoded, DecodeError):
                 return [self._rejection(record, decoded.code, decoded.reason, decoded.event_id,
@@ -140,8 +142,15 @@ class Engine(Progress):
             envelope: EnvelopeBase = decoded
         else:
             envelope = record.envelope
-        out = RecordEffects(self, record.seq, record.ts)
         try:
+            # Most records only keep count: applied in place, or declined untouched (`recovery.core.steady`).
+            if steady(self.jobs, self.cluster, record.subject, record.ts, envelope):
+                if len(self._finished) > FINISHED_JOBS_KEPT:
+                    self._forget_finished()  # as after any record (one contained below may have left some)
+                return []
+            if is_output(record.subject):
+                return []  # our own decisions and dead letters, kept in the log for audit
+            out = RecordEffects(self, record.seq, record.ts)
             if envelope.type == "timer.fired":
                 admit_firing(self, record, envelope)
             elif envelope.type in SEALED_FACTS:
@@ -324,7 +333,7 @@ class Engine(Progress):
                 raise Rejected("unknown_node", f"{type_} from node {env.node!r}, which never joined: no node.joined "
                                                f"or node.ready (its agent's start), no job placed on it")
             self.guard(None)
-            self._node_event(out, env.node, type_, env.data)
+            apply_node_event(self, out, env.node, type_, env.data)
             self._remember(self._node_seen, env.id, NODE_DEDUPE_WINDOW)
         else:
             raise Rejected("unknown_type", f"{type_} is not an input event")
@@ -390,7 +399,7 @@ class Engine(Progress):
             if bad:
                 raise Rejected("schema_violation", f"shards {bad} do not exist: the layout has "
                                                   f"{job.layout.shards}")
-            implausible = self._implausible_checkpoint(job, data.step, out.ts)
+            implausible = implausible_checkpoint(job, data.step, out.ts)
             if implausible is not None:
                 raise Rejected("implausible", implausible)
             job.add_checkpoint(data.step, data.tier, data.shards, data.holder)
@@ -422,7 +431,7 @@ class Engine(Progress):
                          data.reason or "cancelled by the scheduler")
         elif type_ == "operator.release":
             if self.operators.release(out, job, data):
-                self._capacity_returned(out)
+                self.capacity_returned(out)
         elif type_.startswith("operator."):
             self.operators.handle(out, job, type_, data)
         else:  # process.exited, process.hang, process.collective_failed, network.collective_timeout
@@ -476,53 +485,6 @@ class Engine(Progress):
             self.cluster.release(name, job.id)
         out.decide(job, kind, reason, trigger=trigger, cancelled=cancelled)
 
-    def _node_event(self, out: RecordEffects, name: str, type_: str, data: Any) -> None:
-        node = self.cluster.node(name)
-        back = node.gone  # the host a node fault declared gone speaks again: usable once its state says so
-        if isinstance(data, kinds.NodeSilent | kinds.NodeUnreachable):  # the daemon's word: judged now, as at a tick
-            job = (self.liveness.silent(out, node, data) if isinstance(data, kinds.NodeSilent)
-                   else self.liveness.unreachable(out, node))
-            if job is not None:
-                self.touch(job)
-                self.detection.watchdog(out, job)
-            return
-        node.gone, node.unreachable = False, None  # any event of its own: its agent speaks
-        if isinstance(data, kinds.NodeHeartbeat | kinds.NodeHeard):
-            self.liveness.alive(out, node, data)  # for the watchdog of the job on the node, no signal itself
-            if back and node.usable:
-                self._capacity_returned(out)
-            return
-        released, device_times, node_times = update_node(self.cluster, node, data, out.ts, self.jobs, self.partition,
-                                                         self.touch)
-        job = self.jobs.get(node.job) if node.job is not None else None
-        if job is not None:
-            self.touch(job)
-        if released is not None and job is not None and job.state not in FINAL:
-            out.decide(job, DecisionKind.HARDWARE_RELEASED, f"isolation ended: {released}",
-                       detail={"node": name, "device": getattr(data, "device", None), "by": "repair"})
-        if job is not None and job.state not in FINAL and name in job.nodes:
-            on_node = job.ranks_on(name)
-            spares: int | None = None
-            shrink = False
-            if isinstance(data, kinds.DeviceFault | kinds.DeviceRecovered):
-                ranks: tuple[int, ...] = (on_node[data.device],) if data.device < job.rpn else ()
-                if isinstance(data, kinds.DeviceFault):
-                    # What could replace the device's node, for a policy deciding whether to isolate a lemon.
-                    spares = len(self.placement.spares_for(job))
-                    shrink = self.placement.scale_in_dp(job, [name]) is not None
-            else:
-                ranks = tuple(on_node)
-            self.detection.signal(out, job, Signal(type_, data, out.ts, name, ranks, device_times, node_times,
-                                  job.step_time, job.world, tuple(on_node), spares, shrink))
-        elif isinstance(data, kinds.DeviceFault):
-            # No job runs here (an idle spare, a node between jobs): its hardware health still decides where the next
-            # job or move may go. No job's policy applies, so the built-in detection judges it.
-            verdict = self.detection.hardware.classify(Signal(type_, data, out.ts, name, (), device_times, node_times))
-            if isinstance(verdict, Fault):
-                self.detection.mark_hardware(verdict)
-        if (back or isinstance(data, RETURNS)) and node.usable:
-            self._capacity_returned(out)
-
     def _timer_fired(self, out: RecordEffects, job: Job, data: kinds.TimerFired) -> None:
         timer_id = data.timer_id
         if not self.timekeeper.fired(out, job, timer_id, data.due):
@@ -530,11 +492,11 @@ class Engine(Progress):
         if timer_id == job.watchdog:
             self.detection.tick(out, job, late_ns=out.ts - data.due)
         elif self.detection.release_due(out, job, timer_id):
-            self._capacity_returned(out)
+            self.capacity_returned(out)
         elif not self.detection.suspicion_due(out, job, timer_id, data.due):
             self.incidents.timer_fired(out, job, timer_id)
 
-    def _capacity_returned(self, out: RecordEffects) -> None:
+    def capacity_returned(self, out: RecordEffects) -> None:
         """Nodes came back: waiting jobs try again, elastic jobs below their size grow."""
         # Only the jobs in the index can act on it. Visiting them in submission order, re-checking each, gives
         # the decisions of a scan of every job: acting for one job never makes another one hungry.

@@ -32,11 +32,15 @@ from collections.abc import Callable
 
 from events import kinds
 from events.envelope import EnvelopeBase
+from events.kinds import JOB_EVENTS
 from events.names import DecisionKind
 from policies.base import NS
 from recovery.core.cluster import ClusterView, NodeState
 from recovery.core.job import Job
 from recovery.core.record import RecordEffects
+
+_RANKED = frozenset(type_ for type_, payload in JOB_EVENTS.items() if "rank" in payload.model_fields)
+"""the job events whose payload names a rank"""
 
 
 def _excused(mark: int, start: int, end: int) -> int:
@@ -69,9 +73,13 @@ class Liveness:
             node = data.result.get("node")
             return node if isinstance(node, str) else None
         if type_ == "progress.report":
-            data = data.ranks[0] if data.ranks else None
-        rank = getattr(data, "rank", None)
-        if rank is None or rank >= job.world or rank // job.rpn >= len(job.nodes):
+            if not data.ranks:
+                return None
+            data = data.ranks[0]
+        elif type_ not in _RANKED:
+            return None  # asked by type: a missing attribute of a pydantic model costs an exception
+        rank = data.rank
+        if rank >= job.world or rank // job.rpn >= len(job.nodes):
             return None
         if data.attempt < job.rank_gen[rank]:  # type: ignore[union-attr]
             return None

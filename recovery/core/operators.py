@@ -112,7 +112,7 @@ class Operators:
             if data.dp != job.layout.dp:
                 self.incidents.scale(out, job, data.dp, f"operator scale to dp={data.dp}", cause=IncidentCause.OPERATOR)
             # Only once _scale accepted it: a rejected dp (not whole nodes) kept as the target made every later
-            # node.joined/ready fail in _capacity_returned with this job's error.
+            # node.joined/ready fail in capacity_returned with this job's error.
             job.target_dp = data.dp
             out.reindex(job)
         elif type_ == "operator.force":

@@ -193,24 +193,6 @@ class Progress:
         others = max((s for r, s in enumerate(job.steps) if r != rank), default=None)
         return others is not None and step > others + STEP_LEAD
 
-    @staticmethod
-    def _implausible_checkpoint(job: Job, step: int, ts: int) -> str | None:
-        """Why a checkpoint at `step` cannot be true, or None. No rank saves a step it has not trained: beyond the
-        newest reported step, a checkpoint may be ahead by STEP_LEAD plus what the job could have trained since that
-        report at four times its measured pace (reports may be sparse). Before a pace is known (a job may start from
-        an older run's checkpoint at any step) every step is plausible. An implausible step kept would become the
-        resume point, and the job would wait for progress past a step it never reaches."""
-        if job.step_time is None:
-            return None
-        top = max(job.steps)
-        since = job.step_ts if job.step_ts is not None else max(job.last_progress)
-        allowance = STEP_LEAD + max(0, ts - since) * 4 // max(job.step_time, 1)
-        if step <= top + allowance:
-            return None
-        return (f"checkpoint at step {step} is beyond what the job can have trained: newest reported step {top}, "
-                f"at most {allowance} more by now ({STEP_LEAD} + four times its pace of "
-                f"{job.step_time / NS:.3g} s per step)")
-
     def _correct_step(self, out: RecordEffects, job: Job, rank: int, step: int, last: int, current: bool) -> None:
         """Take a lower step for `rank`: a survivor's roll-back to the resume point, or the correction of a counter
         that had jumped implausibly far ahead (which would otherwise make every true report a step backwards)."""
@@ -226,6 +208,24 @@ class Progress:
                        f"ahead of every other rank: taken as a corrupted counter", detail={"rank": rank,
                                                                                            "step": step,
                                                                                            "implausible": last})
+
+
+def implausible_checkpoint(job: Job, step: int, ts: int) -> str | None:
+    """Why a checkpoint at `step` cannot be true, or None. No rank saves a step it has not trained: beyond the
+    newest reported step, a checkpoint may be ahead by STEP_LEAD plus what the job could have trained since that
+    report at four times its measured pace (reports may be sparse). Before a pace is known (a job may start from
+    an older run's checkpoint at any step) every step is plausible. An implausible step kept would become the
+    resume point, and the job would wait for progress past a step it never reaches."""
+    if job.step_time is None:
+        return None
+    top = max(job.steps)
+    since = job.step_ts if job.step_ts is not None else max(job.last_progress)
+    allowance = STEP_LEAD + max(0, ts - since) * 4 // max(job.step_time, 1)
+    if step <= top + allowance:
+        return None
+    return (f"checkpoint at step {step} is beyond what the job can have trained: newest reported step {top}, "
+            f"at most {allowance} more by now ({STEP_LEAD} + four times its pace of "
+            f"{job.step_time / NS:.3g} s per step)")
 
 
 def _step_of(entry: kinds.RankProgress) -> int:

@@ -92,7 +92,7 @@ class InputReader:
         await self.pull.ack(delivery)
 
 
-async def scan_ids(nc: Client, js: JetStreamContext, stream: str, filters: list[str | None], start_seq: int,
+async def scan_ids(nc: Client, js: JetStreamContext, stream: str, filters: list[str | list[str] | None], start_seq: int,
                    start_time: datetime | None, batch: int = 4096, idle_s: float = 1.0,
                    keep: Callable[[str], bool] | None = None) -> set[str]:
     """The `Nats-Msg-Id` of every message on `filters` in `stream` from `start_seq` (or `start_time`) to the
@@ -102,9 +102,13 @@ async def scan_ids(nc: Client, js: JetStreamContext, stream: str, filters: list[
     (ReaderLost), and the caller scans again."""
     end = int((await js.stream_info(stream)).state.last_seq)
 
-    async def scan(subject: str) -> set[str]:
+    async def scan(subject: str | list[str] | None) -> set[str]:
         config = ConsumerConfig(ack_policy=AckPolicy.NONE, headers_only=True, mem_storage=True, num_replicas=1,
-                                inactive_threshold=30.0, filter_subject=subject)
+                                inactive_threshold=30.0)
+        if isinstance(subject, list):
+            config.filter_subjects = subject
+        else:
+            config.filter_subject = subject
         start: int | None = max(start_seq, 1)
         if start_time is not None:
             config.deliver_policy, config.opt_start_time, start = DeliverPolicy.BY_START_TIME, start_time, None
