@@ -150,9 +150,10 @@ class AgentConfig(FileSettings):
                                  description="modules a standby imports before it waits, comma-separated, and "
                                              "`module:function` warm-ups it calls (a job's RECOVERY_STANDBY_PRELOAD "
                                              "overrides this)")
-    standby_delay_s: float = Field(5.0, ge=0, le=3600, description="how long after a job's start or a hand-over "
-                                                                    "the next standby starts (its imports would "
-                                                                    "compete for the CPU with the ranks')")
+    standby_delay_s: float = Field(5.0, ge=0, le=3600, description="how long after a hand-over the next standby "
+                                                                    "starts (its imports would compete for the CPU "
+                                                                    "with the recovery's); a job's first standbys "
+                                                                    "start with its ranks")
     compile_cache: bool = Field(True, description="give each job its own compile caches on this node "
                                                   "(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, unless the job's "
                                                   "environment names them), kept across its ranks' restarts")
