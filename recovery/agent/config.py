@@ -224,12 +224,7 @@ class AgentConfig(FileSettings):
     @field_validator("checks", mode="before")
     @classmethod
     def _check_commands(cls, value: object) -> object:
-        if isinstance(value, str):  # a flag: JSON, as the environment variable is
-            try:
-                return json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"not a JSON list of {{name, command, budget_s}}: {exc}") from None
-        return value
+        return _json_flag(value, "a JSON list of {name, command, budget_s}")
 
     @field_validator("checks")
     @classmethod
@@ -242,12 +237,7 @@ class AgentConfig(FileSettings):
     @field_validator("gpu_bus_ids", mode="before")
     @classmethod
     def _bus_ids(cls, value: object) -> object:
-        if isinstance(value, str):  # a flag: JSON, as the environment variable is
-            try:
-                return json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"not a JSON object of PCI address -> device index: {exc}") from None
-        return value
+        return _json_flag(value, "a JSON object of PCI address -> device index")
 
     @field_validator("node")
     @classmethod
@@ -266,3 +256,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load(args: argparse.Namespace | None = None, **overrides: Any) -> AgentConfig:
     """The effective configuration; raises ConfigError naming the bad key and where its value came from."""
     return settings.load(AgentConfig, args, **overrides)
+
+
+def _json_flag(value: object, what: str) -> object:
+    """A flag's value, JSON as the environment variable's is; a file's (already a list or a table) as it is."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not {what}: {exc}") from None
+    return value
