@@ -132,6 +132,12 @@ async def test_the_disk_check_fails_where_too_little_is_free_or_nothing_can_be_w
     assert not seen.ok
 
 
+async def test_a_disk_slower_than_the_bound_twice_fails_and_leaves_no_file(tmp_path: Path) -> None:
+    seen = await disk_check(tmp_path, 0.001, 1e9, 10).probe()  # no disk writes a million MiB/s, twice
+    assert not seen.ok and "MiB/s, under 1e+09" in seen.saw, seen.saw
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_the_memory_check_reads_memavailable(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:     262144 kB\n")  # 0.25 GiB

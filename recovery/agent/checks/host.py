@@ -46,17 +46,10 @@ def disk_space_and_speed(directory: Path, min_free_gib: float, min_write_mib_s: 
     try:
         directory.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(directory).free / GIB
-        block = os.urandom(MIB)  # not zeros: a compressing file system would write nothing
-        fd, name = tempfile.mkstemp(prefix=".recovery-check-", dir=directory)
-        try:
-            started = time.perf_counter()
-            for _ in range(WRITE_MIB):
-                os.write(fd, block)
-            os.fsync(fd)
-            speed = WRITE_MIB / max(time.perf_counter() - started, 1e-6)
-        finally:
-            os.close(fd)
-            os.unlink(name)
+        speed = _write_speed(directory)
+        if speed < min_write_mib_s:
+            # One fsync stalled behind another process's writeback is no slow disk: the better of two is judged.
+            speed = max(speed, _write_speed(directory))
     except OSError as exc:
         return Seen(False, f"{exc.strerror or exc} ({directory})")
     problems = [f"free {free:.1f} GiB under {min_free_gib:g}"] if free < min_free_gib else []
@@ -65,6 +58,21 @@ def disk_space_and_speed(directory: Path, min_free_gib: float, min_write_mib_s: 
     figures = f"free {free:.1f} GiB (at least {min_free_gib:g}), wrote {WRITE_MIB} MiB with fsync at " \
               f"{speed:.0f} MiB/s (at least {min_write_mib_s:g})"
     return Seen(not problems, "; ".join(problems) if problems else figures)
+
+
+def _write_speed(directory: Path) -> float:
+    """MiB/s of a WRITE_MIB write with fsync into a file of `directory`, removed after."""
+    block = os.urandom(MIB)  # not zeros: a compressing file system would write nothing
+    fd, name = tempfile.mkstemp(prefix=".recovery-check-", dir=directory)
+    try:
+        started = time.perf_counter()
+        for _ in range(WRITE_MIB):
+            os.write(fd, block)
+        os.fsync(fd)
+        return WRITE_MIB / max(time.perf_counter() - started, 1e-6)
+    finally:
+        os.close(fd)
+        os.unlink(name)
 
 
 def command_check(name: str, command: str, budget_s: float) -> Check:
