@@ -32,7 +32,7 @@ from recovery.core.placement import Placement
 from recovery.core.record import RecordEffects
 
 RETURNS = (kinds.NodeJoined, kinds.NodeReady, kinds.DeviceRecovered, kinds.LinkUp, NodeChecked)
-"""the events after which a usable node may be capacity come back: waiting jobs try again"""
+"""the events after which a usable node is capacity come back: waiting jobs try again"""
 
 
 class NodeHost(Protocol):
