@@ -28,11 +28,21 @@ print("interpreter-stdin", sys.stdin.read() == "")
 print("warmed", getattr(sys.modules.get("tests.test_standby"), "WARMED", False))
 print("idle threads", [t for t in os.listdir("/proc/self/task")
                        if os.sched_getscheduler(int(t)) == getattr(os, "SCHED_IDLE", -1)])
+print("autogroup nice", open("/proc/self/autogroup").read().split()[-1] if os.path.exists("/proc/self/autogroup")
+      else "0")
 sys.exit(int(os.environ["EXIT_WITH"]))
 """
 
 
 WARMED = False
+
+
+def autogroup_nice(pid: int) -> int:
+    """The nice value of the scheduling group of `pid`'s session (0 on a kernel without autogroups)."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError):
+        return 0
 
 
 def mark_warm() -> None:
@@ -99,6 +109,8 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
             assert standby is not None
             # it waits on the CPU time no rank wants
             assert os.sched_getscheduler(standby.pid) == getattr(os, "SCHED_IDLE", os.sched_getscheduler(0))
+            # and its session's group, which the kernel weighs against each rank's session, at the least weight
+            assert autogroup_nice(standby.pid) == (19 if Path("/proc/self/autogroup").exists() else 0)
             assert pool.take("job", dict(os.environ)) is None  # taken: the next one is the agent's to start
             assert "ready" in (tmp_path / "runtime" / "job.standby1.log").read_text()
             env = {k: v for k, v in environment().items() if k != "ONLY_IN_THE_STANDBY"}
@@ -121,6 +133,7 @@ async def test_a_standby_becomes_the_rank_as_a_cold_start_would_start_it(tmp_pat
     assert "interpreter-stdin True" in lines
     assert "warmed True" in lines  # `module:function` in the preload: imported and called before the hand-over
     assert "idle threads []" in lines  # the rank, and every thread the imports started, runs as a cold start would
+    assert "autogroup nice 0" in lines  # in a group that weighs what a cold start's session does
 
 
 def hold_until_released() -> None:
@@ -155,6 +168,7 @@ async def test_a_standby_still_importing_is_taken_at_full_speed_and_becomes_the_
             standby = pool.take("job", dict(os.environ))
             assert standby is not None and not standby.ready.is_set()
             assert os.sched_getscheduler(standby.pid) == os.sched_getscheduler(0)  # promoted: no longer SCHED_IDLE
+            assert autogroup_nice(standby.pid) == 0  # nor in a group of the least weight
             env = {**environment(), "RANK": "1", "EXIT_WITH": "3"}
             proc = await ranks.start(entrypoint, env, output, job="job", rank=1, attempt=1, standby=standby)
             released.touch()  # its imports end: it reads the hand-over waiting on its standard input
@@ -166,6 +180,7 @@ async def test_a_standby_still_importing_is_taken_at_full_speed_and_becomes_the_
     assert proc.status() == (3, None)
     lines = output.read_text().splitlines()
     assert "rank 1 agent-only None" in lines and "name __main__" in lines and "idle threads []" in lines, lines
+    assert "autogroup nice 0" in lines, lines
 
 
 async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:

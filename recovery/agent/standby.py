@@ -88,6 +88,12 @@ class Standby:
         rank = {"argv": list(entrypoint.args), "cwd": entrypoint.cwd, "env": env, "output": str(output)}
         await self.process.stdin.send(orjson.dumps(rank) + b"\n")  # read once its imports are done
         await self.process.stdin.aclose()
+        if not self.ready.is_set():
+            # promoted again now that the hand-over is on its standard input: an interpreter that had not yet gone
+            # idle when `take` promoted it goes idle, then finds the line there and comes back by itself; one that
+            # went idle after that look is brought back here
+            self.promote()
+            await _regroup(self.process.pid)
         if self.process.stdout is not None and self.ready.is_set():
             await self.process.stdout.aclose()  # it said `ready` there; now its output is the rank's
         # (one still importing says `ready` first: the pool's reader takes the line, then closes the pipe)
@@ -99,6 +105,10 @@ class Standby:
         for tid in _threads(self.process.pid):
             with contextlib.suppress(OSError):  # a thread gone meanwhile, or a platform that refuses
                 os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        # and its session's scheduling group back to a rank's weight (`interpreter._autogroup`); tried once here
+        # (the kernel takes one such change a tenth of a second from an unprivileged agent), again at the hand-over
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.process.pid}/autogroup").write_text("0\n")
 
     async def close(self) -> None:
         """An idle standby ends when its standard input closes; the kill is for one still importing."""
@@ -106,6 +116,19 @@ class Standby:
             os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             await self.process.aclose()
+
+
+async def _regroup(pid: int, within_s: float = 0.5) -> None:
+    """`pid`'s session group back at nice 0, tried again while the kernel's rate limit refuses it (EAGAIN)."""
+    with anyio.move_on_after(within_s):
+        while True:
+            try:
+                Path(f"/proc/{pid}/autogroup").write_text("0\n")
+                return
+            except BlockingIOError:
+                await anyio.sleep(0.02)  # another session changed its group a moment ago: the limit's tenth passes
+            except OSError:  # no autogroups here, or the process is gone
+                return
 
 
 def _threads(pid: int) -> list[int]:
