@@ -144,18 +144,17 @@ def hold_until_released() -> None:
         time.sleep(0.01)  # the standby's own import, polled: no test waits on it
 
 
-async def test_a_standby_still_importing_is_taken_at_full_speed_and_becomes_the_rank_once_done(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank is needed before its standby's imports are done (a kill right after the job's start): the standby is
-    taken all the same, every thread of it switched from SCHED_IDLE to SCHED_OTHER, and it becomes the rank once its
-    imports end: a head start on a cold interpreter, never a standby killed half way."""
+async def _taken_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preload: str,
+                       forked: bool) -> list[str]:
+    """Take the job's standby while what `preload` holds is under way (`forked`: once the standby is forked, in its
+    warm-up; else its parent still importing), check what was sped up, hand it rank 1, release the hold, and return
+    the rank's output lines."""
     (tmp_path / "job.py").write_text(SCRIPT)
     released = tmp_path / "released"
     for key, value in environment().items():
         monkeypatch.setenv(key, value)
     entrypoint = Entrypoint(command=sys.executable, args=[str(tmp_path / "job.py")], cwd=str(tmp_path),
-                            env={"RECOVERY_STANDBY_PRELOAD": "json,tests.test_standby:hold_until_released",
-                                 "RELEASE_FILE": str(released)})
+                            env={"RECOVERY_STANDBY_PRELOAD": preload, "RELEASE_FILE": str(released)})
     pool = StandbyPool(tmp_path / "runtime", enabled=True, preload="json", delay_s=0)
     (tmp_path / "runtime").mkdir()
     output = tmp_path / "runtime" / "job.rank1.gen1.log"
@@ -163,22 +162,54 @@ async def test_a_standby_still_importing_is_taken_at_full_speed_and_becomes_the_
         async with anyio.create_task_group() as tg:
             tg.start_soon(pool.keep, "job", entrypoint)
             with anyio.fail_after(60):
-                while not pool._standbys.get("job"):
-                    await anyio.sleep(0.01)  # polling the pool until the standby's process exists, with a deadline
+                while not pool._standbys.get("job") or (forked and pool._standbys["job"][0].pid is None):
+                    await anyio.sleep(0.01)  # polling the pool until the standby is there (forked), with a deadline
             standby = pool.take("job", dict(os.environ))
             assert standby is not None and not standby.ready.is_set()
-            assert os.sched_getscheduler(standby.pid) == os.sched_getscheduler(0)  # promoted: no longer SCHED_IDLE
-            assert autogroup_nice(standby.pid) == 0  # nor in a group of the least weight
+            parent = standby.process.parent.process.pid
+            # promoted: its parent, which may still import what it is forked with, and the standby if forked
+            for pid in [parent, standby.pid] if forked else [parent]:
+                assert os.sched_getscheduler(pid) == os.sched_getscheduler(0)  # no longer SCHED_IDLE
+                assert autogroup_nice(pid) == 0  # nor in a group of the least weight
+            assert forked or standby.pid is None
             env = {**environment(), "RANK": "1", "EXIT_WITH": "3"}
-            proc = await ranks.start(entrypoint, env, output, job="job", rank=1, attempt=1, standby=standby)
-            released.touch()  # its imports end: it reads the hand-over waiting on its standard input
+            started: list[ranks.RankProcess] = []
+
+            async def start() -> None:
+                started.append(await ranks.start(entrypoint, env, output, job="job", rank=1, attempt=1,
+                                                 standby=standby))
+
+            tg.start_soon(start)
+            released.touch()  # the hold ends: it is forked (if it was not), warms up and reads the hand-over
+            with anyio.fail_after(60):
+                while not started:
+                    await anyio.sleep(0.01)  # polling for the hand-over's end, with the deadline above
+            [proc] = started
+            assert proc.pid == standby.pid and proc.pid != parent  # the forked standby became the rank
             tg.start_soon(ranks.reap, proc)
             with anyio.fail_after(60):
                 await proc.ended.wait()
     finally:
         await pool.close()
-    assert proc.status() == (3, None)
-    lines = output.read_text().splitlines()
+    assert proc.status() == (3, None)  # its exit status, told by its parent
+    return output.read_text().splitlines()
+
+
+async def test_a_standby_still_warming_up_is_taken_at_full_speed_and_becomes_the_rank_once_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank is needed before its standby's warm-ups are done (a kill right after the job's start): the standby is
+    taken all the same, every thread of it switched from SCHED_IDLE to SCHED_OTHER, and it becomes the rank once its
+    warm-ups end: a head start on a cold interpreter, never a standby killed half way."""
+    lines = await _taken_early(tmp_path, monkeypatch, "json,tests.test_standby:hold_until_released", forked=True)
+    assert "rank 1 agent-only None" in lines and "name __main__" in lines and "idle threads []" in lines, lines
+    assert "autogroup nice 0" in lines, lines
+
+
+async def test_a_standby_whose_parent_still_imports_is_taken_and_forked_once_the_imports_are_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taken before its parent's imports are done: the parent goes on at full speed, forks the standby once they
+    are, and the standby becomes the rank (in a session of its own, at full speed) with its exit status told."""
+    lines = await _taken_early(tmp_path, monkeypatch, "json,tests.standby_hold", forked=False)
     assert "rank 1 agent-only None" in lines and "name __main__" in lines and "idle threads []" in lines, lines
     assert "autogroup nice 0" in lines, lines
 
@@ -189,8 +220,11 @@ async def test_an_idle_standby_ends_with_its_pool(tmp_path: Path) -> None:
     with anyio.fail_after(60):
         await pool.keep("job", entrypoint)
     [standby] = pool._standbys["job"]
+    pids = [standby.pid, standby.process.parent.process.pid]
     await pool.close()
-    assert standby.process.returncode is not None
+    with anyio.fail_after(30):
+        while any(ranks.start_time(pid) is not None for pid in pids if pid is not None):
+            await anyio.sleep(0.01)  # polling until the standby and its parent are gone, with a deadline
     assert pool.take("job", dict(os.environ)) is None
     await pool.keep("job", entrypoint)  # closed for good: no other standby starts
     assert pool.take("job", dict(os.environ)) is None and "job" not in pool._standbys
@@ -218,6 +252,9 @@ async def test_a_job_that_wants_two_standbys_keeps_two_and_hands_them_over(tmp_p
         assert len(pool._standbys["job"]) == 2
         first, second = pool.take("job", dict(os.environ)), pool.take("job", dict(os.environ))
         assert first is not None and second is not None and first.pid != second.pid
+        # forked from one parent, which imported once for both: their imports' pages and CPU time paid once
+        assert first.process.parent is second.process.parent
+        assert first.process.parent.process.pid not in (first.pid, second.pid)
         assert pool.take("job", dict(os.environ)) is None
         for standby in (first, second):
             await standby.close()
@@ -341,8 +378,12 @@ async def test_a_spare_warms_for_its_newest_jobs_and_drops_an_older_ones_standby
         [standby] = pool._standbys["a"]
         assert os.sched_getscheduler(standby.pid) == os.sched_getscheduler(0)  # beside no rank: at full speed
         assert pool.warm_for("b", 1) == ["a"] and pool.warm_for("b", 1) == []  # a job warmed again stays
+        pids = [standby.pid, standby.process.parent.process.pid]
         await pool.drop("a")
-        assert standby.process.returncode is not None and "a" not in pool._standbys
+        assert "a" not in pool._standbys
+        with anyio.fail_after(30):
+            while any(ranks.start_time(pid) is not None for pid in pids if pid is not None):
+                await anyio.sleep(0.01)  # polling until the standby and its parent are gone, with a deadline
         pool.delay_s = 0.5
         async with anyio.create_task_group() as tg:  # a keep asked before the drop, due after it: starts nothing
             tg.start_soon(pool.keep, "a", entrypoint, 1)

@@ -25,6 +25,10 @@ What is measured, each run started alone (the host's two cores are shared by eve
   defaults (warm standbys on) against torchrun, in alternating pairs; median of the pairs' ratios. Goal at most
   1.05.
 
+- `stock_fsdp_ratio_to_torchrun` (`--only fsdp`): the HSDP script without the SDK (a stock FSDP2 script, which
+  resumes every rank from its last epoch's DCP checkpoint, resharded on load) under `recovery-run` against the same
+  script under torchrun, rank 1 SIGKILLed at the same step. Goal at most 0.5.
+
 The standbys' readiness is waited for before a kill (they start with the agent, and a job that trained
 `fault_at` steps has them ready on a quiet host); the kill then lands at any step.
 """
@@ -140,12 +144,14 @@ def measure_fsdp(repeat: int, workdir: Path, emit: Emit, quick: bool = False) ->
     """`python tools/bench.py e2e --only fsdp`: the HSDP script (examples/fsdp/train.py, a 2 x 2 mesh) with
     `recovery.client.fsdp` under `recovery-run` against the stock script under torchrun (every rank restarted, from
     the last epoch's DCP checkpoint); the restarted processes counted, and the final parameters against a
-    fault-free run of the same script."""
+    fault-free run of the same script; and the stock script under `recovery-run` (`stock_fsdp_ratio_to_torchrun`:
+    every rank restarted too, from warm standbys)."""
     import torch
 
     fault_at = 12 if quick else 20
     ours: list[float] = []
     theirs: list[float] = []
+    stock: list[float] = []
     restarted: list[int] = []
     equal: list[int] = []
     reference = workdir / "hsdp-reference.pt"
@@ -166,14 +172,21 @@ def measure_fsdp(repeat: int, workdir: Path, emit: Emit, quick: bool = False) ->
         equal.append(int(full.keys() == fault_free.keys() and all(torch.equal(full[k], fault_free[k]) for k in full)))
         tag = f"hsdp_torchrun-{index}"
         theirs.append(kill_once("torchrun", script_args(HSDP, workdir, tag), workdir, tag, fault_at)[0])
-        print(f"hsdp {index}: {ours[-1]:.2f}s ({restarted[-1]} restarted, equal {equal[-1]}), torchrun "
-              f"{theirs[-1]:.2f}s", file=sys.stderr, flush=True)
+        # the stock script (no SDK: every rank restarts and reshards the last DCP checkpoint) under recovery-run
+        tag = f"hsdp_stock-{index}"
+        stock.append(kill_once("recovery-run", script_args(HSDP, workdir, tag), workdir, tag, fault_at)[0])
+        print(f"hsdp {index}: {ours[-1]:.2f}s ({restarted[-1]} restarted, equal {equal[-1]}), stock "
+              f"{stock[-1]:.2f}s, torchrun {theirs[-1]:.2f}s", file=sys.stderr, flush=True)
     emit("e2e", "hsdp_regained_s", round(statistics.median(ours), 3), "s from rank 1's SIGKILL to a step past it")
     emit("e2e", "hsdp_torchrun_regained_s", round(statistics.median(theirs), 3), "s, the stock script under torchrun")
     emit("e2e", "hsdp_rank_kill_ratio_to_torchrun",
          round(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)), 3), "x (goal at most 0.2)")
     emit("e2e", "hsdp_processes_restarted", max(restarted), "processes (the most in a run; goal 1)")
     emit("e2e", "hsdp_equal_to_fault_free", min(equal), "(1: every run ended bit for bit as the fault-free one)")
+    emit("e2e", "stock_fsdp_regained_s", round(statistics.median(stock), 3),
+         "s, the stock script (no SDK) under recovery-run: every rank restarted from its DCP checkpoint")
+    emit("e2e", "stock_fsdp_ratio_to_torchrun",
+         round(statistics.median(a / b for a, b in zip(stock, theirs, strict=True)), 3), "x (goal at most 0.5)")
 
 
 def main() -> None:

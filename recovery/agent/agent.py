@@ -398,9 +398,9 @@ class Agent(Relay, Rescale, Admission):
 
     async def _watch(self, job: JobOnNode, proc: ranks.RankProcess) -> None:
         await ranks.reap(proc)
-        if proc.process is None:
-            # Not our child: it ended on its own if its SDK said `closing`, a line that may still be unread until
-            # the connection ends (bounded: a dead SDK sends none).
+        if proc.returncode is None:
+            # Its status unknown (adopted, or a standby whose parent ended first): it ended on its own if its SDK said
+            # `closing`, a line that may still be unread until the connection ends (bounded: a dead SDK sends none).
             with anyio.move_on_after(2.0):
                 while job.channel.connected(proc.rank):
                     await anyio.sleep(0.01)  # polling the connection's end, within the bound above

@@ -1,18 +1,29 @@
-"""The warm interpreter of a standby (`recovery/agent/standby.py`): a Python process that imports what the job's
-ranks will import, says so, and waits for the agent to hand it a rank. Standard library only: whatever this module
-imports stays in the rank's process.
+"""The warm interpreters of a job's standbys (`recovery/agent/standby.py`): one parent per job and node imports what
+the job's ranks will import, once, then forks a standby each time the agent asks; a standby runs the warm-ups, says
+so, and waits for the agent to hand it a rank. Standard library only: whatever this module imports stays in the
+rank's process.
 
     python -m recovery.agent.interpreter torch torch.distributed torch._dynamo recovery.client.torch:warm_up
 
 Each argument is a module to import, or `module:function` to import and call with no arguments (a warm-up: what a
-new process pays once, paid before the rank needs it). It imports under `SCHED_IDLE`, on CPU time no other process
-wants (unless `RECOVERY_STANDBY_IDLE=0`: a spare's, beside no rank), and writes `ready <seconds it took>` on its
-standard output once they are done, then reads one JSON line on its standard input: `{"argv": [script, *args] or
-["-m", module, *args], "cwd": ..., "env": {...},
-"output": path}`. It then becomes the rank: its output goes to `output`, its standard input to /dev/null, its
-environment and working directory are the rank's, and the script runs as `__main__` with the `sys.argv` and
-`sys.path[0]` that `python script.py` (or `python -m module`) would have given it. The end of its standard input
-before a hand-over (the agent is gone) ends it quietly.
+new process pays once, paid before the rank needs it). The parent imports the modules; each standby, once forked,
+calls the warm-ups (they may start thread pools or a GPU context, which a fork does not carry over). Both run under
+`SCHED_IDLE`, in a scheduling group of the least weight, on CPU time no other process wants (unless
+`RECOVERY_STANDBY_IDLE=0`: a spare's, beside no rank). Why one parent: a job whose faults restart every rank keeps
+a standby for each rank on the node, and four interpreters importing torch each on a two-core node cost its
+training a third of its time (1.43x torchrun's fault-free run); forked from one, they share its imports' pages and
+its CPU time, paid once.
+
+The parent's standard input is a Unix packet socket from the agent: each packet `fork` carries one descriptor, a
+socket that becomes the new standby's standard input and output. The standby writes `pid <its pid>`, then `ready
+<seconds>` once its warm-ups are done, then reads one JSON line: `{"argv": [script, *args] or ["-m", module, *args],
+"cwd": ..., "env": {...}, "output": path}`. It then becomes the rank: its output goes to `output`, its standard input
+to /dev/null, its environment and working directory are the rank's, it leads a session of its own (as a rank started
+cold does), and the script runs as `__main__` with the `sys.argv` and `sys.path[0]` that `python script.py` (or
+`python -m module`) would have given it. The parent waits for its standbys and writes `exited <status>` (a negative
+status: the signal) on the standby's socket when one ends: the agent is not the rank's parent and learns its exit
+status there. The end of a standby's socket before a hand-over (the agent let it go) ends it quietly; the end of the
+parent's ends the parent once its standbys have ended.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import json
 import os
 import runpy
 import select
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -78,20 +90,75 @@ def _autogroup(nice: int, within_s: float = 2.0, unless: Callable[[], bool] | No
             return
 
 
-def main() -> None:
-    started = time.monotonic()
-    if os.environ.get(IDLE_ENV, "1") != "0":  # a spare's standby runs beside no rank: it imports at full speed
-        _scheduled("SCHED_IDLE")
-        _autogroup(19, unless=_taken)
-        if _taken():  # taken before it went idle: the agent's promotion came first and was undone just now
+def _idle() -> bool:
+    return os.environ.get(IDLE_ENV, "1") != "0"  # a spare's standbys run beside no rank: at full speed
+
+
+def serve(control: socket.socket) -> int | None:
+    """The parent's loop, its imports done: fork a standby for each `fork` packet, relay each standby's exit status,
+    and return None once the agent's socket ended and no standby is left. In a standby, it returns the descriptor of
+    the standby's socket (its stack unwinds to `main`, which makes it the standby)."""
+    children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, the standby's socket)
+    listening = True
+    while listening or children:
+        waiting = [*children, control.fileno()] if listening else list(children)
+        readable, _, _ = select.select(waiting, [], [])
+        for fd in readable:
+            if fd == control.fileno():
+                try:
+                    message, fds, _, _ = socket.recv_fds(control, 64, 4)
+                except OSError:
+                    message, fds = b"", []
+                if not message:
+                    listening = False
+                for given in fds if message.startswith(b"fork") else ():
+                    pid = os.fork()
+                    if pid == 0:  # the standby: nothing of the parent's but the imports
+                        control.close()
+                        for pidfd, (_, sibling) in children.items():
+                            os.close(pidfd)
+                            os.close(sibling)
+                        for other in fds:
+                            if other != given:
+                                os.close(other)
+                        return given
+                    children[os.pidfd_open(pid)] = (pid, given)
+                for unused in fds if not message.startswith(b"fork") else ():
+                    os.close(unused)
+                continue
+            pid, standby = children.pop(fd)
+            os.close(fd)
+            _, status = os.waitpid(pid, 0)
+            with contextlib.suppress(OSError):  # nobody reads it (the agent let the standby go): nothing to tell
+                os.write(standby, f"exited {os.waitstatus_to_exitcode(status)}\n".encode())
+            os.close(standby)
+    return None
+
+
+def standby(fd: int, modules: list[str], imported_s: float) -> None:
+    """A forked standby: its socket as standard input and output, a session of its own, the warm-ups, then the
+    rank handed to it."""
+    os.dup2(fd, 0)
+    os.dup2(fd, 1)
+    os.close(fd)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115  # the process's own, as at a start
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    os.setsid()  # a session of its own: the agent signals it and all it starts as one, as a rank started cold
+    if _idle():
+        _scheduled("SCHED_IDLE")  # the parent may have been sped up for an earlier standby
+        _autogroup(19, unless=_taken)  # the new session's group, which the kernel weighs as an equal
+        if _taken():  # handed a rank already: the rank does not wait at the least weight
             _scheduled("SCHED_OTHER")
             _autogroup(0, within_s=1.0)
-    for preload in sys.argv[1:]:
+    _owned_by_this_process()
+    sys.stdout.write(f"pid {os.getpid()}\n")
+    sys.stdout.flush()
+    started = time.monotonic()
+    for preload in modules:
         module, _, function = preload.partition(":")
-        loaded = importlib.import_module(module)
         if function:
-            getattr(loaded, function)()
-    ready = f"ready {time.monotonic() - started:.3f}\n"
+            getattr(importlib.import_module(module), function)()
+    ready = f"ready {imported_s + time.monotonic() - started:.3f}\n"
     sys.stderr.write(ready)  # for whoever reads the standby's log
     sys.stdout.write(ready)
     sys.stdout.flush()
@@ -99,6 +166,32 @@ def main() -> None:
     if not line:
         return
     become(json.loads(line))
+
+
+def _owned_by_this_process() -> None:
+    """The step hook the parent installed at its start counts this process's steps now: it counts only the process
+    it was installed in (a process a rank forks is not the rank), and a standby is a fork of that one."""
+    steps = sys.modules.get("recovery.client.steps")
+    if steps is not None and hasattr(steps, "adopt"):
+        steps.adopt()
+
+
+def main() -> None:
+    started = time.monotonic()
+    if _idle():
+        _scheduled("SCHED_IDLE")
+        _autogroup(19)
+    modules = sys.argv[1:]
+    for preload in modules:  # a warm-up's module too: its function is each standby's to call
+        importlib.import_module(preload.partition(":")[0])
+    imported_s = time.monotonic() - started
+    sys.stderr.write(f"imported {imported_s:.3f}\n")
+    sys.stderr.flush()
+    control = socket.socket(fileno=os.dup(0))
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    fd = serve(control)
+    if fd is not None:
+        standby(fd, modules, imported_s)
 
 
 def become(rank: dict[str, object]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -16,9 +17,12 @@ from anyio.abc import Process
 
 from events.values import Entrypoint, ResumePlan
 from recovery.agent.standby import Standby, one_thread_each
+from recovery.agent.standby_parent import ForkedStandby, StandbyLost
 from recovery.agent.stephook import with_step_hook
 
 COUNTED = frozenset(("counts",))
+
+logger = logging.getLogger("recovery.agent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +42,9 @@ class RankProcess:
     job: str
     rank: int
     attempt: int
-    process: Process | None  # None: adopted, a rank that outlived the agent that started it (not our child)
+    process: Process | ForkedStandby | None
+    """None: adopted, a rank that outlived the agent that started it; a `ForkedStandby`: a standby's, whose exit
+    status comes from the standby's parent (neither is the agent's child)"""
     pid: int
     ended: anyio.Event = field(default_factory=anyio.Event)
     returncode: int | None = None
@@ -134,8 +140,14 @@ async def start(entrypoint: Entrypoint, env: dict[str, str], output: Path, *, jo
         # it too).
         Path(env["TORCHELASTIC_ERROR_FILE"]).unlink(missing_ok=True)
     if standby is not None:
-        process = await standby.hand_over(entrypoint, env, output)
-        return RankProcess(job, rank, attempt, process, process.pid)
+        try:
+            forked = await standby.hand_over(entrypoint, env, output)
+        except StandbyLost as exc:
+            logger.warning("rank %d of %s starts cold: %s", rank, job, exc)
+            await standby.close()
+        else:
+            assert forked.pid is not None  # `hand_over` waited for it
+            return RankProcess(job, rank, attempt, forked, forked.pid)
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("ab") as log:
         process = await anyio.open_process([entrypoint.command, *entrypoint.args], cwd=entrypoint.cwd, env=env,
@@ -147,7 +159,8 @@ async def start(entrypoint: Entrypoint, env: dict[str, str], output: Path, *, jo
 async def reap(proc: RankProcess) -> None:
     """Wait for the process to end and keep its return code. An adopted rank is not our child: its end is seen
     through a pidfd (readable once it has exited) and its return code stays unknown (None) here: the agent decides
-    it from what the rank's SDK said before it went (`closing`)."""
+    it from what the rank's SDK said before it went (`closing`). Nor is a standby's: its parent tells its status,
+    unknown too where the parent ended first."""
     if proc.process is not None:
         proc.returncode = await proc.process.wait()
     else:

@@ -26,24 +26,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import orjson
-from anyio.abc import Process
 
 from events.values import Entrypoint
+from recovery.agent.standby_parent import ForkedStandby, StandbyParent, regroup
 from recovery.agent.stephook import with_step_hook
 
 logger = logging.getLogger("recovery.agent")
 
 STANDBY_ENV = "RECOVERY_STANDBY"
 PRELOAD_ENV = "RECOVERY_STANDBY_PRELOAD"
-INTERPRETER = "recovery.agent.interpreter"
 IDLE_ENV = "RECOVERY_STANDBY_IDLE"  # `recovery.agent.interpreter`'s: it imports nothing of the agent
 DEFAULT_PER_NODE = 2
 """standbys a job keeps on a node when its entrypoint does not say (fewer where it has fewer ranks there)"""
@@ -69,73 +66,42 @@ def can_hand_over(entrypoint: Entrypoint) -> bool:
 
 @dataclass(slots=True)
 class Standby:
-    """One warm interpreter of a job, ready once its imports are done."""
+    """One warm interpreter of a job, forked by the job's standby parent; ready once its warm-ups are done."""
 
     job: str
-    process: Process
+    process: ForkedStandby
     threads: tuple[str | None, ...] = ()  # `thread_settings` of the environment it imported under
     ready: anyio.Event = field(default_factory=anyio.Event)
     taken: bool = False  # handed a rank: its imports, if not done yet, finish for the rank
 
     @property
-    def pid(self) -> int:
+    def pid(self) -> int | None:
+        """None until its parent, its imports done, forked it."""
         return self.process.pid
 
-    async def hand_over(self, entrypoint: Entrypoint, env: dict[str, str], output: Path) -> Process:
-        """Make the standby the rank: its command line, environment, working directory and output."""
-        assert self.process.stdin is not None
+    async def hand_over(self, entrypoint: Entrypoint, env: dict[str, str], output: Path) -> ForkedStandby:
+        """Make the standby the rank: its command line, environment, working directory and output. Waits for the
+        fork of a standby whose parent still imports; StandbyLost if it never comes (the rank starts cold)."""
         output.parent.mkdir(parents=True, exist_ok=True)
         rank = {"argv": list(entrypoint.args), "cwd": entrypoint.cwd, "env": env, "output": str(output)}
-        await self.process.stdin.send(orjson.dumps(rank) + b"\n")  # read once its imports are done
-        await self.process.stdin.aclose()
+        pid = await self.process.hand_over(orjson.dumps(rank) + b"\n")  # read once its warm-ups are done
         if not self.ready.is_set():
             # promoted again now that the hand-over is on its standard input: an interpreter that had not yet gone
             # idle when `take` promoted it goes idle, then finds the line there and comes back by itself; one that
             # went idle after that look is brought back here
             self.promote()
-            await _regroup(self.process.pid)
-        if self.process.stdout is not None and self.ready.is_set():
-            await self.process.stdout.aclose()  # it said `ready` there; now its output is the rank's
-        # (one still importing says `ready` first: the pool's reader takes the line, then closes the pipe)
+            await regroup(pid)
         return self.process
 
     def promote(self) -> None:
-        """Every thread of it back to `SCHED_OTHER`: a rank waits on the rest of its imports now, which must not
-        run only on CPU time the node's other processes leave."""
-        for tid in _threads(self.process.pid):
-            with contextlib.suppress(OSError):  # a thread gone meanwhile, or a platform that refuses
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        # and its session's scheduling group back to a rank's weight (`interpreter._autogroup`); tried once here
-        # (the kernel takes one such change a tenth of a second from an unprivileged agent), again at the hand-over
-        with contextlib.suppress(OSError):
-            Path(f"/proc/{self.process.pid}/autogroup").write_text("0\n")
+        """Every thread of it, and of its parent, back to `SCHED_OTHER` and a rank's scheduling weight: a rank waits
+        on the rest of its imports now, which must not run only on CPU time the node's other processes leave."""
+        self.process.parent.promote()  # it may still import what the standby is forked with
+        self.process.promote()
 
     async def close(self) -> None:
-        """An idle standby ends when its standard input closes; the kill is for one still importing."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            await self.process.aclose()
-
-
-async def _regroup(pid: int, within_s: float = 0.5) -> None:
-    """`pid`'s session group back at nice 0, tried again while the kernel's rate limit refuses it (EAGAIN)."""
-    with anyio.move_on_after(within_s):
-        while True:
-            try:
-                Path(f"/proc/{pid}/autogroup").write_text("0\n")
-                return
-            except BlockingIOError:
-                await anyio.sleep(0.02)  # another session changed its group a moment ago: the limit's tenth passes
-            except OSError:  # no autogroups here, or the process is gone
-                return
-
-
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return [pid]
+        """An idle standby ends when its standard input closes; the kill is for one still warming."""
+        await self.process.aclose()
 
 
 def one_thread_each(env: dict[str, str], local_ranks: int) -> dict[str, str]:
@@ -175,6 +141,9 @@ class StandbyPool:
         self._closed: set[str] = set()
         self._warming: list[str] = []  # a spare's: the jobs it keeps standbys for, oldest first
         self._starting: dict[str, int] = {}  # per job, standbys being started, not yet in the pool
+        self._parents: dict[tuple[str, tuple[str | None, ...], bool], StandbyParent] = {}
+        """per job, thread settings and idleness: the interpreter that imported once and forks the standbys"""
+        self._starting_parent = anyio.Lock()
         self._count = 0
 
     def wanted(self, entrypoint: Entrypoint, local_ranks: int = 1, whole: bool = False) -> int:
@@ -220,6 +189,7 @@ class StandbyPool:
             self._warming.remove(job)
         for standby in self._standbys.pop(job, []):
             await standby.close()
+        await self._close_parents(job)
 
     def take(self, job: str, env: dict[str, str]) -> Standby | None:
         """One of the job's standbys that imported under the thread settings of `env`, the rank's environment (it is
@@ -233,7 +203,7 @@ class StandbyPool:
             standby.taken = True
             if not standby.ready.is_set():
                 standby.promote()
-                logger.info("standby of %s (pid %d) taken before its imports were done", job, standby.pid)
+                logger.info("standby of %s (pid %s) taken before its imports were done", job, standby.pid)
             return standby
         return None
 
@@ -263,40 +233,42 @@ class StandbyPool:
         await self._ready(job, standby, log)
 
     async def _open(self, job: str, entrypoint: Entrypoint, local_ranks: int, idle: bool) -> tuple[Standby, Path]:
-        """Start a standby of the job, in the pool from then on; and its log."""
-        preload = entrypoint.env.get(PRELOAD_ENV, self.preload)
-        modules = [m.strip() for m in preload.split(",") if m.strip()]
-        self._count += 1
-        log = self.runtime_dir / f"{job}.standby{self._count}.log"
+        """Fork a standby of the job from its parent (started first where the job has none here, or where it
+        ended), in the pool from then on; and the parent's log."""
         env = with_step_hook(one_thread_each({**os.environ, **entrypoint.env}, local_ranks), self.step_hook)
         env[IDLE_ENV] = "1" if idle else "0"
-        with log.open("ab") as errors:
-            process = await anyio.open_process([entrypoint.command, "-m", INTERPRETER, *modules], cwd=entrypoint.cwd,
-                                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                               stderr=errors, start_new_session=True)
-        standby = Standby(job, process, thread_settings(env))
+        key = (job, thread_settings(env), idle)
+        async with self._starting_parent:  # the job's standbys asked at once share one parent
+            parent = self._parents.get(key)
+            if parent is None or not parent.alive:
+                preload = entrypoint.env.get(PRELOAD_ENV, self.preload)
+                modules = [m.strip() for m in preload.split(",") if m.strip()]
+                self._count += 1
+                log = self.runtime_dir / f"{job}.standby{self._count}.log"
+                parent = await StandbyParent.start(entrypoint.command, modules, entrypoint.cwd, env, log)
+                self._parents[key] = parent
+        standby = Standby(job, parent.fork(), key[1])
         self._standbys.setdefault(job, []).append(standby)
-        return standby, log
+        return standby, parent.log
 
     async def _ready(self, job: str, standby: Standby, log: Path) -> None:
-        process = standby.process
-        assert process.stdout is not None
-        line = b""
+        ready = False
         with anyio.move_on_after(READY_TIMEOUT_S):
-            with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-                while not line.endswith(b"\n"):
-                    line += await process.stdout.receive(64)
-        if standby.taken:  # handed a rank before its imports were done: the line said so, its output is the rank's
-            with contextlib.suppress(Exception):
-                await process.stdout.aclose()
-        elif line.startswith(b"ready"):
+            ready = await standby.process.ready()
+        if ready:
             standby.ready.set()
-            logger.info("standby of %s ready (pid %d, imports %ss)", job, process.pid, line.split()[1].decode())
-        else:
+            if not standby.taken:
+                logger.info("standby of %s ready (pid %s, imports and warm-ups %.3fs)", job, standby.pid,
+                            standby.process.ready_s)
+        elif not standby.taken:
             logger.warning("standby of %s did not start (see %s): its ranks start cold", job, log)
             with contextlib.suppress(ValueError):
                 self._standbys.get(job, []).remove(standby)
             await standby.close()
+
+    async def _close_parents(self, job: str) -> None:
+        for key in [key for key in self._parents if key[0] == job]:
+            await self._parents.pop(key).close()
 
     async def discard(self, job: str, for_good: bool = False) -> None:
         """Stop the job's standbys; `for_good`: the job is over here, start no other."""
@@ -304,6 +276,8 @@ class StandbyPool:
             self._closed.add(job)
         for standby in self._standbys.pop(job, []):
             await standby.close()
+        if for_good:
+            await self._close_parents(job)
 
     async def close(self) -> None:
         for job in list(self._standbys):

@@ -123,6 +123,16 @@ def install() -> None:
             sys.meta_path.insert(0, _AfterImport())
 
 
+def adopt() -> None:
+    """Count this process's steps from now on: a fork of the process the hook was installed in that is to become the
+    rank (a warm standby forked from its job's parent interpreter), unlike a process a rank forks, which counts
+    nothing."""
+    if _counter is not None:
+        _counter.pid = os.getpid()
+    if os.environ.get(OWNER_ENV):
+        os.environ[OWNER_ENV] = str(os.getpid())
+
+
 def install_from_environment() -> None:
     """`install()` where the agent asked for it, in the rank's own process only."""
     if os.environ.get(HOOK_ENV) != "1":
