@@ -69,11 +69,11 @@ def rank_pid(marker: str, rank: int, data_dir: Path | None = None) -> int | None
     return next((pid for pid, of in rank_pids(marker).items() if of == rank), None)
 
 
-def standbys_ready(data_dir: Path) -> int:
-    """How many standbys of the standalone run have said they are ready (each writes `ready <import seconds>` to its
-    own output; the agents log at WARNING there)."""
-    return sum(1 for log in data_dir.glob("agents/*/*.standby*.log")
-               if any(line.startswith("ready ") for line in log.read_text(errors="replace").splitlines()))
+def standbys_ready(data_dir: Path, pattern: str = "agents/*/*.standby*.log") -> int:
+    """How many standbys of the standalone run have said they are ready: each writes `ready <seconds>` to its
+    parent's output (one log per job's standby parent on a node; the agents log at WARNING there)."""
+    return sum(1 for log in data_dir.glob(pattern)
+               for line in log.read_text(errors="replace").splitlines() if line.startswith("ready "))
 
 
 class Run:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from bench_harness import ROOT, Emit, sigterm_unwinds
-from bench_harness_launch import HSDP, Run, kill_once, rank_pid, script_args
+from bench_harness_launch import HSDP, Run, kill_once, rank_pid, script_args, standbys_ready
 
 from recovery.agent.memory import memory_root
 
@@ -61,8 +61,7 @@ def ours_args(workdir: Path, tag: str, out: Path) -> list[str]:
 
 
 def spare_standbys_ready(data: Path) -> int:
-    return sum(1 for log in data.glob("agents/spare0/*.standby*.log")
-               if any(line.startswith("ready ") for line in log.read_text(errors="replace").splitlines()))
+    return standbys_ready(data, "agents/spare0/*.standby*.log")
 
 
 def node_loss_once(workdir: Path, tag: str, fault_at: int) -> tuple[float, Path, int]:

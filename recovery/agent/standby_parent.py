@@ -164,6 +164,9 @@ class ForkedStandby:
         """Its exit status, from its parent; None where the parent ended first (the rank's end then seen through a
         pidfd)."""
         await self._until(lambda: self.returncode is not None)
+        if self._stream is not None:
+            with contextlib.suppress(Exception):
+                await self._stream.aclose()  # nothing more comes: the exit status was the last line
         if self.returncode is None and self.pid is not None:
             try:
                 fd = os.pidfd_open(self.pid)
