@@ -15,10 +15,12 @@ needs one for each). A spare keeps standbys too, for the newest accepted job tha
 together, until the job ends or a newer one takes its place. `RECOVERY_STANDBY_PRELOAD` (comma-separated modules)
 overrides the agent's `standby_preload`. Only an entrypoint that runs a Python script (`python script.py ...` or
 `python -m module ...`, the interpreter named `python*`) can be handed over; any other starts cold, as without a
-standby. The standby runs `recovery.agent.interpreter` (see there what a hand-over changes) in a session of its own,
-started with the job's environment and working directory, so that what the imports read is what a cold start would
-have read; a standby still importing when a rank is needed is taken all the same and switched to full speed (what
-it imported is the rank's head start: a cold interpreter beside it would import it all again).
+standby. A job's standbys on the node are forked by one parent (`recovery.agent.standby_parent`, and
+`recovery.agent.interpreter` for what a hand-over changes), which imports once, in a session of its own, started with
+the job's environment and working directory, so that what the imports read is what a cold start would have read
+(a parent per thread settings too: torch sizes its pools at import); a standby still importing when a rank is needed
+is taken all the same and switched to full speed, its parent too (what it imported is the rank's head start: a cold
+interpreter beside it would import it all again).
 """
 
 from __future__ import annotations
