@@ -198,3 +198,17 @@ def test_free_port_never_gives_a_port_it_gave_lately_though_the_kernel_picks_it_
     monkeypatch.setattr(nats_server, "_HANDED_OUT", type(nats_server._HANDED_OUT)(maxlen=16))
     monkeypatch.setattr(socket, "socket", Socket)
     assert [nats_server.free_port() for _ in range(3)] == [41001, 41002, 41003]
+
+
+def test_the_daemon_starts_without_the_websocket_transport_and_refuses_a_websocket_url() -> None:
+    """nats-py imports aiohttp for websocket servers, a tenth of a second of every start (a restart after a crash
+    included): the daemon's entry point leaves it out, anything else may still import it, and a websocket URL in
+    the configuration is refused with why rather than failing at connect."""
+    script = ("import sys; import recovery.cli.daemon; import nats.aio.transport as t; "
+              "print('aiohttp' in sys.modules, t.aiohttp is None); import aiohttp; print(aiohttp.__name__)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["False", "True", "aiohttp"]
+    from recovery.service.config import DaemonConfig
+
+    with pytest.raises(ValueError, match="not a websocket"):
+        DaemonConfig(nats_url="nats://a:4222, wss://b:443")

@@ -13,6 +13,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+# isort: split
+from recovery.service import lean_nats  # noqa: F401  # first: nats-py without what the daemon never uses
+
+# isort: split
 import anyio
 import orjson
 

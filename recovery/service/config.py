@@ -127,6 +127,9 @@ class DaemonConfig(FileSettings):
         if self.partitions > 1 and (not self.nats_url or self.lease_ttl_s <= 0):
             raise ValueError(f"partitions = {self.partitions} needs a NATS server (nats_url) and a lease "
                              f"(lease_ttl_s > 0): the daemons share the partitions through their leases")
+        if any(url.strip().lower().startswith(("ws://", "wss://")) for url in self.nats_url.split(",")):
+            raise ValueError(f"nats_url {self.nats_url!r}: the daemon connects over nats:// or tls://, not a "
+                             f"websocket (the servers' websocket port is for clients outside the cluster)")
         if self.stream == self.command_stream:
             raise ValueError("stream and command_stream must differ")
         if self.duplicate_window_s > self.command_max_age_s:
