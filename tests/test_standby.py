@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -432,5 +433,55 @@ async def test_standbys_start_once_the_ranks_stepped_as_many_as_wanted_then_and_
         assert len(extra) == 1 and len(pool._standbys["job"]) == 2 and pool.trim("job", 2) == []
         for standby in extra:
             await standby.close()
+    finally:
+        await pool.close()
+
+
+WAITING_SCRIPT = """
+import os, sys, time
+while not os.path.exists(os.environ["GO_FILE"]):
+    time.sleep(0.01)  # the rank's own wait, polled: no test sleeps on it
+sys.exit(5)
+"""
+
+
+async def test_a_forked_rank_s_status_comes_from_its_parent_and_its_end_is_seen_without_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent is not a forked rank's parent: the standby parent tells its exit status (a signal too); a parent
+    gone first leaves the status unknown, and the rank's end is still seen (as an adopted rank's is)."""
+    (tmp_path / "job.py").write_text(WAITING_SCRIPT)
+    for key, value in environment().items():
+        monkeypatch.setenv(key, value)
+    entrypoint = Entrypoint(command=sys.executable, args=[str(tmp_path / "job.py")], cwd=str(tmp_path))
+    pool = StandbyPool(tmp_path / "runtime", enabled=True, preload="json", delay_s=0)
+    (tmp_path / "runtime").mkdir()
+    try:
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(60):
+                await pool.keep("job", entrypoint, 2)
+                await pool.keep("job", entrypoint, 2)
+            procs = []
+            for rank in (0, 1):
+                standby = pool.take("job", dict(os.environ))
+                assert standby is not None
+                env = {**environment(), "GO_FILE": str(tmp_path / f"go{rank}")}
+                proc = await ranks.start(entrypoint, env, tmp_path / f"rank{rank}.log", job="job", rank=rank,
+                                         attempt=1, standby=standby)
+                tg.start_soon(ranks.reap, proc)
+                procs.append(proc)
+            killed, orphaned = procs
+            parent = killed.process.parent  # type: ignore[union-attr]
+            assert orphaned.process.parent is parent  # type: ignore[union-attr]
+            killed.signal(signal.SIGKILL)
+            with anyio.fail_after(60):
+                await killed.ended.wait()
+            assert killed.status() == (None, signal.SIGKILL)  # told by the parent
+            os.kill(parent.process.pid, signal.SIGKILL)  # the parent goes first: nobody to tell the other's
+            with anyio.fail_after(60):
+                await parent.process.wait()
+            (tmp_path / "go1").touch()
+            with anyio.fail_after(60):
+                await orphaned.ended.wait()  # seen all the same
+            assert orphaned.returncode is None
     finally:
         await pool.close()

@@ -146,6 +146,7 @@ class StandbyPool:
         self._parents: dict[tuple[str, tuple[str | None, ...], bool], StandbyParent] = {}
         """per job, thread settings and idleness: the interpreter that imported once and forks the standbys"""
         self._starting_parent = anyio.Lock()
+        self._lingering: list[StandbyParent] = []  # let go, waiting for the ranks they forked to end
         self._count = 0
 
     def wanted(self, entrypoint: Entrypoint, local_ranks: int = 1, whole: bool = False) -> int:
@@ -269,8 +270,11 @@ class StandbyPool:
             await standby.close()
 
     async def _close_parents(self, job: str) -> None:
+        self._lingering = [parent for parent in self._lingering if parent.alive]
         for key in [key for key in self._parents if key[0] == job]:
-            await self._parents.pop(key).close()
+            parent = self._parents.pop(key)
+            if await parent.close():
+                self._lingering.append(parent)  # until the ranks it forked have ended
 
     async def discard(self, job: str, for_good: bool = False) -> None:
         """Stop the job's standbys; `for_good`: the job is over here, start no other."""

@@ -75,17 +75,20 @@ class StandbyParent:
         """Back to full speed: a rank waits on the rest of its imports (`interpreter._autogroup`)."""
         _full_speed(self.process.pid)
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
         """Let the parent go: it ends once the standbys it forked have (a rank among them goes on to its end: the
-        parent waits to tell its exit status); one that forked none is killed, its imports maybe under way."""
+        parent waits to tell its exit status), True then (the caller keeps this object until it has ended: the event
+        loop kills a process whose handle is collected); one that forked no rank is killed, its imports maybe under
+        way."""
         with contextlib.suppress(OSError):
             self.control.close()
         if any(standby.returncode is None and standby.handed_over for standby in self.standbys):
-            return  # it ends by itself after them, reaped by the event loop's child watcher
+            return True  # it ends by itself after them, reaped by the event loop's child watcher
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             await self.process.aclose()
+        return False
 
 
 class ForkedStandby:
