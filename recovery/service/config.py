@@ -31,8 +31,9 @@ class DaemonConfig(FileSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
     # -- NATS ------------------------------------------------------------------------------------------
-    nats_url: str = Field("", description="NATS server URL(s), comma-separated; empty: start an embedded "
-                                          "nats-server with JetStream in data_dir")
+    nats_url: str = Field("", description="NATS server URL(s), comma-separated, nats:// or tls:// (not a "
+                                          "websocket); empty: start an embedded nats-server with JetStream in "
+                                          "data_dir")
     data_dir: Path = Field(Path("recovery-data"), description="embedded nats-server store and the daemon's "
                                                                "local files (nats.url for recovery-ctl); one "
                                                                "daemon's alone (daemon.lock)")
