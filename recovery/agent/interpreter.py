@@ -151,8 +151,7 @@ def standby(fd: int, modules: list[str], imported_s: float) -> None:
             _scheduled("SCHED_OTHER")
             _autogroup(0, within_s=1.0)
     _owned_by_this_process()
-    sys.stdout.write(f"pid {os.getpid()}\n")
-    sys.stdout.flush()
+    _say(f"pid {os.getpid()}\n")
     started = time.monotonic()
     for preload in modules:
         module, _, function = preload.partition(":")
@@ -160,12 +159,21 @@ def standby(fd: int, modules: list[str], imported_s: float) -> None:
             getattr(importlib.import_module(module), function)()
     ready = f"ready {imported_s + time.monotonic() - started:.3f}\n"
     sys.stderr.write(ready)  # for whoever reads the standby's log
-    sys.stdout.write(ready)
-    sys.stdout.flush()
+    _say(ready)
     line = sys.stdin.buffer.readline()
     if not line:
         return
     become(json.loads(line))
+
+
+def _say(line: str) -> None:
+    """A line to the agent; where the agent let this standby go before it was forked (its socket's other end is
+    closed), the standby ends quietly, as at the end of its input."""
+    try:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    except OSError:
+        os._exit(0)  # nothing of a rank's to flush or clean up: the standby never became one
 
 
 def _owned_by_this_process() -> None:
