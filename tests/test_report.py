@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from events import subjects
+from events.envelope import make_envelope
 from recovery.cli.replay import main
 from recovery.log import iter_numbered
 from recovery.log.jetstream import JetStreamLog
@@ -173,7 +175,8 @@ def test_json_output_is_the_versioned_shape(capsys: pytest.CaptureFixture[str]) 
     assert main(["report", str(GOLDEN / "pod_level_reschedule.jsonl"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["report"] == REPORT_VERSION == 1
-    assert set(out) == {"report", "filters", "records", "span", "summary", "jobs", "never_ran", "lemons", "notes"}
+    assert set(out) == {"report", "filters", "records", "span", "summary", "jobs", "never_ran", "lemons",
+                        "health_checks_failed", "notes"}
     assert out["jobs"][0]["incidents"][0]["id"] == "llm#1"
 
 
@@ -440,3 +443,40 @@ def test_a_hang_an_agent_saw_is_dated_from_when_the_rank_stopped_making_progress
     incident = only_incident(build_report(iter_file(path)))
     assert incident["fault_class"] == "hang" and incident["first_failing_rank"] == 1
     assert incident["first_signal_s"] == incident["opened_s"] - 12 and incident["detection_latency_s"] == 12
+
+
+def _checked(seq: int, node: str, when: str, *results: tuple[str, bool, str]) -> dict[str, Any]:
+    envelope = make_envelope("node.checked", {"when": when, "results": [{"check": c, "ok": ok, "saw": saw}
+                                                                       for c, ok, saw in results]},
+                             id=f"{node}-checked-{seq}", node=node, source=f"agent@{node}")
+    return {"seq": seq, "ts": (1767225600 + seq) * 10**9, "subject": subjects.node_event(node, "node.checked"),
+            "headers": {}, "envelope": envelope.model_dump(mode="json", by_alias=True)}
+
+
+def test_the_report_lists_every_node_that_failed_its_checks_an_idle_spares_too(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A spare that fails its checks while idle leaves the pool before any job's fault could name it: the report
+    lists it with the checks that failed, what they saw and whether a later run passed."""
+    records = [
+        _checked(1, "spare0", "join", ("memory", True, "61 GiB free"), ("disk:/dev/shm", True, "1.2 GB/s")),
+        _checked(2, "spare0", "join", ("memory", True, ""), ("disk:/dev/shm", False, "write 3 MB/s < 200 MB/s")),
+        _checked(3, "spare0", "spare", ("gpu-state", False, "2 pending retired pages")),
+        _checked(4, "n1", "start", ("collective", False, "all-reduce timed out")),
+        _checked(5, "n1", "fault", ("collective", True, "")),
+        _checked(6, "n2", "join", ("memory", True, "")),
+    ]
+    report = build_report(records)
+    assert report["health_checks_failed"] == [
+        {"node": "n1", "failed_runs": 1, "checks": ["collective"], "first_failed_ns": 1767225604 * 10**9,
+         "last_failed_ns": 1767225604 * 10**9, "when": ["start"], "saw": "collective: all-reduce timed out",
+         "passed_ns": 1767225605 * 10**9},
+        {"node": "spare0", "failed_runs": 2, "checks": ["disk:/dev/shm", "gpu-state"],
+         "first_failed_ns": 1767225602 * 10**9, "last_failed_ns": 1767225603 * 10**9, "when": ["join", "spare"],
+         "saw": "gpu-state: 2 pending retired pages", "passed_ns": None},
+    ]  # n2 passed every run: not listed
+    log = tmp_path / "checks.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("nodes that failed their health checks"):]
+    assert "spare0" in table and "n1" in table and "n2" not in table

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from events.subjects import unpartitioned
+from recovery.report.checks import FailedChecks
 from recovery.report.figures import job_report, lemons, mttr, never_ran, restarts, sum_dicts
 from recovery.report.onset import onset, silent_nodes
 from recovery.report.source import RawDict
@@ -83,6 +84,7 @@ class ReportFold:
         self.recent: dict[int, RawDict] = {}
         self.node_heard: dict[str, int] = {}
         """node -> log time of its agent's last node event (a heartbeat, a ready): when a lost node was last heard"""
+        self.checks = FailedChecks()
         self.records = 0
         self.read = 0
         self.first_ts: int | None = None
@@ -144,6 +146,8 @@ class ReportFold:
                     self._heard(job, entry, ts - round(float(entry.get("heard_s") or 0) * 1e9))
         if type_ in _AGENT_SPOKE and env.get("node"):
             self.node_heard[str(env["node"])] = ts
+        if type_ == "node.checked" and env.get("node"):
+            self.checks.add(str(env["node"]), env.get("data") or {}, ts)
         if type_ in ("node.ready", "node.joined") and env.get("node") and (env.get("data") or {}).get("last_exit"):
             self._agent_back(str(env["node"]), str(env["data"]["last_exit"]), ts)
         if type_ == "process.stacks" and job_id is not None:
@@ -545,6 +549,7 @@ class ReportFold:
             "jobs": jobs,
             "never_ran": never,
             "lemons": lemons(incidents),
+            "health_checks_failed": self.checks.result(),
             "notes": notes,
         }
 

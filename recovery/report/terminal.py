@@ -77,6 +77,12 @@ def render(report: dict[str, Any], console: Console | None = None, decisions: bo
         console.print(table)
     if not lemons:
         console.print(Text("no lemon candidates: no node is in two incidents"))
+    failed = [[node["node"], str(node["failed_runs"]), Text(", ".join(node["checks"])), Text(", ".join(node["when"])),
+               Text(node["saw"]), "no" if node["passed_ns"] is None else "yes"]
+              for node in report.get("health_checks_failed", [])]
+    for table in fitted_tables("nodes that failed their health checks", CHECK_COLUMNS, failed,
+                               console.width) if failed else []:
+        console.print(table)
     for note in report["notes"]:
         console.print(f"note: {note}")
 
@@ -142,6 +148,9 @@ def _job(console: Console, job: dict[str, Any], decisions: bool) -> None:
 NEVER_RAN_COLUMNS = (Column("job"), Column("GPUs", "number"), Column("state"), Column("why", "text"))
 LEMON_COLUMNS = (Column("node"), Column("incidents", "number"), Column("jobs", "text"),
                  Column("devices repeating", "text"), Column("history", "text"))
+CHECK_COLUMNS = (Column("node"), Column("failed\nruns", "number"), Column("checks", "text"), Column("when", "text"),
+                 Column("last saw", "text"), Column("passed\nsince"))
+"""a node whose checks failed: as often and where, what the last failure saw, and whether a later run passed"""
 INCIDENT_COLUMNS = (Column("incident"), Column("fault", "text"), Column("first\nrank", "number"),
                     Column("detect\ns", "number"), Column("decide\ns", "number"), Column("granularity", "text"),
                     Column("checkpoint", "text"), Column("lost\nsteps", "number"), Column("TTR s", "number"),
