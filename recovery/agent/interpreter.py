@@ -186,6 +186,10 @@ def _owned_by_this_process() -> None:
 
 def main() -> None:
     started = time.monotonic()
+    # CUDA cannot be used in a process forked after the driver was initialised, and torch's CUDA check
+    # (`torch.cuda.is_available`) initialises it unless told to ask NVML: an import that checks must leave the
+    # parent's forks able to use the GPU (the rank's own environment replaces this one at the hand-over)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if _idle():
         _scheduled("SCHED_IDLE")
         _autogroup(19)
