@@ -18,6 +18,7 @@ from recovery.cli.replay import main
 from recovery.log import iter_numbered
 from recovery.log.jetstream import JetStreamLog
 from recovery.report import REPORT_VERSION, build_report, iter_file
+from recovery.report.html import render_html
 from recovery.sim.config import Cluster, SimConfig
 from recovery.sim.sim import simulate
 from recovery.testing.nats import NatsServer
@@ -480,3 +481,6 @@ def test_the_report_lists_every_node_that_failed_its_checks_an_idle_spares_too(
     out = capsys.readouterr().out
     table = out[out.index("nodes that failed their health checks"):]
     assert "spare0" in table and "n1" in table and "n2" not in table
+    html = render_html(report)
+    checks = html[html.index('id="checks"'):]
+    assert "<td>spare0</td><td>2</td><td>disk:/dev/shm, gpu-state</td>" in checks and "<td>n2</td>" not in checks

@@ -153,6 +153,18 @@ def _lemons(lemons: list[dict[str, Any]]) -> str:
             f'<th>history</th></tr></thead><tbody>{body}</tbody></table>')
 
 
+def _failed_checks(nodes: list[dict[str, Any]]) -> str:
+    """Nodes whose health checks failed (none: no section at all)."""
+    if not nodes:
+        return ""
+    rows = "".join(f'<tr><td>{_e(n["node"])}</td><td>{n["failed_runs"]}</td><td>{_e(", ".join(n["checks"]))}</td>'
+                   f'<td>{_e(", ".join(n["when"]))}</td><td>{_e(n["saw"])}</td>'
+                   f'<td>{"no" if n["passed_ns"] is None else "yes"}</td></tr>' for n in nodes)
+    return ('<h2>Nodes that failed their health checks</h2><table class="chart checks" id="checks"><thead><tr>'
+            '<th>node</th><th>failed runs</th><th>checks</th><th>when</th><th>last saw</th><th>passed since</th>'
+            f'</tr></thead><tbody>{rows}</tbody></table>')
+
+
 def _incident_table(job: dict[str, Any]) -> str:
     rows = []
     for inc in job["incidents"]:
@@ -249,6 +261,7 @@ def render_html(report: dict[str, Any]) -> str:
             f'<h2>Time to recovery by phase and fault class (mean seconds per incident)</h2>'
             f'{_mttr_chart(s["mttr_by_fault_class"])}'
             f'<h2>Lemon candidates: nodes in two or more incidents</h2>{_lemons(report["lemons"])}'
+            f'{_failed_checks(report.get("health_checks_failed", []))}'
             f'<h2>Incidents</h2>{"".join(tables)}'
             f'<script>{_LAYOUT_SCRIPT}</script></body></html>')
 
