@@ -17,7 +17,7 @@ from anyio.abc import Process
 
 from events.values import Entrypoint, ResumePlan
 from recovery.agent.standby import Standby, one_thread_each
-from recovery.agent.standby_parent import ForkedStandby, StandbyLost
+from recovery.agent.standby_parent import ForkedStandby, StandbyLost, until_gone
 from recovery.agent.stephook import with_step_hook
 
 COUNTED = frozenset(("counts",))
@@ -164,15 +164,7 @@ async def reap(proc: RankProcess) -> None:
     if proc.process is not None:
         proc.returncode = await proc.process.wait()
     else:
-        try:
-            fd = os.pidfd_open(proc.pid)
-        except ProcessLookupError:
-            fd = None  # gone already
-        if fd is not None:
-            try:
-                await anyio.wait_readable(fd)
-            finally:
-                os.close(fd)
+        await until_gone(proc.pid)
     proc.ended.set()
 
 

@@ -171,15 +171,7 @@ class ForkedStandby:
             with contextlib.suppress(Exception):
                 await self._stream.aclose()  # nothing more comes: the exit status was the last line
         if self.returncode is None and self.pid is not None:
-            try:
-                fd = os.pidfd_open(self.pid)
-            except (ProcessLookupError, OSError):
-                fd = None  # gone already
-            if fd is not None:
-                try:
-                    await anyio.wait_readable(fd)
-                finally:
-                    os.close(fd)
+            await until_gone(self.pid)
         return self.returncode
 
     def promote(self) -> None:
@@ -198,6 +190,18 @@ class ForkedStandby:
             self._socket.close()
         with contextlib.suppress(ValueError):
             self.parent.standbys.remove(self)
+
+
+async def until_gone(pid: int) -> None:
+    """Until `pid`, a process that is not this one's child, has exited: seen through a pidfd, readable then."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone already (ProcessLookupError among them)
+        return
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
 
 
 def _full_speed(pid: int) -> None:
@@ -231,4 +235,4 @@ def _threads(pid: int) -> list[int]:
         return [pid]
 
 
-__all__ = ["INTERPRETER", "ForkedStandby", "StandbyLost", "StandbyParent", "regroup"]
+__all__ = ["INTERPRETER", "ForkedStandby", "StandbyLost", "StandbyParent", "regroup", "until_gone"]
