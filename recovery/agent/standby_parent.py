@@ -10,7 +10,6 @@ end is then seen through a pidfd, as an adopted rank's is (`ForkedStandby.wait` 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -18,8 +17,6 @@ from pathlib import Path
 
 import anyio
 from anyio.abc import Process, SocketStream
-
-logger = logging.getLogger("recovery.agent")
 
 INTERPRETER = "recovery.agent.interpreter"
 
@@ -68,7 +65,8 @@ class StandbyParent:
         finally:
             theirs.close()  # the parent holds it now; the standby's end is closed where the standby closes it
         standby = ForkedStandby(self, ours)
-        self.standbys.append(standby)
+        # those whose end it told are forgotten: a job's parent forks a standby for every restart of its life
+        self.standbys = [*(s for s in self.standbys if s.returncode is None), standby]
         return standby
 
     def promote(self) -> None:
