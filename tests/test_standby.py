@@ -485,3 +485,33 @@ async def test_a_forked_rank_s_status_comes_from_its_parent_and_its_end_is_seen_
             assert orphaned.returncode is None
     finally:
         await pool.close()
+
+
+async def test_the_end_of_a_process_not_the_agents_child_is_seen_without_pidfds_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel before 5.3 has no pidfds: the end is read from /proc instead, and a zombie counts as ended."""
+    from recovery.agent import standby_parent
+
+    def no_pidfds(pid: int) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        async with anyio.create_task_group() as tg:
+            gone = anyio.Event()
+
+            async def wait() -> None:
+                await standby_parent.until_gone(sleeper.pid, poll_s=0.01)
+                gone.set()
+
+            tg.start_soon(wait)
+            await anyio.wait_all_tasks_blocked()
+            assert not gone.is_set()  # still running
+            assert sleeper.stdin is not None
+            sleeper.stdin.close()  # it ends, a zombie until reaped below
+            with anyio.fail_after(30):
+                await gone.wait()
+    finally:
+        sleeper.kill()
+        sleeper.wait()

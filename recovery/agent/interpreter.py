@@ -34,6 +34,7 @@ import json
 import os
 import runpy
 import select
+import signal
 import socket
 import sys
 import time
@@ -97,42 +98,62 @@ def _idle() -> bool:
 def serve(control: socket.socket) -> int | None:
     """The parent's loop, its imports done: fork a standby for each `fork` packet, relay each standby's exit status,
     and return None once the agent's socket ended and no standby is left. In a standby, it returns the descriptor of
-    the standby's socket (its stack unwinds to `main`, which makes it the standby)."""
-    children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, the standby's socket)
+    the standby's socket (its stack unwinds to `main`, which makes it the standby). A standby's end wakes the loop
+    through SIGCHLD and a pipe (`signal.set_wakeup_fd`), which every Linux has (pidfds need 5.3)."""
+    children: dict[int, int] = {}  # pid -> the standby's socket
+    woken, wake = os.pipe()
+    os.set_blocking(woken, False)
+    os.set_blocking(wake, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the signal writes to the wake-up pipe
+    signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
     listening = True
     while listening or children:
-        waiting = [*children, control.fileno()] if listening else list(children)
-        readable, _, _ = select.select(waiting, [], [])
-        for fd in readable:
-            if fd == control.fileno():
-                try:
-                    message, fds, _, _ = socket.recv_fds(control, 64, 4)
-                except OSError:
-                    message, fds = b"", []
-                if not message:
-                    listening = False
-                for given in fds if message.startswith(b"fork") else ():
-                    pid = os.fork()
-                    if pid == 0:  # the standby: nothing of the parent's but the imports
-                        control.close()
-                        for pidfd, (_, sibling) in children.items():
-                            os.close(pidfd)
-                            os.close(sibling)
-                        for other in fds:
-                            if other != given:
-                                os.close(other)
-                        return given
-                    children[os.pidfd_open(pid)] = (pid, given)
-                for unused in fds if not message.startswith(b"fork") else ():
-                    os.close(unused)
-                continue
-            pid, standby = children.pop(fd)
-            os.close(fd)
-            _, status = os.waitpid(pid, 0)
+        try:
+            readable, _, _ = select.select([woken, control.fileno()] if listening else [woken], [], [])
+        except InterruptedError:
+            continue
+        if woken in readable:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(woken, 512):
+                    pass
+            _reap(children)
+        if control.fileno() not in readable:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 64, 4)
+        except OSError:
+            message, fds = b"", []
+        if not message:
+            listening = False
+        for given in fds if message.startswith(b"fork") else ():
+            pid = os.fork()
+            if pid == 0:  # the standby: nothing of the parent's but the imports
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (woken, wake, *children.values(), *(other for other in fds if other != given)):
+                    os.close(fd)
+                control.close()
+                return given
+            children[pid] = given
+        for unused in fds if not message.startswith(b"fork") else ():
+            os.close(unused)
+    return None
+
+
+def _reap(children: dict[int, int]) -> None:
+    """Every standby that ended: its exit status on its socket, for the agent."""
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, None  # reaped elsewhere: its end, with no status to tell (the agent's is unknown)
+        if done == 0:
+            continue
+        standby = children.pop(pid)
+        if status is not None:
             with contextlib.suppress(OSError):  # nobody reads it (the agent let the standby go): nothing to tell
                 os.write(standby, f"exited {os.waitstatus_to_exitcode(status)}\n".encode())
-            os.close(standby)
-    return None
+        os.close(standby)
 
 
 def standby(fd: int, modules: list[str], imported_s: float) -> None:

@@ -190,16 +190,29 @@ class ForkedStandby:
             self.parent.standbys.remove(self)
 
 
-async def until_gone(pid: int) -> None:
-    """Until `pid`, a process that is not this one's child, has exited: seen through a pidfd, readable then."""
+async def until_gone(pid: int, poll_s: float = 0.05) -> None:
+    """Until `pid`, a process that is not this one's child, has exited: seen through a pidfd, readable then; on a
+    kernel without pidfds (before 5.3), its /proc entry read every `poll_s` until it is gone or a zombie."""
     try:
         fd = os.pidfd_open(pid)
-    except OSError:  # gone already (ProcessLookupError among them)
+    except ProcessLookupError:  # gone already
+        return
+    except OSError:
+        while _running(pid):
+            await anyio.sleep(poll_s)  # no pidfd to wait on: polling the process's state
         return
     try:
         await anyio.wait_readable(fd)
     finally:
         os.close(fd)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] not in ("Z", "X")  # the state, after the command name
 
 
 def _full_speed(pid: int) -> None:
