@@ -44,6 +44,9 @@ async def run_job(cluster: Cluster, job: str) -> tuple[JobWatch, dict[str, Any]]
 
         spec = job_spec(out, STEPS, STEP_TIME_S, NODES, free_port())
         spec["entrypoint"]["env"]["RECOVERY_STANDBY"] = "1"
+        # at full speed from the start: on a host the suite keeps busy, a standby on idle CPU time alone would be
+        # ready only once `standby_idle_s` passed, maybe after the job's last step (this test is of the hand-over)
+        spec["entrypoint"]["env"]["RECOVERY_STANDBY_IDLE"] = "0"
         await submit(nc, job, spec)
         try:
             await wait_until(lambda: bool(standby_pids(cluster, "n1", job)), 120, f"{job}'s standby on n1", explain)

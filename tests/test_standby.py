@@ -515,3 +515,49 @@ async def test_the_end_of_a_process_not_the_agents_child_is_seen_without_pidfds_
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+async def test_a_standby_that_found_no_idle_cpu_time_for_standby_idle_s_goes_on_at_a_ranks_weight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose ranks keep every core busy leaves a standby no idle CPU time: past the agent's `standby_idle_s`
+    its parent (still importing here) and the standby once forked go on at a rank's weight, or it might never be
+    ready. A job's `RECOVERY_STANDBY_IDLE=0` has them at full speed from the start."""
+    released = tmp_path / "released"
+    for key, value in environment().items():
+        monkeypatch.setenv(key, value)
+    entrypoint = Entrypoint(command=sys.executable, args=["job.py"], cwd=str(tmp_path),
+                            env={"RECOVERY_STANDBY_PRELOAD": "json,tests.standby_hold", "RELEASE_FILE": str(released)})
+    pool = StandbyPool(tmp_path / "runtime", enabled=True, preload="json", delay_s=0, idle_s=0.2)
+    (tmp_path / "runtime").mkdir()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.keep, "job", entrypoint)
+            with anyio.fail_after(60):
+                while not pool._standbys.get("job"):
+                    await anyio.sleep(0.01)  # polling the pool until the standby is asked for, with a deadline
+            [standby] = pool._standbys["job"]
+            parent = standby.process.parent.process.pid
+            with anyio.fail_after(60):
+                while os.sched_getscheduler(parent) != getattr(os, "SCHED_IDLE", -1):
+                    await anyio.sleep(0.01)  # polling until the parent went idle as it started, with a deadline
+                while os.sched_getscheduler(parent) != os.sched_getscheduler(0):
+                    await anyio.sleep(0.01)  # polling until the idle time is up, with a deadline
+            assert autogroup_nice(parent) == 0
+            released.touch()
+            with anyio.fail_after(60):
+                await standby.ready.wait()
+            assert standby.pid is not None and os.sched_getscheduler(standby.pid) == os.sched_getscheduler(0)
+            assert autogroup_nice(standby.pid) == 0
+        opted_out = dataclasses.replace(entrypoint, env={**entrypoint.env, "RECOVERY_STANDBY_IDLE": "0"}) \
+            if dataclasses.is_dataclass(entrypoint) else entrypoint.model_copy(
+                update={"env": {**entrypoint.env, "RECOVERY_STANDBY_IDLE": "0"}})
+        fast = StandbyPool(tmp_path / "runtime", enabled=True, preload="json", delay_s=0, idle_s=3600)
+        try:
+            with anyio.fail_after(60):
+                await fast.keep("other", opted_out)
+            [other] = fast._standbys["other"]
+            assert other.pid is not None and os.sched_getscheduler(other.pid) == os.sched_getscheduler(0)
+        finally:
+            await fast.close()
+    finally:
+        await pool.close()

@@ -88,7 +88,7 @@ class Agent(Relay, Rescale, Admission):
         self.silence = SilenceWatch()
         self.stores = JobStores(cfg.store_host)  # by port: jobs naming the same MASTER_PORT share one
         self.standbys = StandbyPool(self.runtime_dir, cfg.standby, cfg.standby_preload, cfg.standby_delay_s,
-                                    cfg.step_hook)
+                                    cfg.step_hook, idle_s=cfg.standby_idle_s)
         self.dumps = Dumps()
         self.memory = MemoryTier(memory_root(cfg.memory_dir, cfg.node, self.runtime_dir), self.checkpoint_saved)
         self.warming: dict[str, anyio.CancelScope] = {}

@@ -154,6 +154,11 @@ class AgentConfig(FileSettings):
                                                                     "starts (its imports would compete for the CPU "
                                                                     "with the recovery's); a job's first standbys "
                                                                     "start with its ranks")
+    standby_idle_s: float = Field(10.0, ge=0, le=3600, description="how long a standby imports on idle CPU time "
+                                                                   "alone; one not ready by then goes on at a rank's "
+                                                                   "weight (a node whose ranks keep every core busy "
+                                                                   "still gets its standbys, for one import's CPU "
+                                                                   "time); 0: at once")
     compile_cache: bool = Field(True, description="give each job its own compile caches on this node "
                                                   "(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, unless the job's "
                                                   "environment names them), kept across its ranks' restarts")

@@ -132,8 +132,10 @@ def standbys_wanted(choice: str | None, enabled: bool, local_ranks: int) -> int:
 class StandbyPool:
     """The agent's standbys: per job, as many as it wants (`standbys_wanted`)."""
 
-    def __init__(self, runtime_dir: Path, enabled: bool, preload: str, delay_s: float, step_hook: bool = True) -> None:
+    def __init__(self, runtime_dir: Path, enabled: bool, preload: str, delay_s: float, step_hook: bool = True,
+                 idle_s: float = 10.0) -> None:
         self.runtime_dir = runtime_dir
+        self.idle_s = idle_s  # how long a standby imports on idle CPU time alone (the agent's `standby_idle_s`)
         self.step_hook = step_hook  # the ranks' step hook, installed at the standby's start as at a rank's
         self.enabled = enabled
         self.preload = preload
@@ -239,7 +241,8 @@ class StandbyPool:
         """Fork a standby of the job from its parent (started first where the job has none here, or where it
         ended), in the pool from then on; and the parent's log."""
         env = with_step_hook(one_thread_each({**os.environ, **entrypoint.env}, local_ranks), self.step_hook)
-        env[IDLE_ENV] = "1" if idle else "0"
+        # the job's own `RECOVERY_STANDBY_IDLE=0` (nodes whose CPUs its ranks keep busy): at full speed from the start
+        env[IDLE_ENV] = "1" if idle and entrypoint.env.get(IDLE_ENV, "1") != "0" else "0"
         key = (job, thread_settings(env), idle)
         async with self._starting_parent:  # the job's standbys asked at once share one parent
             parent = self._parents.get(key)
@@ -257,7 +260,17 @@ class StandbyPool:
     async def _ready(self, job: str, standby: Standby, log: Path) -> None:
         ready = False
         with anyio.move_on_after(READY_TIMEOUT_S):
-            ready = await standby.process.ready()
+            with anyio.move_on_after(self.idle_s):
+                ready = await standby.process.ready()
+            if not ready and not standby.process.ended:
+                # no idle CPU time on this node for that long (its ranks keep every core busy): at a rank's weight
+                # from now on, or it might never be ready; once forked too, as a standby goes idle by itself
+                standby.promote()
+                await regroup(standby.process.parent.process.pid)
+                if await standby.process.forked_or_ended():
+                    standby.promote()
+                    await regroup(standby.process.pid)  # type: ignore[arg-type]  # forked: its pid is known
+                ready = await standby.process.ready()
         if ready:
             standby.ready.set()
             if not standby.taken:

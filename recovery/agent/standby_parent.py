@@ -145,6 +145,16 @@ class ForkedStandby:
                               f"(see {self.parent.log})")
         return self.pid
 
+    @property
+    def ended(self) -> bool:
+        """Its socket ended: nothing more comes (it ended, or its parent did before forking it)."""
+        return self._ended
+
+    async def forked_or_ended(self) -> bool:
+        """Until it is forked (True) or will never be (False)."""
+        await self._until(lambda: self.pid is not None)
+        return self.pid is not None
+
     async def ready(self) -> bool:
         """Until it said `ready` (True) or ended (False)."""
         await self._until(lambda: self.ready_s is not None)
