@@ -229,7 +229,7 @@ def main() -> None:
 
 def become(rank: dict[str, object]) -> None:
     _scheduled("SCHED_OTHER")  # the threads the imports started too
-    if os.environ.get(IDLE_ENV, "1") != "0":
+    if _idle():
         _autogroup(0, within_s=1.0)  # before the rank's environment replaces this one's
     argv = [str(a) for a in rank["argv"]]  # type: ignore[attr-defined]
     env = {str(k): str(v) for k, v in rank["env"].items()}  # type: ignore[attr-defined]

@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -130,17 +131,21 @@ class ForkedStandby:
             elif word == "exited":
                 self.returncode = int(value)
 
-    async def _until(self, done: object) -> None:
-        while not done() and not self._ended:  # type: ignore[operator]
+    async def _until(self, done: Callable[[], bool]) -> None:
+        while not done() and not self._ended:
             async with self._lock:  # one reader at a time; another's wait is re-checked after each line
-                if done() or self._ended:  # type: ignore[operator]
+                if done() or self._ended:
                     return
                 await self._next_line()
 
+    async def forked_or_ended(self) -> bool:
+        """Until it is forked (True) or will never be (False)."""
+        await self._until(lambda: self.pid is not None)
+        return self.pid is not None
+
     async def forked(self) -> int:
         """Its pid, once forked; StandbyLost if it never will be (its parent is gone)."""
-        await self._until(lambda: self.pid is not None)
-        if self.pid is None:
+        if not await self.forked_or_ended() or self.pid is None:
             raise StandbyLost(f"the standby parent (pid {self.parent.process.pid}) ended before forking a standby "
                               f"(see {self.parent.log})")
         return self.pid
@@ -149,11 +154,6 @@ class ForkedStandby:
     def ended(self) -> bool:
         """Its socket ended: nothing more comes (it ended, or its parent did before forking it)."""
         return self._ended
-
-    async def forked_or_ended(self) -> bool:
-        """Until it is forked (True) or will never be (False)."""
-        await self._until(lambda: self.pid is not None)
-        return self.pid is not None
 
     async def ready(self) -> bool:
         """Until it said `ready` (True) or ended (False)."""
