@@ -5,6 +5,7 @@ in the background, the files handed back for reuse and the memory removed at the
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,26 @@ def test_a_state_copied_into_memory_reads_back_bit_for_bit(tmp_path: Path) -> No
     write_state(state, path)
     assert_same(state, read_state(path))
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
+
+
+def test_one_off_writes_in_one_directory_leave_each_others_files_alone(tmp_path: Path) -> None:
+    """The ranks of a job (or a tool's threads) writing their states into one directory at once: a write in the
+    middle of its copy keeps its file while another starts, and neither takes a rank's slot for its own."""
+    mid_copy = tmp_path / ".slot.rank-1.999999.1"  # how another process's write named its file
+    mid_copy.write_bytes(b"")
+    rank_slot = tmp_path / ".slot.rank0.999999.1"
+    rank_slot.write_bytes(b"")
+    threads = [threading.Thread(target=write_state, args=({"w": torch.full((64,), float(i))},
+                                                          tmp_path / storage_name(3, i))) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert mid_copy.exists() and rank_slot.exists()
+    for i in range(4):
+        assert torch.equal(read_state(tmp_path / storage_name(3, i))["w"], torch.full((64,), float(i)))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted(
+        [mid_copy.name, rank_slot.name])  # no temporary left
 
 
 def test_a_slot_handed_back_by_the_agent_is_written_again_in_place(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import os
 import pickle
 import re
 import struct
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,9 +243,20 @@ class MemorySlots:
         self._mapped.clear()
 
 
+class _OneOff(MemorySlots):
+    """A slot no rank's pool knows: `write_state`s running at once in one directory (the ranks of a job, threads)
+    never take, free or rename each other's files."""
+
+    def _claim(self) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, name = tempfile.mkstemp(prefix=".writing.", dir=self.directory)
+        os.close(fd)
+        return Path(name)
+
+
 def write_state(state: Any, path: Path) -> int:
     """Copy `state` into a new file at `path` (no slot kept: a one-off, as a test or a tool writes one)."""
-    slots = MemorySlots(path.parent, -1, prepare=False)
+    slots = _OneOff(path.parent, -1, prepare=False)
     try:
         return slots.write(state, path)
     finally:
