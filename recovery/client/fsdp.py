@@ -110,6 +110,11 @@ class ShardedTraining(Training):
         self._build: Build | None = None
         self._kept: dict[str, Any] | None = None  # this rank's shards, taken as its group went down
         self._kept_shard = -1  # ... which shards they are
+        self._kept_layout: shards.Layout = {}  # ... and where each sits in its whole tensor
+        self._wards: list[int] = []  # the ranks whose copies this rank's node holds (`shards.buddies`)
+        if self.storage is not None:
+            # a dying checkpoint, asked at a preemption or at a fault: DCP pieces, no collective (the group may be down)
+            self.client.on_save(self._dying)
 
     # -- the model ----------------------------------------------------------------------------------------
     def build(self, build: Build) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -143,6 +148,7 @@ class ShardedTraining(Training):
             if all(kept for _, kept in nodes):  # else no copies at all: a buddy without memory would never take one
                 self._copies = shards.BuddyCopies(self.client, self.group.rank, [n for n, _ in nodes],
                                                   directory or Path("."))
+                self._wards = list(self._copies.wards)
         self.group.shut_with_group(before)  # the mesh's subgroups: freed on a failure as the default group is
         self._module, self._optimizer = self.model, self.optimizer
         self.optimizer.register_step_pre_hook(self._commit)
@@ -181,6 +187,8 @@ class ShardedTraining(Training):
         self._copies = None
         if self.model is not None and self.optimizer is not None:
             self._kept, self._kept_shard = self.state(), self.group.rank % self.shards
+            self._kept_layout = shards.local_shards({"model": dict(self.model.state_dict()),
+                                                     "optimizer": self.optimizer.state_dict()})[1]
         self.model = self.optimizer = self._module = self._optimizer = None
         self.mesh = None
 
@@ -209,6 +217,21 @@ class ShardedTraining(Training):
         if path is not None and self._copies is not None:
             self._copies.copy(at, shard, path)
         return path
+
+    def _dying(self, step: int) -> dict[str, Any]:
+        """The agent asked for a dying checkpoint at `step` (this rank's last): its shards, live or as kept when its
+        group went down, and its wards' copies, as DCP pieces on storage (`shards.dying_checkpoint`)."""
+        assert self.storage is not None
+        live: tuple[Any, shards.Layout] | None = None
+        if self.model is not None and self.optimizer is not None and self.step == step:
+            state, layout = shards.local_shards({"model": dict(self.model.state_dict()),
+                                                 "optimizer": self.optimizer.state_dict()})
+            live = state, layout
+        elif self._kept is not None and self.step == step:
+            live = self._kept, self._kept_layout
+        shard = self._kept_shard if live is not None and self.model is None else self.group.rank % self.shards
+        return shards.dying_checkpoint(self.storage, step, shard, self.shards, live, self.client.memory_directory,
+                                       self._wards)
 
     def run(self, train: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`ddp.Training.run`; then the last copy to the buddy ends (its peer sends or takes it too: every rank saved

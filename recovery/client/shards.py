@@ -283,15 +283,21 @@ def whole_state(states: list[dict[str, Any]]) -> dict[str, Any]:
     return _replaced(first, (), full)
 
 
-def to_dcp(files: list[Path], checkpoint_id: str | os.PathLike[str]) -> dict[str, Any]:
-    """Write the whole state of `files` (one step's, every shard's) as a `torch.distributed.checkpoint` checkpoint
-    at `checkpoint_id`, in the layout a script's own `dcp.save({"model": model.state_dict(), "optimizer":
-    optimizer.state_dict()})` has: `dcp.load` reads it into any mesh (DCP reshards on load). Returns the state."""
-    import torch.distributed.checkpoint as dcp
+def to_dcp(files: list[Path], checkpoint_id: str | os.PathLike[str]) -> None:
+    """Write `files` (one step's, one per shard, in shard order) as a `torch.distributed.checkpoint` checkpoint at
+    `checkpoint_id`, in the layout a script's own `dcp.save({"model": model.state_dict(), "optimizer":
+    optimizer.state_dict()})` has: `dcp.load` reads it into any mesh (DCP reshards on load). One shard is read at
+    a time (`recovery.client.dcp_pieces`): the whole state is never in this process."""
+    from recovery.client import dcp_pieces
 
-    state = whole_state([memory.read_state(path) for path in files])
-    dcp.save(state, checkpoint_id=os.fspath(checkpoint_id), no_dist=True)
-    return state
+    target = Path(checkpoint_id)
+    for shard, path in enumerate(files):
+        state = memory.read_state(path)
+        dcp_pieces.write_piece({k: v for k, v in state.items() if k != "layout"}, state.get("layout", {}), shard,
+                               len(files), target)
+        del state
+    if not dcp_pieces.merge(target, len(files)):
+        raise ValueError(f"{target}: the pieces of {len(files)} shard(s) are not all there")
 
 
 def export(directories: list[Path], checkpoint_id: Path, step: int | None = None) -> int:
@@ -362,6 +368,50 @@ def resume(rank: int, world: int, shards: int, shard_of: Callable[[int], int], a
             del payload
             source = f"peer memory ({nodes[sender]})" if tier == "memory" else "storage"
     return Resumed(step, source)
+
+
+def dying_checkpoint(storage: Path, step: int, shard: int, shards: int, live: tuple[Any, Layout] | None,
+                     directory: Path | None, wards: list[int]) -> dict[str, Any]:
+    """This rank's part of a dying checkpoint at `step`, written as DCP pieces (`recovery.client.dcp_pieces`) into
+    `<storage>/step<step>.dcp`: its shard from its `live` state (the shards and their layout), and the shards of its
+    `wards` (the ranks whose copies its node holds) wherever their copies of `step` are in `directory`. The older
+    steps of the same shards that this node's memory holds are written too, each into its own checkpoint: a rank
+    lost in a crash left no state at the survivors' step, but its newest copy is here, and with the survivors' own
+    copies of that step it makes a whole checkpoint. Returns what a save handler returns: tier `dying`, the shards
+    of `step` written, where."""
+    from recovery.client import dcp_pieces
+
+    def piece(at: int, which: int, path: Path) -> bool:
+        state = memory.read_state(path)
+        layout = state.pop("layout", {}) if isinstance(state, dict) else {}
+        return dcp_pieces.write_piece(state, layout, which, shards, storage / dcp_pieces.name(at))
+
+    written: list[int] = []
+    whole: list[int] = []
+    if live is not None:
+        if dcp_pieces.write_piece(live[0], live[1], shard, shards, storage / dcp_pieces.name(step)):
+            whole.append(step)
+        written.append(shard)
+    held: dict[tuple[int, int], Path] = {}  # (step, shard) -> this node's copy, the own shard's and the wards'
+    if directory is not None and directory.is_dir():
+        for path in sorted(directory.glob("step*.mem")):
+            parsed = memory.parse_name(path.name)
+            if parsed is not None and (parsed[1] == shard or parsed[2] in wards) and parsed[0] <= step:
+                held.setdefault((parsed[0], parsed[1]), path)
+    older = sorted({at for at, which in held if which == shard and at < step}, reverse=True)[:KEEP]
+    for (at, which), path in sorted(held.items()):
+        if (at == step and (which != shard or live is None)) or at in older:
+            try:
+                if piece(at, which, path):
+                    whole.append(at)
+            except (OSError, ValueError) as exc:  # a copy handed back or removed meanwhile: the others still count
+                logger.warning("step %d of shard %d not written to the dying checkpoint: %s", at, which, exc)
+                continue
+            if at == step:
+                written.append(which)
+    if whole:
+        logger.warning("dying checkpoint(s) whole at step(s) %s in %s", sorted(set(whole)), storage)
+    return {"tier": "dying", "shards": sorted(set(written)), "location": os.fspath(storage / dcp_pieces.name(step))}
 
 
 def shut(copies: BuddyCopies | None) -> None:
