@@ -1,9 +1,9 @@
 """The policy contract: three families, each a Protocol the engine calls and a base class an author subclasses,
 and the small value types they exchange with the engine.
 
-Policies are pure and deterministic: they see only what the engine hands them (values derived from
-the log) and return values; no clock, no I/O, no randomness. Each has a `family`, a `name` and a `version`, and
-every decision records `name@version` so a replay can tell a changed policy from a bug.
+Policies are pure and deterministic: they see only what the engine hands them (values derived from the log) and
+return values; no clock, no I/O, no randomness. Each has a `family`, a `name` and a `version`, and every decision
+records `name@version` so a replay can tell a changed policy from a bug.
 """
 
 from __future__ import annotations
@@ -363,8 +363,7 @@ class RescheduleContext:
     reform: bool = True
     """the job's ranks said they form their process group again in their process (`ProcessGroupRecovery`): its
     surviving processes can rejoin a partial restart (in place, migrate, retry). False (a stock script, or one that
-    only reports steps): only a job-level restart (every process anew, from the script's own checkpoint) recovers
-    it"""
+    only reports steps): only a job-level restart (every process anew, from the script's checkpoint) recovers it"""
     now_ns: int = 0
     """log time of the record being applied"""
     fault_step: int = 0
@@ -374,8 +373,8 @@ class RescheduleContext:
     recent: tuple[PastIncident, ...] = ()
     """the job's latest closed incidents, oldest first (at most 8)"""
     restart_times: tuple[int, ...] = ()
-    """log times at which the job's restarts began (any granularity that starts processes), oldest first: at least
-    the last 256"""
+    """log times at which the job's restarts began (any granularity starting processes), oldest first: the last 256
+    at least"""
     exits: tuple[FailedExits, ...] = ()
     """the failed exits of the open incident's last two generations that had any, oldest first"""
     world: int = 0
@@ -467,13 +466,15 @@ class CheckpointContext:
     exiting: frozenset[int] = frozenset()
     """ranks the platform stopped with SIGTERM in this incident: their handlers may be writing a dying checkpoint
     at their last step on the way out (ModelArts' graceful exit), which lands shortly after the exit is reported"""
+    ended: frozenset[int] = frozenset()
+    """ranks whose process's end was seen in this incident (of `exiting`, the rest may still run: one node taken)"""
 
 
 @dataclass(frozen=True, slots=True)
 class SaveRequest:
     step: int
     ranks: tuple[int, ...]
-    """one rank per shard: a healthy replica that writes it"""
+    """one rank per shard to save (a healthy replica, or the rank that holds it), lowest shard first"""
 
 
 # The checkpoint source: one of three small variants (`CheckpointPlan` is their union).
@@ -495,14 +496,15 @@ class SaveDying:
 
 @dataclass(frozen=True, slots=True)
 class AwaitDying:
-    """A dying checkpoint at `step` is on its way (from ranks the platform stopped with SIGTERM): hold the restart
-    until every shard of it is saved, or `wait_ns` has passed, then plan again; `fallback` is the plan should it
-    never come."""
+    """A dying checkpoint at `step` is on its way from ranks the platform stopped with SIGTERM (and `save`'s ranks,
+    asked for the shards no exited rank holds): hold the restart until every shard of it is saved, or `wait_ns` has
+    passed, then plan again; `fallback` is the plan should it never come."""
 
     step: int
     wait_ns: int
     fallback: ResumePlan
     reason: str = ""
+    save: SaveRequest | None = None
 
 
 CheckpointPlan = Resume | SaveDying | AwaitDying
@@ -537,13 +539,12 @@ def label(policy: DetectionPolicy | ReschedulingPolicy | CheckpointPolicy) -> st
 class PolicyBase(ABC):
     """What every policy class is: a family, a name, a version, and parameters validated when it is made.
 
-    Subclass the base of your policy's family (`DetectionPolicyBase`, `ReschedulingPolicyBase`,
-    `CheckpointPolicyBase`), not this one. Set `name`, and `version`, which you change whenever a decision could
-    change: every decision records `name@version`, and a replay tells a changed policy from a bug by it. Set
-    `parameters` to your `Params` model: a job's `params` are validated against it, and an unknown key is an error.
-    Implement the family's methods as pure functions of their argument and `self.params`: no clock, no I/O, no
-    randomness, no order taken from iterating a set. `recovery.testing.policy_contract` checks that.
-    """
+    Subclass the base of your policy's family (`DetectionPolicyBase`, `ReschedulingPolicyBase`, `CheckpointPolicyBase`),
+    not this one. Set `name`, and `version`, which you change whenever a decision could change: every decision records
+    `name@version`, and a replay tells a changed policy from a bug by it. Set `parameters` to your `Params` model: a
+    job's `params` are validated against it, and an unknown key is an error. Implement the family's methods as pure
+    functions of their argument and `self.params`: no clock, no I/O, no randomness, no order taken from iterating a
+    set (`recovery.testing.policy_contract` checks that)."""
 
     family: ClassVar[Family]
     name: ClassVar[str]

@@ -203,8 +203,8 @@ class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         # MindIO TTP saves the healthy replica's state and the restarted processes load it: no transfer from
-        # the live replicas themselves.
-        super().__init__({**(params or {}), "peer": False})
+        # the live replicas themselves, and no dying checkpoint of sharded state without a replica.
+        super().__init__({**(params or {}), "peer": False, "shard_savers": False})
 
 
 __all__ = [

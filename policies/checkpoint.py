@@ -39,6 +39,10 @@ class NewestCompleteParams(Params):
     were on their way to another node leaves the step before whole in memory, and storage is read only when no such
     step exists. A dying checkpoint wins only as the newest complete step: the job writes it once, at a fault, and
     never again, so once it has saved a newer checkpoint the dying one is just an older step, thousands behind"""
+    shard_savers: Flag = True
+    """sharded state with no replica, ranks stopped by SIGTERM writing their shards of a dying checkpoint on the way
+    out: ask the live ranks at that step for the other shards meanwhile, so that the step is whole (not only the
+    exiting ranks' shards) and the job resumes where it stopped, not at its last in-memory step"""
     dying_wait_s: Seconds = 30.0
     """after ranks were stopped by SIGTERM, hold the restart this long for the dying checkpoint their handlers write
     on the way out (0: never wait); torchrun and ModelArts give a process 30 s between SIGTERM and SIGKILL"""
@@ -56,8 +60,9 @@ class NewestCompleteCheckpoint(CheckpointPolicyBase):
     name: ClassVar[str] = "newest-complete"
     # 2: state from live peers before a dying checkpoint; 3: await a graceful exit's; 4: memory_first passes over a
     # dying checkpoint older than the newest complete step (it preferred one saved hours before to every newer
-    # persistent checkpoint)
-    version: ClassVar[str] = "4"
+    # persistent checkpoint); 5: sharded state with no replica, some ranks stopped by SIGTERM: their shards of the
+    # dying checkpoint come from them, the others' from live ranks asked meanwhile
+    version: ClassVar[str] = "5"
 
     parameters = NewestCompleteParams
     params: NewestCompleteParams
@@ -82,12 +87,22 @@ class NewestCompleteCheckpoint(CheckpointPolicyBase):
         reason = ("no complete checkpoint: start from step 0" if resume.checkpoint_step is None
                   else f"newest complete checkpoint is step {resume.checkpoint_step}")
         if self.params.dying and self.params.dying_wait_s > 0 and Tier.DYING in self.params.tiers:
+            rest = exiting_and_live(ctx) if ctx.dying_allowed and self.params.shard_savers else None
+            if rest is not None and rest.step > newest:
+                return AwaitDying(rest.step, int(self.params.dying_wait_s * NS), resume,
+                                  f"ranks stopped by SIGTERM at step {rest.step} are writing their shards of a dying "
+                                  f"checkpoint; rank(s) {_ranks(rest.ranks)}, still running at that step, are asked "
+                                  f"for the others: wait up to {self.params.dying_wait_s:g} s for it ({reason})", rest)
             coming = exiting_step(ctx)
             if coming is not None and coming > newest:
                 return AwaitDying(coming, int(self.params.dying_wait_s * NS), resume,
                                   f"ranks stopped by SIGTERM at step {coming} are writing a dying checkpoint: wait up "
                                   f"to {self.params.dying_wait_s:g} s for it ({reason})")
         return Resume(resume, reason)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def _replicas_at(ctx: CheckpointContext, usable: Sequence[bool]) -> tuple[int, Callable[[int], Iterator[int]]] | None:
@@ -142,6 +157,33 @@ def exiting_step(ctx: CheckpointContext) -> int | None:
         exiting[rank] = True
     found = _replicas_at(ctx, _usable(ctx, exiting))
     return None if found is None else found[0]
+
+
+def exiting_and_live(ctx: CheckpointContext) -> SaveRequest | None:
+    """Sharded state with no replica (`dp` 1: each rank its own shard), ranks stopped by SIGTERM: the step of the
+    ranks whose end was seen and of the others on their nodes (stopped with them, writing their shards on the way
+    out), and for every other shard a rank still running at that step on another reachable node, to ask for it. A
+    SIGTERM reads as the whole job's preemption, which marks every rank gone, but the platform may have taken one
+    node: the other nodes' ranks run on and write nothing unless asked. None when the writers hold every shard, some
+    other shard has no such rank, or the writers are at several steps."""
+    layout = ctx.layout
+    if not ctx.exiting or layout.dp != 1 or layout.shards < 2:
+        return None
+    taken = {ctx.placement[rank] for rank in sorted(ctx.exiting & ctx.ended)}
+    writers = [rank for rank in sorted(ctx.exiting) if ctx.placement[rank] in taken]
+    if not writers or any(ctx.steps[rank] != ctx.steps[writers[0]] for rank in writers) or ctx.steps[writers[0]] < 0:
+        return None
+    step = ctx.steps[writers[0]]
+    covered = {layout.shard_of(rank) for rank in writers}
+    # running: alive, or stopped with the job but not seen to end (the await holds the restart: a rank it will
+    # restart still holds its state meanwhile)
+    running = _usable(ctx, [(ok or (rank in ctx.exiting and rank not in ctx.ended)) and node not in taken
+                            for rank, (ok, node) in enumerate(zip(ctx.alive, ctx.placement, strict=True))])
+    savers = [rank for rank in range(layout.world)
+              if layout.shard_of(rank) not in covered and running[rank] and ctx.steps[rank] == step]
+    if not savers or len(covered) + len({layout.shard_of(rank) for rank in savers}) < layout.shards:
+        return None
+    return SaveRequest(step, tuple(savers))
 
 
 def live_peers(ctx: CheckpointContext, per_shard: int) -> ResumePlan | None:

@@ -204,6 +204,55 @@ async def test_a_lost_nodes_shards_come_back_from_its_buddys_memory_and_the_run_
     print(f"FSDP node loss: first step past it {measured['recovered_s']:.2f}s later; {lines}")
 
 
+async def test_a_preempted_nodes_ranks_and_the_running_ones_write_a_dying_dcp_checkpoint_and_no_step_is_lost(
+        cluster: Cluster, fault_free: dict[str, Any]) -> None:
+    """SIGTERM to n1's agent, as a platform preempting the node sends it: its ranks write their shards of a dying
+    checkpoint at their step on the way out; a SIGTERM reads as the whole job's stop, but n3's ranks run on, and the
+    engine asks them for the other shards of that step. The pieces make one DCP checkpoint that `dcp.load` reads
+    into an unsharded model; the job restarts and every rank resumes at that step, none lost, and the run ends as
+    the one without faults."""
+    import signal
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from recovery.client import dcp_pieces
+
+    job = "fsdp-preempted"
+
+    async def preempt(w: JobWatch, explain: Callable[[], str]) -> None:
+        cluster.agent("n1").proc.send_signal(signal.SIGTERM)
+        await wait_until(lambda: w.kinds().count("incident.closed") == 1, 120, "the job to resume", explain)
+
+    w, params, storage = await run_job(cluster, job, ["n3", "n1"], preempt, extra={"spare_pool": WARM_POOL})
+    seen = f"decisions {[(d['data']['kind'], d['data'].get('reason', '')) for d in w.decisions]}"
+    [awaiting] = w.decided("checkpoint.awaiting")
+    step = awaiting["data"]["detail"]["step"]
+    assert awaiting["data"]["detail"]["savers"] == [0, 1], seen  # n3's ranks, asked: they got no SIGTERM
+    saved = [e["data"] for e in w.of("checkpoint.saved") if e["data"]["tier"] == "dying" and e["data"]["step"] == step]
+    assert {shard for s in saved for shard in s["shards"]} == {0, 1, 2, 3}, saved
+    assert {s["holder"] for s in saved} == {"storage"}, saved  # on storage every node reads: it outlives n1
+    exited = [e["data"] for e in w.of("process.exited") if e["data"]["rank"] in (2, 3)]
+    assert exited and all(e.get("signal") == signal.SIGTERM for e in exited[:2]), exited
+    plans = [d["data"]["detail"] for d in w.decisions if d["data"]["kind"] == "checkpoint.plan"]
+    assert plans[-1]["checkpoint_step"] == step and plans[-1]["tiers"] == {"dying": 4}, plans
+    lines = resumes(cluster, job)
+    assert sorted(lines) == [0, 1, 2, 3] and all(f"resumed at step {step}," in line for line in lines.values()), lines
+    assert w.decided("incident.closed")[0]["data"]["detail"]["lost_steps"] == 0, seen
+    # the dying checkpoint is a DCP checkpoint like any other: an unsharded model and optimizer load it
+    checkpoint = storage / dcp_pieces.name(step)
+    assert (checkpoint / dcp_pieces.METADATA).exists(), sorted(p.name for p in checkpoint.iterdir())
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    model_keys = sorted(k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model."))
+    assert model_keys == sorted(fault_free), model_keys
+    whole = {name: torch.empty(tuple(metadata.state_dict_metadata[f"model.{name}"].size))  # type: ignore[union-attr]
+             for name in model_keys}
+    dcp.load({"model": whole}, checkpoint_id=str(checkpoint), no_dist=True)
+    assert all(torch.isfinite(t).all() for t in whole.values())
+    assert_bitwise_equal(params, fault_free)
+    print(f"FSDP preemption: dying checkpoint at step {step}; {lines}")
+
+
 async def test_an_hsdp_job_that_lost_both_replicas_of_a_shard_resumes_from_memory_with_every_process_kept_but_those(
         cluster: Cluster, hsdp_fault_free: dict[str, Any]) -> None:
     """On a 2 x 2 mesh ranks 1 and 3 hold shard 1: both SIGKILLed at once leave no live replica of it. They restart

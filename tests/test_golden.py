@@ -62,6 +62,20 @@ def test_graceful_exit_resumes_from_the_sigterm_dying_checkpoint() -> None:
     assert closed(result).detail["lost_steps"] == 0
 
 
+def test_a_sharded_job_preempted_on_one_node_asks_the_running_ranks_for_the_other_shards() -> None:
+    """FSDP, no replica: fs1's ranks write shards 2 and 3 as they exit, the ranks still running are asked for the
+    others at the same step, and the job resumes at the step after it, from the dying checkpoint, none lost."""
+    result = load("sharded_preemption")
+    [awaiting] = kinds(result, "checkpoint.awaiting")
+    [save] = commands(result, "save_checkpoint")
+    assert isinstance(save, SaveCheckpoint) and save.step == 17 and 0 in save.ranks and 1 in save.ranks
+    assert awaiting.detail["savers"] == save.ranks
+    [restart] = commands(result, "restart_job")
+    assert isinstance(restart, RestartJob)
+    assert restart.plan.checkpoint_step == 17 and {s.tier for s in restart.plan.shards} == {Tier.DYING}
+    assert closed(result).detail["lost_steps"] == 0
+
+
 def test_sigterm_storm_waits_for_the_dying_checkpoint_and_loses_no_step() -> None:
     """Exits first, dying checkpoint after: the restart is held for it and carries it, not step 0."""
     result = load("sigterm_storm")

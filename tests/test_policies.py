@@ -14,6 +14,7 @@ from policies.base import (
     FAMILY_BASES,
     NS,
     AttemptSummary,
+    AwaitDying,
     CheckpointContext,
     Drain,
     Fail,
@@ -36,7 +37,7 @@ def test_builtins_come_from_the_entry_point_group() -> None:
     found = registry.available()
     assert {"default", "ladder", "newest-complete"} <= set(found)
     labels = registry.load_set(PolicySelection()).labels
-    assert labels == {"detection": "default@11", "rescheduling": "ladder@8", "checkpoint": "newest-complete@4"}
+    assert labels == {"detection": "default@11", "rescheduling": "ladder@8", "checkpoint": "newest-complete@5"}
 
 
 def test_unknown_policy_and_bad_parameters_are_clear_errors() -> None:
@@ -128,6 +129,52 @@ def test_no_dying_checkpoint_without_a_replica_of_every_shard() -> None:
     plan = NewestCompleteCheckpoint().plan(cctx((True, False, True, False), {5: {Tier.STORAGE: {0: ("storage",),
                                                                                               1: ("storage",)}}}))
     assert isinstance(plan, Resume) and plan.plan.checkpoint_step == 5
+
+
+def fsdp_ctx(alive: tuple[bool, ...], steps: tuple[int, ...], exiting: frozenset[int],
+             ended: frozenset[int] = frozenset({2, 3}), dying_allowed: bool = True) -> CheckpointContext:
+    """FSDP with no replica: four ranks, four shards, two nodes; memory holds step 5 whole; a job-level restart."""
+    catalog = {5: {Tier.MEMORY: {0: ("a",), 1: ("a",), 2: ("b",), 3: ("b",)}}}
+    return CheckpointContext(layout=Layout(dp=1, tp=4), catalog=catalog, placement=("a", "a", "b", "b"),
+                             unreachable=frozenset(), alive=alive, steps=steps, dying_allowed=dying_allowed,
+                             exiting=exiting, ended=ended, restarting=frozenset(range(4)))
+
+
+def test_sharded_state_preempted_node_writes_its_shards_and_the_live_ranks_are_asked_for_the_rest() -> None:
+    """Node b preempted at step 9: its ranks write shards 2 and 3 on the way out, ranks 0 and 1 are asked for
+    theirs, and the restart waits for step 9 whole rather than going back to step 5 in memory."""
+    plan = NewestCompleteCheckpoint().plan(fsdp_ctx((True, True, False, False), (9, 9, 9, 9), frozenset({2, 3})))
+    assert isinstance(plan, AwaitDying) and plan.step == 9, plan
+    assert plan.save is not None and plan.save.ranks == (0, 1) and plan.save.step == 9
+    assert plan.fallback.checkpoint_step == 5  # should step 9 never be whole
+    # as the engine sees it: a SIGTERM reads as the whole job's preemption, every rank "exiting" and none alive;
+    # the ranks whose end was seen are b's
+    whole_job = NewestCompleteCheckpoint().plan(fsdp_ctx((False,) * 4, (9, 9, 9, 9), frozenset(range(4))))
+    assert isinstance(whole_job, AwaitDying) and whole_job.save == plan.save
+    # the whole job really stopped, every end seen: the exits write every shard, nobody is asked
+    every = NewestCompleteCheckpoint().plan(fsdp_ctx((False,) * 4, (9, 9, 9, 9), frozenset(range(4)),
+                                                     ended=frozenset(range(4))))
+    assert isinstance(every, AwaitDying) and every.step == 9 and every.save is None
+    # with a live replica of every shard (data parallelism), it saves the whole step, as before
+    replicated = CheckpointContext(layout=Layout(dp=4, tp=1), catalog={}, placement=("a", "a", "b", "b"),
+                                   unreachable=frozenset(), alive=(True, True, False, False), steps=(9, 9, 9, 9),
+                                   dying_allowed=True, exiting=frozenset({2, 3}), ended=frozenset({2, 3}))
+    classic = NewestCompleteCheckpoint().plan(replicated)
+    assert isinstance(classic, SaveDying) and classic.save.ranks == (0,)
+
+
+def test_sharded_state_no_dying_wait_when_a_shard_has_no_writer_at_the_step() -> None:
+    policy = NewestCompleteCheckpoint()
+    behind = policy.plan(fsdp_ctx((True, True, False, False), (8, 9, 9, 9), frozenset({2, 3})))  # rank 0 behind
+    crashed = policy.plan(fsdp_ctx((True, False, False, False), (9, 9, 9, 9), frozenset({2, 3}),
+                                   ended=frozenset({1, 2, 3})))  # rank 1 died too
+    cannot_ask = policy.plan(fsdp_ctx((True, True, False, False), (9, 9, 9, 9), frozenset({2, 3}),
+                                      dying_allowed=False))
+    for plan in (behind, crashed, cannot_ask):
+        assert isinstance(plan, Resume) and plan.plan.checkpoint_step == 5, plan
+    off = NewestCompleteCheckpoint({"dying_wait_s": 0}).plan(
+        fsdp_ctx((True, True, False, False), (9, 9, 9, 9), frozenset({2, 3})))
+    assert isinstance(off, Resume) and off.plan.checkpoint_step == 5
 
 
 def test_cheapest_reachable_tier_and_older_step_when_newest_is_incomplete() -> None:

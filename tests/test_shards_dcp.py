@@ -115,7 +115,7 @@ def test_a_dying_checkpoint_takes_the_lost_ranks_shard_from_its_buddys_memory_an
     # rank 1 is lost at step 5; rank 0, at step 5, is asked for a dying checkpoint: its shard at 5 alone makes no
     # whole step, but its node holds its own copy of step 3 and rank 1's (it is rank 1's buddy)
     answer = dying_checkpoint(storage, 5, 0, WORLD, (live, layout), trained / "node0", wards=[1])
-    assert answer == {"tier": "dying", "shards": [0], "location": str(storage / dcp_pieces.name(5))}
+    assert answer == {"tier": "dying", "shards": [0], "location": str(storage / dcp_pieces.name(5)), "shared": True}
     assert dcp_pieces.pieces(storage / dcp_pieces.name(5), WORLD) == [0]
     assert not (storage / dcp_pieces.name(5) / dcp_pieces.METADATA).exists()  # never a half checkpoint to load
     assert_loads_as(storage / dcp_pieces.name(3), torch.load(trained / "whole3.pt"), 3)

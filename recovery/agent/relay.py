@@ -170,7 +170,10 @@ class Relay:
                 self._progress(job_id, rank, None, attempt)
             elif op in ("checkpoint", "saved"):
                 tier = Tier(message["tier"])
-                holder = STORAGE_HOLDER if tier is Tier.STORAGE else self.node
+                # a dying checkpoint written to storage every node reads (`shared`) outlives its node, which a
+                # preemption is taking away; one on the node's own disk goes with it
+                shared = tier is Tier.STORAGE or (tier is Tier.DYING and message.get("shared") is True)
+                holder = STORAGE_HOLDER if shared else self.node
                 self.job_event(job_id, "checkpoint.saved", {"step": message["step"], "tier": tier,
                                                             "shards": message["shards"], "holder": holder})
                 if op == "saved":

@@ -223,7 +223,8 @@ class Client:
 
     def on_save(self, save: Callable[[int], dict[str, Any] | None]) -> None:
         """`save(step)` writes a dying checkpoint of this rank's state at `step` and may return
-        `{"tier": ..., "shards": [...], "location": ...}` (default: tier `dying`, this rank's shard 0)."""
+        `{"tier": ..., "shards": [...], "location": ..., "shared": ...}` (default: tier `dying`, this rank's shard
+        0, on this node only; `shared: True` when every node reads `location`, so that it outlives this node)."""
         self._save = save
         self.announce("save")
 
@@ -373,7 +374,8 @@ class Client:
             self._send({"op": "save_failed", "id": request, "reason": f"{type(exc).__name__}: {exc}"})
             return
         self._send({"op": "saved", "id": request, "step": step, "tier": result.get("tier", "dying"),
-                    "shards": result.get("shards", [0]), "location": result.get("location")})
+                    "shards": result.get("shards", [0]), "location": result.get("location"),
+                    "shared": result.get("shared") is True})
 
 
 def connect(heartbeat_s: float | None = None, counts: bool = False) -> Client:

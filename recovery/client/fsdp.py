@@ -112,6 +112,7 @@ class ShardedTraining(Training):
         self._kept_shard = -1  # ... which shards they are
         self._kept_layout: shards.Layout = {}  # ... and where each sits in its whole tensor
         self._wards: list[int] = []  # the ranks whose copies this rank's node holds (`shards.buddies`)
+        self._initialising = False
         if self.storage is not None:
             # a dying checkpoint, asked at a preemption or at a fault: DCP pieces, no collective (the group may be down)
             self.client.on_save(self._dying)
@@ -177,6 +178,8 @@ class ShardedTraining(Training):
         that a rank's death during the step's collectives fails the step on every survivor, not only on the ranks
         that shared a group with it. Otherwise a replica group not next to the dead rank steps while the other
         does not, and the shards of the step before, which the restarted rank needs, are gone."""
+        if self._initialising:
+            return
         if self.group.device.type == "cuda":
             self.group.settled()
         dist.all_reduce(torch.ones(1, device=self.group.device))
@@ -281,7 +284,7 @@ class ShardedTraining(Training):
         steps = [step for step, _ in positions]
         best = max(steps)
         if best < 0:
-            return True
+            return not self._resume_fresh()
         per_epoch = max(p[1] for p in positions) or self.steps_per_epoch
         behind = [rank for rank in range(group.world_size) if steps[rank] != best]
         if any(all(steps[r] != best for r in self._replicas(rank)) for rank in behind):
@@ -297,6 +300,39 @@ class ShardedTraining(Training):
         self.step, self.steps_per_epoch = best, per_epoch
         return False
 
+    def _resume_fresh(self) -> bool:
+        """A new formation (every process new: the whole job restarted) with a resume plan: every rank loads its
+        shards of the plan's step, or of the newest whole step before it, from memory, storage or a dying DCP
+        checkpoint. False where there is none: the script's own checkpoint, if it keeps one, serves."""
+        plan = self.client.resume_plan()
+        if plan is None or plan.checkpoint_step is None or not (self.save_every or self.storage):
+            return False
+        group = self.group
+        resumed = shards.resume(group.rank, group.world_size, self.shards, lambda r: r % self.shards,
+                                plan.checkpoint_step, os.environ.get(NODE_ENV, ""), self.client.memory_directory,
+                                self.storage, self.load, plan.checkpoint_step, self._load_checkpoint)
+        if resumed is None:
+            return False
+        self.resumed, self.step = resumed, resumed.step
+        logger.warning("rank %d resumed at step %d, its shards from %s", group.rank, resumed.step, resumed.source)
+        return True
+
+    def _load_checkpoint(self, checkpoint: Path) -> None:
+        """Every rank at once: a DCP checkpoint (a dying one) loaded into this mesh's model and optimizer, resharded
+        by `dcp.load` whatever mesh wrote it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        assert self.model is not None and self.optimizer is not None
+        self._initialising = True  # the optimizer's state made by a step of zero gradients: no commit collective
+        try:
+            _init_optim_state(self.optimizer)
+        finally:
+            self._initialising = False
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=os.fspath(checkpoint))  # into the shards in place
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def _resume_from_checkpoint(self, best: int, behind: list[int]) -> None:
         """Some rank behind has no live replica at `best`: every rank goes back to the newest step whose every shard
         is in memory on a live node (or, failing that, on storage), its own shards of it loaded."""
@@ -306,7 +342,7 @@ class ShardedTraining(Training):
         planned = plan.checkpoint_step if plan is not None and self.step is None and not group.recoveries else None
         resumed = shards.resume(group.rank, group.world_size, self.shards, lambda r: r % self.shards, best,
                                 os.environ.get(NODE_ENV, ""), self.client.memory_directory,
-                                self.storage, self.load, planned)
+                                self.storage, self.load, planned, self._load_checkpoint)
         if resumed is None:
             raise NoLiveReplica(f"rank(s) {', '.join(map(str, behind))} behind (the others at step {best}) have no "
                                 f"live replica of their shards and no step is whole in memory or on storage: the "

@@ -328,22 +328,49 @@ class Resumed:
     source: str
 
 
+def whole_checkpoints(storage: Path | None) -> list[int]:
+    """The steps of the DCP checkpoints on `storage` that are whole (dying ones, `dying_checkpoint`)."""
+    from recovery.client import dcp_pieces
+
+    if storage is None or not storage.is_dir():
+        return []
+    found = []
+    for path in sorted(storage.glob("step*.dcp")):
+        match = re.fullmatch(r"step(\d+)\.dcp", path.name)
+        if match and (path / dcp_pieces.METADATA).exists():
+            found.append(int(match[1]))
+    return found
+
+
 def resume(rank: int, world: int, shards: int, shard_of: Callable[[int], int], at_most: int, node: str,
            directory: Path | None, storage: Path | None, load: Callable[[Any], None],
-           planned: int | None = None) -> Resumed | None:
+           planned: int | None = None, load_checkpoint: Callable[[Path], None] | None = None) -> Resumed | None:
     """Agree with every rank on the step to resume from, and `load` this rank's shards of it (see the module's doc):
     the step of the control plane's resume plan that a rank started for this recovery holds (`planned`), when every
     shard of it can be read, else the newest step whose every shard can be; None where no step is complete (then the
-    job restarts from its own checkpoint). A collective of the default group: every rank calls it at once."""
+    job restarts from its own checkpoint). With `load_checkpoint`, a whole DCP checkpoint on storage (a dying one)
+    counts too, where it is the plan's step or newer than every step memory holds whole: every rank then loads it at
+    once (`dcp.load`, which reshards). A collective of the default group: every rank calls it at once."""
     mine = held_here(directory, storage)
+    checkpoints = whole_checkpoints(storage) if load_checkpoint is not None else []
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (node, sorted(mine), planned))
+    dist.all_gather_object(gathered, (node, sorted(mine), planned, checkpoints))
     nodes = [entry[0] for entry in gathered]
     held: list[list[Held]] = [entry[1] for entry in gathered]
     plans = [entry[2] for entry in gathered if entry[2] is not None]
+    everywhere = sorted(set.intersection(*(set(entry[3]) for entry in gathered)))  # every rank reads it
     found = newest_complete(held, shards, at_most)
+    dcp_step = max((s for s in everywhere if s <= at_most), default=None)
     if plans and plans[0] <= at_most and whole_at(held, shards, plans[0]):
         found = (plans[0], "plan")
+    elif plans and plans[0] in everywhere:
+        dcp_step, found = plans[0], None
+    if dcp_step is not None and load_checkpoint is not None and (found is None or dcp_step > found[0]):
+        assert storage is not None
+        from recovery.client import dcp_pieces
+
+        load_checkpoint(storage / dcp_pieces.name(dcp_step))
+        return Resumed(dcp_step, "storage (a DCP dying checkpoint)")
     if found is None:
         return None
     step, _ = found
@@ -411,7 +438,8 @@ def dying_checkpoint(storage: Path, step: int, shard: int, shards: int, live: tu
                 written.append(which)
     if whole:
         logger.warning("dying checkpoint(s) whole at step(s) %s in %s", sorted(set(whole)), storage)
-    return {"tier": "dying", "shards": sorted(set(written)), "location": os.fspath(storage / dcp_pieces.name(step))}
+    return {"tier": "dying", "shards": sorted(set(written)), "location": os.fspath(storage / dcp_pieces.name(step)),
+            "shared": True}
 
 
 def shut(copies: BuddyCopies | None) -> None:

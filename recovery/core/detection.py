@@ -41,6 +41,7 @@ class Detection:
         self.placement = placement
         self.incidents = incidents
         self.hardware = DefaultDetection()  # judges device faults on nodes no job runs on
+        self.ending: int | None = None  # the rank whose exit the record being handled reports, while it is
 
     def signal(self, out: RecordEffects, job: Job, signal: Signal) -> None:
         if job.state in ("submitted", "paused"):
@@ -244,7 +245,8 @@ class Detection:
         cancelled = self.incidents.disarm_watchdog(job)
         job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                 fault_step=job.step, fault_class=verdict.fault_class, cause=IncidentCause.FAULT,
-                                faults=[fault], struck=self._struck(job, verdict))
+                                faults=[fault], struck=self._struck(job, verdict),
+                                ended=frozenset(() if self.ending is None else (self.ending,)))
         self._note_exiting(job.incident, verdict)
         self._note_dead_hosts(job, job.incident, verdict)
         out.decide(job, DecisionKind.FAULT_CONFIRMED, verdict.reason, trigger="recover", policy=policy,

@@ -96,6 +96,7 @@ class Restarts:
             alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
             restarting=frozenset(attempt.ranks),
             exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),
+            ended=incident.ended,
         )
 
     def _unreachable(self, job: Job) -> frozenset[str]:
@@ -162,9 +163,19 @@ class Restarts:
             purpose = f"{TimerPurpose.AWAIT}/{incident.id}/{attempt.number}"
             timer = self.timekeeper.request(out, job, purpose, answer.wait_ns)
             attempt.pending = {f"await:{answer.step}": ("await_dying", timer.id)}
+            awaiting: dict[str, Any] = {"step": answer.step, "wait_s": answer.wait_ns / NS,
+                                        "exiting": len(incident.exiting)}
+            commands: list[Any] = []
+            if answer.save is not None and answer.save.ranks:
+                # The live ranks' shards, asked now: the wait ends when the step is complete, whoever wrote each
+                # shard, or at the timer. Their ack is not waited for (a failed save leaves the step incomplete).
+                incident.dying_tried = True
+                commands.append(SaveCheckpoint(id=out.command_id(job.id), job=job.id, attempt=job.generation,
+                                               deadline_s=answer.wait_ns / NS, ranks=list(answer.save.ranks),
+                                               step=answer.save.step))
+                awaiting["savers"] = list(answer.save.ranks)
             out.decide(job, DecisionKind.CHECKPOINT_AWAITING, answer.reason, policy=policy, timers=[timer],
-                       detail={"step": answer.step, "wait_s": answer.wait_ns / NS,
-                               "exiting": len(incident.exiting)})
+                       commands=commands, detail=awaiting)
             return
         attempt.plan = resume
         attempt.planned_at = out.seq

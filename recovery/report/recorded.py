@@ -83,8 +83,9 @@ class _Reader(RankReports):
         self.tiers: list[str] = []
         """the current incident's checkpoint plan: the tiers its ranks load from"""
         self.restoring: int | None = None
-        self.saving: set[str] = set()
-        """dying checkpoint saves the engine commanded that have not finished: a dying checkpoint meanwhile is theirs"""
+        self.saving: dict[str, frozenset[int]] = {}
+        """dying checkpoint saves the engine commanded that have not finished, and the shards their ranks hold: a
+        dying checkpoint of those shards meanwhile is theirs (of others, a SIGTERM handler's)"""
         self.handler_saves: list[tuple[int, tuple[int, ...]]] = []
         """recent dying checkpoints nobody commanded (ts, shards): SIGTERM handlers', kept for the exit they go with"""
         self.death_given = False
@@ -159,7 +160,9 @@ class _Reader(RankReports):
             self.count("resimulated", kind)
         elif kind == "checkpoint.saved":
             tier = data.get("tier")
-            if tier == "dying" and not self.saving and self.handler_save(ts, tuple(data.get("shards") or [])):
+            shards = tuple(data.get("shards") or [])
+            commanded = any(set(shards) <= held for held in self.saving.values())
+            if tier == "dying" and not commanded and self.handler_save(ts, shards):
                 return  # kept with the SIGTERM exit it goes with
             if tier in ("storage", "memory") and not self.recovering:  # a save while it recovers is off its cadence
                 steps = cluster.storage_steps if tier == "storage" else cluster.memory_steps
@@ -248,7 +251,7 @@ class _Reader(RankReports):
         kind, at, nth = issued
         status = data.get("status")
         if status in ("done", "failed"):
-            self.saving.discard(str(data.get("command_id")))
+            self.saving.pop(str(data.get("command_id")), None)
             del self.commands[str(data.get("command_id"))]
         if status == "accepted":  # the executors' latency once the command is done: a failure replays its own
             self.accepted[str(data.get("command_id"))] = (ts - at) / NS
@@ -487,7 +490,9 @@ class _Reader(RankReports):
                 self.issued[ckind] = self.issued.get(ckind, 0) + 1
                 self.commands[str(command["id"])] = (ckind, ts, self.issued[ckind])
                 if command.get("kind") == "save_checkpoint":
-                    self.saving.add(str(command["id"]))
+                    layout = cluster.spec.get("layout") or {}
+                    shards = max(1, int(layout.get("tp", 1)) * int(layout.get("pp", 1)))
+                    self.saving[str(command["id"])] = frozenset(int(r) % shards for r in command.get("ranks") or [])
         if kind == "checkpoint.plan" and isinstance(detail.get("tiers"), dict):
             self.tiers = [str(t) for t in detail["tiers"]]
         elif kind == "ranks.restoring":

@@ -231,14 +231,19 @@ class Executors(NodeHealth):
         return ""
 
     def _do_save_checkpoint(self, command: Any) -> str:
-        for rank in command.ranks:
-            if rank >= self.world_size or rank in self.dead or rank in self.hung:
+        # As an agent does: the ranks that have ended since the command was sent (stopped with the job) are passed
+        # over, the running ones save; it fails when none can.
+        running = [rank for rank in command.ranks if rank < self.world_size and rank not in self.dead]
+        if not running:
+            return f"rank(s) {command.ranks} are not running: none can save"
+        for rank in running:
+            if rank in self.hung:
                 return f"rank {rank} is not running: it cannot save"
             hw = self.hw[self.node_of(rank)]
             device = rank % self.rpn
             if hw.down or hw.gpu_lost == device or device in hw.bad:
                 return f"rank {rank}'s {'node' if hw.down else 'device'} on {hw.name} is gone"
-        shards = sorted({r % self.shards for r in command.ranks})
+        shards = sorted({r % self.shards for r in running})
         self.job_event("checkpoint.saved", {"step": command.step, "tier": Tier.DYING, "holder": STORAGE_HOLDER,
                                             "shards": shards}, source="executor")
         self._ack(command, "done")

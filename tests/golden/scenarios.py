@@ -185,6 +185,35 @@ def power_off_no_replica() -> Scenario:
 
 
 @scenario
+def sharded_preemption() -> Scenario:
+    """FSDP with no replica, four shards on two nodes: the platform preempts fs1; its ranks write shards 2 and 3 of
+    a dying checkpoint at step 17 on the way out, the engine asks ranks 0 and 1 (live, at step 17) for shards 0 and
+    1 meanwhile, and the job resumes at step 18 rather than at step 10, the newest step whole in memory."""
+    s = Scenario()
+    s.spare("fs-spare")
+    s.submit("fsdp", ["fs0", "fs1"], ranks_per_node=2, dp=1, tp=4)
+    s.train("fsdp", 10)
+    for node, other in (("fs0", "fs1"), ("fs1", "fs0")):
+        mine = [0, 1] if node == "fs0" else [2, 3]
+        s.checkpoint("fsdp", 10, "memory", node, shards=mine)  # each rank's own copy
+        s.checkpoint("fsdp", 10, "memory", other, shards=mine)  # ... and its buddy's, on the other node
+    s.train("fsdp", 7)
+    for rank in (2, 3):
+        s.job_event("fsdp", "process.exited", rank=rank, exit_code=None, signal=15)
+    s.advance(0.5)
+    for rank in (2, 3):  # the exiting ranks' SIGTERM handlers
+        s.checkpoint("fsdp", 17, "dying", "storage", shards=[rank])
+    s.advance(4.5)
+    for rank in (0, 1):  # the running ranks, asked: a shard of a large model takes seconds to write
+        s.checkpoint("fsdp", 17, "dying", "storage", shards=[rank])
+    s.ack_all()
+    s.advance(5)
+    s.ack_all()
+    s.train("fsdp", 2)
+    return s
+
+
+@scenario
 def memory_checkpoint() -> Scenario:
     """MindIO ACP: the in-memory checkpoint is preferred over storage while every shard has a live holder."""
     s = Scenario()
