@@ -165,22 +165,25 @@ def exiting_and_live(ctx: CheckpointContext) -> SaveRequest | None:
     out), and for every other shard a rank still running at that step on another reachable node, to ask for it. A
     SIGTERM reads as the whole job's preemption, which marks every rank gone, but the platform may have taken one
     node: the other nodes' ranks run on and write nothing unless asked. None when the writers hold every shard, some
-    other shard has no such rank, or the writers are at several steps."""
+    other shard has no such rank."""
     layout = ctx.layout
     if not ctx.exiting or layout.dp != 1 or layout.shards < 2:
         return None
     taken = {ctx.placement[rank] for rank in sorted(ctx.exiting & ctx.ended)}
     writers = [rank for rank in sorted(ctx.exiting) if ctx.placement[rank] in taken]
-    if not writers or any(ctx.steps[rank] != ctx.steps[writers[0]] for rank in writers) or ctx.steps[writers[0]] < 0:
+    # The ranks of a sharded job move in lockstep: once one has completed step S every other has passed S's last
+    # collective and completes S too, and none can go past S without the exited ranks. Their reports of it may not
+    # be in yet (an agent sends its ranks' progress once a second): a step they last reported below S is stale.
+    step = max((ctx.steps[rank] for rank in writers), default=-1)
+    if step < 0:
         return None
-    step = ctx.steps[writers[0]]
     covered = {layout.shard_of(rank) for rank in writers}
     # running: alive, or stopped with the job but not seen to end (the await holds the restart: a rank it will
     # restart still holds its state meanwhile)
     running = _usable(ctx, [(ok or (rank in ctx.exiting and rank not in ctx.ended)) and node not in taken
                             for rank, (ok, node) in enumerate(zip(ctx.alive, ctx.placement, strict=True))])
     savers = [rank for rank in range(layout.world)
-              if layout.shard_of(rank) not in covered and running[rank] and ctx.steps[rank] == step]
+              if layout.shard_of(rank) not in covered and running[rank] and 0 <= ctx.steps[rank] <= step]
     if not savers or len(covered) + len({layout.shard_of(rank) for rank in savers}) < layout.shards:
         return None
     return SaveRequest(step, tuple(savers))

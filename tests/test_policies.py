@@ -165,12 +165,17 @@ def test_sharded_state_preempted_node_writes_its_shards_and_the_live_ranks_are_a
 
 def test_sharded_state_no_dying_wait_when_a_shard_has_no_writer_at_the_step() -> None:
     policy = NewestCompleteCheckpoint()
-    behind = policy.plan(fsdp_ctx((True, True, False, False), (8, 9, 9, 9), frozenset({2, 3})))  # rank 0 behind
+    # lockstep: a rank whose last report is behind the exited ranks' step has not reported it yet, and is asked
+    late = policy.plan(fsdp_ctx((True, True, False, False), (6, 8, 9, 9), frozenset({2, 3})))
+    assert isinstance(late, AwaitDying) and late.save is not None and late.save.ranks == (0, 1) and late.step == 9
+    # ... and a rank that reported no step at all, or one past the exited (which no lockstep job has), is not
+    behind = policy.plan(fsdp_ctx((True, True, False, False), (-1, 9, 9, 9), frozenset({2, 3})))
+    ahead = policy.plan(fsdp_ctx((True, True, False, False), (10, 9, 9, 9), frozenset({2, 3})))
     crashed = policy.plan(fsdp_ctx((True, False, False, False), (9, 9, 9, 9), frozenset({2, 3}),
                                    ended=frozenset({1, 2, 3})))  # rank 1 died too
     cannot_ask = policy.plan(fsdp_ctx((True, True, False, False), (9, 9, 9, 9), frozenset({2, 3}),
                                       dying_allowed=False))
-    for plan in (behind, crashed, cannot_ask):
+    for plan in (behind, ahead, crashed, cannot_ask):
         assert isinstance(plan, Resume) and plan.plan.checkpoint_step == 5, plan
     off = NewestCompleteCheckpoint({"dying_wait_s": 0}).plan(
         fsdp_ctx((True, True, False, False), (9, 9, 9, 9), frozenset({2, 3})))
