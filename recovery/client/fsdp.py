@@ -34,6 +34,11 @@ Importing it connects to the node's agent, then imports torch: import it before 
 For FSDP without replicas: `init_process_group(mesh_shape=(world,), save_every=50, storage=...)`, and the job's
 layout names its shards (`layout: {dp: 1, tp: <world>}`), so that the control plane's resume plan counts them.
 
+With `storage`, a dying checkpoint asked of a rank (a preemption: the exiting ranks', and the running ranks' the
+control plane asks for the other shards) is written as this rank's pieces of one DCP checkpoint,
+`<storage>/step<step>.dcp` (`recovery.client.shards.dying_checkpoint`); a whole job restarted resumes from the plan's
+step, a dying checkpoint's loaded by `dcp.load` onto the new mesh.
+
 Why the model is built again rather than kept: its DTensors and FSDP's state hold the process groups of the mesh,
 which a new generation replaces. Building it costs a model's construction (no collective: FSDP2 moves no data at
 `fully_shard`); the shards it then holds are the live ones, copied in place.

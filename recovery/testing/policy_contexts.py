@@ -406,7 +406,7 @@ def reschedule_contexts(draw: st.DrawFn) -> RescheduleContext:
 def checkpoint_contexts(draw: st.DrawFn) -> CheckpointContext:
     """A restart the engine could plan: a layout and a placement that fill whole nodes, a catalog of shards within
     the layout held on storage or on nodes the job ran on, checkpoints no newer than the ranks' steps, unreachable
-    nodes among the holders, and the restarting and exiting ranks within the job."""
+    nodes among the holders, and the restarting, exiting and ended ranks within the job."""
     layout = Layout(dp=draw(st.integers(1, 4)), tp=draw(st.sampled_from([1, 2, 4])), pp=draw(st.integers(1, 2)))
     world = layout.world
     rpn = draw(st.sampled_from([n for n in (1, 2, 4, 8) if world % n == 0]))
@@ -434,7 +434,8 @@ def checkpoint_contexts(draw: st.DrawFn) -> CheckpointContext:
         unreachable=frozenset(draw(st.lists(st.sampled_from(holders), max_size=2))),
         dying_allowed=draw(st.booleans()), peer_allowed=draw(st.booleans()),
         restarting=frozenset(draw(st.lists(ranks, max_size=world))),
-        exiting=frozenset(draw(st.lists(ranks, max_size=world)) if draw(st.booleans()) else ()))
+        exiting=frozenset(draw(st.lists(ranks, max_size=world)) if draw(st.booleans()) else ()),
+        ended=frozenset(draw(st.lists(ranks, max_size=world))))
 
 
 __all__ = ["JOB_SIGNALS", "NODES", "NODE_SIGNALS", "NOW", "PAYLOADS", "RANKS_PER_NODE", "SIGNAL_TYPES",
