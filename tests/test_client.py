@@ -88,7 +88,8 @@ def test_a_save_request_runs_the_save_function_at_the_next_step_boundary(agent: 
     assert saved == [5]
     wait_for(lambda: agent.ops("saved"))
     assert agent.ops("saved")[0] | {"attempt": 0} == {"op": "saved", "id": "j:9:0/1", "step": 5, "tier": "dying",
-                                                       "shards": [0], "location": "/ckpt", "rank": 1, "attempt": 0}
+                                                       "shards": [0], "location": "/ckpt", "shared": False, "rank": 1,
+                                                       "attempt": 0}
     client.close()
 
 

@@ -40,6 +40,7 @@ CLIENT_PINNED = "recovery.client._pinned"  # GPU tensors into the memory tier (t
 CLIENT_INTEGRATIONS = {
     "recovery.client.fsdp": {"torch"},
     "recovery.client.shards": {"torch"},  # fsdp's memory copies, imported by it after torch
+    "recovery.client.dcp_pieces": {"torch"},  # shards' DCP pieces, imported by it when a dying checkpoint is written
     "recovery.client.lightning": {"torch", "lightning", "pytorch_lightning", "lightning_fabric"},
     "recovery.client.accelerate": {"torch", "accelerate"},
 }

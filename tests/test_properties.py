@@ -96,6 +96,10 @@ class Driver:
     """(job, step, tier, shard) -> holders that still have it: reported by accepted checkpoint.saved events, less
     the host memory of nodes that (re)joined since (a joining node was booted: its memory is empty)"""
     finals: dict[str, str] = field(default_factory=dict)
+    abandoned: dict[str, set[int]] = field(default_factory=dict)
+    """job -> complete steps newer than a point it resumed from since: another timeline's, which the steps trained
+    again after the rollback need not reach (the policy may resume from an older step in memory over a newer one on
+    storage, `memory_first`)"""
     checked: int = 0
     last_state: dict[str, str] = field(default_factory=dict)
     last_phase: dict[str, str | None] = field(default_factory=dict)
@@ -350,7 +354,8 @@ class Driver:
     def check_plans(self, decision: Decision) -> None:
         """A resume point is a step whose every shard was reported saved and is still held, and each rank's source
         holds its shard in the tier it names; or, for state taken from live replicas, a step no older than the
-        newest complete checkpoint still held, sent from nodes of the job that the restart does not touch."""
+        newest complete checkpoint still held (of the timeline since the job's last rollback), sent from nodes of the
+        job that the restart does not touch."""
         steps: list[int | None] = []
         peer_steps: list[int] = []
         if decision.kind == "checkpoint.plan" and decision.detail["tiers"].get(Tier.PEER.value) is None:
@@ -395,8 +400,13 @@ class Driver:
                 continue
             assert step in complete, (f"{decision.kind} resumes {decision.job} from step {step}, but only "
                                       f"{sorted(complete)} were saved complete (newest {newest})")
+        current = max(complete - self.abandoned.get(decision.job, set()), default=None)
         for step in peer_steps:
-            assert newest is None or step >= newest, f"live replicas' step {step} is older than the newest {newest}"
+            assert current is None or step >= current, (
+                f"live replicas' step {step} is older than the newest {current} of this timeline")
+        for step in steps:
+            if step is not None:
+                self.abandoned.setdefault(decision.job, set()).update(s for s in complete if s > step)
 
 
 def command_ranks(command: CommandBase, world: int) -> frozenset[int]:

@@ -401,8 +401,8 @@ def dying_checkpoint(storage: Path, step: int, shard: int, shards: int, live: tu
                      directory: Path | None, wards: list[int]) -> dict[str, Any]:
     """This rank's part of a dying checkpoint at `step`, written as DCP pieces (`recovery.client.dcp_pieces`) into
     `<storage>/step<step>.dcp`: its shard from its `live` state (the shards and their layout), and the shards of its
-    `wards` (the ranks whose copies its node holds) wherever their copies of `step` are in `directory`. The older
-    steps of the same shards that this node's memory holds are written too, each into its own checkpoint: a rank
+    `wards` (the ranks whose copies its node holds) wherever their copies of `step` are in `directory`. The newest
+    older step of the same shards that this node's memory holds is written too, into its own checkpoint: a rank
     lost in a crash left no state at the survivors' step, but its newest copy is here, and with the survivors' own
     copies of that step it makes a whole checkpoint. Returns what a save handler returns: tier `dying`, the shards
     of `step` written, where."""
@@ -425,7 +425,8 @@ def dying_checkpoint(storage: Path, step: int, shard: int, shards: int, live: tu
             parsed = memory.parse_name(path.name)
             if parsed is not None and (parsed[1] == shard or parsed[2] in wards) and parsed[0] <= step:
                 held.setdefault((parsed[0], parsed[1]), path)
-    older = sorted({at for at, which in held if which == shard and at < step}, reverse=True)[:KEEP]
+    # one older step at most: a preempted rank writes on its way out, within the platform's grace
+    older = sorted({at for at, which in held if which == shard and at < step}, reverse=True)[:1]
     for (at, which), path in sorted(held.items()):
         if (at == step and (which != shard or live is None)) or at in older:
             try:

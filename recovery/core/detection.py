@@ -246,7 +246,7 @@ class Detection:
         job.incident = Incident(id=job.next_incident_id(), opened_seq=out.seq, opened=out.ts,
                                 fault_step=job.step, fault_class=verdict.fault_class, cause=IncidentCause.FAULT,
                                 faults=[fault], struck=self._struck(job, verdict),
-                                ended=frozenset(() if self.ending is None else (self.ending,)))
+                                ended=set() if self.ending is None else {self.ending})
         self._note_exiting(job.incident, verdict)
         self._note_dead_hosts(job, job.incident, verdict)
         out.decide(job, DecisionKind.FAULT_CONFIRMED, verdict.reason, trigger="recover", policy=policy,

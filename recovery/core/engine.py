@@ -466,7 +466,7 @@ class Engine(Progress):
                 if incident is not None:
                     # A SIGTERM reads as the whole job's stop and marks every rank gone; which processes have ended
                     # tells the checkpoint policy which shards the exits write and which live ranks still hold
-                    incident.ended = incident.ended | {data.rank}
+                    incident.ended.add(data.rank)  # a set: a job-wide crash's 100,000 exits add in O(1) each
                 if incident is not None and data.rank in incident.exiting:
                     return  # the platform stopped the job: each rank's exit was expected, and is no news
                 if incident is not None and data.rank in incident.stopped and (
@@ -476,13 +476,15 @@ class Engine(Progress):
             # Who is gone matters to a collective failure only (a survey of every rank: not for each exit).
             dead = tuple(r for r in range(job.world) if not job.alive[r]) if isinstance(
                 data, kinds.CollectiveFailed) else ()
-            # the exit that opens an incident is one of its ends
-            self.detection.ending = data.rank if isinstance(data, kinds.ProcessExited) else None
-            try:
-                self.detection.signal(out, job, Signal(type_, data, out.ts, None, ranks, step_time_ns=job.step_time,
-                                      world=job.world, dead=dead))
-            finally:
-                self.detection.ending = None
+            signal = Signal(type_, data, out.ts, None, ranks, step_time_ns=job.step_time, world=job.world, dead=dead)
+            if isinstance(data, kinds.ProcessExited):
+                self.detection.ending = data.rank  # the exit that opens an incident is one of its ends
+                try:
+                    self.detection.signal(out, job, signal)
+                finally:
+                    self.detection.ending = None
+            else:
+                self.detection.signal(out, job, signal)
 
     def _finish(self, out: RecordEffects, job: Job, trigger: str, kind: DecisionKind, reason: str) -> None:
         cancelled = self.timekeeper.cancel(*self.timekeeper.of_job(job))

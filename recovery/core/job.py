@@ -110,7 +110,7 @@ class Incident:
     widened: bool = False  # a fault outside the attempt under way superseded it; no attempt since
     settle_timer: str | None = None  # armed while faults of a widening incident are collected
     exiting: frozenset[int] = frozenset()  # ranks stopped by SIGTERM: saving a dying checkpoint on the way out
-    ended: frozenset[int] = frozenset()  # ranks whose process's end was seen in this incident
+    ended: set[int] = field(default_factory=set)  # ranks whose process's end was seen in this incident
     settles: int = 0  # a plugin's settle windows in a row, no attempt between (a loop past LOOP_ANSWERS)
     rewaits: int = 0  # a plugin's waits in a row answered after the last one's deadline
     plan_times: tuple[int, ...] = ()  # log times of a plugin's latest answers (PLAN_BURST of them)

@@ -96,7 +96,7 @@ class Restarts:
             alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
             restarting=frozenset(attempt.ranks),
             exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),
-            ended=incident.ended,
+            ended=frozenset(incident.ended),
         )
 
     def _unreachable(self, job: Job) -> frozenset[str]:
