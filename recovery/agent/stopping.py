@@ -82,6 +82,11 @@ async def stop_gracefully(job: JobOnNode, which: list[int], grace_s: float, kill
         raise CommandFailed(f"ranks {[p.rank for p in everyone if p.alive]} did not end after SIGKILL")
 
 
+LOCKSTEP_S = 2.0
+"""once one rank of a node holds at its boundary, how long the others have to reach theirs: a rank still in the next
+step waits there for the held ones (see `stop_saving`)"""
+
+
 async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess], grace_s: float,
                       kill_grace_s: float, stopped: list[bool]) -> None:
     """A preemption's stop of `procs`: each SDK rank saves a dying checkpoint at its next step boundary and holds
@@ -102,12 +107,29 @@ async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess],
     async with anyio.create_task_group() as tg:
         for proc in unasked:
             tg.start_soon(ranks.stop, proc, grace_s, kill_grace_s)
-        with anyio.move_on_after(grace_s / 2):
+        deadline = anyio.current_time() + grace_s / 2
+        if saved:
+            with anyio.move_on_at(deadline):  # the first save, or exit
+                await ranks.first_set(*(event for _, event in saved), *(proc.ended for proc, _ in saved))
+        with anyio.move_on_at(min(deadline, anyio.current_time() + LOCKSTEP_S)):
             for proc, event in saved:
                 await ranks.first_set(event, proc.ended)  # a rank that exited answers no more
+        # A rank that had passed the boundary when it was asked is in the next step, whose collectives wait for the
+        # ranks holding at that boundary: it reaches no boundary while they live. The held ranks go first; the
+        # collective fails, and the rank writes the state of its last step as it waits to recover.
+        held = [proc for proc, event in saved if event.is_set() and proc.alive]
+        late = [(proc, event) for proc, event in saved if not event.is_set() and proc.alive]
+        if held and late:
+            logger.info("ranks %s of %s hold and %s are still in a step: the held ones stop first",
+                        [p.rank for p in held], job.id, [p.rank for p, _ in late])
+            for proc in held:
+                tg.start_soon(ranks.stop, proc, grace_s / 2, kill_grace_s)
+        with anyio.move_on_at(max(deadline, anyio.current_time() + grace_s / 4) if held and late else deadline):
+            for proc, event in late:
+                await ranks.first_set(event, proc.ended)
         for proc in procs:  # a failed save is the engine's to learn from the missing checkpoint: no ack says it
             job.save_failures.pop(f"preempt:{node}:{proc.rank}:{proc.attempt}", None)
-        running = [proc for proc, _ in saved if proc.alive]
-        stopped.append(bool(running))
+        running = [proc for proc, _ in saved if proc.alive and not (held and late and proc in held)]
+        stopped.append(bool(running) or bool(held and late))
         for proc in running:
             tg.start_soon(ranks.stop, proc, grace_s / 2, kill_grace_s)
