@@ -105,3 +105,60 @@ async def test_a_rank_without_the_sdk_gets_sigterm_at_once_and_the_whole_grace_t
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+async def test_a_rank_already_in_the_next_step_saves_once_the_held_ranks_are_stopped(tmp_path: Path) -> None:
+    """Two ranks of a node that train in lockstep: rank 0 holds at its boundary at once; rank 1 had passed it, and
+    waits in the next step's collectives for rank 0, so it saves only when rank 0 is gone (its collective fails and
+    it writes as it waits to recover). The held rank is stopped first, and rank 1, still running then, saves: before,
+    both waited out half the grace and were stopped together, and rank 1's shard was never written."""
+    cfg = load(node="n0", runtime_dir=tmp_path, preempt_grace_s=40, preempt_linger_s=0.1, kill_grace_s=5)
+    agent = Agent(cfg)
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+             for _ in range(2)]
+    held, late = (RankProcess(job="j", rank=r, attempt=0, process=None, pid=p.pid) for r, p in enumerate(procs))
+    saves: dict[str, anyio.Event] = {}
+    order: list[str] = []
+
+    async def lockstep(message: dict[str, Any]) -> None:
+        if message["id"].endswith(":0:0"):
+            saves[message["id"]].set()  # rank 0: at its boundary, saved, holding
+            return
+        await held.ended.wait()  # rank 1: its collective fails only when rank 0 is gone
+        order.append("rank 0 gone")
+        await anyio.sleep(1.0)  # its recovery, and the write of its shard, take a while (the rank's work, modelled)
+        if late.alive:  # it writes its last step's state as it waits to recover
+            saves[message["id"]].set()
+            order.append("rank 1 saved")
+
+    try:
+        async with anyio.create_task_group() as tg:
+            channel = Channel(lambda: None)
+            original = channel.send
+
+            async def send(rank: int, message: dict[str, Any]) -> bool:
+                sent = await original(rank, message)
+                tg.start_soon(lockstep, message)
+                return sent
+
+            channel.send = send  # type: ignore[method-assign]
+            agent.jobs["j"] = SimpleNamespace(id="j", channel=channel, processes={0: held, 1: late},  # type: ignore[assignment]
+                                              saves=saves, save_failures={})
+
+            async def supervise(rank: RankProcess, proc: subprocess.Popen[bytes]) -> None:
+                rank.returncode = await anyio.to_thread.run_sync(proc.wait)
+                rank.ended.set()
+
+            for rank, proc in zip((held, late), procs, strict=True):
+                tg.start_soon(supervise, rank, proc)
+            with anyio.fail_after(120):  # a busy host's slack
+                await agent.preempt()
+            tg.cancel_scope.cancel()
+        assert order == ["rank 0 gone", "rank 1 saved"]
+        assert all(event.is_set() for event in saves.values()) and len(saves) == 2
+        await anyio.sleep(0)  # the lockstep task ran to its end before the group was cancelled: nothing left to set
+        assert held.returncode == -15 and late.returncode == -15  # both stopped: by SIGTERM, neither killed
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
