@@ -164,7 +164,7 @@ def exiting_and_live(ctx: CheckpointContext) -> SaveRequest | None:
     ranks whose end was seen and of the others on their nodes (stopped with them, writing their shards on the way
     out), and for every other shard a rank still running at that step on another reachable node, to ask for it. A
     SIGTERM reads as the whole job's preemption, which marks every rank gone, but the platform may have taken one
-    node: the other nodes' ranks run on and write nothing unless asked. None when the writers hold every shard, some
+    node: the other nodes' ranks run on and write nothing unless asked. None when the writers hold every shard or some
     other shard has no such rank."""
     layout = ctx.layout
     if not ctx.exiting or layout.dp != 1 or layout.shards < 2:
