@@ -117,19 +117,19 @@ async def stop_saving(node: str, job: JobOnNode, procs: list[ranks.RankProcess],
         # A rank that had passed the boundary when it was asked is in the next step, whose collectives wait for the
         # ranks holding at that boundary: it reaches no boundary while they live. The held ranks go first; the
         # collective fails, and the rank writes the state of its last step as it waits to recover.
-        held = [proc for proc, event in saved if event.is_set() and proc.alive]
         late = [(proc, event) for proc, event in saved if not event.is_set() and proc.alive]
-        if held and late:
+        first = [proc for proc, event in saved if event.is_set() and proc.alive] if late else []
+        if first:
             logger.info("ranks %s of %s hold and %s are still in a step: the held ones stop first",
-                        [p.rank for p in held], job.id, [p.rank for p, _ in late])
-            for proc in held:
+                        [p.rank for p in first], job.id, [p.rank for p, _ in late])
+            for proc in first:
                 tg.start_soon(ranks.stop, proc, grace_s / 2, kill_grace_s)
-        with anyio.move_on_at(max(deadline, anyio.current_time() + grace_s / 4) if held and late else deadline):
+        with anyio.move_on_at(max(deadline, anyio.current_time() + grace_s / 4) if first else deadline):
             for proc, event in late:
                 await ranks.first_set(event, proc.ended)
         for proc in procs:  # a failed save is the engine's to learn from the missing checkpoint: no ack says it
             job.save_failures.pop(f"preempt:{node}:{proc.rank}:{proc.attempt}", None)
-        running = [proc for proc, _ in saved if proc.alive and not (held and late and proc in held)]
-        stopped.append(bool(running) or bool(held and late))
+        running = [proc for proc, _ in saved if proc.alive and proc not in first]
+        stopped.append(bool(running or first))
         for proc in running:
             tg.start_soon(ranks.stop, proc, grace_s / 2, kill_grace_s)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemWriter, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.planner_helpers import TensorWriteData, _create_write_items
 
 Layout = dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]]
-"""each sharded tensor of a state, by its place (keys and indices, outermost first): its global shape and its local
-shard's offset in it (`recovery.client.shards.local_shards`)"""
+"""each sharded tensor of a state, by its place: its global shape and its local shard's offset in it (the same as
+`recovery.client.shards.Layout`, which imports this module: not the other way round)"""
 
 METADATA = ".metadata"
 _PIECE = ".piece{shard}"
@@ -97,16 +97,10 @@ class _PieceWriter(FileSystemWriter):
         self.part: tuple[Metadata, list[Any]] | None = None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(plan, storage_data=_prefix(self.shard)) for plan in plans]
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.shard}_")) for plan in plans]
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         self.part = (metadata, [result for results_of in results for result in results_of])
-
-
-def _prefix(shard: int) -> Any:
-    from torch.distributed.checkpoint.filesystem import _StoragePrefix
-
-    return _StoragePrefix(f"__{shard}_")
 
 
 def name(step: int) -> str:

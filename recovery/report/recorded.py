@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from events.values import Layout
 from recovery.report.history import ClusterPast
 from recovery.report.night import Draft, Night, RecordedCluster, RecoveryDecision, faults_of, history_of, median
 from recovery.report.rank_reports import PENDING_RECORDS, RankReports
@@ -490,9 +491,9 @@ class _Reader(RankReports):
                 self.issued[ckind] = self.issued.get(ckind, 0) + 1
                 self.commands[str(command["id"])] = (ckind, ts, self.issued[ckind])
                 if command.get("kind") == "save_checkpoint":
-                    layout = cluster.spec.get("layout") or {}
-                    shards = max(1, int(layout.get("tp", 1)) * int(layout.get("pp", 1)))
-                    self.saving[str(command["id"])] = frozenset(int(r) % shards for r in command.get("ranks") or [])
+                    layout = Layout.model_validate(cluster.spec["layout"])
+                    self.saving[str(command["id"])] = frozenset(layout.shard_of(int(r))
+                                                                for r in command.get("ranks") or [])
         if kind == "checkpoint.plan" and isinstance(detail.get("tiers"), dict):
             self.tiers = [str(t) for t in detail["tiers"]]
         elif kind == "ranks.restoring":
