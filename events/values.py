@@ -182,9 +182,21 @@ class FaultClass(StrEnum):
 class Layout(Frozen):
     """Parallel layout. Rank order is tensor-parallel fastest, then pipeline, then data parallel."""
 
-    dp: Size = Field(description="data-parallel replicas")
+    dp: Size = Field(description="data-parallel replicas, or with `fsdp` data-parallel ranks that shard the state")
     tp: Size = Field(1, description="tensor-parallel degree")
     pp: Size = Field(1, description="pipeline-parallel degree")
+    fsdp: bool = Field(False, description="the data-parallel ranks shard the model state among them (FSDP on a 1-D "
+                                          "mesh, ZeRO-3) instead of each holding a replica: every rank holds a "
+                                          "shard of its own, and a scale of `dp` reshards the state onto the new "
+                                          "ranks")
+
+    @model_serializer(mode="wrap")
+    def _without_default_fsdp(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A layout without `fsdp` is written as before the field existed: old logs replay to the same bytes.
+        data = handler(self)
+        if not data.get("fsdp"):
+            data.pop("fsdp", None)
+        return data
 
     @model_validator(mode="after")
     def _bounded(self) -> Layout:
@@ -199,14 +211,23 @@ class Layout(Frozen):
 
     @property
     def shards(self) -> int:
-        """Distinct model-state shards: one per (pipeline, tensor) coordinate."""
+        """Distinct model-state shards: one per (pipeline, tensor) coordinate, or one per rank with `fsdp`."""
+        return self.world if self.fsdp else self.tp * self.pp
+
+    @property
+    def per_replica(self) -> int:
+        """Ranks of one data-parallel coordinate (tp x pp): what a scale of `dp` adds or takes away at a time."""
         return self.tp * self.pp
 
+    def scaled(self, dp: int) -> Layout:
+        """The same layout at `dp` data-parallel coordinates (an elastic scale)."""
+        return Layout(dp=dp, tp=self.tp, pp=self.pp, fsdp=self.fsdp)
+
     def shard_of(self, rank: int) -> int:
-        return rank % (self.tp * self.pp)
+        return rank % self.shards
 
     def replica_of(self, rank: int) -> int:
-        return rank // (self.tp * self.pp)
+        return rank // self.shards
 
 
 class Elastic(Frozen):
@@ -329,9 +350,9 @@ class JobSpec(Frozen):
         if self.elastic is not None and not self.elastic.min_dp <= self.layout.dp <= self.elastic.max_dp:
             raise ValueError(f"layout dp {self.layout.dp} is outside elastic [{self.elastic.min_dp}, "
                              f"{self.elastic.max_dp}]")
-        if self.elastic is not None and self.elastic.max_dp * self.layout.shards > MAX_RANKS:
+        if self.elastic is not None and self.elastic.max_dp * self.layout.per_replica > MAX_RANKS:
             # Scaling out to max_dp must give a layout the wire accepts, or the scale-out itself would fail.
-            raise ValueError(f"elastic max_dp {self.elastic.max_dp} x tp*pp {self.layout.shards} ranks exceeds "
+            raise ValueError(f"elastic max_dp {self.elastic.max_dp} x tp*pp {self.layout.per_replica} ranks exceeds "
                              f"{MAX_RANKS}")
         return self
 

@@ -134,7 +134,7 @@ class TorchElasticLikeCheckpoint(NewestCompleteCheckpoint):
     """The newest persistent checkpoint; no dying checkpoint, no in-memory tier."""
 
     name: ClassVar[str] = "torchelastic-like-checkpoint"
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "2"  # 2: newest-complete@6's resharded steps
     parameters = TorchElasticCheckpointParams  # what a job may set; the policy runs newest-complete's with them
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
@@ -199,7 +199,8 @@ class MindClusterLikeCheckpoint(NewestCompleteCheckpoint):
     in-memory one (MindIO ACP) first."""
 
     name: ClassVar[str] = "mindcluster-like-checkpoint"
-    version: ClassVar[str] = "2"  # 2: newest-complete@4's memory-first pass, which passes over a superseded dying one
+    version: ClassVar[str] = "3"  # 2: newest-complete@4's memory-first pass, which passes over a superseded dying one;
+    # 3: newest-complete@6's resharded steps
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         # MindIO TTP saves the healthy replica's state and the restarted processes load it: no transfer from

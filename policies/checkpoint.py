@@ -61,8 +61,9 @@ class NewestCompleteCheckpoint(CheckpointPolicyBase):
     # 2: state from live peers before a dying checkpoint; 3: await a graceful exit's; 4: memory_first passes over a
     # dying checkpoint older than the newest complete step (it preferred one saved hours before to every newer
     # persistent checkpoint); 5: sharded state with no replica, some ranks stopped by SIGTERM: their shards of the
-    # dying checkpoint come from them, the others' from live ranks asked meanwhile
-    version: ClassVar[str] = "5"
+    # dying checkpoint come from them, the others' from live ranks asked meanwhile; 6: an `fsdp` layout (every rank its
+    # own shard, whatever `dp`) and a resharded job's older steps, whole in the shards of the world that saved them
+    version: ClassVar[str] = "6"
 
     parameters = NewestCompleteParams
     params: NewestCompleteParams
@@ -160,14 +161,14 @@ def exiting_step(ctx: CheckpointContext) -> int | None:
 
 
 def exiting_and_live(ctx: CheckpointContext) -> SaveRequest | None:
-    """Sharded state with no replica (`dp` 1: each rank its own shard), ranks stopped by SIGTERM: the step of the
-    ranks whose end was seen and of the others on their nodes (stopped with them, writing their shards on the way
-    out), and for every other shard a rank still running at that step on another reachable node, to ask for it. A
-    SIGTERM reads as the whole job's preemption, which marks every rank gone, but the platform may have taken one
-    node: the other nodes' ranks run on and write nothing unless asked. None when the writers hold every shard or some
-    other shard has no such rank."""
+    """Sharded state with no replica (each rank its own shard: `dp` 1, or `fsdp`), ranks stopped by SIGTERM: the
+    step of the ranks whose end was seen and of the others on their nodes (stopped with them, writing their shards on
+    the way out), and for every other shard a rank still running at that step on another reachable node, to ask for
+    it. A SIGTERM reads as the whole job's preemption, which marks every rank gone, but the platform may have taken
+    one node: the other nodes' ranks run on and write nothing unless asked. None when the writers hold every shard or
+    some other shard has no such rank."""
     layout = ctx.layout
-    if not ctx.exiting or layout.dp != 1 or layout.shards < 2:
+    if not ctx.exiting or layout.shards != layout.world or layout.shards < 2:
         return None
     taken = {ctx.placement[rank] for rank in sorted(ctx.exiting & ctx.ended)}
     writers = [rank for rank in sorted(ctx.exiting) if ctx.placement[rank] in taken]
@@ -226,9 +227,9 @@ def newest_complete(ctx: CheckpointContext, tiers: tuple[Tier, ...], memory_firs
 
 
 def _newest_in(ctx: CheckpointContext, tiers: tuple[Tier, ...]) -> ResumePlan:
-    shards = ctx.layout.shards
     for step in sorted(ctx.catalog, reverse=True):
         by_tier = ctx.catalog[step]
+        shards = ctx.shards_at(step)
         choice: list[tuple[Tier, tuple[str, ...]] | None] = [None] * shards
         for tier in sorted(by_tier, key=TIER_COST.__getitem__):
             if tier not in tiers:

@@ -221,6 +221,21 @@ def test_elastic_scales_in_then_out_then_by_operator() -> None:
     assert len(scales[2].nodes) == 2
 
 
+def test_an_fsdp_job_scales_in_keeping_its_processes_and_reshards_the_old_worlds_step() -> None:
+    """Every rank its own shard: the scale-in keeps f0's two processes and plans the step whole in the old world's
+    four shards (f0 holds f1's as their buddy); later plans count the new world's two, and the scale back out
+    reshards the live two-shard state onto four ranks."""
+    result = load("fsdp_scale_in")
+    scale_in, scale_out = commands(result, "scale_job")
+    assert isinstance(scale_in, ScaleJob) and scale_in.dp == 2 and scale_in.kept == [0, 1]
+    assert scale_in.plan.checkpoint_step == 8 and [s.shard for s in scale_in.plan.shards] == [0, 1, 2, 3]
+    assert all(s.tier is Tier.MEMORY and s.holders == ["f0"] for s in scale_in.plan.shards)
+    [restart] = commands(result, "restart_ranks")
+    assert restart.ranks == [1] and restart.plan.checkpoint_step == 12 and len(restart.plan.shards) == 2
+    assert scale_out.dp == 4 and scale_out.kept == [0, 1] and scale_out.plan.checkpoint_step == 14
+    assert {s.tier for s in scale_out.plan.shards} == {Tier.PEER} and len(scale_out.plan.shards) == 2
+
+
 def test_elastic_job_at_its_minimum_waits_then_migrates() -> None:
     result = load("elastic_wait")
     assert kinds(result, "attempt.waiting")

@@ -37,7 +37,7 @@ def test_builtins_come_from_the_entry_point_group() -> None:
     found = registry.available()
     assert {"default", "ladder", "newest-complete"} <= set(found)
     labels = registry.load_set(PolicySelection()).labels
-    assert labels == {"detection": "default@11", "rescheduling": "ladder@8", "checkpoint": "newest-complete@5"}
+    assert labels == {"detection": "default@11", "rescheduling": "ladder@8", "checkpoint": "newest-complete@6"}
 
 
 def test_unknown_policy_and_bad_parameters_are_clear_errors() -> None:

@@ -144,7 +144,7 @@ def test_every_decision_says_why() -> None:
     assert started["inputs"]["cause"]["data"]["reason"] == "CUDA context creation failed"
     assert started["inputs"]["detail"]["vacate"] == ["n0"]
     plan = by_seq[120]
-    assert plan["policy"] == "newest-complete@5" and plan["inputs"]["detail"]["tiers"] == {"storage": 1}
+    assert plan["policy"] == "newest-complete@6" and plan["inputs"]["detail"]["tiers"] == {"storage": 1}
     assert by_seq[131]["policy"] == "engine" and by_seq[131]["inputs"]["cause"]["type"] == "timer.fired"
 
 

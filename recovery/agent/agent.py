@@ -34,7 +34,7 @@ from events.commands import (
 )
 from events.envelope import make_envelope
 from events.kinds import RankStack
-from events.values import Layout, ResumePlan
+from events.values import ResumePlan
 from recovery.agent import errors, ranks, stopping
 from recovery.agent.admission import Admission, submissions
 from recovery.agent.checks.selection import open_health_checks
@@ -346,7 +346,7 @@ class Agent(Relay, Rescale, Admission):
             case RestartJob() | ScaleJob():
                 job.nodes = list(command.nodes)
                 if isinstance(command, ScaleJob):
-                    job.layout = Layout(dp=command.dp, tp=job.layout.tp, pp=job.layout.pp)
+                    job.layout = job.layout.scaled(command.dp)
 
     def _ended_by(self, job: JobOnNode, command: Command) -> list[int]:
         """The ranks here whose processes `command` ends."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from events.commands import ScaleJob
-from events.values import Layout, ResumePlan
+from events.values import ResumePlan
 from recovery.agent import ranks
 from recovery.agent.config import AgentConfig
 from recovery.agent.jobs import CommandFailed, JobOnNode
@@ -74,7 +74,7 @@ class Rescale:
             job.processes[new] = proc
             ranks.write_record(self.runtime_dir, proc)
         job.nodes = list(command.nodes)
-        job.layout = Layout(dp=command.dp, tp=job.layout.tp, pp=job.layout.pp)
+        job.layout = job.layout.scaled(command.dp)
         started = [rank for rank in job.ranks_on(self.node) if rank not in survivors]
         if not started:
             # Nothing starts here to announce the generation: its torch store's request does (the survivors wait

@@ -395,10 +395,10 @@ class Engine(Progress):
         elif type_ in NOTED:
             note(job, type_, data, out.ts, lambda j, rank, attempt: self._check_rank(j, rank, attempt, False))
         elif type_ == "checkpoint.saved":
-            bad = [s for s in data.shards if s >= job.layout.shards]
+            shards = job.shards_at(data.step)
+            bad = [s for s in data.shards if s >= shards]
             if bad:
-                raise Rejected("schema_violation", f"shards {bad} do not exist: the layout has "
-                                                  f"{job.layout.shards}")
+                raise Rejected("schema_violation", f"shards {bad} do not exist: step {data.step} is in {shards}")
             implausible = implausible_checkpoint(job, data.step, out.ts)
             if implausible is not None:
                 raise Rejected("implausible", implausible)

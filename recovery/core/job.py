@@ -211,6 +211,7 @@ class Job:
         "rpn",
         "sdk",
         "seen",
+        "shard_counts",
         "skip_data",
         "skip_steps",
         "spec",
@@ -249,6 +250,8 @@ class Job:
         self.last_progress = [0] * world
         self.compute_steps = [0] * world  # steps whose compute time each rank reported in this generation
         self.compute_ns = [0] * world  # ... and that time in all (a straggler's stands out: detection's watchdog)
+        self.shard_counts: tuple[tuple[int, int], ...] = ()
+        """an `fsdp` job a scale resharded: (first step, shards) of each world it trained in (`CheckpointContext`)"""
         self.catalog: dict[int, dict[Tier, dict[int, set[str]]]] = {}
         self.catalog_log: list[tuple[int, dict[Tier, dict[int, set[str]]] | None]] | None = None
         self.rank_log: list[tuple[list[int] | bytearray, int, int]] | None = None
@@ -369,6 +372,28 @@ class Job:
         self.compute_steps = [0] * world
         self.compute_ns = [0] * world
 
+    def shards_at(self, step: int) -> int:
+        """The shards a checkpoint of `step` is whole in: the layout's, or for a resharded `fsdp` job, those of the
+        world that trained the step."""
+        for first, shards in reversed(self.shard_counts):
+            if step >= first:
+                return shards
+        return self.layout.shards
+
+    def reshard(self, layout: Layout, resume_step: int | None) -> None:
+        """A scale of an `fsdp` job to `layout`, resuming after `resume_step`: steps up to it stay whole in the old
+        world's shards (the new world reshards them on load); the old world's checkpoints past it are of steps the
+        new world trains again, in its own shards, and leave the catalog."""
+        if not layout.fsdp or layout.shards == self.layout.shards:
+            return
+        first = 0 if resume_step is None else resume_step + 1
+        counts = self.shard_counts or ((0, self.layout.shards),)
+        self.shard_counts = (*(entry for entry in counts if entry[0] < first), (first, layout.shards))
+        for step in sorted(s for s in self.catalog if s >= first):
+            if self.catalog_log is not None:
+                self.catalog_log.append((step, self.catalog[step]))  # never changed once dropped: no copy needed
+            del self.catalog[step]
+
     def add_checkpoint(self, step: int, tier: Tier, shards: list[int], holder: str) -> None:
         by_tier = self.catalog.get(step)
         log = self.catalog_log
@@ -447,7 +472,7 @@ class Job:
 
     def complete_at(self, step: int) -> bool:
         """Does some tier hold every shard of `step`?"""
-        shards = self.layout.shards
+        shards = self.shards_at(step)
         held: set[int] = set()
         for by_shard in self.catalog.get(step, {}).values():
             held.update(shard for shard, holders in by_shard.items() if holders)
@@ -457,7 +482,7 @@ class Job:
 _SCALAR_NAMES = ("state", "layout", "target_dp", "generation", "step", "step_ts", "step_time", "incidents_opened",
                  "watchdog", "restarts_used", "restart_times", "sdk", "caps", "policies", "policy_errors", "alive",
                  "steps", "rank_gen", "last_seen", "spoke", "last_progress", "compute_steps", "compute_ns", "losses",
-                 "skip_steps", "skip_data")
+                 "skip_steps", "skip_data", "shard_counts")
 """what the memento keeps as it is: immutable values, and the per-rank arrays, which are written only through
 Job.put (logged) or replaced whole (a resize), which restoring the attribute undoes"""
 _SCALARS = attrgetter(*_SCALAR_NAMES)

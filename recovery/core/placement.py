@@ -105,12 +105,12 @@ class Placement:
     @staticmethod
     def survivors(job: Job, nodes: list[str]) -> dict[int, int]:
         """The processes a scale to `nodes` keeps, old rank -> new rank: each live rank on a node the job keeps, as the
-        rank of the same local rank there, if that holds the same shard (a replica spanning nodes may not). Only for a
-        script that re-forms its process group in-process (its ranks said so, `Job.can`): a stock script's processes
-        all start anew."""
+        rank of the same local rank there, if that holds the same shard (a replica spanning nodes may not; with
+        `fsdp` every rank's shard changes, and each reshards the state in process). Only for a script that re-forms
+        its process group in-process (its ranks said so, `Job.can`): a stock script's processes all start anew."""
         if not job.can("reform"):
             return {}
-        shards = job.layout.shards
+        shards = 1 if job.layout.fsdp else job.layout.shards
         index = {name: i for i, name in enumerate(job.nodes)}
         kept: dict[int, int] = {}
         for new_index, name in enumerate(nodes):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from events import kinds
 from events.commands import MigrateRanks, RestartJob, RestartRanks, RetryStep, SaveCheckpoint, ScaleJob, StopRanks
 from events.names import AttemptOutcome, AttemptPurpose, DecisionKind, IncidentCause, TimerPurpose
-from events.values import Granularity, Layout, ResumePlan, Tier
+from events.values import Granularity, ResumePlan, Tier
 from policies.base import NS, AwaitDying, CheckpointContext, CheckpointPlan, Resume, SaveDying
 from recovery.core.addressing import command_nodes
 from recovery.core.cluster import ClusterView
@@ -96,7 +96,7 @@ class Restarts:
             alive=alive, steps=tuple(job.steps), dying_allowed=dying_allowed, peer_allowed=peer_allowed,
             restarting=frozenset(attempt.ranks),
             exiting=incident.exiting if dying_allowed and not incident.awaited else frozenset(),
-            ended=frozenset(incident.ended),
+            ended=frozenset(incident.ended), shard_counts=job.shard_counts,
         )
 
     def _unreachable(self, job: Job) -> frozenset[str]:
@@ -332,7 +332,8 @@ class Restarts:
                 for name in nodes:
                     self.cluster.assign(name, job.id)
                 if dp != job.layout.dp:
-                    job.resize(Layout(dp=dp, tp=job.layout.tp, pp=job.layout.pp), nodes, out.ts)
+                    job.reshard(job.layout.scaled(dp), plan.checkpoint_step)
+                    job.resize(job.layout.scaled(dp), nodes, out.ts)
                     for rank in kept.values():
                         job.put(job.alive, rank, 1)  # their processes live on, in the new world
                     attempt.ranks = tuple(range(job.world))

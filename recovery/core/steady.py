@@ -136,7 +136,7 @@ def _saved(job: Job, data: kinds.CheckpointSaved, ts: int) -> bool:
     incident = job.incident
     if (incident is not None and incident.attempt is not None and incident.attempt.awaiting is not None) or job.drains:
         return False
-    shards = job.layout.shards
+    shards = job.shards_at(data.step)
     if any(shard >= shards for shard in data.shards):
         return False
     if implausible_checkpoint(job, data.step, ts) is not None:

@@ -90,8 +90,9 @@ class Scenario:
 
     # -- conveniences -----------------------------------------------------------------------------------
     def submit(self, job: str, nodes: list[str], ranks_per_node: int, dp: int, tp: int = 1, pp: int = 1,
-               start: bool = True, **spec: Any) -> list[Effect]:
-        job_spec = JobSpec(nodes=nodes, ranks_per_node=ranks_per_node, layout=Layout(dp=dp, tp=tp, pp=pp), **spec)
+               start: bool = True, fsdp: bool = False, **spec: Any) -> list[Effect]:
+        job_spec = JobSpec(nodes=nodes, ranks_per_node=ranks_per_node, layout=Layout(dp=dp, tp=tp, pp=pp, fsdp=fsdp),
+                           **spec)
         effects = self.job_event(job, "job.submitted", spec=job_spec.model_dump())
         if start:
             effects += self.job_event(job, "job.started")

@@ -299,6 +299,42 @@ def elastic_keeps_survivors() -> Scenario:
 
 
 @scenario
+def fsdp_scale_in() -> Scenario:
+    """FSDP on a 1-D mesh (`fsdp`: every rank its own shard, no replica), elastic, its node f1 lost with no spare of
+    its pool free: it scales in to the two ranks of f0, which keep their processes and reshard the newest step whole
+    in the old world's four shards (f0's memory holds f1's as their buddy). The smaller world saves its own two
+    shards; a late copy of an old shard is still taken for its old step.
+    A rank's crash then resumes from the two-shard step, and a node joining the pool scales the job back out,
+    resharding that step onto four ranks."""
+    s = Scenario()
+    s.spare("shared0")
+    s.submit("shard", ["f0", "f1"], ranks_per_node=2, dp=4, fsdp=True, elastic={"min_dp": 2, "max_dp": 4},
+             spare_pool="shard")
+    s.train("shard", 8)
+    s.checkpoint("shard", 8, "memory", "f0", shards=[0, 1, 2, 3])  # its own, and f1's held as their buddy
+    s.checkpoint("shard", 8, "memory", "f1", shards=[0, 1, 2, 3])
+    s.train("shard", 2)
+    s.checkpoint("shard", 10, "memory", "f0", shards=[0, 1])  # f1's copies of step 10 never came
+    s.node_event("f1", "node.not_ready", reason="host down")
+    s.idle("shard", 25, ranks=range(2))
+    s.ack_all()
+    s.advance(2)
+    s.train("shard", 4)
+    s.checkpoint("shard", 6, "memory", "f0", shards=[3])  # late: an old shard of an old step, taken
+    s.checkpoint("shard", 12, "memory", "f0", shards=[0, 1])
+    s.job_event("shard", "process.exited", rank=1, exit_code=139, attempt=1)
+    s.idle("shard", 5, ranks=[0])
+    s.ack_all()
+    s.advance(2)
+    s.train("shard", 2)
+    s.spare("f2", pool="shard")
+    s.ack_all()
+    s.advance(2)
+    s.train("shard", 2)
+    return s
+
+
+@scenario
 def elastic_wait() -> Scenario:
     """A node lost with no spare and an elastic minimum that forbids shrinking: the job waits, then
     migrates to the node that joins."""
