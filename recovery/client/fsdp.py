@@ -50,8 +50,6 @@ script's own checkpoint.
 
 from __future__ import annotations
 
-import ctypes
-import io
 import logging
 import os
 from collections.abc import Callable
@@ -68,7 +66,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from recovery.client import shards  # noqa: E402
+from recovery.client import reshard, shards  # noqa: E402
 from recovery.client._client import NODE_ENV  # noqa: E402
 from recovery.client.torch import ProcessGroupRecovery, _sockets  # noqa: E402
 
@@ -117,6 +115,8 @@ class ShardedTraining(Training):
         self._kept_shard = -1  # ... which shards they are
         self._kept_layout: shards.Layout = {}  # ... and where each sits in its whole tensor
         self._wards: list[int] = []  # the ranks whose copies this rank's node holds (`shards.buddies`)
+        self._resharding = 0  # the old world's shards, while a scale of a 1-D mesh is to reshard them
+        self._world_from = -1  # the step this world's shards begin after: older copies are of another world's
         self._initialising = False
         if self.storage is not None:
             # a dying checkpoint, asked at a preemption or at a fault: DCP pieces, no collective (the group may be down)
@@ -158,14 +158,15 @@ class ShardedTraining(Training):
         self.group.shut_with_group(before)  # the mesh's subgroups: freed on a failure as the default group is
         self._module, self._optimizer = self.model, self.optimizer
         self.optimizer.register_step_pre_hook(self._commit)
-        if self._kept is not None:  # a survivor: its own shards, as they were when the group went down
+        if self._kept is not None and not self._resharding:  # a survivor: its own shards, as when the group went down
             self.load(self._kept)
             self._kept = None
 
     def _fit_world(self) -> None:
-        """The mesh of this generation's world: a scale (an elastic job that lost a node and found no spare) changes
-        the number of replica groups, never the shards of one. A survivor renumbered onto other shards than it holds
-        drops its own and is behind: its shards come from a replica, or from memory."""
+        """The mesh of this generation's world. On HSDP's 2-D mesh a scale (an elastic job that lost a node and found
+        no spare) changes the number of replica groups, never the shards of one: a survivor renumbered onto other
+        shards than it holds drops its own and is behind, its shards from a replica, or from memory. On a 1-D mesh
+        every shard changes: the state is resharded onto the new world (`_agree`, `recovery.client.reshard`)."""
         world = self.group.world_size
         if len(self.mesh_shape) > 1:
             if world % self.shards:
@@ -173,8 +174,9 @@ class ShardedTraining(Training):
                                     f"shards: the job restarts from its checkpoint")
             self.mesh_shape = (world // self.shards, *self.mesh_shape[1:])
         elif world != self.mesh_shape[0]:
-            raise NoLiveReplica(f"FSDP on a 1-D mesh of {self.mesh_shape[0]} ranks cannot go on with {world}: every "
-                                f"shard would change; the job restarts from its checkpoint")
+            self._resharding = self._resharding or self.shards  # a scale interrupted keeps the shards it started from
+            self.mesh_shape, self.shards = (world,), world
+            return
         if self._kept is not None and self._kept_shard != self.group.rank % self.shards:
             self._kept, self.step = None, None
 
@@ -259,20 +261,41 @@ class ShardedTraining(Training):
     def load(self, state: dict[str, Any]) -> None:
         """Copy shards that `state` returned (here or on a replica) into the current model and optimizer."""
         assert self.model is not None and self.optimizer is not None
-        with torch.no_grad():
-            for name, tensor in self.model.state_dict().items():
-                target = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                target.copy_(state["model"][name])
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        saved = state["optimizer"]
-        for index, entries in saved["state"].items():
-            param = params[index]
-            for key, value in list(entries.items()):
-                if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == \
-                        param.to_local().shape and key != "step":
-                    entries[key] = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                                      shape=param.shape, stride=param.stride())
-        self.optimizer.load_state_dict(saved)
+        reshard.load_into(self.model, self.optimizer, state)
+
+    # -- a scale of a 1-D mesh --------------------------------------------------------------------------
+    def _empty_shards(self) -> reshard.Reshard:
+        """This rank's shards on the new mesh, to fill: the optimizer's state made first (a step of zero gradients,
+        no commit collective), so that its moments have shards to fill too."""
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        assert self.model is not None and self.optimizer is not None
+        self._initialising = True
+        try:
+            _init_optim_state(self.optimizer)
+        finally:
+            self._initialising = False
+        return reshard.Reshard.of(self.model, self.optimizer)
+
+    def _reshard(self, old: int, best: int) -> None:
+        """A scale of a 1-D mesh from `old` shards to this world: every rank's shard changes. Where the old world's
+        shards are all live at `best` (a scale out: every old rank kept), they are resharded from the survivors and
+        no step is lost; else (a scale in: the lost ranks' shards are gone with them) from the newest step whole in
+        memory, a lost node's shards from their buddy's copies, or else on storage."""
+        group = self.group
+        kept = (self._kept, self._kept_layout) if self._kept is not None and self.step == best else None
+        resumed = reshard.from_live(group.rank, group.world_size, old, kept, self._kept_shard, best,
+                                    self._empty_shards, self.load, group.device)
+        if resumed is None:
+            resumed = reshard.resume_resharded(group.rank, group.world_size, old, best, os.environ.get(NODE_ENV, ""),
+                                               self.client.memory_directory, self.storage, self._empty_shards,
+                                               self.load)
+        self._kept, self._resharding = None, 0
+        if resumed is None:
+            raise NoLiveReplica(f"a scale from {old} shards to {group.world_size}: no step is whole in the old shards, "
+                                f"live, in memory or on storage: the job restarts from its checkpoint")
+        self.resumed, self.step, self._world_from = resumed, resumed.step, resumed.step
+        logger.warning("rank %d resumed at step %d, its shards from %s", group.rank, resumed.step, resumed.source)
 
     # -- the agreement ------------------------------------------------------------------------------------
     def _replicas(self, rank: int) -> list[int]:
@@ -288,9 +311,14 @@ class ShardedTraining(Training):
         positions = self._positions()
         steps = [step for step, _ in positions]
         best = max(steps)
+        old = reshard.old_shards(self._resharding, group.device) if len(self.mesh_shape) == 1 else 0
         if best < 0:
             return not self._resume_fresh()
         per_epoch = max(p[1] for p in positions) or self.steps_per_epoch
+        if old:
+            self._reshard(old, best)
+            self.steps_per_epoch = per_epoch
+            return False
         behind = [rank for rank in range(group.world_size) if steps[rank] != best]
         if any(all(steps[r] != best for r in self._replicas(rank)) for rank in behind):
             self._resume_from_checkpoint(best, behind)
@@ -299,9 +327,9 @@ class ShardedTraining(Training):
         for rank in behind:  # every rank walks the same pairs, in rank order
             source = next(r for r in self._replicas(rank) if steps[r] == best)
             if group.rank == source:
-                _send(self.state(), rank, group.device)
+                reshard.send_state(self.state(), rank, group.device)
             elif group.rank == rank:
-                self.load(_receive(source, group.device))
+                self.load(reshard.receive_state(source, group.device))
         self.step, self.steps_per_epoch = best, per_epoch
         return False
 
@@ -313,9 +341,15 @@ class ShardedTraining(Training):
         if plan is None or plan.checkpoint_step is None or not (self.save_every or self.storage):
             return False
         group = self.group
-        resumed = shards.resume(group.rank, group.world_size, self.shards, lambda r: r % self.shards,
-                                plan.checkpoint_step, os.environ.get(NODE_ENV, ""), self.client.memory_directory,
-                                self.storage, self.load, plan.checkpoint_step, self._load_checkpoint)
+        if len(self.mesh_shape) == 1 and plan.shards and len(plan.shards) != self.shards:
+            # the plan's step is whole in the shards of another world (before a scale): resharded onto this one
+            resumed = reshard.resume_resharded(group.rank, group.world_size, len(plan.shards), plan.checkpoint_step,
+                                               os.environ.get(NODE_ENV, ""), self.client.memory_directory,
+                                               self.storage, self._empty_shards, self.load)
+        else:
+            resumed = shards.resume(group.rank, group.world_size, self.shards, lambda r: r % self.shards,
+                                    plan.checkpoint_step, os.environ.get(NODE_ENV, ""), self.client.memory_directory,
+                                    self.storage, self.load, plan.checkpoint_step, self._load_checkpoint)
         if resumed is None:
             return False
         self.resumed, self.step = resumed, resumed.step
@@ -347,30 +381,13 @@ class ShardedTraining(Training):
         planned = plan.checkpoint_step if plan is not None and self.step is None and not group.recoveries else None
         resumed = shards.resume(group.rank, group.world_size, self.shards, lambda r: r % self.shards, best,
                                 os.environ.get(NODE_ENV, ""), self.client.memory_directory,
-                                self.storage, self.load, planned, self._load_checkpoint)
+                                self.storage, self.load, planned, self._load_checkpoint, after=self._world_from)
         if resumed is None:
             raise NoLiveReplica(f"rank(s) {', '.join(map(str, behind))} behind (the others at step {best}) have no "
                                 f"live replica of their shards and no step is whole in memory or on storage: the "
                                 f"job restarts from its checkpoint")
         self.resumed, self.step = resumed, resumed.step
         logger.warning("rank %d resumed at step %d, its shards from %s", group.rank, resumed.step, resumed.source)
-
-
-def _send(state: Any, to: int, device: Any) -> None:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst=to)
-    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst=to)
-
-
-def _receive(source: int, device: Any) -> Any:
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(size, src=source)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, src=source)
-    payload = payload.cpu()
-    return torch.load(io.BytesIO(ctypes.string_at(payload.data_ptr(), payload.numel())), weights_only=False)
 
 
 _current: ShardedTraining | None = None

@@ -344,14 +344,16 @@ def whole_checkpoints(storage: Path | None) -> list[int]:
 
 def resume(rank: int, world: int, shards: int, shard_of: Callable[[int], int], at_most: int, node: str,
            directory: Path | None, storage: Path | None, load: Callable[[Any], None],
-           planned: int | None = None, load_checkpoint: Callable[[Path], None] | None = None) -> Resumed | None:
+           planned: int | None = None, load_checkpoint: Callable[[Path], None] | None = None,
+           after: int = -1) -> Resumed | None:
     """Agree with every rank on the step to resume from, and `load` this rank's shards of it (see the module's doc):
     the step of the control plane's resume plan that a rank started for this recovery holds (`planned`), when every
     shard of it can be read, else the newest step whose every shard can be; None where no step is complete (then the
     job restarts from its own checkpoint). With `load_checkpoint`, a whole DCP checkpoint on storage (a dying one)
     counts too, where it is the plan's step or newer than every step memory holds whole: every rank then loads it at
-    once (`dcp.load`, which reshards). A collective of the default group: every rank calls it at once."""
-    mine = held_here(directory, storage)
+    once (`dcp.load`, which reshards). Copies of steps up to `after` are of another world's shards (before a scale
+    resharded the job) and are passed over. A collective of the default group: every rank calls it at once."""
+    mine = {held: path for held, path in held_here(directory, storage).items() if held.step > after}
     checkpoints = whole_checkpoints(storage) if load_checkpoint is not None else []
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (node, sorted(mine), planned, checkpoints))
