@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from recovery.client.memory import file_name, storage_name, write_state
-from recovery.client.reshard import Reshard, load_into, resume_resharded
+from recovery.client.reshard import Reshard, from_live, load_into, resume_resharded
 from recovery.client.shards import Layout, Path_, local_shards
 
 WHOLE: dict[Path_, torch.Tensor] = {
@@ -242,6 +242,39 @@ def resume_on_two(rank: int, base: str) -> None:
             assert resumed is not None
             found[case] = (resumed.step, resumed.source, gathered(model, optimizer))
         torch.save(found, root / f"resumed{rank}.pt")
+        # the last case's shards, as a survivor keeps them live when its group goes down: a scale out's source
+        state, layout = local_shards({"model": dict(model.state_dict()), "optimizer": optimizer.state_dict()})
+        torch.save((state, layout), root / f"live{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def grow_to_four(rank: int, base: str) -> None:
+    """A scale out from two ranks to four: ranks 0 and 1 kept the two shards live, ranks 2 and 3 are new; every
+    rank's new shard is filled from the survivors' live shards, sent point to point, no file read."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    root = Path(base)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root / 'init4b'}", rank=rank, world_size=OLD_WORLD, timeout=timedelta(seconds=30)
+    )
+    try:
+        model, optimizer = sharded(OLD_WORLD, seed=2)
+        _init_optim_state(optimizer)
+        kept = torch.load(root / f"live{rank}.pt", weights_only=False) if rank < NEW_WORLD else None
+        resumed = from_live(
+            rank,
+            OLD_WORLD,
+            NEW_WORLD,
+            kept,
+            rank if rank < NEW_WORLD else -1,
+            3,
+            lambda: Reshard.of(model, optimizer),
+            lambda state: load_into(model, optimizer, state),
+        )
+        assert resumed is not None
+        torch.save((resumed.step, resumed.source, gathered(model, optimizer)), root / f"grown{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -269,6 +302,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
         (base / directory).mkdir()
     spawn(train_on_four, OLD_WORLD, base)
     spawn(resume_on_two, NEW_WORLD, base)
+    spawn(grow_to_four, OLD_WORLD, base)
     return base, [torch.load(base / f"resumed{rank}.pt", weights_only=False) for rank in range(NEW_WORLD)]
 
 
@@ -289,3 +323,18 @@ def test_two_ranks_resume_four_ranks_shards_bit_for_bit(resumed: tuple[Path, lis
             for key, value in entry.items():
                 assert torch.equal(whole["moments"][index][key], value), (index, key)
         assert whole["moments"][0]["step"].item() == 3
+
+
+def test_a_scale_out_reshards_the_survivors_live_shards_onto_the_new_ranks_bit_for_bit(
+    resumed: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    base, _ = resumed
+    expected = torch.load(base / "whole3.pt", weights_only=False)
+    for rank in range(OLD_WORLD):
+        step, source, whole = torch.load(base / f"grown{rank}.pt", weights_only=False)
+        assert (step, source) == (3, f"live shards (resharded from {NEW_WORLD} shards)")
+        for name, tensor in expected["model"].items():
+            assert torch.equal(whole["model"][name], tensor), (rank, name)
+        for index, entry in expected["moments"].items():
+            for key, value in entry.items():
+                assert torch.equal(whole["moments"][index][key], value), (rank, index, key)

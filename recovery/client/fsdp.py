@@ -32,7 +32,12 @@ Importing it connects to the node's agent, then imports torch: import it before 
     resilient.run(train, max_epochs)
 
 For FSDP without replicas: `init_process_group(mesh_shape=(world,), save_every=50, storage=...)`, and the job's
-layout names its shards (`layout: {dp: 1, tp: <world>}`), so that the control plane's resume plan counts them.
+layout says every rank holds a shard of its own (`layout: {dp: <world>, fsdp: true}`, or `{dp: 1, tp: <world>}`),
+so that the control plane's resume plan counts them. With `fsdp: true` and `elastic`, a scale reshards in process:
+the survivors keep their processes, build the model on the new mesh and fill each new shard from the old shards'
+(`recovery.client.reshard`): live where every old shard still is (a scale out), else from the newest step whole in
+node memory (a lost node's shards from the copies its buddy holds), else on storage. The script builds its loader
+from the current world with the global batch divided among the ranks, so each step takes the same samples.
 
 With `storage`, a dying checkpoint asked of a rank (a preemption: the exiting ranks', and the running ranks' the
 control plane asks for the other shards) is written as this rank's pieces of one DCP checkpoint,
