@@ -41,6 +41,7 @@ CLIENT_INTEGRATIONS = {
     "recovery.client.fsdp": {"torch"},
     "recovery.client.shards": {"torch"},  # fsdp's memory copies, imported by it after torch
     "recovery.client.dcp_pieces": {"torch"},  # shards' DCP pieces, imported by it when a dying checkpoint is written
+    "recovery.client.reshard": {"torch"},  # fsdp's resharding at a scale, imported by it after torch
     "recovery.client.lightning": {"torch", "lightning", "pytorch_lightning", "lightning_fabric"},
     "recovery.client.accelerate": {"torch", "accelerate"},
 }

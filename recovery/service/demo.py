@@ -50,6 +50,7 @@ from recovery.log.verify import first_divergence
 from recovery.report.screen import screen_console
 from recovery.service import jsonlog
 from recovery.service.config import DaemonConfig
+from recovery.service.connection import retry
 from recovery.service.daemon import Daemon
 from recovery.service.demo_view import LiveView
 from recovery.service.process import run
@@ -123,8 +124,12 @@ class Bus:
         self.driver = driver
         self._publisher = Publisher(self.js)
         self._tasks.append(asyncio.create_task(self._pump(), name="demo-publish"))
-        self._sub = await self.js.subscribe(subjects.COMMANDS, stream=self.command_stream, ordered_consumer=True,
-                                            deliver_policy=DeliverPolicy.NEW, cb=self._on_command)
+        # A cluster's JetStream may still be electing the stream's leader, or busy: the consumer's creation is
+        # retried with backoff (an ordered consumer is ephemeral: one whose reply was lost is removed when idle)
+        self._sub = await retry(lambda: self.js.subscribe(subjects.COMMANDS, stream=self.command_stream,
+                                                          ordered_consumer=True, deliver_policy=DeliverPolicy.NEW,
+                                                          cb=self._on_command),
+                                "the demo's subscription to commands", lambda: False, limit_s=60.0)
         driver.start()
 
     async def _pump(self) -> None:
