@@ -79,6 +79,10 @@ def config_for(cluster: RecordedCluster, selection: PolicySelection, model_param
     gpus = len(cluster.nodes) * cluster.rpn
     if gpus != layout["dp"] * layout["tp"] * layout["pp"]:
         raise ValueError(f"job {cluster.job}: {gpus} ranks on its nodes is not dp x tp x pp of its layout {layout}")
+    if layout.get("fsdp"):
+        # the simulator's data-parallel replicas each hold the whole state: it would give this job replicas it lacks
+        raise ValueError(f"job {cluster.job}: the simulator does not model an fsdp layout (every rank its own shard, "
+                         f"resharded by a scale); no what-if of it")
     costs = Costs() if executor_failures else replace(Costs(), fail_probability=0.0, timeout_probability=0.0)
     calibration = calibrate(cluster, replace(Training(), params=model_params or layout_params(layout)), costs,
                             step_time_s, "--model-params" if model_params else "layout", node_not_ready_s)
