@@ -77,14 +77,17 @@ def test_an_fsdp_jobs_preempted_node_asks_the_running_ranks_for_the_other_shards
     assert isinstance(plan, AwaitDying) and plan.save is not None and plan.save.ranks == (0, 1) and plan.step == 9
 
 
-def scaled_in() -> Scenario:
-    """An elastic fsdp job of four ranks on f0 and f1 that lost f1 with no spare: two ranks on f0 from step 9."""
+def scaled_in(half_step: bool = False) -> Scenario:
+    """An elastic fsdp job of four ranks on f0 and f1 that lost f1 with no spare: two ranks on f0 from step 9. With
+    `half_step`, f0 got only its own shards of step 10 before the loss."""
     s = Scenario()
     s.submit("shard", ["f0", "f1"], ranks_per_node=2, dp=4, fsdp=True, elastic={"min_dp": 2, "max_dp": 4},
              spare_pool="shard")
     s.train("shard", 8)
     s.checkpoint("shard", 8, "memory", "f0", shards=[0, 1, 2, 3])
     s.train("shard", 2)
+    if half_step:
+        s.checkpoint("shard", 10, "memory", "f0", shards=[0, 1])
     s.node_event("f1", "node.not_ready", reason="host down")
     s.idle("shard", 25, ranks=range(2))
     s.ack_all()
@@ -108,16 +111,7 @@ def test_after_a_scale_in_a_shard_past_the_new_world_is_refused_but_an_old_steps
 
 
 def test_a_scale_in_drops_the_old_worlds_checkpoints_of_steps_the_new_world_trains_again() -> None:
-    s = Scenario()
-    s.submit("shard", ["f0", "f1"], ranks_per_node=2, dp=4, fsdp=True, elastic={"min_dp": 2, "max_dp": 4},
-             spare_pool="shard")
-    s.train("shard", 8)
-    s.checkpoint("shard", 8, "memory", "f0", shards=[0, 1, 2, 3])
-    s.train("shard", 2)
-    s.checkpoint("shard", 10, "memory", "f0", shards=[0, 1])  # step 10's shards 2 and 3 never reached f0
-    s.node_event("f1", "node.not_ready", reason="host down")
-    s.idle("shard", 25, ranks=range(2))
-    s.ack_all()
+    s = scaled_in(half_step=True)
     job = s.engine.jobs["shard"]
     [scale] = [c for d in s.decisions for c in d.commands if c.kind == "scale_job"]
     assert scale.plan.checkpoint_step == 8 and scale.kept == [0, 1]

@@ -279,9 +279,10 @@ def grow_to_four(rank: int, base: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn(function: Any, world: int, base: Path) -> None:
-    """`world` ranks running `function`, waited for; every one that is left is killed, whatever happens."""
-    context = mp.start_processes(function, args=(str(base),), nprocs=world, join=False, start_method="spawn")
+def spawn(function: Any, world: int, *args: Any) -> None:
+    """`world` ranks running `function(rank, *args)`, waited for; every one that is left is killed, whatever
+    happens."""
+    context = mp.start_processes(function, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + JOIN_S
     try:
         while not context.join(timeout=1.0):
@@ -300,9 +301,9 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
     base = tmp_path_factory.mktemp("reshard")
     for directory in ("A", "B", "storage"):
         (base / directory).mkdir()
-    spawn(train_on_four, OLD_WORLD, base)
-    spawn(resume_on_two, NEW_WORLD, base)
-    spawn(grow_to_four, OLD_WORLD, base)
+    spawn(train_on_four, OLD_WORLD, str(base))
+    spawn(resume_on_two, NEW_WORLD, str(base))
+    spawn(grow_to_four, OLD_WORLD, str(base))
     return base, [torch.load(base / f"resumed{rank}.pt", weights_only=False) for rank in range(NEW_WORLD)]
 
 

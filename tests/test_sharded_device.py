@@ -6,16 +6,14 @@ memory (CUDA tensors straight into the file), resharded back into a model built 
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-JOIN_S = 150.0
+from tests.test_reshard import spawn
 
 
 def build(device: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -79,21 +77,6 @@ def rank_main(rank: int, base: str, device: str, backend: str, world: int) -> No
         dist.destroy_process_group()
 
 
-def run_ranks(base: Path, device: str, backend: str, world: int) -> None:
-    context = mp.start_processes(rank_main, args=(str(base), device, backend, world), nprocs=world, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + JOIN_S
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} rank(s) not done in {JOIN_S:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-
-
 @pytest.mark.parametrize(("device", "backend", "world"), [
     ("cpu", "gloo", 2),
     pytest.param("cuda", "nccl", 1, marks=pytest.mark.gpu),
@@ -105,7 +88,7 @@ def test_shards_on_the_device_go_through_node_memory_and_dcp_pieces_and_come_bac
     from recovery.client import dcp_pieces
 
     (tmp_path / "mem").mkdir()
-    run_ranks(tmp_path, device, backend, world)
+    spawn(rank_main, world, str(tmp_path), device, backend, world)
     found = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
     expected = found[0]["expected"]
     for result in found:
