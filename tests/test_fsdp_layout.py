@@ -100,6 +100,7 @@ def test_after_a_scale_in_a_shard_past_the_new_world_is_refused_but_an_old_steps
     s = scaled_in()
     job = s.engine.jobs["shard"]
     assert job.layout == Layout(dp=2, fsdp=True) and job.shard_counts == ((0, 4), (9, 2))
+    assert job.snapshot()["shard_counts"] == [[0, 4], [9, 2]]  # what replay and recovery-ctl show
     s.checkpoint("shard", 6, "memory", "f0", shards=[3])  # a buddy copy of the old world, late
     assert 3 in job.catalog[6][Tier.MEMORY] and not s.rejections
     s.checkpoint("shard", 12, "memory", "f0", shards=[2])

@@ -12,7 +12,8 @@ from recovery.log.snapshot import SNAPSHOT_FORMAT, dump_snapshot, load_snapshot,
 from tests.golden.scenarios import path
 
 
-@pytest.mark.parametrize("name", ["recover_in_place_fallback", "elastic_scale", "memory_checkpoint_lost"])
+@pytest.mark.parametrize("name", ["recover_in_place_fallback", "elastic_scale", "memory_checkpoint_lost",
+                                  "fsdp_scale_in"])
 def test_restored_snapshot_continues_like_a_full_replay(name: str) -> None:
     records = list(iter_file(path(name)))
     full = replay(records)

@@ -450,6 +450,7 @@ class Job:
             **({} if self.caps is None else {"capabilities": sorted(self.caps)}),
             "checkpoints": {str(step): {tier.value: sorted(shards) for tier, shards in by_tier.items()}
                             for step, by_tier in self.frozen_catalog().items()},
+            **({"shard_counts": [list(entry) for entry in self.shard_counts]} if self.shard_counts else {}),
             "incident": None if self.incident is None else self.incident.summary(),
             **({"skip_steps": list(self.skip_steps), "skip_data": list(self.skip_data)} if self.skip_steps
                or self.skip_data else {}),

@@ -26,10 +26,10 @@ import recovery.core
 from policies.base import label
 from recovery.core.engine import Engine
 
-SNAPSHOT_FORMAT = 7
+SNAPSHOT_FORMAT = 8
 """2: Engine._order and Engine._hungry; 3: Engine._finished and _submissions; 4: the engine in parts; 5: suspicions
 hold typed Faults; 6: jobs keep their recent losses and the data they skip, incidents their bad steps; 7: jobs keep
-which ranks' processes have spoken"""
+which ranks' processes have spoken; 8: a resharded fsdp job keeps the shards of each world it trained in"""
 
 
 def dump_snapshot(engine: Engine) -> bytes:
