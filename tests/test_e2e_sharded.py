@@ -117,7 +117,7 @@ def resumes(cluster: Cluster, job: str) -> dict[int, str]:
 
 
 def reference(cluster: Cluster, job: str, replicas: int) -> dict[str, Any]:
-    """The final parameters of the script's run without faults (on n2 and n3, which no test takes away)."""
+    """The final parameters of the script's run without faults (on n2 and n3, before the HSDP scale-in takes n2)."""
     import asyncio
 
     w, params, _ = asyncio.run(run_job(cluster, job, ["n2", "n3"], replicas=replicas))
@@ -292,12 +292,13 @@ async def test_an_hsdp_job_that_lost_both_replicas_of_a_shard_resumes_from_memor
 
 
 async def test_an_elastic_hsdp_job_without_a_spare_drops_a_replica_group_and_keeps_the_global_batch(
-        cluster: Cluster, hsdp_fault_free: dict[str, Any]) -> None:
+        cluster: Cluster, hsdp_fault_free: dict[str, Any], fault_free: dict[str, Any]) -> None:
     """n2 (ranks 0 and 1: replica group 0) is lost and the job's pool has no spare: the job scales in to one replica
     group on n3, whose ranks 2 and 3 become 0 and 1, keep their processes and their shards (no shard moves: a scale
     changes the replica groups, never the shards of one), and take 32 samples a step each instead of 16: the global
     batch of 64 stays. The same samples make each step as without the fault, summed in another order: the result is
-    the fault-free one to float rounding, not bit for bit. Last in the module: n2 does not come back."""
+    the fault-free one to float rounding, not bit for bit. n2 does not come back: the FSDP reference the test after
+    compares with is run first, on n2 and n3 (`fault_free`, taken here for that alone)."""
     import torch
 
     job = "hsdp-scale-in"
