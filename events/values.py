@@ -230,6 +230,16 @@ class Layout(Frozen):
         return rank // self.shards
 
 
+def shards_at(shard_counts: tuple[tuple[int, int], ...], step: int, layout: Layout) -> int:
+    """The shards a checkpoint of `step` is whole in: for a job a scale resharded (`shard_counts`, the first step
+    and the shards of each world it trained in, oldest first), those of the world that trained the step; else the
+    layout's."""
+    for first, shards in reversed(shard_counts):
+        if step >= first:
+            return shards
+    return layout.shards
+
+
 class Elastic(Frozen):
     min_dp: Size
     max_dp: Size

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from events.names import AttemptOutcome
-from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier
+from events.values import FaultClass, Granularity, Layout, ResumePlan, Tier, shards_at
 from policies.views import RankActivity as RankActivity  # the watchdog view: part of the contract
 from policies.views import RankColumns as RankColumns
 from policies.views import WatchdogView as WatchdogView
@@ -377,10 +377,7 @@ class CheckpointContext:
 
     def shards_at(self, step: int) -> int:
         """The shards a checkpoint of `step` is whole in."""
-        for first, shards in reversed(self.shard_counts):
-            if step >= first:
-                return shards
-        return self.layout.shards
+        return shards_at(self.shard_counts, step, self.layout)
 
 
 @dataclass(frozen=True, slots=True)

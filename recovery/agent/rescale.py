@@ -89,7 +89,7 @@ class Rescale:
 
 async def publish_world(job: JobOnNode, command: ScaleJob) -> None:
     """Write the world of `command`'s generation to the job store, for the survivors that re-form in it."""
-    world = json.dumps({"world_size": command.dp * job.layout.tp * job.layout.pp, "nodes": list(command.nodes),
+    world = json.dumps({"world_size": command.dp * job.layout.per_replica, "nodes": list(command.nodes),
                         "ranks_per_node": job.rpn})
     try:
         async with await TorchStore.connect(job.store_addr, job.store_port, timeout_s=5.0) as store:

@@ -486,7 +486,7 @@ class Incidents(Restarts):
                    cancelled=cancelled)
 
     def scale(self, out: RecordEffects, job: Job, dp: int, reason: str, cause: IncidentCause) -> None:
-        per_replica = job.layout.tp * job.layout.pp
+        per_replica = job.layout.per_replica
         need = dp * per_replica
         if need % job.rpn:
             raise Rejected("invalid_request", f"dp={dp} needs {need} ranks, not a whole number of "

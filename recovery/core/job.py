@@ -7,7 +7,7 @@ from operator import attrgetter
 from typing import Any
 
 from events.names import ATTEMPT_ENDED, AttemptOutcome, AttemptPurpose, IncidentCause, IncidentOutcome
-from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier
+from events.values import FaultClass, Granularity, JobSpec, Layout, ResumePlan, Tier, shards_at
 from policies.base import NS, AttemptSummary, FailedExits, Fault, PolicySet, SaveRequest
 from recovery.core.machine import fire_phase
 
@@ -375,10 +375,7 @@ class Job:
     def shards_at(self, step: int) -> int:
         """The shards a checkpoint of `step` is whole in: the layout's, or for a resharded `fsdp` job, those of the
         world that trained the step."""
-        for first, shards in reversed(self.shard_counts):
-            if step >= first:
-                return shards
-        return self.layout.shards
+        return shards_at(self.shard_counts, step, self.layout)
 
     def reshard(self, layout: Layout, resume_step: int | None) -> None:
         """A scale of an `fsdp` job to `layout`, resuming after `resume_step`: steps up to it stay whole in the old

@@ -81,7 +81,7 @@ class Placement:
         """Nodes and data-parallel size after a job-level restart or scale, off the nodes the attempt vacates."""
         usable = [n for n in job.nodes if self.cluster.usable_by(n, job.rpn) and n not in attempt.vacate]
         spares = self.spares_for(job)
-        per_replica = job.layout.tp * job.layout.pp
+        per_replica = job.layout.per_replica
         if attempt.granularity is G.SCALE_IN:
             dp = attempt.dp or self.scale_in_dp(job, list(attempt.vacate)) or job.layout.dp
             need = dp * per_replica // job.rpn
@@ -126,7 +126,7 @@ class Placement:
 
 def fit_dp(layout: Layout, rpn: int, nodes: int, cap: int) -> int | None:
     """The largest dp <= cap whose ranks fill whole nodes among `nodes`."""
-    per_replica = layout.tp * layout.pp
+    per_replica = layout.per_replica
     dp = min(cap, nodes * rpn // per_replica)
     while dp >= 1 and (dp * per_replica) % rpn:
         dp -= 1
